@@ -1,0 +1,53 @@
+"""Object keys: what the index, the tiers, the SSD records and peers call a cached segment.
+
+An object is one segment of one chunk: ``(namespace, chunk, layer, role)``. ``namespace`` is the
+16-byte storage namespace (v2) hash, ``chunk`` a 16-byte hash of the engine's chunk/block key (adapters
+hash whatever their engine uses down to 16 bytes with :func:`chunk_key`). The packed form is fixed-size
+(:data:`PACKED_SIZE` bytes) so that record headers and wire messages can carry it verbatim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from .segment import Role
+
+PACKED_SIZE = 36
+_STRUCT = struct.Struct("<16s16sHB1x")
+assert _STRUCT.size == PACKED_SIZE
+
+
+def chunk_key(data: "bytes | str | int") -> bytes:
+    """16-byte chunk key of an engine-side identifier (block hash, token-prefix digest, ...)."""
+    if isinstance(data, int):
+        data = data.to_bytes((max(data.bit_length(), 1) + 8) // 8, "little", signed=True)
+    elif isinstance(data, str):
+        data = data.encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    namespace: bytes
+    chunk: bytes
+    layer: int
+    role: Role
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != 16 or len(self.chunk) != 16:
+            raise ValueError("namespace and chunk must be 16 bytes")
+        if not 0 <= self.layer <= 0xFFFF:
+            raise ValueError(f"layer {self.layer} outside 0..65535")
+
+    def pack(self) -> bytes:
+        return _STRUCT.pack(self.namespace, self.chunk, self.layer, int(self.role))
+
+    @classmethod
+    def unpack(cls, buf: "bytes | memoryview") -> "ObjectKey":
+        ns, chunk, layer, role = _STRUCT.unpack(bytes(buf[:PACKED_SIZE]))
+        return cls(ns, chunk, layer, Role(role))
+
+    def __str__(self) -> str:
+        return f"{self.namespace.hex()}/{self.chunk.hex()}/L{self.layer}/{self.role.name.lower()}"

@@ -1,0 +1,1 @@
+"""HTTP control plane and the ``orbitkv-cache-manager`` command."""

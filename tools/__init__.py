@@ -1,0 +1,1 @@
+"""Command-line tools: ``orbitkv-inspect``, ``orbitkv-bench``, ``orbitkv-qualify``. Core imports only."""
