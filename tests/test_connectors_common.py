@@ -1,0 +1,151 @@
+"""Source-only tests of the engine-independent adapter logic (no engine, no torch, no GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from orbitkv_fs.connectors.common import (
+    BlockMath,
+    KeyDerivationError,
+    ManagerGuard,
+    engine_hash_keys,
+    failed_blocks,
+    leading_run,
+    prefix_chunk_keys,
+)
+from orbitkv_fs.errors import OrbitKVError, PayloadChecksumMismatch
+
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
+
+
+@given(tokens, st.integers(1, 16))
+def test_prefix_keys_cover_full_blocks_and_are_prefix_stable(ids: list[int], bs: int) -> None:
+    keys = prefix_chunk_keys(ids, bs)
+    assert len(keys) == len(ids) // bs
+    assert all(len(k) == 16 for k in keys)
+    # A longer prompt sharing the prefix shares the prefix's keys: that is what makes a hit.
+    assert prefix_chunk_keys(ids + [7] * bs, bs)[: len(keys)] == keys
+    # Chaining in pieces gives the same keys as hashing at once.
+    if len(keys) >= 2:
+        head = prefix_chunk_keys(ids[:bs], bs)
+        tail = prefix_chunk_keys(ids[bs:], bs, parent=head[-1])
+        assert head + tail == keys
+
+
+def test_prefix_keys_depend_on_every_earlier_token_and_on_the_salt() -> None:
+    a = prefix_chunk_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = prefix_chunk_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, different prefix: different key
+    assert prefix_chunk_keys([1, 2, 3, 4], 4, salt=b"model-a") != prefix_chunk_keys([1, 2, 3, 4], 4, salt=b"model-b")
+    # Fixed-width token packing: (1, 23) and (12, 3) never collide.
+    assert prefix_chunk_keys([1, 23], 2) != prefix_chunk_keys([12, 3], 2)
+
+
+def test_prefix_keys_are_the_same_in_another_process() -> None:
+    """Keys must not depend on process state (Python's hash seed): a new engine finds old saves."""
+    code = ("from orbitkv_fs.connectors.common import prefix_chunk_keys;"
+            "print(prefix_chunk_keys(list(range(32)), 8, salt=b's')[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert outs == {prefix_chunk_keys(list(range(32)), 8, salt=b"s")[-1].hex()}
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32]])
+def test_bad_token_ids_are_typed_errors(bad: list[int]) -> None:
+    with pytest.raises(KeyDerivationError):
+        prefix_chunk_keys(bad, 1)
+
+
+@pytest.mark.parametrize("bs", [0, -4, 2.5])
+def test_bad_block_size_is_a_typed_error(bs) -> None:
+    with pytest.raises(KeyDerivationError):
+        BlockMath(bs)
+    with pytest.raises(KeyDerivationError):
+        prefix_chunk_keys([1, 2], bs)
+
+
+def test_engine_hash_keys() -> None:
+    hashes = [b"\x01" * 32, b"\x02" * 32]
+    keys = engine_hash_keys(hashes, salt=b"m")
+    assert len(set(keys)) == 2 and all(len(k) == 16 for k in keys)
+    assert engine_hash_keys(hashes, salt=b"other") != keys
+    assert engine_hash_keys(["abc", 12345]) == engine_hash_keys([b"abc", 12345])
+
+
+def test_block_math() -> None:
+    bm = BlockMath(16)
+    assert bm.full_blocks(0) == 0 and bm.full_blocks(15) == 0 and bm.full_blocks(33) == 2
+    # 48-token prompt, all three blocks cached: the engine must still compute one token, so only two load.
+    assert bm.loadable_blocks(48, 3) == 2
+    assert bm.loadable_blocks(49, 3) == 3
+    assert bm.loadable_blocks(1, 5) == 0
+    assert bm.new_matched_tokens(49, 3, 0) == 48
+    assert bm.new_matched_tokens(49, 3, 16) == 32  # the engine's own prefix cache already has block 0
+    assert bm.new_matched_tokens(49, 1, 32) == 0  # never negative
+    assert list(bm.slots(2)) == list(range(32, 48))
+
+
+@given(st.integers(1, 64), st.integers(0, 500), st.integers(0, 40), st.integers(0, 500))
+def test_new_matched_tokens_is_block_aligned_and_leaves_one_token(bs, n_prompt, hit, computed) -> None:
+    bm = BlockMath(bs)
+    computed = computed // bs * bs  # vLLM's local hits are block-aligned
+    n = bm.new_matched_tokens(n_prompt, hit, computed)
+    assert n >= 0
+    if n:
+        assert (computed + n) % bs == 0
+        assert computed + n <= n_prompt - 1
+        assert (computed + n) // bs <= hit
+
+
+def test_leading_run_and_failed_blocks() -> None:
+    assert leading_run([]) == 0 and leading_run([True, True, False, True]) == 2
+    keys = [bytes([i]) * 16 for i in range(4)]
+    assert failed_blocks(keys, [10, 11, 12, 13], []) == []
+    assert failed_blocks(keys, [10, 11, 12, 13], [keys[2]]) == [12, 13]
+    assert failed_blocks(keys, [10, 11, 12, 13], [keys[3], keys[1]]) == [11, 12, 13]
+    with pytest.raises(ValueError):
+        failed_blocks(keys, [1], [])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_manager_guard_turns_outages_into_misses_and_cools_down() -> None:
+    clock = _Clock()
+    g = ManagerGuard(cooldown_s=5.0, clock=clock)
+    calls = []
+
+    def lookup() -> int:
+        calls.append(1)
+        return 3
+
+    def down() -> int:
+        raise ConnectionRefusedError("manager down")
+
+    assert g.call("lookup", lookup, 0) == 3
+    assert g.call("lookup", down, 0) == 0
+    assert g.stats.failures == 1 and "ConnectionRefusedError" in g.stats.last_error
+    # While cooling down, the Manager is not called at all.
+    assert g.call("lookup", lookup, 0) == 0 and len(calls) == 1 and g.stats.skipped == 1
+    clock.t = 5.0
+    assert g.call("lookup", lookup, 0) == 3 and len(calls) == 2
+    # Typed errors from the Manager (a corrupt segment, ...) are misses too.
+    def corrupt() -> int:
+        raise PayloadChecksumMismatch("bad crc")
+    assert g.call("restore", corrupt, -1) == -1 and isinstance(PayloadChecksumMismatch("x"), OrbitKVError)
+
+
+def test_manager_guard_does_not_hide_bugs() -> None:
+    g = ManagerGuard()
+    with pytest.raises(TypeError):
+        g.call("lookup", lambda: None + 1, 0)
