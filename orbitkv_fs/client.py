@@ -1,0 +1,115 @@
+"""The client API connectors use: one interface, embedded or remote.
+
+* :func:`connect` -- ``connect(manager)`` wraps an in-process :class:`~orbitkv_fs.manager.Manager`
+  (embedded mode); ``connect("ipc:///...")`` or ``connect("tcp://127.0.0.1:PORT")`` talks to an
+  ``orbitkv-cache-manager`` process over the data plane (:mod:`orbitkv_fs.dataplane`).
+* :class:`Client` -- ``register``, ``unregister``, ``lookup``, ``save``, ``restore``, ``release``,
+  ``invalidate``, ``stats``, ``close``: the same signatures, results and typed errors in both modes.
+
+Invariants: both modes return the same msgspec result types and raise the same error classes (the data
+plane carries the error's class name and message and the client re-raises it); a remote client is safe
+to share between threads (each thread gets its own socket).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .keys import ObjectKey
+from .manager import (
+    ChunkBlocks,
+    EngineInfo,
+    EngineRegistration,
+    InvalidateResult,
+    LookupResult,
+    Manager,
+    ManagerStats,
+    RestoreResult,
+    SaveResult,
+)
+
+__all__ = ["Client", "EmbeddedClient", "connect"]
+
+
+class Client:
+    """The client API. Chunk keys are 16 bytes (:func:`orbitkv_fs.keys.chunk_key`)."""
+
+    def register(self, reg: EngineRegistration) -> EngineInfo:
+        raise NotImplementedError
+
+    def unregister(self, engine_id: str) -> None:
+        raise NotImplementedError
+
+    def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True) -> LookupResult:
+        raise NotImplementedError
+
+    def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
+        raise NotImplementedError
+
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
+        raise NotImplementedError
+
+    def release(self, lease_id: int) -> None:
+        raise NotImplementedError
+
+    def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, chunks: Sequence[bytes] | None = None,
+                   namespace: bytes | None = None, engine_id: str | None = None,
+                   all: bool = False) -> InvalidateResult:
+        raise NotImplementedError
+
+    def stats(self) -> ManagerStats:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EmbeddedClient(Client):
+    """The Manager in this process; calls go straight through."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    def register(self, reg: EngineRegistration) -> EngineInfo:
+        return self.manager.register_engine(reg)
+
+    def unregister(self, engine_id: str) -> None:
+        self.manager.unregister_engine(engine_id)
+
+    def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True) -> LookupResult:
+        return self.manager.lookup(engine_id, chunks, lease=lease)
+
+    def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
+        return self.manager.save(engine_id, chunks)
+
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
+        return self.manager.restore(engine_id, chunks, lease_id=lease_id)
+
+    def release(self, lease_id: int) -> None:
+        self.manager.release(lease_id)
+
+    def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, chunks: Sequence[bytes] | None = None,
+                   namespace: bytes | None = None, engine_id: str | None = None,
+                   all: bool = False) -> InvalidateResult:
+        return self.manager.invalidate(keys=keys, chunks=chunks, namespace=namespace, engine_id=engine_id, all=all)
+
+    def stats(self) -> ManagerStats:
+        return self.manager.stats()
+
+    def close(self) -> None:
+        """The embedded client does not own the Manager; closing it is the caller's business."""
+
+
+def connect(target: "Manager | str") -> Client:
+    """Embedded client for a Manager object; remote client for a data-plane endpoint string."""
+    if isinstance(target, Manager):
+        return EmbeddedClient(target)
+    from .dataplane import RemoteClient
+
+    return RemoteClient(target)

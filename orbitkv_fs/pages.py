@@ -1,0 +1,185 @@
+"""Host "engine pages": KV tensors in a self-describing shared-memory file.
+
+Without a GPU an engine's KV pages live here, and the Manager imports them by path and offset exactly as
+it imports GPU tensors through CUDA IPC. The file is the contract between the engine process and the
+Manager process; it describes its own tensors so that a registration can be checked against what is
+really there.
+
+File layout: a 4096-byte header page -- magic ``OKVP``, version u32, table length u32, then a msgpack
+table of :class:`PageTensor` (name, offset, shape, strides in elements, dtype, role tag) -- followed by
+the tensors' bytes, each 4096-aligned, C-contiguous.
+
+Primitives: :meth:`HostPages.create`, :meth:`HostPages.open`, :meth:`HostPages.array`,
+:meth:`HostPages.handle`, :meth:`HostPages.descriptor`, :meth:`HostPages.close`.
+
+Invariants: tensors never overlap and lie inside the file; the table is validated on open (a file that
+lies about its tensors is refused with :class:`PagesError`); ``create`` unlinks nothing it did not create.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import uuid
+from typing import Sequence
+
+import msgspec
+import numpy as np
+
+from .errors import OrbitKVError
+from .geometry import HostPagesHandle, TensorDesc, parse_dtype
+
+MAGIC = b"OKVP"
+VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 4096
+_HDR = struct.Struct("<4sII")
+
+
+class PagesError(OrbitKVError, ValueError):
+    """An engine pages file is missing, malformed, or has no tensor at the asked offset."""
+
+
+class PageTensor(msgspec.Struct, frozen=True):
+    name: str
+    offset: int
+    shape: list[int]
+    strides: list[int]
+    dtype: str
+    role: str
+    layer: int = -1
+    layout: str = ""
+
+
+class HostPages:
+    """An engine pages file mapped read-write."""
+
+    def __init__(self, path: str, mm: mmap.mmap, table: list[PageTensor], owner: bool) -> None:
+        self.path = path
+        self._mm = mm
+        self._buf = np.frombuffer(mm, dtype=np.uint8)
+        self.tensors = {t.name: t for t in table}
+        self._by_offset = {t.offset: t for t in table}
+        self._owner = owner
+
+    @classmethod
+    def create(cls, specs: Sequence[tuple[str, Sequence[int], str, str]] | Sequence[PageTensor],
+               *, path: str | None = None, directory: str = "/dev/shm") -> "HostPages":
+        """Create a zero-filled file holding ``specs``: ``(name, shape, dtype, role)`` tuples or
+        :class:`PageTensor` (whose offset/strides are recomputed). ``role`` is kv|key|value|opaque."""
+        table: list[PageTensor] = []
+        off = HEADER_BYTES
+        for spec in specs:
+            if isinstance(spec, PageTensor):
+                name, shape, dtype, role, layer, layout = (spec.name, spec.shape, spec.dtype, spec.role,
+                                                           spec.layer, spec.layout)
+            else:
+                name, shape, dtype, role = spec
+                layer, layout = -1, ""
+            dt = parse_dtype(dtype)
+            shape = [int(s) for s in shape]
+            table.append(PageTensor(name, off, shape, _c_strides(shape), dtype, role, layer, layout))
+            off += -(-int(np.prod(shape)) * dt.itemsize // ALIGN) * ALIGN
+        blob = msgspec.msgpack.encode(table)
+        if _HDR.size + len(blob) > HEADER_BYTES:
+            raise PagesError(f"table of {len(table)} tensors does not fit the {HEADER_BYTES}-byte header")
+        path = path or os.path.join(directory if os.path.isdir(directory) else "/tmp",
+                                    f"orbitkv-pages-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, off)
+            mm = mmap.mmap(fd, off)
+        finally:
+            os.close(fd)
+        mm[: _HDR.size + len(blob)] = _HDR.pack(MAGIC, VERSION, len(blob)) + blob
+        return cls(path, mm, table, owner=True)
+
+    @classmethod
+    def open(cls, path: str) -> "HostPages":
+        """Map an existing file read-write, validating its table."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise PagesError(f"cannot open engine pages file {path!r}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise PagesError(f"{path!r} is shorter than the pages header")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            magic, version, n = _HDR.unpack(mm[: _HDR.size])
+            if magic != MAGIC or version != VERSION or _HDR.size + n > HEADER_BYTES:
+                raise PagesError(f"{path!r} is not an engine pages file (v{VERSION})")
+            try:
+                table = msgspec.msgpack.decode(mm[_HDR.size:_HDR.size + n], type=list[PageTensor])
+            except msgspec.DecodeError as e:
+                raise PagesError(f"{path!r}: bad tensor table: {e}") from None
+            end = HEADER_BYTES
+            for t in sorted(table, key=lambda t: t.offset):
+                dt = parse_dtype(t.dtype)
+                if t.offset < end or t.offset % ALIGN or any(s <= 0 for s in t.shape) or \
+                        t.strides != _c_strides(t.shape):
+                    raise PagesError(f"{path!r}: tensor {t.name!r} overlaps or is malformed")
+                end = t.offset + int(np.prod(t.shape)) * dt.itemsize
+                if end > size:
+                    raise PagesError(f"{path!r}: tensor {t.name!r} extends past the end of the file")
+        except BaseException:
+            mm.close()
+            raise
+        return cls(path, mm, table, owner=False)
+
+    def array(self, name: str) -> np.ndarray:
+        """Writable view of tensor ``name``."""
+        return self._view(self.tensors[name])
+
+    def _view(self, t: PageTensor) -> np.ndarray:
+        dt = parse_dtype(t.dtype)
+        n = int(np.prod(t.shape)) * dt.itemsize
+        return self._buf[t.offset:t.offset + n].view(dt).reshape(t.shape)
+
+    def at(self, offset: int) -> tuple[PageTensor, np.ndarray]:
+        """The tensor starting at ``offset`` and its view. Raises :class:`PagesError`."""
+        t = self._by_offset.get(offset)
+        if t is None:
+            raise PagesError(f"{self.path!r} holds no tensor at offset {offset}")
+        return t, self._view(t)
+
+    def handle(self, name: str) -> HostPagesHandle:
+        return HostPagesHandle(self.path, self.tensors[name].offset)
+
+    def descriptor(self, name: str, *, layer: int | None = None, layout: str | None = None) -> TensorDesc:
+        """A :class:`TensorDesc` registering tensor ``name`` as it is in this file."""
+        t = self.tensors[name]
+        return TensorDesc(layer=t.layer if layer is None else layer, role=t.role,
+                          layout=t.layout if layout is None else layout, shape=list(t.shape),
+                          strides=list(t.strides), dtype=t.dtype, handle=self.handle(name), name=name)
+
+    def close(self, *, unlink: bool | None = None) -> None:
+        """Unmap; unlink the file when this object created it (or when ``unlink``)."""
+        self._buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views still alive elsewhere: the mapping goes when they do
+        if unlink if unlink is not None else self._owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "HostPages":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= int(s)
+    return strides[::-1]
