@@ -1,0 +1,198 @@
+"""The SSD record: how one cached segment sits in a shard file, and the scanner that reads shard files back.
+
+A shard file is a ring of records, each starting on a :data:`BLOCK` (4 KiB) boundary::
+
+    record header (RECORD_HEADER_SIZE bytes) | segment (64-byte segment header + payload) | zero padding
+
+Record header (little endian, :data:`RECORD_HEADER_SIZE` bytes)::
+
+    0   4s   magic "OKVR"
+    4   H    version (1)
+    6   H    header size (128)
+    8   36s  ObjectKey.pack(): namespace(16) chunk(16) layer(u16) role(u8) pad
+    44  Q    generation (tier-wide, strictly increasing per write; newest valid generation of a key wins)
+    52  I    segment length (64-byte segment header + payload)
+    56  I    record length (header + segment + padding, a multiple of BLOCK)
+    60  64x  reserved, zero
+    124 I    CRC32C of bytes 0..123
+
+Primitives:
+
+* :func:`record_length` -- the aligned footprint of a segment of a given size.
+* :func:`pack_record_header` / :func:`parse_record_header` -- header bytes <-> :class:`RecordHeader`.
+* :func:`write_record` -- lay a whole record (header, segment, zero padding) into a buffer.
+* :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, segment CRCs).
+* :func:`scan` -- walk a shard image (an mmap or any buffer) and classify every record; shared by
+  recovery and ``orbitkv-inspect``.
+
+Invariants: nothing here trusts a length before checking it against the buffer; every failure is a
+:class:`~orbitkv_fs.errors.SegmentError` subclass (or the scan reports it), never another exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ...errors import BadMagic, HeaderChecksumMismatch, LengthMismatch, SegmentError, TruncatedSegment, UnsupportedVersion
+from ...keys import PACKED_SIZE, ObjectKey
+from ...segment import HEADER_SIZE, MAX_STORED_BYTES, SegmentHeader, crc32c, parse_segment
+
+MAGIC = b"OKVR"
+VERSION = 1
+BLOCK = 4096
+RECORD_HEADER_SIZE = 128
+#: The largest record a segment can need (header + biggest segment, aligned).
+MAX_RECORD = -(-(RECORD_HEADER_SIZE + HEADER_SIZE + MAX_STORED_BYTES) // BLOCK) * BLOCK
+
+_STRUCT = struct.Struct(f"<4sHH{PACKED_SIZE}sQII64xI")
+assert _STRUCT.size == RECORD_HEADER_SIZE
+_CRC_SPAN = RECORD_HEADER_SIZE - 4
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    key: ObjectKey
+    generation: int
+    segment_length: int
+    record_length: int
+
+
+def record_length(segment_length: int) -> int:
+    """Bytes a record holding a ``segment_length``-byte segment occupies on disk (BLOCK-aligned)."""
+    return -(-(RECORD_HEADER_SIZE + segment_length) // BLOCK) * BLOCK
+
+
+def pack_record_header(h: RecordHeader) -> bytes:
+    raw = _STRUCT.pack(MAGIC, VERSION, RECORD_HEADER_SIZE, h.key.pack(), h.generation, h.segment_length,
+                       h.record_length, 0)
+    return raw[:_CRC_SPAN] + struct.pack("<I", crc32c(raw[:_CRC_SPAN]))
+
+
+def parse_record_header(buf: "bytes | memoryview") -> RecordHeader:
+    """Validate and decode a record header (not the segment after it)."""
+    mv = memoryview(buf)
+    if len(mv) < RECORD_HEADER_SIZE:
+        raise TruncatedSegment(f"record header needs {RECORD_HEADER_SIZE} bytes, {len(mv)} present")
+    raw = bytes(mv[:RECORD_HEADER_SIZE])
+    magic, version, hsize, key, gen, seg_len, rec_len, crc = _STRUCT.unpack(raw)
+    if magic != MAGIC:
+        raise BadMagic("not a record header")
+    if crc32c(raw[:_CRC_SPAN]) != crc:
+        raise HeaderChecksumMismatch("record header CRC32C mismatch")
+    if version != VERSION or hsize != RECORD_HEADER_SIZE:
+        raise UnsupportedVersion(f"record version {version}, header size {hsize}")
+    if not HEADER_SIZE <= seg_len <= HEADER_SIZE + MAX_STORED_BYTES or rec_len != record_length(seg_len):
+        raise LengthMismatch(f"record lengths do not add up (segment {seg_len}, record {rec_len})")
+    try:
+        okey = ObjectKey.unpack(key)
+    except ValueError as e:  # role or layer this build does not know
+        raise LengthMismatch(f"bad key in record header: {e}") from None
+    return RecordHeader(okey, gen, seg_len, rec_len)
+
+
+def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "bytes | memoryview") -> int:
+    """Lay the record for ``segment`` into ``dst`` (at least :func:`record_length` bytes); return its length."""
+    seg_len = len(segment)
+    rec_len = record_length(seg_len)
+    dst[:RECORD_HEADER_SIZE] = pack_record_header(RecordHeader(key, generation, seg_len, rec_len))
+    end = RECORD_HEADER_SIZE + seg_len
+    dst[RECORD_HEADER_SIZE:end] = segment
+    # Padding is zeroed explicitly: staging buffers are reused and must not leak old bytes to disk.
+    dst[end:rec_len] = bytes(rec_len - end)
+    return rec_len
+
+
+def check_record(buf: "bytes | memoryview", expect_key: ObjectKey | None = None,
+                 expect_generation: int | None = None) -> tuple[RecordHeader, SegmentHeader, memoryview]:
+    """Validate the record at the start of ``buf``; return its header, segment header and segment bytes."""
+    rh = parse_record_header(buf)
+    if expect_key is not None and rh.key != expect_key:
+        raise SegmentError(f"record holds {rh.key}, expected {expect_key}")
+    if expect_generation is not None and rh.generation != expect_generation:
+        raise SegmentError(f"record generation {rh.generation}, expected {expect_generation}")
+    mv = memoryview(buf)
+    end = RECORD_HEADER_SIZE + rh.segment_length
+    if len(mv) < end:
+        raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
+    seg = mv[RECORD_HEADER_SIZE:end]
+    sh, _ = parse_segment(seg)
+    if sh.layer != rh.key.layer or sh.role != rh.key.role:
+        raise SegmentError("segment header layer/role disagree with the record key")
+    return rh, sh, seg
+
+
+class Status(enum.Enum):
+    VALID = "valid"
+    CORRUPT = "corrupt"  # a record header that validates, a segment that does not (or a damaged header)
+    TORN = "torn"  # like CORRUPT, but among the newest generations: a write that never completed
+
+
+@dataclass(frozen=True, slots=True)
+class ScanEntry:
+    offset: int
+    length: int  # bytes the scanner skipped for this entry (the record, or one BLOCK for a bad header)
+    status: Status
+    header: RecordHeader | None
+    segment: SegmentHeader | None
+    error: str = ""
+
+
+def scan(image: "bytes | memoryview", *, in_flight_window: int = 1024,
+         progress: Callable[[int], None] | None = None) -> Iterator[ScanEntry]:
+    """Classify every record of a shard image, in file order.
+
+    Zeroed or foreign blocks are skipped silently (a fresh ring is all zeros). A block whose first bytes
+    are the record magic but whose header does not validate is CORRUPT. A valid header with a bad segment
+    is TORN when its generation lies within ``in_flight_window`` of the newest generation seen in the image
+    (only the last writes can have been in flight at a crash), CORRUPT otherwise. ``progress`` gets the
+    offset reached every few MiB.
+    """
+    mv = memoryview(image).cast("B") if isinstance(image, memoryview) else memoryview(image)
+    size = len(mv) - len(mv) % BLOCK
+    pending: list[ScanEntry] = []  # body failures, classified once the newest generation is known
+    newest = 0
+    out: list[ScanEntry] = []
+    off = 0
+    next_report = 0
+    while off < size:
+        if progress is not None and off >= next_report:
+            progress(off)
+            next_report = off + (8 << 20)
+        if mv[off:off + 4] != MAGIC:
+            off += BLOCK
+            continue
+        try:
+            rh = parse_record_header(mv[off:off + RECORD_HEADER_SIZE])
+        except SegmentError as e:
+            out.append(ScanEntry(off, BLOCK, Status.CORRUPT, None, None, f"record header: {e}"))
+            off += BLOCK
+            continue
+        newest = max(newest, rh.generation)
+        if off + rh.record_length > size:
+            entry = ScanEntry(off, BLOCK, Status.CORRUPT, rh, None, "record runs past the end of the file")
+            pending.append(entry)
+            out.append(entry)
+            off += BLOCK
+            continue
+        try:
+            _, sh, _ = check_record(mv[off:off + rh.record_length])
+        except SegmentError as e:
+            entry = ScanEntry(off, BLOCK, Status.CORRUPT, rh, None, f"segment: {e}")
+            pending.append(entry)
+            out.append(entry)
+            # A damaged body may hide the next record's header anywhere after its first block.
+            off += BLOCK
+            continue
+        out.append(ScanEntry(off, rh.record_length, Status.VALID, rh, sh))
+        off += rh.record_length
+    if progress is not None:
+        progress(size)
+    torn = {id(e) for e in pending if e.header is not None and e.header.generation > newest - in_flight_window}
+    for e in out:
+        if id(e) in torn:
+            yield ScanEntry(e.offset, e.length, Status.TORN, e.header, None, e.error)
+        else:
+            yield e

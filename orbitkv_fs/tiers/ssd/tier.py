@@ -1,0 +1,697 @@
+"""The SSD tier: ring logs of records over O_DIRECT shard files, a generation index, a bounded io_uring
+writeback lane and demand reads that validate every record.
+
+Owns: the shard files, the ring allocation in each, the in-memory index ``key -> newest committed
+record``, the staging buffers of the writeback lane, and the tier's counters.
+
+Primitives (the Manager's :class:`~orbitkv_fs.manager.LowerTier` seam, plus a few for tools and tests):
+
+* :meth:`SsdTier.submit` -- stage a segment and queue its write; never waits for I/O; False = dropped.
+* :meth:`SsdTier.read` / :meth:`SsdTier.read_many` -- demand reads under a lease, validated (record header
+  CRC, key, generation, segment header and payload CRC32C).
+* :meth:`SsdTier.contains`, :meth:`SsdTier.invalidate`, :meth:`SsdTier.flush`, :meth:`SsdTier.iter_objects`,
+  :meth:`SsdTier.iter_records`, :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
+  (flat mapping), :meth:`SsdTier.close`.
+
+Invariants:
+
+1. Two-phase publish: a record is WRITING from allocation until its write completed in full; only then is
+   it COMMITTED and put in the index (replacing the key's older record, which becomes DEAD).
+2. The ring overwrites the oldest records, never a WRITING record or one under a read lease: the allocator
+   skips past such records, and drops the write (counted) when a whole lap finds no room.
+3. A record that fails validation is a miss: that generation is removed from the index at once (DEAD,
+   counted as corrupt) and its space is reclaimed when its leases drain; resubmitting the key repairs it.
+   An I/O error on a read is a miss that invalidates nothing.
+4. The writeback lane is bounded in queue depth and staged bytes; beyond that, submits drop (counted).
+   Demand reads go through their own rings, never behind queued writebacks.
+5. Invalidated records have their header block zeroed once unleased, so ``recover`` cannot bring them back.
+6. Ephemeral by default (files truncated at start); with ``recover`` every record is validated and the
+   newest valid generation of each key is served again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+import mmap
+import os
+import select
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+from ...errors import OrbitKVError, SegmentError
+from ...keys import ObjectKey
+from ...segment import HEADER_SIZE, Format, parse_header
+from .record import BLOCK, MAX_RECORD, Status, check_record, record_length, scan, write_record
+from .uring import IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
+
+if TYPE_CHECKING:
+    from ...manager import TierCounts
+
+#: Writes can only be in flight within this many generations of the newest (the lane's depth is capped
+#: below it), which is what tells a torn record from a corrupt one at recovery.
+MAX_QUEUE_DEPTH = 1024
+_LATENCY_SAMPLES = 4096
+
+
+class SsdConfigError(OrbitKVError, ValueError):
+    """The SSD tier's settings are not usable."""
+
+
+def parse_size(text: "str | int") -> int:
+    """``100gb``, ``512MiB``, ``4096`` -> bytes (k/m/g/t, decimal for kb/gb, binary for kib/gib)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().replace("_", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+             "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        return int(float(num) * units[s[len(num):]])
+    except (KeyError, ValueError):
+        raise SsdConfigError(f"cannot parse size {text!r} (examples: 100gb, 512mib, 4096)") from None
+
+
+@dataclass(frozen=True)
+class SsdConfig:
+    paths: tuple[str, ...]
+    #: Total bytes over all shards (split evenly, rounded down to 4 KiB).
+    capacity: int
+    backend: str = "auto"  # auto | uring | cufile
+    #: Writes in flight on the io_uring lane (also the depth of each demand-read ring).
+    write_queue_depth: int = 32
+    #: Bytes staged for writeback (queued + in flight); submits beyond it drop.
+    max_pending_bytes: int = 256 << 20
+    recover: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise SsdConfigError("at least one --ssd-cache-path is needed")
+        if len(set(self.paths)) != len(self.paths):
+            raise SsdConfigError("--ssd-cache-path given twice for the same file")
+        if self.backend not in ("auto", "uring", "cufile"):
+            raise SsdConfigError(f"--ssd-backend {self.backend!r}: expected auto, uring or cufile")
+        if not 1 <= self.write_queue_depth <= MAX_QUEUE_DEPTH:
+            raise SsdConfigError(f"--ssd-write-queue-depth must be 1..{MAX_QUEUE_DEPTH}")
+        if self.capacity // len(self.paths) < (1 << 20):
+            raise SsdConfigError("--ssd-cache-capacity leaves less than 1 MiB per shard")
+        if self.max_pending_bytes < MAX_RECORD:
+            raise SsdConfigError(f"max_pending_bytes must hold at least one record ({MAX_RECORD} bytes)")
+
+
+@dataclass(frozen=True)
+class SsdStats:
+    """A snapshot of the tier's counters (``_total``) and gauges."""
+
+    capacity_bytes: int
+    shards: int
+    backend: str
+    objects: int
+    live_bytes: int  # records in the index
+    dead_bytes: int  # superseded, invalidated or corrupt records still occupying ring space
+    writing_bytes: int  # records allocated, write not yet completed
+    pending_bytes: int  # staged for writeback (queued + in flight)
+    write_submitted_total: int
+    write_completed_total: int
+    write_bytes_total: int
+    write_errors_total: int
+    write_dropped_total: int  # lane full, no room in the ring, record too large
+    write_skipped_blocked_total: int  # allocator skips past WRITING or leased records
+    write_cancelled_total: int  # completed writes not published (invalidated/superseded meanwhile)
+    evicted_total: int
+    evicted_bytes_total: int
+    read_total: int
+    read_hits_total: int
+    read_bytes_total: int
+    read_errors_total: int
+    corrupt_records_total: int
+    invalidated_total: int
+    wipes_total: int
+    recovered_records: int
+    recovered_torn_total: int
+    recovered_corrupt_total: int
+    read_latency_p50_seconds: float
+    read_latency_p99_seconds: float
+    write_latency_p50_seconds: float
+    write_latency_p99_seconds: float
+    errors_by_errno: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SsdObject:
+    key: ObjectKey
+    stored_bytes: int  # segment bytes (header + payload)
+    format: Format
+    original_length: int
+    generation: int
+    shard: int
+    offset: int
+
+
+class _State(enum.Enum):
+    WRITING = 1
+    COMMITTED = 2
+    DEAD = 3
+
+
+class _Slot:
+    __slots__ = ("shard", "offset", "length", "key", "generation", "state", "leases", "stored", "format",
+                 "original", "wipe")
+
+    def __init__(self, shard: int, offset: int, length: int, key: ObjectKey | None, generation: int,
+                 stored: int, fmt: Format, original: int) -> None:
+        self.shard, self.offset, self.length, self.key, self.generation = shard, offset, length, key, generation
+        self.state = _State.WRITING
+        self.leases = 0
+        self.stored, self.format, self.original = stored, fmt, original
+        self.wipe = False  # zero the header block once unleased (invalidated)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class _Shard:
+    def __init__(self, index: int, path: str, fid: int, capacity: int) -> None:
+        self.index, self.path, self.fid, self.capacity = index, path, fid, capacity
+        self.head = 0
+        self.offsets: list[int] = []
+        self.slots: dict[int, _Slot] = {}
+
+    def insert(self, slot: _Slot) -> None:
+        bisect.insort(self.offsets, slot.offset)
+        self.slots[slot.offset] = slot
+
+    def remove(self, slot: _Slot) -> None:
+        i = bisect.bisect_left(self.offsets, slot.offset)
+        del self.offsets[i]
+        del self.slots[slot.offset]
+
+
+@dataclass
+class _Write:
+    tag: int
+    slot: _Slot
+    buf: memoryview
+    wipe: bool = False
+    started: float = 0.0
+
+
+def _percentile(samples: "collections.deque[float]", q: float) -> float:
+    if not samples:
+        return 0.0
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def make_backend(name: str) -> IoBackend:
+    """The I/O backend for ``--ssd-backend``: auto (cufile with a GPU and kvikio, else uring), uring, cufile."""
+    if name in ("auto", "cufile"):
+        from .cufile import CuFileBackend, cufile_usable
+
+        if cufile_usable():
+            return CuFileBackend()
+        if name == "cufile":
+            raise SsdConfigError("--ssd-backend cufile needs kvikio and a CUDA GPU")
+    return UringBackend()
+
+
+class SsdTier:
+    """The SSD lower tier (see the module docstring). Thread-safe."""
+
+    name = "ssd"
+
+    def __init__(self, config: SsdConfig, *, backend: IoBackend | None = None) -> None:
+        self.config = config
+        self._io = backend if backend is not None else make_backend(config.backend)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._index: dict[ObjectKey, _Slot] = {}
+        self._c: collections.Counter[str] = collections.Counter()
+        self._errnos: collections.Counter[str] = collections.Counter()
+        self._read_lat: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
+        self._write_lat: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
+        self._live = self._dead = self._writing = self._pending_bytes = 0
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._inflight: dict[int, _Write] = {}
+        self._pool: dict[int, list[memoryview]] = {}
+        self._pool_bytes = 0
+        self._generation = 1
+        self._closed = False
+        per_shard = config.capacity // len(config.paths) // BLOCK * BLOCK
+        self._shards: list[_Shard] = []
+        try:
+            for i, path in enumerate(config.paths):
+                fid = self._io.open(path, per_shard, truncate=not config.recover)
+                self._shards.append(_Shard(i, path, fid, per_shard))
+            if config.recover:
+                self._recover()
+            self._wring = self._io.ring(config.write_queue_depth)
+        except BaseException:
+            self._io.close()
+            raise
+        self._read_rings: list[IoRing] = []
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._writer = threading.Thread(target=self._writeback, name="orbitkv-ssd-writeback", daemon=True)
+        self._writer.start()
+
+    # -------------------------------------------------------------------------------------- recovery
+
+    def _recover(self) -> None:
+        newest = 0
+        for sh in self._shards:
+            with open(sh.path, "rb") as f:
+                size = min(os.fstat(f.fileno()).st_size, sh.capacity)
+                if size < BLOCK:
+                    continue
+                with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as image:
+                    head_gen = 0
+                    for e in scan(memoryview(image), in_flight_window=MAX_QUEUE_DEPTH):
+                        if e.status is Status.TORN:
+                            self._c["recovered_torn_total"] += 1
+                        elif e.status is Status.CORRUPT:
+                            self._c["recovered_corrupt_total"] += 1
+                        if e.header is not None and e.header.generation > head_gen:
+                            head_gen = e.header.generation
+                            sh.head = e.offset + (e.header.record_length if e.status is Status.VALID else BLOCK)
+                        if e.status is not Status.VALID:
+                            continue
+                        rh, seg = e.header, e.segment
+                        slot = _Slot(sh.index, e.offset, rh.record_length, rh.key, rh.generation,
+                                     rh.segment_length, seg.format, seg.original_length)
+                        sh.insert(slot)
+                        old = self._index.get(rh.key)
+                        if old is None or old.generation < rh.generation:
+                            if old is not None:
+                                old.state = _State.DEAD
+                                self._live -= old.length
+                                self._dead += old.length
+                            slot.state = _State.COMMITTED
+                            self._index[rh.key] = slot
+                            self._live += slot.length
+                        else:
+                            slot.state = _State.DEAD
+                            self._dead += slot.length
+                    newest = max(newest, head_gen)
+                    if sh.head >= sh.capacity:
+                        sh.head = 0
+        self._c["recovered_records"] = len(self._index)
+        self._generation = newest + MAX_QUEUE_DEPTH + 1  # past any torn write's generation
+
+    # -------------------------------------------------------------------------------------- allocation
+
+    def _shard_of(self, key: ObjectKey) -> _Shard:
+        from ...segment import crc32c
+
+        return self._shards[crc32c(key.pack()) % len(self._shards)]
+
+    def _allocate(self, sh: _Shard, length: int) -> int | None:
+        """Find ``length`` bytes at or after the ring head, evicting unleased committed/dead records.
+        Lock held."""
+        if length > sh.capacity:
+            return None
+        pos, travelled = sh.head, 0
+        while travelled <= sh.capacity:
+            if pos + length > sh.capacity:
+                travelled += sh.capacity - pos
+                pos = 0
+                continue
+            i = bisect.bisect_left(sh.offsets, pos)
+            if i > 0 and sh.slots[sh.offsets[i - 1]].end > pos:
+                i -= 1
+            victims, blocker = [], None
+            while i < len(sh.offsets) and sh.offsets[i] < pos + length:
+                s = sh.slots[sh.offsets[i]]
+                if s.state is _State.WRITING or s.leases:
+                    blocker = s
+                    break
+                victims.append(s)
+                i += 1
+            if blocker is not None:
+                self._c["write_skipped_blocked_total"] += 1
+                travelled += blocker.end - pos
+                pos = blocker.end
+                continue
+            for s in victims:
+                self._drop_slot(s, evicted=True)
+            sh.head = pos + length
+            return pos
+        return None
+
+    def _drop_slot(self, s: _Slot, *, evicted: bool) -> None:
+        """Remove a record from its ring (its space is being reused). Lock held."""
+        if s.state is _State.COMMITTED:
+            if self._index.get(s.key) is s:
+                del self._index[s.key]
+            self._live -= s.length
+            if evicted:
+                self._c["evicted_total"] += 1
+                self._c["evicted_bytes_total"] += s.stored
+        else:
+            self._dead -= s.length
+        self._shards[s.shard].remove(s)
+
+    def _kill(self, s: _Slot) -> None:
+        """Hide a committed record from readers now; its space is reclaimed when unleased. Lock held."""
+        if s.state is _State.COMMITTED:
+            if self._index.get(s.key) is s:
+                del self._index[s.key]
+            self._live -= s.length
+            self._dead += s.length
+            s.state = _State.DEAD
+
+    # -------------------------------------------------------------------------------------- writeback
+
+    def _staging(self, nbytes: int) -> memoryview:
+        cls = 1 << max(12, (nbytes - 1).bit_length())
+        free = self._pool.get(cls)
+        if free:
+            self._pool_bytes -= cls
+            return free.pop()[:nbytes]
+        return aligned_buffer(cls)[:nbytes]
+
+    def _recycle(self, buf: memoryview) -> None:
+        base = buf.obj if isinstance(buf.obj, mmap.mmap) else None
+        if base is None:
+            return
+        cls = len(base)
+        if self._pool_bytes + cls <= self.config.max_pending_bytes:
+            self._pool.setdefault(cls, []).append(memoryview(base))
+            self._pool_bytes += cls
+
+    def submit(self, key: ObjectKey, segment: "bytes | memoryview") -> bool:
+        """Queue ``segment`` for writeback (copied into an aligned staging buffer). False when dropped:
+        the tier is closed, the lane is full, or no ring space can be found. Raises ``SegmentError`` when
+        ``segment`` is not a segment."""
+        h = parse_header(segment)
+        seg_len = HEADER_SIZE + h.stored_length
+        if len(segment) != seg_len:
+            raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
+        rec_len = record_length(seg_len)
+        with self._lock:
+            if self._closed:
+                return False
+            if self._pending_bytes + rec_len > self.config.max_pending_bytes:
+                self._c["write_dropped_total"] += 1
+                return False
+            sh = self._shard_of(key)
+            offset = self._allocate(sh, rec_len)
+            if offset is None:
+                self._c["write_dropped_total"] += 1
+                return False
+            gen = self._generation
+            self._generation += 1
+            slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, h.format, h.original_length)
+            sh.insert(slot)
+            self._writing += rec_len
+            self._pending_bytes += rec_len
+            buf = self._staging(rec_len)
+        # The copy into the staging buffer runs outside the lock; the slot is WRITING, so nothing else
+        # touches its ring space, and the writer only sees it once queued below.
+        write_record(buf, key, gen, segment)
+        with self._lock:
+            self._queue.append(_Write(gen, slot, buf))
+            self._c["write_submitted_total"] += 1
+        os.eventfd_write(self._wake, 1)
+        return True
+
+    def _writeback(self) -> None:
+        ring = self._wring
+        while True:
+            with self._lock:
+                while ring.space() > 0 and self._queue:
+                    w = self._queue.popleft()
+                    w.started = time.perf_counter()
+                    ring.prep_write(self._shards[w.slot.shard].fid, w.buf, w.slot.offset, w.tag)
+                    self._inflight[w.tag] = w
+                stop = self._closed and not self._queue and not self._inflight
+            if stop:
+                return
+            try:
+                ring.submit()
+            except SsdIoError as e:
+                self._fail_all(e)
+                continue
+            select.select([ring.eventfd, self._wake], [], [], 0.5)
+            try:
+                os.eventfd_read(self._wake)
+            except BlockingIOError:
+                pass
+            done = ring.reap()
+            if done:
+                now = time.perf_counter()
+                with self._lock:
+                    for tag, res in done:
+                        self._complete(self._inflight.pop(tag), res, now)
+                    self._idle.notify_all()
+
+    def _fail_all(self, e: SsdIoError) -> None:
+        """The ring itself failed to submit: every queued write fails (nothing was published)."""
+        with self._lock:
+            self._errnos[str(e)] += 1
+            while self._queue:
+                w = self._queue.popleft()
+                self._complete(w, -1, time.perf_counter())
+            self._idle.notify_all()
+
+    def _complete(self, w: _Write, res: int, now: float) -> None:
+        """A write finished (``res`` bytes or -errno). Lock held."""
+        s = w.slot
+        self._recycle(w.buf)
+        if w.wipe:  # the header block of an invalidated record is zero now (or could not be zeroed)
+            self._c["wipes_total" if res == BLOCK else "write_errors_total"] += 1
+            s.state = _State.DEAD
+            self._dead += s.length
+            return
+        self._pending_bytes -= s.length
+        self._writing -= s.length
+        if res != s.length:
+            self._c["write_errors_total"] += 1
+            self._errnos[os.strerror(-res) if res < 0 else "short write"] += 1
+            s.state = _State.DEAD
+            self._dead += s.length
+            return
+        self._write_lat.append(now - w.started)
+        self._c["write_completed_total"] += 1
+        self._c["write_bytes_total"] += s.length
+        if s.wipe:  # invalidated while being written: never published
+            self._c["write_cancelled_total"] += 1
+            s.state = _State.DEAD
+            self._dead += s.length
+            self._queue_wipe(s)
+            return
+        old = self._index.get(s.key)
+        if old is not None and old.generation > s.generation:
+            self._c["write_cancelled_total"] += 1
+            s.state = _State.DEAD
+            self._dead += s.length
+            return
+        if old is not None:
+            self._kill(old)
+        s.state = _State.COMMITTED
+        self._live += s.length
+        self._index[s.key] = s
+
+    def _queue_wipe(self, s: _Slot) -> None:
+        """Zero the header block of an invalidated, unleased record so recovery cannot revive it. The
+        slot is WRITING meanwhile, so the allocator cannot hand its space out under the wipe. Lock held."""
+        if s.leases or s.state is not _State.DEAD or self._shards[s.shard].slots.get(s.offset) is not s:
+            return
+        s.wipe = False
+        s.state = _State.WRITING
+        self._dead -= s.length
+        buf = self._staging(BLOCK)
+        buf[:] = bytes(BLOCK)
+        tag = self._generation
+        self._generation += 1
+        self._queue.append(_Write(tag, s, buf, wipe=True))
+        os.eventfd_write(self._wake, 1)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued write completed (published, cancelled or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("SSD writeback did not drain in time")
+                self._idle.wait(left if left is not None else 1.0)
+
+    # -------------------------------------------------------------------------------------- reads
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def read(self, key: ObjectKey) -> bytes | None:
+        """The validated segment bytes of ``key``, or None (absent, I/O error, or corrupt)."""
+        return self.read_many([key])[0]
+
+    def read_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        """Demand-read several keys at once (up to the queue depth in flight)."""
+        with self._lock:
+            if self._closed:
+                return [None] * len(keys)
+            slots = []
+            for k in keys:
+                s = self._index.get(k)
+                if s is not None:
+                    s.leases += 1
+                slots.append(s)
+            ring = self._read_rings.pop() if self._read_rings else None
+        out: list[bytes | None] = [None] * len(keys)
+        verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
+        try:
+            if ring is None:
+                ring = self._io.ring(self.config.write_queue_depth)
+            todo = [i for i, s in enumerate(slots) if s is not None]
+            bufs: dict[int, memoryview] = {}
+            results: dict[int, int] = {}
+            started: dict[int, float] = {}
+            pos = 0
+            while pos < len(todo) or len(results) < len(todo):
+                while pos < len(todo) and ring.space() > 0:
+                    i = todo[pos]
+                    s = slots[i]
+                    bufs[i] = aligned_buffer(s.length)[: s.length]
+                    started[i] = time.perf_counter()
+                    ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
+                    pos += 1
+                ring.submit()
+                for tag, res in ring.wait(1.0):
+                    results[tag] = res
+            now = time.perf_counter()
+            for i in todo:
+                s, res = slots[i], results[i]
+                if res != s.length:
+                    verdicts[i] = os.strerror(-res) if res < 0 else "short read"
+                    continue
+                try:
+                    _, _, seg = check_record(bufs[i], s.key, s.generation)
+                except SegmentError:
+                    verdicts[i] = "corrupt"
+                    continue
+                out[i] = bytes(seg)
+                self._read_lat.append(now - started[i])
+        finally:
+            with self._lock:
+                if ring is not None:
+                    self._read_rings.append(ring)
+                self._c["read_total"] += len(keys)
+                for i, s in enumerate(slots):
+                    if s is None:
+                        continue
+                    s.leases -= 1
+                    v = verdicts.get(i)
+                    if out[i] is not None:
+                        self._c["read_hits_total"] += 1
+                        self._c["read_bytes_total"] += s.length
+                    elif v == "corrupt":
+                        self._c["corrupt_records_total"] += 1
+                        self._kill(s)
+                    elif v is not None:
+                        self._c["read_errors_total"] += 1
+                        self._errnos[v] += 1
+                    if s.wipe and not s.leases:
+                        self._queue_wipe(s)
+        return out
+
+    # -------------------------------------------------------------------------------------- admin
+
+    def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, namespace: bytes | None = None,
+                   all: bool = False) -> "TierCounts":
+        """Hide matching records from readers at once (and writes in flight from being published);
+        their header blocks are zeroed once unleased. Answers objects and stored bytes hidden."""
+        from ...manager import TierCounts
+
+        if keys is None and namespace is None and not all:
+            raise ValueError("invalidate needs keys, a namespace or all=True")
+        count = nbytes = 0
+        with self._lock:
+            want = set(keys) if keys is not None else None
+
+            def match(k: ObjectKey) -> bool:
+                return all or (want is not None and k in want) or (namespace is not None and k.namespace == namespace)
+
+            for sh in self._shards:
+                for s in list(sh.slots.values()):
+                    if s.key is None or not match(s.key):
+                        continue
+                    if s.state is _State.COMMITTED and self._index.get(s.key) is s:
+                        count += 1
+                        nbytes += s.stored
+                        self._c["invalidated_total"] += 1
+                    if s.state is _State.WRITING:
+                        s.wipe = True  # _complete() will not publish it and wipes it
+                        continue
+                    self._kill(s)
+                    s.wipe = True
+                    self._queue_wipe(s)
+        return TierCounts(objects=count, bytes=nbytes)
+
+    def iter_objects(self, namespace: bytes | None = None) -> Iterator[tuple[ObjectKey, int]]:
+        """``(key, stored_bytes)`` of every published object (optionally of one namespace)."""
+        for o in self.iter_records(namespace):
+            yield o.key, o.stored_bytes
+
+    def iter_records(self, namespace: bytes | None = None) -> Iterator[SsdObject]:
+        with self._lock:
+            items = [s for k, s in self._index.items() if namespace is None or k.namespace == namespace]
+        for s in items:
+            yield SsdObject(s.key, s.stored, s.format, s.original, s.generation, s.shard, s.offset)
+
+    def snapshot(self) -> SsdStats:
+        with self._lock:
+            c = self._c
+            return SsdStats(
+                capacity_bytes=sum(sh.capacity for sh in self._shards), shards=len(self._shards),
+                backend=getattr(self._io, "name", type(self._io).__name__), objects=len(self._index),
+                live_bytes=self._live, dead_bytes=self._dead, writing_bytes=self._writing,
+                pending_bytes=self._pending_bytes,
+                **{k: c[k] for k in (
+                    "write_submitted_total", "write_completed_total", "write_bytes_total", "write_errors_total",
+                    "write_dropped_total", "write_skipped_blocked_total", "write_cancelled_total",
+                    "evicted_total", "evicted_bytes_total", "read_total", "read_hits_total", "read_bytes_total",
+                    "read_errors_total", "corrupt_records_total", "invalidated_total", "wipes_total",
+                    "recovered_records", "recovered_torn_total", "recovered_corrupt_total")},
+                read_latency_p50_seconds=_percentile(self._read_lat, 0.5),
+                read_latency_p99_seconds=_percentile(self._read_lat, 0.99),
+                write_latency_p50_seconds=_percentile(self._write_lat, 0.5),
+                write_latency_p99_seconds=_percentile(self._write_lat, 0.99),
+                errors_by_errno=dict(self._errnos),
+            )
+
+    def stats(self) -> dict[str, float]:
+        """Flat ``ssd_*`` names for metrics (the Manager adds the ``orbitkv_`` prefix)."""
+        d = asdict(self.snapshot())
+        errs = d.pop("errors_by_errno")
+        backend = d.pop("backend")
+        out = {f"ssd_{k}": float(v) for k, v in d.items()}
+        out[f"ssd_backend_{backend}"] = 1.0
+        for k, v in errs.items():
+            out[f"ssd_io_errors_{k.lower().replace(' ', '_')}_total"] = float(v)
+        return out
+
+    def close(self) -> None:
+        """Finish queued writes, stop the lane, close rings and files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        os.eventfd_write(self._wake, 1)
+        self._writer.join()
+        self._wring.close()
+        for r in self._read_rings:
+            r.close()
+        self._read_rings.clear()
+        os.close(self._wake)
+        self._io.close()
+
+    def __enter__(self) -> "SsdTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

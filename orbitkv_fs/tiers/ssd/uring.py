@@ -1,0 +1,330 @@
+"""io_uring for the SSD tier: submission/completion rings over O_DIRECT shard files.
+
+Two drivers speak the same small :class:`IoRing` interface (prep reads/writes tagged with an integer,
+submit, wait for completions, an eventfd that becomes readable when completions are ready):
+
+* :class:`LiburingRing` -- the ``liburing`` PyPI package. Its published wheels are compiled for AVX-512
+  and die with SIGILL on CPUs without it, which a Python process cannot catch; :func:`liburing_usable`
+  therefore probes it once in a child process. Used when the probe passes.
+* :class:`SysRing` -- the same kernel interface through the raw ``io_uring_setup``/``io_uring_enter``
+  system calls and the mmap'ed rings (ctypes; x86-64 and arm64 share the syscall numbers). Used where the
+  package cannot run.
+
+Both avoid the traps of blocking in the package's wait call (it holds the GIL): completions are awaited on
+the ring's eventfd with ``select`` (GIL released), reaped by peeking/iterating, and the completion queue
+is always advanced over every entry seen, errors included.
+
+:class:`UringBackend` opens the shard files (O_DIRECT, preallocated) and hands out rings. Buffers given to
+a ring must stay alive and unmoved until their completion is reaped; :func:`aligned_buffer` allocates
+page-aligned (mmap) buffers as O_DIRECT requires.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import mmap
+import os
+import select
+import struct
+import subprocess
+import sys
+from typing import Protocol
+
+from ...errors import OrbitKVError
+
+
+class SsdIoError(OrbitKVError):
+    """The SSD tier cannot use its files or its I/O engine (O_DIRECT unsupported, io_uring disabled...)."""
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A zeroed, page-aligned, writable buffer of ``nbytes`` (rounded up to a page)."""
+    n = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+
+
+def buffer_address(buf: memoryview) -> tuple[int, object]:
+    """Address of a writable buffer and the object that pins it (keep it until the I/O completed)."""
+    pin = (ctypes.c_char * len(buf)).from_buffer(buf)
+    return ctypes.addressof(pin), pin
+
+
+class IoRing(Protocol):
+    """A submission lane. Not thread-safe: one thread owns a ring."""
+
+    eventfd: int
+
+    def prep_write(self, fid: int, buf: memoryview, offset: int, tag: int) -> None: ...
+    def prep_read(self, fid: int, buf: memoryview, offset: int, tag: int) -> None: ...
+    def submit(self) -> None: ...
+    def reap(self) -> list[tuple[int, int]]:
+        """Every completion ready now as ``(tag, result)``; result is bytes moved or ``-errno``."""
+    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
+        """Wait (GIL released) until at least one completion is ready or ``timeout`` passed; reap."""
+    def space(self) -> int:
+        """Free submission slots."""
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------ raw syscalls
+
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
+_OP_READ, _OP_WRITE = 22, 23
+_ENTER_GETEVENTS = 1
+_REGISTER_EVENTFD = 4
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+_SQE = struct.Struct("<BBHiQQIIQHHiQQ")
+_CQE = struct.Struct("<QiI")
+_U32 = struct.Struct("<I")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        e = ctypes.get_errno()
+        raise SsdIoError(f"{what}: {os.strerror(e)} (errno {e})")
+    return rc
+
+
+class SysRing:
+    """io_uring through the raw system calls (see the module docstring)."""
+
+    def __init__(self, entries: int, files: dict[int, int]) -> None:
+        self._files = files
+        params = (ctypes.c_uint8 * 120)()
+        self.fd = _check(_libc.syscall(_SYS_SETUP, ctypes.c_uint(entries), params), "io_uring_setup")
+        sq_entries, cq_entries = struct.unpack_from("<II", params, 0)
+        (self._sq_head, self._sq_tail, sq_mask, _, _, _, sq_array) = struct.unpack_from("<7I", params, 40)
+        (self._cq_head, self._cq_tail, cq_mask, _, _, cqes) = struct.unpack_from("<6I", params, 80)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._sq = mmap.mmap(self.fd, sq_array + sq_entries * 4, flags=flags, prot=prot, offset=_OFF_SQ_RING)
+        self._cq = mmap.mmap(self.fd, cqes + cq_entries * 16, flags=flags, prot=prot, offset=_OFF_CQ_RING)
+        self._sqes = mmap.mmap(self.fd, sq_entries * 64, flags=flags, prot=prot, offset=_OFF_SQES)
+        self._sq_mask, self._cq_mask, self._cqes = _U32.unpack_from(self._sq, sq_mask)[0], _U32.unpack_from(self._cq, cq_mask)[0], cqes
+        self._sq_array = sq_array
+        self._entries = sq_entries
+        self._tail = _U32.unpack_from(self._sq, self._sq_tail)[0]
+        self._unsubmitted = 0
+        self._inflight = 0
+        self._pins: dict[int, object] = {}
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        efd = ctypes.c_int(self.eventfd)
+        _check(_libc.syscall(_SYS_REGISTER, self.fd, _REGISTER_EVENTFD, ctypes.byref(efd), 1), "register eventfd")
+
+    def space(self) -> int:
+        return self._entries - self._inflight - self._unsubmitted
+
+    def _prep(self, op: int, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        if self.space() <= 0:
+            raise SsdIoError("submission queue full")
+        addr, pin = buffer_address(buf)
+        idx = self._tail & self._sq_mask
+        _SQE.pack_into(self._sqes, idx * 64, op, 0, 0, self._files[fid], offset, addr, len(buf), 0, tag,
+                       0, 0, 0, 0, 0)
+        _U32.pack_into(self._sq, self._sq_array + idx * 4, idx)
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
+        # The tail is published last: the kernel must never see a tail covering a half-written SQE
+        # (x86-64 keeps these plain stores in order; each pack_into is an opaque C call).
+        _U32.pack_into(self._sq, self._sq_tail, self._tail)
+        self._pins[tag] = pin
+        self._unsubmitted += 1
+
+    def prep_write(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        self._prep(_OP_WRITE, fid, buf, offset, tag)
+
+    def prep_read(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        self._prep(_OP_READ, fid, buf, offset, tag)
+
+    def submit(self) -> None:
+        while self._unsubmitted:
+            n = _libc.syscall(_SYS_ENTER, self.fd, self._unsubmitted, 0, 0, None, 0)
+            if n < 0:
+                e = ctypes.get_errno()
+                if e in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
+                    self.wait(0.001)
+                    continue
+                raise SsdIoError(f"io_uring_enter: {os.strerror(e)}")
+            self._unsubmitted -= n
+            self._inflight += n
+
+    def reap(self) -> list[tuple[int, int]]:
+        head = _U32.unpack_from(self._cq, self._cq_head)[0]
+        tail = _U32.unpack_from(self._cq, self._cq_tail)[0]
+        out = []
+        while head != tail:
+            tag, res, _ = _CQE.unpack_from(self._cq, self._cqes + (head & self._cq_mask) * 16)
+            out.append((tag, res))
+            self._pins.pop(tag, None)
+            head = (head + 1) & 0xFFFFFFFF
+        # Always advance over everything seen, errors included, or the CQ fills and the ring stalls.
+        _U32.pack_into(self._cq, self._cq_head, head)
+        self._inflight -= len(out)
+        return out
+
+    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
+        out = self.reap()
+        if out or self._inflight == 0:
+            return out
+        select.select([self.eventfd], [], [], timeout)
+        try:
+            os.eventfd_read(self.eventfd)
+        except BlockingIOError:
+            pass
+        return self.reap()
+
+    def close(self) -> None:
+        while self._inflight:  # buffers must outlive the kernel's use of them
+            self.wait(1.0)
+        for m in (self._sq, self._cq, self._sqes):
+            m.close()
+        os.close(self.fd)
+        os.close(self.eventfd)
+
+
+# ------------------------------------------------------------------------------------------ liburing package
+
+
+@functools.cache
+def liburing_usable() -> bool:
+    """True when the ``liburing`` package can set up a ring here (probed in a child: it may SIGILL)."""
+    code = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(4, r); L.io_uring_queue_exit(r)"
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+class LiburingRing:
+    """io_uring through the ``liburing`` package (see the module docstring)."""
+
+    def __init__(self, entries: int, files: dict[int, int]) -> None:
+        import liburing as L
+
+        self._L = L
+        self._files = files
+        self._ring = L.Ring()
+        self._cqe = L.Cqe()
+        L.io_uring_queue_init(entries, self._ring)
+        self._entries = entries
+        self._unsubmitted = 0
+        self._inflight = 0
+        self._pins: dict[int, object] = {}
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        L.io_uring_register_eventfd(self._ring, self.eventfd)
+
+    def space(self) -> int:
+        return self._entries - self._inflight - self._unsubmitted
+
+    def _prep(self, write: bool, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        L = self._L
+        sqe = L.io_uring_get_sqe(self._ring)
+        if sqe is None:
+            raise SsdIoError("submission queue full")
+        if write:
+            L.io_uring_prep_write(sqe, self._files[fid], buf, offset)
+        else:
+            L.io_uring_prep_read(sqe, self._files[fid], buf, offset)
+        L.io_uring_sqe_set_data64(sqe, tag)
+        self._pins[tag] = buf
+        self._unsubmitted += 1
+
+    def prep_write(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        self._prep(True, fid, buf, offset, tag)
+
+    def prep_read(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
+        self._prep(False, fid, buf, offset, tag)
+
+    def submit(self) -> None:
+        n = self._L.io_uring_submit(self._ring) or 0
+        self._unsubmitted -= n
+        self._inflight += n
+
+    def reap(self) -> list[tuple[int, int]]:
+        L = self._L
+        out = []
+        for _ in L.CqeIter(self._ring, self._cqe):
+            e = self._cqe[0]
+            out.append((e.user_data, e.res))
+            self._pins.pop(e.user_data, None)
+        if out:
+            L.io_uring_cq_advance(self._ring, len(out))
+        self._inflight -= len(out)
+        return out
+
+    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
+        out = self.reap()
+        if out or self._inflight == 0:
+            return out
+        select.select([self.eventfd], [], [], timeout)
+        try:
+            os.eventfd_read(self.eventfd)
+        except BlockingIOError:
+            pass
+        return self.reap()
+
+    def close(self) -> None:
+        while self._inflight:
+            self.wait(1.0)
+        self._L.io_uring_queue_exit(self._ring)
+        os.close(self.eventfd)
+
+
+# ------------------------------------------------------------------------------------------ backend
+
+
+class IoBackend(Protocol):
+    """Opens shard files and makes rings; the seam where tests inject faults."""
+
+    name: str
+
+    def open(self, path: str, size: int, *, truncate: bool) -> int: ...
+    def ring(self, entries: int) -> IoRing: ...
+    def close(self) -> None: ...
+
+
+class UringBackend:
+    """O_DIRECT shard files driven through io_uring (``driver``: auto | liburing | sys)."""
+
+    name = "uring"
+
+    def __init__(self, driver: str = "auto") -> None:
+        if driver == "auto":
+            driver = "liburing" if liburing_usable() else "sys"
+        if driver not in ("liburing", "sys"):
+            raise SsdIoError(f"unknown io_uring driver {driver!r}")
+        self.driver = driver
+        self._files: dict[int, int] = {}
+
+    def open(self, path: str, size: int, *, truncate: bool) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            raise SsdIoError(f"cannot open {path} with O_DIRECT: {e.strerror} (a tmpfs does not support "
+                             "O_DIRECT; use a path on a real file system)") from None
+        try:
+            if truncate:
+                os.ftruncate(fd, 0)
+            if os.fstat(fd).st_size < size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            raise SsdIoError(f"cannot preallocate {size} bytes for {path}: {e.strerror}") from None
+        fid = len(self._files)
+        self._files[fid] = fd
+        return fid
+
+    def ring(self, entries: int) -> IoRing:
+        if self.driver == "liburing":
+            return LiburingRing(entries, self._files)
+        return SysRing(entries, self._files)
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
