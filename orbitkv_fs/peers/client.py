@@ -1,0 +1,550 @@
+"""Requesting side of peer sharing: fetch missing segments from other Managers.
+
+Owns the peer registry (static ``--peer`` entries and run-time registrations), the per-peer failure
+counts and backoff, the staging memory peers' bytes are read into, and the requester's counters.
+Primitives: :class:`PeerConfig`, :class:`PeerClient` (``add_peer`` / ``remove_peer`` / ``peers`` /
+``fetch`` / ``lookup_prefix`` / ``stats``). ``PeerClient`` is the Manager's
+:class:`~orbitkv_fs.manager.PeerFetcher`.
+
+One :meth:`PeerClient.fetch`: ask up to ``fanout`` peers not in backoff, in parallel, to lease the keys
+(one :class:`~orbitkv_fs.peers.protocol.LeaseRequest` per peer and namespace); for each key take the
+first peer that holds it; read those extents with the Transfer Engine into staging memory; release the
+leases; verify every segment (header, the key's layer and role, CRC32C); return copies of the good
+ones. All of it runs within ``budget_s``; what is not done by then is a miss.
+
+Invariants:
+
+* A fetch never returns bytes that did not verify, nor bytes of a reply for another namespace.
+* Staging memory a read was submitted into is reused only after the Transfer Engine reports that read
+  terminal, even when the fetch stopped waiting for it (it is parked until then).
+* Every lease a peer granted is released (or left to the peer's TTL when the peer stopped answering).
+* A failure (timeout, unreachable, failed read, bad checksum, namespace, protocol, refusal) counts
+  against that peer; after each one the peer is skipped for an exponentially growing backoff, reset
+  by its next clean answer. A peer that simply lacks the keys is not failing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..errors import OrbitKVError, SegmentError
+from ..keys import ObjectKey
+from ..segment import HEADER_SIZE, MAX_STORED_BYTES, parse_segment
+from . import protocol as P
+from .stats import ClientCounters, FailureReason, PeerInfo
+from .transport import READ_DONE, READ_PENDING, Transport, TransportError
+
+__all__ = ["PeerClient", "PeerConfig", "PeerError", "UnknownPeer"]
+
+log = logging.getLogger(__name__)
+_ALIGN = 64
+_MAX_EXTENT = HEADER_SIZE + MAX_STORED_BYTES + 4096
+
+
+class PeerError(OrbitKVError, ValueError):
+    """A bad peer address, or a peer registered twice."""
+
+
+class UnknownPeer(OrbitKVError, KeyError):
+    """No peer with that id."""
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    #: Wall-clock budget of one fetch or prefix lookup: lease round trip, reads and verification.
+    budget_s: float = 0.5
+    #: Peers asked in parallel per fetch.
+    fanout: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    #: Registered memory peers' bytes land in before verification.
+    staging_bytes: int = 256 << 20
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PeerError(f"peer address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Staging:
+    """First-fit allocator over one registered anonymous mapping."""
+
+    def __init__(self, transport: Transport, size: int) -> None:
+        self.size = size
+        self._mm = mmap.mmap(-1, size)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.address = ctypes.addressof(self._anchor)
+        self.view = memoryview(self._mm)
+        transport.register(self.address, size)
+        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> int | None:
+        n = -(-n // _ALIGN) * _ALIGN
+        with self._lock:
+            for i, (off, ln) in enumerate(self._free):
+                if ln >= n:
+                    if ln == n:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + n, ln - n)
+                    self.used += n
+                    return off
+        return None
+
+    def free(self, off: int, n: int) -> None:
+        n = -(-n // _ALIGN) * _ALIGN
+        with self._lock:
+            self.used -= n
+            fl = self._free
+            lo, hi = 0, len(fl)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fl[mid][0] < off:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            fl.insert(lo, (off, n))
+            if lo + 1 < len(fl) and fl[lo][0] + fl[lo][1] == fl[lo + 1][0]:
+                fl[lo] = (fl[lo][0], fl[lo][1] + fl[lo + 1][1])
+                del fl[lo + 1]
+            if lo > 0 and fl[lo - 1][0] + fl[lo - 1][1] == fl[lo][0]:
+                fl[lo - 1] = (fl[lo - 1][0], fl[lo - 1][1] + fl[lo][1])
+                del fl[lo]
+
+    def close(self, transport: Transport) -> None:
+        transport.unregister(self.address)
+        self.view.release()
+        del self._anchor
+        self._mm.close()
+
+
+class _Peer:
+    def __init__(self, address: str, static: bool) -> None:
+        self.host, self.port = parse_address(address)
+        self.address = address
+        self.static = static
+        self.session_id = ""
+        self.consecutive = 0
+        self.backoff_until = 0.0
+        self.requests = 0
+        self.keys_fetched = 0
+        self.fetched_bytes = 0
+        self.failures: dict[str, int] = {}
+        self.idle: list = []  # DEALER sockets not in use
+
+
+@dataclass
+class _Read:
+    key: ObjectKey
+    peer: _Peer
+    staging_off: int
+    length: int
+    handle: int
+    state: int = READ_PENDING
+
+
+class PeerClient:
+    """Fetch segments from peer Managers over their control sockets and Transfer Engines.
+    Thread-safe; several fetches may run at once."""
+
+    def __init__(self, transport: Transport, config: PeerConfig | None = None) -> None:
+        import zmq  # lazily: the core imports without pyzmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self.transport = transport
+        self.config = config or PeerConfig()
+        self._staging = _Staging(transport, self.config.staging_bytes)
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._ids = itertools.count(1)
+        self._abandoned: list[_Read] = []
+        self.counters = ClientCounters()
+        self._closed = False
+
+    # -- registry ----------------------------------------------------------------------------------
+
+    def add_peer(self, address: str, *, static: bool = False) -> PeerInfo:
+        """Register the peer Manager whose peer control socket is ``address`` (``host:port``)."""
+        peer = _Peer(address, static)
+        with self._lock:
+            if address in self._peers:
+                raise PeerError(f"peer {address} is already registered")
+            self._peers[address] = peer
+        return self._info(peer, time.monotonic())
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            raise UnknownPeer(peer_id)
+        for s in peer.idle:
+            s.close(0)
+        peer.idle.clear()
+
+    def peers(self) -> list[PeerInfo]:
+        now = time.monotonic()
+        with self._lock:
+            return [self._info(p, now) for p in self._peers.values()]
+
+    def get_peer(self, peer_id: str) -> PeerInfo:
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                raise UnknownPeer(peer_id)
+            return self._info(peer, time.monotonic())
+
+    @staticmethod
+    def _info(p: _Peer, now: float) -> PeerInfo:
+        remaining = max(0.0, p.backoff_until - now)
+        return PeerInfo(id=p.address, address=p.address, session_id=p.session_id,
+                        state="backoff" if remaining > 0 else "ok", consecutive_failures=p.consecutive,
+                        backoff_remaining_s=round(remaining, 3), requests_total=p.requests,
+                        keys_fetched_total=p.keys_fetched, fetched_bytes_total=p.fetched_bytes,
+                        failures_total=dict(p.failures), static=p.static)
+
+    def _eligible(self, now: float) -> list[_Peer]:
+        with self._lock:
+            ok = [p for p in self._peers.values() if p.backoff_until <= now]
+        return ok[: self.config.fanout]
+
+    def _fail(self, peer: _Peer, reason: str) -> None:
+        with self._lock:
+            peer.failures[reason] = peer.failures.get(reason, 0) + 1
+            self.counters.failures[reason] += 1
+            peer.consecutive += 1
+            delay = min(self.config.backoff_base_s * 2 ** (peer.consecutive - 1), self.config.backoff_max_s)
+            peer.backoff_until = time.monotonic() + delay
+        log.info("peer %s failed (%s); backing off", peer.address, reason)
+
+    def _succeed(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.consecutive = 0
+            peer.backoff_until = 0.0
+
+    # -- sockets -------------------------------------------------------------------------------------
+
+    def _socket(self, peer: _Peer):
+        with self._lock:
+            if peer.idle:
+                return peer.idle.pop()
+        zmq = self._zmq
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{peer.host}:{peer.port}")
+        return s
+
+    def _give_back(self, peer: _Peer, sock) -> None:
+        with self._lock:
+            if self._peers.get(peer.address) is peer and not self._closed:
+                peer.idle.append(sock)
+                return
+        sock.close(0)
+
+    def _exchange(self, asks: list[tuple[_Peer, P.Request]], deadline: float) -> dict[int, "P.Reply | str"]:
+        """Send each request to its peer, collect replies until ``deadline``. Answers req_id -> reply, or
+        a failure reason string for peers that broke the protocol or did not answer."""
+        zmq = self._zmq
+        poller = zmq.Poller()
+        want: dict[int, tuple[_Peer, object]] = {}
+        socks: dict[object, _Peer] = {}
+        for peer, req in asks:
+            sock = next((s for s, p in socks.items() if p is peer), None) or self._socket(peer)
+            socks[sock] = peer
+            sock.send(P.encode(req), zmq.NOBLOCK)
+            want[req.req_id] = (peer, sock)
+            peer.requests += 1
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        out: dict[int, P.Reply | str] = {}
+        broken: set = set()
+        while len(out) < len(want):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for sock, _ in poller.poll(left * 1000):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        rep = P.decode_reply(frame)
+                    except P.ProtocolError:
+                        broken.add(sock)
+                        continue
+                    entry = want.get(rep.req_id)
+                    if entry is None or entry[1] is not sock:
+                        continue  # the ack of an earlier release on this pooled socket
+                    out[rep.req_id] = rep
+            for sock in broken:
+                for rid, (p, s) in want.items():
+                    if s is sock and rid not in out:
+                        out[rid] = FailureReason.PROTOCOL
+        for rid, (peer, sock) in want.items():
+            if rid not in out:
+                out[rid] = FailureReason.TIMEOUT
+        for sock, peer in socks.items():
+            healthy = sock not in broken and all(
+                not isinstance(out[rid], str) for rid, (p, s) in want.items() if s is sock)
+            if healthy:
+                self._give_back(peer, sock)
+            else:  # an answer may still arrive on it later; never reuse it
+                sock.close(0)
+        return out
+
+    def _send_release(self, peer: _Peer, lease_id: int) -> None:
+        sock = self._socket(peer)
+        try:
+            sock.send(P.encode(P.ReleaseRequest(next(self._ids), lease_id)), self._zmq.NOBLOCK)
+        except self._zmq.Again:  # peer gone and queue full: its TTL frees the lease
+            sock.close(0)
+            return
+        self._give_back(peer, sock)
+
+    # -- fetch ---------------------------------------------------------------------------------------
+
+    def fetch(self, keys: Sequence[ObjectKey]) -> Mapping[ObjectKey, bytes]:
+        """Verified segment bytes (header + payload) of whichever ``keys`` a peer delivered in budget."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.budget_s
+        self._reap()
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        peers = self._eligible(t0)
+        with self._lock:
+            self.counters.keys_requested += len(keys)
+        if not peers:
+            with self._lock:
+                self.counters.misses += len(keys)
+            return {}
+        by_ns: dict[bytes, list[ObjectKey]] = {}
+        for k in keys:
+            by_ns.setdefault(k.namespace, []).append(k)
+        asks: list[tuple[_Peer, P.Request]] = []
+        asked: dict[int, tuple[_Peer, bytes, list[ObjectKey]]] = {}
+        for peer in peers:
+            for ns, ks in by_ns.items():
+                req = P.LeaseRequest(next(self._ids), ns, [k.pack() for k in ks], self.transport.session_id)
+                asks.append((peer, req))
+                asked[req.req_id] = (peer, ns, ks)
+        replies = self._exchange(asks, deadline)
+
+        # Pick, per key, the first peer (in registry order) whose reply holds it.
+        leases: list[tuple[_Peer, int]] = []
+        chosen: dict[ObjectKey, tuple[_Peer, P.LeaseReply, P.Extent]] = {}
+        failed: set[int] = set()
+        for rid, rep in replies.items():
+            peer, ns, ks = asked[rid]
+            reason = self._check_reply(rep, ns, ks)
+            if reason is not None:
+                if id(peer) not in failed:
+                    failed.add(id(peer))
+                    self._fail(peer, reason)
+                continue
+            assert isinstance(rep, P.LeaseReply)
+            peer.session_id = rep.session_id
+            if rep.lease_id:
+                leases.append((peer, rep.lease_id))
+            for k, ext in zip(ks, rep.extents):
+                if ext is not None and k not in chosen:
+                    chosen[k] = (peer, rep, ext)
+
+        reads: list[_Read] = []
+        unreachable: set[int] = set()
+        staging_short = 0
+        for k, (peer, rep, ext) in chosen.items():
+            if id(peer) in unreachable:
+                continue
+            off = self._staging.alloc(ext.length)
+            if off is None:
+                staging_short += 1
+                continue
+            try:
+                h = self.transport.submit_read(rep.session_id, self._staging.address + off,
+                                               rep.base_address + ext.offset, ext.length)
+            except TransportError:
+                self._staging.free(off, ext.length)
+                unreachable.add(id(peer))
+                if id(peer) not in failed:
+                    failed.add(id(peer))
+                    self._fail(peer, FailureReason.UNREACHABLE)
+                continue
+            reads.append(_Read(k, peer, off, ext.length, h))
+        if staging_short:
+            with self._lock:
+                self.counters.failures[FailureReason.STAGING] += staging_short
+
+        self._wait(reads, deadline)
+        for peer, lease_id in leases:
+            self._send_release(peer, lease_id)
+
+        out: dict[ObjectKey, bytes] = {}
+        good: dict[int, _Peer] = {}
+        for r in reads:
+            if r.state == READ_PENDING:
+                with self._lock:
+                    self._abandoned.append(r)
+                if id(r.peer) not in failed:
+                    failed.add(id(r.peer))
+                    self._fail(r.peer, FailureReason.TIMEOUT)
+                continue
+            try:
+                if r.state != READ_DONE:
+                    if id(r.peer) not in failed:
+                        failed.add(id(r.peer))
+                        self._fail(r.peer, FailureReason.TRANSFER)
+                    continue
+                seg = self._verify(r)
+                if seg is None:
+                    if id(r.peer) not in failed:
+                        failed.add(id(r.peer))
+                        self._fail(r.peer, FailureReason.CHECKSUM)
+                    continue
+                out[r.key] = seg
+                good[id(r.peer)] = r.peer
+                with self._lock:
+                    r.peer.keys_fetched += 1
+                    r.peer.fetched_bytes += len(seg)
+            finally:
+                if r.state != READ_PENDING:
+                    self._staging.free(r.staging_off, r.length)
+        for rid, rep in replies.items():
+            peer = asked[rid][0]
+            if id(peer) not in failed:
+                self._succeed(peer)
+        elapsed = time.monotonic() - t0
+        with self._lock:
+            c = self.counters
+            c.lookups += 1
+            c.keys_fetched += len(out)
+            c.fetched_bytes += sum(len(v) for v in out.values())
+            c.misses += len(keys) - len(out)
+            c.fetch_seconds += elapsed
+            if out:
+                c.observe_hit(elapsed)
+        return out
+
+    def _check_reply(self, rep: "P.Reply | str", ns: bytes, ks: list[ObjectKey]) -> str | None:
+        if isinstance(rep, str):
+            return rep
+        if isinstance(rep, P.Refused):
+            return FailureReason.NAMESPACE if rep.reason == P.RefuseReason.NAMESPACE else FailureReason.REFUSED
+        if not isinstance(rep, P.LeaseReply):
+            return FailureReason.PROTOCOL
+        if rep.namespace != ns:
+            return FailureReason.NAMESPACE
+        if len(rep.extents) != len(ks) or not rep.session_id or rep.base_address <= 0:
+            return FailureReason.PROTOCOL
+        for e in rep.extents:
+            if e is not None and not (HEADER_SIZE <= e.length <= _MAX_EXTENT and e.offset >= 0):
+                return FailureReason.PROTOCOL
+        return None
+
+    def _wait(self, reads: list[_Read], deadline: float) -> None:
+        # The engine completes a peer's reads roughly in submission order: wait on the oldest one instead
+        # of sweeping all of them (a sweep per pass costs O(n^2) status calls on large batches).
+        spins = 0
+        for r in reads:
+            while True:
+                r.state = self.transport.poll(r.handle)
+                if r.state != READ_PENDING:
+                    break
+                if time.monotonic() >= deadline:
+                    for rest in reads:
+                        if rest.state == READ_PENDING and rest is not r:
+                            rest.state = self.transport.poll(rest.handle)
+                    return
+                spins += 1
+                if spins > 200:  # a slow peer: stop burning the CPU the Manager's other work needs
+                    time.sleep(0.0002)
+            spins = 0
+
+    def _verify(self, r: _Read) -> bytes | None:
+        view = self._staging.view[r.staging_off: r.staging_off + r.length]
+        try:
+            h, _ = parse_segment(view, exact=False)
+        except SegmentError:
+            return None
+        if h.layer != r.key.layer or h.role != r.key.role:
+            return None
+        return bytes(view[: h.nbytes])
+
+    def _reap(self) -> None:
+        with self._lock:
+            parked, self._abandoned = self._abandoned, []
+        keep = []
+        for r in parked:
+            if self.transport.poll(r.handle) == READ_PENDING:
+                keep.append(r)
+            else:
+                self._staging.free(r.staging_off, r.length)
+        if keep:
+            with self._lock:
+                self._abandoned.extend(keep)
+
+    # -- prefix lookups ------------------------------------------------------------------------------
+
+    def lookup_prefix(self, namespace: bytes, chunks: Sequence[bytes], layers: Sequence[tuple[int, int]]) -> int:
+        """The longest leading run of ``chunks`` one peer holds in full (0 without peers)."""
+        peers = self._eligible(time.monotonic())
+        if not peers or not chunks:
+            return 0
+        asks = [(p, P.PrefixRequest(next(self._ids), namespace, list(chunks),
+                                    [(int(l), int(r)) for l, r in layers])) for p in peers]
+        replies = self._exchange(asks, time.monotonic() + self.config.budget_s)
+        best = 0
+        for peer, req in asks:
+            rep = replies[req.req_id]
+            if isinstance(rep, P.PrefixReply) and rep.namespace == namespace and 0 <= rep.count <= len(chunks):
+                best = max(best, rep.count)
+                self._succeed(peer)
+            elif isinstance(rep, str):
+                self._fail(peer, rep)
+            elif isinstance(rep, P.Refused):
+                self._fail(peer, FailureReason.NAMESPACE if rep.reason == P.RefuseReason.NAMESPACE
+                           else FailureReason.REFUSED)
+            else:
+                self._fail(peer, FailureReason.PROTOCOL)
+        return best
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    @property
+    def staging(self) -> tuple[int, int]:
+        """(size, bytes in use) of the staging memory."""
+        return self._staging.size, self._staging.used
+
+    @property
+    def abandoned_reads(self) -> int:
+        with self._lock:
+            return len(self._abandoned)
+
+    def close(self, timeout: float = 35.0) -> None:
+        """Close sockets; wait (up to ``timeout``) for abandoned reads before unmapping staging memory.
+        Reads still pending after that keep the mapping alive for the life of the process."""
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+        for p in peers:
+            for s in p.idle:
+                s.close(0)
+            p.idle.clear()
+        end = time.monotonic() + timeout
+        while self.abandoned_reads and time.monotonic() < end:
+            self._reap()
+            time.sleep(0.01)
+        if not self.abandoned_reads:
+            self._staging.close(self.transport)

@@ -1,0 +1,247 @@
+"""Serving side of peer sharing: answers other Managers' lease, release and prefix requests.
+
+Owns a ZeroMQ ROUTER socket (one thread) at the peer port and the leases it took on behalf of peers.
+Primitives: :class:`PeerSource` (what it needs from the Manager: ``lease_objects``, ``release``,
+``arena_info``, ``list_engines``) and :class:`PeerServer`.
+
+Invariants:
+
+* Only keys of the request's namespace, and only namespaces this Manager serves (one of its engines'),
+  are ever leased; anything else is a :class:`~orbitkv_fs.peers.protocol.Refused` reply, never bytes.
+* Every extent named in a reply lies inside the registered arena and stays under lease until the
+  requester releases it or the lease TTL expires (a requester that died never pins the arena forever).
+  After the TTL the extent may be reused; a requester still reading then gets bytes that fail its CRC.
+* A malformed frame gets a ``bad_request`` reply (or is dropped when not even a request id can be read);
+  it never stops the serving thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
+
+import msgspec
+
+from ..keys import ObjectKey
+from . import protocol as P
+from .stats import ServerCounters
+
+__all__ = ["PeerServer", "PeerSource"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class PeerSource(Protocol):
+    """The part of :class:`orbitkv_fs.manager.Manager` a peer server uses."""
+
+    def lease_objects(self, keys: Sequence[ObjectKey]) -> tuple[int, list[Any]]: ...
+
+    def release(self, lease_id: int) -> None: ...
+
+    def arena_info(self) -> Any: ...
+
+    def list_engines(self) -> list[Any]: ...
+
+
+def _engine_namespaces(source: PeerSource) -> Callable[[], Collection[bytes]]:
+    return lambda: {bytes.fromhex(e.namespace) for e in source.list_engines()}
+
+
+class PeerServer:
+    """Serve ``source``'s DRAM arena to peers. ``session_id`` is this process's Transfer Engine, which
+    must have the arena registered."""
+
+    def __init__(self, source: PeerSource, session_id: str, *, host: str = "127.0.0.1", port: int = 0,
+                 lease_ttl_s: float = 60.0, max_leases: int = 4096,
+                 namespaces: Callable[[], Collection[bytes]] | None = None) -> None:
+        import zmq  # lazily: the core imports without pyzmq
+
+        self._source = source
+        self.session_id = session_id
+        self._namespaces = namespaces or _engine_namespaces(source)
+        self._ttl = lease_ttl_s
+        self._max_leases = max_leases
+        info = source.arena_info()
+        self._base, self._size = int(info.base_address), int(info.size)
+        self._leases: dict[int, float] = {}  # lease id -> expiry (monotonic)
+        self._lock = threading.Lock()
+        self.counters = ServerCounters()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.host, self.port = host, port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"orbitkv-peer-server:{port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def leases_active(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # -- serving loop ---------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            if poller.poll(100):
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 2:
+                        self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
+                        continue
+                    reply = self._handle(frames[1])
+                    if reply is not None:
+                        self._sock.send_multipart([frames[0], P.encode(reply)])
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._expire(now)
+                next_sweep = now + 1.0
+
+    def _handle(self, frame: bytes) -> "P.Reply | None":
+        try:
+            req = P.decode_request(frame)
+        except P.ProtocolError as e:
+            self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
+            req_id = _salvage_req_id(frame)
+            return None if req_id is None else P.Refused(req_id, P.RefuseReason.BAD_REQUEST, str(e)[:200])
+        try:
+            if isinstance(req, P.LeaseRequest):
+                return self._lease(req)
+            if isinstance(req, P.ReleaseRequest):
+                self._release(req.lease_id)
+                return P.Ack(req.req_id)
+            return self._prefix(req)
+        except Exception as e:  # a Manager error must not stop the serving thread
+            log.exception("peer request failed")
+            self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
+            return P.Refused(req.req_id, P.RefuseReason.BAD_REQUEST, f"{type(e).__name__}: {e}"[:200])
+
+    def _refuse(self, req_id: int, reason: str, detail: str) -> P.Refused:
+        self.counters.refused[reason] += 1
+        return P.Refused(req_id, reason, detail)
+
+    def _check(self, req: "P.LeaseRequest | P.PrefixRequest") -> P.Refused | None:
+        if req.version != P.PROTOCOL_VERSION:
+            return self._refuse(req.req_id, P.RefuseReason.VERSION, f"protocol version {req.version}")
+        if req.namespace not in self._namespaces():
+            return self._refuse(req.req_id, P.RefuseReason.NAMESPACE,
+                                f"namespace {req.namespace.hex()} is not served here")
+        return None
+
+    def _lease(self, req: P.LeaseRequest) -> P.Reply:
+        refused = self._check(req)
+        if refused is not None:
+            return refused
+        try:
+            keys = [ObjectKey.unpack(k) for k in req.keys]
+        except ValueError as e:
+            return self._refuse(req.req_id, P.RefuseReason.BAD_REQUEST, str(e))
+        if any(k.namespace != req.namespace for k in keys):
+            return self._refuse(req.req_id, P.RefuseReason.NAMESPACE, "a key names another namespace")
+        with self._lock:
+            if len(self._leases) >= self._max_leases:
+                return self._refuse(req.req_id, P.RefuseReason.BUSY, f"{len(self._leases)} leases outstanding")
+        lease_id, extents = self._source.lease_objects(keys)
+        out: list[P.Extent | None] = []
+        served = 0
+        for e in extents:
+            if e is None:
+                out.append(None)
+                continue
+            if e.offset < 0 or e.length <= 0 or e.offset + e.length > self._size:
+                raise RuntimeError(f"arena extent {e} outside the {self._size}-byte arena")
+            out.append(P.Extent(int(e.offset), int(e.length), int(e.generation)))
+            served += 1
+        if served == 0:
+            if lease_id:
+                self._source.release(lease_id)
+            lease_id = 0
+        else:
+            with self._lock:
+                self._leases[lease_id] = time.monotonic() + self._ttl
+        self.counters.lease_requests += 1
+        self.counters.keys_requested += len(keys)
+        self.counters.keys_served += served
+        self.counters.bytes_leased += sum(e.length for e in out if e is not None)
+        return P.LeaseReply(req.req_id, req.namespace, self.session_id, self._base, lease_id, out)
+
+    def _release(self, lease_id: int) -> None:
+        with self._lock:
+            known = self._leases.pop(lease_id, None) is not None
+        if known:
+            self._source.release(lease_id)
+            self.counters.releases += 1
+
+    def _prefix(self, req: P.PrefixRequest) -> P.Reply:
+        refused = self._check(req)
+        if refused is not None:
+            return refused
+        count = 0
+        for chunk in req.chunks:
+            keys = [ObjectKey(req.namespace, chunk, layer, role) for layer, role in req.layers]
+            lease_id, extents = self._source.lease_objects(keys)
+            if lease_id:
+                self._source.release(lease_id)
+            if any(e is None for e in extents):
+                break
+            count += 1
+        self.counters.prefix_requests += 1
+        return P.PrefixReply(req.req_id, req.namespace, count)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            dead = [lid for lid, exp in self._leases.items() if exp <= now]
+            for lid in dead:
+                del self._leases[lid]
+        for lid in dead:
+            self.counters.leases_expired += 1
+            try:
+                self._source.release(lid)
+            except Exception:  # already gone (the Manager dropped it): nothing left to free
+                log.debug("expired lease %d already released", lid)
+
+    def close(self) -> None:
+        """Stop serving and release every lease still held for peers."""
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(0)
+        with self._lock:
+            leases, self._leases = list(self._leases), {}
+        for lid in leases:
+            try:
+                self._source.release(lid)
+            except Exception:
+                log.debug("lease %d already released", lid)
+
+
+class _ReqId(msgspec.Struct):
+    req_id: int
+
+
+_salvage = msgspec.msgpack.Decoder(_ReqId)
+
+
+def _salvage_req_id(frame: bytes) -> int | None:
+    try:
+        return _salvage.decode(frame).req_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
