@@ -102,6 +102,8 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc"):
     handle: bytes
     offset: int
     device: int = 0
+    #: Bytes of the shared allocation (torch: the storage's size); bounds the tensor's extent.
+    size: int = 0
 
 
 class TensorDesc(msgspec.Struct, frozen=True):

@@ -49,13 +49,50 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
+import time
+import uuid
 from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgspec
+import numpy as np
 
-from .errors import OrbitKVError
-from .geometry import CudaIpcHandle, EngineRegistration, GeometryError, HostPagesHandle, TensorDesc
+from .codecs import CODEC_NAMES, LOSSY_CODECS, Codec, decode_payload, encode_segment, get_codec, raw_segment
+from .errors import CodecError, OrbitKVError, SegmentError, UnknownFormat
+from .geometry import (
+    AttentionKind,
+    CudaIpcHandle,
+    EngineRegistration,
+    GeometryError,
+    HostPagesHandle,
+    TensorDesc,
+    block_views,
+    check_imported,
+    layer_attention,
+    num_blocks,
+    parse_dtype,
+    validate_registration,
+)
 from .keys import ObjectKey
+from .namespace import namespace_v2
+from .pages import HostPages, PagesError, import_cuda_tensor
+from .segment import (
+    HEADER_SIZE,
+    MAX_STORED_BYTES,
+    Format,
+    RawReason,
+    Role,
+    SegmentHeader,
+    crc32c,
+    pack_header,
+    parse_header,
+    parse_segment,
+)
+from .tiers.dram import DramTier
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ArenaInfo",
@@ -78,6 +115,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectPage",
     "PeerFetcher",
+    "PoolExhausted",
     "RequestError",
     "RestoreResult",
     "SaveResult",
@@ -105,6 +143,10 @@ class EngineBusy(OrbitKVError):
 
 class LeaseError(OrbitKVError, KeyError):
     """Unknown or already released lease id."""
+
+
+class PoolExhausted(OrbitKVError):
+    """The DRAM pool cannot make room: what is left is leased or reserved."""
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -329,58 +371,612 @@ class PeerFetcher(Protocol):
 # ---------------------------------------------------------------------------------------------- the Manager
 
 
+class _Seg:
+    """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
+
+    __slots__ = ("layer", "role", "desc", "array", "codec", "raw_reason", "block_shape", "block_bytes", "dtype",
+                 "pick", "on_gpu")
+
+    def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
+                 raw_reason: RawReason, on_gpu: bool) -> None:
+        self.layer = desc.layer
+        self.role = role
+        self.desc = desc
+        self.array = array
+        self.codec = codec
+        self.raw_reason = raw_reason
+        self.on_gpu = on_gpu
+        self.dtype = np.dtype(parse_dtype(desc.dtype))
+        views = block_views(reg, desc, array, 0)
+        self.pick = [i for i, (r, _) in enumerate(views) if r == role][0]
+        v = views[self.pick][1]
+        self.block_shape = tuple(v.shape)
+        self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def view(self, reg: EngineRegistration, block: int):
+        return block_views(reg, self.desc, self.array, block)[self.pick][1]
+
+
+class _Engine:
+    def __init__(self, info: EngineInfo, reg: EngineRegistration, ns: bytes, segs: list[_Seg],
+                 num_blocks: int, imports: list) -> None:
+        self.info = info
+        self.reg = reg
+        self.ns = ns
+        self.segs = segs
+        self.num_blocks = num_blocks
+        self.imports = imports
+        self.inflight = 0
+        self.closing = False
+        self.leases: set[int] = set()
+
+
+class _Lease:
+    __slots__ = ("engine_id", "chunks", "entries")
+
+    def __init__(self, engine_id: str | None) -> None:
+        self.engine_id = engine_id
+        self.chunks: list[bytes] = []  # pinned (namespace + chunk)
+        self.entries: list[tuple[int, int]] = []  # leased (slot, generation)
+
+
+_REP_NAMES = {int(f): f.name.lower() for f in Format}
+
+
+def _pack(ns: bytes, chunk: bytes, layer: int, role: Role) -> bytes:
+    return ObjectKey(ns, chunk, layer, role).pack()
+
+
+def _verify(kb: bytes, blob) -> SegmentHeader:
+    """Full validation of a segment claimed to be the object ``kb``. Raises SegmentError."""
+    h, _ = parse_segment(blob)
+    key = ObjectKey.unpack(kb)
+    if h.layer != key.layer or h.role != key.role:
+        raise UnknownFormat(f"segment is layer {h.layer}/{h.role.name}, the key says {key.layer}/{key.role.name}")
+    return h
+
+
 class Manager:
     """One per host (remote mode) or per engine process (embedded mode). Thread-safe."""
 
     def __init__(self, config: ManagerConfig | None = None, *, lower_tier: LowerTier | None = None,
                  peer_fetcher: PeerFetcher | None = None) -> None:
         """Create the arena file, pin it when a GPU is present, start with no engines."""
-        raise NotImplementedError
+        self._config = config = config or ManagerConfig()
+        if config.storage_codec not in CODEC_NAMES:
+            raise CodecError(f"unknown storage codec {config.storage_codec!r}; expected {', '.join(CODEC_NAMES)}")
+        if config.storage_codec == "ans":
+            get_codec("ans")  # CodecUnavailable here rather than at the first save
+        self._gpu = config.device != "cpu" and _gpu_present()
+        self._codec_runner = _codec_runner(self._gpu)
+        self.lower = lower_tier
+        self.peers = peer_fetcher
+        self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
+                             demote=lower_tier.submit if lower_tier is not None else None)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._engines: dict[str, _Engine] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._reservations: dict[int, tuple[int, int]] = {}  # id -> (offset, nbytes)
+        self._res_ids = itertools.count(1)
+        self._stat_lock = threading.Lock()
+        self._c: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._hits = {"dram": 0, "lower": 0, "peer": 0}
+        self._codec_segments: dict[str, int] = {}
+        self._raw: dict[str, int] = {}
+        self._workspace = 0
+        self._inflight = 0
+        self._closed = False
 
-    # -- engines ------------------------------------------------------------------------------------
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def _add(self, **kw: float) -> None:
+        with self._stat_lock:
+            for k, v in kw.items():
+                self._c[k] += v
+
+    def _count(self, table: dict[str, int], name: str, n: int = 1) -> None:
+        with self._stat_lock:
+            table[name] = table.get(name, 0) + n
+
+    def _workspace_delta(self, n: int) -> None:
+        with self._stat_lock:
+            self._workspace += n
+
+    def _enter(self, engine_id: str) -> _Engine:
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or eng.closing:
+                raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            eng.inflight += 1
+            self._inflight += 1
+            return eng
+
+    def _exit(self, eng: _Engine) -> None:
+        with self._lock:
+            eng.inflight -= 1
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    # -- engines -------------------------------------------------------------------------------------
 
     def register_engine(self, reg: EngineRegistration) -> EngineInfo:
         """Validate ``reg`` against the tensors its handles import, then register it. Raises
         :class:`GeometryError` (naming the field) and registers nothing on any mismatch."""
-        raise NotImplementedError
+        validate_registration(reg)
+        codec_name = reg.codec or self._config.storage_codec
+        if codec_name not in CODEC_NAMES:
+            raise GeometryError("codec", f"unknown codec {codec_name!r}; expected {', '.join(CODEC_NAMES)}")
+        if codec_name == "ans":
+            try:
+                get_codec("ans")
+            except CodecError as e:
+                raise GeometryError("codec", str(e)) from None
+        imports: list = []
+        try:
+            arrays, device = self._import_tensors(reg, imports)
+            segs: list[_Seg] = []
+            exact_layers: set[int] = set()
+            for desc, arr in zip(reg.tensors, arrays):
+                codec, reason = _layer_codec(reg, desc, codec_name)
+                if codec is None and codec_name != "none":
+                    exact_layers.add(desc.layer)
+                for role, _ in block_views(reg, desc, arr, 0):
+                    segs.append(_Seg(reg, desc, arr, role, codec, reason, device != "host"))
+            segs.sort(key=lambda s: (s.layer, int(s.role)))
+            blocks = min(num_blocks(reg, d) for d in reg.tensors)
+            ns = namespace_v2(reg, codec_name)
+            with self._lock:
+                if self._closed:
+                    raise OrbitKVError("the Manager is closed")
+                engine_id = reg.engine_id or f"{reg.engine_kind}-{uuid.uuid4().hex[:12]}"
+                if engine_id in self._engines:
+                    raise EngineBusy(f"engine id {engine_id!r} is already registered")
+                info = EngineInfo(engine_id=engine_id, namespace=ns.hex(), codec=codec_name, model=reg.model,
+                                  layer_start=reg.layer_start, layer_end=reg.layer_end, num_blocks=blocks,
+                                  segments_per_chunk=len(segs), exact_layers=sorted(exact_layers), device=device,
+                                  registration=reg)
+                self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports)
+            return info
+        except BaseException:
+            _close_imports(imports)
+            raise
+
+    def _import_tensors(self, reg: EngineRegistration, imports: list) -> tuple[list, str]:
+        """Map every tensor's handle; check it against its descriptor. Host pages files are opened once."""
+        files: dict[str, HostPages] = {}
+        arrays = []
+        kinds = {type(d.handle) for d in reg.tensors}
+        if len(kinds) > 1:
+            raise GeometryError("tensors", "host pages and CUDA IPC handles cannot be mixed in one engine")
+        device = "host"
+        for i, desc in enumerate(reg.tensors):
+            at = f"tensors[{i}]"
+            h = desc.handle
+            if isinstance(h, HostPagesHandle):
+                pages = files.get(h.path)
+                if pages is None:
+                    try:
+                        pages = HostPages.open(h.path)
+                    except PagesError as e:
+                        raise GeometryError(f"{at}.handle.path", str(e)) from None
+                    files[h.path] = pages
+                    imports.append(pages)
+                try:
+                    t, arr = pages.at(h.offset)
+                except PagesError as e:
+                    raise GeometryError(f"{at}.handle.offset", str(e)) from None
+                check_imported(desc, at, dtype=parse_dtype(t.dtype), shape=tuple(t.shape),
+                               strides=tuple(t.strides), role=t.role)
+                if t.layer >= 0 and t.layer != desc.layer:
+                    raise GeometryError(f"{at}.layer", f"declared {desc.layer}, the pages file says {t.layer}")
+                if t.layout and t.layout != desc.layout:
+                    raise GeometryError(f"{at}.layout", f"declared {desc.layout}, the pages file says {t.layout}")
+            else:
+                if not self._gpu:
+                    raise GeometryError(f"{at}.handle", "CUDA IPC handle given, but this Manager has no GPU")
+                arr, owner = import_cuda_tensor(desc, at)
+                imports.append(owner)
+                device = f"cuda:{h.device}"
+            arrays.append(arr)
+        return arrays, device
 
     def list_engines(self) -> list[EngineInfo]:
-        raise NotImplementedError
+        with self._lock:
+            return [e.info for e in self._engines.values() if not e.closing]
 
     def get_engine(self, engine_id: str) -> EngineInfo:
         """Raises :class:`UnknownEngine`."""
-        raise NotImplementedError
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or eng.closing:
+                raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            return eng.info
 
     def unregister_engine(self, engine_id: str, *, timeout: float | None = 60.0) -> None:
         """Refuse new requests for the engine, wait for its outstanding ones, release its leases, codec
         resources and imported tensors. Cached objects stay (they belong to the namespace)."""
-        raise NotImplementedError
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or eng.closing:
+                raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            eng.closing = True
+            if not self._cond.wait_for(lambda: eng.inflight == 0, timeout):
+                eng.closing = False
+                raise EngineBusy(f"engine {engine_id!r} still has {eng.inflight} requests after {timeout}s")
+            leases = [self._leases.pop(i) for i in list(eng.leases) if i in self._leases]
+            del self._engines[engine_id]
+        for lease in leases:
+            self._drop_lease(lease)
+        _close_imports(eng.imports)
 
-    # -- data path ----------------------------------------------------------------------------------
+    # -- data path -----------------------------------------------------------------------------------
+
+    def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks]) -> None:
+        seen: set[int] = set()
+        for i, ch in enumerate(chunks):
+            if not isinstance(ch.key, bytes) or len(ch.key) != 16:
+                raise RequestError(f"chunks[{i}].key: a chunk key is 16 bytes")
+            if not ch.blocks:
+                raise RequestError(f"chunks[{i}].blocks: no blocks")
+            for b in ch.blocks:
+                if not 0 <= b < eng.num_blocks:
+                    raise RequestError(f"chunks[{i}].blocks: unknown block {b} (engine has {eng.num_blocks})")
+                if b in seen:
+                    raise RequestError(f"chunks[{i}].blocks: block {b} appears twice in one request")
+                seen.add(b)
 
     def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True) -> LookupResult:
         """Length of the leading run of ``chunks`` present in full. Lower-tier objects of that run are
         promoted to DRAM; with ``lease`` the run's extents stay leased until :meth:`restore` (given the
         lease id) or :meth:`release`."""
-        raise NotImplementedError
+        eng = self._enter(engine_id)
+        try:
+            for i, c in enumerate(chunks):
+                if not isinstance(c, bytes) or len(c) != 16:
+                    raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
+            nseg = len(eng.segs)
+            dram = self.dram
+            pin = _Lease(engine_id)
+            n_dram = n_lower = 0
+            for c in chunks:
+                nc = eng.ns + c
+                if lease:
+                    dram.pin_chunks((nc,))
+                    pin.chunks.append(nc)
+                if dram.chunk_count(nc) >= nseg:
+                    n_dram += 1
+                    continue
+                if self.lower is not None and self._promote(eng, c):
+                    n_lower += 1
+                    continue
+                if lease:
+                    dram.unpin_chunks((pin.chunks.pop(),))
+                break
+            count = n_dram + n_lower
+            n_peer = 0
+            if count < len(chunks) and self.peers is not None:
+                layers = [(s.layer, int(s.role)) for s in eng.segs]
+                try:
+                    n_peer = max(0, min(len(chunks) - count, self.peers.lookup_prefix(eng.ns, chunks[count:], layers)))
+                except Exception as e:  # a peer failure is a miss, never a failed lookup
+                    log.warning("peer lookup failed: %s", e)
+            lease_id = 0
+            if pin.chunks:
+                lease_id = next(self._lease_ids)
+                with self._lock:
+                    self._leases[lease_id] = pin
+                    eng.leases.add(lease_id)
+            self._add(lookups=1, lookup_chunks_hit=count + n_peer)
+            return LookupResult(count=count + n_peer, lease_id=lease_id, dram=n_dram, lower=n_lower, peer=n_peer)
+        finally:
+            self._exit(eng)
+
+    def _promote(self, eng: _Engine, chunk: bytes) -> bool:
+        """Bring a chunk's missing segments up from the lower tier; True when the chunk is then complete."""
+        keys = [_pack(eng.ns, chunk, s.layer, s.role) for s in eng.segs]
+        missing = [k for k in keys if not self.dram.contains(k)]
+        if not all(self.lower.contains(ObjectKey.unpack(k)) for k in missing):
+            return False
+        for k in missing:
+            blob = self._read_lower(k)
+            if blob is None or self._admit(k, blob) is None and not self.dram.contains(k):
+                return False
+        return True
+
+    def _read_lower(self, kb: bytes) -> bytes | None:
+        blob = self.lower.read(ObjectKey.unpack(kb))
+        if blob is None:
+            return None
+        try:
+            _verify(kb, blob)
+        except SegmentError as e:
+            log.warning("lower tier returned a bad segment for %s: %s", ObjectKey.unpack(kb), e)
+            self._add(decode_failures=1)
+            return None
+        self._count(self._hits, "lower")
+        return blob
+
+    def _admit(self, kb: bytes, blob: bytes, *, lease: bool = False) -> tuple[int, int] | None:
+        """Copy a verified segment into DRAM and publish it; None when it did not fit or was present."""
+        h = parse_header(blob)
+        off = self.dram.reserve(len(blob))
+        if off is None:
+            return None
+        self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+        return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), lease=lease)
 
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
         to DRAM (evicting, and demoting to the lower tier, as needed). Chunks already present are skipped.
         Raises :class:`RequestError` before doing anything when a block id or key is bad."""
-        raise NotImplementedError
+        t0 = time.perf_counter()
+        eng = self._enter(engine_id)
+        try:
+            self._check_chunks(eng, chunks)
+            nseg = len(eng.segs)
+            todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+            present = 0
+            saved_chunks = set()
+            for ch in chunks:
+                if self.dram.chunk_count(eng.ns + ch.key) >= nseg:
+                    present += 1
+                    continue
+                for seg in eng.segs:
+                    kb = _pack(eng.ns, ch.key, seg.layer, seg.role)
+                    if not self.dram.contains(kb):
+                        todo.append((ch, seg, kb))
+            acc = _SaveAcc()
+            budget = max(int(self._config.storage_codec_budget * self._config.pool_size), 1 << 20)
+            batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+            batch_bytes = 0
+            for item in todo:
+                if item[1].codec is None:
+                    self._save_raw(eng, item, acc)
+                    continue
+                batch.append(item)
+                batch_bytes += len(item[0].blocks) * item[1].block_bytes
+                if len(batch) >= self._config.batch_segments or batch_bytes >= budget:
+                    self._save_batch(eng, batch, acc)
+                    batch, batch_bytes = [], 0
+            if batch:
+                self._save_batch(eng, batch, acc)
+            for ch, _, kb in todo:
+                if kb in acc.admitted:
+                    saved_chunks.add(ch.key)
+            dt = time.perf_counter() - t0
+            self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
+                      dropped_segments=acc.dropped)
+            return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=len(acc.admitted),
+                              logical_bytes=acc.logical, stored_bytes=acc.stored, raw_segments=acc.raw,
+                              dropped_segments=acc.dropped, seconds=dt)
+        finally:
+            self._exit(eng)
+
+    def _gather(self, eng: _Engine, seg: _Seg, blocks: list[int]) -> np.ndarray:
+        """The chunk's blocks of ``seg`` as one contiguous host array (leading axis: blocks)."""
+        out = np.empty((len(blocks),) + seg.block_shape, dtype=seg.dtype)
+        for j, b in enumerate(blocks):
+            _to_host(seg.view(eng.reg, b), out[j])
+        return out
+
+    def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
+        """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
+        ch, seg, kb = item
+        n = len(ch.blocks) * seg.block_bytes
+        total = HEADER_SIZE + n
+        reason = seg.raw_reason.name.lower()
+        if total > MAX_STORED_BYTES:
+            raise RequestError(f"chunk of {len(ch.blocks)} blocks makes a {n}-byte segment, over the "
+                               f"{MAX_STORED_BYTES}-byte bound")
+        off = self.dram.reserve(total)
+        if off is None:
+            self._demote_direct(kb, raw_segment(self._gather(eng, seg, ch.blocks), role=seg.role, layer=seg.layer,
+                                                reason=seg.raw_reason), acc)
+            return
+        try:
+            body = self.dram.view(off + HEADER_SIZE, n)
+            dst = body.view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape)
+            for j, b in enumerate(ch.blocks):
+                _to_host(seg.view(eng.reg, b), dst[j])
+            h = SegmentHeader(Format.RAW, seg.dtype, n, n, crc32c(body), role=seg.role, layer=seg.layer,
+                              raw_reason=seg.raw_reason)
+            self.dram.view(off, HEADER_SIZE)[:] = np.frombuffer(pack_header(h), dtype=np.uint8)
+        except BaseException:
+            self.dram.cancel(off, total)
+            raise
+        if self.dram.publish(kb, off, total, n, int(Format.RAW)) is not None:
+            acc.admit(kb, n, total)
+            self._count(self._codec_segments, "raw")
+            if seg.raw_reason != RawReason.NONE:
+                acc.raw[reason] = acc.raw.get(reason, 0) + 1
+                self._count(self._raw, reason)
+
+    def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]], acc: "_SaveAcc") -> None:
+        srcs = [self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
+        ws = sum(s.nbytes for s in srcs)
+        self._workspace_delta(ws)
+        try:
+            t0 = time.perf_counter()
+            blobs = self._codec_runner.encode([(s, seg.codec, seg.role, seg.layer) for s, (_, seg, _) in zip(srcs, batch)])
+            self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1)
+        finally:
+            self._workspace_delta(-ws)
+        for (ch, seg, kb), src, blob in zip(batch, srcs, blobs):
+            h = parse_header(blob)
+            rep = _REP_NAMES[int(h.format)]
+            self._count(self._codec_segments, rep)
+            if h.raw_reason != RawReason.NONE:
+                r = h.raw_reason.name.lower()
+                acc.raw[r] = acc.raw.get(r, 0) + 1
+                self._count(self._raw, r)
+            off = self.dram.reserve(len(blob))
+            if off is None:
+                self._demote_direct(kb, blob, acc)
+                continue
+            self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+            if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format)) is not None:
+                acc.admit(kb, h.original_length, len(blob))
+
+    def _demote_direct(self, kb: bytes, blob: bytes, acc: "_SaveAcc") -> None:
+        """DRAM is full of leased objects: hand the segment to the lower tier, or drop it."""
+        if self.lower is not None and self.lower.submit(ObjectKey.unpack(kb), blob):
+            acc.admit(kb, parse_header(blob).original_length, len(blob))
+        else:
+            acc.dropped += 1
 
     def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
         """Write the chunks' cached KV into the given blocks. Every destination is validated first
         (:class:`RequestError`, nothing written); a missing or corrupt segment is a miss for its chunk.
         ``lease_id`` (from :meth:`lookup`) is released when the restore ends."""
-        raise NotImplementedError
+        t0 = time.perf_counter()
+        eng = self._enter(engine_id)
+        held = _Lease(engine_id)
+        try:
+            self._check_chunks(eng, chunks)
+            if lease_id:
+                with self._lock:
+                    lease = self._leases.get(lease_id)
+                if lease is None or lease.engine_id != engine_id:
+                    raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
+            keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in eng.segs] for ch in chunks]
+            sources = self._acquire([k for ks in keys for k in ks], held)
+            # Phase 1: verify every source and check it against its destination; write nothing yet.
+            bad: dict[int, str] = {}
+            plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+                for seg, kb in zip(eng.segs, ks):
+                    src = sources.get(kb)
+                    if src is None:
+                        bad.setdefault(ci, "missing")
+                        continue
+                    try:
+                        h = _verify(kb, src)
+                    except SegmentError as e:
+                        self._add(decode_failures=1)
+                        bad[ci] = f"corrupt: {type(e).__name__}: {e}"
+                        continue
+                    want = len(ch.blocks) * seg.block_bytes
+                    if h.original_length != want or h.dtype != seg.dtype:
+                        raise RequestError(
+                            f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {h.original_length} "
+                            f"bytes of {h.dtype}, the {len(ch.blocks)} destination blocks take {want} bytes of "
+                            f"{seg.dtype}")
+                    plan.append((ci, seg, ch, h, memoryview(src)[HEADER_SIZE:HEADER_SIZE + h.stored_length]))
+            # Phase 2: decode and scatter.
+            segments = logical = stored = 0
+            for ci, seg, ch, h, payload in plan:
+                if ci in bad:
+                    continue
+                try:
+                    self._write(eng, seg, ch.blocks, h, payload)
+                except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
+                    log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, e)
+                    self._add(decode_failures=1)
+                    bad[ci] = f"decode: {type(e).__name__}: {e}"
+                    continue
+                segments += 1
+                logical += h.original_length
+                stored += HEADER_SIZE + h.stored_length
+            misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
+            self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources))
+            dt = time.perf_counter() - t0
+            self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
+                      restore_seconds=dt)
+            return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,
+                                 segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
+        finally:
+            self._drop_lease(held)
+            if lease_id:
+                with self._lock:
+                    lease = self._leases.pop(lease_id, None)
+                    eng.leases.discard(lease_id)
+                if lease is not None:
+                    self._drop_lease(lease)
+            self._exit(eng)
+
+    def _acquire(self, kbs: list[bytes], held: _Lease) -> dict[bytes, "memoryview | bytes"]:
+        """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
+        bytes (readmitted to DRAM when they fit). Absent keys are left out."""
+        out: dict[bytes, memoryview | bytes] = {}
+        found = self.dram.lease(kbs)
+        missing = []
+        for kb, f in zip(kbs, found):
+            if f is None:
+                missing.append(kb)
+                continue
+            slot, gen, off, length = f
+            held.entries.append((slot, gen))
+            out[kb] = memoryview(self.dram.view(off, length))
+        self._count(self._hits, "dram", len(kbs) - len(missing))
+        if missing and self.lower is not None:
+            still = []
+            for kb in missing:
+                blob = self._read_lower(kb)
+                if blob is None:
+                    still.append(kb)
+                    continue
+                self._admit(kb, blob)
+                out[kb] = blob
+            missing = still
+        if missing and self.peers is not None:
+            try:
+                got = self.peers.fetch([ObjectKey.unpack(k) for k in missing])
+            except Exception as e:  # peers failing is a miss
+                log.warning("peer fetch failed: %s", e)
+                got = {}
+            for key, blob in got.items():
+                kb = key.pack() if isinstance(key, ObjectKey) else b""
+                if kb not in missing or kb in out:
+                    continue
+                try:
+                    _verify(kb, blob)
+                except SegmentError as e:
+                    log.warning("peer sent a bad segment for %s: %s", key, e)
+                    self._add(decode_failures=1)
+                    continue
+                self._count(self._hits, "peer")
+                self._admit(kb, bytes(blob))
+                out[kb] = bytes(blob)
+        return out
+
+    def _write(self, eng: _Engine, seg: _Seg, blocks: list[int], h: SegmentHeader, payload: memoryview) -> None:
+        if h.format == Format.RAW:
+            flat = np.frombuffer(payload, dtype=h.dtype)
+        else:
+            t0 = time.perf_counter()
+            flat = self._codec_runner.decode(h, payload)
+            self._workspace_delta(flat.nbytes)
+            self._add(decode_seconds=time.perf_counter() - t0)
+        try:
+            per = seg.block_bytes // seg.dtype.itemsize
+            for j, b in enumerate(blocks):
+                _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(eng.reg, b))
+        finally:
+            if h.format != Format.RAW:
+                self._workspace_delta(-flat.nbytes)
 
     def release(self, lease_id: int) -> None:
         """Drop a lease from :meth:`lookup` or :meth:`lease_objects`. Raises :class:`LeaseError`."""
-        raise NotImplementedError
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseError(f"unknown lease {lease_id}")
+            eng = self._engines.get(lease.engine_id) if lease.engine_id else None
+            if eng is not None:
+                eng.leases.discard(lease_id)
+        self._drop_lease(lease)
 
-    # -- admin --------------------------------------------------------------------------------------
+    def _drop_lease(self, lease: _Lease) -> None:
+        if lease.chunks:
+            self.dram.unpin_chunks(lease.chunks)
+            lease.chunks = []
+        if lease.entries:
+            self.dram.unlease(lease.entries)
+            lease.entries = []
+
+    # -- admin ---------------------------------------------------------------------------------------
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, chunks: Sequence[bytes] | None = None,
                    namespace: bytes | None = None, engine_id: str | None = None,
@@ -388,53 +984,327 @@ class Manager:
         """Drop objects from every tier: exact ``keys``; ``chunks`` of ``engine_id`` or ``namespace``;
         everything of a namespace or an engine's namespace; or ``all``. Leased objects are hidden at once
         and freed when their leases drain. Answers per-tier object counts and stored bytes."""
-        raise NotImplementedError
+        if sum(x is not None for x in (keys, namespace, engine_id)) + bool(all) != 1:
+            raise RequestError("invalidate needs exactly one of keys, namespace, engine_id or all")
+        if engine_id is not None:
+            with self._lock:
+                eng = self._engines.get(engine_id)
+                if eng is None:
+                    raise UnknownEngine(f"no engine {engine_id!r} is registered")
+                namespace = eng.ns
+        if namespace is not None and len(namespace) != 16:
+            raise RequestError("a namespace is 16 bytes")
+        lower = TierCounts()
+        if keys is not None:
+            if chunks is not None:
+                raise RequestError("chunks go with namespace or engine_id, not keys")
+            packed = {k.pack() for k in keys}
+            d = self.dram.invalidate(packed.__contains__)
+            if self.lower is not None:
+                lower = self.lower.invalidate(keys=list(keys))
+        elif namespace is not None and chunks is not None:
+            wanted = {namespace + c for c in chunks}
+            d = self.dram.invalidate(lambda k: k[:32] in wanted)
+            if self.lower is not None:
+                lkeys = [k for k, _ in self.lower.iter_objects(namespace) if k.namespace + k.chunk in wanted]
+                lower = self.lower.invalidate(keys=lkeys) if lkeys else TierCounts()
+        elif namespace is not None:
+            d = self.dram.invalidate(lambda k: k[:16] == namespace)
+            if self.lower is not None:
+                lower = self.lower.invalidate(namespace=namespace)
+        else:
+            if chunks is not None:
+                raise RequestError("chunks go with namespace or engine_id")
+            d = self.dram.invalidate(lambda k: True)
+            if self.lower is not None:
+                lower = self.lower.invalidate(all=True)
+        return InvalidateResult(dram=TierCounts(*d), lower=lower)
 
     def stats(self) -> ManagerStats:
-        raise NotImplementedError
+        dram = self.dram
+        with dram.lock:
+            used = dram.used_bytes
+            resident = {_REP_NAMES[r]: b for r, b in dram.resident_bytes.items() if b}
+            objects = len(dram.index)
+            logical = dram.resident_logical
+            evictions, evicted, demoted = dram.evictions, dram.evicted_bytes, dram.demoted
+            reserved = dram.reserved_bytes
+            leases = dram.leases_active + dram.pins_active
+            leased = dram.leased_bytes
+        lower_stats: dict[str, float] = {}
+        res_objects = {"dram": objects}
+        res_bytes = {"dram": resident}
+        if self.lower is not None:
+            lower_stats = {k: float(v) for k, v in self.lower.stats().items()}
+        with self._lock:
+            engines = sum(1 for e in self._engines.values() if not e.closing)
+            inflight = self._inflight
+        with self._stat_lock:
+            c = dict(self._c)
+            return ManagerStats(
+                engines=engines, pool_capacity_bytes=dram.capacity, pool_used_bytes=used,
+                resident_objects=res_objects, resident_bytes=res_bytes, resident_logical_bytes=logical,
+                hits=dict(self._hits), misses=int(c["misses"]), lookups=int(c["lookups"]),
+                lookup_chunks_hit=int(c["lookup_chunks_hit"]), evictions=evictions, evicted_bytes=evicted,
+                demoted=demoted, save_requests=int(c["save_requests"]),
+                save_logical_bytes=int(c["save_logical_bytes"]), save_stored_bytes=int(c["save_stored_bytes"]),
+                save_seconds=c["save_seconds"], restore_requests=int(c["restore_requests"]),
+                restore_logical_bytes=int(c["restore_logical_bytes"]),
+                restore_stored_bytes=int(c["restore_stored_bytes"]), restore_seconds=c["restore_seconds"],
+                codec_batches=int(c["codec_batches"]), codec_segments=dict(self._codec_segments),
+                encode_seconds=c["encode_seconds"], decode_seconds=c["decode_seconds"], raw_segments=dict(self._raw),
+                decode_failures=int(c["decode_failures"]), dropped_segments=int(c["dropped_segments"]),
+                reserved_bytes=reserved, leases_active=leases, leased_bytes=leased,
+                workspace_bytes=self._workspace, inflight_requests=inflight, lower=lower_stats)
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
         nothing it could hand over (without a lower tier the objects are simply dropped)."""
-        raise NotImplementedError
+        objs, leased = self.dram.drain()
+        sub = [0, 0]
+        drop = [0, 0]
+        for key, blob in objs:
+            ok = self.lower is not None and self.lower.submit(key, blob)
+            t = sub if ok else drop
+            t[0] += 1
+            t[1] += len(blob)
+        if self.lower is not None:
+            self.lower.flush()
+        return FlushResult(submitted=TierCounts(*sub), dropped=TierCounts(*drop), skipped_leased=leased)
 
     def list_objects(self, namespace: bytes | None = None, prefix: str = "", limit: int = 1000,
                      cursor: str | None = None) -> ObjectPage:
-        """Page through cached objects (DRAM then the lower tier), ``prefix`` a hex prefix of the chunk."""
-        raise NotImplementedError
+        """Page through cached objects (DRAM, then the lower tier), in packed-key order; ``prefix`` is a
+        hex prefix of the chunk key. Lower-tier rows carry format "" and original length 0 (the tier's
+        listing does not read headers)."""
+        if not 0 < limit <= 100_000:
+            raise RequestError("limit must be in 1..100000")
+        prefix = prefix.lower()
+        if any(ch not in "0123456789abcdef" for ch in prefix):
+            raise RequestError("prefix must be hex")
+        tier, after = "dram", ""
+        if cursor:
+            tier, _, after = cursor.partition(":")
+            if tier not in ("dram", "lower"):
+                raise RequestError(f"bad cursor {cursor!r}")
+        out: list[ObjectInfo] = []
+        last = ""
+
+        def want(kb: bytes) -> bool:
+            return (namespace is None or kb[:16] == namespace) and kb[16:32].hex().startswith(prefix) \
+                and kb.hex() > after
+
+        if tier == "dram":
+            for kb, rep, logical, length, gen in self.dram.listing():
+                if not want(kb):
+                    continue
+                if len(out) == limit:
+                    return ObjectPage(out, f"dram:{last}")
+                out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "dram", _REP_NAMES[rep], logical,
+                                      length - HEADER_SIZE, gen))
+                last = kb.hex()
+            after = ""
+        if self.lower is not None:
+            for kb, n in sorted((k.pack(), n) for k, n in self.lower.iter_objects(namespace)):
+                if not want(kb):
+                    continue
+                if len(out) == limit:
+                    return ObjectPage(out, f"lower:{last}")
+                out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "lower", "", 0, n - HEADER_SIZE))
+                last = kb.hex()
+        return ObjectPage(out, None)
 
     def config(self) -> ManagerConfig:
-        raise NotImplementedError
+        return self._config
 
-    # -- peers --------------------------------------------------------------------------------------
+    # -- peers ---------------------------------------------------------------------------------------
 
     def set_peer_fetcher(self, fetcher: PeerFetcher | None) -> None:
-        raise NotImplementedError
+        self.peers = fetcher
 
     def lease_objects(self, keys: Sequence[ObjectKey]) -> tuple[int, list[ObjectExtent | None]]:
         """Lease the DRAM extents of ``keys`` (None where not in DRAM); release with :meth:`release`."""
-        raise NotImplementedError
+        lease = _Lease(None)
+        out: list[ObjectExtent | None] = []
+        for f in self.dram.lease([k.pack() for k in keys]):
+            if f is None:
+                out.append(None)
+                continue
+            slot, gen, off, length = f
+            lease.entries.append((slot, gen))
+            out.append(ObjectExtent(off, length, gen))
+        if not lease.entries:
+            return 0, out
+        lease_id = next(self._lease_ids)
+        with self._lock:
+            self._leases[lease_id] = lease
+        return lease_id, out
 
     def read_object(self, key: ObjectKey) -> bytes | None:
         """A verified copy of ``key``'s segment from DRAM or the lower tier (no peers, no promotion)."""
-        raise NotImplementedError
+        kb = key.pack()
+        blob = self.dram.read(kb)
+        if blob is not None:
+            try:
+                _verify(kb, blob)
+                return blob
+            except SegmentError:
+                self._add(decode_failures=1)
+        if self.lower is not None:
+            return self._read_lower(kb)
+        return None
 
     def arena_info(self) -> ArenaInfo:
-        raise NotImplementedError
+        a = self.dram.arena
+        return ArenaInfo(path=a.path, size=a.size, base_address=a.base_address, pinned=a.pinned)
 
     def reserve(self, nbytes: int) -> ObjectExtent:
         """Reserve an arena extent (evicting if needed) for bytes a transfer writes in place; its
         ``generation`` is the reservation id. Counts in ``reserved_bytes`` until published or aborted."""
-        raise NotImplementedError
+        if not HEADER_SIZE <= nbytes <= HEADER_SIZE + MAX_STORED_BYTES:
+            raise RequestError(f"cannot reserve {nbytes} bytes for one segment")
+        off = self.dram.reserve(nbytes)
+        if off is None:
+            raise PoolExhausted(f"no room for {nbytes} bytes: the pool is full of leased objects")
+        rid = next(self._res_ids)
+        with self._lock:
+            self._reservations[rid] = (off, nbytes)
+        return ObjectExtent(off, nbytes, rid)
 
     def publish(self, reservation: ObjectExtent, key: ObjectKey) -> bool:
         """Verify the segment written into ``reservation`` (header, key's layer/role, CRC) and publish it
         under ``key``; on failure the extent is freed and False returned."""
-        raise NotImplementedError
+        with self._lock:
+            res = self._reservations.pop(reservation.generation, None)
+        if res is None or res != (reservation.offset, reservation.length):
+            raise RequestError(f"unknown reservation {reservation.generation}")
+        off, n = res
+        kb = key.pack()
+        try:
+            h = _verify(kb, memoryview(self.dram.view(off, n)))
+        except SegmentError as e:
+            log.warning("transferred segment for %s is bad: %s", key, e)
+            self._add(decode_failures=1)
+            self.dram.cancel(off, n)
+            return False
+        return self.dram.publish(kb, off, n, h.original_length, int(h.format)) is not None
 
     def abort(self, reservation: ObjectExtent) -> None:
-        raise NotImplementedError
+        with self._lock:
+            res = self._reservations.pop(reservation.generation, None)
+        if res is None:
+            raise RequestError(f"unknown reservation {reservation.generation}")
+        self.dram.cancel(*res)
 
     def close(self) -> None:
         """Unregister every engine, close the lower tier, unmap and unlink the arena."""
-        raise NotImplementedError
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ids = list(self._engines)
+        for engine_id in ids:
+            try:
+                self.unregister_engine(engine_id)
+            except UnknownEngine:
+                pass
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            self._drop_lease(lease)
+        if self.lower is not None:
+            self.lower.close()
+        self.dram.close()
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
+             "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
+             "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
+             "dropped_segments")
+
+
+class _SaveAcc:
+    __slots__ = ("admitted", "logical", "stored", "raw", "dropped")
+
+    def __init__(self) -> None:
+        self.admitted: set[bytes] = set()
+        self.logical = self.stored = self.dropped = 0
+        self.raw: dict[str, int] = {}
+
+    def admit(self, kb: bytes, logical: int, stored: int) -> None:
+        self.admitted.add(kb)
+        self.logical += logical
+        self.stored += stored
+
+
+class _CodecRunner:
+    """Encodes and decodes batches of segments. This is the host path (the CI path); the GPU adapter
+    in :mod:`orbitkv_fs.gpu_codecs` has the same two methods."""
+
+    def encode(self, items: list[tuple[np.ndarray, Codec, Role, int]]) -> list[bytes]:
+        return [encode_segment(x, codec, role=role, layer=layer) for x, codec, role, layer in items]
+
+    def decode(self, header: SegmentHeader, payload: memoryview) -> np.ndarray:
+        return decode_payload(header, payload)
+
+
+def _codec_runner(gpu: bool) -> _CodecRunner:
+    return _CodecRunner()
+
+
+def _layer_codec(reg: EngineRegistration, desc: TensorDesc, codec_name: str) -> tuple[Codec | None, RawReason]:
+    """The codec of ``desc``'s segments (None: stored raw) and the raw reason when policy forces raw."""
+    if codec_name == "none":
+        return None, RawReason.NONE
+    kind = layer_attention(reg, desc)
+    lossy = codec_name in LOSSY_CODECS
+    if lossy and kind == AttentionKind.RECURRENT:
+        return None, RawReason.POLICY
+    if codec_name.startswith("turboquant"):
+        stage_edge = desc.layer < reg.layer_start + 2 or desc.layer >= reg.layer_end - 2
+        if kind == AttentionKind.MLA or not reg.head_layout_verified or stage_edge:
+            return None, RawReason.POLICY
+        return get_codec(codec_name, seed=reg.rotation_seed), RawReason.NONE
+    return get_codec(codec_name), RawReason.NONE
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device
+        return False
+
+
+def _to_host(src, dst: np.ndarray) -> None:
+    """Copy an engine block view (numpy, or cupy on a GPU) into the host array ``dst``."""
+    if isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        import cupy
+
+        cupy.ascontiguousarray(src).get(out=dst)
+
+
+def _from_host(src: np.ndarray, dst) -> None:
+    """Copy host ``src`` into an engine block view (numpy, or cupy)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        import cupy
+
+        dst[...] = cupy.asarray(src)
+
+
+def _close_imports(imports: list) -> None:
+    for obj in reversed(imports):
+        obj.close()
+    imports.clear()

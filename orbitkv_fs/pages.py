@@ -183,3 +183,47 @@ def _c_strides(shape: Sequence[int]) -> list[int]:
         strides.append(acc)
         acc *= int(s)
     return strides[::-1]
+
+
+class CudaImport:
+    """A tensor imported from another process through CUDA IPC; ``close`` unmaps the handle."""
+
+    def __init__(self, ptr: int, device: int) -> None:
+        self._ptr = ptr
+        self._device = device
+
+    def close(self) -> None:
+        if self._ptr:
+            import cupy
+
+            with cupy.cuda.Device(self._device):
+                cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
+            self._ptr = 0
+
+
+def import_cuda_tensor(desc: TensorDesc, field: str):
+    """``(cupy array, CudaImport)`` of a :class:`CudaIpcHandle` descriptor, its extent checked against the
+    shared allocation's size. Needs cupy and a GPU."""
+    import cupy
+
+    from .geometry import CudaIpcHandle, GeometryError
+
+    h = desc.handle
+    assert isinstance(h, CudaIpcHandle)
+    dt = parse_dtype(desc.dtype, f"{field}.dtype")
+    extent = (sum((n - 1) * s for n, s in zip(desc.shape, desc.strides)) + 1) * dt.itemsize
+    if h.size and h.offset + extent > h.size:
+        raise GeometryError(f"{field}.shape", f"tensor extent {extent} at offset {h.offset} exceeds the "
+                            f"{h.size}-byte allocation")
+    if len(h.handle) != 64:
+        raise GeometryError(f"{field}.handle.handle", "a cudaIpcMemHandle_t is 64 bytes")
+    with cupy.cuda.Device(h.device):
+        try:
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(h.handle)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise GeometryError(f"{field}.handle", f"cannot open the CUDA IPC handle: {e}") from None
+        owner = CudaImport(ptr, h.device)
+        mem = cupy.cuda.UnownedMemory(ptr + h.offset, extent, owner, device_id=h.device)
+        arr = cupy.ndarray(tuple(desc.shape), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                           strides=tuple(s * dt.itemsize for s in desc.strides))
+    return arr, owner

@@ -1,0 +1,377 @@
+"""The DRAM tier: one shared-memory arena file per Manager, an offset allocator, leases and eviction.
+
+Primitives:
+
+* :class:`Allocator` -- first-fit over 512-byte units with size-class bins and coalescing on free.
+* :class:`Arena` -- the file under ``/dev/shm`` (``orbitkv-arena-<pid>-<id>``), mapped once; pinned with
+  ``cudaHostRegister`` when a GPU is present (cupy imported lazily). Connectors and peers may map the same
+  file: an object is the extent ``(offset, length)`` of it, valid while its ``generation`` is leased.
+* :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
+  to the lower tier through a callback.
+
+Invariants (all under :attr:`DramTier.lock`):
+
+* An extent is reserved before anything writes it and published (visible to lookups) only after the
+  writer finished; reserved bytes are counted until published or cancelled.
+* A leased object is never evicted, freed or overwritten: eviction skips it, invalidation hides it and
+  the extent is freed when the last lease goes.
+* Residency is counted at stored size (header + payload, rounded to 512-byte units).
+* ``demote(key, segment)`` is called with a copy of an evicted object's bytes while the lock is held, so
+  it must not block (the lower tier's ``submit`` queues).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..index import HIDDEN, LIVE, ObjectIndex
+from ..keys import ObjectKey
+from .eviction import make_policy
+
+UNIT = 512
+
+
+def units_of(nbytes: int) -> int:
+    return -(-nbytes // UNIT)
+
+
+class Allocator:
+    """Extents of ``total`` units. ``alloc`` is O(bins) amortised; ``free`` coalesces neighbours."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._bins: list[set[int]] = [set() for _ in range(max(total, 1).bit_length() + 1)]
+        if total:
+            self._insert(0, total)
+
+    def _insert(self, start: int, n: int) -> None:
+        self._by_start[start] = n
+        self._by_end[start + n] = start
+        self._bins[n.bit_length() - 1].add(start)
+
+    def _remove(self, start: int) -> int:
+        n = self._by_start.pop(start)
+        del self._by_end[start + n]
+        self._bins[n.bit_length() - 1].discard(start)
+        return n
+
+    def alloc(self, n: int) -> int | None:
+        """Start unit of a free extent of ``n`` units, or None."""
+        if n <= 0 or n > self.total - self.used:
+            return None
+        c = n.bit_length() - 1
+        start = None
+        for s in self._bins[c]:  # same class: sizes in [2**c, 2**(c+1)), may be too small
+            if self._by_start[s] >= n:
+                start = s
+                break
+        if start is None:
+            for b in self._bins[c + 1:]:
+                if b:
+                    start = next(iter(b))
+                    break
+        if start is None:
+            return None
+        have = self._remove(start)
+        if have > n:
+            self._insert(start + n, have - n)
+        self.used += n
+        return start
+
+    def free(self, start: int, n: int) -> None:
+        self.used -= n
+        end = start + n
+        before = self._by_end.get(start)
+        if before is not None:
+            start = before
+            n += self._remove(before)
+        if end in self._by_start:
+            n += self._remove(end)
+        self._insert(start, n)
+
+    def largest_free(self) -> int:
+        return max(self._by_start.values(), default=0)
+
+
+class Arena:
+    """The shared-memory file and its one mapping."""
+
+    def __init__(self, size: int, *, shm_dir: str = "/dev/shm", pin: bool = True) -> None:
+        if size < UNIT:
+            raise ValueError(f"pool size {size} is smaller than one {UNIT}-byte unit")
+        size = units_of(size) * UNIT
+        d = shm_dir if os.path.isdir(shm_dir) else "/tmp"
+        self.path = os.path.join(d, f"orbitkv-arena-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.size = size
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.base_address = int(self.buf.ctypes.data)
+        self.pinned = pin and _host_register(self.base_address, size)
+
+    def close(self) -> None:
+        if self.pinned:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self.base_address)
+            self.pinned = False
+        self.buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _host_register(address: int, size: int) -> bool:
+    """cudaHostRegister the arena once; False where no GPU (or no cupy) is present."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        cupy.cuda.runtime.hostRegister(address, size, 0)
+        return True
+    except Exception:  # no cupy, no driver, no device: the arena stays pageable host memory
+        return False
+
+
+Demote = Callable[[ObjectKey, bytes], bool]
+
+
+class DramTier:
+    def __init__(self, size: int, *, shm_dir: str = "/dev/shm", policy: str = "lru", pin: bool = True,
+                 demote: Demote | None = None) -> None:
+        self.policy = make_policy(policy)
+        self.arena = Arena(size, shm_dir=shm_dir, pin=pin)
+        self.alloc = Allocator(self.arena.size // UNIT)
+        self.index = ObjectIndex()
+        self.lock = threading.Lock()
+        self.demote = demote
+        self.reserved_bytes = 0
+        self.chunk_pins: dict[bytes, int] = {}  # namespace + chunk -> lookup leases pinning it
+        self.pins_active = 0
+        self.leases_active = 0  # lease references held on objects
+        self.leased_bytes = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.demoted = 0
+        self.resident_bytes: dict[int, int] = {}  # representation -> stored bytes (unit-rounded)
+        self.resident_logical = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.alloc.used * UNIT
+
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """uint8 view of the arena bytes ``[offset, offset + length)``."""
+        return self.arena.buf[offset:offset + length]
+
+    # -- reserve / publish ---------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> int | None:
+        """Byte offset of a fresh extent of ``nbytes``, evicting unleased objects as needed; None when
+        leased objects leave no room."""
+        n = units_of(nbytes)
+        with self.lock:
+            while True:
+                start = self.alloc.alloc(n)
+                if start is not None:
+                    self.reserved_bytes += n * UNIT
+                    return start * UNIT
+                if not self._evict_one():
+                    return None
+
+    def cancel(self, offset: int, nbytes: int) -> None:
+        n = units_of(nbytes)
+        with self.lock:
+            self.reserved_bytes -= n * UNIT
+            self.alloc.free(offset // UNIT, n)
+
+    def publish(self, key: bytes, offset: int, length: int, logical: int, rep: int,
+                *, lease: bool = False) -> tuple[int, int] | None:
+        """Make the reserved extent at ``offset`` the object ``key``; ``(slot, generation)``, leased once
+        when ``lease``. When ``key`` is already present the reservation is freed and None returned."""
+        n = units_of(length)
+        with self.lock:
+            self.reserved_bytes -= n * UNIT
+            if self.index.get(key) is not None:
+                self.alloc.free(offset // UNIT, n)
+                return None
+            slot, gen = self.index.add(key, offset // UNIT, n, length, logical, rep)
+            self.policy.insert(slot, n * UNIT, hash(key))
+            self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
+            self.resident_logical += logical
+            if lease:
+                self._lease_slot(slot)
+            return slot, gen
+
+    # -- leases --------------------------------------------------------------------------------------
+
+    def _lease_slot(self, slot: int) -> None:
+        ix = self.index
+        ix.leases[slot] += 1
+        self.leases_active += 1
+        self.leased_bytes += ix.units[slot] * UNIT
+
+    def lease(self, keys: Iterable[bytes]) -> list[tuple[int, int, int, int] | None]:
+        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None."""
+        out: list[tuple[int, int, int, int] | None] = []
+        ix = self.index
+        with self.lock:
+            for k in keys:
+                slot = ix.get(k)
+                if slot is None:
+                    out.append(None)
+                    continue
+                self._lease_slot(slot)
+                self.policy.touch(slot)
+                out.append((slot, ix.generation[slot], ix.offset[slot] * UNIT, ix.length[slot]))
+        return out
+
+    def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
+        """Drop one lease reference on each ``(slot, generation)``."""
+        ix = self.index
+        with self.lock:
+            for slot, gen in entries:
+                assert ix.generation[slot] == gen and ix.leases[slot] > 0, "lease accounting broken"
+                ix.leases[slot] -= 1
+                self.leases_active -= 1
+                self.leased_bytes -= ix.units[slot] * UNIT
+                if ix.leases[slot] == 0 and ix.state[slot] == HIDDEN:
+                    self._free_slot(slot)
+
+    def pin_chunks(self, ns_chunks: Iterable[bytes]) -> None:
+        """Keep every segment of these chunks (namespace + chunk) from eviction: a lookup's lease. Costs
+        one dict entry per chunk, not one lease per segment."""
+        with self.lock:
+            for c in ns_chunks:
+                self.chunk_pins[c] = self.chunk_pins.get(c, 0) + 1
+                self.pins_active += 1
+
+    def unpin_chunks(self, ns_chunks: Iterable[bytes]) -> None:
+        with self.lock:
+            for c in ns_chunks:
+                n = self.chunk_pins[c] - 1
+                if n:
+                    self.chunk_pins[c] = n
+                else:
+                    del self.chunk_pins[c]
+                self.pins_active -= 1
+
+    def _pinned(self, slot: int) -> bool:
+        ix = self.index
+        return ix.leases[slot] > 0 or (bool(self.chunk_pins) and ix.keys[slot][:32] in self.chunk_pins)
+
+    def chunk_count(self, ns_chunk: bytes) -> int:
+        with self.lock:
+            return self.index.chunk_count(ns_chunk)
+
+    def contains(self, key: bytes) -> bool:
+        with self.lock:
+            return self.index.get(key) is not None
+
+    # -- removal -------------------------------------------------------------------------------------
+
+    def _drop(self, slot: int) -> None:
+        """Unpublish ``slot``; free its extent now, or when its last lease goes."""
+        ix = self.index
+        self.policy.remove(slot)
+        ix.hide(slot)
+        n = ix.units[slot] * UNIT
+        self.resident_bytes[ix.rep[slot]] -= n
+        self.resident_logical -= ix.logical[slot]
+        if ix.leases[slot] == 0:
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        ix = self.index
+        self.alloc.free(ix.offset[slot], ix.units[slot])
+        ix.free(slot)
+
+    def _copy_out(self, slot: int) -> bytes:
+        ix = self.index
+        off = ix.offset[slot] * UNIT
+        return self.arena.buf[off:off + ix.length[slot]].tobytes()
+
+    def _evict_one(self) -> bool:
+        ix = self.index
+        slot = self.policy.victim(self._pinned)
+        if slot is None:
+            return False
+        key = ix.keys[slot]
+        assert key is not None and ix.state[slot] == LIVE
+        self.evictions += 1
+        self.evicted_bytes += ix.units[slot] * UNIT
+        if self.demote is not None and self.demote(ObjectKey.unpack(key), self._copy_out(slot)):
+            self.demoted += 1
+        self.policy.remember(hash(key))
+        self._drop(slot)
+        return True
+
+    def invalidate(self, match: Callable[[bytes], bool]) -> tuple[int, int]:
+        """Unpublish every object whose packed key ``match``es; ``(objects, stored bytes)``."""
+        count = nbytes = 0
+        with self.lock:
+            for key, slot in self.index.items():
+                if match(key):
+                    count += 1
+                    nbytes += self.index.length[slot]
+                    self._drop(slot)
+        return count, nbytes
+
+    def drain(self, match: Callable[[bytes], bool] | None = None) -> tuple[list[tuple[ObjectKey, bytes]], int]:
+        """Remove every unleased (matching) object and return copies of their bytes; also the number of
+        leased objects left in place."""
+        out: list[tuple[ObjectKey, bytes]] = []
+        leased = 0
+        with self.lock:
+            for key, slot in self.index.items():
+                if match is not None and not match(key):
+                    continue
+                if self._pinned(slot):
+                    leased += 1
+                    continue
+                out.append((ObjectKey.unpack(key), self._copy_out(slot)))
+                self._drop(slot)
+        return out, leased
+
+    def read(self, key: bytes) -> bytes | None:
+        """A copy of ``key``'s bytes (unverified), or None."""
+        with self.lock:
+            slot = self.index.get(key)
+            return None if slot is None else self._copy_out(slot)
+
+    def listing(self) -> list[tuple[bytes, int, int, int, int]]:
+        """``(packed key, rep, logical, stored length, generation)`` of every object, sorted by key."""
+        ix = self.index
+        with self.lock:
+            rows = [(k, ix.rep[s], ix.logical[s], ix.length[s], ix.generation[s]) for k, s in ix.items()]
+        rows.sort()
+        return rows
+
+    def close(self) -> None:
+        self.arena.close()

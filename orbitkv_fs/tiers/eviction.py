@@ -1,0 +1,193 @@
+"""Eviction policies over index slots: LRU and S3-FIFO, byte-weighted, lease-aware.
+
+A policy orders slot ids (small ints owned by :class:`orbitkv_fs.index.ObjectIndex`) and, asked for a
+victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)``, ``touch(slot)``,
+``remove(slot)``, ``victim(pinned) -> slot | None`` and :func:`make_policy`.
+
+* ``lru``: one doubly linked list; touch moves to the head, victims come from the tail.
+* ``s3fifo`` (Yang et al., SOSP '23): a small FIFO (10% of the bytes), a main FIFO and a ghost FIFO of
+  recently evicted key hashes. New objects enter the small queue (the main queue when their hash is a
+  ghost); an object leaving the small queue that was touched moves to main, otherwise it is evicted and
+  remembered as a ghost; main gives objects with a nonzero frequency another round (frequency - 1).
+  One-hit scans therefore pass through the small queue without flushing the main queue.
+
+Invariants: every linked slot is in exactly one queue; ``victim`` never returns a slot for which
+``pinned(slot)`` is true (a leased extent): pinned slots are rotated to the head instead, and after a full
+round of pinned slots ``victim`` answers None. The lists live in ``array`` columns (a few bytes a slot),
+not in per-object Python objects, to keep the index small.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Callable
+
+_NIL = -1
+
+
+class _Lists:
+    """Doubly linked lists over slot ids in array columns; list ``q`` has head[q]/tail[q]."""
+
+    def __init__(self, queues: int) -> None:
+        self.prev = array("i")
+        self.next = array("i")
+        self.queue = array("b")
+        self.size = array("I")
+        self.freq = array("B")
+        self.head = [_NIL] * queues
+        self.tail = [_NIL] * queues
+        self.count = [0] * queues
+        self.bytes = [0] * queues
+
+    def _grow(self, slot: int) -> None:
+        n = slot + 1 - len(self.prev)
+        if n > 0:
+            n = max(n, len(self.prev) // 2, 64)
+            self.prev.extend([_NIL] * n)
+            self.next.extend([_NIL] * n)
+            self.queue.extend([-1] * n)
+            self.size.extend([0] * n)
+            self.freq.extend([0] * n)
+
+    def push_head(self, q: int, slot: int, nbytes: int) -> None:
+        self._grow(slot)
+        h = self.head[q]
+        self.prev[slot] = _NIL
+        self.next[slot] = h
+        if h != _NIL:
+            self.prev[h] = slot
+        else:
+            self.tail[q] = slot
+        self.head[q] = slot
+        self.queue[slot] = q
+        self.size[slot] = nbytes
+        self.count[q] += 1
+        self.bytes[q] += nbytes
+
+    def unlink(self, slot: int) -> int:
+        """Remove ``slot`` from its list; returns the list it was in (-1 when unlinked)."""
+        if slot >= len(self.queue):
+            return -1
+        q = self.queue[slot]
+        if q < 0:
+            return -1
+        p, n = self.prev[slot], self.next[slot]
+        if p != _NIL:
+            self.next[p] = n
+        else:
+            self.head[q] = n
+        if n != _NIL:
+            self.prev[n] = p
+        else:
+            self.tail[q] = p
+        self.queue[slot] = -1
+        self.count[q] -= 1
+        self.bytes[q] -= self.size[slot]
+        return q
+
+
+class LruPolicy:
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._l = _Lists(1)
+
+    def insert(self, slot: int, nbytes: int, key_hash: int) -> None:  # noqa: ARG002
+        self._l.push_head(0, slot, nbytes)
+
+    def touch(self, slot: int) -> None:
+        l = self._l
+        if l.unlink(slot) == 0:
+            l.push_head(0, slot, l.size[slot])
+
+    def remove(self, slot: int) -> None:
+        self._l.unlink(slot)
+
+    def remember(self, key_hash: int) -> None:
+        """LRU keeps no history of evicted keys."""
+
+    def victim(self, pinned: Callable[[int], bool]) -> int | None:
+        l = self._l
+        for _ in range(l.count[0]):
+            s = l.tail[0]
+            if not pinned(s):
+                return s
+            self.touch(s)
+        return None
+
+    def __len__(self) -> int:
+        return self._l.count[0]
+
+
+_SMALL, _MAIN = 0, 1
+
+
+class S3FifoPolicy:
+    name = "s3fifo"
+    SMALL_FRACTION = 0.10
+    MAX_FREQ = 3
+
+    def __init__(self) -> None:
+        self._l = _Lists(2)
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, slot: int, nbytes: int, key_hash: int) -> None:
+        l = self._l
+        if key_hash in self._ghost:
+            del self._ghost[key_hash]
+            l.push_head(_MAIN, slot, nbytes)
+        else:
+            l.push_head(_SMALL, slot, nbytes)
+        l.freq[slot] = 0
+
+    def touch(self, slot: int) -> None:
+        l = self._l
+        if slot < len(l.queue) and l.queue[slot] >= 0 and l.freq[slot] < self.MAX_FREQ:
+            l.freq[slot] += 1
+
+    def remove(self, slot: int) -> None:
+        self._l.unlink(slot)
+
+    def remember(self, key_hash: int) -> None:
+        """Record an evicted key's hash in the ghost FIFO (bounded by the main queue's length)."""
+        g = self._ghost
+        g[key_hash] = None
+        while len(g) > max(self._l.count[_MAIN], 1024):
+            g.popitem(last=False)
+
+    def victim(self, pinned: Callable[[int], bool]) -> int | None:
+        l = self._l
+        budget = 2 * (l.count[_SMALL] + l.count[_MAIN]) + 2 * self.MAX_FREQ * l.count[_MAIN] + 1
+        for _ in range(budget):
+            total = l.bytes[_SMALL] + l.bytes[_MAIN]
+            if l.count[_SMALL] and (l.bytes[_SMALL] >= total * self.SMALL_FRACTION or not l.count[_MAIN]):
+                s = l.tail[_SMALL]
+                if l.freq[s] > 0 or pinned(s):
+                    l.unlink(s)
+                    l.push_head(_MAIN, s, l.size[s])
+                    l.freq[s] = 0
+                    continue
+                return s
+            if not l.count[_MAIN]:
+                return None
+            s = l.tail[_MAIN]
+            if pinned(s) or l.freq[s] > 0:
+                l.unlink(s)
+                if l.freq[s] > 0:
+                    l.freq[s] -= 1
+                l.push_head(_MAIN, s, l.size[s])
+                continue
+            return s
+        return None
+
+    def __len__(self) -> int:
+        return self._l.count[_SMALL] + self._l.count[_MAIN]
+
+
+def make_policy(name: str) -> LruPolicy | S3FifoPolicy:
+    if name == "lru":
+        return LruPolicy()
+    if name in ("s3fifo", "s3-fifo"):
+        return S3FifoPolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; expected lru or s3fifo")
