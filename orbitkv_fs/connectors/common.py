@@ -17,6 +17,11 @@ Primitives:
   first one (a prefix cache is only valid up to its first hole).
 * :class:`ManagerGuard` -- turns Manager failures (typed errors, a dead socket, a timeout) into misses,
   counts them, and stops calling a failing Manager for a cool-down period.
+* :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded.
+* :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
+* :class:`StagingPages` -- host pages (``separate`` layout, one ``[slots, block, heads, head_dim]`` K and
+  V tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
+  import (transformers ``DynamicCache``, SGLang's pinned host pool): the adapter copies KV in and out.
 
 Invariants: keys depend only on token ids, block size and salt (never on process state such as Python's
 hash seed), so a new engine process finds what an earlier one saved; a chunk key covers only full
@@ -194,3 +199,183 @@ class ManagerGuard:
             if first:
                 log.warning("OrbitKV-FS %s failed (%s); treating as a miss for %.1fs", what, e, self.cooldown_s)
             return fallback
+
+
+# ------------------------------------------------------------------------------------- Manager session
+
+
+class EngineSession:
+    """One registered engine's view of the client API, with every failure turned into a miss.
+
+    ``client`` is an :mod:`orbitkv_fs.client` client (embedded or remote) or a
+    :class:`~orbitkv_fs.manager.Manager`: anything with ``lookup``, ``save`` and ``restore`` taking an
+    engine id. A chunk is one key and the engine block ids (token order) that hold it.
+    """
+
+    def __init__(self, client: object, engine_id: str, *, guard: ManagerGuard | None = None) -> None:
+        self.client = client
+        self.engine_id = engine_id
+        self.guard = guard or ManagerGuard()
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading run of ``keys`` the Manager holds in full (0 when it cannot answer)."""
+        if not keys:
+            return 0
+        res = self.guard.call("lookup", lambda: self.client.lookup(self.engine_id, list(keys), lease=False), None)
+        return 0 if res is None else int(res.count)
+
+    def save(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]]) -> object | None:
+        """Save each key's blocks; the Manager's SaveResult, or None when it could not be reached."""
+        if not keys:
+            return None
+        from ..manager import ChunkBlocks
+
+        chunks = [ChunkBlocks(k, list(map(int, b))) for k, b in zip(keys, blocks, strict=True)]
+        return self.guard.call("save", lambda: self.client.save(self.engine_id, chunks), None)
+
+    def restore(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]]) -> list[bytes]:
+        """Restore each key into its blocks; the keys that missed (all of them when the call failed)."""
+        if not keys:
+            return []
+        from ..manager import ChunkBlocks
+
+        chunks = [ChunkBlocks(k, list(map(int, b))) for k, b in zip(keys, blocks, strict=True)]
+        res = self.guard.call("restore", lambda: self.client.restore(self.engine_id, chunks), None)
+        if res is None:
+            return list(keys)
+        return [k for k, ok in zip(keys, res.restored, strict=True) if not ok]
+
+
+# ------------------------------------------------------------------------------- scheduler bookkeeping
+
+
+@dataclass
+class Transfer:
+    """One load or save of a request: chunk keys and, per key, the engine blocks that hold it."""
+
+    request_id: str
+    keys: list[bytes]
+    blocks: list[list[int]]
+
+
+@dataclass
+class _RequestState:
+    keys: list[bytes]
+    n_prompt: int
+    block_ids: list[int] = field(default_factory=list)
+    n_computed_local: int = 0
+    load_blocks: tuple[int, int] = (0, 0)  # [first, end) block positions to load
+    saved_upto: int = 0  # block positions [0, saved_upto) are stored or being stored
+
+
+class PrefixPlanner:
+    """Scheduler-side state of a paged engine with one chunk per block (vLLM-style), engine-agnostic.
+
+    Calls, in the engine's order: :meth:`matched` (lookup answer), :meth:`allocated` (blocks given),
+    :meth:`scheduled` (tokens computed this step), :meth:`take` (the step's loads and saves),
+    :meth:`finished`. Only full prompt blocks are saved, each at most once, and blocks that were loaded
+    from the store are not saved again.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.math = BlockMath(block_size)
+        self._reqs: dict[str, _RequestState] = {}
+        self._loads: list[Transfer] = []
+        self._saves: list[Transfer] = []
+
+    def matched(self, request_id: str, keys: Sequence[bytes], n_prompt: int, n_computed: int, hit_blocks: int) -> int:
+        """Record a lookup; return the tokens the engine may load beyond its ``n_computed``."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            st = self._reqs[request_id] = _RequestState(list(keys), n_prompt)
+        st.keys, st.n_prompt, st.n_computed_local = list(keys), n_prompt, n_computed
+        return self.math.new_matched_tokens(n_prompt, hit_blocks, n_computed)
+
+    def allocated(self, request_id: str, block_ids: Sequence[int], n_external: int) -> None:
+        """The engine gave the request ``block_ids`` (all of them, in token order) and will take
+        ``n_external`` tokens from the store."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            return
+        st.block_ids = list(block_ids)
+        first = st.n_computed_local // self.math.block_size
+        end = first + n_external // self.math.block_size
+        if end > first:
+            st.load_blocks = (first, end)
+            self._loads.append(Transfer(request_id, st.keys[first:end], [[b] for b in st.block_ids[first:end]]))
+        # Whatever is already in the engine or comes from the store needs no save.
+        st.saved_upto = max(st.saved_upto, end)
+
+    def scheduled(self, request_id: str, n_done_after_step: int, new_block_ids: Sequence[int] = (),
+                  *, replace_blocks: bool = False) -> None:
+        """The request's tokens ``[0, n_done_after_step)`` are computed once this step ran."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            return
+        st.block_ids = list(new_block_ids) if replace_blocks else st.block_ids + list(new_block_ids)
+        done = min(self.math.full_blocks(min(n_done_after_step, st.n_prompt)), len(st.keys), len(st.block_ids))
+        if done > st.saved_upto:
+            self._saves.append(Transfer(request_id, st.keys[st.saved_upto:done],
+                                        [[b] for b in st.block_ids[st.saved_upto:done]]))
+            st.saved_upto = done
+
+    def take(self) -> tuple[list[Transfer], list[Transfer]]:
+        """The loads and saves planned since the last call."""
+        loads, saves = self._loads, self._saves
+        self._loads, self._saves = [], []
+        return loads, saves
+
+    def finished(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+
+# ------------------------------------------------------------------------------------- staging pages
+
+
+class StagingPages:
+    """A shared-memory pages file the Manager imports, for adapters whose engine KV it cannot import.
+
+    One ``separate``-layout K and V tensor per layer, ``[slots, block_size, num_heads, head_dim]``; a slot
+    is one block. :meth:`registration` describes it; :meth:`key` / :meth:`value` are the numpy views the
+    adapter copies engine KV into (before a save) and out of (after a restore).
+    """
+
+    def __init__(self, *, num_layers: int, slots: int, block_size: int, num_heads: int, head_dim: int,
+                 dtype: str, directory: str = "/dev/shm") -> None:
+        from ..pages import HostPages
+
+        self.num_layers, self.slots, self.block_size = num_layers, slots, block_size
+        self.num_heads, self.head_dim, self.dtype = num_heads, head_dim, dtype
+        specs = []
+        for layer in range(num_layers):
+            for role in ("key", "value"):
+                specs.append((f"L{layer}.{role}", [slots, block_size, num_heads, head_dim], dtype, role))
+        self.pages = HostPages.create(specs, directory=directory)
+        self._k = [self.pages.array(f"L{i}.key") for i in range(num_layers)]
+        self._v = [self.pages.array(f"L{i}.value") for i in range(num_layers)]
+
+    def key(self, layer: int) -> "object":
+        return self._k[layer]
+
+    def value(self, layer: int) -> "object":
+        return self._v[layer]
+
+    def registration(self, *, model: str, engine_kind: str, codec: str | None = None, engine_id: str | None = None,
+                     tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                     model_revision: str = "") -> object:
+        from ..geometry import EngineRegistration
+
+        tensors = [self.pages.descriptor(f"L{layer}.{role}", layer=layer, layout="separate")
+                   for layer in range(self.num_layers) for role in ("key", "value")]
+        return EngineRegistration(
+            model=model, num_layers=self.num_layers, layer_start=0, layer_end=self.num_layers,
+            block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
+            tensors=tensors, model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
+            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
+
+    def close(self) -> None:
+        self._k = self._v = []
+        self.pages.close()

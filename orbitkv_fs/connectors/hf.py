@@ -1,0 +1,199 @@
+"""Hugging Face transformers adapter: save a ``DynamicCache`` prefix after prefill, restore it before generation.
+
+For offline batch inference and for the project's own end-to-end tests::
+
+    store = HFPrefixStore.for_model(client, model, block_size=16)
+    cache, n = store.restore(input_ids)          # n cached prompt tokens, or (None, 0)
+    out = model.generate(input_ids, past_key_values=cache, ...)   # computes only tokens [n:]
+    store.save(input_ids, out.past_key_values)   # or after a plain prefill
+
+A prompt is cut into blocks of ``block_size`` tokens; block ``i`` is stored under the chained key of
+``tokens[: (i + 1) * block_size]`` (:func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`, salted with
+the model's identity), per layer as K and V segments. transformers keeps KV in ordinary tensors the Manager
+cannot import, so the adapter stages blocks in a shared-memory pages file it registers with the Manager
+(:class:`~orbitkv_fs.connectors.common.StagingPages`, ``separate`` layout ``[slot, token, head,
+head_dim]``) and copies KV in before a save and out after a restore.
+
+Invariants: only full blocks are stored; a restore returns at most ``len(prompt) - 1`` tokens (the model
+must compute the last prompt token to produce logits) and stops at the first block that missed (a bad or
+corrupt segment is a miss, and everything after it is recomputed); a Manager failure is a miss, never an
+exception into generation; torch is imported only when an adapter is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .common import BlockMath, EngineSession, ManagerGuard, StagingPages, prefix_chunk_keys
+
+__all__ = ["HFPrefixStore", "model_geometry"]
+
+
+def model_geometry(model: Any) -> dict[str, Any]:
+    """``num_layers``, ``num_heads`` (KV heads), ``head_dim``, ``dtype`` and ``model`` of a causal LM."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    name = getattr(c, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__
+    return {"num_layers": int(c.num_hidden_layers), "num_heads": int(heads), "head_dim": int(head_dim),
+            "dtype": str(model.dtype).removeprefix("torch."), "model": str(name)}
+
+
+def _as_torch(a: np.ndarray, dtype: Any) -> Any:
+    """A torch view of a numpy array of ``dtype`` (bfloat16 goes through int16: numpy has no bf16)."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+class HFPrefixStore:
+    """Prefix KV of one transformers model in an OrbitKV-FS Manager (see the module docstring)."""
+
+    def __init__(self, client: Any, *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: str,
+                 block_size: int = 16, slots: int = 64, codec: str | None = None, engine_id: str | None = None,
+                 model_revision: str = "", config: Any = None) -> None:
+        import torch
+
+        self.math = BlockMath(block_size)
+        self.block_size = block_size
+        self._torch_dtype = getattr(torch, dtype)
+        self._config = config
+        self._salt = f"{model}@{model_revision}".encode()
+        self.staging = StagingPages(num_layers=num_layers, slots=slots, block_size=block_size,
+                                    num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+        self._k = [_as_torch(self.staging.key(i), self._torch_dtype) for i in range(num_layers)]
+        self._v = [_as_torch(self.staging.value(i), self._torch_dtype) for i in range(num_layers)]
+        self.guard = ManagerGuard()
+        reg = self.staging.registration(model=model, engine_kind="transformers", codec=codec,
+                                        engine_id=engine_id, model_revision=model_revision)
+        info = self.guard.call("register", lambda: client.register(reg), None)
+        self.engine_info = info
+        self.session = EngineSession(client, info.engine_id, guard=self.guard) if info is not None else None
+        self.client = client
+
+    @classmethod
+    def for_model(cls, client: Any, model: Any, **kwargs: Any) -> "HFPrefixStore":
+        geom = model_geometry(model)
+        geom.update(kwargs)
+        geom.setdefault("config", model.config)
+        return cls(client, **geom)
+
+    # -- keys ---------------------------------------------------------------------------------------
+
+    def keys(self, input_ids: Any) -> list[bytes]:
+        return prefix_chunk_keys(_token_list(input_ids), self.block_size, salt=self._salt)
+
+    def cached_tokens(self, input_ids: Any) -> int:
+        """Prompt tokens a :meth:`restore` would return now (leading hit, leaving one token to compute)."""
+        if self.session is None:
+            return 0
+        ids = _token_list(input_ids)
+        keys = self.keys(ids)[: self.math.loadable_blocks(len(ids), len(ids))]
+        return self.math.loadable_blocks(len(ids), self.session.lookup(keys)) * self.block_size
+
+    # -- save / restore -----------------------------------------------------------------------------
+
+    def save(self, input_ids: Any, cache: Any) -> int:
+        """Store the full blocks of ``input_ids`` that ``cache`` holds and the Manager lacks.
+
+        Returns the number of prompt tokens now stored (leading blocks), 0 when the Manager is away.
+        """
+        if self.session is None:
+            return 0
+        ids = _token_list(input_ids)
+        layers = _cache_layers(cache)
+        have = min(len(ids), int(layers[0][0].shape[-2]))
+        keys = self.keys(ids[:have])
+        start = self.session.lookup(keys)
+        slots = self.staging.slots
+        for first in range(start, len(keys), slots):
+            end = min(first + slots, len(keys))
+            n = end - first
+            t0, t1 = first * self.block_size, end * self.block_size
+            for layer, (k, v) in enumerate(layers):
+                # [1, heads, tokens, head_dim] -> [blocks, block_size, heads, head_dim]
+                shape = (n, self.block_size, k.shape[1], k.shape[3])
+                self._k[layer][:n] = k[0, :, t0:t1].transpose(0, 1).reshape(shape)
+                self._v[layer][:n] = v[0, :, t0:t1].transpose(0, 1).reshape(shape)
+            if self.session.save(keys[first:end], [[s] for s in range(n)]) is None:
+                return first * self.block_size
+        return len(keys) * self.block_size
+
+    def restore(self, input_ids: Any) -> tuple[Any, int]:
+        """A fresh ``DynamicCache`` holding the longest stored prefix of ``input_ids``, and its length.
+
+        ``(None, 0)`` when nothing usable is stored. The prefix ends at the first block that missed.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        if self.session is None:
+            return None, 0
+        ids = _token_list(input_ids)
+        keys = self.keys(ids)[: self.math.loadable_blocks(len(ids), len(ids))]
+        hit = self.session.lookup(keys)
+        keys = keys[:hit]
+        if not keys:
+            return None, 0
+        n_layers = len(self._k)
+        ks: list[list[Any]] = [[] for _ in range(n_layers)]
+        vs: list[list[Any]] = [[] for _ in range(n_layers)]
+        got = 0
+        slots = self.staging.slots
+        for first in range(0, len(keys), slots):
+            part = keys[first : first + slots]
+            missed = set(self.session.restore(part, [[s] for s in range(len(part))]))
+            ok = next((i for i, k in enumerate(part) if k in missed), len(part))
+            for layer in range(n_layers):
+                ks[layer].append(self._k[layer][:ok].clone())
+                vs[layer].append(self._v[layer][:ok].clone())
+            got += ok
+            if ok < len(part):
+                break
+        if got == 0:
+            return None, 0
+        cache = DynamicCache(config=self._config) if self._config is not None else DynamicCache()
+        for layer in range(n_layers):
+            # [blocks, block_size, heads, head_dim] -> [1, heads, tokens, head_dim]
+            k = torch.cat(ks[layer]).reshape(got * self.block_size, *self._k[layer].shape[2:])
+            v = torch.cat(vs[layer]).reshape(got * self.block_size, *self._v[layer].shape[2:])
+            cache.update(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0).contiguous(),
+                         layer)
+        return cache, got * self.block_size
+
+    def close(self) -> None:
+        if self.session is not None and self.engine_info is not None:
+            self.guard.call("unregister", lambda: self.client.unregister(self.engine_info.engine_id), None)
+            self.session = None
+        self._k = self._v = []
+        self.staging.close()
+
+    def __enter__(self) -> "HFPrefixStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _token_list(input_ids: Any) -> list[int]:
+    """Token ids of one sequence: a list, a 1-D tensor/array or a ``[1, n]`` batch."""
+    if hasattr(input_ids, "tolist"):
+        input_ids = input_ids.tolist()
+    if input_ids and isinstance(input_ids[0], list):
+        if len(input_ids) != 1:
+            raise ValueError(f"HFPrefixStore handles one sequence at a time, got a batch of {len(input_ids)}")
+        input_ids = input_ids[0]
+    return [int(t) for t in input_ids]
+
+
+def _cache_layers(cache: Any) -> Sequence[tuple[Any, Any]]:
+    """(key, value) tensors ``[batch, heads, tokens, head_dim]`` per layer of a transformers cache."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return [(k, v) for k, v in cache]
