@@ -1,0 +1,273 @@
+"""Peer sharing over real Transfer Engines and real shared-memory arenas in separate processes.
+
+The serving Managers here are ``orbitkv_fs.tools.bench_peer serve`` processes: a real /dev/shm arena
+holding CRC-valid segments, a real PeerServer and Transfer Engine. The requester is this process with its
+own arena and PeerNode. Faults (a corrupted segment, a peer that dies right after granting a lease) are
+injected through that server's command line; nothing else is faked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from orbitkv_fs.keys import ObjectKey
+from orbitkv_fs.peers import FailureReason, PeerConfig, PeerError, PeerNode, UnknownPeer, transport_available
+from orbitkv_fs.peers import protocol as P
+from orbitkv_fs.segment import Role
+from orbitkv_fs.tools.bench_peer import ShmArena, make_segments, start_server, stop_server
+
+pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(16, 32))
+
+
+@pytest.fixture
+def servers():
+    procs = []
+
+    def start(segments, extra=()):
+        proc, hello = start_server(NS, segments, extra=extra)
+        procs.append(proc)
+        return proc, hello
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        stop_server(p)
+
+
+@pytest.fixture
+def requester():
+    nodes = []
+
+    def make(peers, namespaces=(NS,), **cfg):
+        arena = ShmArena(1 << 20, list(namespaces))
+        node = PeerNode(arena, peers=peers, config=PeerConfig(**{"staging_bytes": 64 << 20, **cfg}))
+        nodes.append((node, arena))
+        return node, arena
+
+    yield make
+    for node, arena in nodes:
+        node.close()
+        arena.close()
+
+
+def test_core_imports_without_mooncake_or_zmq():
+    code = ("import sys, orbitkv_fs, orbitkv_fs.peers, orbitkv_fs.segment;"
+            "bad=[m for m in sys.modules if m.split('.')[0] in ('mooncake','zmq','fastapi')];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_saved_on_a_restores_on_b_byte_exact(servers, requester):
+    _, a = servers(["24:65536:1", "3:4194304:2"])
+    node, arena = requester([a["address"]])
+    assert arena.fetcher is node.client
+    segs = make_segments(NS, 24, 65536, 1) + make_segments(NS, 3, 4194304, 2)
+    got = node.client.fetch([k for k, _ in segs])
+    assert len(got) == len(segs)
+    for k, b in segs:
+        assert got[k] == b
+    st = node.stats()
+    assert st.keys_fetched_total == len(segs)
+    assert st.fetched_bytes_total == sum(len(b) for _, b in segs)
+    assert st.failures_total == {}
+    assert st.staging_used_bytes == 0 and st.abandoned_reads == 0
+    assert st.hit_latency_count == 1 and sum(st.hit_latency_buckets) == 1
+    assert st.peers[0].session_id == a["session_id"] and st.peers[0].state == "ok"
+
+
+def test_three_managers_fan_out_and_partial_hits(servers, requester):
+    _, a = servers(["8:65536:1"])
+    _, c = servers(["8:65536:3"])
+    node, _ = requester([a["address"], c["address"]])
+    from_a = make_segments(NS, 8, 65536, 1)
+    from_c = make_segments(NS, 8, 65536, 3)
+    absent = make_segments(NS, 2, 65536, 99)
+    keys = [k for k, _ in from_a + absent + from_c]
+    got = node.client.fetch(keys)
+    assert set(got) == {k for k, _ in from_a + from_c}
+    assert all(got[k] == b for k, b in from_a + from_c)
+    st = node.stats()
+    assert st.misses_total == 2
+    per_peer = {p.address: p.keys_fetched_total for p in st.peers}
+    assert per_peer == {a["address"]: 8, c["address"]: 8}
+    assert st.failures_total == {}
+
+
+def test_peer_killed_mid_transfer_is_a_miss_within_budget(servers, requester):
+    # A grants the lease, then SIGKILLs itself 20 ms later while ~64 MiB of reads are in flight.
+    a_proc, a = servers(["16:4194304:5"], extra=["--die-after-lease-ms", "20"])
+    _, c = servers(["4:65536:6"])
+    node, _ = requester([a["address"], c["address"]], budget_s=2.0)
+    big = [k for k, _ in make_segments(NS, 16, 4194304, 5)]
+    t = time.monotonic()
+    got = node.client.fetch(big)
+    elapsed = time.monotonic() - t
+    assert a_proc.wait(10) == -signal.SIGKILL
+    assert elapsed < 2.0 + 0.5
+    assert len(got) < len(big)  # what arrived before the kill verified; the rest is a miss
+    st = node.stats()
+    assert st.misses_total == len(big) - len(got)
+    assert sum(st.failures_total.get(r, 0) for r in (FailureReason.TRANSFER, FailureReason.TIMEOUT)) >= 1
+    a_info = next(p for p in st.peers if p.address == a["address"])
+    assert a_info.state == "backoff"
+    # B keeps serving: the surviving peer still answers, and A (in backoff) is not asked.
+    small = make_segments(NS, 4, 65536, 6)
+    got = node.client.fetch([k for k, _ in small])
+    assert all(got[k] == b for k, b in small)
+    deadline = time.monotonic() + 40
+    while node.client.abandoned_reads and time.monotonic() < deadline:
+        node.client.fetch([])
+        time.sleep(0.05)
+    assert node.stats().staging_used_bytes == 0
+
+
+def test_stalled_peer_read_is_parked_until_the_engine_gives_it_up(servers, requester):
+    a_proc, a = servers(["8:4194304:7"])
+    node, _ = requester([a["address"]], budget_s=0.5)
+    keys = [k for k, _ in make_segments(NS, 8, 4194304, 7)]
+    assert len(node.client.fetch(keys[:1])) == 1  # connections up
+    os.kill(a_proc.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    got = node.client.fetch(keys[1:])
+    assert time.monotonic() - t < 1.0
+    assert got == {}
+    assert node.stats().failures_total == {FailureReason.TIMEOUT: 1}
+    os.kill(a_proc.pid, signal.SIGKILL)  # the engine sees the reset and fails what was in flight
+    deadline = time.monotonic() + 40
+    while node.client.abandoned_reads and time.monotonic() < deadline:
+        node.client.fetch([])
+        time.sleep(0.05)
+    st = node.stats()
+    assert st.abandoned_reads == 0 and st.staging_used_bytes == 0
+
+
+def test_corrupted_bytes_are_caught_by_crc(servers, requester):
+    _, a = servers(["6:65536:8"], extra=["--corrupt", "2"])
+    node, _ = requester([a["address"]])
+    segs = make_segments(NS, 6, 65536, 8)
+    got = node.client.fetch([k for k, _ in segs])
+    assert set(got) == {k for i, (k, _) in enumerate(segs) if i != 2}
+    assert all(got[k] == b for k, b in segs if k in got)
+    st = node.stats()
+    assert st.failures_total == {FailureReason.CHECKSUM: 1}
+    assert st.peers[0].state == "backoff" and st.peers[0].failures_total == {FailureReason.CHECKSUM: 1}
+    # Backed off: the next fetch does not ask it.
+    assert node.client.fetch([segs[0][0]]) == {}
+    assert node.stats().peers[0].requests_total == 1
+
+
+def test_namespace_mismatch_refused_by_the_peer(servers, requester):
+    _, a = servers(["2:65536:9"])
+    node, _ = requester([a["address"]], namespaces=(OTHER_NS,))
+    key = ObjectKey(OTHER_NS, make_segments(NS, 1, 65536, 9)[0][0].chunk, 0, Role.KEY)
+    assert node.client.fetch([key]) == {}
+    assert node.stats().failures_total == {FailureReason.NAMESPACE: 1}
+
+
+def test_namespace_mismatch_refused_by_the_requester(requester):
+    # A peer that answers for another namespace (a misbehaving or misconfigured one) is refused.
+    import zmq
+
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    node, _ = requester([f"127.0.0.1:{port}"], budget_s=2.0)
+    key = make_segments(NS, 1, 65536, 10)[0][0]
+    import threading
+
+    def answer():
+        ident, frame = rogue.recv_multipart()
+        req = P.decode_request(frame)
+        rogue.send_multipart([ident, P.encode(P.LeaseReply(req.req_id, OTHER_NS, node.transport.session_id,
+                                                           4096, 1, [P.Extent(0, 128, 1)]))])
+
+    th = threading.Thread(target=answer)
+    th.start()
+    assert node.client.fetch([key]) == {}
+    th.join()
+    rogue.close(0)
+    assert node.stats().failures_total == {FailureReason.NAMESPACE: 1}
+
+
+def test_server_survives_garbage_and_answers_typed_refusals(servers):
+    import zmq
+
+    _, a = servers(["1:65536:11"])
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"tcp://{a['address']}")
+    s.send(b"\xc1 not msgpack")
+    s.send(msgspec.msgpack.encode({"type": "lease", "req_id": 7, "namespace": b"short", "keys": []}))
+    rep = P.decode_reply(s.recv())
+    assert isinstance(rep, P.Refused) and rep.req_id == 7 and rep.reason == P.RefuseReason.BAD_REQUEST
+    s.send(P.encode(P.LeaseRequest(8, NS, [b"\x00" * 35])))
+    rep = P.decode_reply(s.recv())
+    assert isinstance(rep, P.Refused) and rep.req_id == 8
+    key = make_segments(NS, 1, 65536, 11)[0][0]
+    s.send(P.encode(P.LeaseRequest(9, NS, [ObjectKey(OTHER_NS, key.chunk, 0, Role.KEY).pack()])))
+    rep = P.decode_reply(s.recv())
+    assert isinstance(rep, P.Refused) and rep.reason == P.RefuseReason.NAMESPACE
+    s.send(P.encode(P.LeaseRequest(10, NS, [key.pack()])))
+    rep = P.decode_reply(s.recv())
+    assert isinstance(rep, P.LeaseReply) and rep.lease_id and rep.extents[0] is not None
+    s.send(P.encode(P.ReleaseRequest(11, rep.lease_id)))
+    assert P.decode_reply(s.recv()) == P.Ack(11)
+    s.send(P.encode(P.PrefixRequest(12, NS, [key.chunk, b"\x01" * 16], [(0, int(Role.KEY))])))
+    assert P.decode_reply(s.recv()) == P.PrefixReply(12, NS, 1)
+    s.close(0)
+
+
+def test_lookup_prefix_and_registry(servers, requester):
+    _, a = servers(["4:65536:12"])
+    node, _ = requester([])
+    segs = make_segments(NS, 4, 65536, 12)
+    assert node.client.lookup_prefix(NS, [segs[0][0].chunk], [(0, int(Role.KEY))]) == 0  # no peers
+    info = node.client.add_peer(a["address"])
+    assert info.static is False and info.state == "ok"
+    with pytest.raises(PeerError):
+        node.client.add_peer(a["address"])
+    with pytest.raises(PeerError):
+        node.client.add_peer("no-port")
+    # make_segments alternates K (even) and V (odd) at layer 0: only even chunks hold a K segment.
+    chunks = [k.chunk for k, _ in segs]
+    assert node.client.lookup_prefix(NS, chunks, [(0, int(Role.KEY))]) == 1
+    assert node.client.lookup_prefix(NS, [chunks[0], chunks[2], chunks[1]], [(0, int(Role.KEY))]) == 2
+    node.client.remove_peer(a["address"])
+    with pytest.raises(UnknownPeer):
+        node.client.remove_peer(a["address"])
+    assert node.client.peers() == []
+
+
+def test_unreachable_peer_backs_off(requester):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node, _ = requester([f"127.0.0.1:{port}"], budget_s=0.2, backoff_base_s=0.3)
+    key = make_segments(NS, 1, 65536, 13)[0][0]
+    t = time.monotonic()
+    assert node.client.fetch([key]) == {}
+    assert time.monotonic() - t < 0.5
+    st = node.stats()
+    assert st.failures_total == {FailureReason.TIMEOUT: 1} and st.peers[0].state == "backoff"
+    assert node.client.fetch([key]) == {}  # skipped, not asked
+    assert node.stats().peers[0].requests_total == 1
+    time.sleep(0.35)
+    node.client.fetch([key])
+    st = node.stats()
+    assert st.peers[0].requests_total == 2 and st.peers[0].consecutive_failures == 2
