@@ -155,19 +155,21 @@ class _State(enum.Enum):
     WRITING = 1
     COMMITTED = 2
     DEAD = 3
+    WIPING = 4  # zeroing the header block of an invalidated record
 
 
 class _Slot:
     __slots__ = ("shard", "offset", "length", "key", "generation", "state", "leases", "stored", "format",
-                 "original", "wipe")
+                 "original", "wipe", "zeroed")
 
-    def __init__(self, shard: int, offset: int, length: int, key: ObjectKey | None, generation: int,
+    def __init__(self, shard: int, offset: int, length: int, key: ObjectKey, generation: int,
                  stored: int, fmt: Format, original: int) -> None:
         self.shard, self.offset, self.length, self.key, self.generation = shard, offset, length, key, generation
         self.state = _State.WRITING
         self.leases = 0
         self.stored, self.format, self.original = stored, fmt, original
         self.wipe = False  # zero the header block once unleased (invalidated)
+        self.zeroed = False  # the header block on disk is zero: recovery cannot revive this record
 
     @property
     def end(self) -> int:
@@ -325,7 +327,7 @@ class SsdTier:
             victims, blocker = [], None
             while i < len(sh.offsets) and sh.offsets[i] < pos + length:
                 s = sh.slots[sh.offsets[i]]
-                if s.state is _State.WRITING or s.leases:
+                if s.state in (_State.WRITING, _State.WIPING) or s.leases:
                     blocker = s
                     break
                 victims.append(s)
@@ -463,6 +465,7 @@ class SsdTier:
         self._recycle(w.buf)
         if w.wipe:  # the header block of an invalidated record is zero now (or could not be zeroed)
             self._c["wipes_total" if res == BLOCK else "write_errors_total"] += 1
+            s.zeroed = res == BLOCK
             s.state = _State.DEAD
             self._dead += s.length
             return
@@ -501,7 +504,7 @@ class SsdTier:
         if s.leases or s.state is not _State.DEAD or self._shards[s.shard].slots.get(s.offset) is not s:
             return
         s.wipe = False
-        s.state = _State.WRITING
+        s.state = _State.WIPING
         self._dead -= s.length
         buf = self._staging(BLOCK)
         buf[:] = bytes(BLOCK)
@@ -618,7 +621,7 @@ class SsdTier:
 
             for sh in self._shards:
                 for s in list(sh.slots.values()):
-                    if s.key is None or not match(s.key):
+                    if s.zeroed or s.state is _State.WIPING or not match(s.key):
                         continue
                     if s.state is _State.COMMITTED and self._index.get(s.key) is s:
                         count += 1

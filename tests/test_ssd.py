@@ -1,0 +1,187 @@
+"""SSD tier on real O_DIRECT files and real io_uring: publish, read, replace, ring overwrite, leases,
+invalidation, stats, configuration errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orbitkv_fs.errors import SegmentError
+from orbitkv_fs.tiers.ssd import SsdConfig, SsdConfigError, SsdIoError, SsdTier, parse_size
+from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
+from orbitkv_fs.tiers.ssd.record import record_length
+from orbitkv_fs.tiers.ssd.uring import UringBackend, liburing_usable
+from test_ssd_common import NS, direct_io_dir, key, segment
+
+
+@pytest.fixture
+def ssd_dir(tmp_path):
+    return direct_io_dir(tmp_path)
+
+
+def make(ssd_dir, *, shards=2, capacity=32 << 20, backend=None, **kw) -> SsdTier:
+    paths = tuple(str(ssd_dir / f"shard{i}.okv") for i in range(shards))
+    return SsdTier(SsdConfig(paths=paths, capacity=capacity, **kw), backend=backend)
+
+
+def test_roundtrip_many_keys_two_shards(ssd_dir):
+    with make(ssd_dir) as t:
+        keys = [key(i, layer=i % 3) for i in range(64)]
+        segs = {k: segment(i, layer=i % 3) for i, k in enumerate(keys)}
+        assert all(t.submit(k, segs[k]) for k in keys)
+        t.flush()
+        assert all(t.contains(k) for k in keys)
+        assert t.read_many(keys) == [segs[k] for k in keys]
+        assert t.read(key(999)) is None
+        s = t.snapshot()
+        assert s.objects == 64 and s.write_completed_total == 64 and s.read_hits_total == 64
+        assert s.live_bytes == sum(record_length(len(v)) for v in segs.values())
+        assert {o.shard for o in t.iter_records()} == {0, 1}
+        assert dict(t.iter_objects()) == {k: len(v) for k, v in segs.items()}
+        assert t.stats()["ssd_objects"] == 64.0
+
+
+def test_republish_replaces_and_old_generation_is_dead(ssd_dir):
+    with make(ssd_dir, shards=1) as t:
+        k = key(1)
+        t.submit(k, segment(1))
+        t.flush()
+        g1 = next(t.iter_records()).generation
+        t.submit(k, segment(1, version=1))
+        t.flush()
+        (o,) = list(t.iter_records())
+        assert o.generation > g1
+        assert t.read(k) == segment(1, version=1)
+        s = t.snapshot()
+        assert s.objects == 1 and s.dead_bytes == s.live_bytes
+
+
+def test_ring_overwrites_oldest(ssd_dir):
+    with make(ssd_dir, shards=1, capacity=2 << 20) as t:
+        n = 250  # 250 x 20 KiB records through a 2 MiB ring: wraps twice
+        for i in range(n):
+            assert t.submit(key(i), segment(i))
+            t.flush()
+        s = t.snapshot()
+        assert s.evicted_total > 0 and s.objects + s.evicted_total == n
+        newest = [key(i) for i in range(n - s.objects, n)]
+        assert all(t.contains(k) for k in newest)
+        assert not t.contains(key(0))
+        assert t.read_many(newest) == [segment(i) for i in range(n - s.objects, n)]
+
+
+def test_leased_record_is_never_overwritten(ssd_dir):
+    faults = Faults(read_delay=0.5)
+    backend = FaultyBackend(UringBackend(), faults)
+    with make(ssd_dir, shards=1, capacity=1 << 20, backend=backend) as t:
+        t.submit(key(0), segment(0))
+        t.flush()
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("v", t.read(key(0))))
+        reader.start()
+        time.sleep(0.1)  # the read holds its lease for 0.5 s
+        for i in range(1, 80):  # ~1.6 MiB through a 1 MiB ring while the first record is leased
+            t.submit(key(i), segment(i))
+            t.flush()
+        reader.join()
+        assert got["v"] == segment(0)
+        assert t.snapshot().write_skipped_blocked_total > 0
+
+
+def test_records_being_written_are_skipped_or_dropped(ssd_dir):
+    faults = Faults(write_delay=0.3)
+    backend = FaultyBackend(UringBackend(), faults)
+    with make(ssd_dir, shards=1, capacity=1 << 20, backend=backend, write_queue_depth=64) as t:
+        accepted = [i for i in range(120) if t.submit(key(i), segment(i))]
+        t.flush()
+        s = t.snapshot()
+        # Nothing in flight was overwritten: everything that published reads back intact.
+        assert s.write_dropped_total == 120 - len(accepted) > 0
+        live = [i for i in accepted if t.contains(key(i))]
+        assert live and t.read_many([key(i) for i in live]) == [segment(i) for i in live]
+        assert s.corrupt_records_total == 0 and t.snapshot().corrupt_records_total == 0
+
+
+def test_lane_bound_drops_and_counts(ssd_dir):
+    faults = Faults(write_delay=0.2)
+    with make(ssd_dir, shards=1, capacity=128 << 20, backend=FaultyBackend(UringBackend(), faults),
+              max_pending_bytes=33 << 20) as t:
+        big = segment(0, n=4 << 20)  # 8 MiB segments: only four fit in the staging bound
+        results = [t.submit(key(i), big) for i in range(8)]
+        t.flush()
+        assert results.count(True) == 4 and t.snapshot().write_dropped_total == 4
+        assert t.snapshot().pending_bytes == 0
+
+
+def test_invalidate_keys_and_namespace(ssd_dir):
+    other = bytes(16)
+    with make(ssd_dir) as t:
+        for i in range(10):
+            t.submit(key(i), segment(i))
+            t.submit(key(i, ns=other), segment(i))
+        t.flush()
+        r = t.invalidate(keys=[key(0), key(1)])
+        assert (r.objects, r.bytes) == (2, 2 * len(segment(0)))
+        assert not t.contains(key(0)) and t.read(key(1)) is None
+        r = t.invalidate(namespace=NS)
+        assert r.objects == 8
+        assert t.contains(key(5, ns=other))
+        assert t.invalidate(all=True).objects == 10
+        t.flush()
+        s = t.snapshot()
+        assert s.objects == 0 and s.invalidated_total == 20 and s.wipes_total == 20
+        with pytest.raises(ValueError):
+            t.invalidate()
+
+
+def test_invalidate_while_writing_is_never_published(ssd_dir):
+    faults = Faults(write_delay=0.3)
+    with make(ssd_dir, backend=FaultyBackend(UringBackend(), faults)) as t:
+        t.submit(key(0), segment(0))
+        t.invalidate(keys=[key(0)])
+        t.flush()
+        assert not t.contains(key(0)) and t.snapshot().write_cancelled_total == 1
+
+
+def test_submit_rejects_non_segments_and_closed_tier_drops(ssd_dir):
+    t = make(ssd_dir)
+    with pytest.raises(SegmentError):
+        t.submit(key(0), b"not a segment" * 10)
+    with pytest.raises(SegmentError):
+        t.submit(key(0), segment(0) + b"\0")
+    t.close()
+    t.close()
+    assert t.submit(key(0), segment(0)) is False
+    assert t.read(key(0)) is None
+
+
+def test_config_errors(ssd_dir):
+    assert parse_size("100gb") == 100 * 10**9 and parse_size("1GiB") == 1 << 30 and parse_size("4096") == 4096
+    with pytest.raises(SsdConfigError):
+        parse_size("lots")
+    with pytest.raises(SsdConfigError):
+        SsdConfig(paths=(), capacity=1 << 30)
+    with pytest.raises(SsdConfigError):
+        SsdConfig(paths=("a", "a"), capacity=1 << 30)
+    with pytest.raises(SsdConfigError):
+        SsdConfig(paths=("a",), capacity=1 << 30, backend="spdk")
+    with pytest.raises(SsdConfigError):
+        SsdConfig(paths=("a",), capacity=1 << 30, write_queue_depth=0)
+    with pytest.raises(SsdConfigError):
+        SsdConfig(paths=("a",), capacity=1000)
+
+
+def test_unusable_path_is_a_clear_error(ssd_dir):
+    with pytest.raises(SsdIoError, match="cannot open"):
+        SsdTier(SsdConfig(paths=(str(ssd_dir / "missing-dir" / "shard.okv"),), capacity=4 << 20))
+
+
+@pytest.mark.skipif(not liburing_usable(), reason="the liburing package cannot run on this CPU (AVX-512 build)")
+def test_liburing_package_driver_roundtrip(ssd_dir):
+    with make(ssd_dir, backend=UringBackend("liburing")) as t:
+        for i in range(16):
+            t.submit(key(i), segment(i))
+        t.flush()
+        assert t.read_many([key(i) for i in range(16)]) == [segment(i) for i in range(16)]
