@@ -5,12 +5,14 @@ it imports GPU tensors through CUDA IPC. The file is the contract between the en
 Manager process; it describes its own tensors so that a registration can be checked against what is
 really there.
 
-File layout: a 4096-byte header page -- magic ``OKVP``, version u32, table length u32, then a msgpack
-table of :class:`PageTensor` (name, offset, shape, strides in elements, dtype, role tag) -- followed by
+File layout: a header (4096 bytes, or as many 4096-byte pages as the table needs) -- magic ``OKVP``,
+version u32, table length u32, then a msgpack table of :class:`PageTensor` (name, offset, shape, strides in elements, dtype, role tag) -- followed by
 the tensors' bytes, each 4096-aligned, C-contiguous.
 
 Primitives: :meth:`HostPages.create`, :meth:`HostPages.open`, :meth:`HostPages.array`,
-:meth:`HostPages.handle`, :meth:`HostPages.descriptor`, :meth:`HostPages.close`.
+:meth:`HostPages.handle`, :meth:`HostPages.descriptor`, :meth:`HostPages.close`; :func:`host_engine_pages`
+builds a whole engine's KV in one file (tests, benchmarks, CPU engines); :func:`import_cuda_tensor` is the
+GPU counterpart of :meth:`HostPages.at`.
 
 Invariants: tensors never overlap and lie inside the file; the table is validated on open (a file that
 lies about its tensors is refused with :class:`PagesError`); ``create`` unlinks nothing it did not create.
@@ -68,22 +70,25 @@ class HostPages:
                *, path: str | None = None, directory: str = "/dev/shm") -> "HostPages":
         """Create a zero-filled file holding ``specs``: ``(name, shape, dtype, role)`` tuples or
         :class:`PageTensor` (whose offset/strides are recomputed). ``role`` is kv|key|value|opaque."""
-        table: list[PageTensor] = []
-        off = HEADER_BYTES
+        norm = []
         for spec in specs:
             if isinstance(spec, PageTensor):
-                name, shape, dtype, role, layer, layout = (spec.name, spec.shape, spec.dtype, spec.role,
-                                                           spec.layer, spec.layout)
+                norm.append((spec.name, spec.shape, spec.dtype, spec.role, spec.layer, spec.layout))
             else:
-                name, shape, dtype, role = spec
-                layer, layout = -1, ""
-            dt = parse_dtype(dtype)
-            shape = [int(s) for s in shape]
-            table.append(PageTensor(name, off, shape, _c_strides(shape), dtype, role, layer, layout))
-            off += -(-int(np.prod(shape)) * dt.itemsize // ALIGN) * ALIGN
-        blob = msgspec.msgpack.encode(table)
-        if _HDR.size + len(blob) > HEADER_BYTES:
-            raise PagesError(f"table of {len(table)} tensors does not fit the {HEADER_BYTES}-byte header")
+                norm.append((*spec, -1, ""))
+        header = HEADER_BYTES
+        while True:  # the table's size depends on the offsets, which depend on the header's size
+            table: list[PageTensor] = []
+            off = header
+            for name, shape, dtype, role, layer, layout in norm:
+                dt = parse_dtype(dtype)
+                shape = [int(x) for x in shape]
+                table.append(PageTensor(name, off, shape, _c_strides(shape), dtype, role, layer, layout))
+                off += -(-int(np.prod(shape)) * dt.itemsize // ALIGN) * ALIGN
+            blob = msgspec.msgpack.encode(table)
+            if _HDR.size + len(blob) <= header:
+                break
+            header = -(-(_HDR.size + len(blob)) // ALIGN) * ALIGN
         path = path or os.path.join(directory if os.path.isdir(directory) else "/tmp",
                                     f"orbitkv-pages-{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -111,13 +116,13 @@ class HostPages:
             os.close(fd)
         try:
             magic, version, n = _HDR.unpack(mm[: _HDR.size])
-            if magic != MAGIC or version != VERSION or _HDR.size + n > HEADER_BYTES:
+            if magic != MAGIC or version != VERSION or _HDR.size + n > size:
                 raise PagesError(f"{path!r} is not an engine pages file (v{VERSION})")
             try:
                 table = msgspec.msgpack.decode(mm[_HDR.size:_HDR.size + n], type=list[PageTensor])
             except msgspec.DecodeError as e:
                 raise PagesError(f"{path!r}: bad tensor table: {e}") from None
-            end = HEADER_BYTES
+            end = _HDR.size + n
             for t in sorted(table, key=lambda t: t.offset):
                 dt = parse_dtype(t.dtype)
                 if t.offset < end or t.offset % ALIGN or any(s <= 0 for s in t.shape) or \
@@ -183,6 +188,25 @@ def _c_strides(shape: Sequence[int]) -> list[int]:
         strides.append(acc)
         acc *= int(s)
     return strides[::-1]
+
+
+def host_engine_pages(*, num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_dim: int,
+                      dtype: str = "bfloat16", layout: str = "separate", layer_start: int = 0,
+                      directory: str = "/dev/shm") -> tuple[HostPages, list[TensorDesc]]:
+    """A pages file holding layers ``layer_start .. layer_start + num_layers - 1`` of one engine in
+    ``layout`` (see :mod:`orbitkv_fs.geometry`), and the descriptors that register them."""
+    b, t, h, d = num_blocks, block_size, num_heads, head_dim
+    shapes = {"vllm_packed": [("kv", (b, h, t, 2 * d))],
+              "separate": [("key", (b, t, h, d)), ("value", (b, t, h, d))],
+              "sglang_token_pool": [("key", (b * t, h, d)), ("value", (b * t, h, d))],
+              "mla": [("opaque", (b, t, d))],
+              "state": [("opaque", (b, h, d))]}
+    if layout not in shapes:
+        raise PagesError(f"unknown layout {layout!r}")
+    specs = [PageTensor(f"L{layer}.{role}", 0, list(shape), [], dtype, role, layer, layout)
+             for layer in range(layer_start, layer_start + num_layers) for role, shape in shapes[layout]]
+    pages = HostPages.create(specs, directory=directory)
+    return pages, [pages.descriptor(t.name) for t in specs]
 
 
 class CudaImport:

@@ -1,0 +1,128 @@
+"""``orbitkv-cache-manager``: the Manager as a process.
+
+Owns the command line and the process lifecycle: build the arguments (:func:`build_parser`, the one place
+other parts add their flags), turn them into a :class:`~orbitkv_fs.manager.ManagerConfig`
+(:func:`config_from_args`), start the Manager (:func:`build_manager`) and its data plane, then wait for
+SIGINT/SIGTERM and shut down in order: stop accepting requests, let in-flight ones finish, close the
+Manager (which flushes and closes the lower tier and unlinks the arena).
+
+Defaults run on a laptop without a GPU: 1 GiB of DRAM, codec ``none``, everything bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+
+from orbitkv_fs.codecs import CODEC_NAMES
+from orbitkv_fs.manager import Manager, ManagerConfig
+
+log = logging.getLogger("orbitkv.cache_manager")
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``8gb``, ``512MiB``, ``1073741824`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 512mb, 8gb, 1073741824")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad fraction {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1]")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``orbitkv-cache-manager``. Other parts (HTTP, SSD, peers) add theirs here."""
+    p = argparse.ArgumentParser(prog="orbitkv-cache-manager",
+                                description="OrbitKV-FS cache manager: DRAM arena, codecs, data plane.")
+    g = p.add_argument_group("manager")
+    g.add_argument("--pool-size", type=parse_size, default=1 << 30,
+                   help="DRAM arena size (shared-memory file), e.g. 8gb (default 1gb)")
+    g.add_argument("--storage-codec", choices=CODEC_NAMES, default="none",
+                   help="default codec of registered engines (default none; fp8/turboquant-* are lossy)")
+    g.add_argument("--storage-codec-budget", type=_fraction, default=0.05,
+                   help="fraction of the pool a codec batch may use as workspace (default 0.05)")
+    g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
+    g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
+    g.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="auto: pin the arena and use the GPU codec engine when a GPU is present")
+    g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
+                   help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
+    g.add_argument("--data-plane-workers", type=int, default=4, help="data plane worker threads")
+    g.add_argument("--log-level", default="INFO", help="logging level")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ManagerConfig:
+    return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
+                         storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
+                         shm_dir=args.shm_dir, device=args.device)
+
+
+def build_lower_tier(args: argparse.Namespace):
+    """The tier under DRAM the flags ask for (the SSD part extends this), or None."""
+    return None
+
+
+def build_manager(args: argparse.Namespace) -> Manager:
+    return Manager(config_from_args(args), lower_tier=build_lower_tier(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from orbitkv_fs.dataplane import DataPlaneServer
+    from orbitkv_fs.errors import OrbitKVError
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        manager = build_manager(args)
+    except (OrbitKVError, ValueError, OSError) as e:
+        print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            dataplane = DataPlaneServer(manager, args.data_plane, workers=args.data_plane_workers)
+        except (OrbitKVError, ValueError) as e:
+            print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+            return 2
+        info = manager.arena_info()
+        log.info("ready: data plane %s, arena %s (%d MiB%s), codec %s", dataplane.endpoint, info.path,
+                 info.size >> 20, ", pinned" if info.pinned else "", args.storage_codec)
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            dataplane.close()
+    finally:
+        manager.close()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

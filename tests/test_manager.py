@@ -1,0 +1,316 @@
+"""Manager end to end on host engine pages: every host codec, eviction, leases, validation, reservations."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.manager import (
+    ChunkBlocks,
+    EngineRegistration,
+    LeaseError,
+    Manager,
+    ManagerConfig,
+    RequestError,
+    UnknownEngine,
+)
+from orbitkv_fs.pages import host_engine_pages
+from orbitkv_fs.segment import HEADER_SIZE, Role
+
+L, B, T, H, D = 6, 64, 16, 2, 64
+BLOCK_BYTES = T * H * D * 2  # one block of one role of one layer, bf16
+
+
+def make_engine(layout: str = "separate", *, num_layers: int = L, num_blocks: int = B, **reg_kw):
+    pages, descs = host_engine_pages(num_layers=num_layers, num_blocks=num_blocks, block_size=T, num_heads=H,
+                                     head_dim=D, layout=layout)
+    rng = np.random.default_rng(7)
+    for name in pages.tensors:
+        a = pages.array(name)
+        a[...] = (rng.standard_normal(a.shape) * 2).astype(ml_dtypes.bfloat16)
+    reg = EngineRegistration(model="test-model", num_layers=num_layers, layer_start=0, layer_end=num_layers,
+                             block_size=T, num_heads=H, head_dim=D, dtype="bfloat16", tensors=descs, **reg_kw)
+    return pages, reg
+
+
+@pytest.fixture
+def engine():
+    pages, reg = make_engine()
+    yield pages, reg
+    pages.close()
+
+
+def snapshot(pages):
+    return {n: pages.array(n).copy() for n in pages.tensors}
+
+
+def zero(pages):
+    for n in pages.tensors:
+        pages.array(n)[...] = 0
+
+
+def chunks_for(n: int, per: int = 2, base: int = 0, salt: str = "c"):
+    return [ChunkBlocks(chunk_key(f"{salt}{i}"), list(range(base + per * i, base + per * (i + 1)))) for i in range(n)]
+
+
+def assert_reservations_zero(m: Manager) -> None:
+    st = m.stats()
+    assert (st.reserved_bytes, st.leases_active, st.leased_bytes, st.workspace_bytes, st.inflight_requests) == \
+        (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4", "turboquant-3"])
+def test_save_evict_lookup_restore_every_codec(engine, codec):
+    pages, reg = engine
+    orig = snapshot(pages)
+    # 8 chunks x 6 layers x 2 roles x 2 blocks x 4 KiB: 768 KiB logical; the pool holds about 1.6 chunks.
+    pool = {"none": 168, "fp8": 90, "turboquant-4": 128, "turboquant-3": 128}[codec] << 10
+    with Manager(ManagerConfig(pool_size=pool, storage_codec=codec)) as m:
+        e = m.register_engine(reg)
+        first, second = chunks_for(4), chunks_for(4, base=8, salt="d")
+        r = m.save(e.engine_id, first)
+        assert r.dropped_segments == 0
+        m.save(e.engine_id, second)  # evicts most of ``first``
+        st = m.stats()
+        assert st.evictions > 0 and st.pool_used_bytes <= st.pool_capacity_bytes
+        assert m.lookup(e.engine_id, [c.key for c in first], lease=False).count < 4
+        lk = m.lookup(e.engine_id, [c.key for c in second[-1:]])
+        assert lk.count == 1 and lk.lease_id
+        zero(pages)
+        res = m.restore(e.engine_id, second[-1:], lease_id=lk.lease_id)
+        assert res.restored == [True] and not res.misses
+        with pytest.raises(LeaseError):
+            m.release(lk.lease_id)  # the restore released it
+        blocks = second[-1].blocks
+        for name in pages.tensors:
+            got = pages.array(name)[blocks].astype(np.float32)
+            want = orig[name][blocks].astype(np.float32)
+            layer = int(name.split(".")[0][1:])
+            if codec == "none" or (codec.startswith("turboquant") and (layer < 2 or layer >= L - 2)):
+                assert np.array_equal(pages.array(name)[blocks].view(np.uint16), orig[name][blocks].view(np.uint16))
+            elif codec == "fp8":
+                assert np.all(np.abs(got - want) <= np.abs(want) / 16 + 2.0 ** -9)  # E4M3: 3 mantissa bits
+            else:
+                rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert rel < (0.12 if codec == "turboquant-4" else 0.22), rel
+            untouched = [b for b in range(B) if b not in blocks]
+            assert not pages.array(name)[untouched].view(np.uint16).any()
+        st = m.stats()
+        assert st.codec_segments and st.restore_requests == 1
+        if codec.startswith("turboquant"):
+            assert st.raw_segments.get("policy", 0) > 0 and st.codec_segments.get("turboquant", 0) > 0
+        assert_reservations_zero(m)
+
+
+def test_lossy_codec_keeps_out_of_range_raw(engine):
+    pages, reg = engine
+    pages.array("L3.key")[5] = 1000.0  # beyond E4M3's 448: never clipped, the segment stays raw
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="fp8")) as m:
+        e = m.register_engine(reg)
+        ch = [ChunkBlocks(chunk_key("x"), [4, 5])]
+        r = m.save(e.engine_id, ch)
+        assert r.raw_segments == {"out_of_range": 1}
+        zero(pages)
+        assert m.restore(e.engine_id, ch).restored == [True]
+        assert np.array_equal(pages.array("L3.key")[[4, 5]].view(np.uint16), orig["L3.key"][[4, 5]].view(np.uint16))
+
+
+@pytest.mark.parametrize("layout", ["vllm_packed", "sglang_token_pool", "mla"])
+def test_layouts_round_trip_exact(layout):
+    pages, reg = make_engine(layout, attention="mla" if layout == "mla" else "gqa")
+    try:
+        orig = snapshot(pages)
+        with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="turboquant-4")) as m:
+            e = m.register_engine(reg)
+            expect = {"vllm_packed": 2 * L, "sglang_token_pool": 2 * L, "mla": L}[layout]
+            assert e.segments_per_chunk == expect
+            if layout == "mla":
+                assert e.exact_layers == list(range(L))
+            ch = chunks_for(3)
+            m.save(e.engine_id, ch)
+            zero(pages)
+            assert m.restore(e.engine_id, ch).restored == [True] * 3
+            for name in pages.tensors:
+                a, b = pages.array(name), orig[name]
+                if layout == "sglang_token_pool":
+                    a, b = a[: 6 * T], b[: 6 * T]
+                else:
+                    a, b = a[:6], b[:6]
+                layer = int(name.split(".")[0][1:])
+                if layout == "mla" or layer < 2 or layer >= L - 2:
+                    assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), name
+                else:
+                    assert np.linalg.norm(a.astype(np.float32) - b.astype(np.float32)) < \
+                        0.12 * np.linalg.norm(b.astype(np.float32))
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
+
+
+def test_leases_block_eviction(engine):
+    pages, reg = engine
+    seg = HEADER_SIZE + 2 * BLOCK_BYTES
+    per_chunk = 2 * L * ((seg + 511) // 512 * 512)
+    with Manager(ManagerConfig(pool_size=3 * per_chunk)) as m:
+        e = m.register_engine(reg)
+        a = chunks_for(2, salt="a")
+        m.save(e.engine_id, a)
+        lk = m.lookup(e.engine_id, [c.key for c in a])
+        assert lk.count == 2
+        b = chunks_for(3, base=8, salt="b")
+        m.save(e.engine_id, b)  # one chunk of room left: b's segments evict each other, never a's
+        assert m.lookup(e.engine_id, [c.key for c in a], lease=False).count == 2
+        lk_b = m.lookup(e.engine_id, [b[-1].key])
+        assert lk_b.count == 1  # now every byte of the pool is leased
+        r = m.save(e.engine_id, chunks_for(1, base=20, salt="z"))
+        assert r.dropped_segments == 2 * L and r.segments == 0
+        m.release(lk_b.lease_id)
+        keys = [ObjectKey(bytes.fromhex(e.namespace), a[0].key, 0, Role.KEY)]
+        lid, ext = m.lease_objects(keys)
+        assert ext[0] is not None and ext[0].length == seg
+        m.release(lk.lease_id)
+        m.save(e.engine_id, chunks_for(3, base=8, salt="c"))
+        assert m.lookup(e.engine_id, [a[1].key], lease=False).count == 0  # unleased: evicted now
+        view = m.dram.view(ext[0].offset, ext[0].length).tobytes()
+        assert m.read_object(keys[0]) == view  # the object leased by key survived
+        m.release(lid)
+        assert_reservations_zero(m)
+
+
+def test_restore_validation_writes_nothing(engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3)
+        m.save(e.engine_id, ch)
+        zero(pages)
+        bad = [ch[0], ChunkBlocks(ch[1].key, [10, B + 5])]
+        with pytest.raises(RequestError, match="unknown block"):
+            m.restore(e.engine_id, bad)
+        with pytest.raises(RequestError, match="destination blocks take"):  # wrong size: 3 blocks for 2
+            m.restore(e.engine_id, [ch[0], ChunkBlocks(ch[1].key, [10, 11, 12])])
+        with pytest.raises(RequestError, match="16 bytes"):
+            m.restore(e.engine_id, [ChunkBlocks(b"short", [1])])
+        with pytest.raises(UnknownEngine):
+            m.restore("nope", ch)
+        for name in pages.tensors:
+            assert not pages.array(name).view(np.uint16).any(), name
+        assert_reservations_zero(m)
+
+
+def test_corrupt_segment_is_a_miss(engine):
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3)
+        m.save(e.engine_id, ch)
+        key = ObjectKey(bytes.fromhex(e.namespace), ch[1].key, 4, Role.VALUE)
+        lid, (ext,) = m.lease_objects([key])
+        m.dram.view(ext.offset + HEADER_SIZE + 100, 1)[0] ^= 0xFF  # flip a payload bit in the arena
+        m.release(lid)
+        zero(pages)
+        res = m.restore(e.engine_id, ch)
+        assert res.restored == [True, False, True]
+        assert res.misses[0].key == ch[1].key and "PayloadChecksumMismatch" in res.misses[0].reason
+        assert m.stats().decode_failures == 1
+        for name in pages.tensors:
+            assert np.array_equal(pages.array(name)[[0, 1, 4, 5]].view(np.uint16),
+                                  orig[name][[0, 1, 4, 5]].view(np.uint16))
+        assert_reservations_zero(m)
+
+
+def test_invalidate_flush_and_listing(engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(4)
+        m.save(e.engine_id, ch)
+        ns = bytes.fromhex(e.namespace)
+        page = m.list_objects(ns, limit=10)
+        assert len(page.objects) == 10 and page.next_cursor
+        rest = m.list_objects(ns, limit=1000, cursor=page.next_cursor)
+        assert len(rest.objects) == 4 * 2 * L - 10 and rest.next_cursor is None
+        assert len(m.list_objects(ns, prefix=ch[0].key.hex()[:6]).objects) == 2 * L
+        r = m.invalidate(engine_id=e.engine_id, chunks=[ch[0].key])
+        assert r.dram.objects == 2 * L and r.dram.bytes > 0
+        lk = m.lookup(e.engine_id, [ch[1].key])
+        r = m.invalidate(namespace=ns)
+        assert r.dram.objects == 3 * 2 * L
+        zero(pages)
+        assert m.restore(e.engine_id, [ch[1]], lease_id=lk.lease_id).restored == [False]
+        m.save(e.engine_id, ch)
+        f = m.flush_dram()  # no lower tier: everything is dropped
+        assert f.dropped.objects == 4 * 2 * L and m.stats().pool_used_bytes == 0
+        with pytest.raises(RequestError):
+            m.invalidate()
+        assert_reservations_zero(m)
+
+
+def test_threads_save_and_restore_concurrently(engine):
+    pages, reg = engine
+    orig = snapshot(pages)
+    errors: list[BaseException] = []
+    with Manager(ManagerConfig(pool_size=256 << 10, eviction="s3fifo")) as m:
+        e = m.register_engine(reg)
+
+        def worker(t: int) -> None:
+            try:
+                mine = [ChunkBlocks(chunk_key(f"t{t}-{i}"), [t * 16 + i]) for i in range(16)]
+                for rnd in range(4):
+                    m.save(e.engine_id, mine)
+                    lk = m.lookup(e.engine_id, [c.key for c in mine])
+                    res = m.restore(e.engine_id, mine[: lk.count], lease_id=lk.lease_id)
+                    assert all(res.restored)
+            except BaseException as ex:  # surfaced below
+                errors.append(ex)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        for name in pages.tensors:  # restores wrote back exactly what each block held
+            assert np.array_equal(pages.array(name).view(np.uint16), orig[name].view(np.uint16))
+        assert m.stats().evictions > 0
+        assert_reservations_zero(m)
+
+
+def test_unregister_waits_and_releases(engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(2)
+        m.save(e.engine_id, ch)
+        m.lookup(e.engine_id, [c.key for c in ch])  # a lease the engine never releases
+        started = threading.Event()
+        gate = threading.Event()
+        real_write = m._write
+
+        def slow_write(*a, **kw):
+            started.set()
+            gate.wait(5)
+            return real_write(*a, **kw)
+
+        m._write = slow_write  # fault injection: hold a restore in flight
+        t = threading.Thread(target=m.restore, args=(e.engine_id, ch))
+        t.start()
+        started.wait(5)
+        done = threading.Event()
+        u = threading.Thread(target=lambda: (m.unregister_engine(e.engine_id), done.set()))
+        u.start()
+        assert not done.wait(0.3)  # waiting for the restore
+        with pytest.raises(UnknownEngine):
+            m.save(e.engine_id, ch)  # closing: no new work
+        gate.set()
+        t.join()
+        u.join()
+        assert done.is_set() and m.list_engines() == []
+        assert_reservations_zero(m)
+        assert m.stats().resident_objects["dram"] == 2 * 2 * L  # objects outlive the engine
