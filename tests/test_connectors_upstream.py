@@ -35,7 +35,7 @@ import pytest
 import orbitkv_fs.connectors.sglang as our_sglang
 import orbitkv_fs.connectors.vllm as our_vllm
 
-CACHE = Path(os.environ.get("ORBITKV_WHEEL_CACHE", Path(tempfile.gettempdir()) / "orbitkv-upstream-wheels"))
+CACHE = Path(os.environ.get("ORBITKV_WHEEL_CACHE") or Path(tempfile.gettempdir()) / "orbitkv-upstream-wheels")
 
 VLLM = ("vllm", "vllm==0.33.*", "vllm-0.33.*.whl")
 SGLANG = ("sglang", "sglang>=0.5.20,<0.5.30", "sglang-0.5.2[0-9]*.whl")

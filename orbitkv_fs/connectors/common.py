@@ -19,8 +19,8 @@ Primitives:
   counts them, and stops calling a failing Manager for a cool-down period.
 * :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded.
 * :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
-* :class:`StagingPages` -- host pages (``separate`` layout, one ``[slots, block, heads, head_dim]`` K and
-  V tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
+* :class:`StagingPages` -- host pages (``vllm_packed`` layout, one ``[slots, heads, block, 2 * head_dim]``
+  tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
   import (transformers ``DynamicCache``, SGLang's pinned host pool): the adapter copies KV in and out.
 
 Invariants: keys depend only on token ids, block size and salt (never on process state such as Python's
@@ -338,9 +338,11 @@ class PrefixPlanner:
 class StagingPages:
     """A shared-memory pages file the Manager imports, for adapters whose engine KV it cannot import.
 
-    One ``separate``-layout K and V tensor per layer, ``[slots, block_size, num_heads, head_dim]``; a slot
-    is one block. :meth:`registration` describes it; :meth:`key` / :meth:`value` are the numpy views the
-    adapter copies engine KV into (before a save) and out of (after a restore).
+    One ``vllm_packed``-layout tensor per layer, ``[slots, num_heads, block_size, 2 * head_dim]`` (K in
+    the first half of the last axis, V in the second); a slot is one block. :meth:`registration`
+    describes it; :meth:`key` / :meth:`value` are the ``[slots, num_heads, block_size, head_dim]`` numpy
+    views the adapter copies engine KV into (before a save) and out of (after a restore). One tensor per
+    layer (not one per layer and role) keeps the pages file's tensor table small.
     """
 
     def __init__(self, *, num_layers: int, slots: int, block_size: int, num_heads: int, head_dim: int,
@@ -349,27 +351,24 @@ class StagingPages:
 
         self.num_layers, self.slots, self.block_size = num_layers, slots, block_size
         self.num_heads, self.head_dim, self.dtype = num_heads, head_dim, dtype
-        specs = []
-        for layer in range(num_layers):
-            for role in ("key", "value"):
-                specs.append((f"L{layer}.{role}", [slots, block_size, num_heads, head_dim], dtype, role))
+        specs = [(f"L{layer}", [slots, num_heads, block_size, 2 * head_dim], dtype, "kv")
+                 for layer in range(num_layers)]
         self.pages = HostPages.create(specs, directory=directory)
-        self._k = [self.pages.array(f"L{i}.key") for i in range(num_layers)]
-        self._v = [self.pages.array(f"L{i}.value") for i in range(num_layers)]
+        self._kv = [self.pages.array(f"L{i}") for i in range(num_layers)]
 
     def key(self, layer: int) -> "object":
-        return self._k[layer]
+        return self._kv[layer][..., : self.head_dim]
 
     def value(self, layer: int) -> "object":
-        return self._v[layer]
+        return self._kv[layer][..., self.head_dim :]
 
     def registration(self, *, model: str, engine_kind: str, codec: str | None = None, engine_id: str | None = None,
                      tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                      model_revision: str = "") -> object:
         from ..geometry import EngineRegistration
 
-        tensors = [self.pages.descriptor(f"L{layer}.{role}", layer=layer, layout="separate")
-                   for layer in range(self.num_layers) for role in ("key", "value")]
+        tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed")
+                   for layer in range(self.num_layers)]
         return EngineRegistration(
             model=model, num_layers=self.num_layers, layer_start=0, layer_end=self.num_layers,
             block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
@@ -377,5 +376,5 @@ class StagingPages:
             tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
 
     def close(self) -> None:
-        self._k = self._v = []
+        self._kv = []
         self.pages.close()

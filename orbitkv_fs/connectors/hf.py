@@ -11,8 +11,8 @@ A prompt is cut into blocks of ``block_size`` tokens; block ``i`` is stored unde
 ``tokens[: (i + 1) * block_size]`` (:func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`, salted with
 the model's identity), per layer as K and V segments. transformers keeps KV in ordinary tensors the Manager
 cannot import, so the adapter stages blocks in a shared-memory pages file it registers with the Manager
-(:class:`~orbitkv_fs.connectors.common.StagingPages`, ``separate`` layout ``[slot, token, head,
-head_dim]``) and copies KV in before a save and out after a restore.
+(:class:`~orbitkv_fs.connectors.common.StagingPages`, ``vllm_packed`` layout ``[slot, head, token,
+2 * head_dim]``) and copies KV in before a save and out after a restore.
 
 Invariants: only full blocks are stored; a restore returns at most ``len(prompt) - 1`` tokens (the model
 must compute the last prompt token to produce logits) and stops at the first block that missed (a bad or
@@ -117,9 +117,10 @@ class HFPrefixStore:
             t0, t1 = first * self.block_size, end * self.block_size
             for layer, (k, v) in enumerate(layers):
                 # [1, heads, tokens, head_dim] -> [blocks, block_size, heads, head_dim]
-                shape = (n, self.block_size, k.shape[1], k.shape[3])
-                self._k[layer][:n] = k[0, :, t0:t1].transpose(0, 1).reshape(shape)
-                self._v[layer][:n] = v[0, :, t0:t1].transpose(0, 1).reshape(shape)
+                # [1, heads, tokens, head_dim] -> [blocks, heads, block_size, head_dim]
+                shape = (k.shape[1], n, self.block_size, k.shape[3])
+                self._k[layer][:n] = k[0, :, t0:t1].reshape(shape).transpose(0, 1)
+                self._v[layer][:n] = v[0, :, t0:t1].reshape(shape).transpose(0, 1)
             if self.session.save(keys[first:end], [[s] for s in range(n)]) is None:
                 return first * self.block_size
         return len(keys) * self.block_size
@@ -158,12 +159,12 @@ class HFPrefixStore:
         if got == 0:
             return None, 0
         cache = DynamicCache(config=self._config) if self._config is not None else DynamicCache()
+        heads, head_dim = self._k[0].shape[1], self._k[0].shape[3]
         for layer in range(n_layers):
-            # [blocks, block_size, heads, head_dim] -> [1, heads, tokens, head_dim]
-            k = torch.cat(ks[layer]).reshape(got * self.block_size, *self._k[layer].shape[2:])
-            v = torch.cat(vs[layer]).reshape(got * self.block_size, *self._v[layer].shape[2:])
-            cache.update(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0).contiguous(),
-                         layer)
+            # [blocks, heads, block_size, head_dim] -> [1, heads, tokens, head_dim]
+            k = torch.cat(ks[layer]).transpose(0, 1).reshape(1, heads, got * self.block_size, head_dim)
+            v = torch.cat(vs[layer]).transpose(0, 1).reshape(1, heads, got * self.block_size, head_dim)
+            cache.update(k.contiguous(), v.contiguous(), layer)
         return cache, got * self.block_size
 
     def close(self) -> None:

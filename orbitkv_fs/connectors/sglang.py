@@ -139,15 +139,15 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
         stacked = torch.stack(pages)  # [n, 2, L, T, H, D]
         n = len(pages)
-        for layer in range(len(self._k)):
-            self._k[layer][base : base + n] = stacked[:, 0, layer]
-            self._v[layer][base : base + n] = stacked[:, 1, layer]
+        for layer in range(len(self._k)):  # staging slots are [H, T, D]
+            self._k[layer][base : base + n] = stacked[:, 0, layer].transpose(1, 2)
+            self._v[layer][base : base + n] = stacked[:, 1, layer].transpose(1, 2)
 
     def _stage_out(self, page: "torch.Tensor", slot: int) -> None:
         """Copy staging slot ``slot`` into one ``[2, L, T, H, D]`` page view."""
         for layer in range(len(self._k)):
-            page[0, layer].copy_(self._k[layer][slot])
-            page[1, layer].copy_(self._v[layer][slot])
+            page[0, layer].copy_(self._k[layer][slot].transpose(0, 1))
+            page[1, layer].copy_(self._v[layer][slot].transpose(0, 1))
 
     def _keys(self, keys: List[str]) -> list[bytes]:
         return engine_hash_keys(keys, salt=self._salt)
