@@ -1,0 +1,233 @@
+"""Peer sharing between real Manager processes on loopback (two and three Managers).
+
+Each Manager runs in its own process (the ``_CHILD`` program below): a real :class:`Manager` over its
+/dev/shm arena, an engine whose KV pages are a shared-memory pages file, and a :class:`PeerNode` (real
+Transfer Engine, real peer socket). The test drives them over stdin/stdout with JSON lines. Faults are
+injected only where the test says so: a Manager that SIGKILLs itself right after leasing to a peer, and a
+flipped byte in a Manager's arena file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orbitkv_fs.peers import FailureReason, transport_available
+
+pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
+
+_CHILD = r'''
+import hashlib, json, mmap, os, signal, sys, threading
+import numpy as np
+from orbitkv_fs.connectors.common import StagingPages
+from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+from orbitkv_fs.peers import PeerConfig, PeerNode
+from orbitkv_fs.segment import Role
+
+cfg = json.loads(sys.argv[1])
+m = Manager(ManagerConfig(pool_size=cfg.get("pool", 128 << 20), device="cpu"))
+L, S = cfg["layers"], cfg["slots"]
+pages = StagingPages(num_layers=L, slots=S, block_size=16, num_heads=cfg["heads"], head_dim=64, dtype="float16")
+info = m.register_engine(pages.registration(model="peer-test", engine_kind="generic", engine_id="e",
+                                            codec=cfg.get("codec", "none")))
+if cfg.get("die_after_lease_ms") is not None:
+    lease = m.lease_objects
+    def dying(keys):
+        threading.Timer(cfg["die_after_lease_ms"] / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return lease(keys)
+    m.lease_objects = dying
+node = PeerNode(m, peers=cfg.get("peers", []), config=PeerConfig(budget_s=cfg.get("budget", 2.0),
+                                                                   staging_bytes=64 << 20))
+
+def digest(blocks):
+    h = hashlib.sha256()
+    for l in range(L):
+        for b in blocks:
+            h.update(pages.key(l)[b].tobytes()); h.update(pages.value(l)[b].tobytes())
+    return h.hexdigest()
+
+def chunks(names, blocks):
+    return [ChunkBlocks(chunk_key(n), [b]) for n, b in zip(names, blocks)]
+
+print(json.dumps({"address": node.address, "namespace": info.namespace, "pid": os.getpid()}), flush=True)
+for line in sys.stdin:
+    c = json.loads(line)
+    op = c["op"]
+    if op == "fill":
+        rng = np.random.default_rng(c["seed"])
+        for l in range(L):
+            for arr in (pages.key(l), pages.value(l)):
+                arr[c["blocks"]] = rng.standard_normal(arr[c["blocks"]].shape).astype(np.float16)
+        out = {"digest": digest(c["blocks"])}
+    elif op == "save":
+        r = m.save("e", chunks(c["names"], c["blocks"]))
+        out = {"segments": r.segments}
+    elif op == "lookup":
+        r = m.lookup("e", [chunk_key(n) for n in c["names"]], lease=False)
+        out = {"count": r.count, "peer": r.peer}
+    elif op == "restore":
+        r = m.restore("e", chunks(c["names"], c["blocks"]))
+        out = {"restored": r.restored, "digest": digest(c["blocks"]), "misses": [x.reason for x in r.misses]}
+    elif op == "corrupt":
+        key = ObjectKey(bytes.fromhex(info.namespace), chunk_key(c["name"]), 0, Role.KEY)
+        lid, (ext,) = m.lease_objects([key])
+        a = m.arena_info()
+        with open(a.path, "r+b") as f, mmap.mmap(f.fileno(), a.size) as mm:
+            mm[ext.offset + 64] ^= 0xFF  # first payload byte
+        m.release(lid)
+        out = {}
+    elif op == "stats":
+        import msgspec
+        st = m.stats()
+        out = {"peer": msgspec.to_builtins(node.stats()), "hits": st.hits, "leases_active": st.leases_active,
+               "reserved_bytes": st.reserved_bytes}
+    print(json.dumps(out), flush=True)
+node.close(); m.close(); pages.close()
+'''
+
+
+class Mgr:
+    def __init__(self, **cfg):
+        cfg = {"layers": 2, "slots": 16, "heads": 2, **cfg}
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        hello = json.loads(self.proc.stdout.readline())
+        self.address, self.namespace, self.pid = hello["address"], hello["namespace"], hello["pid"]
+
+    def __call__(self, op, **kw):
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"manager process exited ({self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(**cfg):
+        m = Mgr(**cfg)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def _names(prefix, n):
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def test_prefix_saved_on_a_restores_on_b_byte_exact(managers):
+    a = managers()
+    b = managers(peers=[a.address])
+    assert a.namespace == b.namespace
+    names, blocks = _names("chunk", 6), list(range(6))
+    want = a("fill", seed=1, blocks=blocks)["digest"]
+    assert a("save", names=names, blocks=blocks)["segments"] == 6 * 2 * 2
+    assert b("lookup", names=names) == {"count": 6, "peer": 6}
+    r = b("restore", names=names, blocks=blocks)
+    assert r["restored"] == [True] * 6 and r["digest"] == want
+    st = b("stats")
+    assert st["hits"]["peer"] == 24 and st["peer"]["keys_fetched_total"] == 24
+    assert st["peer"]["failures_total"] == {} and st["reserved_bytes"] == 0
+    # Admitted locally: a second restore is served from B's own DRAM.
+    r = b("restore", names=names, blocks=blocks)
+    assert r["restored"] == [True] * 6 and b("stats")["hits"]["dram"] == 24
+    assert a("stats")["leases_active"] == 0  # B released everything it leased
+
+
+def test_three_managers(managers):
+    a = managers()
+    c = managers()
+    b = managers(peers=[a.address, c.address])
+    want_a = a("fill", seed=2, blocks=[0, 1, 2])["digest"]
+    want_c = c("fill", seed=3, blocks=[3, 4, 5])["digest"]
+    a("save", names=_names("a", 3), blocks=[0, 1, 2])
+    c("save", names=_names("c", 3), blocks=[3, 4, 5])
+    ra = b("restore", names=_names("a", 3), blocks=[0, 1, 2])
+    rc = b("restore", names=_names("c", 3), blocks=[3, 4, 5])
+    assert ra["restored"] == rc["restored"] == [True] * 3
+    assert ra["digest"] == want_a and rc["digest"] == want_c
+    peers = {p["address"]: p["keys_fetched_total"] for p in b("stats")["peer"]["peers"]}
+    assert peers == {a.address: 12, c.address: 12}
+
+
+def test_b_keeps_serving_when_a_is_killed_mid_transfer(managers):
+    big = {"layers": 4, "slots": 64, "heads": 32}  # 64 chunks x 8 segments x 64 KiB = 32 MiB
+    # A dies 20 ms after granting the lease: after its reply left, while B's reads are in flight.
+    a = managers(die_after_lease_ms=20, **big)
+    c = managers(**big)
+    b = managers(peers=[a.address, c.address], budget=1.0, **big)
+    names, blocks = _names("big", 64), list(range(64))
+    a("fill", seed=4, blocks=blocks)
+    a("save", names=names, blocks=blocks)
+    want_c = c("fill", seed=5, blocks=[0, 1])["digest"]
+    c("save", names=_names("small", 2), blocks=[0, 1])
+    t = time.monotonic()
+    r = b("restore", names=names, blocks=blocks)
+    assert time.monotonic() - t < 1.0 + 1.0  # budget plus the local restore work
+    assert a.proc.wait(10) == -signal.SIGKILL
+    assert not all(r["restored"])
+    st = b("stats")["peer"]
+    assert sum(st["failures_total"].get(k, 0) for k in (FailureReason.TRANSFER, FailureReason.TIMEOUT)) >= 1
+    # B serves on: C's chunks restore byte-exact, B's own saves and restores work.
+    r = b("restore", names=_names("small", 2), blocks=[0, 1])
+    assert r["restored"] == [True, True] and r["digest"] == want_c
+    want_b = b("fill", seed=6, blocks=[10])["digest"]
+    b("save", names=["own"], blocks=[10])
+    b("fill", seed=7, blocks=[10])
+    assert b("restore", names=["own"], blocks=[10])["digest"] == want_b
+    deadline = time.monotonic() + 40
+    while b("stats")["peer"]["abandoned_reads"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        b("lookup", names=["nothing"])
+    st = b("stats")
+    assert st["peer"]["staging_used_bytes"] == 0 or st["peer"]["abandoned_reads"] == 0
+    assert st["reserved_bytes"] == 0
+
+
+def test_corrupted_peer_bytes_are_caught_by_crc(managers):
+    a = managers()
+    b = managers(peers=[a.address])
+    a("fill", seed=8, blocks=[0, 1])
+    a("save", names=["x0", "x1"], blocks=[0, 1])
+    a("corrupt", name="x0")
+    r = b("restore", names=["x0"], blocks=[0])
+    assert r["restored"] == [False]
+    st = b("stats")
+    assert st["peer"]["failures_total"] == {FailureReason.CHECKSUM: 1}
+    assert st["hits"]["peer"] == 0 or st["peer"]["keys_fetched_total"] == st["hits"]["peer"]
+
+
+def test_namespace_mismatch_refused(managers):
+    a = managers(codec="none")
+    b = managers(peers=[a.address], codec="fp8")
+    assert a.namespace != b.namespace
+    a("fill", seed=9, blocks=[0])
+    a("save", names=["n0"], blocks=[0])
+    assert b("lookup", names=["n0"]) == {"count": 0, "peer": 0}
+    assert b("restore", names=["n0"], blocks=[0])["restored"] == [False]
+    st = b("stats")
+    assert st["hits"]["peer"] == 0 and st["peer"]["keys_fetched_total"] == 0
+    assert st["peer"]["failures_total"].get(FailureReason.NAMESPACE, 0) >= 1
+    assert a("stats")["peer"]["served_refusals_total"].get("namespace", 0) >= 1
