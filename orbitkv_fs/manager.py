@@ -49,6 +49,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import threading
@@ -98,6 +99,8 @@ __all__ = [
     "ArenaInfo",
     "ChunkBlocks",
     "CudaIpcHandle",
+    "DURATION_BUCKETS_S",
+    "DurationHistogram",
     "EngineBusy",
     "EngineInfo",
     "EngineRegistration",
@@ -280,6 +283,19 @@ class ArenaInfo(msgspec.Struct, frozen=True):
     pinned: bool
 
 
+#: Upper bounds (seconds) of the duration histograms in :attr:`ManagerStats.durations`; the last bucket is +Inf.
+DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0, 10.0)
+
+
+class DurationHistogram(msgspec.Struct, frozen=True):
+    """Observations per :data:`DURATION_BUCKETS_S` bound, then +Inf (not cumulative)."""
+
+    buckets: list[int]
+    sum: float
+    count: int
+
+
 class ManagerStats(msgspec.Struct, frozen=True):
     """A consistent snapshot of the Manager's counters and gauges (metrics are built from it)."""
 
@@ -317,6 +333,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     workspace_bytes: int
     inflight_requests: int
     lower: dict[str, float] = {}  # the lower tier's own stats()
+    #: save/restore (per request), encode (per codec batch), decode (per segment) durations.
+    durations: dict[str, DurationHistogram] = {}
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -466,6 +484,7 @@ class Manager:
         self._codec_segments: dict[str, int] = {}
         self._raw: dict[str, int] = {}
         self._workspace = 0
+        self._durations = {name: [0] * (len(DURATION_BUCKETS_S) + 1) for name in _DURATIONS.values()}
         self._inflight = 0
         self._closed = False
 
@@ -475,6 +494,9 @@ class Manager:
         with self._stat_lock:
             for k, v in kw.items():
                 self._c[k] += v
+                hist = _DURATIONS.get(k)
+                if hist is not None:  # every *_seconds add is one observation of that duration
+                    self._durations[hist][bisect.bisect_left(DURATION_BUCKETS_S, v)] += 1
 
     def _count(self, table: dict[str, int], name: str, n: int = 1) -> None:
         with self._stat_lock:
@@ -1055,7 +1077,9 @@ class Manager:
                 encode_seconds=c["encode_seconds"], decode_seconds=c["decode_seconds"], raw_segments=dict(self._raw),
                 decode_failures=int(c["decode_failures"]), dropped_segments=int(c["dropped_segments"]),
                 reserved_bytes=reserved, leases_active=leases, leased_bytes=leased,
-                workspace_bytes=self._workspace, inflight_requests=inflight, lower=lower_stats)
+                workspace_bytes=self._workspace, inflight_requests=inflight, lower=lower_stats,
+                durations={name: DurationHistogram(list(b), float(c[f"{name}_seconds"]), sum(b))
+                           for name, b in self._durations.items()})
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1223,6 +1247,9 @@ class Manager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+_DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seconds": "encode",
+              "decode_seconds": "decode"}
 
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
