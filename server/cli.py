@@ -67,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
     g.add_argument("--data-plane-workers", type=int, default=4, help="data plane worker threads")
     g.add_argument("--log-level", default="INFO", help="logging level")
+    g = p.add_argument_group("ssd tier (omit --ssd-cache-path for DRAM only; see docs/ssd.md)")
+    g.add_argument("--ssd-cache-path", action="append", default=[], metavar="PATH",
+                   help="shard file of the SSD tier, preallocated, O_DIRECT; repeat for one shard per path")
+    g.add_argument("--ssd-cache-capacity", type=parse_size, default=None,
+                   help="total SSD tier bytes over all shards, e.g. 100gb (required with --ssd-cache-path)")
+    g.add_argument("--ssd-backend", choices=("auto", "uring", "cufile"), default="auto",
+                   help="auto: cuFile (kvikio) with a GPU, else io_uring")
+    g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
+    g.add_argument("--ssd-recover", action="store_true",
+                   help="rebuild the SSD index from the shard files (default: start empty, files truncated)")
+    from orbitkv_fs.peers.node import add_peer_arguments
+
+    add_peer_arguments(p)
     return p
 
 
@@ -77,8 +90,16 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
 
 
 def build_lower_tier(args: argparse.Namespace):
-    """The tier under DRAM the flags ask for (the SSD part extends this), or None."""
-    return None
+    """The SSD tier the ``--ssd-*`` flags ask for, or None (DRAM only)."""
+    if not getattr(args, "ssd_cache_path", None):
+        return None
+    from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+
+    if args.ssd_cache_capacity is None:
+        raise ValueError("--ssd-cache-path needs --ssd-cache-capacity (e.g. 100gb)")
+    return SsdTier(SsdConfig(paths=tuple(args.ssd_cache_path), capacity=args.ssd_cache_capacity,
+                             backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
+                             recover=args.ssd_recover))
 
 
 def build_manager(args: argparse.Namespace) -> Manager:
@@ -110,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         except (OrbitKVError, ValueError) as e:
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
+        from orbitkv_fs.peers.node import start_from_args
+
+        try:
+            peers = start_from_args(manager, args)
+        except (OrbitKVError, ValueError) as e:
+            dataplane.close()
+            print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+            return 2
         info = manager.arena_info()
         log.info("ready: data plane %s, arena %s (%d MiB%s), codec %s", dataplane.endpoint, info.path,
                  info.size >> 20, ", pinned" if info.pinned else "", args.storage_codec)
@@ -118,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         finally:
             dataplane.close()
+            if peers is not None:
+                peers.close()
     finally:
         manager.close()
     log.info("stopped")

@@ -2,11 +2,15 @@
 
 Owns the order of start and stop: the engine starts, the Manager's arena is registered with it, the
 server starts answering, the client becomes the Manager's peer fetcher; :meth:`PeerNode.close` undoes
-that in reverse (the fetcher is detached before anything it uses closes). Primitive: :class:`PeerNode`.
+that in reverse (the fetcher is detached before anything it uses closes). Primitives: :class:`PeerNode`,
+and for ``orbitkv-cache-manager``: :func:`add_peer_arguments` (the ``--peer*`` flags) and
+:func:`start_from_args` (a node when peer sharing is asked for, else None).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 from typing import Any, Callable, Collection, Iterable
 
 from .client import PeerClient, PeerConfig
@@ -14,7 +18,9 @@ from .server import PeerServer, PeerSource
 from .stats import PeerStats
 from .transport import Transport
 
-__all__ = ["PeerNode"]
+__all__ = ["PeerNode", "add_peer_arguments", "start_from_args"]
+
+log = logging.getLogger(__name__)
 
 
 class PeerNode:
@@ -65,3 +71,36 @@ class PeerNode:
         self.server.close()
         self.client.close()
         self.transport.unregister(self._arena_address)
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--peer*`` flags of ``orbitkv-cache-manager``."""
+    g = parser.add_argument_group("peers (Mooncake Transfer Engine)")
+    g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a peer Manager's peer port (repeatable); enables peer sharing")
+    g.add_argument("--peer-port", type=int, default=0,
+                   help="this Manager's peer control port (enables peer sharing; default: a free port "
+                        "when --peer is given, else peer sharing is off)")
+    g.add_argument("--peer-host", default="127.0.0.1",
+                   help="address peers reach this host at (Transfer Engine and peer port bind there)")
+    g.add_argument("--peer-protocol", default="tcp", help="Transfer Engine protocol: tcp, rdma, efa")
+    g.add_argument("--peer-device", default="", help="Transfer Engine devices (RDMA NICs), comma-separated")
+    g.add_argument("--peer-budget-ms", type=float, default=500.0, help="time budget of one peer fetch")
+    g.add_argument("--peer-fanout", type=int, default=4, help="peers asked in parallel per fetch")
+    g.add_argument("--peer-staging-size", type=int, default=256 << 20,
+                   help="bytes of registered memory peer reads land in before verification")
+
+
+def start_from_args(manager: Any, args: argparse.Namespace) -> "PeerNode | None":
+    """A :class:`PeerNode` for ``manager`` when ``--peer`` or ``--peer-port`` was given, else None."""
+    if not args.peer and not args.peer_port:
+        return None
+    if args.peer_budget_ms <= 0 or args.peer_fanout < 1 or args.peer_staging_size < (1 << 20):
+        raise ValueError("--peer-budget-ms must be > 0, --peer-fanout >= 1, --peer-staging-size >= 1 MiB")
+    node = PeerNode(manager, host=args.peer_host, port=args.peer_port, peers=args.peer,
+                    protocol=args.peer_protocol, device=args.peer_device,
+                    config=PeerConfig(budget_s=args.peer_budget_ms / 1000, fanout=args.peer_fanout,
+                                      staging_bytes=args.peer_staging_size))
+    log.info("peers: control %s, transfer engine %s (%s), %d static peer(s)", node.address,
+             node.transport.session_id, args.peer_protocol, len(args.peer))
+    return node

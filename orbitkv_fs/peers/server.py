@@ -26,6 +26,7 @@ import msgspec
 
 from ..keys import ObjectKey
 from . import protocol as P
+from .client import PeerError
 from .stats import ServerCounters
 
 __all__ = ["PeerServer", "PeerSource"]
@@ -72,10 +73,14 @@ class PeerServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:
+            self._sock.close(0)
+            raise PeerError(f"cannot bind the peer port {host}:{port}: {e}") from None
         self.host, self.port = host, port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"orbitkv-peer-server:{port}", daemon=True)

@@ -1,0 +1,92 @@
+"""``/v1/peers`` routes (server/peers_api.py) on a real uvicorn on loopback over a real PeerNode, and the
+``--peer*`` flags of orbitkv-cache-manager."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from orbitkv_fs.peers import PeerNode, transport_available
+from orbitkv_fs.tools.bench_peer import ShmArena
+
+pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def api():
+    import uvicorn
+    from fastapi import FastAPI
+
+    from orbitkv_fs.server.peers_api import router
+
+    arena = ShmArena(1 << 20, [bytes(16)])
+    node = PeerNode(arena, peers=["127.0.0.1:1"])
+    app = FastAPI()
+    app.include_router(router)
+    app.state.peer_node = node
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+        yield client, app, node
+    server.should_exit = True
+    th.join(10)
+    node.close()
+    arena.close()
+
+
+def test_peer_routes(api):
+    client, app, node = api
+    r = client.get("/v1/peers")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["address"] == node.address and body["session_id"] == node.transport.session_id
+    assert [p["id"] for p in body["peers"]] == ["127.0.0.1:1"] and body["peers"][0]["static"] is True
+
+    r = client.post("/v1/peers", json={"address": "127.0.0.1:9400"})
+    assert r.status_code == 201 and r.json()["static"] is False and r.json()["state"] == "ok"
+    assert client.post("/v1/peers", json={"address": "127.0.0.1:9400"}).status_code == 409
+    assert client.post("/v1/peers", json={"address": "nonsense"}).status_code == 422
+    assert client.post("/v1/peers", json={"address": "127.0.0.1:99999"}).status_code == 422
+    assert client.post("/v1/peers", json={}).status_code == 422
+    assert client.get("/v1/peers/127.0.0.1:9400").json()["address"] == "127.0.0.1:9400"
+    assert client.get("/v1/peers/127.0.0.1:9401").status_code == 404
+
+    stats = client.get("/v1/peers/stats").json()
+    assert stats["session_id"] == node.transport.session_id and len(stats["peers"]) == 2
+
+    assert client.delete("/v1/peers/127.0.0.1:9400").status_code == 204
+    assert client.delete("/v1/peers/127.0.0.1:9400").status_code == 404
+    assert [p["id"] for p in client.get("/v1/peers").json()["peers"]] == ["127.0.0.1:1"]
+
+    app.state.peer_node = None
+    assert client.get("/v1/peers").status_code == 503
+    assert client.post("/v1/peers", json={"address": "127.0.0.1:9400"}).status_code == 503
+    app.state.peer_node = node
+
+
+def test_cli_flags():
+    from orbitkv_fs.server.cli import build_parser
+
+    args = build_parser().parse_args(["--peer", "10.0.0.2:9300", "--peer", "10.0.0.3:9300", "--peer-port", "9300",
+                                      "--peer-budget-ms", "250"])
+    assert args.peer == ["10.0.0.2:9300", "10.0.0.3:9300"] and args.peer_port == 9300
+    assert args.peer_budget_ms == 250.0
+    args = build_parser().parse_args([])
+    from orbitkv_fs.peers.node import start_from_args
+
+    assert start_from_args(object(), args) is None  # peer sharing off unless asked for
