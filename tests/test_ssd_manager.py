@@ -1,0 +1,86 @@
+"""The SSD tier under a real Manager: demotion, promotion, corruption as a miss, restart with recovery,
+and the ``orbitkv-cache-manager`` SSD flags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orbitkv_fs.manager import Manager, ManagerConfig
+from orbitkv_fs.server.cli import build_lower_tier, build_parser
+from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE
+from test_manager import chunks_for, make_engine, snapshot, zero
+from test_ssd_common import direct_io_dir, flip
+
+
+@pytest.fixture
+def ssd_paths(tmp_path):
+    d = direct_io_dir(tmp_path)
+    return (str(d / "m0.okv"), str(d / "m1.okv"))
+
+
+def tier(paths, recover=False) -> SsdTier:
+    return SsdTier(SsdConfig(paths=paths, capacity=64 << 20, recover=recover))
+
+
+def test_demote_promote_corrupt_restart(ssd_paths):
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        chunks = chunks_for(8)
+        keys = [c.key for c in chunks]
+        with Manager(ManagerConfig(pool_size=512 << 10), lower_tier=tier(ssd_paths)) as m:
+            e = m.register_engine(reg)
+            m.save(e.engine_id, chunks)
+            m.flush_dram()  # every object now lives on the SSD only
+            st = m.stats()
+            assert st.lower["ssd_objects"] == 8 * 6 * 2 and st.lower["ssd_write_errors_total"] == 0
+            zero(pages)
+            lk = m.lookup(e.engine_id, keys[:4])
+            assert lk.count == 4 and lk.lower == 4
+            res = m.restore(e.engine_id, chunks[:4], lease_id=lk.lease_id)
+            assert res.restored == [True] * 4
+            for name in pages.tensors:
+                blocks = [b for c in chunks[:4] for b in c.blocks]
+                assert np.array_equal(pages.array(name)[blocks].view(np.uint16), orig[name][blocks].view(np.uint16))
+            # Damage one segment of chunk 6 on disk: that chunk misses, chunk 7 is intact.
+            victim = next(o for o in m.lower.iter_records() if o.key.chunk == keys[6])
+            flip(ssd_paths[victim.shard], victim.offset + RECORD_HEADER_SIZE + 200)
+            assert m.lookup(e.engine_id, keys[6:7], lease=False).count == 0
+            assert m.lower.snapshot().corrupt_records_total == 1
+            assert m.lookup(e.engine_id, keys[7:8], lease=False).count == 1
+            m.flush_dram()
+        # A restarted Manager with --ssd-recover serves the old SSD data (minus the corrupt record).
+        with Manager(ManagerConfig(pool_size=512 << 10), lower_tier=tier(ssd_paths, recover=True)) as m:
+            e = m.register_engine(reg)
+            assert m.lower.snapshot().recovered_records >= 8 * 6 * 2 - 1
+            zero(pages)
+            lk = m.lookup(e.engine_id, keys[4:6])
+            assert lk.count == 2
+            assert m.restore(e.engine_id, chunks[4:6], lease_id=lk.lease_id).restored == [True, True]
+            blocks = [b for c in chunks[4:6] for b in c.blocks]
+            for name in pages.tensors:
+                assert np.array_equal(pages.array(name)[blocks].view(np.uint16), orig[name][blocks].view(np.uint16))
+            assert m.lookup(e.engine_id, keys[6:7], lease=False).count == 0
+    finally:
+        pages.close()
+
+
+def test_cli_flags(ssd_paths):
+    p = build_parser()
+    assert build_lower_tier(p.parse_args([])) is None
+    args = p.parse_args(["--ssd-cache-path", ssd_paths[0], "--ssd-cache-path", ssd_paths[1],
+                         "--ssd-cache-capacity", "64mb", "--ssd-backend", "uring", "--ssd-write-queue-depth", "8"])
+    t = build_lower_tier(args)
+    try:
+        s = t.snapshot()
+        assert (s.shards, s.capacity_bytes, t.config.write_queue_depth, t.config.recover) == (2, 64 << 20, 8, False)
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="capacity"):
+        build_lower_tier(p.parse_args(["--ssd-cache-path", ssd_paths[0]]))
+    args = p.parse_args(["--ssd-cache-path", ssd_paths[0], "--ssd-cache-capacity", "64mb", "--ssd-recover"])
+    t = build_lower_tier(args)
+    assert t.config.recover
+    t.close()
