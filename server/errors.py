@@ -1,0 +1,128 @@
+"""Every HTTP error is a JSON body ``{"code": ..., "message": ...}``: the mapping from failures to answers.
+
+Owns :class:`ApiError` (raise it from a route for a chosen status and code), :class:`ErrorBody` (the
+body's schema, declared on every route so the OpenAPI document tells the truth), the table from the
+Manager's typed errors to HTTP statuses (:data:`MANAGER_ERRORS`), and :func:`install` (the exception
+handlers). Codes are stable snake_case strings; messages are for people.
+
+Invariants: no handler echoes a request header (tokens never reach a body or a log line); an unexpected
+exception is answered ``500 internal`` without internals (the server logs its traceback); validation errors
+name the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.geometry import GeometryError
+from orbitkv_fs.manager import EngineBusy, LeaseError, PoolExhausted, RequestError, UnknownEngine
+
+__all__ = ["ApiError", "ErrorBody", "MANAGER_ERRORS", "error_response", "install", "responses"]
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(description="stable machine-readable error code, e.g. unknown_engine")
+    message: str = Field(description="what went wrong, for people")
+    field: str | None = Field(default=None, description="the offending request field, when one is to blame")
+
+
+class ApiError(Exception):
+    """An error answer chosen by a route: ``status`` with body ``{code, message[, field]}``."""
+
+    def __init__(self, status: int, code: str, message: str, *, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers
+
+
+#: Manager error class -> (HTTP status, code). Checked in order: subclasses first.
+MANAGER_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
+    (GeometryError, 422, "invalid_registration"),
+    (UnknownEngine, 404, "unknown_engine"),
+    (EngineBusy, 409, "engine_busy"),
+    (LeaseError, 409, "unknown_lease"),
+    (PoolExhausted, 503, "pool_exhausted"),
+    (RequestError, 422, "invalid_request"),
+    (OrbitKVError, 400, "bad_request"),
+)
+
+_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 411: "length_required",
+                 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_request",
+                 500: "internal", 503: "unavailable"}
+
+
+def error_response(status: int, code: str, message: str, *, field: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"code": code, "message": message}
+    if field is not None:
+        body["field"] = field
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    first_field = None
+    for err in exc.errors()[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc) or "request"
+        first_field = first_field or where
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    more = len(exc.errors()) - 5
+    if more > 0:
+        parts.append(f"... and {more} more")
+    return "; ".join(parts) or "invalid request", first_field
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn every failure into an :class:`ErrorBody`."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, field=exc.field, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(exc)
+        return error_response(422, "invalid_request", message, field=field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+        return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OrbitKVError)
+    async def _manager(_: Request, exc: OrbitKVError) -> JSONResponse:
+        for cls, status, code in MANAGER_ERRORS:
+            if isinstance(exc, cls):
+                # KeyError subclasses quote their str(); the message is the first argument.
+                message = str(exc.args[0]) if len(exc.args) == 1 else str(exc)
+                return error_response(status, code, message, field=getattr(exc, "field", None))
+        raise AssertionError("unreachable: OrbitKVError is in the table")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer, so the server logs the traceback once.
+        return error_response(500, "internal", "internal error; see the manager's log")
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries documenting ``statuses`` as :class:`ErrorBody` answers."""
+    return {s: {"model": ErrorBody, "description": _STATUS_CODES.get(s, "error").replace("_", " ")}
+            for s in statuses}

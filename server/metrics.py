@@ -1,0 +1,187 @@
+"""Prometheus metrics of one Manager, read from its stats snapshot at scrape time.
+
+Owns :class:`ManagerCollector` (a prometheus-client custom collector) and :func:`build_registry`. Every
+scrape takes one :meth:`Manager.stats() <orbitkv_fs.manager.Manager.stats>` snapshot (and the peer layer's
+:class:`~orbitkv_fs.peers.PeerStats` when peer sharing is on) and turns it into metric families, so
+``/metrics`` and ``/v1/stats`` always report the same facts and nothing is double-counted.
+
+Naming: ``orbitkv_`` prefix, units in names (``_bytes``, ``_seconds``), counters end in ``_total``.
+A *miss in a tier* is a segment that tier could not serve and that fell through to the next one (DRAM,
+then the lower tier, then peers); ``orbitkv_misses_total{tier="peer"}`` or of the last tier present are
+the segments no tier had. The lower tier's own flat stats (``ssd_*``) are exported as
+``orbitkv_ssd_*``: names ending in ``_total`` as counters, others as gauges, the backend as an info label.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from orbitkv_fs.manager import DURATION_BUCKETS_S, ManagerStats
+
+__all__ = ["ManagerCollector", "build_registry"]
+
+_P = "orbitkv_"
+
+
+def _counter(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
+             rows: dict[tuple[str, ...], float] | None = None) -> CounterMetricFamily:
+    m = CounterMetricFamily(_P + name, doc, value=value, labels=labels)
+    for lv, v in (rows or {}).items():
+        m.add_metric(list(lv), v)
+    return m
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
+           rows: dict[tuple[str, ...], float] | None = None) -> GaugeMetricFamily:
+    m = GaugeMetricFamily(_P + name, doc, value=value, labels=labels)
+    for lv, v in (rows or {}).items():
+        m.add_metric(list(lv), v)
+    return m
+
+
+def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int], total: float) -> Metric:
+    """``counts`` per bound then +Inf, not cumulative (as the snapshots keep them)."""
+    buckets, acc = [], 0
+    for bound, n in zip(list(bounds) + [float("inf")], counts):
+        acc += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
+    return HistogramMetricFamily(_P + name, doc, buckets=buckets, sum_value=total)
+
+
+class ManagerCollector(Collector):
+    """Collects a Manager's metrics at scrape time. ``peer_stats`` returns the peer layer's snapshot
+    (or None when peer sharing is off)."""
+
+    def __init__(self, manager: Any, peer_stats: Callable[[], Any | None] | None = None) -> None:
+        self._manager = manager
+        self._peer_stats = peer_stats
+
+    def describe(self) -> list[Metric]:
+        # Families depend on the snapshot (tiers, reasons); an empty describe keeps registration cheap.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s: ManagerStats = self._manager.stats()
+        lower = getattr(self._manager, "lower", None)
+        peers = self._peer_stats() if self._peer_stats is not None else None
+        yield from self._manager_families(s, lower is not None, peers is not None or
+                                          getattr(self._manager, "peers", None) is not None)
+        yield from self._lower_families(s.lower)
+        if peers is not None:
+            yield from self._peer_families(peers)
+
+    # -- the Manager ------------------------------------------------------------------------------------
+
+    def _manager_families(self, s: ManagerStats, has_lower: bool, has_peers: bool) -> Iterator[Metric]:
+        yield _gauge("engines", "registered engines", s.engines)
+        yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
+        yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
+        yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],
+                     rows={(t,): n for t, n in s.resident_objects.items()})
+        rows = {(t, rep): b for t, reps in s.resident_bytes.items() for rep, b in reps.items()}
+        for t in s.resident_objects:
+            if not s.resident_bytes.get(t):
+                rows[(t, "raw")] = 0
+        yield _gauge("resident_bytes", "cached bytes (stored size) per tier and representation",
+                     labels=["tier", "representation"], rows=rows)
+        yield _gauge("resident_logical_bytes", "DRAM objects at their original (decoded) size",
+                     s.resident_logical_bytes)
+        tiers = ["dram"] + (["lower"] if has_lower else []) + (["peer"] if has_peers else [])
+        hits = {(t,): float(s.hits.get(t, 0)) for t in tiers}
+        # A segment missed in a tier is one a later tier served, or that no tier had.
+        misses, fell = {}, float(s.misses)
+        for t in reversed(tiers):
+            misses[(t,)] = fell
+            fell += hits[(t,)]
+        yield _counter("hits", "segments served, per tier", labels=["tier"], rows=hits)
+        yield _counter("misses", "segments a tier could not serve (fell through to the next tier, or missed)",
+                       labels=["tier"], rows=misses)
+        yield _counter("lookups", "lookup requests", s.lookups)
+        yield _counter("lookup_chunks_hit", "chunks lookups found present (leading runs)", s.lookup_chunks_hit)
+        yield _counter("evictions", "objects evicted from DRAM", s.evictions)
+        yield _counter("evicted_bytes", "stored bytes evicted from DRAM", s.evicted_bytes)
+        yield _counter("demoted_objects", "evicted objects the lower tier took", s.demoted)
+        yield _counter("save_requests", "save requests", s.save_requests)
+        yield _counter("save_logical_bytes", "source bytes of admitted segments", s.save_logical_bytes)
+        yield _counter("save_stored_bytes", "segment bytes (header + payload) admitted", s.save_stored_bytes)
+        yield _counter("restore_requests", "restore requests", s.restore_requests)
+        yield _counter("restore_logical_bytes", "decoded bytes written to engine pages", s.restore_logical_bytes)
+        yield _counter("restore_stored_bytes", "segment bytes read for restores", s.restore_stored_bytes)
+        docs = {"save": "save request duration", "restore": "restore request duration",
+                "encode": "codec batch encode duration", "decode": "segment decode duration"}
+        for name, h in s.durations.items():
+            yield _histogram(f"{name}_duration_seconds", docs.get(name, f"{name} duration"), DURATION_BUCKETS_S,
+                             h.buckets, h.sum)
+        yield _counter("codec_batches", "codec batches encoded", s.codec_batches)
+        yield _counter("codec_segments", "segments stored, per representation", labels=["representation"],
+                       rows={(r,): n for r, n in s.codec_segments.items()})
+        yield _counter("raw_segments", "segments stored raw although a codec was asked, per reason",
+                       labels=["reason"], rows={(r,): n for r, n in s.raw_segments.items()})
+        yield _counter("decode_failures", "segments that failed validation or decode (served as misses)",
+                       s.decode_failures)
+        yield _counter("dropped_segments", "segments neither DRAM nor the lower tier took", s.dropped_segments)
+        yield _gauge("reserved_bytes", "arena bytes reserved, not yet published", s.reserved_bytes)
+        yield _gauge("leases_active", "leases held", s.leases_active)
+        yield _gauge("leased_bytes", "bytes under lease", s.leased_bytes)
+        yield _gauge("workspace_bytes", "codec workspace in use", s.workspace_bytes)
+        yield _gauge("inflight_requests", "data-path requests in progress", s.inflight_requests)
+
+    # -- the lower tier ---------------------------------------------------------------------------------
+
+    def _lower_families(self, stats: dict[str, float]) -> Iterator[Metric]:
+        backends = [k for k in stats if k.startswith("ssd_backend_")]
+        if backends:
+            yield _gauge("ssd_backend_info", "the SSD tier's I/O backend", labels=["backend"],
+                         rows={(k.removeprefix("ssd_backend_"),): stats[k] for k in backends})
+        for name in sorted(k for k in stats if k not in backends):
+            if not _valid_name(name):
+                continue
+            doc = f"lower tier: {name}"
+            if name.endswith("_total"):
+                yield _counter(name.removesuffix("_total"), doc, stats[name])
+            else:
+                yield _gauge(name, doc, stats[name])
+
+    # -- peers --------------------------------------------------------------------------------------------
+
+    def _peer_families(self, p: Any) -> Iterator[Metric]:
+        from orbitkv_fs.peers.stats import LATENCY_BUCKETS_S
+
+        for f in ("lookups_total", "keys_requested_total", "keys_fetched_total", "fetched_bytes_total",
+                  "misses_total", "served_lease_requests_total", "served_keys_requested_total",
+                  "served_keys_total", "served_bytes_total", "served_leases_expired_total"):
+            yield _counter("peer_" + f.removesuffix("_total"), f"peer layer: {f}", getattr(p, f))
+        yield _counter("peer_fetch_seconds", "time spent fetching from peers", p.fetch_seconds_total)
+        yield _counter("peer_failures", "peer fetch failures, per reason", labels=["reason"],
+                       rows={(r,): n for r, n in p.failures_total.items()})
+        yield _counter("peer_served_refusals", "peer requests this Manager refused, per reason", labels=["reason"],
+                       rows={(r,): n for r, n in p.served_refusals_total.items()})
+        yield _histogram("peer_hit_latency_seconds", "remote-hit latency", LATENCY_BUCKETS_S,
+                         p.hit_latency_buckets, p.hit_latency_seconds_sum)
+        yield _gauge("peer_staging_bytes", "staging memory for peer reads", p.staging_bytes)
+        yield _gauge("peer_staging_used_bytes", "staging memory in use", p.staging_used_bytes)
+        yield _gauge("peer_served_leases_active", "leases held for peers", p.served_leases_active)
+        yield _gauge("peer_abandoned_reads", "peer reads given up at the deadline, still in flight",
+                     p.abandoned_reads)
+        yield _gauge("peers", "configured peers, per state", labels=["state"],
+                     rows={(st,): sum(1 for x in p.peers if x.state == st) for st in {x.state for x in p.peers}})
+
+
+def _valid_name(name: str) -> bool:
+    return bool(name) and (name[0].isalpha() or name[0] == "_") and all(c.isalnum() or c == "_" for c in name)
+
+
+def build_registry(manager: Any, peer_stats: Callable[[], Any | None] | None = None) -> CollectorRegistry:
+    """A registry of its own (never the process-global one) holding the Manager's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ManagerCollector(manager, peer_stats))
+    return registry
