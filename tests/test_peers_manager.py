@@ -231,3 +231,73 @@ def test_namespace_mismatch_refused(managers):
     assert st["hits"]["peer"] == 0 and st["peer"]["keys_fetched_total"] == 0
     assert st["peer"]["failures_total"].get(FailureReason.NAMESPACE, 0) >= 1
     assert a("stats")["peer"]["served_refusals_total"].get("namespace", 0) >= 1
+
+
+def test_orbitkv_cache_manager_processes_share_through_peer_flags(tmp_path):
+    """The shipped CLI: two orbitkv-cache-manager processes, B started with --peer A; engine pages in this
+    process, registered with each over its data plane."""
+    import socket
+
+    import numpy as np
+
+    from orbitkv_fs.connectors.common import StagingPages
+    from orbitkv_fs.dataplane import RemoteClient
+    from orbitkv_fs.errors import OrbitKVError
+    from orbitkv_fs.keys import chunk_key
+    from orbitkv_fs.manager import ChunkBlocks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port_a = s.getsockname()[1]
+    procs, clients, pages = [], [], []
+
+    def start(name, extra):
+        endpoint = f"ipc://{tmp_path}/{name}.sock"
+        p = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "16mb", "--device",
+                              "cpu", "--data-plane", endpoint, *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        c = RemoteClient(endpoint, timeout=2)
+        for _ in range(200):
+            try:
+                c.ping()
+                break
+            except OrbitKVError:
+                if p.poll() is not None:
+                    pytest.fail(p.stdout.read())
+        clients.append(c)
+        return c
+
+    try:
+        a = start("a", ["--peer-port", str(port_a)])
+        b = start("b", ["--peer", f"127.0.0.1:{port_a}"])
+        for c in (a, b):
+            sp = StagingPages(num_layers=2, slots=8, block_size=16, num_heads=2, head_dim=64, dtype="float16")
+            pages.append(sp)
+            c.register(sp.registration(model="cli-peer", engine_kind="generic", engine_id="e"))
+        pa, pb = pages
+        rng = np.random.default_rng(11)
+        for layer in range(2):
+            pa.key(layer)[:4] = rng.standard_normal(pa.key(layer)[:4].shape).astype(np.float16)
+            pa.value(layer)[:4] = rng.standard_normal(pa.value(layer)[:4].shape).astype(np.float16)
+        chunks = [ChunkBlocks(chunk_key(f"cli{i}"), [i]) for i in range(4)]
+        assert a.save("e", chunks).segments == 16
+        assert b.lookup("e", [c.key for c in chunks], lease=False).peer == 4
+        r = b.restore("e", chunks)
+        assert r.restored == [True] * 4
+        for layer in range(2):
+            assert np.array_equal(pa.key(layer)[:4], pb.key(layer)[:4])
+            assert np.array_equal(pa.value(layer)[:4], pb.value(layer)[:4])
+        assert b.stats().hits["peer"] == 16
+        for c in clients:
+            c.unregister("e")
+    finally:
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+        for sp in pages:
+            sp.close()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    assert f"peers: control 127.0.0.1:{port_a}" in outs[0]

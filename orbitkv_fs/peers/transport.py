@@ -1,6 +1,6 @@
 """The Transfer Engine seam: a thin wrapper over Mooncake's ``mooncake.engine.TransferEngine``.
 
-Owns one engine per process, started with P2P handshake metadata (no etcd): its session id is
+Each :class:`Transport` owns one engine, started with P2P handshake metadata (no etcd): its session id is
 ``host:rpc_port`` and a reader reaches a peer's registered memory with that id alone. Primitives:
 
 * :class:`Transport` -- ``register`` / ``unregister`` host memory, ``submit_read`` (one-sided read of a
@@ -10,6 +10,8 @@ Owns one engine per process, started with P2P handshake metadata (no etcd): its 
 Invariants:
 
 * ``mooncake`` is imported lazily, on the first :class:`Transport`; ``orbitkv_fs`` imports without it.
+* Starting an engine leaves the process's SIGINT/SIGTERM handlers as they were (the engine replaces them
+  with its own exit(1) handlers; :class:`Transport` puts them back when started on the main thread).
 * A submitted read is tracked until :meth:`Transport.poll` reports it terminal (done or failed). The
   caller must keep the destination memory alive (and unused) until then, even if it stopped waiting:
   an abandoned read can still land bytes there. The engine itself gives up after its own timeout
@@ -20,13 +22,16 @@ Invariants:
 
 from __future__ import annotations
 
-import os
+import logging
+import signal
 import threading
 
 from ..errors import OrbitKVError
 
 __all__ = ["Transport", "TransportError", "TransportUnavailable", "transport_available", "READ_DONE",
            "READ_FAILED", "READ_PENDING"]
+
+log = logging.getLogger(__name__)
 
 READ_PENDING, READ_DONE, READ_FAILED = 0, 1, -1
 _P2P = "P2PHANDSHAKE"
@@ -41,8 +46,6 @@ class TransportUnavailable(TransportError):
 
 
 def _engine_class():
-    # glog prints an INFO line per segment opened; keep warnings and errors unless the operator says so.
-    os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:  # also the OSError-like ImportError of a missing libibverbs.so.1
@@ -60,12 +63,25 @@ def transport_available() -> bool:
     return True
 
 
+def _restore_signal_handlers(saved: dict) -> None:
+    # The engine installs C-level SIGINT/SIGTERM handlers that exit(1) at once, bypassing the process's
+    # own orderly shutdown (and Python's handlers); give the process its handlers back.
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("Transfer Engine started off the main thread: its SIGINT/SIGTERM handlers stay installed")
+        return
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 class Transport:
     """One Transfer Engine. Thread-safe: the engine releases the GIL and locks internally."""
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", device: str = "") -> None:
         engine = _engine_class()()
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         rc = engine.initialize(hostname, _P2P, protocol, device)
+        _restore_signal_handlers(saved)
         if rc != 0:
             raise TransportError(f"TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) -> {rc}")
         self._engine = engine
