@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
     g.add_argument("--ssd-recover", action="store_true",
                    help="rebuild the SSD index from the shard files (default: start empty, files truncated)")
+    g = p.add_argument_group("http control plane (see docs/control-plane.md)")
+    g.add_argument("--http-addr", default="127.0.0.1:9091",
+                   help="host:port of the REST API and /metrics (default 127.0.0.1:9091; a non-loopback "
+                        "address needs an admin token)")
+    g.add_argument("--admin-token", default=None,
+                   help="bearer token of mutating and admin endpoints (default: $ORBITKV_ADMIN_TOKEN); "
+                        "prefer the environment variable, command lines are visible to other users")
     from orbitkv_fs.peers.node import add_peer_arguments
 
     add_peer_arguments(p)
@@ -106,6 +114,19 @@ def build_manager(args: argparse.Namespace) -> Manager:
     return Manager(config_from_args(args), lower_tier=build_lower_tier(args))
 
 
+def _http_settings(args: argparse.Namespace):
+    """``(host, port, AdminToken | None)`` of the control plane; raises when the address is not loopback
+    and there is no token (the Manager must not start)."""
+    from orbitkv_fs.server.app import parse_http_addr
+    from orbitkv_fs.server.auth import AdminToken, check_bind
+
+    host, port = parse_http_addr(args.http_addr)
+    secret = args.admin_token if args.admin_token is not None else os.environ.get("ORBITKV_ADMIN_TOKEN")
+    token = AdminToken(secret) if secret else None
+    check_bind(host, token)
+    return host, port, token
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    try:
+        http_host, http_port, token = _http_settings(args)
+    except (OrbitKVError, ValueError) as e:  # refuse before anything starts
+        print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+        return 2
     try:
         manager = build_manager(args)
     except (OrbitKVError, ValueError, OSError) as e:
@@ -139,13 +165,27 @@ def main(argv: list[str] | None = None) -> int:
             dataplane.close()
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
+        from orbitkv_fs.server.app import HttpServer, create_app
+
+        try:
+            app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers)
+            http = HttpServer(app, http_host, http_port, log_level=args.log_level,
+                              access_log=log.isEnabledFor(logging.INFO)).start()
+        except (OrbitKVError, ValueError) as e:
+            dataplane.close()
+            if peers is not None:
+                peers.close()
+            print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+            return 2
         info = manager.arena_info()
-        log.info("ready: data plane %s, arena %s (%d MiB%s), codec %s", dataplane.endpoint, info.path,
-                 info.size >> 20, ", pinned" if info.pinned else "", args.storage_codec)
+        log.info("ready: data plane %s, http %s%s, arena %s (%d MiB%s), codec %s", dataplane.endpoint, http.url,
+                 " (admin token required)" if token is not None else "", info.path, info.size >> 20,
+                 ", pinned" if info.pinned else "", args.storage_codec)
         try:
             while not stop.wait(0.5):
                 pass
         finally:
+            http.close()
             dataplane.close()
             if peers is not None:
                 peers.close()
