@@ -233,6 +233,7 @@ class SsdTier:
         self._pool_bytes = 0
         self._generation = 1
         self._closed = False
+        self._sleeping = False
         per_shard = config.capacity // len(config.paths) // BLOCK * BLOCK
         self._shards: list[_Shard] = []
         try:
@@ -407,8 +408,14 @@ class SsdTier:
         with self._lock:
             self._queue.append(_Write(gen, slot, buf))
             self._c["write_submitted_total"] += 1
-        os.eventfd_write(self._wake, 1)
+            self._kick()
         return True
+
+    def _kick(self) -> None:
+        """Wake the writer if it sleeps with nothing queued (otherwise completions wake it). Lock held."""
+        if self._sleeping:
+            self._sleeping = False
+            os.eventfd_write(self._wake, 1)
 
     def _writeback(self) -> None:
         ring = self._wring
@@ -420,6 +427,7 @@ class SsdTier:
                     ring.prep_write(self._shards[w.slot.shard].fid, w.buf, w.slot.offset, w.tag)
                     self._inflight[w.tag] = w
                 stop = self._closed and not self._queue and not self._inflight
+                self._sleeping = not self._queue
             if stop:
                 return
             try:
@@ -428,10 +436,11 @@ class SsdTier:
                 self._fail_all(e)
                 continue
             select.select([ring.eventfd, self._wake], [], [], 0.5)
-            try:
-                os.eventfd_read(self._wake)
-            except BlockingIOError:
-                pass
+            for fd in (ring.eventfd, self._wake):  # both are level-triggered: drain them or spin
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
             done = ring.reap()
             if done:
                 now = time.perf_counter()
@@ -501,7 +510,7 @@ class SsdTier:
         tag = self._generation
         self._generation += 1
         self._queue.append(_Write(tag, s, buf, wipe=True))
-        os.eventfd_write(self._wake, 1)
+        self._kick()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued write completed (published, cancelled or failed)."""

@@ -1,0 +1,248 @@
+"""``orbitkv-bench ssd``: SSD tier writeback and demand-read throughput next to fio, and demand-read latency
+while the writeback lane is saturated.
+
+For each record size (``--bs``, the on-disk record: record header + segment + padding) and queue depth
+(``--qd``), in one run and in one directory (so on one file system):
+
+* tier writeback: ``SsdTier.submit`` of ``--size`` bytes of records into a fresh O_DIRECT shard, then
+  ``flush``; GB/s of record bytes. fio: ``--rw=write`` with the same bs, iodepth, ``--direct=1``,
+  ``--ioengine=io_uring`` and size, on a file next to the shard.
+* tier demand read: ``SsdTier.read_many`` of every record just written (read ring at the same depth; each
+  record validated: header CRC, key, generation, segment CRC32C; bytes copied out). fio: ``--rw=read``.
+* latency: QD1 demand reads of 64 KiB records (p50/p99), idle and while a writer thread keeps the lane
+  saturated with 1 MiB records; fio's equivalent is a QD1 ``randread`` job next to a QD32 ``write`` job.
+
+Prints a table, or JSON with ``--json``; ``--out FILE`` also writes the JSON there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.segment import HEADER_SIZE, Format, Role, SegmentHeader, build_segment
+from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+from orbitkv_fs.tiers.ssd.record import MAX_RECORD, RECORD_HEADER_SIZE
+
+NS = b"orbitkv-bench-ss"
+
+
+def _size(text: str) -> int:
+    t = text.strip().lower()
+    for suffix, mul in (("gib", 1 << 30), ("mib", 1 << 20), ("kib", 1 << 10), ("g", 1 << 30), ("m", 1 << 20),
+                        ("k", 1 << 10)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mul)
+    return int(t)
+
+
+def _segments(record_bytes: int, count: int) -> list[bytes]:
+    """``count`` distinct raw segments whose records are exactly ``record_bytes`` on disk."""
+    payload = record_bytes - RECORD_HEADER_SIZE - HEADER_SIZE
+    rng = np.random.default_rng(record_bytes)
+    out = []
+    for _ in range(count):
+        data = rng.integers(0, 256, payload, dtype=np.uint8)
+        out.append(build_segment(SegmentHeader(Format.RAW, np.dtype(np.uint8), payload, payload, 0), data))
+    return out
+
+
+def _key(i: int, tag: str) -> ObjectKey:
+    return ObjectKey(NS, chunk_key(f"{tag}{i}"), 0, Role.OPAQUE)
+
+
+def _tier(path: str, capacity: int, qd: int, bs: int) -> SsdTier:
+    return SsdTier(SsdConfig(paths=(path,), capacity=capacity, backend="uring", write_queue_depth=qd,
+                             read_queue_depth=qd, max_pending_bytes=max(MAX_RECORD, 2 * qd * bs)))
+
+
+def _submit_all(t: SsdTier, keys: Sequence[ObjectKey], segs: Sequence[bytes]) -> None:
+    for i, k in enumerate(keys):
+        # A full lane drops; the benchmark wants throughput, so it retries until the lane takes it.
+        while not t.submit(k, segs[i % len(segs)]):
+            time.sleep(0.0002)
+
+
+def _fio(args: list[str]) -> dict[str, Any]:
+    p = subprocess.run(["fio", "--output-format=json", *args], capture_output=True, text=True, check=True)
+    return json.loads(p.stdout[p.stdout.index("{"):])
+
+
+def _fio_bw(job: str, path: str, size: int, bs: int, qd: int) -> float:
+    d = _fio([f"--name={job}", f"--filename={path}", f"--size={size}", f"--bs={bs}", f"--iodepth={qd}",
+              f"--rw={job}", "--direct=1", "--ioengine=io_uring", "--end_fsync=0"])
+    return d["jobs"][0]["write" if job == "write" else "read"]["bw_bytes"] / 1e9
+
+
+def throughput(d: str, bs: int, qd: int, size: int, with_fio: bool) -> dict[str, Any]:
+    n = max(1, size // bs)
+    segs = _segments(bs, 16)
+    keys = [_key(i, f"t{bs}-{qd}-") for i in range(n)]
+    path = os.path.join(d, "bench-ssd.okv")
+    row: dict[str, Any] = {"record_bytes": bs, "qd": qd, "records": n}
+    with _tier(path, n * bs + (64 << 20), qd, bs) as t:
+        t0 = time.perf_counter()
+        _submit_all(t, keys, segs)
+        t.flush()
+        dt = time.perf_counter() - t0
+        s = t.snapshot()
+        assert s.write_errors_total == 0 and s.objects == n, s
+        row["tier_write_GBps"] = n * bs / dt / 1e9
+        t0 = time.perf_counter()
+        got = t.read_many(keys)
+        dt = time.perf_counter() - t0
+        assert all(g is not None for g in got)
+        row["tier_read_GBps"] = n * bs / dt / 1e9
+    os.unlink(path)
+    if with_fio:
+        fpath = os.path.join(d, "bench-fio.dat")
+        row["fio_write_GBps"] = _fio_bw("write", fpath, n * bs, bs, qd)
+        row["fio_read_GBps"] = _fio_bw("read", fpath, n * bs, bs, qd)
+        os.unlink(fpath)
+        row["write_vs_fio"] = row["tier_write_GBps"] / row["fio_write_GBps"]
+        row["read_vs_fio"] = row["tier_read_GBps"] / row["fio_read_GBps"]
+    return row
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: bool) -> dict[str, Any]:
+    rbs, wbs = 64 << 10, 1 << 20
+    nread, nwrite = fill // rbs, saturate // wbs
+    rkeys = [_key(i, "lat-r") for i in range(nread)]
+    wkeys = [_key(i, "lat-w") for i in range(nwrite)]
+    path = os.path.join(d, "bench-ssd-lat.okv")
+    out: dict[str, Any] = {"read_record_bytes": rbs, "write_record_bytes": wbs, "write_qd": qd}
+    rnd = random.Random(1)
+    with _tier(path, nread * rbs + nwrite * wbs + (64 << 20), qd, wbs) as t:
+        _submit_all(t, rkeys, _segments(rbs, 16))
+        t.flush()
+
+        def sample(stop: threading.Event | None) -> list[float]:
+            lat = []
+            while len(lat) < samples and not (stop is not None and stop.is_set()):
+                k = rkeys[rnd.randrange(nread)]
+                t0 = time.perf_counter()
+                assert t.read(k) is not None
+                lat.append(time.perf_counter() - t0)
+            return lat
+
+        idle = sample(None)
+        done = threading.Event()
+        wsegs = _segments(wbs, 8)
+
+        def writer() -> None:
+            _submit_all(t, wkeys, wsegs)
+            t.flush()
+            done.set()
+
+        before = t.snapshot().write_bytes_total
+        t0 = time.perf_counter()
+        th = threading.Thread(target=writer)
+        th.start()
+        busy = sample(done)
+        th.join()
+        wdt = time.perf_counter() - t0
+        out.update({
+            "idle_read_p50_us": _pct(idle, 50) * 1e6, "idle_read_p99_us": _pct(idle, 99) * 1e6,
+            "saturated_read_p50_us": _pct(busy, 50) * 1e6, "saturated_read_p99_us": _pct(busy, 99) * 1e6,
+            "saturated_samples": len(busy),
+            "saturated_write_GBps": (t.snapshot().write_bytes_total - before) / wdt / 1e9,
+        })
+    os.unlink(path)
+    if with_fio:
+        fpath = os.path.join(d, "bench-fio-lat.dat")
+        common = [f"--filename={fpath}", "--direct=1", "--ioengine=io_uring", f"--size={fill + saturate}"]
+        _fio(["--name=prefill", "--rw=write", "--bs=1m", "--iodepth=32", *common])
+        res = _fio(["--name=writer", "--rw=write", "--bs=1m", f"--iodepth={qd}", f"--io_size={saturate}", *common,
+                    "--name=reader", "--rw=randread", f"--bs={rbs}", "--iodepth=1", f"--size={fill}",
+                    f"--filename={fpath}", "--direct=1", "--ioengine=io_uring", "--time_based",
+                    f"--runtime={max(1, int(round(saturate / 0.5e9)))}"])
+        reader = next(j for j in res["jobs"] if j["jobname"] == "reader")
+        pct = reader["read"]["clat_ns"]["percentile"]
+        out["fio_saturated_read_p50_us"] = pct["50.000000"] / 1e3
+        out["fio_saturated_read_p99_us"] = pct["99.000000"] / 1e3
+        os.unlink(fpath)
+    return out
+
+
+def _table(doc: dict[str, Any]) -> str:
+    lines = ["record  QD  tier write  fio write  ratio   tier read  fio read  ratio   (GB/s)"]
+    for r in doc["throughput"]:
+        lines.append(f"{r['record_bytes'] >> 10:>5}K {r['qd']:>3}  {r['tier_write_GBps']:>10.3f} "
+                     f"{r.get('fio_write_GBps', float('nan')):>10.3f} {r.get('write_vs_fio', float('nan')):>6.2f}  "
+                     f"{r['tier_read_GBps']:>10.3f} {r.get('fio_read_GBps', float('nan')):>9.3f} "
+                     f"{r.get('read_vs_fio', float('nan')):>6.2f}")
+    lat = doc.get("latency")
+    if lat:
+        lines.append(f"64K QD1 demand read: idle p50 {lat['idle_read_p50_us']:.0f} us p99 {lat['idle_read_p99_us']:.0f} us; "
+                     f"writeback saturated p50 {lat['saturated_read_p50_us']:.0f} us p99 {lat['saturated_read_p99_us']:.0f} us "
+                     f"(fio p50 {lat.get('fio_saturated_read_p50_us', float('nan')):.0f} us "
+                     f"p99 {lat.get('fio_saturated_read_p99_us', float('nan')):.0f} us)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="orbitkv-bench ssd", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None, help="directory on the file system to measure (default: a fresh "
+                   "directory under the current one)")
+    p.add_argument("--bs", nargs="+", default=["1m", "64k"], help="record sizes (default 1m 64k)")
+    p.add_argument("--qd", nargs="+", type=int, default=[8, 32], help="queue depths (default 8 32)")
+    p.add_argument("--size", default="1g", help="bytes written per throughput point (default 1g)")
+    p.add_argument("--latency-fill", default="256m", help="64 KiB records read in the latency test")
+    p.add_argument("--latency-saturate", default="2g", help="1 MiB records written while sampling")
+    p.add_argument("--latency-samples", type=int, default=2000)
+    p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
+    p.add_argument("--no-latency", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    with_fio = not args.no_fio
+    if with_fio and shutil.which("fio") is None:
+        print("orbitkv-bench ssd: fio not found (apt-get install fio, or --no-fio)", file=sys.stderr)
+        return 2
+    d = args.dir or tempfile.mkdtemp(prefix=".orbitkv-bench-ssd-", dir=os.getcwd())
+    os.makedirs(d, exist_ok=True)
+    doc: dict[str, Any] = {
+        "command": "orbitkv-bench ssd " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count(),
+                 "python": platform.python_version()},
+        "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if with_fio else None,
+        "filesystem": subprocess.run(["df", "-T", d], capture_output=True, text=True).stdout.splitlines()[-1].split()[1],
+        "throughput": [],
+    }
+    try:
+        for bs in map(_size, args.bs):
+            for qd in args.qd:
+                doc["throughput"].append(throughput(d, bs, qd, _size(args.size), with_fio))
+        if not args.no_latency:
+            doc["latency"] = latency(d, _size(args.latency_fill), _size(args.latency_saturate), 32,
+                                     args.latency_samples, with_fio)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(d, ignore_errors=True)
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text if args.json else _table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
