@@ -1,0 +1,789 @@
+"""The GPU codec engine: batched segment encode/decode on a budgeted, retained workspace.
+
+Owns the batch pipeline between engine KV on the GPU and complete segments in pinned host memory:
+
+* :class:`GpuCodecEngine` -- two :class:`Worker` s (save = encode, restore = decode), each with its own
+  CUDA stream, workspace and pinned staging buffer, so saves and restores never wait on each other.
+* :class:`Workspace` -- one device allocation per worker, bounded by the budget
+  (``--storage-codec-budget``, default 64 MB), retained and reused across batches; growth drains the
+  stream and frees the old allocation before allocating the new one; :meth:`Workspace.release`
+  drains the stream before freeing.
+* Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
+  host-to-device copy (descriptors, zeroed meta), one launch per kernel kind present (FP8 encode with
+  fused CRC32C, TurboQuant encode, nvCOMP ANS per data type, CRC32C/copy for raw and for
+  TurboQuant/ANS outputs), one device-to-host copy of [meta | ANS sizes | ANS statuses | segment slots]
+  -- sizes, statuses, CRC32Cs and payloads together -- and one stream synchronisation. The headers are
+  then written on the host in front of each payload, in place.
+* Decode: one host-to-device copy (descriptors + payloads), CRC32C of every payload on the GPU, the
+  decode kernels (which skip any segment whose CRC differs from its header: its destination is not
+  touched), nvCOMP for ANS into workspace scratch followed by a checked copy (status and exact length),
+  and one device-to-host copy of the meta. Failures are reported per segment, never raised.
+
+Invariants:
+
+* GPU output bytes equal :func:`orbitkv_fs.codecs.encode_segment` 's for the same input, codec, role,
+  layer and TurboQuant seed, including the raw fallbacks and their reasons; decoded values equal
+  :func:`orbitkv_fs.codecs.decode_segment` 's.
+* A segment whose workspace needs exceed the budget alone is encoded/decoded by the host codec
+  (CPU fallback, counted in ``stats["cpu_fallbacks"]``); ANS, which has no CPU codec, is then
+  stored raw (reason ``UNSUPPORTED``) on encode.
+* Source arrays must be C-contiguous cupy arrays; the worker stream waits for the caller's current
+  stream before reading them. Destinations are complete when :meth:`GpuCodecEngine.decode_batch`
+  returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import cupy as cp
+import numpy as np
+
+from orbitkv_fs.codecs import CODEC_NAMES, decode_payload, encode_segment, get_codec, raw_segment
+from orbitkv_fs.codecs.fp8 import BF16, FP16
+from orbitkv_fs.errors import CodecError, LengthMismatch, OrbitKVError, PayloadChecksumMismatch, SegmentError
+from orbitkv_fs.errors import TruncatedSegment
+from orbitkv_fs.segment import (
+    HEADER_SIZE,
+    MAX_SOURCE_BYTES,
+    MAX_STORED_BYTES,
+    TURBOQUANT_HEAD_DIMS,
+    AnsType,
+    Format,
+    RawReason,
+    Role,
+    SegmentHeader,
+    pack_header,
+    parse_header,
+    turboquant_record_bytes,
+    worth_keeping,
+)
+
+from . import module as km
+from .tables import sign_words
+
+MAX_BATCH = 256
+DEFAULT_BUDGET_BYTES = 64 << 20
+SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
+ANS_MIN_BYTES = 4096
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+
+
+def _up(n: int, a: int = SLOT_ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def ans_type_of(dtype: np.dtype) -> AnsType:
+    """nvCOMP data type for a source dtype: 16-bit floats, FP8 E4M3, or a byte stream."""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype in (BF16, FP16):
+        return AnsType.FLOAT16
+    if dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        return AnsType.FP8
+    return AnsType.BYTES
+
+
+def ans_size_class(n: int) -> int:
+    """The power of two >= n. nvCOMP sizes every output buffer of a call for the call's largest chunk,
+    so each call takes chunks of one size class, whose bound sizes their slots (at most 2x waste)."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """One source region to encode into one segment.
+
+    ``array`` is a C-contiguous cupy array (a view of engine KV); its last axis is the head dim for
+    TurboQuant. ``dtype`` names the source dtype when the array's own is a stand-in (cupy has no
+    bfloat16: pass a uint16 view and ``dtype=ml_dtypes.bfloat16``).
+    """
+
+    array: Any
+    codec: str
+    role: "Role | str" = Role.OPAQUE
+    layer: int = 0
+    dtype: Any = None
+
+
+@dataclass
+class _Enc:
+    i: int
+    item: EncodeItem
+    ptr: int
+    n: int
+    dtype: np.dtype
+    role: Role
+    layer: int
+    kind: str  # raw | fp8 | tq | ans | host
+    reason: RawReason = RawReason.NONE
+    head_dim: int = 0
+    bits: int = 0
+    ans_type: AnsType = AnsType.NONE
+    cap: int = 0  # payload capacity of the slot
+    slot: int = 0  # offset of the slot (header) in the output region
+    meta: int = 0
+    ans_class: int = 0  # ANS: the power of two bounding n; one nvCOMP call per (type, class)
+
+
+@dataclass
+class _Dec:
+    i: int
+    h: SegmentHeader
+    payload: memoryview
+    dst: Any
+    kind: str  # raw | fp8 | tq | ans | host
+    staged: int = 0  # offset of the payload in the upload region
+    scratch: int = 0  # ANS: offset of the decompressed bytes in the workspace
+    meta: int = 0
+    ans_index: int = 0
+
+
+class WorkspaceTooSmall(CodecError):
+    """A batch needs more device memory than the worker's budget allows."""
+
+
+class Workspace:
+    """One retained device allocation of at most ``budget`` bytes, used by one worker's stream."""
+
+    def __init__(self, budget: int, stream: cp.cuda.Stream) -> None:
+        self.budget = budget
+        self.stream = stream
+        self.ptr = 0
+        self.size = 0
+        self.grows = 0
+
+    def reserve(self, nbytes: int) -> int:
+        """Device address of at least ``nbytes``; grows (free first, then allocate) within the budget."""
+        if nbytes > self.budget:
+            raise WorkspaceTooSmall(f"batch needs {nbytes} bytes of workspace, budget is {self.budget}")
+        if nbytes > self.size:
+            new = min(self.budget, max(_up(nbytes, 1 << 20), 2 * self.size))
+            self.release()
+            self.ptr = cp.cuda.runtime.malloc(new)
+            self.size = new
+            self.grows += 1
+        return self.ptr
+
+    def release(self) -> None:
+        """Drain the stream, then free the allocation."""
+        if self.ptr:
+            self.stream.synchronize()
+            cp.cuda.runtime.free(self.ptr)
+            self.ptr = 0
+            self.size = 0
+
+
+class _Pinned:
+    """A growable pinned host buffer reused across batches (each batch synchronises before reuse)."""
+
+    def __init__(self) -> None:
+        self.arr: "np.ndarray | None" = None
+        self._mem = None
+
+    def get(self, n: int) -> np.ndarray:
+        if self.arr is None or self.arr.size < n:
+            size = max(_up(n, 1 << 20), 2 * (0 if self.arr is None else self.arr.size))
+            self._mem = cp.cuda.alloc_pinned_memory(size)
+            self.arr = np.frombuffer(self._mem, np.uint8, size)
+        return self.arr[:n]
+
+
+def _pinned_array(n: int) -> np.ndarray:
+    """A fresh pinned host array (from cupy's pinned pool) that the caller may keep."""
+    mem = cp.cuda.alloc_pinned_memory(max(n, 1))
+    return np.frombuffer(mem, np.uint8, n)
+
+
+class _Layout:
+    def __init__(self) -> None:
+        self.end = 0
+
+    def take(self, n: int, align: int = SLOT_ALIGN) -> int:
+        off = _up(self.end, align)
+        self.end = off + n
+        return off
+
+
+class Worker:
+    """A stream, a workspace, a pinned upload buffer and counters; one batch at a time."""
+
+    def __init__(self, name: str, budget: int) -> None:
+        self.name = name
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.ws = Workspace(budget, self.stream)
+        self.upload = _Pinned()
+        self.lock = threading.Lock()
+        self.stats: Counter[str] = Counter()
+
+    def h2d(self, dst: int, src: np.ndarray) -> None:
+        if src.nbytes:
+            cp.cuda.runtime.memcpyAsync(dst, src.ctypes.data, src.nbytes, _H2D, self.stream.ptr)
+            self.stats["h2d_copies"] += 1
+
+    def d2h(self, dst: np.ndarray, src: int) -> None:
+        if dst.nbytes:
+            cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, _D2H, self.stream.ptr)
+            self.stats["d2h_copies"] += 1
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+        self.stats["syncs"] += 1
+
+    def wait_for_current(self) -> None:
+        """Make this worker's stream wait for work already queued on the caller's current stream."""
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(cp.cuda.get_current_stream())
+        self.stream.wait_event(ev)
+
+    def launch(self, k: km.Kernels, name: str, segs: int, nsegs: int, total: int, meta: int, table=None) -> None:
+        self.stats["launches"] += km.launch(k, name, segs, nsegs, total, meta, self.stream, table)
+
+    def close(self) -> None:
+        with self.lock:
+            self.ws.release()
+
+
+def _item(obj: Any) -> EncodeItem:
+    if isinstance(obj, EncodeItem):
+        return obj
+    if isinstance(obj, (tuple, list)) and 2 <= len(obj) <= 5:
+        return EncodeItem(*obj)
+    raise CodecError(f"encode item must be EncodeItem or (array, codec, role, layer[, dtype]), not {type(obj).__name__}")
+
+
+class GpuCodecEngine:
+    """Batched GPU encode (save) and decode (restore) of segments; see the module docstring."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES, *, seed: int = 0, fp8_arithmetic: bool = False) -> None:
+        if budget_bytes < (1 << 20):
+            raise CodecError(f"codec workspace budget {budget_bytes} is under 1 MiB")
+        self.budget_bytes = budget_bytes
+        self.seed = seed
+        self._kernels = km.kernels(arith=fp8_arithmetic)
+        self.save = Worker("save", budget_bytes)
+        self.restore = Worker("restore", budget_bytes)
+        self._nvcomp = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain both streams and free both workspaces. The engine can be used again afterwards."""
+        self.save.close()
+        self.restore.close()
+
+    def __enter__(self) -> "GpuCodecEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: launches, h2d_copies, d2h_copies, syncs, batches, cpu_fallbacks, raw_fallbacks (per worker)."""
+        out: dict[str, int] = {}
+        for w in (self.save, self.restore):
+            for key, v in w.stats.items():
+                out[f"{w.name}_{key}"] = v
+            out[f"{w.name}_workspace_bytes"] = w.ws.size
+            out[f"{w.name}_workspace_grows"] = w.ws.grows
+        return out
+
+    def nvcomp(self):
+        if self._nvcomp is None:
+            from . import nvcomp
+
+            self._nvcomp = nvcomp.load()
+        return self._nvcomp
+
+    # -- encode --------------------------------------------------------------------------------
+    def _classify(self, i: int, it: EncodeItem) -> _Enc:
+        arr = it.array
+        if not isinstance(arr, cp.ndarray):
+            raise CodecError(f"item {i}: encode needs a cupy array, not {type(arr).__name__}")
+        if not arr.flags.c_contiguous:
+            raise CodecError(f"item {i}: source array is not C-contiguous")
+        if it.codec not in CODEC_NAMES:
+            raise CodecError(f"item {i}: unknown codec {it.codec!r}; expected one of {', '.join(CODEC_NAMES)}")
+        role = Role.parse(it.role)
+        if not 0 <= it.layer <= 0xFFFF:
+            raise CodecError(f"item {i}: layer {it.layer} outside 0..65535")
+        dtype = np.dtype(it.dtype) if it.dtype is not None else np.dtype(arr.dtype)
+        n = int(arr.nbytes)
+        if n % dtype.itemsize:
+            raise CodecError(f"item {i}: {n} bytes are not whole {dtype} items")
+        if n > MAX_STORED_BYTES:
+            raise CodecError(f"item {i}: segment of {n} bytes exceeds the {MAX_STORED_BYTES}-byte segment bound")
+        e = _Enc(i, it, int(arr.data.ptr), n, dtype, role, it.layer, "raw")
+        c = it.codec
+        if c == "none":
+            return e
+        if n > MAX_SOURCE_BYTES:
+            e.reason = RawReason.TOO_LARGE
+            return e
+        if c == "fp8":
+            if dtype not in (BF16, FP16):
+                e.reason = RawReason.UNSUPPORTED
+            elif not worth_keeping(n, n // 2):
+                e.kind = "host"  # tiny: the host codec decides between range rejection and NOT_SMALLER
+            else:
+                e.kind, e.cap, e.bits = "fp8", n // 2, 8
+            return e
+        if c.startswith("turboquant"):
+            bits = int(c[-1])
+            d = int(arr.shape[-1]) if arr.ndim else 0
+            if dtype not in (BF16, FP16) or role not in (Role.KEY, Role.VALUE) or d not in TURBOQUANT_HEAD_DIMS:
+                e.reason = RawReason.UNSUPPORTED
+                return e
+            stored = n // (2 * d) * turboquant_record_bytes(d, bits, role)
+            if not worth_keeping(n, stored):
+                e.kind = "host"
+            else:
+                e.kind, e.cap, e.bits, e.head_dim = "tq", stored, bits, d
+            return e
+        # ans
+        if n < ANS_MIN_BYTES or n % 8 or e.ptr % 8:
+            e.reason = RawReason.UNSUPPORTED
+            return e
+        e.kind, e.ans_type = "ans", ans_type_of(dtype)
+        e.ans_class = ans_size_class(n)
+        e.cap = self.nvcomp().max_compressed_bytes(e.ans_class, e.ans_type)
+        return e
+
+    @staticmethod
+    def _enc_layout(plans: Sequence[_Enc], temp: int) -> tuple[dict[str, int], int]:
+        """Offsets of one encode batch in the workspace, and its total size. Assigns slots."""
+        k = len(plans)
+        n_ans = sum(p.kind == "ans" for p in plans)
+        n_desc = sum(p.kind in ("fp8", "tq") for p in plans) + sum(p.kind in ("raw", "tq", "ans") for p in plans)
+        lay = _Layout()
+        off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "ans_in": lay.take(3 * 8 * max(n_ans, 1))}
+        off["meta"] = lay.take(16 * k)
+        off["ans_sizes"] = lay.take(8 * max(n_ans, 1), 8)
+        off["ans_status"] = lay.take(4 * max(n_ans, 1), 4)
+        for p in plans:
+            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n)) - off["meta"]
+        off["region_end"] = lay.end
+        off["temp"] = lay.take(temp)
+        return off, lay.end
+
+    def _ans_temp(self, plans: Sequence[_Enc]) -> int:
+        ans = [p for p in plans if p.kind == "ans"]
+        if not ans:
+            return 0
+        nv = self.nvcomp()
+        return max(nv.compress_temp_bytes(len(ans), max(p.ans_class for p in ans), sum(p.n for p in ans), t)
+                   for t in {p.ans_type for p in ans})
+
+    def _enc_estimate(self, k: int, slots: int, ans: Sequence[_Enc]) -> int:
+        """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
+        na = len(ans)
+        fixed = _up(3 * k * km.SEG_DTYPE.itemsize) + _up(24 * max(na, 1)) + _up(16 * k) + 16 * max(na, 1) + 1024
+        return fixed + slots + self._ans_temp(ans)
+
+    def encode_batch(self, items: Sequence[Any]) -> "list[memoryview | bytes]":
+        """Encode ``items`` (EncodeItem or (array, codec, role, layer[, dtype])) into complete segments.
+
+        Returns, in order, one segment per item: a memoryview into a pinned host buffer (header followed
+        by payload, exactly ``64 + stored_length`` bytes) or ``bytes`` for fallbacks. Raises CodecError
+        for invalid items (unknown codec, non-contiguous or non-cupy array, over 32 MiB).
+        """
+        plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
+        out: "list[memoryview | bytes | None]" = [None] * len(plans)
+        w = self.save
+        with w.lock:
+            w.wait_for_current()
+            gpu: list[_Enc] = []
+            ans: list[_Enc] = []
+            slots = 0
+            for p in plans:
+                slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap))
+                pa = [p] if p.kind == "ans" else []
+                if p.kind == "host" or self._enc_estimate(1, slot, pa) > self.budget_bytes:
+                    if p.kind != "host":
+                        w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
+                    out[p.i] = self._host_encode(p)
+                    continue
+                if len(gpu) == MAX_BATCH or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa) > self.budget_bytes:
+                    self._run_encode(gpu, out)
+                    gpu, ans, slots = [], [], 0
+                gpu.append(p)
+                ans += pa
+                slots += slot
+            if gpu:
+                self._run_encode(gpu, out)
+        return out  # type: ignore[return-value]
+
+    def _host_source(self, p: _Enc) -> np.ndarray:
+        arr = p.item.array
+        host = np.empty(p.n, dtype=np.uint8)
+        if p.n:
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, p.ptr, p.n, _D2H, self.save.stream.ptr)
+            self.save.sync()
+        return host.view(p.dtype).reshape(arr.shape)
+
+    def _host_encode(self, p: _Enc) -> bytes:
+        x = self._host_source(p)
+        c = p.item.codec
+        if c == "ans":  # no CPU ANS: too large for the workspace means exact raw storage
+            return raw_segment(x, role=p.role, layer=p.layer, reason=RawReason.UNSUPPORTED)
+        codec = get_codec(c, seed=self.seed) if c.startswith("turboquant") else c
+        return encode_segment(x, codec, role=p.role, layer=p.layer)
+
+    def _run_encode(self, plans: list[_Enc], out: list) -> None:
+        w, k = self.save, self._kernels
+        for j, p in enumerate(plans):
+            p.meta = j
+        ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: (p.ans_type, p.ans_class))
+        temp = self._ans_temp(plans)
+        off, total = self._enc_layout(plans, temp)
+        base = w.ws.reserve(total)
+        region = base + off["meta"]
+        # descriptors: fp8 | tq | crc (raw copies, tq outputs, ans outputs)
+        fp8 = [p for p in plans if p.kind == "fp8"]
+        tq = [p for p in plans if p.kind == "tq"]
+        crc = [p for p in plans if p.kind in ("raw", "tq", "ans")]
+        descs = np.zeros(len(fp8) + len(tq) + len(crc), dtype=km.SEG_DTYPE)
+        up = w.upload.get(off["ans_status"] + 4 * max(len(ans), 1))
+        up[off["meta"]:] = 0
+        row = 0
+        groups: list[tuple[str, int, int]] = []  # kernel, first row, rows
+
+        def fill(plist: list[_Enc], units) -> tuple[int, int]:
+            nonlocal row
+            first, block = row, 0
+            for p in plist:
+                d = descs[row]
+                d["block0"] = block
+                d["meta"] = p.meta
+                units(p, d)
+                block += int(d["nblocks"])
+                row += 1
+            return first, block
+
+        def fp8_units(p: _Enc, d) -> None:
+            d["src"], d["dst"], d["n"] = p.ptr, region + p.slot + HEADER_SIZE, p.n
+            d["dtype"] = int(p.dtype == FP16)
+            d["nblocks"] = km.units_fp8(p.n)
+
+        def tq_units(p: _Enc, d) -> None:
+            d["src"], d["dst"], d["n"] = p.ptr, region + p.slot + HEADER_SIZE, p.n
+            d["dtype"], d["head_dim"], d["bits"], d["role"] = int(p.dtype == FP16), p.head_dim, p.bits, int(p.role)
+            d["signs"] = sign_words(p.head_dim, p.layer, self.seed)
+            d["nblocks"] = km.units_tq(p.n, p.head_dim)
+
+        ans_index = {id(p): j for j, p in enumerate(ans)}
+
+        def crc_units(p: _Enc, d) -> None:
+            payload = region + p.slot + HEADER_SIZE
+            if p.kind == "raw":
+                d["src"], d["dst"], d["n"] = p.ptr, payload, p.n
+            elif p.kind == "tq":
+                d["src"], d["n"] = payload, p.cap
+            else:
+                d["src"], d["n"] = payload, p.cap
+                d["n_dev"] = region + (off["ans_sizes"] - off["meta"]) + 8 * ans_index[id(p)]
+            d["nblocks"] = km.units_bytes(int(d["n"]))
+
+        for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode", tq, tq_units),
+                                   ("okv_crc32c", crc, crc_units)):
+            if plist:
+                first, blocks = fill(plist, units)
+                groups.append((name, first, blocks))
+        up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
+        if ans:
+            a = up[off["ans_in"]:off["ans_in"] + 24 * len(ans)].view("<u8").reshape(3, len(ans))
+            a[0] = [p.ptr for p in ans]
+            a[1] = [p.n for p in ans]
+            a[2] = [region + p.slot + HEADER_SIZE for p in ans]
+        w.h2d(base, up)
+        rows = {name: (first, count) for name, first, count in groups}
+        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode": len(tq), "okv_crc32c": len(crc)}
+        segs = base + off["desc"]
+        meta_ptr = region
+        for name in ("okv_fp8_encode", "okv_tq_encode"):
+            if name in rows:
+                first, blocks = rows[name]
+                table = k.crc_tables if name == "okv_fp8_encode" else k.tq_tables
+                w.launch(k, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, meta_ptr, table)
+        if ans:
+            nv = self.nvcomp()
+            start = 0
+            while start < len(ans):
+                t, cls = ans[start].ans_type, ans[start].ans_class
+                end = start
+                while end < len(ans) and (ans[end].ans_type, ans[end].ans_class) == (t, cls):
+                    end += 1
+                group = ans[start:end]
+                nv.compress(base + off["ans_in"] + 8 * start, base + off["ans_in"] + 8 * (len(ans) + start),
+                            max(p.n for p in group), len(group), base + off["temp"] if temp else 0, temp,
+                            base + off["ans_in"] + 8 * (2 * len(ans) + start), base + off["ans_sizes"] + 8 * start,
+                            t, base + off["ans_status"] + 4 * start, w.stream.ptr)
+                w.stats["launches"] += 1
+                start = end
+        if "okv_crc32c" in rows:
+            first, blocks = rows["okv_crc32c"]
+            w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,
+                     k.crc_tables)
+        region_len = off["region_end"] - off["meta"]
+        host = _pinned_array(region_len)
+        w.d2h(host, region)
+        w.sync()
+        w.stats["batches"] += 1
+        meta = host[:16 * len(plans)].view(km.META_DTYPE)
+        a_off = off["ans_sizes"] - off["meta"]
+        s_off = off["ans_status"] - off["meta"]
+        ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
+        ans_status = host[s_off:s_off + 4 * len(ans)].view("<i4")
+        for p in plans:
+            m = meta[p.meta]
+            status = int(m["status"])
+            fmt, stored, bits, head_dim, sign_version, seed, ans_type = Format.RAW, p.n, 0, 0, 0, 0, AnsType.NONE
+            reason = p.reason
+            if p.kind == "fp8" or p.kind == "tq":
+                if status:
+                    reason = RawReason.NONFINITE if status & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
+                    w.stats["raw_fallbacks"] += 1
+                    out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
+                    continue
+                stored, bits = p.cap, p.bits
+                if p.kind == "fp8":
+                    fmt = Format.FP8
+                else:
+                    fmt, head_dim, sign_version, seed = Format.TURBOQUANT, p.head_dim, 1, self.seed
+            elif p.kind == "ans":
+                j = ans_index[id(p)]
+                size = int(ans_sizes[j])
+                if int(ans_status[j]) != 0 or size == 0 or size > p.cap or not worth_keeping(p.n, size):
+                    reason = RawReason.NOT_SMALLER if int(ans_status[j]) == 0 else RawReason.UNSUPPORTED
+                    w.stats["raw_fallbacks"] += 1
+                    out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
+                    continue
+                fmt, stored, ans_type = Format.ANS, size, p.ans_type
+            h = SegmentHeader(fmt, p.dtype, p.n, stored, int(m["crc"]), role=p.role, layer=p.layer, bits=bits,
+                              head_dim=head_dim, sign_version=sign_version, rotation_seed=seed, ans_type=ans_type,
+                              raw_reason=reason if fmt == Format.RAW else RawReason.NONE)
+            host[p.slot:p.slot + HEADER_SIZE] = np.frombuffer(pack_header(h), np.uint8)
+            out[p.i] = memoryview(host[p.slot:p.slot + HEADER_SIZE + stored])
+
+    # -- decode --------------------------------------------------------------------------------
+    def _dec_plan(self, i: int, seg: Any, dst: Any) -> "_Dec | OrbitKVError":
+        try:
+            mv = memoryview(seg).cast("B")
+            h = parse_header(mv)
+            if len(mv) < HEADER_SIZE + h.stored_length:
+                raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {len(mv) - HEADER_SIZE} present")
+        except SegmentError as e:
+            return e
+        except TypeError as e:
+            return SegmentError(f"segment {i} is not a bytes-like object: {e}")
+        if not isinstance(dst, cp.ndarray) or not dst.flags.c_contiguous:
+            return CodecError(f"destination {i} must be a C-contiguous cupy array")
+        if int(dst.nbytes) != h.original_length:
+            return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
+        kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
+        return _Dec(i, h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, kind)
+
+    def _dec_layout(self, plans: Sequence[_Dec]) -> tuple[dict[str, int], int, int]:
+        """Offsets of one decode batch; (offsets, upload length, total workspace bytes)."""
+        k = len(plans)
+        ans = [p for p in plans if p.kind == "ans"]
+        lay = _Layout()
+        off = {"desc": lay.take(2 * max(k, 1) * km.SEG_DTYPE.itemsize), "ans_in": lay.take(4 * 8 * max(len(ans), 1))}
+        off["meta"] = lay.take(16 * max(k, 1))
+        off["ans_actual"] = lay.take(8 * max(len(ans), 1), 8)
+        off["ans_status"] = lay.take(4 * max(len(ans), 1), 4)
+        off["down_end"] = lay.end
+        for p in plans:
+            p.staged = lay.take(p.h.stored_length)
+        upload = lay.end
+        for p in ans:
+            p.scratch = lay.take(p.h.original_length)
+        temp = 0
+        if ans:
+            nv = self.nvcomp()
+            temp = max(nv.decompress_temp_bytes(len(ans), max(p.h.original_length for p in ans),
+                                                sum(p.h.original_length for p in ans), t)
+                       for t in {p.h.ans_type for p in ans})
+        off["temp"] = lay.take(temp)
+        off["temp_bytes"] = temp
+        return off, upload, lay.end
+
+    def _dec_estimate(self, k: int, staged: int, ans: Sequence[_Dec]) -> int:
+        """Upper bound of :meth:`_dec_layout` 's total for k segments staging ``staged`` bytes."""
+        na = len(ans)
+        fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(32 * max(na, 1)) + _up(16 * k) + 16 * max(na, 1) + 1024
+        temp = 0
+        if ans:
+            nv = self.nvcomp()
+            temp = max(nv.decompress_temp_bytes(na, max(p.h.original_length for p in ans),
+                                                sum(p.h.original_length for p in ans), t)
+                       for t in {p.h.ans_type for p in ans})
+        return fixed + staged + temp
+
+    @staticmethod
+    def _dec_staged(p: _Dec) -> int:
+        return _up(p.h.stored_length) + (_up(p.h.original_length) if p.kind == "ans" else 0)
+
+    def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any]) -> "list[OrbitKVError | None]":
+        """Verify and decode ``segments`` into ``destinations`` (cupy arrays of the original byte size).
+
+        Returns one entry per segment: None when the destination now holds the decoded values, or the
+        error (header, length, CRC32C, nvCOMP status) that made it a miss -- its destination is then left
+        as it was. Never raises for bad segment bytes.
+        """
+        if len(segments) != len(destinations):
+            raise CodecError(f"{len(segments)} segments but {len(destinations)} destinations")
+        results: "list[OrbitKVError | None]" = [None] * len(segments)
+        w = self.restore
+        with w.lock:
+            w.wait_for_current()
+            gpu: list[_Dec] = []
+            ans: list[_Dec] = []
+            staged = 0
+            for i, (seg, dst) in enumerate(zip(segments, destinations)):
+                p = self._dec_plan(i, seg, dst)
+                if isinstance(p, OrbitKVError):
+                    results[i] = p
+                    continue
+                st = self._dec_staged(p)
+                pa = [p] if p.kind == "ans" else []
+                if self._dec_estimate(1, st, pa) > self.budget_bytes:
+                    results[i] = self._host_decode(p)
+                    continue
+                if len(gpu) == MAX_BATCH or self._dec_estimate(len(gpu) + 1, staged + st, ans + pa) > self.budget_bytes:
+                    self._run_decode(gpu, results)
+                    gpu, ans, staged = [], [], 0
+                gpu.append(p)
+                ans += pa
+                staged += st
+            if gpu:
+                self._run_decode(gpu, results)
+        return results
+
+    def _host_decode(self, p: _Dec) -> "OrbitKVError | None":
+        from orbitkv_fs.segment import crc32c
+
+        w = self.restore
+        w.stats["cpu_fallbacks"] += 1
+        try:
+            if crc32c(p.payload) != p.h.payload_crc:
+                raise PayloadChecksumMismatch("payload CRC32C mismatch")
+            x = np.ascontiguousarray(decode_payload(p.h, p.payload)).view(np.uint8)
+        except OrbitKVError as e:
+            return e
+        if x.nbytes != p.h.original_length:
+            return LengthMismatch(f"decoded {x.nbytes} bytes, expected {p.h.original_length}")
+        if x.nbytes:
+            cp.cuda.runtime.memcpyAsync(int(p.dst.data.ptr), x.ctypes.data, x.nbytes, _H2D, w.stream.ptr)
+            w.sync()
+        return None
+
+    def _run_decode(self, plans: list[_Dec], results: list) -> None:
+        w, k = self.restore, self._kernels
+        for j, p in enumerate(plans):
+            p.meta = j
+        ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.h.ans_type)
+        for j, p in enumerate(ans):
+            p.ans_index = j
+        off, upload_len, total = self._dec_layout(plans)
+        base = w.ws.reserve(total)
+        meta_ptr = base + off["meta"]
+        up = w.upload.get(upload_len)
+        up[off["meta"]:off["down_end"]] = 0
+        for p in plans:
+            up[p.staged:p.staged + p.h.stored_length] = np.frombuffer(p.payload, np.uint8)
+        crc_rows = plans
+        fp8 = [p for p in plans if p.kind == "fp8"]
+        tq = [p for p in plans if p.kind == "tq"]
+        copy = [p for p in plans if p.kind in ("raw", "ans")]
+        descs = np.zeros(len(crc_rows) + len(fp8) + len(tq) + len(copy), dtype=km.SEG_DTYPE)
+        row = 0
+        firsts: dict[str, tuple[int, int, int]] = {}
+        for name, plist in (("okv_crc32c", crc_rows), ("okv_fp8_decode", fp8), ("okv_tq_decode", tq),
+                            ("okv_copy_checked", copy)):
+            first, block = row, 0
+            for p in plist:
+                d = descs[row]
+                h = p.h
+                d["block0"], d["meta"], d["expect_crc"] = block, p.meta, h.payload_crc
+                if name == "okv_crc32c":
+                    d["src"], d["n"] = base + p.staged, h.stored_length
+                    d["nblocks"] = km.units_bytes(h.stored_length)
+                else:
+                    d["dst"], d["n"] = int(p.dst.data.ptr), h.original_length
+                    d["dtype"] = int(h.dtype == FP16)
+                    if name == "okv_fp8_decode":
+                        d["src"], d["nblocks"] = base + p.staged, km.units_fp8(h.original_length)
+                    elif name == "okv_tq_decode":
+                        d["src"] = base + p.staged
+                        d["head_dim"], d["bits"], d["role"] = h.head_dim, h.bits, int(h.role)
+                        d["signs"] = sign_words(h.head_dim, h.layer, h.rotation_seed)
+                        d["nblocks"] = km.units_tq(h.original_length, h.head_dim)
+                    else:
+                        d["nblocks"] = km.units_bytes(h.original_length)
+                        if p.kind == "raw":
+                            d["src"] = base + p.staged
+                        else:
+                            d["src"] = base + p.scratch
+                            d["n_dev"] = base + off["ans_actual"] + 8 * p.ans_index
+                            d["st_dev"] = base + off["ans_status"] + 4 * p.ans_index
+                block += int(d["nblocks"])
+                row += 1
+            firsts[name] = (first, len(plist), block)
+        up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
+        if ans:
+            na = len(ans)
+            a = up[off["ans_in"]:off["ans_in"] + 32 * na].view("<u8").reshape(4, na)
+            a[0] = [base + p.staged for p in ans]
+            a[1] = [p.h.stored_length for p in ans]
+            a[2] = [p.h.original_length for p in ans]
+            a[3] = [base + p.scratch for p in ans]
+        w.h2d(base, up)
+        segs = base + off["desc"]
+        size = km.SEG_DTYPE.itemsize
+        first, count, blocks = firsts["okv_crc32c"]
+        w.launch(k, "okv_crc32c", segs + first * size, count, blocks, meta_ptr, k.crc_tables)
+        for name, table in (("okv_fp8_decode", None), ("okv_tq_decode", k.tq_tables)):
+            first, count, blocks = firsts[name]
+            if count:
+                w.launch(k, name, segs + first * size, count, blocks, meta_ptr, table)
+        if ans:
+            nv, na, temp = self.nvcomp(), len(ans), off["temp_bytes"]
+            start = 0
+            while start < na:
+                t = ans[start].h.ans_type
+                end = start
+                while end < na and ans[end].h.ans_type == t:
+                    end += 1
+                col = base + off["ans_in"]
+                nv.decompress(col + 8 * start, col + 8 * (na + start), col + 8 * (2 * na + start),
+                              base + off["ans_actual"] + 8 * start, end - start, base + off["temp"] if temp else 0, temp,
+                              col + 8 * (3 * na + start), t, base + off["ans_status"] + 4 * start, w.stream.ptr)
+                w.stats["launches"] += 1
+                start = end
+        first, count, blocks = firsts["okv_copy_checked"]
+        if count:
+            w.launch(k, "okv_copy_checked", segs + first * size, count, blocks, meta_ptr)
+        host = _pinned_array(off["down_end"] - off["meta"])
+        w.d2h(host, meta_ptr)
+        w.sync()
+        w.stats["batches"] += 1
+        meta = host[:16 * len(plans)].view(km.META_DTYPE)
+        a_off, s_off = off["ans_actual"] - off["meta"], off["ans_status"] - off["meta"]
+        actual = host[a_off:a_off + 8 * len(ans)].view("<u8")
+        status = host[s_off:s_off + 4 * len(ans)].view("<i4")
+        for p in plans:
+            if int(meta[p.meta]["crc"]) != p.h.payload_crc:
+                results[p.i] = PayloadChecksumMismatch(f"segment {p.i}: payload CRC32C mismatch")
+            elif p.kind == "ans":
+                st, got = int(status[p.ans_index]), int(actual[p.ans_index])
+                if st != 0:
+                    results[p.i] = SegmentError(f"segment {p.i}: nvCOMP ANS decompression failed "
+                                                f"({self.nvcomp().status_name(st)})")
+                elif got != p.h.original_length:
+                    results[p.i] = LengthMismatch(f"segment {p.i}: ANS decompressed {got} bytes, "
+                                                  f"header says {p.h.original_length}")

@@ -1,0 +1,170 @@
+// Shared device code of the OrbitKV-FS codec kernels: types, the segment descriptor, the batch
+// work mapping and the CRC32C primitives. Compiled with -fmad=false: every float operation of the
+// codecs is rounded on its own, in the order the host reference (orbitkv_fs/codecs) specifies.
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define OKV_THREADS 256
+#define OKV_PIECE 64                       // bytes of CRC work per thread
+#define OKV_CHUNK (OKV_THREADS * OKV_PIECE) // bytes of CRC work per block work unit (16 KiB)
+#define OKV_CRC_POLY 0x82F63B78u           // CRC32C, reflected
+#define OKV_FULL 0xffffffffu
+
+// Status bits in Meta.status (orbitkv_fs.gpu.engine mirrors them).
+#define OKV_ST_RANGE 1u     // FP8: finite |x| > 448; TurboQuant: norm/min/scale outside FP16
+#define OKV_ST_NONFINITE 2u // NaN or infinity in the source
+
+// One segment of a launch. Python builds these as a numpy structured array (engine.SEG_DTYPE);
+// the field offsets are part of the contract and checked there.
+struct Seg {
+  u64 src;        // encode: source bytes; decode: payload in the staging area
+  u64 dst;        // encode: payload slot (64-byte aligned); decode: destination; 0: no copy (CRC only)
+  u64 n;          // bytes the kernel walks: source bytes (encode, CRC) or output bytes (decode)
+  u64 n_dev;      // when nonzero: device address of a u64 holding the real length (<= n)
+  u32 block0;     // first work unit of this segment in the launch
+  u32 nblocks;    // work units of this segment
+  u32 meta;       // index into the Meta array
+  u32 dtype;      // 0: bfloat16, 1: float16
+  u32 head_dim;
+  u32 bits;
+  u32 role;       // 1: key, 2: value
+  u32 expect_crc; // decode: the header's payload CRC32C
+  u32 signs[8];   // TurboQuant: bit j set means element j is negated
+  u64 st_dev;     // when nonzero: device address of an nvCOMP status (int) that must be 0 to copy
+  u32 pad[6];
+};
+
+struct Meta {
+  u32 crc;    // CRC32C of the bytes the CRC kernel walked (standard init/xorout)
+  u32 status; // OKV_ST_* bits
+  u32 acc;    // scratch: XOR of the blocks' shifted raw CRCs
+  u32 count;  // scratch: blocks done
+};
+
+// CRC tables, one device array: slicing-by-8 (8 x 256), XP[d] = x^(8d) mod P for d in 0..CHUNK,
+// XC[j] = x^(8*CHUNK*j) mod P for j in 0..2048.
+#define OKV_TAB_SLICE 0
+#define OKV_TAB_XP (8 * 256)
+#define OKV_TAB_XC (OKV_TAB_XP + OKV_CHUNK + 1)
+
+__device__ __forceinline__ u32 okv_find_seg(const Seg* segs, int nsegs, u32 g) {
+  int lo = 0, hi = nsegs - 1;
+  while (lo < hi) {  // last segment with block0 <= g
+    int mid = (lo + hi + 1) >> 1;
+    if (segs[mid].block0 <= g) lo = mid; else hi = mid - 1;
+  }
+  return (u32)lo;
+}
+
+// a * b mod P in the reflected domain (x^0 is the top bit), as zlib's multmodp.
+__device__ __forceinline__ u32 okv_gf_mul(u32 a, u32 b) {
+  u32 p = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    p ^= b & (0u - (a >> 31));
+    a <<= 1;
+    b = (b >> 1) ^ (OKV_CRC_POLY & (0u - (b & 1u)));
+  }
+  return p;
+}
+
+// Raw (zero-init, no final xor) CRC register after 8 more bytes, slicing-by-8.
+__device__ __forceinline__ u32 okv_crc8(u32 crc, u32 lo, u32 hi, const u32* T) {
+  lo ^= crc;
+  return T[7 * 256 + (lo & 255)] ^ T[6 * 256 + ((lo >> 8) & 255)] ^ T[5 * 256 + ((lo >> 16) & 255)] ^
+         T[4 * 256 + (lo >> 24)] ^ T[3 * 256 + (hi & 255)] ^ T[2 * 256 + ((hi >> 8) & 255)] ^
+         T[1 * 256 + ((hi >> 16) & 255)] ^ T[0 * 256 + (hi >> 24)];
+}
+
+__device__ __forceinline__ u32 okv_crc1(u32 crc, u32 b, const u32* T) {
+  return T[(crc ^ b) & 255] ^ (crc >> 8);
+}
+
+// Raw CRC of `len` (1..64) bytes held in shared memory at an 8-byte aligned address.
+__device__ __forceinline__ u32 okv_crc_piece_smem(const u8* p, int len, const u32* T) {
+  u32 crc = 0;
+  int i = 0;
+  const uint2* w = reinterpret_cast<const uint2*>(p);
+  for (; i + 8 <= len; i += 8) {
+    uint2 v = w[i >> 3];
+    crc = okv_crc8(crc, v.x, v.y, T);
+  }
+  for (; i < len; ++i) crc = okv_crc1(crc, p[i], T);
+  return crc;
+}
+
+__device__ __forceinline__ void okv_load_tables(u32* sT, const u32* tables) {
+  for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) sT[i] = tables[OKV_TAB_SLICE + i];
+}
+
+// Padded shared-memory layout of a 16 KiB work unit: 64-byte rows with 16 bytes of padding so that
+// the per-thread row reads (and most of the cooperative writes) are free of bank conflicts.
+#define OKV_ROW 80
+__device__ __forceinline__ int okv_pad(int off) { return off + (off >> 6) * 16; }
+
+// Combines the per-thread raw CRCs of one work unit of m bytes (thread t owns bytes [64t, 64t+64))
+// into the segment's CRC. Each thread contributes raw * x^(8 * bytes after its piece in the unit),
+// the unit contributes its raw CRC shifted to the segment's end, and the last unit to finish turns
+// the XOR of all contributions into the standard CRC32C (init and final xor 0xFFFFFFFF).
+// `nb` is the number of units of the real length, `nlaunched` the units launched for the segment
+// (more when the real length is only known on the device). Must be called by all threads.
+__device__ void okv_crc_unit(u32 raw, u32 m, u32 b, u64 n, u32 nlaunched, Meta* meta, const u32* tables,
+                             u32* red) {
+  int t = threadIdx.x;
+  int len = (int)m - t * OKV_PIECE;
+  u32 v = 0;
+  if (len > 0) {
+    if (len > OKV_PIECE) len = OKV_PIECE;
+    u32 d = m - (u32)t * OKV_PIECE - (u32)len;
+    v = d ? okv_gf_mul(raw, tables[OKV_TAB_XP + d]) : raw;
+  }
+  for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(OKV_FULL, v, o);
+  if ((t & 31) == 0) red[t >> 5] = v;
+  __syncthreads();
+  if (t == 0) {
+    u32 x = 0;
+    for (int i = 0; i < OKV_THREADS / 32; ++i) x ^= red[i];
+    u32 nb = (u32)((n + OKV_CHUNK - 1) / OKV_CHUNK);
+    u32 rseg = (u32)(n - (u64)(nb - 1) * OKV_CHUNK);
+    if (b + 1 < nb) x = okv_gf_mul(okv_gf_mul(x, tables[OKV_TAB_XC + (nb - 2 - b)]), tables[OKV_TAB_XP + rseg]);
+    if (b >= nb) x = 0;
+    if (x) atomicXor(&meta->acc, x);
+    __threadfence();
+    u32 done = atomicAdd(&meta->count, 1u);
+    if (done == nlaunched - 1) {
+      __threadfence();
+      u32 acc = atomicXor(&meta->acc, 0u);
+      u32 crc = 0;
+      if (n) crc = acc ^ okv_gf_mul(0xFFFFFFFFu, okv_gf_mul(tables[OKV_TAB_XC + (nb - 1)], tables[OKV_TAB_XP + rseg])) ^ 0xFFFFFFFFu;
+      meta->crc = crc;
+    }
+  }
+  __syncthreads();
+}
+
+// Float <-> half/bfloat16 without the CUDA headers (NVRTC builds these sources alone).
+__device__ __forceinline__ float okv_bf16_to_f32(u32 h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ float okv_f16_to_f32(u32 h) {
+  float f;
+  unsigned short s = (unsigned short)h;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+  return f;
+}
+__device__ __forceinline__ u32 okv_f32_to_f16(float f) {
+  unsigned short s;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(f));
+  return s;
+}
+// Round-to-nearest-even float32 -> bfloat16 bits, for finite inputs (the codecs never decode NaN here).
+__device__ __forceinline__ u32 okv_f32_to_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float okv_src_to_f32(u32 h, u32 dtype) {
+  return dtype ? okv_f16_to_f32(h) : okv_bf16_to_f32(h);
+}
+__device__ __forceinline__ u32 okv_f32_to_src(float f, u32 dtype) {
+  return dtype ? okv_f32_to_f16(f) : okv_f32_to_bf16(f);
+}

@@ -1,0 +1,251 @@
+"""GpuCodecEngine against the host codecs: segment bytes equal encode_segment's, decoded values equal
+decode_segment's (TurboQuant on random and real K/V, FP8, raw, ANS), batches of 1/255/256/257 mixed
+segments, a budget too small for the batch, poisoned outputs, per-segment decode failures. Needs a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+from orbitkv_fs.codecs import decode_segment, encode_segment  # noqa: E402
+from orbitkv_fs.codecs.turboquant import TurboQuantCodec  # noqa: E402
+from orbitkv_fs.errors import LengthMismatch, OrbitKVError, PayloadChecksumMismatch, SegmentError  # noqa: E402
+from orbitkv_fs.gpu.engine import EncodeItem, GpuCodecEngine  # noqa: E402
+from orbitkv_fs.segment import Format, RawReason, parse_segment  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+SEED = 9
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = GpuCodecEngine(64 << 20, seed=SEED)
+    yield e
+    e.close()
+
+
+def real_kv() -> "tuple[np.ndarray, np.ndarray]":
+    """SmolLM2 K and V ([layers, tokens, heads, 64] BF16) from ORBITKV_REAL_KV, else a CPU prefill."""
+    path = os.environ.get("ORBITKV_REAL_KV")
+    if path and os.path.isfile(path):
+        z = np.load(path)
+        return z["k"].view(BF16), z["v"].view(BF16)
+    try:
+        from orbitkv_fs.tools.models import ModelUnavailable, prefill_kv
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"no real K/V: {e}")
+    try:
+        kv = prefill_kv(max_tokens=64)
+    except ModelUnavailable as e:
+        pytest.skip(f"no real K/V: {e}")
+    return np.stack([k for k, _ in kv]), np.stack([v for _, v in kv])
+
+
+def dev(x: np.ndarray) -> "cp.ndarray":
+    """A device copy of ``x`` (16-bit dtypes travel as uint16: cupy has no bfloat16)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize in (1, 2):
+        x = x.view(np.uint8 if x.dtype.itemsize == 1 else np.uint16)
+    return cp.asarray(x)
+
+
+def host_segment(x: np.ndarray, codec: str, role: str, layer: int) -> bytes:
+    c = TurboQuantCodec(int(codec[-1]), SEED) if codec.startswith("turboquant") else codec
+    return encode_segment(x, c, role=role, layer=layer)
+
+
+def check_round_trip(engine: GpuCodecEngine, xs: list[np.ndarray], codecs: list[str], roles: list[str],
+                     layers: list[int], *, exact_bytes: bool = True) -> list[bytes]:
+    items = [EncodeItem(dev(x), c, r, ly, x.dtype) for x, c, r, ly in zip(xs, codecs, roles, layers)]
+    segs = engine.encode_batch(items)
+    assert len(segs) == len(xs)
+    for x, c, r, ly, s in zip(xs, codecs, roles, layers, segs):
+        want = host_segment(x, c, r, ly)
+        if exact_bytes or c != "ans":
+            assert bytes(s) == want, (c, r, ly, x.shape, x.dtype)
+        else:
+            assert np.array_equal(decode_segment(s).view(np.uint8), np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    dsts = [cp.full(x.nbytes // 2 if x.dtype.itemsize == 2 else x.nbytes, 0xA5A5 if x.dtype.itemsize == 2 else 0xA5,
+                    dtype=np.uint16 if x.dtype.itemsize == 2 else np.uint8) for x in xs]
+    errors = engine.decode_batch(segs, dsts)
+    assert errors == [None] * len(xs)
+    for s, d in zip(segs, dsts):
+        want = decode_segment(bytes(s))
+        assert np.array_equal(d.get().view(np.uint8), want.view(np.uint8))
+    return [bytes(s) for s in segs]
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_turboquant_random_equals_host(engine, head_dim: int, dtype: np.dtype) -> None:
+    rng = np.random.default_rng(head_dim)
+    xs, codecs, roles, layers = [], [], [], []
+    for bits in (3, 4):
+        for role in ("key", "value"):
+            for scale in (0.01, 1.0, 30.0):
+                x = (rng.standard_normal((97, head_dim)) * scale).astype(np.float32)
+                x[3] = 0.0  # a zero vector: norm 0, scale 0
+                x[5] = 1.0  # a constant vector
+                xs.append(x.astype(dtype))
+                codecs.append(f"turboquant-{bits}")
+                roles.append(role)
+                layers.append(int(rng.integers(0, 40)))
+    segs = check_round_trip(engine, xs, codecs, roles, layers)
+    assert all(parse_segment(s)[0].format == Format.TURBOQUANT for s in segs)
+
+
+def test_turboquant_real_kv_equals_host(engine) -> None:
+    k, v = real_kv()
+    xs, codecs, roles, layers = [], [], [], []
+    for layer in range(0, k.shape[0], 3):
+        for bits in (3, 4):
+            xs += [k[layer].reshape(-1, 64), v[layer].reshape(-1, 64)]
+            codecs += [f"turboquant-{bits}"] * 2
+            roles += ["key", "value"]
+            layers += [layer, layer]
+    check_round_trip(engine, xs, codecs, roles, layers)
+
+
+def test_turboquant_rejections_equal_host(engine) -> None:
+    x = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    nan = x.copy()
+    nan[7, 3] = np.nan
+    big = x.copy()
+    big[2, 0] = -1e6  # V: the FP16 minimum overflows
+    xs = [nan.astype(FP16), big.astype(BF16), big.astype(FP16), (x * 1e30).astype(BF16)]
+    segs = check_round_trip(engine, xs, ["turboquant-4", "turboquant-4", "turboquant-3", "turboquant-4"],
+                            ["key", "value", "value", "key"], [1, 2, 3, 4])
+    reasons = [parse_segment(s)[0].raw_reason for s in segs]
+    assert reasons[0] == RawReason.NONFINITE and RawReason.OUT_OF_RANGE in reasons
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("arith", [False, True], ids=["hw", "arith"])
+def test_fp8_segments_equal_host(dtype: np.dtype, arith: bool) -> None:
+    from orbitkv_fs.codecs.fp8 import _ENC
+
+    good = np.flatnonzero((_ENC[dtype] >> 8) == 0).astype(np.uint16)
+    rng = np.random.default_rng(3)
+    xs = [good.view(dtype)]  # every in-range pattern
+    xs += [rng.choice(good, n).view(dtype) for n in (300, 4096, 100_000, 8 << 20)]
+    bad = rng.choice(good, 5000).view(dtype).copy()
+    bad[17] = 449.0 if dtype == FP16 else 460.0
+    inf = rng.choice(good, 5000).view(dtype).copy()
+    inf[4000] = np.inf
+    xs += [bad, inf, np.zeros(3, dtype)]
+    with GpuCodecEngine(64 << 20, seed=SEED, fp8_arithmetic=arith) as e:
+        segs = check_round_trip(e, xs, ["fp8"] * len(xs), ["value"] * len(xs), list(range(len(xs))))
+    reasons = [parse_segment(s)[0].raw_reason for s in segs[-3:]]
+    assert reasons == [RawReason.OUT_OF_RANGE, RawReason.NONFINITE, RawReason.NOT_SMALLER]
+
+
+def test_ans_round_trips_and_ratio(engine) -> None:
+    k, v = real_kv()
+    kv = np.concatenate([k.reshape(-1), v.reshape(-1)])
+    blobs = [kv[: 48 << 10], kv[: 1 << 20], kv[: 8 << 20]]  # up to the 16 MiB source bound
+    ratios = []
+    for x in blobs:
+        s = encode_segment(x, "ans")
+        h, _ = parse_segment(s)
+        assert h.format == Format.ANS and h.ans_type == 2
+        ratios.append(x.nbytes / h.stored_length)
+        assert np.array_equal(decode_segment(s).view(np.uint16), x.view(np.uint16))
+    print(f"ANS ratio on real BF16 KV (96 KiB, 2 MiB, 16 MiB): {[round(r, 3) for r in ratios]}")
+    assert ratios[-1] > 1.25
+    fp8 = kv.astype(np.float32).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+    s = encode_segment(fp8, "ans")
+    assert parse_segment(s)[0].ans_type == 3
+    assert np.array_equal(decode_segment(s).view(np.uint8), fp8.view(np.uint8))
+    rand = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    s = encode_segment(rand, "ans")
+    assert parse_segment(s)[0].raw_reason == RawReason.NOT_SMALLER  # incompressible: stays raw
+    assert np.array_equal(decode_segment(s), rand)
+    small = kv[:1000]
+    assert parse_segment(encode_segment(small, "ans"))[0].raw_reason == RawReason.UNSUPPORTED
+    # the engine's batched ANS: same decoded bytes, same format decisions
+    check_round_trip(engine, [kv[: 1 << 20], rand, small, fp8[: 1 << 16]], ["ans"] * 4, ["opaque"] * 4, [0] * 4,
+                     exact_bytes=False)
+
+
+def mixed(n: int, rng: np.random.Generator) -> tuple[list, list, list, list]:
+    xs, codecs, roles, layers = [], [], [], []
+    choices = ["fp8", "turboquant-4", "turboquant-3", "none", "ans"]
+    for i in range(n):
+        c = choices[i % len(choices)]
+        d = [32, 64, 128, 256][i % 4]
+        rows = int(rng.integers(40, 300))  # large enough for the GPU path of every codec
+        x = (rng.standard_normal((rows, d)) * rng.uniform(0.1, 5)).astype(BF16 if i % 2 else FP16)
+        xs.append(x)
+        codecs.append(c)
+        roles.append(["key", "value"][i % 2] if c.startswith("turbo") else "opaque")
+        layers.append(i % 50)
+    return xs, codecs, roles, layers
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257])
+def test_batches_of_mixed_segments(engine, n: int) -> None:
+    before = engine.stats.get("save_batches", 0)
+    xs, codecs, roles, layers = mixed(n, np.random.default_rng(n))
+    check_round_trip(engine, xs, codecs, roles, layers, exact_bytes=False)
+    assert engine.stats["save_batches"] - before == (2 if n == 257 else 1)
+
+
+def test_poisoned_workspace_every_byte_written() -> None:
+    with GpuCodecEngine(8 << 20, seed=SEED) as e:
+        for w in (e.save, e.restore):
+            w.ws.reserve(e.budget_bytes)
+            cp.cuda.runtime.memset(w.ws.ptr, 0xA5, w.ws.size)
+        xs, codecs, roles, layers = mixed(40, np.random.default_rng(40))
+        check_round_trip(e, xs, codecs, roles, layers, exact_bytes=False)
+        assert e.stats["save_workspace_grows"] == 1  # reserved once, reused
+
+
+def test_budget_too_small_for_the_batch() -> None:
+    rng = np.random.default_rng(8)
+    xs = [(rng.standard_normal((1024, 128))).astype(BF16) for _ in range(12)]  # 256 KiB each
+    xs.append(rng.standard_normal((8192, 128)).astype(BF16))  # 2 MiB: over the 1 MiB budget alone
+    codecs = ["fp8", "turboquant-4", "none"] * 4 + ["fp8"]
+    roles = ["value", "key", "opaque"] * 4 + ["value"]
+    with GpuCodecEngine(1 << 20, seed=SEED) as e:
+        check_round_trip(e, xs, codecs, roles, list(range(13)))
+        st = e.stats
+        assert st["save_cpu_fallbacks"] == 1 and st["save_batches"] > 1
+        assert st["save_workspace_bytes"] <= 1 << 20 and st["restore_workspace_bytes"] <= 1 << 20
+
+
+def test_decode_failures_are_per_segment(engine) -> None:
+    rng = np.random.default_rng(21)
+    xs = [rng.standard_normal((256, 64)).astype(BF16) for _ in range(4)]
+    segs = [bytearray(s) for s in engine.encode_batch(
+        [EncodeItem(dev(x), c, "key", 3, BF16) for x, c in zip(xs, ["fp8", "turboquant-4", "none", "fp8"])])]
+    segs[0][100] ^= 0x01  # payload bit flip
+    segs[2][10] ^= 0xFF  # header damage
+    dsts = [cp.full(x.nbytes // 2, 0xA5A5, dtype=np.uint16) for x in xs]
+    dsts[3] = cp.full(10, 0xA5A5, dtype=np.uint16)  # wrong destination size
+    errors = engine.decode_batch(segs, dsts)
+    assert isinstance(errors[0], PayloadChecksumMismatch)
+    assert errors[1] is None
+    assert isinstance(errors[2], SegmentError)
+    assert isinstance(errors[3], LengthMismatch)
+    assert bool((dsts[0] == 0xA5A5).all()) and bool((dsts[3] == 0xA5A5).all())
+    assert np.array_equal(dsts[1].get().view(np.uint8), decode_segment(bytes(segs[1])).view(np.uint8))
+    assert all(isinstance(e, OrbitKVError) for e in errors if e is not None)
+
+
+def test_one_batch_is_one_sync_and_one_copy_each_way(engine) -> None:
+    rng = np.random.default_rng(2)
+    items = [EncodeItem(dev(rng.standard_normal((64, 128)).astype(BF16)), "fp8", "value", 1, BF16) for _ in range(256)]
+    engine.encode_batch(items)
+    before = engine.stats
+    engine.encode_batch(items)
+    after = engine.stats
+    delta = {k: after[k] - before.get(k, 0) for k in ("save_syncs", "save_d2h_copies", "save_h2d_copies", "save_launches")}
+    assert delta == {"save_syncs": 1, "save_d2h_copies": 1, "save_h2d_copies": 1, "save_launches": 1}

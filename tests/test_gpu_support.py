@@ -1,0 +1,62 @@
+"""Host-side parts of the GPU codec engine that need no GPU: the CRC32C combine model and the
+nvCOMP loader's start-up errors. (The kernels themselves are tested in the gpu-marked tests.)"""
+
+from __future__ import annotations
+
+import os
+
+import crc32c
+import numpy as np
+import pytest
+
+from orbitkv_fs.errors import CodecUnavailable
+from orbitkv_fs.gpu import tables
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 63, 64, 65, 127, 1000, 16383, 16384, 16385, 2 * 16384 + 5, 3 * 16384])
+def test_crc_model_equals_crc32c(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert tables.crc32c_model(data) == crc32c.crc32c(data)
+
+
+def test_crc_tables_layout() -> None:
+    t = tables.crc_tables()
+    assert t.dtype == np.uint32 and t.size == tables.XC_OFFSET + tables.XC_COUNT
+    xp, xc = t[tables.XP_OFFSET:tables.XC_OFFSET], t[tables.XC_OFFSET:]
+    assert xp[0] == tables.X0 and xc[0] == tables.X0 and xc[1] == xp[tables.CHUNK]
+    # x^(8a) * x^(8b) = x^(8(a+b))
+    assert tables.gf_mul(int(xp[100]), int(xp[200])) == xp[300]
+
+
+def test_sign_words_match_host_signs() -> None:
+    from orbitkv_fs.codecs.turboquant import rotation_signs
+
+    for d in (32, 64, 128, 256):
+        words = tables.sign_words(d, 7, 3)
+        bits = np.unpackbits(np.array(words, dtype="<u4").view(np.uint8), bitorder="little")[:d]
+        assert np.array_equal(bits.astype(bool), rotation_signs(d, 7, 3) < 0)
+
+
+def test_nvcomp_missing_library_is_a_clear_error(tmp_path) -> None:
+    from orbitkv_fs.gpu import nvcomp
+
+    with pytest.raises(CodecUnavailable, match="could not be loaded"):
+        nvcomp.Nvcomp(str(tmp_path / "libnvcomp.so.5"))
+
+
+def test_nvcomp_wrong_abi_is_a_clear_error() -> None:
+    from orbitkv_fs.gpu import nvcomp
+
+    libc = "libc.so.6"
+    with pytest.raises(CodecUnavailable, match="lacks nvcompGetProperties"):
+        nvcomp.Nvcomp(libc)
+
+
+@pytest.mark.skipif(not os.path.isfile(__import__("orbitkv_fs.gpu.nvcomp", fromlist=["x"]).library_path()),
+                    reason="nvidia-libnvcomp-cu13 not installed here")
+def test_nvcomp_loads_and_reports_version() -> None:
+    from orbitkv_fs.gpu import nvcomp
+
+    nv = nvcomp.load()
+    assert nv.version[:2] >= (5, 3)
+    assert max(nv.compress_alignment) <= 256
