@@ -34,8 +34,10 @@ from __future__ import annotations
 import bisect
 import collections
 import enum
+import errno
 import mmap
 import os
+import re
 import select
 import threading
 import time
@@ -197,6 +199,11 @@ def _percentile(samples: "collections.deque[float]", q: float) -> float:
         return 0.0
     s = sorted(samples)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _reason(res: int, short: str) -> str:
+    """The counter label of a failed I/O: the errno name (EIO, ENOSPC...) or ``short``."""
+    return errno.errorcode.get(-res, f"errno_{-res}") if res < 0 else short
 
 
 def make_backend(name: str) -> IoBackend:
@@ -452,7 +459,7 @@ class SsdTier:
     def _fail_all(self, e: SsdIoError) -> None:
         """The ring itself failed to submit: every queued write fails (nothing was published)."""
         with self._lock:
-            self._errnos[str(e)] += 1
+            self._errnos["submit_failed"] += 1
             while self._queue:
                 w = self._queue.popleft()
                 self._complete(w, -1, time.perf_counter())
@@ -472,7 +479,7 @@ class SsdTier:
         self._writing -= s.length
         if res != s.length:
             self._c["write_errors_total"] += 1
-            self._errnos[os.strerror(-res) if res < 0 else "short write"] += 1
+            self._errnos[_reason(res, "short_write")] += 1
             s.state = _State.DEAD
             self._dead += s.length
             return
@@ -567,7 +574,7 @@ class SsdTier:
                     # Validate as each read lands, so only the reads in flight hold buffers.
                     s, buf = slots[i], bufs.pop(i)
                     if res != s.length:
-                        verdicts[i] = os.strerror(-res) if res < 0 else "short read"
+                        verdicts[i] = _reason(res, "short_read")
                     else:
                         try:
                             _, _, seg = check_record(buf, s.key, s.generation)
@@ -580,7 +587,9 @@ class SsdTier:
                         self._recycle(buf)
         finally:
             with self._lock:
-                if ring is not None:
+                if ring is not None and self._closed:
+                    ring.close()
+                elif ring is not None:
                     self._read_rings.append(ring)
                 self._c["read_total"] += len(keys)
                 for i, s in enumerate(slots):
@@ -672,9 +681,9 @@ class SsdTier:
         errs = d.pop("errors_by_errno")
         backend = d.pop("backend")
         out = {f"ssd_{k}": float(v) for k, v in d.items()}
-        out[f"ssd_backend_{backend}"] = 1.0
+        out[f"ssd_backend_{re.sub(r'[^a-z0-9]', '_', backend.lower())}"] = 1.0
         for k, v in errs.items():
-            out[f"ssd_io_errors_{k.lower().replace(' ', '_')}_total"] = float(v)
+            out[f"ssd_io_errors_{k.lower()}_total"] = float(v)
         return out
 
     def close(self) -> None:
