@@ -191,12 +191,31 @@ class SysRing:
 
 @functools.cache
 def liburing_usable() -> bool:
-    """True when the ``liburing`` package can set up a ring here (probed in a child: it may SIGILL)."""
-    code = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(4, r); L.io_uring_queue_exit(r)"
+    """True when :class:`LiburingRing` works here: probed in a child process (the package may SIGILL), which
+    writes and reads back a block through it from page-aligned memoryviews and waits on the eventfd."""
+    code = "from orbitkv_fs.tiers.ssd.uring import _liburing_selftest; _liburing_selftest()"
     try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30).returncode == 0
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+def _liburing_selftest() -> None:
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        os.ftruncate(f.fileno(), 1 << 16)
+        ring = LiburingRing(4, {0: f.fileno()})
+        src, dst = aligned_buffer(8192), aligned_buffer(8192)
+        src[:] = bytes(range(256)) * 32
+        ring.prep_write(0, src, 4096, 1)
+        ring.submit()
+        assert ring.wait(5.0) == [(1, 8192)]
+        ring.prep_read(0, dst, 4096, 2)
+        ring.submit()
+        assert ring.wait(5.0) == [(2, 8192)]
+        assert dst == src
+        ring.close()
 
 
 class LiburingRing:
