@@ -100,6 +100,13 @@ class CuFileRing:
             pass
         return self.reap()
 
+    def submit_and_wait(self) -> list[tuple[int, int]]:
+        self.submit()
+        while True:
+            out = self.wait(None)
+            if out:
+                return out
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         os.close(self.eventfd)

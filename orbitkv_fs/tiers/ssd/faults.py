@@ -111,6 +111,13 @@ class FaultyRing:
             else:
                 time.sleep(0.002)
 
+    def submit_and_wait(self) -> list[tuple[int, int]]:
+        self.submit()
+        while True:
+            out = self.wait(None)
+            if out:
+                return out
+
     def close(self) -> None:
         while self._ready or self._kind:
             self.wait(1.0)

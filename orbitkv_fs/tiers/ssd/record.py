@@ -36,7 +36,17 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ...errors import BadMagic, HeaderChecksumMismatch, LengthMismatch, SegmentError, TruncatedSegment, UnsupportedVersion
+import crc32c as _crc32c
+
+from ...errors import (
+    BadMagic,
+    HeaderChecksumMismatch,
+    LengthMismatch,
+    PayloadChecksumMismatch,
+    SegmentError,
+    TruncatedSegment,
+    UnsupportedVersion,
+)
 from ...keys import PACKED_SIZE, ObjectKey
 from ...segment import HEADER_SIZE, MAX_STORED_BYTES, SegmentHeader, crc32c, parse_segment
 
@@ -118,7 +128,11 @@ def check_record(buf: "bytes | memoryview", expect_key: ObjectKey | None = None,
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
     seg = mv[RECORD_HEADER_SIZE:end]
-    sh, _ = parse_segment(seg)
+    sh, payload = parse_segment(seg, verify_crc=False)
+    # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
+    # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
+    if _crc32c.crc32c(payload, gil_release_mode=0) != sh.payload_crc:
+        raise PayloadChecksumMismatch("payload CRC32C mismatch")
     if sh.layer != rh.key.layer or sh.role != rh.key.role:
         raise SegmentError("segment header layer/role disagree with the record key")
     return rh, sh, seg

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from ...errors import OrbitKVError, SegmentError
 from ...keys import ObjectKey
-from ...segment import HEADER_SIZE, Format, parse_header
+from ...segment import HEADER_SIZE, Format, crc32c, parse_header
 from .record import BLOCK, MAX_RECORD, Status, check_record, record_length, scan, write_record
 from .uring import IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
 
@@ -304,8 +304,6 @@ class SsdTier:
     # -------------------------------------------------------------------------------------- allocation
 
     def _shard_of(self, key: ObjectKey) -> _Shard:
-        from ...segment import crc32c
-
         return self._shards[crc32c(key.pack()) % len(self._shards)]
 
     def _allocate(self, sh: _Shard, length: int) -> int | None:
@@ -569,8 +567,7 @@ class SsdTier:
                     started[i] = time.perf_counter()
                     ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
                     pos += 1
-                ring.submit()
-                for i, res in ring.wait(1.0):
+                for i, res in ring.submit_and_wait():
                     # Validate as each read lands, so only the reads in flight hold buffers.
                     s, buf = slots[i], bufs.pop(i)
                     if res != s.length:
