@@ -1,0 +1,1213 @@
+"""``orbitkv-bench cohort``: the serving benchmark under memory pressure, with a real model forward pass.
+
+Question answered: per codec, does restoring a prefix's KV through OrbitKV-FS give a shorter time to
+first token and more requests per second than recomputing it, and than storing it uncompressed
+(``none``), when the engine's HBM prefix cache and the Manager's DRAM are too small for the working set?
+
+Owns the recipe (:class:`Recipe`, :data:`FULL` and :data:`QUICK`), the request cohort
+(:func:`build_cohort`), a minimal paged engine around a transformers causal LM (:class:`Engine`), one
+run of the cohort against one configuration (:func:`run_cohort`), the whole benchmark (:func:`benchmark`)
+and its report (JSON, markdown table, PNG plots; :func:`write_report`).
+
+The engine (one per run, fresh caches):
+
+* KV pages: one ``vllm_packed`` tensor ``[blocks, kv_heads, block_size, 2 * head_dim]`` per layer, in a
+  host pages file (CPU) or in CUDA memory registered through CUDA IPC (GPU, Manager in its own process).
+* HBM prefix cache: an LRU of chunks (``chunk_tokens`` each) holding at most ``hbm_tokens`` tokens of
+  pages, standing for the engine's own prefix cache. Pages in use by a running request are pinned.
+* A request: leading chunks found in the HBM cache; the next ones through ``lookup`` + ``restore`` into
+  free pages; the remainder is prefilled by the real model on a ``DynamicCache`` built from the pages
+  (at least the last prompt token is always computed, as engines do); then greedy decoding. TTFT is
+  lookup + restore + page gather + prefill, up to the first token's logits. Newly computed chunks are
+  written to pages, saved to the Manager (after generation, so not in TTFT, but in the throughput) and
+  become HBM cache entries.
+* A reuse request waits until the first request of its prefix has finished, so the cohort's reuse is the
+  same in every run; two requests never compute the same prefix at once.
+
+Invariants checked and reported per run: the Manager's reserved bytes, leases, workspace bytes and in-flight
+requests are zero at the end; every request's prompt tokens are split exactly into HBM, DRAM, SSD
+(lower tier) and computed tokens; only reuse requests can hit.
+
+torch and transformers are imported inside functions: importing this module needs only the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime
+import inspect
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["FULL", "QUICK", "Recipe", "RequestSpec", "benchmark", "build_cohort", "main", "run_cohort",
+           "write_report"]
+
+CODECS = ("none", "ans", "fp8", "turboquant-4", "turboquant-3")
+LOSSY = ("fp8", "turboquant-4", "turboquant-3")
+
+
+# ---------------------------------------------------------------------------------------------- recipe
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen3-style decoder; weights are random (timing and real activations, not quality)."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+
+
+QWEN3_8B = ModelShape("qwen3-8b", layers=36, kv_heads=8, head_dim=128, hidden=4096, heads=32, intermediate=12288,
+                      vocab=151936)
+QWEN3_TINY = ModelShape("qwen3-tiny", layers=8, kv_heads=2, head_dim=64, hidden=256, heads=4, intermediate=768,
+                        vocab=2048)
+SHAPES = {s.name: s for s in (QWEN3_8B, QWEN3_TINY)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    requests: int = 64
+    concurrency: int = 4
+    input_tokens: int = 4096
+    output_tokens: int = 16
+    #: Requests that reuse one of ``prefixes`` shared prefixes; the others are cold (unique prompts).
+    warm_requests: int = 49
+    prefixes: int = 12
+    #: Unique tokens after the shared prefix of a reuse request (0: the whole prompt is the prefix).
+    suffix_tokens: int = 0
+    chunk_tokens: int = 256
+    block_size: int = 16
+    hbm_tokens: int = 8192
+    dram_bytes: int = 1 << 30
+    ssd_bytes: int = 8 << 30
+    #: DRAM of the DRAM-only variant (no SSD).
+    dram_only_bytes: int = 8 << 30
+    model: ModelShape = QWEN3_8B
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.requests > 0 and self.concurrency > 0, "requests and concurrency must be positive"),
+            (0 <= self.warm_requests <= self.requests, "warm requests must be within 0..requests"),
+            (self.prefixes > 0 or self.warm_requests == 0, "reuse requests need at least one prefix"),
+            (self.warm_requests == 0 or self.warm_requests >= self.prefixes,
+             "each prefix needs at least one request"),
+            (self.chunk_tokens % self.block_size == 0, "chunk_tokens must be a multiple of block_size"),
+            (0 <= self.suffix_tokens < self.input_tokens, "suffix_tokens must be below input_tokens"),
+            (self.input_tokens >= self.chunk_tokens, "a prompt must hold at least one chunk"),
+            (self.output_tokens >= 1, "at least one output token"),
+            (self.hbm_tokens >= 0 and self.hbm_tokens % self.chunk_tokens == 0,
+             "hbm_tokens must be a multiple of chunk_tokens"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return m.layers * 2 * m.kv_heads * m.head_dim * 2  # BF16
+
+    @property
+    def chunk_blocks(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
+FULL = Recipe()
+#: CPU/CI scale: same structure, a tiny random Qwen3, a few hundred tokens, 16 requests, ~1 minute.
+QUICK = Recipe(requests=16, concurrency=2, input_tokens=384, output_tokens=16, warm_requests=12, prefixes=3,
+               chunk_tokens=64, block_size=16, hbm_tokens=384, dram_bytes=3 << 20, ssd_bytes=16 << 20,
+               dram_only_bytes=24 << 20, model=QWEN3_TINY)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    #: Shared prefix id, or None for a cold request.
+    prefix: int | None
+    #: True for the first request of its prefix (it computes and saves it).
+    first: bool
+    tokens: np.ndarray = field(repr=False)
+
+
+def build_cohort(recipe: Recipe) -> list[RequestSpec]:
+    """The requests, in arrival order: ``warm_requests`` spread over the prefixes (as evenly as possible),
+    the rest cold, shuffled with ``seed``. Token ids are random (the model is random too)."""
+    rng = np.random.default_rng(recipe.seed)
+    vocab = recipe.model.vocab
+    prefix_len = recipe.input_tokens - recipe.suffix_tokens
+    prefixes = [rng.integers(0, vocab, prefix_len, dtype=np.int64) for _ in range(recipe.prefixes)]
+    kinds: list[int | None] = [i % recipe.prefixes for i in range(recipe.warm_requests)]
+    kinds += [None] * (recipe.requests - recipe.warm_requests)
+    order = rng.permutation(len(kinds))
+    seen: set[int] = set()
+    out = []
+    for i, j in enumerate(order):
+        p = kinds[int(j)]
+        if p is None:
+            toks = rng.integers(0, vocab, recipe.input_tokens, dtype=np.int64)
+        else:
+            toks = np.concatenate([prefixes[p], rng.integers(0, vocab, recipe.suffix_tokens, dtype=np.int64)])
+        out.append(RequestSpec(i, p, p is not None and p not in seen, toks))
+        if p is not None:
+            seen.add(p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def build_model(shape: ModelShape, device: str, seed: int) -> Any:
+    """A randomly initialised Qwen3-shaped causal LM on ``device`` (initialised there: an 8B model
+    initialised on the host would take minutes). BF16 on a GPU; float32 on the CPU, where BF16 matmuls
+    are emulated and several times slower (the KV pages are BF16 either way)."""
+    torch = _torch()
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, max_position_embeddings=40960,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+                                                 attn_implementation="sdpa")
+    return model.eval()
+
+
+class _Forward:
+    """Calls the model with a cache across transformers versions (``cache=`` replaced ``past_key_values=``)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def __call__(self, ids: Any, cache: Any) -> Any:
+        out = self.model(input_ids=ids, use_cache=True, **{self.kw: cache})
+        return out.logits[0, -1].float().log_softmax(-1)
+
+
+def _new_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prefix: int | None
+    first: bool
+    input_tokens: int
+    hbm_tokens: int = 0
+    dram_tokens: int = 0
+    lower_tokens: int = 0
+    computed_tokens: int = 0
+    restore_misses: int = 0
+    lookup_s: float = 0.0
+    restore_s: float = 0.0
+    gather_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    save_s: float = 0.0
+    latency_s: float = 0.0
+    saved_chunks: int = 0
+    tokens: list[int] = field(default_factory=list)
+    #: Log-probabilities of every vocabulary entry at the first output token (for lossy comparisons).
+    first_logprobs: Any = field(default=None, repr=False)
+    #: Log-probability of each generated token.
+    token_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def manager_tokens(self) -> int:
+        return self.dram_tokens + self.lower_tokens
+
+
+class _Entry:
+    __slots__ = ("blocks", "pins")
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        self.pins = 0
+
+
+class Engine:
+    """A paged engine around ``model`` (see the module docstring). Thread-safe: one request per thread."""
+
+    def __init__(self, model: Any, recipe: Recipe, pages: list[Any], *, client: Any = None,
+                 engine_id: str = "", salt: bytes = b"") -> None:
+        self.model = model
+        self.forward = _Forward(model)
+        self.recipe = recipe
+        self.pages = pages
+        self.client = client
+        self.engine_id = engine_id
+        self.salt = salt
+        self.num_blocks = int(pages[0].shape[0])
+        self.hbm_chunks = recipe.hbm_tokens // recipe.chunk_tokens
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._free = list(range(self.num_blocks))
+        self.cuda = pages[0].is_cuda
+
+    @staticmethod
+    def blocks_needed(recipe: Recipe) -> int:
+        per_request = recipe.input_tokens // recipe.chunk_tokens * recipe.chunk_blocks
+        return recipe.hbm_tokens // recipe.block_size + recipe.concurrency * per_request
+
+    # -- HBM prefix cache --------------------------------------------------------------------------------
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free blocks, evicting unpinned LRU entries as needed (under the lock)."""
+        while len(self._free) < n:
+            victim = next((k for k, e in self._cache.items() if e.pins == 0), None)
+            if victim is None:
+                raise RuntimeError("page pool exhausted: every cached chunk is pinned")
+            self._free.extend(self._cache.pop(victim).blocks)
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def _trim(self) -> None:
+        over = len(self._cache) - self.hbm_chunks
+        for k in [k for k, e in self._cache.items() if e.pins == 0][:max(over, 0)]:
+            self._free.extend(self._cache.pop(k).blocks)
+
+    # -- pages <-> model cache ---------------------------------------------------------------------------
+
+    def _gather(self, blocks: list[int], n_tokens: int) -> Any:
+        """A DynamicCache of the first ``n_tokens`` tokens held by ``blocks`` (in token order)."""
+        torch = _torch()
+        cache = _new_cache(self.model)
+        if not blocks:
+            return cache
+        idx = torch.tensor(blocks, device=self.pages[0].device)
+        d = self.recipe.model.head_dim
+        for layer, pg in enumerate(self.pages):
+            x = pg.index_select(0, idx).to(self.model.dtype)  # [n, H, bs, 2D]
+            x = x.permute(1, 0, 2, 3).reshape(1, x.shape[1], -1, 2 * d)[:, :, :n_tokens]
+            cache.update(x[..., :d].contiguous(), x[..., d:].contiguous(), layer)
+        return cache
+
+    def _scatter(self, cache: Any, start_token: int, blocks: list[int]) -> None:
+        """Write tokens ``start_token ..`` (``len(blocks)`` blocks of them) of ``cache`` into ``blocks``."""
+        torch = _torch()
+        bs = self.recipe.block_size
+        n = len(blocks) * bs
+        idx = torch.tensor(blocks, device=self.pages[0].device)
+        for layer, pg in enumerate(self.pages):
+            lay = cache.layers[layer]
+            kv = torch.cat([lay.keys[0, :, start_token:start_token + n], lay.values[0, :, start_token:start_token + n]],
+                           dim=-1)  # [H, n, 2D]
+            pg.index_copy_(0, idx, kv.reshape(kv.shape[0], len(blocks), bs, kv.shape[-1]).permute(1, 0, 2, 3)
+                           .to(pg.dtype))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            _torch().cuda.synchronize()
+
+    # -- a request -------------------------------------------------------------------------------------------
+
+    def serve(self, req: RequestSpec) -> RequestRecord:
+        torch = _torch()
+        from orbitkv_fs.connectors.common import prefix_chunk_keys
+        from orbitkv_fs.manager import ChunkBlocks
+
+        r = self.recipe
+        rec = RequestRecord(req.index, req.prefix, req.first, len(req.tokens))
+        cb = r.chunk_blocks
+        t0 = time.perf_counter()
+        keys = prefix_chunk_keys([int(t) for t in req.tokens], r.chunk_tokens, salt=self.salt)
+        with self._lock:
+            hbm = 0
+            hit_blocks: list[int] = []
+            for k in keys:
+                e = self._cache.get(k)
+                if e is None:
+                    break
+                e.pins += 1
+                self._cache.move_to_end(k)
+                hit_blocks += e.blocks
+                hbm += 1
+            pinned = keys[:hbm]
+            own = self._take((len(keys) - hbm) * cb)
+        restored = 0
+        try:
+            if self.client is not None and hbm < len(keys):
+                t1 = time.perf_counter()
+                look = self.client.lookup(self.engine_id, keys[hbm:])
+                rec.lookup_s = time.perf_counter() - t1
+                if look.count:
+                    t1 = time.perf_counter()
+                    chunks = [ChunkBlocks(k, own[i * cb:(i + 1) * cb]) for i, k in enumerate(keys[hbm:hbm + look.count])]
+                    res = self.client.restore(self.engine_id, chunks, lease_id=look.lease_id)
+                    rec.restore_s = time.perf_counter() - t1
+                    while restored < len(res.restored) and res.restored[restored]:
+                        restored += 1
+                    rec.restore_misses = look.count - restored
+                    # lookup answers how many chunks came from DRAM and how many were promoted from the
+                    # lower tier, not which; a restore miss is charged to the lower tier's share
+                    rec.dram_tokens = min(look.dram, restored) * r.chunk_tokens
+                elif look.lease_id:
+                    self.client.release(look.lease_id)
+            hit_chunks = hbm + restored
+            hit_blocks += own[:restored * cb]
+            hit = min(hit_chunks * r.chunk_tokens, len(req.tokens) - 1)
+            rec.hbm_tokens = min(hbm * r.chunk_tokens, hit)
+            rec.dram_tokens = min(rec.dram_tokens, hit - rec.hbm_tokens)
+            rec.lower_tokens = hit - rec.hbm_tokens - rec.dram_tokens
+            rec.computed_tokens = len(req.tokens) - hit
+            with torch.inference_mode():
+                t1 = time.perf_counter()
+                cache = self._gather(hit_blocks, hit)
+                self._sync()
+                rec.gather_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                ids = torch.as_tensor(req.tokens[hit:], device=self.pages[0].device).unsqueeze(0)
+                lp = self.forward(ids, cache)
+                tok = int(lp.argmax())
+                self._sync()
+                now = time.perf_counter()
+                rec.prefill_s = now - t1
+                rec.ttft_s = now - t0
+                rec.first_logprobs = lp.cpu()
+                rec.tokens.append(tok)
+                rec.token_logprobs.append(float(lp[tok]))
+                # The prompt's KV must be written to pages before decoding appends to the cache.
+                new_chunks = len(keys) - hit_chunks
+                new_blocks = own[restored * cb:]
+                t1 = time.perf_counter()
+                if new_chunks:
+                    self._scatter(cache, hit_chunks * r.chunk_tokens, new_blocks)
+                scatter_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                for _ in range(r.output_tokens - 1):
+                    lp = self.forward(torch.tensor([[tok]], device=ids.device), cache)
+                    tok = int(lp.argmax())
+                    rec.tokens.append(tok)
+                    rec.token_logprobs.append(float(lp[tok]))
+                self._sync()
+                rec.decode_s = time.perf_counter() - t1
+            if self.client is not None and new_chunks:
+                t1 = time.perf_counter()
+                res = self.client.save(self.engine_id, [ChunkBlocks(keys[hit_chunks + i], new_blocks[i * cb:(i + 1) * cb])
+                                                        for i in range(new_chunks)])
+                rec.saved_chunks = res.chunks_saved
+                rec.save_s = time.perf_counter() - t1 + scatter_s
+        except BaseException:
+            with self._lock:
+                for k in pinned:
+                    self._cache[k].pins -= 1
+                self._free.extend(own)
+            raise
+        with self._lock:
+            for k in pinned:
+                self._cache[k].pins -= 1
+            for i in range(len(keys) - hbm):
+                k, blocks = keys[hbm + i], own[i * cb:(i + 1) * cb]
+                if k in self._cache or self.hbm_chunks == 0:
+                    self._free.extend(blocks)
+                else:
+                    self._cache[k] = _Entry(blocks)
+            self._trim()
+        rec.latency_s = time.perf_counter() - t0
+        return rec
+
+    def hbm_pins(self) -> int:
+        with self._lock:
+            return sum(e.pins for e in self._cache.values())
+
+
+def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int) -> tuple[list[RequestRecord], float]:
+    """Serve ``cohort`` with ``concurrency`` worker threads (arrival order, reuse requests gated on their
+    prefix's first request). Answers the records (by index) and the wall time."""
+    done = {spec.prefix: threading.Event() for spec in cohort if spec.first}
+    queue = collections.deque(cohort)
+    qlock = threading.Lock()
+    records: dict[int, RequestRecord] = {}
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with qlock:
+                if not queue:
+                    return
+                spec = queue.popleft()
+            try:
+                if spec.prefix is not None and not spec.first:
+                    done[spec.prefix].wait()
+                records[spec.index] = engine.serve(spec)
+            except BaseException as e:  # reported once all workers stopped
+                errors.append(e)
+            finally:
+                if spec.first:
+                    done[spec.prefix].set()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, name=f"cohort-{i}") for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return [records[s.index] for s in cohort], wall
+
+
+# ---------------------------------------------------------------------------------------------- pages / Manager
+
+
+class _Pages:
+    """The engine's KV pages: torch tensors per layer, host pages file (CPU) or CUDA memory (GPU)."""
+
+    def __init__(self, recipe: Recipe, device: str) -> None:
+        torch = _torch()
+        m = recipe.model
+        self.device = device
+        self.num_blocks = Engine.blocks_needed(recipe)
+        self.host = None
+        shape = (self.num_blocks, m.kv_heads, recipe.block_size, 2 * m.head_dim)
+        if device == "cpu":
+            from orbitkv_fs.pages import host_engine_pages
+
+            self.host, self.descs = host_engine_pages(num_layers=m.layers, num_blocks=self.num_blocks,
+                                                      block_size=recipe.block_size, num_heads=m.kv_heads,
+                                                      head_dim=m.head_dim, dtype="bfloat16", layout="vllm_packed")
+            self.tensors = [torch.from_numpy(self.host.array(d.name).view(np.int16)).view(torch.bfloat16)
+                            for d in self.descs]
+        else:
+            # one allocation per layer, like an engine's per-layer KV tensors
+            self.tensors = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(m.layers)]
+
+    def registration(self, recipe: Recipe, codec: str, engine_id: str) -> Any:
+        from orbitkv_fs.geometry import EngineRegistration
+
+        m = recipe.model
+        if self.host is not None:
+            return EngineRegistration(model=f"random-{m.name}", num_layers=m.layers, layer_start=0,
+                                      layer_end=m.layers, block_size=recipe.block_size, num_heads=m.kv_heads,
+                                      head_dim=m.head_dim, dtype="bfloat16", tensors=self.descs, codec=codec,
+                                      engine_id=engine_id, engine_kind="bench")
+        from orbitkv_fs.connectors.vllm import registration_from_kv_caches
+
+        _torch().cuda.synchronize()
+        return registration_from_kv_caches({f"L{i}": t for i, t in enumerate(self.tensors)},
+                                           model=f"random-{m.name}", block_size=recipe.block_size,
+                                           engine_id=engine_id, codec=codec)
+
+    def close(self) -> None:
+        self.tensors = []
+        if self.host is not None:
+            self.host.close()
+
+
+@dataclass
+class ManagerSpec:
+    codec: str
+    dram_bytes: int
+    ssd_bytes: int  # 0: no lower tier
+    ssd_dir: str
+    device: str  # auto | cpu
+
+
+def _make_manager(spec: ManagerSpec) -> Any:
+    from orbitkv_fs.manager import Manager, ManagerConfig
+
+    lower = None
+    if spec.ssd_bytes:
+        from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+
+        path = os.path.join(spec.ssd_dir, f"orbitkv-cohort-{os.getpid()}-{time.monotonic_ns()}.log")
+        lower = SsdTier(SsdConfig(paths=(path,), capacity=spec.ssd_bytes))
+        lower._cohort_path = path  # removed by _close_manager
+    return Manager(ManagerConfig(pool_size=spec.dram_bytes, storage_codec=spec.codec, device=spec.device),
+                   lower_tier=lower)
+
+
+def _close_manager(manager: Any) -> None:
+    path = getattr(manager.lower, "_cohort_path", None)
+    manager.close()
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class _ManagerProcess:
+    """The Manager in its own process behind the data plane (needed on a GPU: CUDA IPC handles cannot be
+    opened by the process that exported them)."""
+
+    def __init__(self, spec: ManagerSpec) -> None:
+        self.endpoint = f"ipc://{tempfile.gettempdir()}/orbitkv-cohort-{os.getpid()}-{time.monotonic_ns()}.sock"
+        self.proc = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.tools.bench_cohort", "_manager",
+                                      json.dumps(dataclasses.asdict(spec)), self.endpoint],
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the Manager process did not start (said {line!r})")
+        from orbitkv_fs.dataplane import RemoteClient
+
+        self.client = RemoteClient(self.endpoint)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve_manager(spec_json: str, endpoint: str) -> int:
+    from orbitkv_fs.dataplane import DataPlaneServer
+
+    manager = _make_manager(ManagerSpec(**json.loads(spec_json)))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = DataPlaneServer(manager, endpoint, workers=8)
+    print("ready", flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.close()
+        _close_manager(manager)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else 0.0
+
+
+def _codec_warmup(codec: str, recipe: Recipe) -> None:
+    """JIT-compile the host codec kernels (numba) before timing anything."""
+    if codec in ("none", "ans"):
+        return
+    import ml_dtypes
+
+    from orbitkv_fs.codecs import decode_segment, encode_segment
+
+    m = recipe.model
+    x = (np.random.default_rng(0).standard_normal((recipe.block_size, m.kv_heads, m.head_dim)) * 0.5)
+    x = x.astype(ml_dtypes.bfloat16)
+    for role in ("key", "value"):
+        decode_segment(encode_segment(x, codec, role=role, layer=3))
+
+
+def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, codec: str | None,
+               variant: str, device: str, manager_mode: str, ssd_dir: str) -> dict[str, Any]:
+    """One run: ``codec`` None is the no-cache recompute control (the engine's HBM prefix cache is off too,
+    so every prompt is computed in full); otherwise a fresh Manager with that codec (``variant`` "ssd":
+    ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD)."""
+    import msgspec
+
+    torch = _torch()
+    control = codec is None
+    rcp = dataclasses.replace(recipe, hbm_tokens=0) if control else recipe
+    pages = _Pages(rcp, device)
+    mgr = proc = None
+    client = None
+    engine_id = f"cohort-{codec or 'control'}-{variant}"
+    try:
+        if not control:
+            _codec_warmup(codec, recipe)
+            spec = ManagerSpec(codec=codec, dram_bytes=recipe.dram_only_bytes if variant == "dram" else recipe.dram_bytes,
+                               ssd_bytes=0 if variant == "dram" else recipe.ssd_bytes, ssd_dir=ssd_dir,
+                               device="cpu" if device == "cpu" else "auto")
+            if manager_mode == "process":
+                proc = _ManagerProcess(spec)
+                client = proc.client
+            else:
+                from orbitkv_fs.client import connect
+
+                mgr = _make_manager(spec)
+                client = connect(mgr)
+            info = client.register(pages.registration(rcp, codec, engine_id))
+            engine_id = info.engine_id
+        engine = Engine(model, rcp, pages.tensors, client=client, engine_id=engine_id,
+                        salt=f"random-{recipe.model.name}-seed{recipe.seed}".encode())
+        records, wall = run_requests(engine, cohort, rcp.concurrency)
+        stats = None
+        if client is not None:
+            client.unregister(engine_id)
+            stats = msgspec.to_builtins(client.stats())
+        pins = engine.hbm_pins()
+    finally:
+        if proc is not None:
+            proc.close()
+        if mgr is not None:
+            _close_manager(mgr)
+        pages.close()
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return _summarise(recipe, codec, variant, records, wall, stats, pins)
+
+
+def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[RequestRecord], wall: float,
+               stats: dict | None, pins: int) -> dict[str, Any]:
+    ttft = [r.ttft_s for r in records]
+    total = sum(r.input_tokens for r in records)
+    tiers = {t: sum(getattr(r, f"{t}_tokens") for r in records) for t in ("hbm", "dram", "lower", "computed")}
+    out: dict[str, Any] = {
+        "codec": codec or "recompute",
+        "variant": "control" if codec is None else variant,
+        "requests": len(records),
+        "wall_s": wall,
+        "requests_per_s": len(records) / wall,
+        "ttft_p50_ms": _pct(ttft, 50) * 1e3,
+        "ttft_p95_ms": _pct(ttft, 95) * 1e3,
+        "prompt_tokens": total,
+        "tier_tokens": tiers,
+        "hit_rate": {t: tiers[t] / total for t in ("hbm", "dram", "lower")} | {"miss": tiers["computed"] / total},
+        "requests_hit": {
+            "hbm": sum(1 for r in records if r.hbm_tokens),
+            "manager": sum(1 for r in records if r.manager_tokens),
+            "dram": sum(1 for r in records if r.dram_tokens),
+            "lower": sum(1 for r in records if r.lower_tokens),
+            "none": sum(1 for r in records if not r.hbm_tokens and not r.manager_tokens),
+        },
+        "restore_misses": sum(r.restore_misses for r in records),
+        "phase_p50_ms": {p: _pct([getattr(r, f"{p}_s") for r in records if r.manager_tokens], 50) * 1e3
+                         for p in ("lookup", "restore", "gather", "prefill")},
+        "save_s_total": sum(r.save_s for r in records),
+        "hbm_pins_end": pins,
+        "records": [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "first_logprobs"}
+                    for r in records],
+    }
+    if stats is not None:
+        lower = stats.get("lower") or {}
+        batches = stats["codec_batches"]
+        encoded = sum(n for rep, n in stats["codec_segments"].items() if rep != "raw") if codec != "none" else 0
+        out["manager"] = {
+            "ssd_read_bytes": int(lower.get("ssd_read_bytes_total", 0)),
+            "ssd_write_bytes": int(lower.get("ssd_write_bytes_total", 0)),
+            "ssd_write_dropped": int(lower.get("ssd_write_dropped_total", 0)),
+            "ssd_evicted": int(lower.get("ssd_evicted_total", 0)),
+            "segment_hits": stats["hits"],
+            "segment_misses": stats["misses"],
+            "save_logical_bytes": stats["save_logical_bytes"],
+            "save_stored_bytes": stats["save_stored_bytes"],
+            "compression_ratio": stats["save_logical_bytes"] / max(stats["save_stored_bytes"], 1),
+            "restore_logical_bytes": stats["restore_logical_bytes"],
+            "restore_stored_bytes": stats["restore_stored_bytes"],
+            "encode_s": stats["encode_seconds"],
+            "decode_s": stats["decode_seconds"],
+            "codec_batches": batches,
+            "segments_per_batch": encoded / batches if batches else 0.0,
+            "codec_segments": stats["codec_segments"],
+            "raw_segments": stats["raw_segments"],
+            "workspace_allocations": stats.get("workspace_allocations"),
+            "workspace_bytes_end": stats["workspace_bytes"],
+            "reserved_bytes_end": stats["reserved_bytes"],
+            "leases_active_end": stats["leases_active"],
+            "inflight_requests_end": stats["inflight_requests"],
+            "decode_failures": stats["decode_failures"],
+            "dropped_segments": stats["dropped_segments"],
+            "evictions": stats["evictions"],
+            "demoted": stats["demoted"],
+        }
+        m = out["manager"]
+        out["reservations_zero"] = not any((m["workspace_bytes_end"], m["reserved_bytes_end"], m["leases_active_end"],
+                                            m["inflight_requests_end"], pins))
+        out["manager_stats"] = stats
+    else:
+        out["reservations_zero"] = pins == 0
+    out["_records"] = records
+    return out
+
+
+def _compare(run: dict[str, Any], control: dict[str, Any]) -> None:
+    """Output differences against the recompute control (same requests), and restore vs recompute TTFT on
+    the requests this run served from the Manager."""
+    agree = total = 0
+    max_first = 0.0
+    max_tok = 0.0
+    for a, b in zip(run["_records"], control["_records"]):
+        n = min(len(a.tokens), len(b.tokens))
+        same = sum(x == y for x, y in zip(a.tokens[:n], b.tokens[:n]))
+        agree += same
+        total += n
+        max_first = max(max_first, float((a.first_logprobs - b.first_logprobs).abs().max()))
+        for i in range(n):  # token logprobs are comparable while both runs generated the same tokens
+            if a.tokens[i] != b.tokens[i]:
+                break
+            max_tok = max(max_tok, abs(a.token_logprobs[i] - b.token_logprobs[i]))
+    served = [(a.ttft_s, b.ttft_s) for a, b in zip(run["_records"], control["_records"]) if a.manager_tokens]
+    run["vs_control"] = {
+        "token_agreement": agree / total if total else 1.0,
+        "first_token_max_abs_logprob_diff": max_first,
+        "generated_max_abs_logprob_diff": max_tok,
+        "requests_identical": sum(a.tokens == b.tokens for a, b in zip(run["_records"], control["_records"])),
+        "manager_served_requests": len(served),
+        "manager_served_ttft_p50_ms": _pct([s for s, _ in served], 50) * 1e3,
+        "same_requests_recompute_ttft_p50_ms": _pct([c for _, c in served], 50) * 1e3,
+        "manager_served_speedup_p50": (_pct([c for _, c in served], 50) / _pct([s for s, _ in served], 50))
+        if served else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2 ratios
+
+
+def smollm2_ratios(codecs: Sequence[str], chunk_tokens: int, max_tokens: int = 512) -> dict[str, Any]:
+    """Compression ratio and reconstruction error of each codec on the real SmolLM2-135M's KV (the fixed
+    sample text), in segments of ``chunk_tokens`` per (layer, K/V), with the Manager's layer policy
+    (TurboQuant keeps the first and last two layers exact)."""
+    from orbitkv_fs.codecs import decode_segment, encode_segment
+    from orbitkv_fs.segment import parse_header
+
+    try:
+        from orbitkv_fs.tools.models import SAMPLE_TEXT, prefill_kv
+    except ImportError as e:
+        return {"skipped": f"tools.models unavailable: {e}"}
+    try:
+        kv = prefill_kv(SAMPLE_TEXT * 4, max_tokens=max_tokens)
+    except Exception as e:  # ModelUnavailable and friends: reported, not fatal
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    layers = len(kv)
+    tokens = kv[0][0].shape[0] // chunk_tokens * chunk_tokens
+    out: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", "layers": layers,
+                           "tokens": tokens, "kv_heads": int(kv[0][0].shape[1]), "head_dim": int(kv[0][0].shape[2]),
+                           "segment_tokens": chunk_tokens, "codecs": {}}
+    for codec in codecs:
+        try:
+            logical = stored = 0
+            err_num = err_den = 0.0
+            reps: collections.Counter[str] = collections.Counter()
+            for layer, pair in enumerate(kv):
+                exact = codec.startswith("turboquant") and (layer < 2 or layer >= layers - 2)
+                for role, x in zip(("key", "value"), pair):
+                    for s in range(0, tokens, chunk_tokens):
+                        seg = np.ascontiguousarray(x[s:s + chunk_tokens])
+                        blob = encode_segment(seg, "none" if exact else codec, role=role, layer=layer)
+                        h = parse_header(blob)
+                        reps[h.format.name.lower()] += 1
+                        logical += seg.nbytes
+                        stored += len(blob)
+                        y = decode_segment(blob).astype(np.float32)
+                        ref = seg.astype(np.float32).reshape(-1)
+                        err_num += float(((y - ref) ** 2).sum())
+                        err_den += float((ref ** 2).sum())
+            out["codecs"][codec] = {"logical_bytes": logical, "stored_bytes": stored,
+                                    "ratio": logical / stored, "relative_rmse": (err_num / err_den) ** 0.5,
+                                    "segments": dict(reps)}
+        except Exception as e:  # ans without a GPU
+            out["codecs"][codec] = {"skipped": f"{type(e).__name__}: {e}"}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+
+def _ans_skip_reason(device: str) -> str | None:
+    if device == "cpu":
+        return "ans is GPU-only (nvCOMP); this run is on the CPU"
+    try:
+        from orbitkv_fs.codecs import get_codec
+
+        get_codec("ans")
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("orbitkv-fs", "torch", "transformers", "numpy", "numba", "cupy-cuda12x", "cupy-cuda13x",
+                "nvidia-nvcomp-cu12", "kvikio-cu12", "msgspec", "pyzmq", "matplotlib"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[pkg] = md.version(pkg)
+    with contextlib.suppress(Exception):
+        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+    torch = _torch()
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["cuda"] = str(torch.version.cuda)
+    out["cpu_count"] = str(os.cpu_count())
+    out["torch_threads"] = str(torch.get_num_threads())
+    return out
+
+
+def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
+              manager_mode: str, ssd_dir: str, smollm2: bool = True, log=print) -> dict[str, Any]:
+    """The control, then every (variant, codec) run on the same cohort; differences and verdicts."""
+    torch = _torch()
+    cohort = build_cohort(recipe)
+    model = build_model(recipe.model, device, recipe.seed)
+    fwd = _Forward(model)
+    with torch.inference_mode():  # warm the kernels (cuBLAS handles, oneDNN primitives) outside any run
+        cache = _new_cache(model)
+        fwd(torch.as_tensor(cohort[0].tokens, device=device).unsqueeze(0), cache)
+        fwd(torch.tensor([[1]], device=device), cache)
+    log(f"cohort: {recipe.requests} requests ({recipe.warm_requests} reuse {recipe.prefixes} prefixes), "
+        f"{recipe.input_tokens} input tokens, model {recipe.model.name} on {device}")
+    control = run_cohort(model, recipe, cohort, codec=None, variant="control", device=device,
+                         manager_mode=manager_mode, ssd_dir=ssd_dir)
+    log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
+    runs = [control]
+    skipped: dict[str, str] = {}
+    for variant in variants:
+        for codec in codecs:
+            if codec == "ans":
+                why = _ans_skip_reason(device)
+                if why:
+                    skipped["ans"] = why
+                    continue
+            run = run_cohort(model, recipe, cohort, codec=codec, variant=variant, device=device,
+                             manager_mode=manager_mode, ssd_dir=ssd_dir)
+            _compare(run, control)
+            runs.append(run)
+            log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
+                f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
+                f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
+    for run in runs:
+        run.pop("_records")
+    result: dict[str, Any] = {
+        "benchmark": "cohort",
+        "recipe": dataclasses.asdict(recipe) | {"kv_bytes_per_token": recipe.kv_bytes_per_token,
+                                                 "prefix_logical_bytes": recipe.prefixes * recipe.kv_bytes_per_token
+                                                 * (recipe.input_tokens - recipe.suffix_tokens)},
+        "device": device,
+        "manager_mode": manager_mode,
+        "skipped": skipped,
+        "runs": runs,
+    }
+    del model
+    if smollm2:
+        result["smollm2_kv"] = smollm2_ratios([c for c in codecs if c != "ans" or device != "cpu"],
+                                              chunk_tokens=min(recipe.chunk_tokens, 64))
+        if "ans" in codecs and device == "cpu":
+            result["smollm2_kv"].setdefault("codecs", {})["ans"] = {"skipped": skipped.get("ans", "GPU only")}
+    result["verdicts"] = verdicts(runs)
+    return result
+
+
+def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run: does it beat recompute and ``none`` (same variant), and the measured reasons where not."""
+    control = next(r for r in runs if r["codec"] == "recompute")
+    out = []
+    for r in runs:
+        if r is control:
+            continue
+        none = next((x for x in runs if x["codec"] == "none" and x["variant"] == r["variant"]), None)
+        vs = r["vs_control"]
+        m = r["manager"]
+        served = vs["manager_served_requests"]
+        beats_rc_ttft = served > 0 and vs["manager_served_ttft_p50_ms"] < vs["same_requests_recompute_ttft_p50_ms"]
+        beats_rc_tput = r["requests_per_s"] > control["requests_per_s"]
+        notes = []
+        if served == 0:
+            notes.append("no request was served from the Manager (everything recomputed or HBM hits)")
+        elif not beats_rc_ttft:
+            notes.append(f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
+                         f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed: lookup "
+                         f"{r['phase_p50_ms']['lookup']:.1f} + restore {r['phase_p50_ms']['restore']:.1f} + gather "
+                         f"{r['phase_p50_ms']['gather']:.1f} ms (p50) cost more than the prefill they replace")
+        if not beats_rc_tput:
+            notes.append(f"throughput {r['requests_per_s']:.2f} req/s vs {control['requests_per_s']:.2f} recomputing; "
+                         f"saves took {r['save_s_total']:.2f} s in total (encode {m['encode_s']:.2f} s)")
+        v: dict[str, Any] = {"variant": r["variant"], "codec": r["codec"],
+                             "beats_recompute_ttft": beats_rc_ttft, "beats_recompute_throughput": beats_rc_tput}
+        if none is not None and none is not r:
+            nm = none["manager"]
+            v["beats_none_ttft"] = r["ttft_p50_ms"] < none["ttft_p50_ms"]
+            v["beats_none_throughput"] = r["requests_per_s"] > none["requests_per_s"]
+            saved = nm["ssd_read_bytes"] - m["ssd_read_bytes"]
+            if not (v["beats_none_ttft"] and v["beats_none_throughput"]):
+                notes.append(
+                    f"vs none: TTFT p50 {r['ttft_p50_ms']:.1f} vs {none['ttft_p50_ms']:.1f} ms, "
+                    f"{r['requests_per_s']:.2f} vs {none['requests_per_s']:.2f} req/s; restore p50 "
+                    f"{r['phase_p50_ms']['restore']:.1f} vs {none['phase_p50_ms']['restore']:.1f} ms; decode "
+                    f"{m['decode_s']:.2f} s and encode {m['encode_s']:.2f} s in total against "
+                    f"{saved / 2**20:.1f} MiB less read from SSD; Manager hit rate "
+                    f"{r['hit_rate']['dram'] + r['hit_rate']['lower']:.2f} vs "
+                    f"{none['hit_rate']['dram'] + none['hit_rate']['lower']:.2f}")
+        if r["codec"] in LOSSY:
+            notes.append(f"lossy: {vs['token_agreement']:.3f} of generated tokens agree with recompute, first-token "
+                         f"max |dlogprob| {vs['first_token_max_abs_logprob_diff']:.3g}")
+        v["why"] = notes
+        out.append(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _table(result: dict[str, Any]) -> str:
+    rows = ["| variant | codec | TTFT p50 ms | TTFT p95 ms | served TTFT p50 ms (recompute) | req/s | SSD MiB read "
+            "| hit HBM/DRAM/SSD/miss | ratio | encode s | decode s | batches | seg/batch | reservations 0 "
+            "| token agree | max abs dlogprob |",
+            "|" + "---|" * 16]
+    for r in result["runs"]:
+        m = r.get("manager")
+        vs = r.get("vs_control")
+        h = r["hit_rate"]
+        served = (f"{vs['manager_served_ttft_p50_ms']:.1f} ({vs['same_requests_recompute_ttft_p50_ms']:.1f})"
+                  if vs and vs["manager_served_requests"] else "-")
+        rows.append("| " + " | ".join([
+            r["variant"], r["codec"], f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p95_ms']:.1f}", served,
+            f"{r['requests_per_s']:.2f}", f"{m['ssd_read_bytes'] / 2**20:.1f}" if m else "-",
+            f"{h['hbm']:.2f}/{h['dram']:.2f}/{h['lower']:.2f}/{h['miss']:.2f}",
+            f"{m['compression_ratio']:.2f}" if m else "-", f"{m['encode_s']:.3f}" if m else "-",
+            f"{m['decode_s']:.3f}" if m else "-", str(m["codec_batches"]) if m else "-",
+            f"{m['segments_per_batch']:.1f}" if m else "-", "yes" if r["reservations_zero"] else "NO",
+            f"{vs['token_agreement']:.3f}" if vs else "-",
+            f"{vs['first_token_max_abs_logprob_diff']:.3g}" if vs else "-"]) + " |")
+    return "\n".join(rows)
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    rc = result["recipe"]
+    lines = [f"# Cohort benchmark ({result['device']})", "",
+             "```", result["command"], "```", "",
+             f"{rc['requests']} requests at concurrency {rc['concurrency']}; {rc['input_tokens']} input tokens, "
+             f"{rc['output_tokens']} output; {rc['warm_requests']} reuse {rc['prefixes']} prefixes; model "
+             f"{rc['model']['name']} (random weights, BF16, {rc['kv_bytes_per_token'] / 1024:.1f} KiB KV per token); "
+             f"HBM prefix cache {rc['hbm_tokens']} tokens; DRAM {rc['dram_bytes'] / 2**20:.0f} MiB + SSD "
+             f"{rc['ssd_bytes'] / 2**20:.0f} MiB (variant ssd) or DRAM {rc['dram_only_bytes'] / 2**20:.0f} MiB "
+             f"(variant dram). Manager {result['manager_mode']}.", "",
+             _table(result), "",
+             "TTFT = lookup + restore + page gather + prefill of the rest (or the full prefill on a miss). "
+             "'served TTFT' is the p50 over the requests this run served from the Manager, and in brackets the "
+             "recompute control's p50 on the same requests. Hit rates are fractions of prompt tokens. "
+             "Token agreement and max |dlogprob| (first output token, whole vocabulary) are against the "
+             "recompute control; `none` gives the noise floor of restoring versus recomputing.", ""]
+    if result["skipped"]:
+        lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in result["skipped"].items()), ""]
+    lines += ["## Verdicts", ""]
+    for v in result["verdicts"]:
+        parts = [f"recompute: TTFT {'yes' if v['beats_recompute_ttft'] else 'no'}, throughput "
+                 f"{'yes' if v['beats_recompute_throughput'] else 'no'}"]
+        if "beats_none_ttft" in v:
+            parts.append(f"none: TTFT {'yes' if v['beats_none_ttft'] else 'no'}, throughput "
+                         f"{'yes' if v['beats_none_throughput'] else 'no'}")
+        lines.append(f"* **{v['variant']}/{v['codec']}** beats " + "; ".join(parts) + ".")
+        lines += [f"  * {n}" for n in v["why"]]
+    sm = result.get("smollm2_kv")
+    if sm:
+        lines += ["", "## Compression on real SmolLM2-135M KV", ""]
+        if "skipped" in sm:
+            lines.append(f"Skipped: {sm['skipped']}")
+        else:
+            lines += [f"{sm['model']}, {sm['tokens']} tokens, {sm['layers']} layers, {sm['kv_heads']} KV heads, "
+                      f"head_dim {sm['head_dim']}, segments of {sm['segment_tokens']} tokens.", "",
+                      "| codec | ratio | relative RMSE | segments |", "|---|---|---|---|"]
+            for c, d in sm["codecs"].items():
+                if "skipped" in d:
+                    lines.append(f"| {c} | skipped: {d['skipped']} | | |")
+                else:
+                    lines.append(f"| {c} | {d['ratio']:.2f} | {d['relative_rmse']:.4f} | "
+                                 f"{', '.join(f'{k} {n}' for k, n in d['segments'].items())} |")
+    lines += ["", "## Versions", ""] + [f"* {k}: {v}" for k, v in result["versions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(result: dict[str, Any], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    labels = [r["codec"] if r["variant"] == "control" else f"{r['variant']}/{r['codec']}" for r in runs]
+    x = np.arange(len(runs))
+    files = []
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax[0].bar(x - 0.2, [r["ttft_p50_ms"] for r in runs], 0.4, label="p50")
+    ax[0].bar(x + 0.2, [r["ttft_p95_ms"] for r in runs], 0.4, label="p95")
+    ax[0].set_ylabel("TTFT (ms)")
+    ax[0].legend()
+    ax[1].bar(x, [r["requests_per_s"] for r in runs], 0.6, color="tab:green")
+    ax[1].set_ylabel("requests / s")
+    for a in ax:
+        a.set_xticks(x, labels, rotation=35, ha="right", fontsize=8)
+    fig.suptitle(f"cohort ({result['device']}): TTFT and throughput per codec")
+    fig.tight_layout()
+    files.append(os.path.join(out_dir, "ttft_throughput.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.bar(x, [r["manager"]["ssd_read_bytes"] / 2**20 if "manager" in r else 0 for r in runs], 0.6,
+           color="tab:orange")
+    ax.set_ylabel("SSD bytes read (MiB)")
+    ax.set_xticks(x, labels, rotation=35, ha="right", fontsize=8)
+    ax.set_title(f"cohort ({result['device']}): SSD bytes read per codec")
+    fig.tight_layout()
+    files.append(os.path.join(out_dir, "ssd_bytes_read.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_report(result: dict[str, Any], out_dir: str, *, plots: bool = True) -> list[str]:
+    """``cohort.json``, ``cohort.md`` and (with ``plots``) the PNGs under ``out_dir``; answers the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    files = [os.path.join(out_dir, "cohort.json"), os.path.join(out_dir, "cohort.md")]
+    with open(files[0], "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    with open(files[1], "w") as f:
+        f.write(_markdown(result))
+    if plots:
+        files += _plots(result, out_dir)
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _size(text: str) -> int:
+    from orbitkv_fs.tiers.ssd import parse_size
+
+    return parse_size(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbitkv-bench cohort",
+                                description="Serving benchmark under memory pressure: TTFT and throughput per "
+                                            "codec against a no-cache recompute control, with a real model.")
+    p.add_argument("--quick", action="store_true", help="CPU/CI scale (tiny random Qwen3, 16 requests)")
+    p.add_argument("--requests", type=int)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--input-tokens", type=int)
+    p.add_argument("--output-tokens", type=int)
+    p.add_argument("--warm-requests", type=int, help="requests reusing a shared prefix")
+    p.add_argument("--prefixes", type=int)
+    p.add_argument("--suffix-tokens", type=int, help="unique tokens after the shared prefix")
+    p.add_argument("--chunk-tokens", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--hbm-tokens", type=int, help="engine HBM prefix-cache budget in tokens")
+    p.add_argument("--dram", type=_size, help="Manager DRAM with SSD (e.g. 1gib)")
+    p.add_argument("--ssd", type=_size, help="SSD capacity (e.g. 8gib)")
+    p.add_argument("--dram-only", type=_size, help="DRAM of the DRAM-only variant (e.g. 8gib)")
+    p.add_argument("--model", choices=sorted(SHAPES), help="model shape (random weights)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--codecs", default=",".join(CODECS), help=f"comma list of {', '.join(CODECS)}")
+    p.add_argument("--variants", default="ssd,dram", help="ssd (DRAM + SSD) and/or dram (DRAM only)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--manager", choices=("auto", "embedded", "process"), default="auto",
+                   help="Manager in this process or its own (auto: own process on a GPU, for CUDA IPC)")
+    p.add_argument("--ssd-dir", default=None, help="directory of the SSD log file (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --quick)")
+    p.add_argument("--no-smollm2", action="store_true", help="skip compression ratios on real SmolLM2 KV")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-cohort[-cpu])")
+    p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
+    return p
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    base = QUICK if args.quick else FULL
+    over = {k: getattr(args, a) for k, a in (
+        ("requests", "requests"), ("concurrency", "concurrency"), ("input_tokens", "input_tokens"),
+        ("output_tokens", "output_tokens"), ("warm_requests", "warm_requests"), ("prefixes", "prefixes"),
+        ("suffix_tokens", "suffix_tokens"), ("chunk_tokens", "chunk_tokens"), ("block_size", "block_size"),
+        ("hbm_tokens", "hbm_tokens"), ("dram_bytes", "dram"), ("ssd_bytes", "ssd"),
+        ("dram_only_bytes", "dram_only"), ("seed", "seed")) if getattr(args, a) is not None}
+    if args.model:
+        over["model"] = SHAPES[args.model]
+    return dataclasses.replace(base, **over)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cohort"]:
+        argv = argv[1:]
+    if argv[:1] == ["_manager"]:
+        return _serve_manager(argv[1], argv[2])
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        recipe = recipe_from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if bad := [c for c in codecs if c not in CODECS]:
+        ap.error(f"unknown codec(s) {bad}; expected {', '.join(CODECS)}")
+    if bad := [v for v in variants if v not in ("ssd", "dram")]:
+        ap.error(f"unknown variant(s) {bad}; expected ssd, dram")
+    torch = _torch()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda but torch sees no GPU")
+    threads = args.threads or (1 if args.quick and device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    manager_mode = args.manager if args.manager != "auto" else ("embedded" if device == "cpu" else "process")
+    if device != "cpu" and manager_mode == "embedded":
+        ap.error("on a GPU the Manager must run in its own process (--manager process): CUDA IPC handles cannot "
+                 "be opened by the process that exported them")
+    date = datetime.date.today().isoformat()
+    out_dir = args.out or os.path.join("docs", "results", f"{date}-cohort{'-cpu' if device == 'cpu' else ''}")
+    tmp = None
+    ssd_dir = args.ssd_dir
+    if ssd_dir is None:
+        tmp = ssd_dir = tempfile.mkdtemp(prefix="orbitkv-cohort-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    t0 = time.perf_counter()
+    try:
+        result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
+                           ssd_dir=ssd_dir, smollm2=not args.no_smollm2, log=log)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result["command"] = "orbitkv-bench cohort " + " ".join(argv)
+    result["date"] = date
+    result["elapsed_s"] = time.perf_counter() - t0
+    result["versions"] = _versions()
+    files = write_report(result, out_dir, plots=not args.no_plots)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=float)
+        print()
+    else:
+        print(_table(result))
+        for v in result["verdicts"]:
+            print(f"{v['variant']}/{v['codec']}: " + "; ".join(v["why"]) if v["why"] else
+                  f"{v['variant']}/{v['codec']}: wins")
+    log("wrote " + ", ".join(files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
