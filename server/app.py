@@ -31,6 +31,7 @@ them when it unregisters; blocking Manager calls run in the threadpool, never on
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -322,7 +323,12 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
         """Cached objects (DRAM first, then the lower tier) in key order, one page at a time."""
         page = _manager(request).list_objects(bytes.fromhex(namespace) if namespace else None, prefix, limit,
                                               cursor)
-        return {"objects": msgspec.to_builtins(page.objects), "next_cursor": page.next_cursor}
+        rows = msgspec.to_builtins(page.objects)
+        lower = _manager(request).lower
+        for row in rows:  # the Manager says "lower"; operators see the tier's name, as in /v1/invalidate
+            if row["tier"] == "lower" and lower is not None:
+                row["tier"] = getattr(lower, "name", "lower")
+        return {"objects": rows, "next_cursor": page.next_cursor}
 
     # -- peers -----------------------------------------------------------------------------------------
 
@@ -371,8 +377,11 @@ class HttpServer:
         self.host = host
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                      access_log=access_log, lifespan="off",
+                                                     log_config=None,  # the process's logging setup applies
                                                      timeout_graceful_shutdown=graceful_s,
                                                      server_header=False))
+        if access_log:  # uvicorn cuts the access logger off for servers without one; undo it for this one
+            logging.getLogger("uvicorn.access").propagate = True
         self._thread = threading.Thread(target=self._run, name="orbitkv-http", daemon=True)
         self._error: BaseException | None = None
 

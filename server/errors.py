@@ -2,16 +2,17 @@
 
 Owns :class:`ApiError` (raise it from a route for a chosen status and code), :class:`ErrorBody` (the
 body's schema, declared on every route so the OpenAPI document tells the truth), the table from the
-Manager's typed errors to HTTP statuses (:data:`MANAGER_ERRORS`), and :func:`install` (the exception
-handlers). Codes are stable snake_case strings; messages are for people.
+Manager's typed errors to HTTP statuses (:data:`MANAGER_ERRORS`), :func:`install` (the exception
+handlers) and :class:`UnhandledErrors` (the last-resort 500). Codes are stable snake_case strings; messages are for people.
 
 Invariants: no handler echoes a request header (tokens never reach a body or a log line); an unexpected
-exception is answered ``500 internal`` without internals (the server logs its traceback); validation errors
+exception is answered ``500 internal`` without internals (its traceback goes to the log); validation errors
 name the offending field.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,9 @@ from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import GeometryError
 from orbitkv_fs.manager import EngineBusy, LeaseError, PoolExhausted, RequestError, UnknownEngine
 
-__all__ = ["ApiError", "ErrorBody", "MANAGER_ERRORS", "error_response", "install", "responses"]
+log = logging.getLogger("orbitkv.http")
+
+__all__ = ["ApiError", "ErrorBody", "MANAGER_ERRORS", "UnhandledErrors", "error_response", "install", "responses"]
 
 
 class ErrorBody(BaseModel):
@@ -116,10 +119,36 @@ def install(app: FastAPI) -> None:
                 return error_response(status, code, message, field=getattr(exc, "field", None))
         raise AssertionError("unreachable: OrbitKVError is in the table")
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises after this answer, so the server logs the traceback once.
-        return error_response(500, "internal", "internal error; see the manager's log")
+    app.add_middleware(UnhandledErrors)
+
+
+class UnhandledErrors:
+    """ASGI middleware: an exception no handler took is logged with its traceback and answered
+    ``500 internal``. It is not re-raised: the server would then drop the keep-alive connection under a
+    client that was promised it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # half an answer is out: only closing the connection can signal the failure
+            await error_response(500, "internal", "internal error; see the manager's log")(scope, receive, send)
 
 
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

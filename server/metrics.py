@@ -6,9 +6,9 @@ scrape takes one :meth:`Manager.stats() <orbitkv_fs.manager.Manager.stats>` snap
 ``/metrics`` and ``/v1/stats`` always report the same facts and nothing is double-counted.
 
 Naming: ``orbitkv_`` prefix, units in names (``_bytes``, ``_seconds``), counters end in ``_total``.
-A *miss in a tier* is a segment that tier could not serve and that fell through to the next one (DRAM,
-then the lower tier, then peers); ``orbitkv_misses_total{tier="peer"}`` or of the last tier present are
-the segments no tier had. The lower tier's own flat stats (``ssd_*``) are exported as
+Tier labels: ``dram``, the lower tier's name (``ssd``), ``peer``. A *miss in a tier* is a segment that tier could not serve and that fell through to the next one (DRAM,
+then the lower tier, then peers); the misses of the last tier present are the segments no tier had. SSD residency is
+``orbitkv_ssd_objects`` / ``orbitkv_ssd_live_bytes`` (the SSD index does not split it by representation). The lower tier's own flat stats (``ssd_*``) are exported as
 ``orbitkv_ssd_*``: names ending in ``_total`` as counters, others as gauges, the backend as an info label.
 """
 
@@ -26,10 +26,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from orbitkv_fs.manager import DURATION_BUCKETS_S, ManagerStats
+from orbitkv_fs.segment import Format, RawReason
 
 __all__ = ["ManagerCollector", "build_registry"]
 
 _P = "orbitkv_"
+_REPRESENTATIONS = tuple(f.name.lower() for f in Format)
+_RAW_REASONS = tuple(r.name.lower() for r in RawReason if r != RawReason.NONE)
 
 
 def _counter(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
@@ -73,35 +76,35 @@ class ManagerCollector(Collector):
         s: ManagerStats = self._manager.stats()
         lower = getattr(self._manager, "lower", None)
         peers = self._peer_stats() if self._peer_stats is not None else None
-        yield from self._manager_families(s, lower is not None, peers is not None or
-                                          getattr(self._manager, "peers", None) is not None)
+        yield from self._manager_families(s, getattr(lower, "name", "lower") if lower is not None else None,
+                                          peers is not None or getattr(self._manager, "peers", None) is not None)
         yield from self._lower_families(s.lower)
         if peers is not None:
             yield from self._peer_families(peers)
 
     # -- the Manager ------------------------------------------------------------------------------------
 
-    def _manager_families(self, s: ManagerStats, has_lower: bool, has_peers: bool) -> Iterator[Metric]:
+    def _manager_families(self, s: ManagerStats, lower: str | None, has_peers: bool) -> Iterator[Metric]:
         yield _gauge("engines", "registered engines", s.engines)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
         yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],
                      rows={(t,): n for t, n in s.resident_objects.items()})
-        rows = {(t, rep): b for t, reps in s.resident_bytes.items() for rep, b in reps.items()}
-        for t in s.resident_objects:
-            if not s.resident_bytes.get(t):
-                rows[(t, "raw")] = 0
+        # Every known label value is exported (0 until it happens), so rates and alerts see the series.
+        rows = {(t, rep): 0 for t in s.resident_bytes for rep in _REPRESENTATIONS}
+        rows.update({(t, rep): b for t, reps in s.resident_bytes.items() for rep, b in reps.items()})
         yield _gauge("resident_bytes", "cached bytes (stored size) per tier and representation",
                      labels=["tier", "representation"], rows=rows)
         yield _gauge("resident_logical_bytes", "DRAM objects at their original (decoded) size",
                      s.resident_logical_bytes)
-        tiers = ["dram"] + (["lower"] if has_lower else []) + (["peer"] if has_peers else [])
-        hits = {(t,): float(s.hits.get(t, 0)) for t in tiers}
+        # The Manager counts the lower tier as "lower"; the label is the tier's own name (ssd).
+        tiers = [("dram", "dram")] + ([("lower", lower)] if lower else []) + ([("peer", "peer")] if has_peers else [])
+        hits = {(label,): float(s.hits.get(key, 0)) for key, label in tiers}
         # A segment missed in a tier is one a later tier served, or that no tier had.
         misses, fell = {}, float(s.misses)
-        for t in reversed(tiers):
-            misses[(t,)] = fell
-            fell += hits[(t,)]
+        for _, label in reversed(tiers):
+            misses[(label,)] = fell
+            fell += hits[(label,)]
         yield _counter("hits", "segments served, per tier", labels=["tier"], rows=hits)
         yield _counter("misses", "segments a tier could not serve (fell through to the next tier, or missed)",
                        labels=["tier"], rows=misses)
@@ -123,9 +126,10 @@ class ManagerCollector(Collector):
                              h.buckets, h.sum)
         yield _counter("codec_batches", "codec batches encoded", s.codec_batches)
         yield _counter("codec_segments", "segments stored, per representation", labels=["representation"],
-                       rows={(r,): n for r, n in s.codec_segments.items()})
+                       rows={**{(r,): 0 for r in _REPRESENTATIONS}, **{(r,): n for r, n in s.codec_segments.items()}})
         yield _counter("raw_segments", "segments stored raw although a codec was asked, per reason",
-                       labels=["reason"], rows={(r,): n for r, n in s.raw_segments.items()})
+                       labels=["reason"],
+                       rows={**{(r,): 0 for r in _RAW_REASONS}, **{(r,): n for r, n in s.raw_segments.items()}})
         yield _counter("decode_failures", "segments that failed validation or decode (served as misses)",
                        s.decode_failures)
         yield _counter("dropped_segments", "segments neither DRAM nor the lower tier took", s.dropped_segments)
