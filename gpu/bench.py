@@ -30,7 +30,7 @@ import numpy as np
 from orbitkv_fs.segment import AnsType, Role, turboquant_record_bytes
 
 from . import module as km
-from .engine import EncodeItem, GpuCodecEngine, ans_size_class
+from .engine import EncodeItem, GpuCodecEngine
 from .tables import sign_words
 
 BF16 = ml_dtypes.bfloat16
@@ -193,7 +193,10 @@ def _torch_figures(src: cp.ndarray, repeat: int, out: dict) -> None:
 
 
 def _ans_figures(engine: GpuCodecEngine, src: cp.ndarray, repeat: int, out: dict) -> None:
-    from orbitkv_fs.gpu import nvcomp
+    """ANS through engine-sized batches (one nvCOMP call over the 64 KiB chunks of up to 256 segments of
+    64 KiB..16 MiB within the budget, then the pack and CRC32C kernels) against one nvCOMP call over all
+    the same bytes in 64 KiB chunks; and the same for decompression."""
+    from orbitkv_fs.gpu import ans_format, nvcomp
 
     nv = nvcomp.load()
     k = km.kernels()
@@ -201,102 +204,100 @@ def _ans_figures(engine: GpuCodecEngine, src: cp.ndarray, repeat: int, out: dict
     rng = np.random.default_rng(7)
     sizes: list[int] = []
     while sum(sizes) < total:  # log-uniform 64 KiB .. 16 MiB, multiples of 64 KiB
-        sizes.append(int(2 ** rng.uniform(16, 24)) // 65536 * 65536)
+        sizes.append(max(65536, int(2 ** rng.uniform(16, 24)) // 65536 * 65536))
     sizes[-1] -= sum(sizes) - total
     if sizes[-1] < 65536:
         sizes[-2] += sizes.pop()
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     t = AnsType.FLOAT16
     s = cp.cuda.get_current_stream()
+    cb = ans_format.CHUNK_BYTES
+    cap = -(-nv.max_compressed_bytes(cb, t) // 256) * 256
 
-    def call(g: list[tuple[int, int, int]], cls: int) -> dict:
-        caps = [c for _, _, c in g]
-        outb = cp.empty(sum(caps), dtype=np.uint8)
-        outp = np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int64) + outb.data.ptr
-        arr = cp.asarray(np.concatenate([[src.data.ptr + o for o, _, _ in g], [n for _, n, _ in g], outp]).astype(np.uint64))
-        temp = nv.compress_temp_bytes(len(g), cls, sum(n for _, n, _ in g), t)
-        return dict(g=g, outb=outb, outp=outp, arr=arr, sizes=cp.zeros(len(g), dtype=np.uint64),
-                    st=cp.zeros(len(g), dtype=np.int32), mx=max(n for _, n, _ in g), temp=temp,
-                    tb=cp.empty(max(temp, 1), dtype=np.uint8))
+    def build(segs: list[tuple[int, int]], with_pack: bool) -> dict:
+        nch = [ans_format.chunk_count(n) for _, n in segs]
+        c = sum(nch)
+        starts = np.concatenate([[0], np.cumsum(nch)[:-1]]).astype(np.int64)
+        tmp = cp.empty(c * cap, dtype=np.uint8)
+        ptrs = np.concatenate([src.data.ptr + o + cb * np.arange(m) for (o, _), m in zip(segs, nch)])
+        lens = np.concatenate([np.minimum(cb, n - cb * np.arange(m)) for (_, n), m in zip(segs, nch)])
+        arr = cp.asarray(np.concatenate([ptrs, lens, tmp.data.ptr + cap * np.arange(c)]).astype(np.uint64))
+        b = dict(c=c, tmp=tmp, arr=arr, sizes=cp.zeros(c, dtype=np.uint64), st=cp.full(c, -1, dtype=np.int32),
+                 temp=nv.compress_temp_bytes(c, cb, int(lens.sum()), t), lens=lens, ptrs=ptrs, segs=segs)
+        b["tb"] = cp.empty(max(b["temp"], 1), dtype=np.uint8)
+        if with_pack:
+            caps = [ans_format.keep_capacity(n) for _, n in segs]
+            slots = cp.empty(sum(-(-x // 256) * 256 for x in caps), dtype=np.uint8)
+            slot_off = np.concatenate([[0], np.cumsum([-(-x // 256) * 256 for x in caps])[:-1]]).astype(np.int64)
+            plen = cp.zeros(len(segs), dtype=np.uint64)
+            rows = []
+            for i, ((_, n), m, c0, kc) in enumerate(zip(segs, nch, starts, caps)):
+                pl = plen.data.ptr + 8 * i
+                rows.append({"src": tmp.data.ptr + cap * int(c0), "dst": slots.data.ptr + int(slot_off[i]), "n": n,
+                             "n_dev": b["sizes"].data.ptr + 8 * int(c0), "st_dev": b["st"].data.ptr + 4 * int(c0),
+                             "expect_crc": cap, "bits": kc, "signs": (pl & 0xFFFFFFFF, pl >> 32, 0, 0, 0, 0, 0, 0),
+                             "nblocks": m})
+            b["pack"] = _Segs(rows)
+            b["crc"] = _Segs([{"src": slots.data.ptr + int(slot_off[i]), "n": kc, "n_dev": plen.data.ptr + 8 * i,
+                               "nblocks": km.units_bytes(kc)} for i, kc in enumerate(caps)])
+            b.update(slots=slots, plen=plen)
+        return b
 
-    def batched(chunks: list[tuple[int, int]], budget: "int | None") -> list[dict]:
-        """Batches as the engine forms them (<= 256 segments within the budget, one nvCOMP call per size
-        class, one CRC32C launch over the outputs); without a budget: one call over all chunks."""
-        if budget is None:
-            cls = max(n for _, n in chunks)
-            cap = nv.max_compressed_bytes(cls, t)
-            return [{"calls": [call([(o, n, cap) for o, n in chunks], cls)], "crc": None}]
-        batches, cur, cur_bytes = [], [], 0
-        for off, n in chunks:
-            cls = ans_size_class(n)
-            cap = -(-nv.max_compressed_bytes(cls, t) // 256) * 256
-            if cur and (len(cur) == 256 or cur_bytes + cap + 64 > budget - (1 << 20)):
-                batches.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((off, n, cap, cls))
-            cur_bytes += cap + 64
-        batches.append(cur)
-        built = []
-        for b in batches:
-            calls = []
-            for cls in sorted({c for *_, c in b}):
-                calls.append(call([(o, n, cap) for o, n, cap, c in b if c == cls], cls))
-            rows = [{"src": int(p), "n": c, "n_dev": cl["sizes"].data.ptr + 8 * j, "nblocks": km.units_bytes(c)}
-                    for cl in calls for j, (p, (_, _, c)) in enumerate(zip(cl["outp"], cl["g"]))]
-            built.append({"calls": calls, "crc": _Segs(rows)})
-        return built
-
-    def run(built: list[dict]) -> None:
-        for b in built:
-            for c in b["calls"]:
-                n = len(c["g"])
-                a = c["arr"].data.ptr
-                nv.compress(a, a + 8 * n, c["mx"], n, c["tb"].data.ptr, c["temp"], a + 16 * n, c["sizes"].data.ptr, t,
-                            c["st"].data.ptr, s.ptr)
-            if b["crc"] is not None:
+    def compress(bs: list[dict]) -> None:
+        for b in bs:
+            a, c = b["arr"].data.ptr, b["c"]
+            nv.compress(a, a + 8 * c, cb, c, b["tb"].data.ptr, b["temp"], a + 16 * c, b["sizes"].data.ptr, t,
+                        b["st"].data.ptr, s.ptr)
+            if "pack" in b:
+                b["pack"].launch(k, "okv_ans_pack")
                 b["crc"].launch(k, "okv_crc32c", k.crc_tables)
 
-    def decoder(built: list[dict], back: cp.ndarray) -> Callable[[], None]:
-        """Decompress every call's outputs into ``back`` (the same layout as the source)."""
-        plans = []
-        for b in built:
-            for c in b["calls"]:
-                n = len(c["g"])
-                arr = cp.asarray(np.concatenate([c["outp"], c["sizes"].get(), [m for _, m, _ in c["g"]],
-                                                 [back.data.ptr + o for o, _, _ in c["g"]]]).astype(np.uint64))
-                temp = nv.decompress_temp_bytes(n, c["mx"], sum(m for _, m, _ in c["g"]), t)
-                plans.append((n, arr, cp.zeros(n, dtype=np.uint64), cp.full(n, -1, dtype=np.int32),
-                              cp.empty(max(temp, 1), dtype=np.uint8), temp))
-
-        def run_dec() -> None:
-            for n, arr, actual, st, tb, temp in plans:
-                a = arr.data.ptr
-                nv.decompress(a, a + 8 * n, a + 16 * n, actual.data.ptr, n, tb.data.ptr, temp, a + 24 * n, t,
-                              st.data.ptr, s.ptr)
-        return run_dec
-
-    chunks = list(zip(offsets.tolist(), sizes))
-    ours = batched(chunks, engine.budget_bytes)
-    t_ours = _median_time(lambda: run(ours), repeat)
-    single = batched([(o, 65536) for o in range(0, total, 65536)], None)
-    t_single = _median_time(lambda: run(single), repeat)
-    calls = [c for b in ours for c in b["calls"]]
-    comp = sum(int(c["sizes"].get().sum()) for c in calls)
-    ok = all(int(c["st"].get().max()) == 0 for b in ours + single for c in b["calls"])
+    # engine batches: <= 256 segments whose workspace needs fit the budget
+    batches, cur, need = [], [], 0
+    for o, n in zip(offsets.tolist(), sizes):
+        item = ans_format.chunk_count(n) * (cap + 36) + ans_format.keep_capacity(n) + 512
+        if cur and (len(cur) == 256 or need + item > engine.budget_bytes - (1 << 20)):
+            batches.append(cur)
+            cur, need = [], 0
+        cur.append((o, n))
+        need += item
+    batches.append(cur)
+    ours = [build(b, True) for b in batches]
+    t_ours = _median_time(lambda: compress(ours), repeat)
+    single = [build([(0, total)], False)] if total <= 16 << 20 else [build([(o, cb) for o in range(0, total, cb)], False)]
+    t_single = _median_time(lambda: compress(single), repeat)
+    comp = sum(int(b["plen"].get().sum()) for b in ours)
+    ok = all(int(b["st"].get().max()) == 0 for b in ours + single)
     res: dict[str, Any] = {
-        "bytes": total, "segments": len(sizes), "engine_batches": len(ours), "nvcomp_calls": len(calls),
-        "nvcomp_statuses_ok": ok,
-        "engine_batches_compress_plus_crc32c_GBps": _gbps(total, t_ours),
+        "bytes": total, "segments": len(sizes), "engine_batches": len(ours), "nvcomp_statuses_ok": ok,
+        "engine_batches_compress_pack_crc32c_GBps": _gbps(total, t_ours),
         "single_call_64KiB_chunks_compress_GBps": _gbps(total, t_single),
-        "ratio": round(total / comp, 3),
+        "ratio_with_chunk_tables": round(total / comp, 3),
     }
+
+    def decompressor(bs: list[dict], back: cp.ndarray) -> Callable[[], None]:
+        plans = []
+        for b in bs:
+            c = b["c"]
+            outp = back.data.ptr + (b["ptrs"] - src.data.ptr)
+            arr = cp.asarray(np.concatenate([cp.asnumpy(b["arr"][2 * c:]), b["sizes"].get(), b["lens"], outp])
+                             .astype(np.uint64))
+            temp = nv.decompress_temp_bytes(c, cb, int(b["lens"].sum()), t)
+            plans.append((c, arr, cp.zeros(c, dtype=np.uint64), cp.full(c, -1, dtype=np.int32),
+                          cp.empty(max(temp, 1), dtype=np.uint8), temp))
+
+        def run() -> None:
+            for c, arr, actual, st, tb, temp in plans:
+                a = arr.data.ptr
+                nv.decompress(a, a + 8 * c, a + 16 * c, actual.data.ptr, c, tb.data.ptr, temp, a + 24 * c, t,
+                              st.data.ptr, s.ptr)
+        return run
+
     back = cp.zeros(total, dtype=np.uint8)
-    dec_ours = decoder(ours, back)
-    res["engine_batches_decompress_GBps"] = _gbps(total, _median_time(dec_ours, repeat))
-    res["decompress_exact"] = bool(cp.array_equal(back, src.view(cp.uint8)[:total]))
+    res["engine_batches_decompress_GBps"] = _gbps(total, _median_time(decompressor(ours, back), repeat))
+    res["engine_batches_decompress_exact"] = bool(cp.array_equal(back, src.view(cp.uint8)[:total]))
     back[:] = 0
-    dec_single = decoder(single, back)
-    res["single_call_64KiB_chunks_decompress_GBps"] = _gbps(total, _median_time(dec_single, repeat))
+    res["single_call_64KiB_chunks_decompress_GBps"] = _gbps(total, _median_time(decompressor(single, back), repeat))
     res["single_call_decompress_exact"] = bool(cp.array_equal(back, src.view(cp.uint8)[:total]))
     out["ans"] = res
     out["ans_batch_vs_single_call"] = round(t_single / t_ours, 3)

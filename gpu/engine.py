@@ -62,6 +62,7 @@ from orbitkv_fs.segment import (
     worth_keeping,
 )
 
+from . import ans_format
 from . import module as km
 from .tables import sign_words
 
@@ -86,12 +87,6 @@ def ans_type_of(dtype: np.dtype) -> AnsType:
     if dtype == np.dtype(ml_dtypes.float8_e4m3fn):
         return AnsType.FP8
     return AnsType.BYTES
-
-
-def ans_size_class(n: int) -> int:
-    """The power of two >= n. nvCOMP sizes every output buffer of a call for the call's largest chunk,
-    so each call takes chunks of one size class, whose bound sizes their slots (at most 2x waste)."""
-    return 1 << max(n - 1, 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -127,7 +122,9 @@ class _Enc:
     cap: int = 0  # payload capacity of the slot
     slot: int = 0  # offset of the slot (header) in the output region
     meta: int = 0
-    ans_class: int = 0  # ANS: the power of two bounding n; one nvCOMP call per (type, class)
+    nch: int = 0  # ANS: 64 KiB chunks
+    chunk0: int = 0  # ANS: index of the first chunk in the batch's chunk arrays
+    tmp: int = 0  # ANS: workspace offset of the chunks' nvCOMP output buffers
 
 
 @dataclass
@@ -141,6 +138,9 @@ class _Dec:
     scratch: int = 0  # ANS: offset of the decompressed bytes in the workspace
     meta: int = 0
     ans_index: int = 0
+    chunk0: int = 0  # ANS: first chunk in the batch's chunk arrays
+    offsets: Any = None  # ANS: chunk offsets and sizes in the payload (ans_format.parse)
+    sizes: Any = None
 
 
 class WorkspaceTooSmall(CodecError):
@@ -349,24 +349,33 @@ class GpuCodecEngine:
             e.reason = RawReason.UNSUPPORTED
             return e
         e.kind, e.ans_type = "ans", ans_type_of(dtype)
-        e.ans_class = ans_size_class(n)
-        e.cap = self.nvcomp().max_compressed_bytes(e.ans_class, e.ans_type)
+        e.nch = ans_format.chunk_count(n)
+        e.cap = ans_format.keep_capacity(n)  # a larger payload would be stored raw anyway
         return e
 
-    @staticmethod
-    def _enc_layout(plans: Sequence[_Enc], temp: int) -> tuple[dict[str, int], int]:
-        """Offsets of one encode batch in the workspace, and its total size. Assigns slots."""
+    def _chunk_cap(self) -> int:
+        """Bytes of one chunk's nvCOMP output buffer (worst case for 64 KiB)."""
+        return _up(self.nvcomp().max_compressed_bytes(ans_format.CHUNK_BYTES, AnsType.BYTES))
+
+    def _enc_layout(self, plans: Sequence[_Enc], temp: int) -> tuple[dict[str, int], int]:
+        """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks."""
         k = len(plans)
-        n_ans = sum(p.kind == "ans" for p in plans)
+        ans = [p for p in plans if p.kind == "ans"]
+        chunks = sum(p.nch for p in ans)
         n_desc = sum(p.kind in ("fp8", "tq") for p in plans) + sum(p.kind in ("raw", "tq", "ans") for p in plans)
+        n_desc += len(ans)
         lay = _Layout()
-        off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "ans_in": lay.take(3 * 8 * max(n_ans, 1))}
+        off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
         off["meta"] = lay.take(16 * k)
-        off["ans_sizes"] = lay.take(8 * max(n_ans, 1), 8)
-        off["ans_status"] = lay.take(4 * max(n_ans, 1), 4)
+        off["pay_len"] = lay.take(8 * max(len(ans), 1), 8)
         for p in plans:
             p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n)) - off["meta"]
         off["region_end"] = lay.end
+        off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
+        off["chunk_status"] = lay.take(4 * max(chunks, 1))
+        cap = self._chunk_cap() if ans else 0
+        for p in ans:
+            p.tmp = lay.take(p.nch * cap)
         off["temp"] = lay.take(temp)
         return off, lay.end
 
@@ -375,14 +384,16 @@ class GpuCodecEngine:
         if not ans:
             return 0
         nv = self.nvcomp()
-        return max(nv.compress_temp_bytes(len(ans), max(p.ans_class for p in ans), sum(p.n for p in ans), t)
+        return max(nv.compress_temp_bytes(sum(p.nch for p in ans), ans_format.CHUNK_BYTES, sum(p.n for p in ans), t)
                    for t in {p.ans_type for p in ans})
 
     def _enc_estimate(self, k: int, slots: int, ans: Sequence[_Enc]) -> int:
         """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
         na = len(ans)
-        fixed = _up(3 * k * km.SEG_DTYPE.itemsize) + _up(24 * max(na, 1)) + _up(16 * k) + 16 * max(na, 1) + 1024
-        return fixed + slots + self._ans_temp(ans)
+        chunks = sum(p.nch for p in ans)
+        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
+        tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if ans else 0
+        return fixed + slots + tmp + self._ans_temp(ans)
 
     def encode_batch(self, items: Sequence[Any]) -> "list[memoryview | bytes]":
         """Encode ``items`` (EncodeItem or (array, codec, role, layer[, dtype])) into complete segments.
@@ -437,7 +448,11 @@ class GpuCodecEngine:
         w, k = self.save, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
-        ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: (p.ans_type, p.ans_class))
+        ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.ans_type)
+        chunk = 0
+        for p in ans:
+            p.chunk0 = chunk
+            chunk += p.nch
         temp = self._ans_temp(plans)
         off, total = self._enc_layout(plans, temp)
         base = w.ws.reserve(total)
@@ -446,8 +461,8 @@ class GpuCodecEngine:
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
         crc = [p for p in plans if p.kind in ("raw", "tq", "ans")]
-        descs = np.zeros(len(fp8) + len(tq) + len(crc), dtype=km.SEG_DTYPE)
-        up = w.upload.get(off["ans_status"] + 4 * max(len(ans), 1))
+        descs = np.zeros(len(fp8) + len(tq) + len(ans) + len(crc), dtype=km.SEG_DTYPE)
+        up = w.upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
         row = 0
         groups: list[tuple[str, int, int]] = []  # kernel, first row, rows
@@ -476,6 +491,18 @@ class GpuCodecEngine:
             d["nblocks"] = km.units_tq(p.n, p.head_dim)
 
         ans_index = {id(p): j for j, p in enumerate(ans)}
+        chunk_cap = self._chunk_cap() if ans else 0
+
+        def pay_len(p: _Enc) -> int:
+            return base + off["pay_len"] + 8 * ans_index[id(p)]
+
+        def pack_units(p: _Enc, d) -> None:
+            d["src"], d["dst"], d["n"] = base + p.tmp, region + p.slot + HEADER_SIZE, p.n
+            d["n_dev"] = base + off["chunk_sizes"] + 8 * p.chunk0
+            d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
+            d["expect_crc"], d["bits"] = chunk_cap, p.cap
+            d["signs"][0], d["signs"][1] = pay_len(p) & 0xFFFFFFFF, pay_len(p) >> 32
+            d["nblocks"] = p.nch
 
         def crc_units(p: _Enc, d) -> None:
             payload = region + p.slot + HEADER_SIZE
@@ -484,24 +511,25 @@ class GpuCodecEngine:
             elif p.kind == "tq":
                 d["src"], d["n"] = payload, p.cap
             else:
-                d["src"], d["n"] = payload, p.cap
-                d["n_dev"] = region + (off["ans_sizes"] - off["meta"]) + 8 * ans_index[id(p)]
+                d["src"], d["n"], d["n_dev"] = payload, p.cap, pay_len(p)
             d["nblocks"] = km.units_bytes(int(d["n"]))
 
         for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode", tq, tq_units),
-                                   ("okv_crc32c", crc, crc_units)):
+                                   ("okv_ans_pack", ans, pack_units), ("okv_crc32c", crc, crc_units)):
             if plist:
                 first, blocks = fill(plist, units)
                 groups.append((name, first, blocks))
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
         if ans:
-            a = up[off["ans_in"]:off["ans_in"] + 24 * len(ans)].view("<u8").reshape(3, len(ans))
-            a[0] = [p.ptr for p in ans]
-            a[1] = [p.n for p in ans]
-            a[2] = [region + p.slot + HEADER_SIZE for p in ans]
+            a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
+            cb = ans_format.CHUNK_BYTES
+            a[0] = np.concatenate([p.ptr + cb * np.arange(p.nch, dtype=np.uint64) for p in ans])
+            a[1] = np.concatenate([np.minimum(cb, p.n - cb * np.arange(p.nch, dtype=np.int64)) for p in ans])
+            a[2] = np.concatenate([base + p.tmp + chunk_cap * np.arange(p.nch, dtype=np.uint64) for p in ans])
         w.h2d(base, up)
         rows = {name: (first, count) for name, first, count in groups}
-        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode": len(tq), "okv_crc32c": len(crc)}
+        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode": len(tq), "okv_ans_pack": len(ans),
+                  "okv_crc32c": len(crc)}
         segs = base + off["desc"]
         meta_ptr = region
         for name in ("okv_fp8_encode", "okv_tq_encode"):
@@ -511,19 +539,16 @@ class GpuCodecEngine:
                 w.launch(k, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, meta_ptr, table)
         if ans:
             nv = self.nvcomp()
-            start = 0
-            while start < len(ans):
-                t, cls = ans[start].ans_type, ans[start].ans_class
-                end = start
-                while end < len(ans) and (ans[end].ans_type, ans[end].ans_class) == (t, cls):
-                    end += 1
-                group = ans[start:end]
-                nv.compress(base + off["ans_in"] + 8 * start, base + off["ans_in"] + 8 * (len(ans) + start),
-                            max(p.n for p in group), len(group), base + off["temp"] if temp else 0, temp,
-                            base + off["ans_in"] + 8 * (2 * len(ans) + start), base + off["ans_sizes"] + 8 * start,
-                            t, base + off["ans_status"] + 4 * start, w.stream.ptr)
+            col = base + off["chunk_in"]
+            for t in sorted({p.ans_type for p in ans}):
+                group = [p for p in ans if p.ans_type == t]
+                c0, cn = group[0].chunk0, sum(p.nch for p in group)
+                nv.compress(col + 8 * c0, col + 8 * (chunk + c0), ans_format.CHUNK_BYTES, cn,
+                            base + off["temp"] if temp else 0, temp, col + 8 * (2 * chunk + c0),
+                            base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
-                start = end
+            first, blocks = rows["okv_ans_pack"]
+            w.launch(k, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, meta_ptr)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
             w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,
@@ -534,10 +559,8 @@ class GpuCodecEngine:
         w.sync()
         w.stats["batches"] += 1
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
-        a_off = off["ans_sizes"] - off["meta"]
-        s_off = off["ans_status"] - off["meta"]
+        a_off = off["pay_len"] - off["meta"]
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
-        ans_status = host[s_off:s_off + 4 * len(ans)].view("<i4")
         for p in plans:
             m = meta[p.meta]
             status = int(m["status"])
@@ -555,10 +578,9 @@ class GpuCodecEngine:
                 else:
                     fmt, head_dim, sign_version, seed = Format.TURBOQUANT, p.head_dim, 1, self.seed
             elif p.kind == "ans":
-                j = ans_index[id(p)]
-                size = int(ans_sizes[j])
-                if int(ans_status[j]) != 0 or size == 0 or size > p.cap or not worth_keeping(p.n, size):
-                    reason = RawReason.NOT_SMALLER if int(ans_status[j]) == 0 else RawReason.UNSUPPORTED
+                size = int(ans_sizes[ans_index[id(p)]])
+                if status or size == 0 or size > p.cap or not worth_keeping(p.n, size):
+                    reason = RawReason.UNSUPPORTED if status & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
                     w.stats["raw_fallbacks"] += 1
                     out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
                     continue
@@ -585,44 +607,48 @@ class GpuCodecEngine:
         if int(dst.nbytes) != h.original_length:
             return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
         kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
-        return _Dec(i, h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, kind)
+        p = _Dec(i, h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, kind)
+        if kind == "ans":
+            try:
+                p.offsets, p.sizes = ans_format.parse(p.payload, h.original_length)
+            except SegmentError as e:
+                return e
+        return p
 
     def _dec_layout(self, plans: Sequence[_Dec]) -> tuple[dict[str, int], int, int]:
         """Offsets of one decode batch; (offsets, upload length, total workspace bytes)."""
         k = len(plans)
         ans = [p for p in plans if p.kind == "ans"]
+        chunks = sum(int(p.sizes.size) for p in ans)
         lay = _Layout()
-        off = {"desc": lay.take(2 * max(k, 1) * km.SEG_DTYPE.itemsize), "ans_in": lay.take(4 * 8 * max(len(ans), 1))}
+        off = {"desc": lay.take(2 * max(k, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(32 * max(chunks, 1))}
         off["meta"] = lay.take(16 * max(k, 1))
-        off["ans_actual"] = lay.take(8 * max(len(ans), 1), 8)
-        off["ans_status"] = lay.take(4 * max(len(ans), 1), 4)
+        off["chunk_actual"] = lay.take(8 * max(chunks, 1), 8)
+        off["chunk_status"] = lay.take(4 * max(chunks, 1), 4)
         off["down_end"] = lay.end
         for p in plans:
             p.staged = lay.take(p.h.stored_length)
         upload = lay.end
         for p in ans:
             p.scratch = lay.take(p.h.original_length)
-        temp = 0
-        if ans:
-            nv = self.nvcomp()
-            temp = max(nv.decompress_temp_bytes(len(ans), max(p.h.original_length for p in ans),
-                                                sum(p.h.original_length for p in ans), t)
-                       for t in {p.h.ans_type for p in ans})
+        temp = self._dec_temp(ans)
         off["temp"] = lay.take(temp)
         off["temp_bytes"] = temp
         return off, upload, lay.end
 
+    def _dec_temp(self, ans: Sequence[_Dec]) -> int:
+        if not ans:
+            return 0
+        nv = self.nvcomp()
+        return max(nv.decompress_temp_bytes(sum(int(p.sizes.size) for p in ans), ans_format.CHUNK_BYTES,
+                                            sum(p.h.original_length for p in ans), t)
+                   for t in {p.h.ans_type for p in ans})
+
     def _dec_estimate(self, k: int, staged: int, ans: Sequence[_Dec]) -> int:
         """Upper bound of :meth:`_dec_layout` 's total for k segments staging ``staged`` bytes."""
-        na = len(ans)
-        fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(32 * max(na, 1)) + _up(16 * k) + 16 * max(na, 1) + 1024
-        temp = 0
-        if ans:
-            nv = self.nvcomp()
-            temp = max(nv.decompress_temp_bytes(na, max(p.h.original_length for p in ans),
-                                                sum(p.h.original_length for p in ans), t)
-                       for t in {p.h.ans_type for p in ans})
-        return fixed + staged + temp
+        chunks = sum(int(p.sizes.size) for p in ans)
+        fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(44 * max(chunks, 1)) + 4 * 256
+        return fixed + staged + self._dec_temp(ans)
 
     @staticmethod
     def _dec_staged(p: _Dec) -> int:
@@ -687,8 +713,10 @@ class GpuCodecEngine:
         for j, p in enumerate(plans):
             p.meta = j
         ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.h.ans_type)
+        chunks = 0
         for j, p in enumerate(ans):
-            p.ans_index = j
+            p.ans_index, p.chunk0 = j, chunks
+            chunks += int(p.sizes.size)
         off, upload_len, total = self._dec_layout(plans)
         base = w.ws.reserve(total)
         meta_ptr = base + off["meta"]
@@ -729,19 +757,20 @@ class GpuCodecEngine:
                             d["src"] = base + p.staged
                         else:
                             d["src"] = base + p.scratch
-                            d["n_dev"] = base + off["ans_actual"] + 8 * p.ans_index
-                            d["st_dev"] = base + off["ans_status"] + 4 * p.ans_index
+                            d["n_dev"] = base + off["chunk_actual"] + 8 * p.chunk0
+                            d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
+                            d["head_dim"] = ans_format.CHUNK_BYTES
                 block += int(d["nblocks"])
                 row += 1
             firsts[name] = (first, len(plist), block)
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
         if ans:
-            na = len(ans)
-            a = up[off["ans_in"]:off["ans_in"] + 32 * na].view("<u8").reshape(4, na)
-            a[0] = [base + p.staged for p in ans]
-            a[1] = [p.h.stored_length for p in ans]
-            a[2] = [p.h.original_length for p in ans]
-            a[3] = [base + p.scratch for p in ans]
+            cb = ans_format.CHUNK_BYTES
+            a = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
+            a[0] = np.concatenate([base + p.staged + p.offsets.astype(np.uint64) for p in ans])
+            a[1] = np.concatenate([p.sizes for p in ans])
+            a[2] = np.concatenate([np.minimum(cb, p.h.original_length - cb * np.arange(p.sizes.size)) for p in ans])
+            a[3] = np.concatenate([base + p.scratch + cb * np.arange(p.sizes.size, dtype=np.uint64) for p in ans])
         w.h2d(base, up)
         segs = base + off["desc"]
         size = km.SEG_DTYPE.itemsize
@@ -752,19 +781,14 @@ class GpuCodecEngine:
             if count:
                 w.launch(k, name, segs + first * size, count, blocks, meta_ptr, table)
         if ans:
-            nv, na, temp = self.nvcomp(), len(ans), off["temp_bytes"]
-            start = 0
-            while start < na:
-                t = ans[start].h.ans_type
-                end = start
-                while end < na and ans[end].h.ans_type == t:
-                    end += 1
-                col = base + off["ans_in"]
-                nv.decompress(col + 8 * start, col + 8 * (na + start), col + 8 * (2 * na + start),
-                              base + off["ans_actual"] + 8 * start, end - start, base + off["temp"] if temp else 0, temp,
-                              col + 8 * (3 * na + start), t, base + off["ans_status"] + 4 * start, w.stream.ptr)
+            nv, temp, col = self.nvcomp(), off["temp_bytes"], base + off["chunk_in"]
+            for t in sorted({p.h.ans_type for p in ans}):
+                group = [p for p in ans if p.h.ans_type == t]
+                c0, cn = group[0].chunk0, sum(int(p.sizes.size) for p in group)
+                nv.decompress(col + 8 * c0, col + 8 * (chunks + c0), col + 8 * (2 * chunks + c0),
+                              base + off["chunk_actual"] + 8 * c0, cn, base + off["temp"] if temp else 0, temp,
+                              col + 8 * (3 * chunks + c0), t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
-                start = end
         first, count, blocks = firsts["okv_copy_checked"]
         if count:
             w.launch(k, "okv_copy_checked", segs + first * size, count, blocks, meta_ptr)
@@ -773,15 +797,18 @@ class GpuCodecEngine:
         w.sync()
         w.stats["batches"] += 1
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
-        a_off, s_off = off["ans_actual"] - off["meta"], off["ans_status"] - off["meta"]
-        actual = host[a_off:a_off + 8 * len(ans)].view("<u8")
-        status = host[s_off:s_off + 4 * len(ans)].view("<i4")
+        a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
+        actual = host[a_off:a_off + 8 * chunks].view("<u8")
+        status = host[s_off:s_off + 4 * chunks].view("<i4")
         for p in plans:
             if int(meta[p.meta]["crc"]) != p.h.payload_crc:
                 results[p.i] = PayloadChecksumMismatch(f"segment {p.i}: payload CRC32C mismatch")
             elif p.kind == "ans":
-                st, got = int(status[p.ans_index]), int(actual[p.ans_index])
-                if st != 0:
+                sl = slice(p.chunk0, p.chunk0 + int(p.sizes.size))
+                bad = np.flatnonzero(status[sl])
+                got = int(actual[sl].sum())
+                if bad.size:
+                    st = int(status[sl][bad[0]])
                     results[p.i] = SegmentError(f"segment {p.i}: nvCOMP ANS decompression failed "
                                                 f"({self.nvcomp().status_name(st)})")
                 elif got != p.h.original_length:

@@ -21,12 +21,15 @@ import numpy as np
 
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
 
-SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu")
+SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu")
 OPTIONS = ("--std=c++17", "--fmad=false")
-KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode", "okv_tq_decode")
+KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode", "okv_tq_decode",
+                "okv_ans_pack")
 
 ST_RANGE = 1
 ST_NONFINITE = 2
+ST_ANS_FAILED = 4
+ST_ANS_LARGE = 8
 
 SEG_DTYPE = np.dtype(
     {

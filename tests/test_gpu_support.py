@@ -60,3 +60,32 @@ def test_nvcomp_loads_and_reports_version() -> None:
     nv = nvcomp.load()
     assert nv.version[:2] >= (5, 3)
     assert max(nv.compress_alignment) <= 256
+
+
+def test_ans_payload_table_round_trip_and_errors() -> None:
+    from orbitkv_fs.errors import LengthMismatch, UnknownFormat
+    from orbitkv_fs.gpu import ans_format
+
+    chunks = [b"abcdefghij", b"k" * 8, b"xyz"]
+    payload = ans_format.pack(chunks)
+    original = 2 * ans_format.CHUNK_BYTES + 5
+    offsets, sizes = ans_format.parse(payload, original)
+    assert [payload[o:o + s] for o, s in zip(offsets, sizes)] == chunks
+    assert all(o % 8 == 0 for o in offsets) and len(payload) % 8 == 0
+    with pytest.raises(LengthMismatch):
+        ans_format.parse(payload, original + ans_format.CHUNK_BYTES)  # wrong chunk count
+    with pytest.raises(LengthMismatch):
+        ans_format.parse(payload[:-8], original)  # truncated
+    bad = bytearray(payload)
+    bad[0] = 1
+    with pytest.raises(UnknownFormat):
+        ans_format.parse(bytes(bad), original)
+
+
+@pytest.mark.parametrize("n", [4096, 5000, 65536, 1 << 20, 16 << 20])
+def test_ans_keep_capacity_is_the_keep_boundary(n: int) -> None:
+    from orbitkv_fs.gpu import ans_format
+    from orbitkv_fs.segment import worth_keeping
+
+    cap = ans_format.keep_capacity(n)
+    assert worth_keeping(n, cap) and not worth_keeping(n, cap + 1)

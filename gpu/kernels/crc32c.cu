@@ -3,13 +3,13 @@
 // Work unit: 16 KiB of one range. The unit is staged through shared memory with coalesced loads
 // (16-byte loads when the range's start is 16-byte aligned, byte loads otherwise), then thread t
 // folds bytes [64t, 64t+64) with slicing-by-8 tables and okv_crc_unit combines the pieces.
-extern "C" __global__ void __launch_bounds__(OKV_THREADS)
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 8)
 okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
            const u32* __restrict__ tables) {
-  __shared__ u32 sT[8 * 256];
+  __shared__ u32 sN[OKV_NIB_WORDS];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
   __shared__ u32 red[OKV_THREADS / 32];
-  okv_load_tables(sT, tables);
+  const u32* sT = okv_load_tables(sN, tables);
   __syncthreads();
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
@@ -52,14 +52,24 @@ okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict_
 // Copies verified payloads to their destinations: raw segments from the staging area, ANS segments
 // from nvCOMP's output. A segment is copied only when its payload CRC32C matched the header
 // (meta.crc, computed earlier in the stream) and, for ANS, nvCOMP reported success with exactly
-// the expected length (n_dev / st_dev). Otherwise the destination is left untouched.
+// the expected length of every chunk (head_dim = chunk bytes; n_dev / st_dev: the chunks' lengths
+// and statuses). Otherwise the destination is left untouched.
 extern "C" __global__ void __launch_bounds__(OKV_THREADS)
 okv_copy_checked(const Seg* __restrict__ segs, int nsegs, u32 total, const Meta* __restrict__ meta) {
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
     if (meta[s.meta].crc != s.expect_crc) continue;
-    if (s.st_dev && *reinterpret_cast<const int*>(s.st_dev) != 0) continue;
-    if (s.n_dev && *reinterpret_cast<const u64*>(s.n_dev) != s.n) continue;
+    // ANS (head_dim = chunk bytes): every chunk's nvCOMP status is 0 and its length exact
+    int bad = 0;
+    if (s.head_dim) {
+      const u64 chunk = s.head_dim;
+      const u64 nch = (s.n + chunk - 1) / chunk;
+      const int* st = reinterpret_cast<const int*>(s.st_dev);
+      const u64* got = reinterpret_cast<const u64*>(s.n_dev);
+      for (u64 i = threadIdx.x; i < nch; i += OKV_THREADS)
+        if (st[i] != 0 || got[i] != min(chunk, s.n - i * chunk)) bad = 1;
+    }
+    if (__syncthreads_or(bad)) continue;
     u64 start = (u64)(g - s.block0) * OKV_CHUNK;
     u32 m = (u32)min((u64)OKV_CHUNK, s.n - start);
     const u8* src = reinterpret_cast<const u8*>(s.src) + start;

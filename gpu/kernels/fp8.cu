@@ -42,13 +42,13 @@ __device__ __forceinline__ u32 okv_fp8_flags(u32 h, u32 dtype) {
   return (mag >= inf) ? OKV_ST_NONFINITE : (mag > max ? OKV_ST_RANGE : 0u);
 }
 
-extern "C" __global__ void __launch_bounds__(OKV_THREADS)
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
 okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
                const u32* __restrict__ tables) {
-  __shared__ u32 sT[8 * 256];
+  __shared__ u32 sN[OKV_NIB_WORDS];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
   __shared__ u32 red[OKV_THREADS / 32];
-  okv_load_tables(sT, tables);
+  const u32* sT = okv_load_tables(sN, tables);
   __syncthreads();
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];

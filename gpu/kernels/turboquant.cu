@@ -47,7 +47,7 @@ __device__ __forceinline__ void okv_tq_setup(float* sq, const float* tq) {
   for (int i = threadIdx.x; i < TQ_TAB; i += blockDim.x) sq[i] = tq[i];
 }
 
-extern "C" __global__ void __launch_bounds__(OKV_THREADS)
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 4)
 okv_tq_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
               const float* __restrict__ tq) {
   __shared__ float sq[TQ_TAB];
@@ -157,7 +157,7 @@ okv_tq_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restri
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OKV_THREADS)
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 4)
 okv_tq_decode(const Seg* __restrict__ segs, int nsegs, u32 total, const Meta* __restrict__ meta,
               const float* __restrict__ tq) {
   __shared__ float sq[TQ_TAB];

@@ -1,0 +1,81 @@
+"""The ANS payload: nvCOMP ANS bitstreams of 64 KiB chunks behind a chunk table (docs/format-ans.md).
+
+Host-only (numpy), shared by the batched engine, :mod:`orbitkv_fs.gpu.ans` and the tests:
+
+* :func:`chunk_count`, :func:`data_start` -- the layout arithmetic (also in ``kernels/ans.cu``).
+* :func:`pack` -- compressed chunks -> payload bytes (what ``okv_ans_pack`` writes on the GPU).
+* :func:`parse` -- payload -> (offsets, sizes) of the chunks, validated against the header's original
+  length; every inconsistency is a typed :class:`~orbitkv_fs.errors.SegmentError`.
+* :func:`keep_capacity` -- the largest payload the keep-or-raw rule would keep for a source length.
+
+Layout (little-endian): ``u32 chunk_bytes`` (65536), ``u32 nchunks`` (ceil(original / 65536)),
+``u32 sizes[nchunks]``, zeros up to a multiple of 8, then each chunk's bitstream padded with zeros to a
+multiple of 8 bytes. So every chunk starts 8-byte aligned (nvCOMP's input alignment) and the payload
+length is ``data_start + sum(align8(size))``. Why chunks: nvCOMP's ANS parallelises over chunks (and
+at most 64 sub-chunks of each), so one 16 MiB chunk runs at a few GB/s where 64 KiB chunks run at
+hundreds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orbitkv_fs.errors import LengthMismatch, UnknownFormat
+from orbitkv_fs.segment import ALIGNMENT, HEADER_SIZE, MIN_SAVING_DEN, MIN_SAVING_NUM, aligned
+
+CHUNK_BYTES = 65536
+
+
+def _al8(n: "int | np.ndarray") -> "int | np.ndarray":
+    return (n + 7) // 8 * 8
+
+
+def chunk_count(original_length: int) -> int:
+    return -(-original_length // CHUNK_BYTES)
+
+
+def data_start(nchunks: int) -> int:
+    return int(_al8(8 + 4 * nchunks))
+
+
+def keep_capacity(original_length: int) -> int:
+    """Largest stored length that :func:`orbitkv_fs.segment.worth_keeping` accepts (may be < 0)."""
+    raw = aligned(HEADER_SIZE + original_length)
+    limit = raw * (MIN_SAVING_DEN - MIN_SAVING_NUM) // MIN_SAVING_DEN
+    return limit // ALIGNMENT * ALIGNMENT - HEADER_SIZE
+
+
+def pack(chunks: "list[bytes | np.ndarray]") -> bytes:
+    """The payload holding ``chunks`` (each one nvCOMP ANS bitstream of up to 64 KiB of source)."""
+    sizes = [len(c) if isinstance(c, (bytes, bytearray, memoryview)) else c.nbytes for c in chunks]
+    head = np.zeros(data_start(len(chunks)), dtype=np.uint8)
+    head[:8] = np.frombuffer(np.array([CHUNK_BYTES, len(chunks)], dtype="<u4").tobytes(), np.uint8)
+    head[8:8 + 4 * len(chunks)] = np.frombuffer(np.array(sizes, dtype="<u4").tobytes(), np.uint8)
+    parts = [head.tobytes()]
+    for c, n in zip(chunks, sizes):
+        parts.append(bytes(c))
+        parts.append(bytes(int(_al8(n)) - n))
+    return b"".join(parts)
+
+
+def parse(payload: "bytes | memoryview", original_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, sizes) of the chunks of ``payload``; raises UnknownFormat / LengthMismatch."""
+    mv = memoryview(payload).cast("B")
+    if len(mv) < 8:
+        raise LengthMismatch(f"ans payload of {len(mv)} bytes has no chunk table")
+    chunk, n = np.frombuffer(mv[:8], dtype="<u4")
+    if int(chunk) != CHUNK_BYTES:
+        raise UnknownFormat(f"ans chunk size {int(chunk)} (this build reads {CHUNK_BYTES})")
+    if int(n) != chunk_count(original_length) or n == 0:
+        raise LengthMismatch(f"ans payload has {int(n)} chunks; {original_length} bytes need {chunk_count(original_length)}")
+    start = data_start(int(n))
+    if len(mv) < start:
+        raise LengthMismatch("ans chunk table is truncated")
+    sizes = np.frombuffer(mv[8:8 + 4 * int(n)], dtype="<u4").astype(np.int64)
+    if np.any(sizes == 0):
+        raise LengthMismatch("ans chunk of zero bytes")
+    padded = _al8(sizes)
+    offsets = start + np.concatenate([[0], np.cumsum(padded)[:-1]])
+    if start + int(padded.sum()) != len(mv):
+        raise LengthMismatch(f"ans chunks end at {start + int(padded.sum())}, payload has {len(mv)} bytes")
+    return offsets, sizes
