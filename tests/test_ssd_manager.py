@@ -84,3 +84,43 @@ def test_cli_flags(ssd_paths):
     t = build_lower_tier(args)
     assert t.config.recover
     t.close()
+
+
+def test_manager_keeps_serving_through_ssd_write_errors_and_a_slow_lane(ssd_paths):
+    import errno
+
+    from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
+    from orbitkv_fs.tiers.ssd.uring import UringBackend
+
+    faults = Faults(write_errno=errno.EIO, write_errors=10, write_delay=0.05)
+    lower = SsdTier(SsdConfig(paths=ssd_paths, capacity=64 << 20), backend=FaultyBackend(UringBackend(), faults))
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        chunks = chunks_for(8)
+        keys = [c.key for c in chunks]
+        with Manager(ManagerConfig(pool_size=512 << 10), lower_tier=lower) as m:
+            e = m.register_engine(reg)
+            m.save(e.engine_id, chunks)
+            m.flush_dram()
+            st = m.stats()
+            assert st.lower["ssd_write_errors_total"] == 10 and st.lower["ssd_io_errors_eio_total"] == 10
+            assert st.lower["ssd_objects"] == 8 * 6 * 2 - 10
+            # Chunks whose segments all reached the SSD restore exactly; the others are plain misses.
+            zero(pages)
+            complete = [i for i in range(8) if m.lookup(e.engine_id, keys[i:i + 1], lease=False).count == 1]
+            assert 0 < len(complete) < 8
+            for i in complete:
+                lk = m.lookup(e.engine_id, keys[i:i + 1])
+                assert m.restore(e.engine_id, chunks[i:i + 1], lease_id=lk.lease_id).restored == [True]
+                for name in pages.tensors:
+                    b = chunks[i].blocks
+                    assert np.array_equal(pages.array(name)[b].view(np.uint16), orig[name][b].view(np.uint16))
+            # The Manager goes on saving and serving: the failed chunks are saved again and come back.
+            failed = [chunks[i] for i in range(8) if i not in complete]
+            m.save(e.engine_id, failed)
+            lk = m.lookup(e.engine_id, [c.key for c in failed])
+            assert lk.count == len(failed)
+            m.release(lk.lease_id)
+    finally:
+        pages.close()
