@@ -233,6 +233,8 @@ class RequestRecord:
     dram_tokens: int = 0
     lower_tokens: int = 0
     computed_tokens: int = 0
+    #: Chunks written into pages by a Manager restore (the last one may be used short of one token).
+    manager_chunks: int = 0
     restore_misses: int = 0
     lookup_s: float = 0.0
     restore_s: float = 0.0
@@ -381,6 +383,7 @@ class Engine:
                 elif look.lease_id:
                     self.client.release(look.lease_id)
             hit_chunks = hbm + restored
+            rec.manager_chunks = restored
             hit_blocks += own[:restored * cb]
             hit = min(hit_chunks * r.chunk_tokens, len(req.tokens) - 1)
             rec.hbm_tokens = min(hbm * r.chunk_tokens, hit)
@@ -613,19 +616,46 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else 0.0
 
 
-def _codec_warmup(codec: str, recipe: Recipe) -> None:
-    """JIT-compile the host codec kernels (numba) before timing anything."""
-    if codec in ("none", "ans"):
-        return
-    import ml_dtypes
+#: ManagerStats fields that are gauges (taken at the end); everything else numeric is a counter (a delta).
+_GAUGES = frozenset({"engines", "pool_capacity_bytes", "pool_used_bytes", "resident_objects", "resident_bytes",
+                     "resident_logical_bytes", "reserved_bytes", "leases_active", "leased_bytes", "workspace_bytes",
+                     "inflight_requests"})
 
-    from orbitkv_fs.codecs import decode_segment, encode_segment
 
-    m = recipe.model
-    x = (np.random.default_rng(0).standard_normal((recipe.block_size, m.kv_heads, m.head_dim)) * 0.5)
-    x = x.astype(ml_dtypes.bfloat16)
-    for role in ("key", "value"):
-        decode_segment(encode_segment(x, codec, role=role, layer=3))
+def _delta(end: Any, base: Any, key: str = "") -> Any:
+    """Counters of ``end`` minus those of ``base`` (nested dicts); gauges and non-numbers as in ``end``."""
+    if key in _GAUGES:
+        return end
+    if isinstance(end, dict):
+        base = base if isinstance(base, dict) else {}
+        return {k: _delta(v, base.get(k), k) for k, v in end.items()}
+    if isinstance(end, (int, float)) and not isinstance(end, bool) and isinstance(base, (int, float)):
+        return end - base
+    return end
+
+
+def _warm_manager(client: Any, engine_id: str, pages: "_Pages", recipe: Recipe) -> dict[str, Any]:
+    """One save + restore of a throwaway chunk of random KV, then its invalidation: compiles the codec
+    kernels (numba on the host, CuPy on a GPU) and warms the tiers before anything is timed. Answers the
+    Manager's stats afterwards, the base the run's counters are measured from."""
+    import msgspec
+
+    from orbitkv_fs.keys import chunk_key
+    from orbitkv_fs.manager import ChunkBlocks
+
+    torch = _torch()
+    blocks = list(range(recipe.chunk_blocks))
+    gen = torch.Generator(device=pages.tensors[0].device).manual_seed(recipe.seed)
+    for t in pages.tensors:
+        t[:len(blocks)] = (torch.randn(t[:len(blocks)].shape, generator=gen, device=t.device) * 0.5).to(t.dtype)
+    if pages.tensors[0].is_cuda:
+        torch.cuda.synchronize()
+    key = chunk_key(b"orbitkv-cohort-warmup")
+    client.save(engine_id, [ChunkBlocks(key, blocks)])
+    look = client.lookup(engine_id, [key])
+    client.restore(engine_id, [ChunkBlocks(key, blocks)], lease_id=look.lease_id)
+    client.invalidate(chunks=[key], engine_id=engine_id)
+    return msgspec.to_builtins(client.stats())
 
 
 def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, codec: str | None,
@@ -644,7 +674,6 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, cod
     engine_id = f"cohort-{codec or 'control'}-{variant}"
     try:
         if not control:
-            _codec_warmup(codec, recipe)
             spec = ManagerSpec(codec=codec, dram_bytes=recipe.dram_only_bytes if variant == "dram" else recipe.dram_bytes,
                                ssd_bytes=0 if variant == "dram" else recipe.ssd_bytes, ssd_dir=ssd_dir,
                                device="cpu" if device == "cpu" else "auto")
@@ -658,13 +687,14 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, cod
                 client = connect(mgr)
             info = client.register(pages.registration(rcp, codec, engine_id))
             engine_id = info.engine_id
+            base = _warm_manager(client, engine_id, pages, rcp)
         engine = Engine(model, rcp, pages.tensors, client=client, engine_id=engine_id,
                         salt=f"random-{recipe.model.name}-seed{recipe.seed}".encode())
         records, wall = run_requests(engine, cohort, rcp.concurrency)
         stats = None
         if client is not None:
             client.unregister(engine_id)
-            stats = msgspec.to_builtins(client.stats())
+            stats = _delta(msgspec.to_builtins(client.stats()), base)
         pins = engine.hbm_pins()
     finally:
         if proc is not None:
@@ -999,7 +1029,8 @@ def _markdown(result: dict[str, Any]) -> str:
              "```", result["command"], "```", "",
              f"{rc['requests']} requests at concurrency {rc['concurrency']}; {rc['input_tokens']} input tokens, "
              f"{rc['output_tokens']} output; {rc['warm_requests']} reuse {rc['prefixes']} prefixes; model "
-             f"{rc['model']['name']} (random weights, BF16, {rc['kv_bytes_per_token'] / 1024:.1f} KiB KV per token); "
+             f"{rc['model']['name']} (random weights; BF16 on a GPU, float32 on the CPU; BF16 KV pages, "
+             f"{rc['kv_bytes_per_token'] / 1024:.1f} KiB per token); "
              f"HBM prefix cache {rc['hbm_tokens']} tokens; DRAM {rc['dram_bytes'] / 2**20:.0f} MiB + SSD "
              f"{rc['ssd_bytes'] / 2**20:.0f} MiB (variant ssd) or DRAM {rc['dram_only_bytes'] / 2**20:.0f} MiB "
              f"(variant dram). Manager {result['manager_mode']}.", "",
@@ -1149,8 +1180,6 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["cohort"]:
-        argv = argv[1:]
     if argv[:1] == ["_manager"]:
         return _serve_manager(argv[1], argv[2])
     ap = build_parser()

@@ -1,0 +1,125 @@
+"""``orbitkv-bench cohort``: a small real run (tiny random Qwen3 on the CPU, real Manager, real SSD log, real
+shared-memory pages) checked for the report's structure and the benchmark's invariants.
+
+The invariants: every prompt token is accounted to exactly one of HBM, DRAM, SSD or computed; only reuse
+requests (not the first request of a prefix, not a cold one) hit; with DRAM large enough for everything,
+every reuse request hits; the Manager restored exactly the bytes of the chunks the engine says it got;
+reservations, leases, workspace and in-flight requests are back to zero; ``ans`` is skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from orbitkv_fs.tools import bench_cohort  # noqa: E402
+
+SMALL = ["--quick", "--requests", "8", "--warm-requests", "6", "--prefixes", "2", "--output-tokens", "4",
+         "--no-smollm2"]
+
+
+def _load(out) -> dict:
+    with open(os.path.join(out, "cohort.json")) as f:
+        return json.load(f)
+
+
+def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
+    reuse = recipe["warm_requests"] - recipe["prefixes"]
+    ct = recipe["chunk_tokens"]
+    assert run["requests"] == recipe["requests"] == len(run["records"])
+    assert run["reservations_zero"] is True
+    assert run["hbm_pins_end"] == 0
+    assert run["prompt_tokens"] == sum(r["input_tokens"] for r in run["records"])
+    assert sum(run["tier_tokens"].values()) == run["prompt_tokens"]
+    assert math.isclose(sum(run["hit_rate"].values()), 1.0)
+    assert 0 < run["ttft_p50_ms"] <= run["ttft_p95_ms"]
+    assert run["requests_per_s"] > 0
+    for r in run["records"]:
+        assert r["hbm_tokens"] + r["dram_tokens"] + r["lower_tokens"] + r["computed_tokens"] == r["input_tokens"]
+        assert r["computed_tokens"] >= 1  # the last prompt token is always computed
+        assert len(r["tokens"]) == recipe["output_tokens"] == len(r["token_logprobs"])
+        assert r["ttft_s"] >= r["lookup_s"] + r["restore_s"] + r["prefill_s"]
+        if control or r["prefix"] is None or r["first"]:
+            assert r["hbm_tokens"] == r["dram_tokens"] == r["lower_tokens"] == 0, r
+    hit = sum(1 for r in run["records"] if r["computed_tokens"] < r["input_tokens"])
+    assert hit <= reuse
+    assert run["requests_hit"]["none"] == recipe["requests"] - hit
+    if control:
+        assert "manager" not in run
+        return
+    m = run["manager"]
+    assert m["reserved_bytes_end"] == m["leases_active_end"] == m["workspace_bytes_end"] == 0
+    assert m["inflight_requests_end"] == 0
+    assert m["decode_failures"] == 0
+    restored_chunks = sum(r["manager_chunks"] for r in run["records"])
+    assert restored_chunks == sum(math.ceil((r["dram_tokens"] + r["lower_tokens"]) / ct) for r in run["records"])
+    assert m["restore_logical_bytes"] == restored_chunks * ct * recipe["kv_bytes_per_token"]
+    if run["variant"] == "dram":
+        assert hit == reuse  # DRAM holds the whole cohort: every reuse request hits somewhere
+        assert m["ssd_read_bytes"] == 0 and run["tier_tokens"]["lower"] == 0
+    if run["tier_tokens"]["lower"]:
+        assert m["ssd_read_bytes"] > 0 and m["segment_hits"]["lower"] > 0
+    if run["codec"] == "none":
+        assert m["compression_ratio"] < 1.0  # headers only, nothing encoded
+        assert m["encode_s"] == 0 and m["codec_batches"] == 0
+    else:
+        assert m["compression_ratio"] > 1.5
+        assert m["codec_batches"] > 0 and m["segments_per_batch"] > 0
+    vs = run["vs_control"]
+    assert 0.0 <= vs["token_agreement"] <= 1.0
+    assert vs["manager_served_requests"] == sum(1 for r in run["records"] if r["dram_tokens"] + r["lower_tokens"])
+
+
+def test_quick_cohort_report_and_invariants(tmp_path):
+    out = tmp_path / "res"
+    argv = SMALL + ["--codecs", "none,ans,turboquant-4", "--variants", "ssd,dram", "--out", str(out)]
+    assert bench_cohort.main(argv) == 0
+    res = _load(out)
+    for name in ("cohort.md", "ttft_throughput.png", "ssd_bytes_read.png"):
+        assert (out / name).stat().st_size > 0
+    assert res["command"].startswith("orbitkv-bench cohort --quick")
+    assert res["device"] == "cpu" and res["manager_mode"] == "embedded"
+    assert "ans" in res["skipped"] and "GPU" in res["skipped"]["ans"]
+    assert {"torch", "transformers", "python"} <= set(res["versions"])
+    labels = [(r["variant"], r["codec"]) for r in res["runs"]]
+    assert labels == [("control", "recompute"), ("ssd", "none"), ("ssd", "turboquant-4"), ("dram", "none"),
+                      ("dram", "turboquant-4")]
+    recipe = res["recipe"]
+    for run in res["runs"]:
+        _check_run(run, recipe, control=run["codec"] == "recompute")
+    ssd_none = res["runs"][1]
+    # DRAM is smaller than the cohort's KV in the ssd variant: reuse goes through the SSD log
+    assert ssd_none["tier_tokens"]["lower"] > 0
+    verdicts = {(v["variant"], v["codec"]): v for v in res["verdicts"]}
+    assert set(verdicts) == set(labels[1:])
+    tq = verdicts[("ssd", "turboquant-4")]
+    assert {"beats_recompute_ttft", "beats_recompute_throughput", "beats_none_ttft", "beats_none_throughput"} <= set(tq)
+    assert any(n.startswith("lossy:") for n in tq["why"])
+    md = (out / "cohort.md").read_text()
+    assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md
+
+
+def test_cohort_with_manager_process(tmp_path):
+    """The remote path the GPU run takes: the Manager in its own process, over the data plane."""
+    out = tmp_path / "res"
+    argv = SMALL + ["--codecs", "fp8", "--variants", "ssd", "--manager", "process", "--no-plots", "--out", str(out)]
+    assert bench_cohort.main(argv) == 0
+    res = _load(out)
+    assert res["manager_mode"] == "process"
+    for run in res["runs"]:
+        _check_run(run, res["recipe"], control=run["codec"] == "recompute")
+    assert res["runs"][1]["manager"]["ssd_write_bytes"] > 0
+
+
+def test_bad_recipe_is_refused():
+    with pytest.raises(SystemExit):
+        bench_cohort.main(["--quick", "--warm-requests", "99"])
+    with pytest.raises(ValueError):
+        bench_cohort.Recipe(chunk_tokens=100, block_size=16)
