@@ -104,6 +104,13 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     assert any(n.startswith("lossy:") for n in tq["why"])
     md = (out / "cohort.md").read_text()
     assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md
+    # separate invocations (one per codec on a time-limited device) merge into one report
+    merged = tmp_path / "merged"
+    js = str(out / "cohort.json")
+    assert bench_cohort.main(["--merge", js, js, "--out", str(merged), "--no-plots"]) == 0
+    m = _load(merged)
+    assert len(m["runs"]) == 1 + 2 * (len(labels) - 1) and len(m["verdicts"]) == 2 * (len(labels) - 1)
+    assert m["merged_commands"] == [res["command"]] * 2
 
 
 def test_cohort_with_manager_process(tmp_path):

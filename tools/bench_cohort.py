@@ -542,6 +542,7 @@ class ManagerSpec:
     ssd_bytes: int  # 0: no lower tier
     ssd_dir: str
     device: str  # auto | cpu
+    shm_dir: str = "/dev/shm"
 
 
 def _make_manager(spec: ManagerSpec) -> Any:
@@ -554,8 +555,8 @@ def _make_manager(spec: ManagerSpec) -> Any:
         path = os.path.join(spec.ssd_dir, f"orbitkv-cohort-{os.getpid()}-{time.monotonic_ns()}.log")
         lower = SsdTier(SsdConfig(paths=(path,), capacity=spec.ssd_bytes))
         lower._cohort_path = path  # removed by _close_manager
-    return Manager(ManagerConfig(pool_size=spec.dram_bytes, storage_codec=spec.codec, device=spec.device),
-                   lower_tier=lower)
+    return Manager(ManagerConfig(pool_size=spec.dram_bytes, storage_codec=spec.codec, device=spec.device,
+                                 shm_dir=spec.shm_dir), lower_tier=lower)
 
 
 def _close_manager(manager: Any) -> None:
@@ -659,7 +660,7 @@ def _warm_manager(client: Any, engine_id: str, pages: "_Pages", recipe: Recipe) 
 
 
 def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, codec: str | None,
-               variant: str, device: str, manager_mode: str, ssd_dir: str) -> dict[str, Any]:
+               variant: str, device: str, manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """One run: ``codec`` None is the no-cache recompute control (the engine's HBM prefix cache is off too,
     so every prompt is computed in full); otherwise a fresh Manager with that codec (``variant`` "ssd":
     ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD)."""
@@ -676,7 +677,7 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, cod
         if not control:
             spec = ManagerSpec(codec=codec, dram_bytes=recipe.dram_only_bytes if variant == "dram" else recipe.dram_bytes,
                                ssd_bytes=0 if variant == "dram" else recipe.ssd_bytes, ssd_dir=ssd_dir,
-                               device="cpu" if device == "cpu" else "auto")
+                               device="cpu" if device == "cpu" else "auto", shm_dir=shm_dir)
             if manager_mode == "process":
                 proc = _ManagerProcess(spec)
                 client = proc.client
@@ -896,7 +897,8 @@ def _versions() -> dict[str, str]:
 
 
 def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
-              manager_mode: str, ssd_dir: str, smollm2: bool = True, log=print) -> dict[str, Any]:
+              manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm", smollm2: bool = True,
+              log=print) -> dict[str, Any]:
     """The control, then every (variant, codec) run on the same cohort; differences and verdicts."""
     torch = _torch()
     cohort = build_cohort(recipe)
@@ -909,7 +911,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     log(f"cohort: {recipe.requests} requests ({recipe.warm_requests} reuse {recipe.prefixes} prefixes), "
         f"{recipe.input_tokens} input tokens, model {recipe.model.name} on {device}")
     control = run_cohort(model, recipe, cohort, codec=None, variant="control", device=device,
-                         manager_mode=manager_mode, ssd_dir=ssd_dir)
+                         manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
     log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
     runs = [control]
     skipped: dict[str, str] = {}
@@ -921,7 +923,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
                     skipped["ans"] = why
                     continue
             run = run_cohort(model, recipe, cohort, codec=codec, variant=variant, device=device,
-                             manager_mode=manager_mode, ssd_dir=ssd_dir)
+                             manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
             _compare(run, control)
             runs.append(run)
             log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
@@ -997,6 +999,23 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several invocations of the same recipe on the same device (e.g. one codec per
+    invocation where a command's time is limited). The first invocation's control is kept; every run keeps
+    the output differences it measured against its own invocation's control (same cohort, same seed)."""
+    first = results[0]
+    for r in results[1:]:
+        if r["recipe"] != first["recipe"] or r["device"] != first["device"]:
+            raise ValueError("merged results must share the recipe and the device")
+    out = dict(first)
+    out["runs"] = [first["runs"][0]] + [run for r in results for run in r["runs"] if run["codec"] != "recompute"]
+    out["skipped"] = {k: v for r in results for k, v in r["skipped"].items()}
+    out["merged_commands"] = [r["command"] for r in results]
+    out["elapsed_s"] = sum(r.get("elapsed_s", 0.0) for r in results)
+    out["verdicts"] = verdicts(out["runs"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -1026,7 +1045,7 @@ def _table(result: dict[str, Any]) -> str:
 def _markdown(result: dict[str, Any]) -> str:
     rc = result["recipe"]
     lines = [f"# Cohort benchmark ({result['device']})", "",
-             "```", result["command"], "```", "",
+             "```", *result.get("merged_commands", []), result["command"], "```", "",
              f"{rc['requests']} requests at concurrency {rc['concurrency']}; {rc['input_tokens']} input tokens, "
              f"{rc['output_tokens']} output; {rc['warm_requests']} reuse {rc['prefixes']} prefixes; model "
              f"{rc['model']['name']} (random weights; BF16 on a GPU, float32 on the CPU; BF16 KV pages, "
@@ -1157,6 +1176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manager", choices=("auto", "embedded", "process"), default="auto",
                    help="Manager in this process or its own (auto: own process on a GPU, for CUDA IPC)")
     p.add_argument("--ssd-dir", default=None, help="directory of the SSD log file (default: a temp dir)")
+    p.add_argument("--shm-dir", default="/dev/shm", help="directory of the Manager's DRAM arena file (a tmpfs)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="merge cohort.json files of separate invocations (same recipe) into one report under --out")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --quick)")
     p.add_argument("--no-smollm2", action="store_true", help="skip compression ratios on real SmolLM2 KV")
     p.add_argument("--no-plots", action="store_true")
@@ -1184,6 +1206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_manager(argv[1], argv[2])
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        try:
+            result = merge([json.load(open(p)) for p in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"cannot merge: {e}")
+        result["command"] = "orbitkv-bench cohort " + " ".join(argv)
+        print("wrote " + ", ".join(write_report(result, args.out, plots=not args.no_plots)))
+        return 0
     try:
         recipe = recipe_from_args(args)
     except ValueError as e:
@@ -1217,7 +1249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
-                           ssd_dir=ssd_dir, smollm2=not args.no_smollm2, log=log)
+                           ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2, log=log)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
