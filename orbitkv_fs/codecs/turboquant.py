@@ -16,10 +16,15 @@ V (role value), per vector: lo = fp16(min), sc = fp16((max - min) / (2**bits - 1
   idx = clip(rint((w - lo) / sc), 0, 2**bits - 1) (0 where sc == 0); decode lo + idx * sc.
 Record per vector: FP16 g (K) or FP16 lo, sc (V), then D*bits/8 bytes of codes packed LSB first.
 Signs: bit 63 of splitmix64(((seed << 32) | (layer << 16) | j) ^ 0x4F524249544B5631); set means -1.
+
+The per-vector work runs in numba kernels (one vector at a time, plain float32 operations, no fast-math,
+so LLVM never contracts them into FMAs); the FP16 side values are rounded with numpy. The tests hold the
+kernels to a scalar implementation of docs/format.md and to pinned SHA-256 test vectors.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from ..segment import TURBOQUANT_BITS, TURBOQUANT_HEAD_DIMS, RawReason, Role, SegmentHeader, turboquant_record_bytes
@@ -67,36 +72,133 @@ def rotation_signs(head_dim: int, layer: int, seed: int = 0) -> np.ndarray:
     return np.where(neg, np.float32(-1), np.float32(1))
 
 
-def tree_sum(a: np.ndarray) -> np.ndarray:
-    """Sum over the last axis by halving (the order the GPU reproduces)."""
-    while a.shape[-1] > 1:
-        h = a.shape[-1] // 2
-        a = a[..., :h] + a[..., h:]
-    return a[..., 0]
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _tree_sum(s: np.ndarray) -> np.float32:
+    """Sum of float32 ``s`` by halving (the order the GPU reproduces); overwrites ``s``."""
+    n = s.size
+    while n > 1:
+        h = n // 2
+        for i in range(h):
+            s[i] = s[i] + s[i + h]
+        n = h
+    return s[0]
 
 
-def fwht(a: np.ndarray) -> np.ndarray:
-    """Unnormalised Walsh-Hadamard transform over the last axis, stages h = 1, 2, ..., D/2."""
-    n, d = a.shape
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _fwht(a: np.ndarray) -> None:
+    """In place, unnormalised Walsh-Hadamard butterfly, stages h = 1, 2, ..., D/2."""
+    d = a.size
     h = 1
     while h < d:
-        v = a.reshape(n, d // (2 * h), 2, h)
-        a = np.stack([v[:, :, 0, :] + v[:, :, 1, :], v[:, :, 0, :] - v[:, :, 1, :]], axis=2).reshape(n, d)
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                x = a[j]
+                y = a[j + h]
+                a[j] = x + y
+                a[j + h] = x - y
         h *= 2
-    return a
 
 
-def pack_codes(idx: np.ndarray, bits: int) -> np.ndarray:
-    """uint8[n, D*bits/8]: code j of each row in bits [j*bits, (j+1)*bits), LSB first."""
-    n, d = idx.shape
-    bitplanes = ((idx[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1).astype(np.uint8)
-    return np.packbits(bitplanes.reshape(n, d * bits), axis=1, bitorder="little")
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _pack(idx: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """Codes LSB first: code j in bits [j*bits, (j+1)*bits) of ``out``. D is a multiple of 8, so
+    every 8 codes fill exactly ``bits`` bytes."""
+    for g in range(idx.size // 8):
+        acc = np.uint32(0)
+        for i in range(8):
+            acc |= np.uint32(idx[8 * g + i]) << np.uint32(bits * i)
+        for b in range(bits):
+            out[bits * g + b] = np.uint8((acc >> np.uint32(8 * b)) & np.uint32(0xFF))
 
 
-def unpack_codes(packed: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
-    n = packed.shape[0]
-    planes = np.unpackbits(packed, axis=1, bitorder="little").reshape(n, head_dim, bits)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=2, dtype=np.uint8)
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _unpack(packed: np.ndarray, bits: int, idx: np.ndarray) -> None:
+    mask = np.uint32((1 << bits) - 1)
+    for g in range(idx.size // 8):
+        acc = np.uint32(0)
+        for b in range(bits):
+            acc |= np.uint32(packed[bits * g + b]) << np.uint32(8 * b)
+        for i in range(8):
+            idx[8 * g + i] = np.uint8((acc >> np.uint32(bits * i)) & mask)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _encode_key_kernel(w, signs, bounds, cents, bits, g_out, codes_out):
+    n, d = w.shape
+    fd = np.float32(d)
+    zero = np.float32(0)
+    s = np.empty(d, dtype=np.float32)
+    z = np.empty(d, dtype=np.float32)
+    q = np.empty(d, dtype=np.float32)
+    c = np.empty(d, dtype=np.float32)
+    idx = np.empty(d, dtype=np.uint8)
+    for r in range(n):
+        for j in range(d):
+            s[j] = w[r, j] * w[r, j]
+        norm = np.sqrt(_tree_sum(s))
+        for j in range(d):
+            z[j] = w[r, j] * signs[j]
+        _fwht(z)
+        if norm > zero:
+            for j in range(d):
+                q[j] = z[j] / norm
+        else:
+            q[:] = zero
+        idx[:] = 0
+        for b in range(bounds.size):  # bounds outer, vector inner: SIMD-friendly count of q > B[b]
+            bound = bounds[b]
+            for j in range(d):
+                idx[j] += np.uint8(q[j] > bound)
+        for j in range(d):
+            c[j] = cents[idx[j]]
+        for j in range(d):
+            s[j] = c[j] * c[j]
+        den = np.sqrt(_tree_sum(s) * fd)
+        for j in range(d):
+            s[j] = q[j] * c[j]
+        g_out[r] = (norm * _tree_sum(s)) / den
+        _pack(idx, bits, codes_out[r])
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _decode_key_kernel(g, codes, signs, cents, bits, out):
+    n, d = out.shape
+    fd = np.float32(d)
+    s = np.empty(d, dtype=np.float32)
+    c = np.empty(d, dtype=np.float32)
+    idx = np.empty(d, dtype=np.uint8)
+    for r in range(n):
+        _unpack(codes[r], bits, idx)
+        for j in range(d):
+            c[j] = cents[idx[j]]
+            s[j] = c[j] * c[j]
+        scale = g[r] / np.sqrt(_tree_sum(s) * fd)
+        _fwht(c)
+        for j in range(d):
+            out[r, j] = (c[j] * scale) * signs[j]
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _encode_value_kernel(w, lo, sc, bits, codes_out):
+    n, d = w.shape
+    levels = np.float32((1 << bits) - 1)
+    zero = np.float32(0)
+    idx = np.empty(d, dtype=np.uint8)
+    for r in range(n):
+        for j in range(d):
+            t = np.rint((w[r, j] - lo[r]) / sc[r]) if sc[r] > zero else zero
+            idx[j] = np.uint8(min(max(t, zero), levels))
+        _pack(idx, bits, codes_out[r])
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _decode_value_kernel(lo, sc, codes, bits, out):
+    n, d = out.shape
+    idx = np.empty(d, dtype=np.uint8)
+    for r in range(n):
+        _unpack(codes[r], bits, idx)
+        for j in range(d):
+            out[r, j] = lo[r] + np.float32(idx[j]) * sc[r]
 
 
 def _fp16_or_none(v: np.ndarray) -> np.ndarray | None:
@@ -108,48 +210,46 @@ def _fp16_or_none(v: np.ndarray) -> np.ndarray | None:
 def encode_key(w: np.ndarray, bits: int, layer: int, seed: int = 0) -> np.ndarray | RawReason:
     """Records (uint8[n, rec]) of float32 key vectors ``w[n, D]``."""
     n, d = w.shape
-    norm = np.sqrt(tree_sum(w * w))
-    z = fwht(w * rotation_signs(d, layer, seed))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(norm[:, None] > 0, z / norm[:, None], np.float32(0))
-    idx = (q[:, :, None] > lloyd_max_boundaries(bits)).sum(axis=2, dtype=np.uint8)
-    c = lloyd_max_centroids(bits)[idx]
-    den = np.sqrt(tree_sum(c * c) * np.float32(d))
-    g = (norm * tree_sum(q * c)) / den
+    g = np.empty(n, dtype=np.float32)
+    rec = np.empty((n, 2 + d * bits // 8), dtype=np.uint8)
+    _encode_key_kernel(w, rotation_signs(d, layer, seed), lloyd_max_boundaries(bits), lloyd_max_centroids(bits),
+                       bits, g, rec[:, 2:])
     g16 = _fp16_or_none(g)
     if g16 is None:
         return RawReason.OUT_OF_RANGE
-    return np.concatenate([g16.reshape(n, 1).view(np.uint8), pack_codes(idx, bits)], axis=1)
+    rec[:, :2] = g16.reshape(n, 1).view(np.uint8)
+    return rec
 
 
 def decode_key(rec: np.ndarray, bits: int, head_dim: int, layer: int, seed: int = 0) -> np.ndarray:
     """float32[n, D] reconstruction of key records."""
-    g = rec[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-    idx = unpack_codes(rec[:, 2:], bits, head_dim)
-    c = lloyd_max_centroids(bits)[idx]
-    scale = g / np.sqrt(tree_sum(c * c) * np.float32(head_dim))
-    return (fwht(c) * scale[:, None]) * rotation_signs(head_dim, layer, seed)
+    g = np.ascontiguousarray(rec[:, :2]).view(np.float16).astype(np.float32)[:, 0]
+    out = np.empty((rec.shape[0], head_dim), dtype=np.float32)
+    _decode_key_kernel(g, rec[:, 2:], rotation_signs(head_dim, layer, seed), lloyd_max_centroids(bits), bits, out)
+    return out
 
 
 def encode_value(w: np.ndarray, bits: int) -> np.ndarray | RawReason:
+    """Records (uint8[n, rec]) of float32 value vectors ``w[n, D]``."""
+    n, d = w.shape
     levels = np.float32((1 << bits) - 1)
     lo = w.min(axis=1)
     lo16 = _fp16_or_none(lo)
     sc16 = _fp16_or_none((w.max(axis=1) - lo) / levels)
     if lo16 is None or sc16 is None:
         return RawReason.OUT_OF_RANGE
-    lo32, sc32 = lo16.astype(np.float32)[:, None], sc16.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(sc32 > 0, np.rint((w - lo32) / sc32), np.float32(0))
-    idx = np.clip(t, 0, levels).astype(np.uint8)
-    side = np.stack([lo16, sc16], axis=1).view(np.uint8)
-    return np.concatenate([side, pack_codes(idx, bits)], axis=1)
+    rec = np.empty((n, 4 + d * bits // 8), dtype=np.uint8)
+    rec[:, :4] = np.stack([lo16, sc16], axis=1).view(np.uint8)
+    _encode_value_kernel(w, lo16.astype(np.float32), sc16.astype(np.float32), bits, rec[:, 4:])
+    return rec
 
 
 def decode_value(rec: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
-    side = rec[:, :4].copy().view(np.float16).astype(np.float32)
-    idx = unpack_codes(rec[:, 4:], bits, head_dim).astype(np.float32)
-    return side[:, 0:1] + idx * side[:, 1:2]
+    """float32[n, D] reconstruction of value records."""
+    side = np.ascontiguousarray(rec[:, :4]).view(np.float16).astype(np.float32)
+    out = np.empty((rec.shape[0], head_dim), dtype=np.float32)
+    _decode_value_kernel(np.ascontiguousarray(side[:, 0]), np.ascontiguousarray(side[:, 1]), rec[:, 4:], bits, out)
+    return out
 
 
 class TurboQuantCodec(Codec):
