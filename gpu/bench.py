@@ -31,7 +31,7 @@ from orbitkv_fs.segment import AnsType, Role, turboquant_record_bytes
 
 from . import module as km
 from .engine import EncodeItem, GpuCodecEngine
-from .tables import sign_words
+from .tables import finish_crc, sign_words
 
 BF16 = ml_dtypes.bfloat16
 SEG = 16 << 20  # kernel benchmarks: segments of 16 MiB of source
@@ -96,8 +96,8 @@ class _Segs:
             cp.cuda.runtime.memsetAsync(self.meta.data.ptr, 0, self.meta.nbytes, s.ptr)
         km.launch(k, name, self.dev.data.ptr, self.n, self.total, self.meta.data.ptr, s, table)
 
-    def crcs(self) -> np.ndarray:
-        return self.meta.get().view(km.META_DTYPE)["crc"]
+    def crcs(self, n: int) -> np.ndarray:
+        return finish_crc(self.meta.get().view(km.META_DTYPE)["acc"], n)
 
 
 def _kernel_figures(k: km.Kernels, src: cp.ndarray, srcv: cp.ndarray, repeat: int, out: dict) -> None:
@@ -117,7 +117,7 @@ def _kernel_figures(k: km.Kernels, src: cp.ndarray, srcv: cp.ndarray, repeat: in
     host0 = src[: SEG // 2].get().view(BF16)
     ref = encode_fp8(host0)
     out["fp8_check_bytes_equal_host"] = bool(isinstance(ref, np.ndarray) and np.array_equal(codes[: SEG // 2].get(), ref))
-    out["fp8_check_crc_equal_crc32c"] = int(enc.crcs()[0]) == crc32c.crc32c(codes[: SEG // 2].get().tobytes())
+    out["fp8_check_crc_equal_crc32c"] = int(enc.crcs(SEG // 2)[0]) == crc32c.crc32c(codes[: SEG // 2].get().tobytes())
     back = cp.empty_like(src)
     dec = _Segs([{"src": codes.data.ptr + i * SEG // 2, "dst": back.data.ptr + i * SEG, "n": SEG, "dtype": 0,
                   "nblocks": km.units_fp8(SEG)} for i in range(nseg)])
@@ -127,7 +127,7 @@ def _kernel_figures(k: km.Kernels, src: cp.ndarray, srcv: cp.ndarray, repeat: in
     crc = _Segs([{"src": base + i * SEG, "n": SEG, "nblocks": km.units_bytes(SEG)} for i in range(nseg)])
     t = _median_time(lambda: crc.launch(k, "okv_crc32c", k.crc_tables), repeat)
     out["crc32c_GBps"] = _gbps(nbytes, t)
-    out["crc32c_check_equal_crc32c"] = int(crc.crcs()[1]) == crc32c.crc32c(src[SEG // 2: SEG].get().tobytes())
+    out["crc32c_check_equal_crc32c"] = int(crc.crcs(SEG)[1]) == crc32c.crc32c(src[SEG // 2: SEG].get().tobytes())
     del codes, back
     # TurboQuant
     tq: dict[str, Any] = {}
@@ -192,7 +192,7 @@ def _torch_figures(src: cp.ndarray, repeat: int, out: dict) -> None:
     out["torch_turboquant4_k_unfused_GBps"] = _gbps(sub.numel() * 2, _median_time(tq4, max(3, repeat // 4)))
 
 
-def _ans_figures(engine: GpuCodecEngine, src: cp.ndarray, repeat: int, out: dict) -> None:
+def _ans_figures(budget: int, src: cp.ndarray, repeat: int) -> dict:
     """ANS through engine-sized batches (one nvCOMP call over the 64 KiB chunks of up to 256 segments of
     64 KiB..16 MiB within the budget, then the pack and CRC32C kernels) against one nvCOMP call over all
     the same bytes in 64 KiB chunks; and the same for decompression."""
@@ -256,7 +256,7 @@ def _ans_figures(engine: GpuCodecEngine, src: cp.ndarray, repeat: int, out: dict
     batches, cur, need = [], [], 0
     for o, n in zip(offsets.tolist(), sizes):
         item = ans_format.chunk_count(n) * (cap + 36) + ans_format.keep_capacity(n) + 512
-        if cur and (len(cur) == 256 or need + item > engine.budget_bytes - (1 << 20)):
+        if cur and (len(cur) == 256 or need + item > budget - (1 << 20)):
             batches.append(cur)
             cur, need = [], 0
         cur.append((o, n))
@@ -299,10 +299,11 @@ def _ans_figures(engine: GpuCodecEngine, src: cp.ndarray, repeat: int, out: dict
     back[:] = 0
     res["single_call_64KiB_chunks_decompress_GBps"] = _gbps(total, _median_time(decompressor(single, back), repeat))
     res["single_call_decompress_exact"] = bool(cp.array_equal(back, src.view(cp.uint8)[:total]))
-    out["ans"] = res
-    out["ans_batch_vs_single_call"] = round(t_single / t_ours, 3)
-    out["ans_decode_batch_vs_single_call"] = round(res["engine_batches_decompress_GBps"]
-                                                   / res["single_call_64KiB_chunks_decompress_GBps"], 3)
+    res["budget_bytes"] = budget
+    res["compress_batches_vs_single_call"] = round(t_single / t_ours, 3)
+    res["decompress_batches_vs_single_call"] = round(res["engine_batches_decompress_GBps"]
+                                                     / res["single_call_64KiB_chunks_decompress_GBps"], 3)
+    return res
 
 
 def _batch_figures(engine: GpuCodecEngine, srck: cp.ndarray, repeat: int, out: dict) -> None:
@@ -378,7 +379,9 @@ def run_codecs(args: Any) -> dict:
     _kernel_figures(k, src, srcv, repeat, out)
     engine = GpuCodecEngine(budget)
     try:
-        _ans_figures(engine, src, repeat, out)
+        out["ans"] = _ans_figures(budget, src, repeat)
+        out["ans_budget_1GiB"] = _ans_figures(1 << 30, src, repeat)
+        out["ans_batch_vs_single_call"] = out["ans"]["compress_batches_vs_single_call"]
         _batch_figures(engine, src, repeat, out)
     finally:
         engine.close()

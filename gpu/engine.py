@@ -64,7 +64,7 @@ from orbitkv_fs.segment import (
 
 from . import ans_format
 from . import module as km
-from .tables import sign_words
+from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 256
 DEFAULT_BUDGET_BYTES = 64 << 20
@@ -246,6 +246,16 @@ class Worker:
     def close(self) -> None:
         with self.lock:
             self.ws.release()
+
+
+def _descs(rows: list[dict]) -> np.ndarray:
+    """Descriptor rows (dicts of SEG_DTYPE fields, absent = 0) as one structured array, column by column."""
+    a = np.zeros(len(rows), dtype=km.SEG_DTYPE)
+    for name in km.SEG_DTYPE.names:
+        idx = [i for i, r in enumerate(rows) if name in r]
+        if idx:
+            a[name][idx] = [rows[i][name] for i in idx]
+    return a
 
 
 def _item(obj: Any) -> EncodeItem:
@@ -461,7 +471,7 @@ class GpuCodecEngine:
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
         crc = [p for p in plans if p.kind in ("raw", "tq", "ans")]
-        descs = np.zeros(len(fp8) + len(tq) + len(ans) + len(crc), dtype=km.SEG_DTYPE)
+        rows_out: list[dict] = []
         up = w.upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
         row = 0
@@ -471,10 +481,9 @@ class GpuCodecEngine:
             nonlocal row
             first, block = row, 0
             for p in plist:
-                d = descs[row]
-                d["block0"] = block
-                d["meta"] = p.meta
+                d = {"block0": block, "meta": p.meta}
                 units(p, d)
+                rows_out.append(d)
                 block += int(d["nblocks"])
                 row += 1
             return first, block
@@ -501,7 +510,7 @@ class GpuCodecEngine:
             d["n_dev"] = base + off["chunk_sizes"] + 8 * p.chunk0
             d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
             d["expect_crc"], d["bits"] = chunk_cap, p.cap
-            d["signs"][0], d["signs"][1] = pay_len(p) & 0xFFFFFFFF, pay_len(p) >> 32
+            d["signs"] = (pay_len(p) & 0xFFFFFFFF, pay_len(p) >> 32, 0, 0, 0, 0, 0, 0)
             d["nblocks"] = p.nch
 
         def crc_units(p: _Enc, d) -> None:
@@ -519,6 +528,7 @@ class GpuCodecEngine:
             if plist:
                 first, blocks = fill(plist, units)
                 groups.append((name, first, blocks))
+        descs = _descs(rows_out)
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
         if ans:
             a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
@@ -561,6 +571,9 @@ class GpuCodecEngine:
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off = off["pay_len"] - off["meta"]
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
+        walked = [int(ans_sizes[ans_index[id(p)]]) if p.kind == "ans" else p.cap if p.kind in ("fp8", "tq") else p.n
+                  for p in plans]
+        crcs = finish_crc(meta["acc"], np.array(walked, dtype=np.int64))
         for p in plans:
             m = meta[p.meta]
             status = int(m["status"])
@@ -585,7 +598,7 @@ class GpuCodecEngine:
                     out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
                     continue
                 fmt, stored, ans_type = Format.ANS, size, p.ans_type
-            h = SegmentHeader(fmt, p.dtype, p.n, stored, int(m["crc"]), role=p.role, layer=p.layer, bits=bits,
+            h = SegmentHeader(fmt, p.dtype, p.n, stored, int(crcs[p.meta]), role=p.role, layer=p.layer, bits=bits,
                               head_dim=head_dim, sign_version=sign_version, rotation_seed=seed, ans_type=ans_type,
                               raw_reason=reason if fmt == Format.RAW else RawReason.NONE)
             host[p.slot:p.slot + HEADER_SIZE] = np.frombuffer(pack_header(h), np.uint8)
@@ -728,16 +741,18 @@ class GpuCodecEngine:
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
         copy = [p for p in plans if p.kind in ("raw", "ans")]
-        descs = np.zeros(len(crc_rows) + len(fp8) + len(tq) + len(copy), dtype=km.SEG_DTYPE)
+        rows_out: list[dict] = []
+        # the kernels compare raw CRCs (Meta.acc): the header's CRC32C without its zero-byte part
+        expect = np.array([p.h.payload_crc for p in plans], dtype=np.uint32) ^ zero_crc(
+            np.array([p.h.stored_length for p in plans], dtype=np.int64))
         row = 0
         firsts: dict[str, tuple[int, int, int]] = {}
         for name, plist in (("okv_crc32c", crc_rows), ("okv_fp8_decode", fp8), ("okv_tq_decode", tq),
                             ("okv_copy_checked", copy)):
             first, block = row, 0
             for p in plist:
-                d = descs[row]
                 h = p.h
-                d["block0"], d["meta"], d["expect_crc"] = block, p.meta, h.payload_crc
+                d = {"block0": block, "meta": p.meta, "expect_crc": int(expect[p.meta])}
                 if name == "okv_crc32c":
                     d["src"], d["n"] = base + p.staged, h.stored_length
                     d["nblocks"] = km.units_bytes(h.stored_length)
@@ -760,9 +775,11 @@ class GpuCodecEngine:
                             d["n_dev"] = base + off["chunk_actual"] + 8 * p.chunk0
                             d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
                             d["head_dim"] = ans_format.CHUNK_BYTES
+                rows_out.append(d)
                 block += int(d["nblocks"])
                 row += 1
             firsts[name] = (first, len(plist), block)
+        descs = _descs(rows_out)
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
         if ans:
             cb = ans_format.CHUNK_BYTES
@@ -801,7 +818,7 @@ class GpuCodecEngine:
         actual = host[a_off:a_off + 8 * chunks].view("<u8")
         status = host[s_off:s_off + 4 * chunks].view("<i4")
         for p in plans:
-            if int(meta[p.meta]["crc"]) != p.h.payload_crc:
+            if int(meta[p.meta]["acc"]) != int(expect[p.meta]):
                 results[p.i] = PayloadChecksumMismatch(f"segment {p.i}: payload CRC32C mismatch")
             elif p.kind == "ans":
                 sl = slice(p.chunk0, p.chunk0 + int(p.sizes.size))

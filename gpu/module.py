@@ -41,7 +41,7 @@ SEG_DTYPE = np.dtype(
         "itemsize": 128,
     }
 )
-META_DTYPE = np.dtype([("crc", "<u4"), ("status", "<u4"), ("acc", "<u4"), ("count", "<u4")])
+META_DTYPE = np.dtype([("acc", "<u4"), ("status", "<u4"), ("pad0", "<u4"), ("pad1", "<u4")])
 TQ_VECTORS_PER_UNIT = 16384  # divided by head_dim: 32 KiB of 16-bit source per work unit
 
 

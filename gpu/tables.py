@@ -3,8 +3,10 @@
 * :func:`crc_tables` -- CRC32C slicing-by-8 tables and the "shift by d zero bytes" multipliers
   (powers of x modulo the CRC32C polynomial) that let every thread fold its own 64-byte piece and
   combine the pieces in any order (``kernels/common.cuh``, ``okv_crc_unit``).
-* :func:`crc32c_model` -- a numpy model of exactly that decomposition (pieces, 16 KiB units,
-  segment combine), so the combine arithmetic is tested on machines without a GPU.
+* :func:`finish_crc` / :func:`zero_crc` -- the host's last step: a kernel's raw CRC XOR the CRC32C of
+  as many zero bytes (vectorised numpy, so a batch costs microseconds).
+* :func:`crc32c_model` -- a model of exactly the kernels' decomposition (64-byte pieces shifted to the
+  segment's end), so the combine arithmetic is tested on machines without a GPU.
 * :func:`turboquant_tables` -- the float32 Lloyd-Max centroids and boundaries of
   :mod:`orbitkv_fs.codecs.turboquant`, in the layout of ``kernels/turboquant.cu``.
 * :func:`sign_words` -- TurboQuant's versioned random signs of a layer as 8 uint32 bit masks.
@@ -75,30 +77,50 @@ def _raw_crc(data: bytes, t0: np.ndarray) -> int:
     return crc
 
 
-def crc32c_model(data: bytes) -> int:
-    """CRC32C of ``data`` computed the way the kernels compute it (slow; for tests)."""
+def gf_mul_vec(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise :func:`gf_mul` of two uint32 arrays."""
+    a = np.asarray(a, dtype=np.uint32).copy()
+    b = np.asarray(b, dtype=np.uint32).copy()
+    a, b = np.broadcast_arrays(a, b)
+    a, b = a.copy(), b.copy()
+    p = np.zeros(a.shape, dtype=np.uint32)
+    for _ in range(32):
+        p ^= np.where(a & np.uint32(0x80000000), b, np.uint32(0))
+        a = a << np.uint32(1)
+        b = (b >> np.uint32(1)) ^ np.where(b & np.uint32(1), np.uint32(POLY), np.uint32(0))
+    return p
+
+
+def x8n(n: "int | np.ndarray") -> np.ndarray:
+    """x^(8n) mod P (uint32, reflected) for byte counts n < 2049 * CHUNK."""
     tab = crc_tables()
-    t0, xp, xc = tab[:256], tab[XP_OFFSET:XC_OFFSET], tab[XC_OFFSET:]
+    n = np.asarray(n, dtype=np.int64)
+    return gf_mul_vec(tab[XC_OFFSET + n // CHUNK], tab[XP_OFFSET + n % CHUNK])
+
+
+def zero_crc(n: "int | np.ndarray") -> np.ndarray:
+    """crc32c of n zero bytes: what turns a raw (zero-init) CRC into the standard one."""
+    return gf_mul_vec(np.uint32(0xFFFFFFFF), x8n(n)) ^ np.uint32(0xFFFFFFFF)
+
+
+def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:
+    """Standard CRC32C from the kernels' Meta.acc (raw CRC of the n bytes walked)."""
+    return np.asarray(acc, dtype=np.uint32) ^ zero_crc(n)
+
+
+def crc32c_model(data: bytes) -> int:
+    """CRC32C of ``data`` computed the way the kernels compute it (slow; for tests): every 64-byte
+    piece's raw CRC times x^(8 * bytes after it), XORed, then :func:`finish_crc`."""
+    tab = crc_tables()
+    t0 = tab[:256]
     n = len(data)
-    if n == 0:
-        return 0
-    nb = -(-n // CHUNK)
-    rseg = n - (nb - 1) * CHUNK
     acc = 0
-    for b in range(nb):
-        m = min(CHUNK, n - b * CHUNK)
-        unit = 0
-        for t in range(THREADS):
-            ln = min(PIECE, m - t * PIECE)
-            if ln <= 0:
-                break
-            raw = _raw_crc(data[b * CHUNK + t * PIECE: b * CHUNK + t * PIECE + ln], t0)
-            d = m - t * PIECE - ln
-            unit ^= gf_mul(raw, int(xp[d])) if d else raw
-        if b + 1 < nb:
-            unit = gf_mul(gf_mul(unit, int(xc[nb - 2 - b])), int(xp[rseg]))
-        acc ^= unit
-    return acc ^ gf_mul(0xFFFFFFFF, gf_mul(int(xc[nb - 1]), int(xp[rseg]))) ^ 0xFFFFFFFF
+    for start in range(0, n, PIECE):
+        piece = data[start:start + PIECE]
+        raw = _raw_crc(piece, t0)
+        d = n - start - len(piece)
+        acc ^= gf_mul(raw, int(x8n(d))) if d else raw
+    return int(finish_crc(acc, n))
 
 
 TQ_TABLE_SIZE = 48

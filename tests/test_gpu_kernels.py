@@ -14,6 +14,7 @@ cp = pytest.importorskip("cupy")
 
 from orbitkv_fs.codecs.fp8 import _DEC, _ENC  # noqa: E402
 from orbitkv_fs.gpu import module as km  # noqa: E402
+from orbitkv_fs.gpu.tables import finish_crc  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
@@ -59,7 +60,7 @@ def test_fp8_encode_every_pattern(kern: km.Kernels, dtype: np.dtype) -> None:
     assert np.array_equal(got[ok], (table & 0xFF).astype(np.uint8)[ok])
     # the fused CRC of each 1-byte payload
     want_crc = np.array([crc32c.crc32c(bytes([b])) for b in got[ok][:4096]], dtype=np.uint32)
-    assert np.array_equal(meta["crc"][ok][:4096], want_crc)
+    assert np.array_equal(finish_crc(meta["acc"][ok][:4096], 1), want_crc)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -85,7 +86,7 @@ def test_fp8_encode_vectorised_path_and_crc(kern: km.Kernels, dtype: np.dtype) -
     for (o, n), s, m in zip(outs, srcs, meta):
         want = (table[s] & 0xFF).astype(np.uint8)
         assert np.array_equal(got[o:o + n], want)
-        assert int(m["crc"]) == crc32c.crc32c(want.tobytes())
+        assert int(finish_crc(m["acc"], n)) == crc32c.crc32c(want.tobytes())
         assert int(m["status"]) == 0
 
 
@@ -104,7 +105,7 @@ def test_fp8_decode_skips_segment_with_bad_crc(kern: km.Kernels) -> None:
     src = cp.asarray(np.arange(256, dtype=np.uint8))
     out = cp.full(256, 0xA5A5, dtype=np.uint16)
     rows = [{"src": src.data.ptr, "dst": out.data.ptr, "n": 512, "expect_crc": 1234, "nblocks": 1}]
-    launch(kern, "okv_fp8_decode", rows)  # meta.crc is 0, the header says 1234: nothing may be written
+    launch(kern, "okv_fp8_decode", rows)  # meta.acc is 0, the descriptor expects 1234: nothing may be written
     assert bool((out == 0xA5A5).all())
 
 
@@ -122,8 +123,9 @@ def test_crc32c_lengths_and_offsets() -> None:
         rows.append({"src": buf.data.ptr + off, "n": n, "nblocks": km.units_bytes(n)})
         cases.append((off, n))
     meta = launch(kern, "okv_crc32c", rows, kern.crc_tables)
-    for (off, n), m in zip(cases, meta):
-        assert int(m["crc"]) == crc32c.crc32c(memoryview(host)[off:off + n]), (off, n)
+    got = finish_crc(meta["acc"], np.array([n for _, n in cases]))
+    for (off, n), c in zip(cases, got):
+        assert int(c) == crc32c.crc32c(memoryview(host)[off:off + n]), (off, n)
 
 
 def test_crc32c_copy_writes_every_byte() -> None:
@@ -138,7 +140,7 @@ def test_crc32c_copy_writes_every_byte() -> None:
                                             "nblocks": km.units_bytes(n)}], kern.crc_tables)
         got = dst.get()
         assert np.array_equal(got[:n], host[off:off + n]) and bool((got[n:] == 0xA5).all())
-        assert int(meta[0]["crc"]) == crc32c.crc32c(host[off:off + n].tobytes())
+        assert int(finish_crc(meta[0]["acc"], n)) == crc32c.crc32c(host[off:off + n].tobytes())
 
 
 def test_crc32c_sixteen_mib_every_offset_class() -> None:
@@ -148,4 +150,4 @@ def test_crc32c_sixteen_mib_every_offset_class() -> None:
     rows = [{"src": buf.data.ptr + off, "n": 16 << 20, "nblocks": km.units_bytes(16 << 20)} for off in range(16)]
     meta = launch(kern, "okv_crc32c", rows, kern.crc_tables)
     for off, m in enumerate(meta):
-        assert int(m["crc"]) == crc32c.crc32c(memoryview(host)[off:off + (16 << 20)])
+        assert int(finish_crc(m["acc"], 16 << 20)) == crc32c.crc32c(memoryview(host)[off:off + (16 << 20)])

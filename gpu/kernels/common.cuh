@@ -30,17 +30,16 @@ struct Seg {
   u32 head_dim;
   u32 bits;
   u32 role;       // 1: key, 2: value
-  u32 expect_crc; // decode: the header's payload CRC32C
+  u32 expect_crc; // decode: the raw CRC the payload must have (header CRC32C ^ crc32c(zeros))
   u32 signs[8];   // TurboQuant: bit j set means element j is negated
   u64 st_dev;     // when nonzero: device address of an nvCOMP status (int) that must be 0 to copy
   u32 pad[6];
 };
 
 struct Meta {
-  u32 crc;    // CRC32C of the bytes the CRC kernel walked (standard init/xorout)
+  u32 acc;    // raw (zero-init) CRC of the bytes the CRC kernels walked, XOR-accumulated
   u32 status; // OKV_ST_* bits
-  u32 acc;    // scratch: XOR of the blocks' shifted raw CRCs
-  u32 count;  // scratch: blocks done
+  u32 pad[2];
 };
 
 // CRC tables, one device array: slicing-by-8 (8 x 256), XP[d] = x^(8d) mod P for d in 0..CHUNK,
@@ -120,44 +119,25 @@ __device__ __forceinline__ const u32* okv_load_tables(u32* sN, const u32* tables
 #define OKV_ROW 80
 __device__ __forceinline__ int okv_pad(int off) { return off + (off >> 6) * 16; }
 
-// Combines the per-thread raw CRCs of one work unit of m bytes (thread t owns bytes [64t, 64t+64))
-// into the segment's CRC. Each thread contributes raw * x^(8 * bytes after its piece in the unit),
-// the unit contributes its raw CRC shifted to the segment's end, and the last unit to finish turns
-// the XOR of all contributions into the standard CRC32C (init and final xor 0xFFFFFFFF).
-// `nb` is the number of units of the real length, `nlaunched` the units launched for the segment
-// (more when the real length is only known on the device). Must be called by all threads.
-__device__ void okv_crc_unit(u32 raw, u32 m, u32 b, u64 n, u32 nlaunched, Meta* meta, const u32* tables,
-                             u32* red) {
-  int t = threadIdx.x;
+// Adds one work unit's CRC to its segment's. Thread t owns bytes [64t, 64t+64) of the unit (which
+// starts `unit_start` bytes into a segment of n bytes) and contributes its piece's raw CRC multiplied by
+// x^(8d), d = bytes after the piece up to the segment's end (x^(8d) = XC[d / CHUNK] * XP[d % CHUNK]).
+// The XOR of all contributions is the raw (zero-init) CRC of the whole segment; each warp adds its
+// share with one fire-and-forget atomicXor, so no block waits for another. The host turns Meta.acc
+// into the standard CRC32C: acc ^ crc32c(n zero bytes) (orbitkv_fs.gpu.tables.finish_crc).
+__device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64 n, Meta* meta, const u32* tables) {
+  const int t = threadIdx.x;
   int len = (int)m - t * OKV_PIECE;
   u32 v = 0;
   if (len > 0) {
     if (len > OKV_PIECE) len = OKV_PIECE;
-    u32 d = m - (u32)t * OKV_PIECE - (u32)len;
-    v = d ? okv_gf_mul(raw, tables[OKV_TAB_XP + d]) : raw;
+    const u64 d = n - (unit_start + (u64)t * OKV_PIECE + (u64)len);
+    const u32 q = (u32)(d / OKV_CHUNK), r = (u32)(d % OKV_CHUNK);
+    const u32 mult = q ? okv_gf_mul(tables[OKV_TAB_XC + q], tables[OKV_TAB_XP + r]) : tables[OKV_TAB_XP + r];
+    v = d ? okv_gf_mul(raw, mult) : raw;
   }
   for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(OKV_FULL, v, o);
-  if ((t & 31) == 0) red[t >> 5] = v;
-  __syncthreads();
-  if (t == 0) {
-    u32 x = 0;
-    for (int i = 0; i < OKV_THREADS / 32; ++i) x ^= red[i];
-    u32 nb = (u32)((n + OKV_CHUNK - 1) / OKV_CHUNK);
-    u32 rseg = (u32)(n - (u64)(nb - 1) * OKV_CHUNK);
-    if (b + 1 < nb) x = okv_gf_mul(okv_gf_mul(x, tables[OKV_TAB_XC + (nb - 2 - b)]), tables[OKV_TAB_XP + rseg]);
-    if (b >= nb) x = 0;
-    if (x) atomicXor(&meta->acc, x);
-    __threadfence();
-    u32 done = atomicAdd(&meta->count, 1u);
-    if (done == nlaunched - 1) {
-      __threadfence();
-      u32 acc = atomicXor(&meta->acc, 0u);
-      u32 crc = 0;
-      if (n) crc = acc ^ okv_gf_mul(0xFFFFFFFFu, okv_gf_mul(tables[OKV_TAB_XC + (nb - 1)], tables[OKV_TAB_XP + rseg])) ^ 0xFFFFFFFFu;
-      meta->crc = crc;
-    }
-  }
-  __syncthreads();
+  if ((t & 31) == 0 && v) atomicXor(&meta->acc, v);
 }
 
 // Float <-> half/bfloat16 without the CUDA headers (NVRTC builds these sources alone).

@@ -8,10 +8,10 @@ okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict_
            const u32* __restrict__ tables) {
   __shared__ u32 sN[OKV_NIB_WORDS];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
-  __shared__ u32 red[OKV_THREADS / 32];
   const u32* sT = okv_load_tables(sN, tables);
   __syncthreads();
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
+    __syncthreads();  // the previous unit's rows have been read
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
     u32 b = g - s.block0;
     u64 n = s.n_dev ? *reinterpret_cast<const u64*>(s.n_dev) : s.n;
@@ -45,20 +45,20 @@ okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict_
     int len = (int)m - (int)threadIdx.x * OKV_PIECE;
     u32 raw = 0;
     if (len > 0) raw = okv_crc_piece_smem(buf + threadIdx.x * OKV_ROW, min(len, OKV_PIECE), sT);
-    okv_crc_unit(raw, m, b, n, s.nblocks, &meta[s.meta], tables, red);
+    okv_crc_unit(raw, m, start, n, &meta[s.meta], tables);
   }
 }
 
 // Copies verified payloads to their destinations: raw segments from the staging area, ANS segments
 // from nvCOMP's output. A segment is copied only when its payload CRC32C matched the header
-// (meta.crc, computed earlier in the stream) and, for ANS, nvCOMP reported success with exactly
+// (meta.acc, computed earlier in the stream) and, for ANS, nvCOMP reported success with exactly
 // the expected length of every chunk (head_dim = chunk bytes; n_dev / st_dev: the chunks' lengths
 // and statuses). Otherwise the destination is left untouched.
 extern "C" __global__ void __launch_bounds__(OKV_THREADS)
 okv_copy_checked(const Seg* __restrict__ segs, int nsegs, u32 total, const Meta* __restrict__ meta) {
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
-    if (meta[s.meta].crc != s.expect_crc) continue;
+    if (meta[s.meta].acc != s.expect_crc) continue;
     // ANS (head_dim = chunk bytes): every chunk's nvCOMP status is 0 and its length exact
     int bad = 0;
     if (s.head_dim) {

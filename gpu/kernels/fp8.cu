@@ -47,10 +47,10 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
                const u32* __restrict__ tables) {
   __shared__ u32 sN[OKV_NIB_WORDS];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
-  __shared__ u32 red[OKV_THREADS / 32];
   const u32* sT = okv_load_tables(sN, tables);
   __syncthreads();
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
+    __syncthreads();  // the previous unit's rows have been read
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
     u32 b = g - s.block0;
     u64 n_out = s.n >> 1;  // one code per 2-byte element
@@ -96,7 +96,7 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
     int len = (int)m - (int)threadIdx.x * OKV_PIECE;
     u32 raw = 0;
     if (len > 0) raw = okv_crc_piece_smem(buf + threadIdx.x * OKV_ROW, min(len, OKV_PIECE), sT);
-    okv_crc_unit(raw, m, b, n_out, s.nblocks, &meta[s.meta], tables, red);
+    okv_crc_unit(raw, m, e0, n_out, &meta[s.meta], tables);
   }
 }
 
@@ -132,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(OKV_THREADS)
 okv_fp8_decode(const Seg* __restrict__ segs, int nsegs, u32 total, const Meta* __restrict__ meta) {
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
-    if (meta[s.meta].crc != s.expect_crc) continue;
+    if (meta[s.meta].acc != s.expect_crc) continue;
     u32 b = g - s.block0;
     u64 n_el = s.n >> 1;
     u64 e0 = (u64)b * OKV_CHUNK;

@@ -57,7 +57,12 @@ okv_tq_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restri
   const int lane = threadIdx.x & 31;
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
+    // descriptor fields in registers: the byte stores below could otherwise force reloads
     const int D = (int)s.head_dim, G = D >> 3, bits = (int)s.bits;
+    const u32 dtype = s.dtype;
+    const u16* const src = reinterpret_cast<const u16*>(s.src);
+    u8* const dst = reinterpret_cast<u8*>(s.dst);
+    Meta* const mt = &meta[s.meta];
     const int gl = lane & (G - 1), grp = threadIdx.x / G, ngrp = OKV_THREADS / G;
     const bool key = s.role == 1;
     const int sidebytes = key ? 2 : 4;
@@ -74,18 +79,31 @@ okv_tq_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restri
       sg[k] = ((s.signs[j >> 5] >> (j & 31)) & 1u) ? -1.0f : 1.0f;
     }
     u32 flags = 0;
+    // the next pass's elements are loaded while this pass computes (two u16 per register)
+    u32 nxt[4];
+    auto load = [&](int p) {
+      const u64 v = v0 + (u64)p * ngrp + grp;
+      const u16* x = src + v * D;
+#pragma unroll
+      for (int k = 0; k < 8; k += 2) {
+        u32 a = 0, b = 0;
+        if (v < nv) { a = x[gl + G * k]; b = x[gl + G * (k + 1)]; }
+        nxt[k >> 1] = a | (b << 16);
+      }
+    };
+    load(0);
     for (int p = 0; p < 8; ++p) {
       const u64 v = v0 + (u64)p * ngrp + grp;
       const bool live = v < nv;
-      const u16* x = reinterpret_cast<const u16*>(s.src) + v * D;
       float w[8];
       u32 idx[8];
       u32 side;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        w[k] = live ? okv_src_to_f32(x[gl + G * k], s.dtype) : 0.0f;
+        w[k] = okv_src_to_f32((nxt[k >> 1] >> (16 * (k & 1))) & 0xFFFFu, dtype);
         if (!okv_finite(w[k])) flags |= OKV_ST_NONFINITE;
       }
+      if (p + 1 < 8) load(p + 1);
       if (key) {
         float t[8];
 #pragma unroll
@@ -146,14 +164,14 @@ okv_tq_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restri
         word |= c << (bits * i);
       }
       if (live) {
-        u8* r = reinterpret_cast<u8*>(s.dst) + v * rec;
+        u8* r = dst + v * rec;
         if (gl == 0)
           for (int i = 0; i < sidebytes; ++i) r[i] = (u8)(side >> (8 * i));
         u8* cp = r + sidebytes + gl * bits;
         for (int i = 0; i < bits; ++i) cp[i] = (u8)(word >> (8 * i));
       }
     }
-    if (flags) atomicOr(&meta[s.meta].status, flags);
+    if (flags) atomicOr(&mt->status, flags);
   }
 }
 
@@ -167,7 +185,7 @@ okv_tq_decode(const Seg* __restrict__ segs, int nsegs, u32 total, const Meta* __
   const int lane = threadIdx.x & 31;
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
-    if (meta[s.meta].crc != s.expect_crc) continue;
+    if (meta[s.meta].acc != s.expect_crc) continue;
     const int D = (int)s.head_dim, G = D >> 3, bits = (int)s.bits;
     const int gl = lane & (G - 1), grp = threadIdx.x / G, ngrp = OKV_THREADS / G;
     const bool key = s.role == 1;
