@@ -2,7 +2,7 @@
 
 For offline batch inference and for the project's own end-to-end tests::
 
-    store = HFPrefixStore.for_model(client, model, block_size=16)
+    store = HFPrefixStore.for_model(client, model, block_size=16, model="org/name")
     cache, n = store.restore(input_ids)          # n cached prompt tokens, or (None, 0)
     out = model.generate(input_ids, past_key_values=cache, ...)   # computes only tokens [n:]
     store.save(input_ids, out.past_key_values)   # or after a plain prefill
@@ -56,12 +56,16 @@ class HFPrefixStore:
 
     def __init__(self, client: Any, *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: str,
                  block_size: int = 16, slots: int = 64, codec: str | None = None, engine_id: str | None = None,
-                 model_revision: str = "", config: Any = None) -> None:
+                 model_revision: str = "", config: Any = None, compute_dtype: str | None = None) -> None:
+        """``dtype`` is the KV cache dtype (what is stored); ``compute_dtype`` the model's, when it differs
+        (then :meth:`new_cache` rounds every K/V to ``dtype`` as it enters the cache, as an engine with a
+        narrower KV cache dtype does, so saved and restored KV are the values attention used)."""
         import torch
 
         self.math = BlockMath(block_size)
         self.block_size = block_size
         self._torch_dtype = getattr(torch, dtype)
+        self._compute_dtype = getattr(torch, compute_dtype or dtype)
         self._config = config
         self._salt = f"{model}@{model_revision}".encode()
         self.staging = StagingPages(num_layers=num_layers, slots=slots, block_size=block_size,
@@ -77,11 +81,23 @@ class HFPrefixStore:
         self.client = client
 
     @classmethod
-    def for_model(cls, client: Any, model: Any, **kwargs: Any) -> "HFPrefixStore":
-        geom = model_geometry(model)
-        geom.update(kwargs)
-        geom.setdefault("config", model.config)
-        return cls(client, **geom)
+    def for_model(cls, client: Any, lm: Any, /, **overrides: Any) -> "HFPrefixStore":
+        """A store with the geometry of the causal LM ``lm``; ``overrides`` replace any argument (e.g.
+        ``model=`` a stable model name when the loaded path is machine-specific)."""
+        args = model_geometry(lm)
+        args["config"] = lm.config
+        args["compute_dtype"] = args["dtype"]
+        args.update(overrides)
+        return cls(client, **args)
+
+    def new_cache(self) -> Any:
+        """An empty cache of the right kind: a ``DynamicCache``, rounding K/V to the KV dtype when the
+        model computes in a wider one."""
+        if self._torch_dtype == self._compute_dtype:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self._config) if self._config is not None else DynamicCache()
+        return _rounded_cache_class()(self._torch_dtype, config=self._config)
 
     # -- keys ---------------------------------------------------------------------------------------
 
@@ -131,7 +147,6 @@ class HFPrefixStore:
         ``(None, 0)`` when nothing usable is stored. The prefix ends at the first block that missed.
         """
         import torch
-        from transformers import DynamicCache
 
         if self.session is None:
             return None, 0
@@ -158,13 +173,13 @@ class HFPrefixStore:
                 break
         if got == 0:
             return None, 0
-        cache = DynamicCache(config=self._config) if self._config is not None else DynamicCache()
+        cache = self.new_cache()
         heads, head_dim = self._k[0].shape[1], self._k[0].shape[3]
         for layer in range(n_layers):
             # [blocks, heads, block_size, head_dim] -> [1, heads, tokens, head_dim]
             k = torch.cat(ks[layer]).transpose(0, 1).reshape(1, heads, got * self.block_size, head_dim)
             v = torch.cat(vs[layer]).transpose(0, 1).reshape(1, heads, got * self.block_size, head_dim)
-            cache.update(k.contiguous(), v.contiguous(), layer)
+            cache.update(k.to(self._compute_dtype).contiguous(), v.to(self._compute_dtype).contiguous(), layer)
         return cache, got * self.block_size
 
     def close(self) -> None:
@@ -179,6 +194,28 @@ class HFPrefixStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_ROUNDED: list[type] = []
+
+
+def _rounded_cache_class() -> type:
+    """``DynamicCache`` subclass storing K/V rounded to a narrower dtype (built once, transformers lazily)."""
+    if not _ROUNDED:
+        from transformers import DynamicCache
+
+        class RoundedKVCache(DynamicCache):
+            def __init__(self, kv_dtype: Any, **kwargs: Any) -> None:
+                super().__init__(**kwargs)
+                self.kv_dtype = kv_dtype
+
+            def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+                k = key_states.to(self.kv_dtype).to(key_states.dtype)
+                v = value_states.to(self.kv_dtype).to(value_states.dtype)
+                return super().update(k, v, layer_idx, *args, **kwargs)
+
+        _ROUNDED.append(RoundedKVCache)
+    return _ROUNDED[0]
 
 
 def _token_list(input_ids: Any) -> list[int]:
