@@ -254,7 +254,7 @@ def test_orbitkv_cache_manager_processes_share_through_peer_flags(tmp_path):
     def start(name, extra):
         endpoint = f"ipc://{tmp_path}/{name}.sock"
         p = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "16mb", "--device",
-                              "cpu", "--data-plane", endpoint, *extra],
+                              "cpu", "--data-plane", endpoint, "--http-addr", "127.0.0.1:0", *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(p)
         c = RemoteClient(endpoint, timeout=2)
@@ -265,6 +265,8 @@ def test_orbitkv_cache_manager_processes_share_through_peer_flags(tmp_path):
             except OrbitKVError:
                 if p.poll() is not None:
                     pytest.fail(p.stdout.read())
+        c.close()
+        c = RemoteClient(endpoint, timeout=120)  # a loaded CI host may take seconds per call
         clients.append(c)
         return c
 

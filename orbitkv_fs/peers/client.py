@@ -32,7 +32,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..errors import OrbitKVError, SegmentError
 from ..keys import ObjectKey
@@ -252,9 +252,11 @@ class PeerClient:
                 return
         sock.close(0)
 
-    def _exchange(self, asks: list[tuple[_Peer, P.Request]], deadline: float) -> dict[int, "P.Reply | str"]:
-        """Send each request to its peer, collect replies until ``deadline``. Answers req_id -> reply, or
-        a failure reason string for peers that broke the protocol or did not answer."""
+    def _exchange(self, asks: list[tuple[_Peer, P.Request]], deadline: float,
+                  enough: Callable[[dict], bool] | None = None) -> dict[int, "P.Reply | str"]:
+        """Send each request to its peer, collect replies until all came, ``enough(replies so far)`` or
+        ``deadline``. Answers req_id -> reply, or a failure reason string for peers that broke the
+        protocol or did not answer (an unanswered request is a timeout only when the deadline passed)."""
         zmq = self._zmq
         poller = zmq.Poller()
         want: dict[int, tuple[_Peer, object]] = {}
@@ -269,7 +271,8 @@ class PeerClient:
             poller.register(s, zmq.POLLIN)
         out: dict[int, P.Reply | str] = {}
         broken: set = set()
-        while len(out) < len(want):
+        satisfied = False
+        while len(out) < len(want) and not satisfied:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -292,16 +295,16 @@ class PeerClient:
                 for rid, (p, s) in want.items():
                     if s is sock and rid not in out:
                         out[rid] = FailureReason.PROTOCOL
-        for rid, (peer, sock) in want.items():
-            if rid not in out:
-                out[rid] = FailureReason.TIMEOUT
+            satisfied = enough is not None and enough(out)
         for sock, peer in socks.items():
-            healthy = sock not in broken and all(
-                not isinstance(out[rid], str) for rid, (p, s) in want.items() if s is sock)
-            if healthy:
+            mine = [rid for rid, (p, s) in want.items() if s is sock]
+            if sock not in broken and all(rid in out and not isinstance(out[rid], str) for rid in mine):
                 self._give_back(peer, sock)
             else:  # an answer may still arrive on it later; never reuse it
                 sock.close(0)
+        if not satisfied:
+            for rid in want:
+                out.setdefault(rid, FailureReason.TIMEOUT)
         return out
 
     def _send_release(self, peer: _Peer, lease_id: int) -> None:
@@ -340,19 +343,29 @@ class PeerClient:
                 req = P.LeaseRequest(next(self._ids), ns, [k.pack() for k in ks], self.transport.session_id)
                 asks.append((peer, req))
                 asked[req.req_id] = (peer, ns, ks)
-        replies = self._exchange(asks, deadline)
+        wanted = set(keys)
 
-        # Pick, per key, the first peer (in registry order) whose reply holds it.
+        def all_found(got: dict[int, "P.Reply"]) -> bool:
+            found: set[ObjectKey] = set()
+            for rid, rep in got.items():
+                if isinstance(rep, P.LeaseReply) and len(rep.extents) == len(asked[rid][2]):
+                    found.update(k for k, e in zip(asked[rid][2], rep.extents) if e is not None)
+            return found >= wanted
+
+        # Leasing may use half the budget (a silent peer must not starve the reads of the ones that
+        # answered), and stops early once every key has a holder.
+        replies = self._exchange(asks, t0 + self.config.budget_s / 2, all_found)
+
+        # Pick, per key, the first peer (in registry order) whose reply holds it. Failures are counted
+        # (and backoffs start) when the fetch ends.
         leases: list[tuple[_Peer, int]] = []
         chosen: dict[ObjectKey, tuple[_Peer, P.LeaseReply, P.Extent]] = {}
-        failed: set[int] = set()
+        failed: dict[int, tuple[_Peer, str]] = {}
         for rid, rep in replies.items():
             peer, ns, ks = asked[rid]
             reason = self._check_reply(rep, ns, ks)
             if reason is not None:
-                if id(peer) not in failed:
-                    failed.add(id(peer))
-                    self._fail(peer, reason)
+                failed.setdefault(id(peer), (peer, reason))
                 continue
             assert isinstance(rep, P.LeaseReply)
             peer.session_id = rep.session_id
@@ -378,50 +391,44 @@ class PeerClient:
             except TransportError:
                 self._staging.free(off, ext.length)
                 unreachable.add(id(peer))
-                if id(peer) not in failed:
-                    failed.add(id(peer))
-                    self._fail(peer, FailureReason.UNREACHABLE)
+                failed.setdefault(id(peer), (peer, FailureReason.UNREACHABLE))
                 continue
             reads.append(_Read(k, peer, off, ext.length, h))
         if staging_short:
             with self._lock:
                 self.counters.failures[FailureReason.STAGING] += staging_short
 
-        self._wait(reads, deadline)
-        for peer, lease_id in leases:
-            self._send_release(peer, lease_id)
-
         out: dict[ObjectKey, bytes] = {}
-        good: dict[int, _Peer] = {}
-        for r in reads:
-            if r.state == READ_PENDING:
-                with self._lock:
-                    self._abandoned.append(r)
-                if id(r.peer) not in failed:
-                    failed.add(id(r.peer))
-                    self._fail(r.peer, FailureReason.TIMEOUT)
-                continue
+
+        def landed(r: _Read) -> None:
+            # Runs as each read completes, while later ones are still on the wire: verification overlaps
+            # the transfer instead of following it.
             try:
                 if r.state != READ_DONE:
-                    if id(r.peer) not in failed:
-                        failed.add(id(r.peer))
-                        self._fail(r.peer, FailureReason.TRANSFER)
-                    continue
+                    failed.setdefault(id(r.peer), (r.peer, FailureReason.TRANSFER))
+                    return
                 seg = self._verify(r)
                 if seg is None:
-                    if id(r.peer) not in failed:
-                        failed.add(id(r.peer))
-                        self._fail(r.peer, FailureReason.CHECKSUM)
-                    continue
+                    failed.setdefault(id(r.peer), (r.peer, FailureReason.CHECKSUM))
+                    return
                 out[r.key] = seg
-                good[id(r.peer)] = r.peer
                 with self._lock:
                     r.peer.keys_fetched += 1
                     r.peer.fetched_bytes += len(seg)
             finally:
-                if r.state != READ_PENDING:
-                    self._staging.free(r.staging_off, r.length)
-        for rid, rep in replies.items():
+                self._staging.free(r.staging_off, r.length)
+
+        self._wait(reads, deadline, landed)
+        for peer, lease_id in leases:
+            self._send_release(peer, lease_id)
+        for r in reads:
+            if r.state == READ_PENDING:
+                with self._lock:
+                    self._abandoned.append(r)
+                failed.setdefault(id(r.peer), (r.peer, FailureReason.TIMEOUT))
+        for peer, reason in failed.values():
+            self._fail(peer, reason)
+        for rid in replies:
             peer = asked[rid][0]
             if id(peer) not in failed:
                 self._succeed(peer)
@@ -453,24 +460,28 @@ class PeerClient:
                 return FailureReason.PROTOCOL
         return None
 
-    def _wait(self, reads: list[_Read], deadline: float) -> None:
+    def _wait(self, reads: list[_Read], deadline: float, landed: Callable[[_Read], None]) -> None:
+        """Poll ``reads`` until each is terminal (then ``landed(read)``) or ``deadline`` passes."""
         # The engine completes a peer's reads roughly in submission order: wait on the oldest one instead
         # of sweeping all of them (a sweep per pass costs O(n^2) status calls on large batches).
         spins = 0
-        for r in reads:
+        for i, r in enumerate(reads):
             while True:
                 r.state = self.transport.poll(r.handle)
                 if r.state != READ_PENDING:
+                    landed(r)
                     break
                 if time.monotonic() >= deadline:
-                    for rest in reads:
-                        if rest.state == READ_PENDING and rest is not r:
-                            rest.state = self.transport.poll(rest.handle)
+                    for rest in reads[i + 1:]:
+                        rest.state = self.transport.poll(rest.handle)
+                        if rest.state != READ_PENDING:
+                            landed(rest)
                     return
                 spins += 1
-                if spins > 200:  # a slow peer: stop burning the CPU the Manager's other work needs
-                    time.sleep(0.0002)
-            spins = 0
+                if spins & 63 == 0:
+                    # Yield the GIL and the core now and then, but do not sleep: a sleeping poller wakes late
+                    # on a busy host and loses the transfer's pace (the engine's own sync calls spin too).
+                    time.sleep(0)
 
     def _verify(self, r: _Read) -> bytes | None:
         view = self._staging.view[r.staging_off: r.staging_off + r.length]
