@@ -1,8 +1,9 @@
 """Constant tables of the GPU kernels, computed on the host with numpy (no cupy needed).
 
-* :func:`crc_tables` -- CRC32C slicing-by-8 tables and the "shift by d zero bytes" multipliers
-  (powers of x modulo the CRC32C polynomial) that let every thread fold its own 64-byte piece and
-  combine the pieces in any order (``kernels/common.cuh``, ``okv_crc_unit``).
+* :func:`crc_tables` -- CRC32C slicing-by-8 tables, the "shift by d zero bytes" multipliers
+  (powers of x modulo the CRC32C polynomial) and nibble tables of the fixed shifts of the combine tree,
+  which let every thread fold its own 64-byte piece and the block combine the pieces
+  (``kernels/common.cuh``, ``okv_crc_unit``).
 * :func:`finish_crc` / :func:`zero_crc` -- the host's last step: a kernel's raw CRC XOR the CRC32C of
   as many zero bytes (vectorised numpy, so a batch costs microseconds).
 * :func:`crc32c_model` -- a model of exactly the kernels' decomposition (64-byte pieces shifted to the
@@ -30,6 +31,8 @@ CHUNK = PIECE * THREADS
 XP_OFFSET = 8 * 256
 XC_OFFSET = XP_OFFSET + CHUNK + 1
 XC_COUNT = 2049  # units of 16 KiB in the largest stored segment (32 MiB), plus one
+SHIFT_OFFSET = XC_OFFSET + XC_COUNT
+SHIFT_BYTES = (64, 128, 256, 512, 1024, 2048)  # the fixed shifts of the in-unit combine tree
 X0 = 0x80000000  # x^0 in the reflected representation
 
 
@@ -65,8 +68,11 @@ def crc_tables() -> np.ndarray:
     for j in range(XC_COUNT):
         xc[j] = v
         v = gf_mul(v, step)
-    out = np.concatenate([np.concatenate(slices), xp, xc]).astype(np.uint32)
-    assert out.size == XC_OFFSET + XC_COUNT
+    # "times x^(8s)" for the fixed shifts s, as nibble tables: entry [i][v] = (v << 4i) * x^(8s)
+    shifts = [gf_mul_vec((np.arange(16, dtype=np.uint32)[None, :] << (4 * np.arange(8, dtype=np.uint32)[:, None])),
+                         np.uint32(int(xp[sb]))).reshape(-1) for sb in SHIFT_BYTES]
+    out = np.concatenate([np.concatenate(slices), xp, xc, np.concatenate(shifts)]).astype(np.uint32)
+    assert out.size == SHIFT_OFFSET + 128 * len(SHIFT_BYTES)
     return out
 
 
@@ -108,18 +114,43 @@ def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:
     return np.asarray(acc, dtype=np.uint32) ^ zero_crc(n)
 
 
+def _mul_shift(v: int, level: int, tab: np.ndarray) -> int:
+    """v * x^(8 * SHIFT_BYTES[level]) through the nibble tables, as the kernels do it."""
+    base = SHIFT_OFFSET + 128 * level
+    r = 0
+    for i in range(8):
+        r ^= int(tab[base + 16 * i + ((v >> (4 * i)) & 15)])
+    return r
+
+
 def crc32c_model(data: bytes) -> int:
-    """CRC32C of ``data`` computed the way the kernels compute it (slow; for tests): every 64-byte
-    piece's raw CRC times x^(8 * bytes after it), XORed, then :func:`finish_crc`."""
+    """CRC32C of ``data`` computed the way the kernels compute it (slow; for tests): per 16 KiB unit,
+    64-byte pieces combined by the shift tree (full units) or shifted one by one (the last unit), the
+    unit shifted to the segment's end, all XORed, then :func:`finish_crc`."""
     tab = crc_tables()
     t0 = tab[:256]
     n = len(data)
     acc = 0
-    for start in range(0, n, PIECE):
-        piece = data[start:start + PIECE]
-        raw = _raw_crc(piece, t0)
-        d = n - start - len(piece)
-        acc ^= gf_mul(raw, int(x8n(d))) if d else raw
+    for us in range(0, n, CHUNK):
+        unit = data[us:us + CHUNK]
+        m = len(unit)
+        raws = [_raw_crc(unit[p:p + PIECE], t0) for p in range(0, m, PIECE)]
+        if m == CHUNK:
+            for k in range(5):  # lanes
+                step = 1 << k
+                raws = [_mul_shift(raws[i], k, tab) ^ raws[i + step] if i % (2 * step) == 0 else raws[i]
+                        for i in range(THREADS)]
+            warps = [raws[32 * w] for w in range(THREADS // 32)]
+            u = warps[0]
+            for w in warps[1:]:
+                u = _mul_shift(u, 5, tab) ^ w
+        else:
+            u = 0
+            for j, raw in enumerate(raws):
+                d = m - j * PIECE - min(PIECE, m - j * PIECE)
+                u ^= gf_mul(raw, int(tab[XP_OFFSET + d])) if d else raw
+        d = n - (us + m)
+        acc ^= gf_mul(u, int(x8n(d))) if d else u
     return int(finish_crc(acc, n))
 
 

@@ -47,6 +47,9 @@ struct Meta {
 #define OKV_TAB_SLICE 0
 #define OKV_TAB_XP (8 * 256)
 #define OKV_TAB_XC (OKV_TAB_XP + OKV_CHUNK + 1)
+// then nibble tables of "times x^(8s)" for s = 64, 128, 256, 512, 1024, 2048 (8 x 16 words each)
+#define OKV_TAB_SHIFT (OKV_TAB_XC + 2049)
+#define OKV_SHIFT_WORDS (6 * 8 * 32)  // in shared memory: each 16-word row stored twice (lane parity)
 
 __device__ __forceinline__ u32 okv_find_seg(const Seg* segs, int nsegs, u32 g) {
   int lo = 0, hi = nsegs - 1;
@@ -105,13 +108,26 @@ __device__ __forceinline__ u32 okv_crc_piece_smem(const u8* p, int len, const u3
   return crc;
 }
 
-// Shared nibble tables, this lane's copy (see okv_crc8): sN + (lane & 1) * 16.
-__device__ __forceinline__ const u32* okv_load_tables(u32* sN, const u32* tables) {
+// Shared nibble tables, this lane's copy (see okv_crc8): sN + (lane & 1) * 16. Also fills the shift
+// tables sS (table l at sS + l * 256, row i at + i * 32, lane copy at + (lane & 1) * 16).
+__device__ __forceinline__ const u32* okv_load_tables(u32* sN, u32* sS, const u32* tables) {
   for (int i = threadIdx.x; i < OKV_NIB_WORDS; i += blockDim.x) {
     int t = i >> 5, v = i & 15, k = t >> 1, h = t & 1;
     sN[i] = tables[OKV_TAB_SLICE + k * 256 + (h ? (v << 4) : v)];
   }
+  for (int i = threadIdx.x; i < OKV_SHIFT_WORDS; i += blockDim.x) {
+    int l = i >> 8, row = (i >> 5) & 7, v = i & 15;
+    sS[i] = tables[OKV_TAB_SHIFT + l * 128 + row * 16 + v];
+  }
   return sN + (threadIdx.x & 1) * 16;
+}
+
+// v * x^(8s) for the fixed shift of table S (a lane's copy): eight nibble lookups.
+__device__ __forceinline__ u32 okv_mul_fixed(u32 v, const u32* S) {
+  u32 r = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r ^= S[i * 32 + ((v >> (4 * i)) & 15u)];
+  return r;
 }
 
 // Padded shared-memory layout of a 16 KiB work unit: 64-byte rows with 16 bytes of padding so that
@@ -120,24 +136,49 @@ __device__ __forceinline__ const u32* okv_load_tables(u32* sN, const u32* tables
 __device__ __forceinline__ int okv_pad(int off) { return off + (off >> 6) * 16; }
 
 // Adds one work unit's CRC to its segment's. Thread t owns bytes [64t, 64t+64) of the unit (which
-// starts `unit_start` bytes into a segment of n bytes) and contributes its piece's raw CRC multiplied by
-// x^(8d), d = bytes after the piece up to the segment's end (x^(8d) = XC[d / CHUNK] * XP[d % CHUNK]).
-// The XOR of all contributions is the raw (zero-init) CRC of the whole segment; each warp adds its
-// share with one fire-and-forget atomicXor, so no block waits for another. The host turns Meta.acc
-// into the standard CRC32C: acc ^ crc32c(n zero bytes) (orbitkv_fs.gpu.tables.finish_crc).
-__device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64 n, Meta* meta, const u32* tables) {
-  const int t = threadIdx.x;
-  int len = (int)m - t * OKV_PIECE;
+// starts `unit_start` bytes into a segment of n bytes) and holds its piece's raw CRC. A full unit is
+// combined by a tree of fixed shifts (lanes: 64..1024 bytes, then warps: 2048, Horner in thread 0),
+// each a table product; a partial unit (a segment's last) multiplies each piece by x^(8 * bytes after
+// it in the unit). Thread 0 then shifts the unit's raw CRC to the segment's end, x^(8d) with
+// d = n - unit end = XC[d / CHUNK] * XP[d % CHUNK], and XORs it into Meta.acc: the raw (zero-init) CRC
+// of the whole segment. The host turns it into the standard CRC32C: acc ^ crc32c(n zero bytes)
+// (orbitkv_fs.gpu.tables.finish_crc). `red` holds 8 words; callers sync before reusing it.
+__device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64 n, Meta* meta, const u32* tables,
+                                             const u32* sS, u32* red) {
+  const int t = threadIdx.x, lane = t & 31;
+  const bool full = m == OKV_CHUNK;
   u32 v = 0;
-  if (len > 0) {
-    if (len > OKV_PIECE) len = OKV_PIECE;
-    const u64 d = n - (unit_start + (u64)t * OKV_PIECE + (u64)len);
-    const u32 q = (u32)(d / OKV_CHUNK), r = (u32)(d % OKV_CHUNK);
-    const u32 mult = q ? okv_gf_mul(tables[OKV_TAB_XC + q], tables[OKV_TAB_XP + r]) : tables[OKV_TAB_XP + r];
-    v = d ? okv_gf_mul(raw, mult) : raw;
+  if (full) {
+    v = raw;
+    const u32* S = sS + (lane & 1) * 16;
+#pragma unroll
+    for (int k = 0; k < 5; ++k) {
+      const u32 right = __shfl_down_sync(OKV_FULL, v, 1 << k);
+      const u32 shifted = okv_mul_fixed(v, S + k * 256);
+      if ((lane & ((2 << k) - 1)) == 0) v = shifted ^ right;
+    }
+  } else {
+    int len = (int)m - t * OKV_PIECE;
+    if (len > 0) {
+      if (len > OKV_PIECE) len = OKV_PIECE;
+      const u32 d = m - (u32)t * OKV_PIECE - (u32)len;
+      v = d ? okv_gf_mul(raw, tables[OKV_TAB_XP + d]) : raw;
+    }
+    for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(OKV_FULL, v, o);
   }
-  for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(OKV_FULL, v, o);
-  if ((t & 31) == 0 && v) atomicXor(&meta->acc, v);
+  if (lane == 0) red[t >> 5] = v;
+  __syncthreads();
+  if (t == 0) {
+    u32 acc = red[0];
+    for (int w = 1; w < OKV_THREADS / 32; ++w) acc = (full ? okv_mul_fixed(acc, sS + 5 * 256) : acc) ^ red[w];
+    const u64 d = n - (unit_start + m);
+    if (d) {
+      const u32 q = (u32)(d / OKV_CHUNK), r = (u32)(d % OKV_CHUNK);
+      const u32 mult = q ? okv_gf_mul(tables[OKV_TAB_XC + q], tables[OKV_TAB_XP + r]) : tables[OKV_TAB_XP + r];
+      acc = okv_gf_mul(acc, mult);
+    }
+    if (acc) atomicXor(&meta->acc, acc);
+  }
 }
 
 // Float <-> half/bfloat16 without the CUDA headers (NVRTC builds these sources alone).
