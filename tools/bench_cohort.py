@@ -203,14 +203,19 @@ def build_model(shape: ModelShape, device: str, seed: int) -> Any:
 
 
 class _Forward:
-    """Calls the model with a cache across transformers versions (``cache=`` replaced ``past_key_values=``)."""
+    """Calls the model with a cache across transformers versions (``cache=`` replaced ``past_key_values=``);
+    answers the log-probabilities at the last position."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        self.kw: dict[str, Any] = {}
+        if "logits_to_keep" in params:  # engines compute the last position's logits only
+            self.kw["logits_to_keep"] = 1
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def __call__(self, ids: Any, cache: Any) -> Any:
-        out = self.model(input_ids=ids, use_cache=True, **{self.kw: cache})
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache}, **self.kw)
         return out.logits[0, -1].float().log_softmax(-1)
 
 
