@@ -72,27 +72,20 @@ __device__ __forceinline__ u32 okv_gf_mul(u32 a, u32 b) {
   return p;
 }
 
-// Raw (zero-init, no final xor) CRC register after 8 more bytes, slicing-by-8 on nibbles: byte table
-// T_k[b] = T_k[b & 15] ^ T_k[b & 240], so 16 tables of 16 entries, each stored twice (one copy per lane
-// parity, 32 words: one per bank). Lanes then never contend for a bank -- 256-entry byte tables cost
-// about 3 conflicting accesses per lookup for random indices. Layout: word (2k+h)*32 + (lane&1)*16 + v.
-#define OKV_NIB_WORDS (16 * 32)
-__device__ __forceinline__ u32 okv_nib(const u32* N, int k, int h, u32 v) { return N[(2 * k + h) * 32 + v]; }
-__device__ __forceinline__ u32 okv_crc8(u32 crc, u32 lo, u32 hi, const u32* N) {
+// Raw (zero-init, no final xor) CRC register after 8 more bytes, slicing-by-8 (8 x 256 words in
+// shared memory). Measured on the H200 (ncu): the kernels are bound by the integer pipe, not by the
+// bank conflicts of these random lookups, so byte tables (one lookup per byte) beat conflict-free
+// nibble tables (two lookups and twice the index arithmetic per byte).
+#define OKV_SLICE_WORDS (8 * 256)
+__device__ __forceinline__ u32 okv_crc8(u32 crc, u32 lo, u32 hi, const u32* T) {
   lo ^= crc;
-  u32 r = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    u32 b = (lo >> (8 * i)) & 255u, c = (hi >> (8 * i)) & 255u;
-    r ^= okv_nib(N, 7 - i, 0, b & 15u) ^ okv_nib(N, 7 - i, 1, b >> 4);
-    r ^= okv_nib(N, 3 - i, 0, c & 15u) ^ okv_nib(N, 3 - i, 1, c >> 4);
-  }
-  return r;
+  return T[7 * 256 + (lo & 255)] ^ T[6 * 256 + ((lo >> 8) & 255)] ^ T[5 * 256 + ((lo >> 16) & 255)] ^
+         T[4 * 256 + (lo >> 24)] ^ T[3 * 256 + (hi & 255)] ^ T[2 * 256 + ((hi >> 8) & 255)] ^
+         T[1 * 256 + ((hi >> 16) & 255)] ^ T[0 * 256 + (hi >> 24)];
 }
 
-__device__ __forceinline__ u32 okv_crc1(u32 crc, u32 b, const u32* N) {
-  u32 x = (crc ^ b) & 255u;
-  return okv_nib(N, 0, 0, x & 15u) ^ okv_nib(N, 0, 1, x >> 4) ^ (crc >> 8);
+__device__ __forceinline__ u32 okv_crc1(u32 crc, u32 b, const u32* T) {
+  return T[(crc ^ b) & 255] ^ (crc >> 8);
 }
 
 // Raw CRC of `len` (1..64) bytes held in shared memory at an 8-byte aligned address.
@@ -108,18 +101,15 @@ __device__ __forceinline__ u32 okv_crc_piece_smem(const u8* p, int len, const u3
   return crc;
 }
 
-// Shared nibble tables, this lane's copy (see okv_crc8): sN + (lane & 1) * 16. Also fills the shift
-// tables sS (table l at sS + l * 256, row i at + i * 32, lane copy at + (lane & 1) * 16).
-__device__ __forceinline__ const u32* okv_load_tables(u32* sN, u32* sS, const u32* tables) {
-  for (int i = threadIdx.x; i < OKV_NIB_WORDS; i += blockDim.x) {
-    int t = i >> 5, v = i & 15, k = t >> 1, h = t & 1;
-    sN[i] = tables[OKV_TAB_SLICE + k * 256 + (h ? (v << 4) : v)];
-  }
+// Fills the shared slicing tables sT and the shift tables sS (table l at sS + l * 256, row i at
+// + i * 32; each 16-word row stored twice so that lane parity picks a copy and lookups never share a bank).
+__device__ __forceinline__ const u32* okv_load_tables(u32* sT, u32* sS, const u32* tables) {
+  for (int i = threadIdx.x; i < OKV_SLICE_WORDS; i += blockDim.x) sT[i] = tables[OKV_TAB_SLICE + i];
   for (int i = threadIdx.x; i < OKV_SHIFT_WORDS; i += blockDim.x) {
     int l = i >> 8, row = (i >> 5) & 7, v = i & 15;
     sS[i] = tables[OKV_TAB_SHIFT + l * 128 + row * 16 + v];
   }
-  return sN + (threadIdx.x & 1) * 16;
+  return sT;
 }
 
 // v * x^(8s) for the fixed shift of table S (a lane's copy): eight nibble lookups.

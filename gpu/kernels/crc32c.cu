@@ -6,7 +6,7 @@
 extern "C" __global__ void __launch_bounds__(OKV_THREADS, 8)
 okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
            const u32* __restrict__ tables) {
-  __shared__ u32 sN[OKV_NIB_WORDS];
+  __shared__ u32 sN[OKV_SLICE_WORDS];
   __shared__ u32 sS[OKV_SHIFT_WORDS];
   __shared__ u32 red[OKV_THREADS / 32];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];

@@ -45,7 +45,7 @@ __device__ __forceinline__ u32 okv_fp8_flags(u32 h, u32 dtype) {
 extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
 okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
                const u32* __restrict__ tables) {
-  __shared__ u32 sN[OKV_NIB_WORDS];
+  __shared__ u32 sN[OKV_SLICE_WORDS];
   __shared__ u32 sS[OKV_SHIFT_WORDS];
   __shared__ u32 red[OKV_THREADS / 32];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
