@@ -1,0 +1,141 @@
+"""DRAM tier: the offset allocator, LRU and S3-FIFO, leases and chunk pins, the arena file."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from orbitkv_fs.keys import ObjectKey
+from orbitkv_fs.segment import Role
+from orbitkv_fs.tiers.dram import UNIT, Allocator, DramTier
+from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy, make_policy
+
+
+def test_allocator_random_alloc_free_coalesces():
+    a = Allocator(1000)
+    rnd = random.Random(1)
+    live: dict[int, int] = {}
+    for _ in range(5000):
+        if live and rnd.random() < 0.5:
+            s = rnd.choice(list(live))
+            a.free(s, live.pop(s))
+        else:
+            n = rnd.randint(1, 40)
+            s = a.alloc(n)
+            if s is None:
+                continue
+            assert 0 <= s and s + n <= 1000
+            for t, m in live.items():  # no overlap with any live extent
+                assert s + n <= t or t + m <= s
+            live[s] = n
+        assert a.used == sum(live.values())
+    for s, n in list(live.items()):
+        a.free(s, n)
+    assert a.used == 0 and a.largest_free() == 1000 and a.alloc(1000) == 0
+
+
+def test_allocator_refuses_what_does_not_fit():
+    a = Allocator(10)
+    assert a.alloc(11) is None and a.alloc(0) is None
+    x, y = a.alloc(5), a.alloc(5)
+    assert {x, y} == {0, 5} and a.alloc(1) is None
+    a.free(x, 5)
+    assert a.alloc(6) is None and a.alloc(5) == x
+
+
+def test_lru_order_and_pins():
+    p = LruPolicy()
+    for s in range(5):
+        p.insert(s, 512, s)
+    p.touch(0)
+    assert p.victim(lambda s: False) == 1
+    assert p.victim(lambda s: s in (1, 2)) == 3
+    p.remove(3)
+    assert len(p) == 4
+    assert p.victim(lambda s: True) is None
+
+
+def test_s3fifo_resists_a_scan():
+    p = S3FifoPolicy()
+    hot = list(range(10))
+    for s in hot:
+        p.insert(s, 512, s)
+        p.touch(s)
+    live = set(hot)
+    evicted_hot = 0
+    for s in range(10, 200):  # a one-hit scan much larger than the cache
+        p.insert(s, 512, s)
+        live.add(s)
+        while len(live) > 20:
+            v = p.victim(lambda x: False)
+            p.remove(v)
+            p.remember(v)
+            live.discard(v)
+            evicted_hot += v in hot
+        for h in hot:  # the hot set keeps being used
+            if h in live:
+                p.touch(h)
+    assert evicted_hot == 0
+
+
+def test_make_policy_rejects_unknown():
+    assert make_policy("s3fifo").name == "s3fifo"
+    with pytest.raises(ValueError):
+        make_policy("mru")
+
+
+def _key(i: int) -> bytes:
+    return ObjectKey(b"n" * 16, i.to_bytes(16, "little"), 0, Role.KEY).pack()
+
+
+def _put(t: DramTier, i: int, n: int = 1000) -> None:
+    off = t.reserve(n)
+    assert off is not None
+    t.view(off, n)[:] = i % 251
+    assert t.publish(_key(i), off, n, n, 0) is not None
+
+
+def test_tier_evicts_demotes_and_respects_leases():
+    demoted: list[tuple[ObjectKey, bytes]] = []
+    t = DramTier(8 * 1024, demote=lambda k, b: demoted.append((k, b)) is None)
+    try:
+        assert os.path.exists(t.arena.path) and t.arena.path.startswith("/dev/shm/")
+        for i in range(4):  # 2 units each: the 16-unit pool holds 8
+            _put(t, i)
+        (lease,) = t.lease([_key(0)])
+        assert lease is not None
+        t.pin_chunks([_key(1)[:32]])
+        for i in range(4, 12):
+            _put(t, i)
+        assert t.contains(_key(0)) and t.contains(_key(1))  # leased and pinned: never evicted
+        assert t.evictions == t.demoted == len(demoted) == 4
+        assert all(b == bytes([int.from_bytes(k.chunk, "little") % 251]) * 1000 for k, b in demoted)
+        # Invalidation hides a leased object at once; its extent goes when the lease does.
+        assert t.invalidate(lambda k: k == _key(0)) == (1, 1000)
+        assert not t.contains(_key(0)) and t.used_bytes == 16 * UNIT
+        t.unlease([lease[:2]])
+        assert t.used_bytes == 14 * UNIT
+        t.unpin_chunks([_key(1)[:32]])
+        assert (t.leases_active, t.pins_active, t.reserved_bytes, t.leased_bytes) == (0, 0, 0, 0)
+        # Everything pinned: reserve says no instead of evicting.
+        t.pin_chunks([k[:32] for k, _ in t.index.items()])
+        assert t.reserve(3 * UNIT) is None
+    finally:
+        t.close()
+    assert not os.path.exists(t.arena.path)
+
+
+def test_tier_publish_of_present_key_frees_the_reservation():
+    t = DramTier(4096)
+    try:
+        _put(t, 1)
+        off = t.reserve(1000)
+        assert t.publish(_key(1), off, 1000, 1000, 0) is None
+        assert t.used_bytes == 2 * UNIT and t.reserved_bytes == 0
+        off = t.reserve(1000)
+        t.cancel(off, 1000)
+        assert t.used_bytes == 2 * UNIT and t.reserved_bytes == 0
+    finally:
+        t.close()
