@@ -1099,8 +1099,8 @@ class Manager:
     def list_objects(self, namespace: bytes | None = None, prefix: str = "", limit: int = 1000,
                      cursor: str | None = None) -> ObjectPage:
         """Page through cached objects (DRAM, then the lower tier), in packed-key order; ``prefix`` is a
-        hex prefix of the chunk key. Lower-tier rows carry format "" and original length 0 (the tier's
-        listing does not read headers)."""
+        hex prefix of the chunk key. Lower-tier rows carry format "", original length 0 and the tier's
+        stored bytes (its listing does not read headers)."""
         if not 0 < limit <= 100_000:
             raise RequestError("limit must be in 1..100000")
         prefix = prefix.lower()
@@ -1134,7 +1134,7 @@ class Manager:
                     continue
                 if len(out) == limit:
                     return ObjectPage(out, f"lower:{last}")
-                out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "lower", "", 0, n - HEADER_SIZE))
+                out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "lower", "", 0, n))
                 last = kb.hex()
         return ObjectPage(out, None)
 
