@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,10 @@ def _save_cache(cached: Path, model: Any, tokenizer: Any) -> None:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "done").touch()
         os.replace(tmp, cached)
-    except OSError:  # read-only home, or another process published first: the cache is an optimisation
+    except Exception as e:  # read-only home, full disk, a racing publisher: the cache is only an optimisation
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (cached / "done").is_file():
+            warnings.warn(f"could not cache the converted SmolLM2 under {cached}: {e}", stacklevel=3)
 
 
 def _layer_kv(cache: Any) -> list[tuple[Any, Any]]:
