@@ -271,3 +271,26 @@ def test_unreachable_peer_backs_off(requester):
     node.client.fetch([key])
     st = node.stats()
     assert st.peers[0].requests_total == 2 and st.peers[0].consecutive_failures == 2
+
+
+def test_fetch_into_a_manager_arena(servers):
+    """Reads land straight in a real Manager's arena (reserve, verify in place, publish); a corrupt segment
+    is refused and its reservation returned."""
+    from orbitkv_fs.manager import Manager, ManagerConfig
+
+    _, a = servers(["6:65536:14", "2:4194304:15"], extra=["--corrupt", "1"])
+    m = Manager(ManagerConfig(pool_size=32 << 20, device="cpu"))
+    node = PeerNode(m, peers=[a["address"]], config=PeerConfig(staging_bytes=1 << 20))
+    try:
+        segs = make_segments(NS, 6, 65536, 14) + make_segments(NS, 2, 4194304, 15)
+        published = node.client.fetch_into(m, [k for k, _ in segs])
+        assert set(published) == {k for i, (k, _) in enumerate(segs) if i != 1}
+        for i, (k, b) in enumerate(segs):
+            assert m.read_object(k) == (None if i == 1 else b)
+        st = node.stats()
+        assert st.failures_total == {FailureReason.CHECKSUM: 1} and st.keys_fetched_total == 7
+        ms = m.stats()
+        assert ms.reserved_bytes == 0 and ms.leases_active == 0
+    finally:
+        node.close()
+        m.close()

@@ -3,24 +3,27 @@
 Owns the peer registry (static ``--peer`` entries and run-time registrations), the per-peer failure
 counts and backoff, the staging memory peers' bytes are read into, and the requester's counters.
 Primitives: :class:`PeerConfig`, :class:`PeerClient` (``add_peer`` / ``remove_peer`` / ``peers`` /
-``fetch`` / ``lookup_prefix`` / ``stats``). ``PeerClient`` is the Manager's
+``fetch`` / ``fetch_into`` / ``lookup_prefix``). ``PeerClient`` is the Manager's
 :class:`~orbitkv_fs.manager.PeerFetcher`.
 
-One :meth:`PeerClient.fetch`: ask up to ``fanout`` peers not in backoff, in parallel, to lease the keys
-(one :class:`~orbitkv_fs.peers.protocol.LeaseRequest` per peer and namespace); for each key take the
-first peer that holds it; read those extents with the Transfer Engine into staging memory; release the
-leases; verify every segment (header, the key's layer and role, CRC32C); return copies of the good
-ones. All of it runs within ``budget_s``; what is not done by then is a miss.
+One fetch: ask up to ``fanout`` peers not in backoff, in parallel, to lease the keys (one
+:class:`~orbitkv_fs.peers.protocol.LeaseRequest` per peer and namespace); for each key take the first
+peer that holds it; read those extents with the Transfer Engine -- into staging memory (:meth:`fetch`,
+verified segments are copied out as ``bytes``) or straight into the Manager's arena
+(:meth:`fetch_into`: ``reserve``, verify in place, ``publish``; no copy); verify each segment as its read
+lands (header, the key's layer and role, CRC32C); release the leases. All of it runs within
+``budget_s``; what is not done by then is a miss.
 
 Invariants:
 
-* A fetch never returns bytes that did not verify, nor bytes of a reply for another namespace.
-* Staging memory a read was submitted into is reused only after the Transfer Engine reports that read
-  terminal, even when the fetch stopped waiting for it (it is parked until then).
-* Every lease a peer granted is released (or left to the peer's TTL when the peer stopped answering).
+* Nothing that did not verify is returned or published, nor anything from a reply for another namespace.
+* Memory a read was submitted into (staging or an arena reservation) is reused only after the Transfer
+  Engine reports that read terminal, even when the fetch stopped waiting for it (it is parked until then).
+* Every lease a peer granted is released (or left to the peer's TTL when the peer stopped answering,
+  or answered after the fetch stopped listening).
 * A failure (timeout, unreachable, failed read, bad checksum, namespace, protocol, refusal) counts
-  against that peer; after each one the peer is skipped for an exponentially growing backoff, reset
-  by its next clean answer. A peer that simply lacks the keys is not failing.
+  against that peer; when the fetch ends the peer is skipped for an exponentially growing backoff,
+  reset by its next clean answer. A peer that simply lacks the keys is not failing.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..errors import OrbitKVError, SegmentError
 from ..keys import ObjectKey
@@ -41,11 +44,23 @@ from . import protocol as P
 from .stats import ClientCounters, FailureReason, PeerInfo
 from .transport import READ_DONE, READ_PENDING, Transport, TransportError
 
-__all__ = ["PeerClient", "PeerConfig", "PeerError", "UnknownPeer"]
+__all__ = ["ArenaSink", "PeerClient", "PeerConfig", "PeerError", "UnknownPeer"]
 
 log = logging.getLogger(__name__)
 _ALIGN = 64
 _MAX_EXTENT = HEADER_SIZE + MAX_STORED_BYTES + 4096
+
+
+class ArenaSink(Protocol):
+    """What :meth:`PeerClient.fetch_into` needs of a Manager (:class:`orbitkv_fs.manager.Manager` has it)."""
+
+    def arena_info(self) -> Any: ...
+
+    def reserve(self, nbytes: int) -> Any: ...
+
+    def publish(self, reservation: Any, key: ObjectKey) -> bool: ...
+
+    def abort(self, reservation: Any) -> None: ...
 
 
 class PeerError(OrbitKVError, ValueError):
@@ -148,10 +163,98 @@ class _Peer:
 class _Read:
     key: ObjectKey
     peer: _Peer
-    staging_off: int
+    dest: "_Dest"
+    token: object  # the destination's handle on the memory (staging offset, arena reservation)
     length: int
     handle: int
     state: int = READ_PENDING
+
+
+class _Dest:
+    """Where reads land and what a landed read becomes."""
+
+    def alloc(self, n: int) -> tuple[int, object] | None:
+        """(address, token) of ``n`` bytes to read into, or None when there is no room."""
+        raise NotImplementedError
+
+    def land(self, r: _Read) -> bool:
+        """Verify a completed read and keep it; False when it does not verify. Always gives up ``r``'s
+        memory or hands it over."""
+        raise NotImplementedError
+
+    def discard(self, r: _Read) -> None:
+        """Give up the memory of a read that failed or finished after its fetch gave up on it."""
+        raise NotImplementedError
+
+
+def _check_segment(view: memoryview, key: ObjectKey) -> int | None:
+    """Length of the valid segment of ``key`` at the start of ``view``, else None."""
+    try:
+        h, _ = parse_segment(view, exact=False)
+    except SegmentError:
+        return None
+    if h.layer != key.layer or h.role != key.role:
+        return None
+    return h.nbytes
+
+
+class _StagingDest(_Dest):
+    """Reads land in the client's staging memory; verified segments are copied out as ``bytes``."""
+
+    def __init__(self, staging: "_Staging") -> None:
+        self.staging = staging
+        self.out: dict[ObjectKey, bytes] = {}
+
+    def alloc(self, n: int) -> tuple[int, object] | None:
+        off = self.staging.alloc(n)
+        return None if off is None else (self.staging.address + off, off)
+
+    def land(self, r: _Read) -> bool:
+        try:
+            view = self.staging.view[r.token: r.token + r.length]
+            n = _check_segment(view, r.key)
+            if n is None:
+                return False
+            self.out[r.key] = bytes(view[:n])
+            return True
+        finally:
+            self.discard(r)
+
+    def discard(self, r: _Read) -> None:
+        self.staging.free(r.token, r.length)
+
+
+class _ArenaDest(_Dest):
+    """Reads land in the Manager's own arena (registered with the same engine): ``reserve``d extents,
+    verified in place and ``publish``ed. No copy and no fresh memory on the way."""
+
+    def __init__(self, sink: "ArenaSink") -> None:
+        info = sink.arena_info()
+        self.sink = sink
+        self.base = int(info.base_address)
+        self.arena = memoryview((ctypes.c_char * int(info.size)).from_address(self.base)).cast("B")
+        self.published: list[ObjectKey] = []
+
+    def alloc(self, n: int) -> tuple[int, object] | None:
+        try:
+            res = self.sink.reserve(n)
+        except OrbitKVError:  # pool full of leased objects, or a length the Manager refuses
+            return None
+        return self.base + res.offset, res
+
+    def land(self, r: _Read) -> bool:
+        res = r.token
+        n = _check_segment(self.arena[res.offset: res.offset + res.length], r.key)
+        if n != res.length:
+            self.sink.abort(res)
+            return False
+        # False here is no fault of the peer (the key got published meanwhile): only a miss.
+        if self.sink.publish(res, r.key):
+            self.published.append(r.key)
+        return True
+
+    def discard(self, r: _Read) -> None:
+        self.sink.abort(r.token)
 
 
 class PeerClient:
@@ -319,20 +422,34 @@ class PeerClient:
     # -- fetch ---------------------------------------------------------------------------------------
 
     def fetch(self, keys: Sequence[ObjectKey]) -> Mapping[ObjectKey, bytes]:
-        """Verified segment bytes (header + payload) of whichever ``keys`` a peer delivered in budget."""
+        """Verified segment bytes (header + payload) of whichever ``keys`` a peer delivered in budget
+        (read into staging memory, copied out)."""
+        dest = _StagingDest(self._staging)
+        self._fetch(keys, dest)
+        return dest.out
+
+    def fetch_into(self, sink: "ArenaSink", keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Read whichever ``keys`` peers deliver in budget straight into ``sink``'s arena (a Manager:
+        ``reserve``, verify in place, ``publish``). ``sink``'s arena must be registered with this
+        client's engine (a :class:`~orbitkv_fs.peers.PeerNode` does that). Answers the keys published."""
+        dest = _ArenaDest(sink)
+        self._fetch(keys, dest)
+        return dest.published
+
+    def _fetch(self, keys: Sequence[ObjectKey], dest: _Dest) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.config.budget_s
         self._reap()
         keys = list(dict.fromkeys(keys))
         if not keys:
-            return {}
+            return
         peers = self._eligible(t0)
         with self._lock:
             self.counters.keys_requested += len(keys)
         if not peers:
             with self._lock:
                 self.counters.misses += len(keys)
-            return {}
+            return
         by_ns: dict[bytes, list[ObjectKey]] = {}
         for k in keys:
             by_ns.setdefault(k.namespace, []).append(k)
@@ -381,42 +498,41 @@ class PeerClient:
         for k, (peer, rep, ext) in chosen.items():
             if id(peer) in unreachable:
                 continue
-            off = self._staging.alloc(ext.length)
-            if off is None:
+            got = dest.alloc(ext.length)
+            if got is None:
                 staging_short += 1
                 continue
+            address, token = got
+            r = _Read(k, peer, dest, token, ext.length, 0)
             try:
-                h = self.transport.submit_read(rep.session_id, self._staging.address + off,
-                                               rep.base_address + ext.offset, ext.length)
+                r.handle = self.transport.submit_read(rep.session_id, address, rep.base_address + ext.offset,
+                                                      ext.length)
             except TransportError:
-                self._staging.free(off, ext.length)
+                dest.discard(r)
                 unreachable.add(id(peer))
                 failed.setdefault(id(peer), (peer, FailureReason.UNREACHABLE))
                 continue
-            reads.append(_Read(k, peer, off, ext.length, h))
+            reads.append(r)
         if staging_short:
             with self._lock:
                 self.counters.failures[FailureReason.STAGING] += staging_short
 
-        out: dict[ObjectKey, bytes] = {}
+        fetched = [0, 0]  # segments, bytes
 
         def landed(r: _Read) -> None:
             # Runs as each read completes, while later ones are still on the wire: verification overlaps
             # the transfer instead of following it.
-            try:
-                if r.state != READ_DONE:
-                    failed.setdefault(id(r.peer), (r.peer, FailureReason.TRANSFER))
-                    return
-                seg = self._verify(r)
-                if seg is None:
-                    failed.setdefault(id(r.peer), (r.peer, FailureReason.CHECKSUM))
-                    return
-                out[r.key] = seg
+            if r.state != READ_DONE:
+                dest.discard(r)
+                failed.setdefault(id(r.peer), (r.peer, FailureReason.TRANSFER))
+            elif not dest.land(r):
+                failed.setdefault(id(r.peer), (r.peer, FailureReason.CHECKSUM))
+            else:
+                fetched[0] += 1
+                fetched[1] += r.length
                 with self._lock:
                     r.peer.keys_fetched += 1
-                    r.peer.fetched_bytes += len(seg)
-            finally:
-                self._staging.free(r.staging_off, r.length)
+                    r.peer.fetched_bytes += r.length
 
         self._wait(reads, deadline, landed)
         for peer, lease_id in leases:
@@ -436,13 +552,12 @@ class PeerClient:
         with self._lock:
             c = self.counters
             c.lookups += 1
-            c.keys_fetched += len(out)
-            c.fetched_bytes += sum(len(v) for v in out.values())
-            c.misses += len(keys) - len(out)
+            c.keys_fetched += fetched[0]
+            c.fetched_bytes += fetched[1]
+            c.misses += len(keys) - fetched[0]
             c.fetch_seconds += elapsed
-            if out:
+            if fetched[0]:
                 c.observe_hit(elapsed)
-        return out
 
     def _check_reply(self, rep: "P.Reply | str", ns: bytes, ks: list[ObjectKey]) -> str | None:
         if isinstance(rep, str):
@@ -483,16 +598,6 @@ class PeerClient:
                     # on a busy host and loses the transfer's pace (the engine's own sync calls spin too).
                     time.sleep(0)
 
-    def _verify(self, r: _Read) -> bytes | None:
-        view = self._staging.view[r.staging_off: r.staging_off + r.length]
-        try:
-            h, _ = parse_segment(view, exact=False)
-        except SegmentError:
-            return None
-        if h.layer != r.key.layer or h.role != r.key.role:
-            return None
-        return bytes(view[: h.nbytes])
-
     def _reap(self) -> None:
         with self._lock:
             parked, self._abandoned = self._abandoned, []
@@ -501,7 +606,7 @@ class PeerClient:
             if self.transport.poll(r.handle) == READ_PENDING:
                 keep.append(r)
             else:
-                self._staging.free(r.staging_off, r.length)
+                r.dest.discard(r)
         if keep:
             with self._lock:
                 self._abandoned.extend(keep)
