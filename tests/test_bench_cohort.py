@@ -31,7 +31,8 @@ def _load(out) -> dict:
 
 
 def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
-    reuse = recipe["warm_requests"] - recipe["prefixes"]
+    reuse = recipe["reuse_requests"]
+    assert reuse == recipe["warm_requests"] - recipe["prefixes"]
     ct = recipe["chunk_tokens"]
     assert run["requests"] == recipe["requests"] == len(run["records"])
     assert run["reservations_zero"] is True

@@ -664,17 +664,17 @@ def _warm_manager(client: Any, engine_id: str, pages: "_Pages", recipe: Recipe) 
     return msgspec.to_builtins(client.stats())
 
 
-def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, codec: str | None,
+def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages: "_Pages", *, codec: str | None,
                variant: str, device: str, manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """One run: ``codec`` None is the no-cache recompute control (the engine's HBM prefix cache is off too,
     so every prompt is computed in full); otherwise a fresh Manager with that codec (``variant`` "ssd":
-    ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD)."""
+    ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD). ``pages`` are
+    shared by the runs (their content before a run does not matter: a block is written before it is read)
+    and registered afresh with each run's Manager."""
     import msgspec
 
-    torch = _torch()
     control = codec is None
     rcp = dataclasses.replace(recipe, hbm_tokens=0) if control else recipe
-    pages = _Pages(rcp, device)
     mgr = proc = None
     client = None
     engine_id = f"cohort-{codec or 'control'}-{variant}"
@@ -707,9 +707,6 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], *, cod
             proc.close()
         if mgr is not None:
             _close_manager(mgr)
-        pages.close()
-        if device != "cpu":
-            torch.cuda.empty_cache()
     return _summarise(recipe, codec, variant, records, wall, stats, pins)
 
 
@@ -924,30 +921,37 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
         fwd(torch.tensor([[1]], device=device), cache)
     log(f"cohort: {recipe.requests} requests ({recipe.warm_requests} reuse {recipe.prefixes} prefixes), "
         f"{recipe.input_tokens} input tokens, model {recipe.model.name} on {device}")
-    control = run_cohort(model, recipe, cohort, codec=None, variant="control", device=device,
-                         manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
-    log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
-    runs = [control]
+    # One set of pages for every run: on a GPU, memory exported through CUDA IPC is best not freed and
+    # reallocated run after run.
+    pages = _Pages(recipe, device)
     skipped: dict[str, str] = {}
-    for variant in variants:
-        for codec in codecs:
-            if codec == "ans":
-                why = _ans_skip_reason(device)
-                if why:
-                    skipped["ans"] = why
-                    continue
-            run = run_cohort(model, recipe, cohort, codec=codec, variant=variant, device=device,
-                             manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
-            _compare(run, control)
-            runs.append(run)
-            log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
-                f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
-                f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
+    try:
+        kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
+        control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
+        log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
+        runs = [control]
+        for variant in variants:
+            for codec in codecs:
+                if codec == "ans":
+                    why = _ans_skip_reason(device)
+                    if why:
+                        skipped["ans"] = why
+                        continue
+                run = run_cohort(model, recipe, cohort, pages, codec=codec, variant=variant, **kw)
+                _compare(run, control)
+                runs.append(run)
+                log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
+                    f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
+                    f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
+    finally:
+        pages.close()
     for run in runs:
         run.pop("_records")
     result: dict[str, Any] = {
         "benchmark": "cohort",
         "recipe": dataclasses.asdict(recipe) | {"kv_bytes_per_token": recipe.kv_bytes_per_token,
+                                                 # requests that can hit: reuse requests after their prefix's first
+                                                 "reuse_requests": recipe.warm_requests - recipe.prefixes,
                                                  "prefix_logical_bytes": recipe.prefixes * recipe.kv_bytes_per_token
                                                  * (recipe.input_tokens - recipe.suffix_tokens)},
         "device": device,
