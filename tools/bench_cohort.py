@@ -891,8 +891,8 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": platform.python_version(), "platform": platform.platform()}
-    for pkg in ("orbitkv-fs", "torch", "transformers", "numpy", "numba", "cupy-cuda12x", "cupy-cuda13x",
-                "nvidia-nvcomp-cu12", "kvikio-cu12", "msgspec", "pyzmq", "matplotlib"):
+    for pkg in ("orbitkv-fs", "torch", "transformers", "numpy", "numba", "cupy-cuda13x", "kvikio-cu13",
+                "nvidia-libnvcomp-cu13", "liburing", "msgspec", "pyzmq", "matplotlib"):
         with contextlib.suppress(md.PackageNotFoundError):
             out[pkg] = md.version(pkg)
     with contextlib.suppress(Exception):
