@@ -370,6 +370,7 @@ def run_codecs(args: Any) -> dict:
     }
     k = km.kernels()
     out["hardware_fp8_instructions"] = k.hardware_fp8
+    out["grid_blocks"] = dict(k.grids)
     dst = [cp.empty_like(src)]
     t = _median_time(lambda: cp.copyto(dst[0], src), repeat)
     out["d2d_copy_read_plus_write_GBps"] = _gbps(2 * nbytes, t)

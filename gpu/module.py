@@ -72,11 +72,26 @@ class Kernels:
     functions: dict[str, cp.RawKernel]
     crc_tables: cp.ndarray
     tq_tables: cp.ndarray
-    max_grid: int
+    grids: dict[str, int]  # resident blocks of each kernel on the whole device
     hardware_fp8: bool
 
     def fn(self, name: str) -> cp.RawKernel:
         return self.functions[name]
+
+
+def _resident_blocks(fn: cp.RawKernel, props: dict) -> int:
+    """Blocks of ``fn`` (THREADS threads) one multiprocessor holds at once: the kernels loop over their
+    work units, so the grid must be exactly what fits -- a larger one runs its last blocks after the
+    first ones finished all their units, doubling the time."""
+    attrs = fn.attributes
+    regs = max(int(attrs.get("num_regs", 32)), 1)
+    per_warp = -(-regs * 32 // 256) * 256
+    warps = THREADS // 32
+    by_regs = int(props.get("regsPerMultiprocessor", 65536)) // (per_warp * warps)
+    by_threads = int(props.get("maxThreadsPerMultiProcessor", 2048)) // THREADS
+    smem = int(attrs.get("shared_size_bytes", 0)) + int(props.get("reservedSharedMemPerBlock", 1024))
+    by_smem = int(props.get("sharedMemPerMultiprocessor", 233472)) // max(smem, 1)
+    return max(1, min(by_regs, by_threads, by_smem, 32))
 
 
 @functools.cache
@@ -93,7 +108,7 @@ def _kernels(device_id: int, arith: bool) -> Kernels:
             functions=functions,
             crc_tables=cp.asarray(crc_tables()),
             tq_tables=cp.asarray(turboquant_tables()),
-            max_grid=sms * 8,
+            grids={name: sms * _resident_blocks(fn, props) for name, fn in functions.items()},
             hardware_fp8=(not arith) and (major, minor) >= (8, 9),
         )
 
@@ -111,6 +126,6 @@ def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_pt
     args = [np.uint64(segs_ptr), np.int32(nsegs), np.uint32(total), np.uint64(meta_ptr)]
     if table is not None:
         args.append(table)
-    grid = min(total, k.max_grid)
+    grid = min(total, k.grids[name])
     k.fn(name)((grid,), (THREADS,), tuple(args), stream=stream)
     return 1

@@ -161,8 +161,9 @@ __device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64
   if (t == 0) {
     u32 acc = red[0];
     for (int w = 1; w < OKV_THREADS / 32; ++w) acc = (full ? okv_mul_fixed(acc, sS + 5 * 256) : acc) ^ red[w];
-    const u64 d = n - (unit_start + m);
-    if (d) {
+    // units past a device-side length (m == 0) contribute nothing and must not index the tables
+    const u64 d = m ? n - (unit_start + m) : 0;
+    if (acc && d) {
       const u32 q = (u32)(d / OKV_CHUNK), r = (u32)(d % OKV_CHUNK);
       const u32 mult = q ? okv_gf_mul(tables[OKV_TAB_XC + q], tables[OKV_TAB_XP + r]) : tables[OKV_TAB_XP + r];
       acc = okv_gf_mul(acc, mult);
