@@ -6,8 +6,9 @@ first token and more requests per second than recomputing it, and than storing i
 
 Owns the recipe (:class:`Recipe`, :data:`FULL` and :data:`QUICK`), the request cohort
 (:func:`build_cohort`), a minimal paged engine around a transformers causal LM (:class:`Engine`), one
-run of the cohort against one configuration (:func:`run_cohort`), the whole benchmark (:func:`benchmark`)
-and its report (JSON, markdown table, PNG plots; :func:`write_report`).
+run of the cohort against one configuration (:func:`run_cohort`), the whole benchmark (:func:`benchmark`),
+its verdicts (:func:`verdicts`), its report (JSON, markdown table, PNG plots; :func:`write_report`) and the
+merge of separate invocations into one report (:func:`merge`).
 
 The engine (one per run, fresh caches):
 
@@ -54,8 +55,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["FULL", "QUICK", "Recipe", "RequestSpec", "benchmark", "build_cohort", "main", "run_cohort",
-           "write_report"]
+__all__ = ["FULL", "QUICK", "Engine", "Recipe", "RequestSpec", "benchmark", "build_cohort", "main", "merge",
+           "run_cohort", "verdicts", "write_report"]
 
 CODECS = ("none", "ans", "fp8", "turboquant-4", "turboquant-3")
 LOSSY = ("fp8", "turboquant-4", "turboquant-3")
