@@ -178,29 +178,75 @@ def test_namespace_mismatch_refused_by_the_peer(servers, requester):
     assert node.stats().failures_total == {FailureReason.NAMESPACE: 1}
 
 
-def test_namespace_mismatch_refused_by_the_requester(requester):
-    # A peer that answers for another namespace (a misbehaving or misconfigured one) is refused.
+@pytest.mark.parametrize("answer, reason", [
+    ("other_namespace", FailureReason.NAMESPACE),
+    ("huge_extent", FailureReason.PROTOCOL),
+    ("extent_count", FailureReason.PROTOCOL),
+    ("garbage", FailureReason.PROTOCOL),
+    ("refused_busy", FailureReason.REFUSED),
+])
+def test_bad_answers_are_refused_by_the_requester(requester, answer, reason):
+    """A misbehaving peer (a raw ROUTER socket here) never gets a read submitted, only a failure."""
+    import threading
+
     import zmq
 
-    ctx = zmq.Context.instance()
-    rogue = ctx.socket(zmq.ROUTER)
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
     node, _ = requester([f"127.0.0.1:{port}"], budget_s=2.0)
     key = make_segments(NS, 1, 65536, 10)[0][0]
-    import threading
+    sess = node.transport.session_id
 
-    def answer():
+    def reply(req):
+        return {
+            "other_namespace": P.encode(P.LeaseReply(req.req_id, OTHER_NS, sess, 4096, 1, [P.Extent(0, 128, 1)])),
+            "huge_extent": P.encode(P.LeaseReply(req.req_id, NS, sess, 4096, 1, [P.Extent(0, 1 << 40, 1)])),
+            "extent_count": P.encode(P.LeaseReply(req.req_id, NS, sess, 4096, 1, [])),
+            "garbage": b"\xc1\xc1",
+            "refused_busy": P.encode(P.Refused(req.req_id, P.RefuseReason.BUSY)),
+        }[answer]
+
+    def serve():
         ident, frame = rogue.recv_multipart()
-        req = P.decode_request(frame)
-        rogue.send_multipart([ident, P.encode(P.LeaseReply(req.req_id, OTHER_NS, node.transport.session_id,
-                                                           4096, 1, [P.Extent(0, 128, 1)]))])
+        rogue.send_multipart([ident, reply(P.decode_request(frame))])
 
-    th = threading.Thread(target=answer)
+    th = threading.Thread(target=serve)
     th.start()
     assert node.client.fetch([key]) == {}
     th.join()
     rogue.close(0)
-    assert node.stats().failures_total == {FailureReason.NAMESPACE: 1}
+    st = node.stats()
+    assert st.failures_total == {reason: 1} and st.staging_used_bytes == 0
+    assert st.peers[0].state == "backoff"
+
+
+def test_leases_of_a_requester_that_never_releases_expire():
+    import zmq
+
+    from orbitkv_fs.peers import PeerServer
+
+    arena = ShmArena(1 << 20, [NS])
+    key, seg = make_segments(NS, 1, 65536, 16)[0]
+    arena.put(key, seg)
+    server = PeerServer(arena, "127.0.0.1:1", lease_ttl_s=0.5)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"tcp://{server.address}")
+    try:
+        s.send(P.encode(P.LeaseRequest(1, NS, [key.pack()])))
+        rep = P.decode_reply(s.recv())
+        assert isinstance(rep, P.LeaseReply) and rep.lease_id and arena.leases_active == 1
+        deadline = time.monotonic() + 5
+        while arena.leases_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert arena.leases_active == 0 and server.counters.leases_expired == 1 and server.leases_active == 0
+        s.send(P.encode(P.ReleaseRequest(2, rep.lease_id)))  # a late release of an expired lease: harmless
+        assert P.decode_reply(s.recv()) == P.Ack(2)
+        assert server.counters.releases == 0
+    finally:
+        s.close(0)
+        server.close()
+        arena.close()
 
 
 def test_server_survives_garbage_and_answers_typed_refusals(servers):

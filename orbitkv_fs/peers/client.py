@@ -369,7 +369,8 @@ class PeerClient:
             socks[sock] = peer
             sock.send(P.encode(req), zmq.NOBLOCK)
             want[req.req_id] = (peer, sock)
-            peer.requests += 1
+            with self._lock:
+                peer.requests += 1
         for s in socks:
             poller.register(s, zmq.POLLIN)
         out: dict[int, P.Reply | str] = {}
