@@ -42,7 +42,7 @@ import select
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ...errors import OrbitKVError, SegmentError
 from ...keys import ObjectKey
@@ -537,8 +537,13 @@ class SsdTier:
         """The validated segment bytes of ``key``, or None (absent, I/O error, or corrupt)."""
         return self.read_many([key])[0]
 
-    def read_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
-        """Demand-read several keys at once (up to the queue depth in flight)."""
+    def read_many(self, keys: Sequence[ObjectKey],
+                  sink: "Callable[[int, bytes], None] | None" = None) -> list[bytes | None]:
+        """Demand-read several keys at once (up to the read queue depth in flight).
+
+        With ``sink``, each segment is handed to ``sink(index, segment)`` as soon as it is validated and
+        not kept in the returned list (which then holds None for it): a consumer that stores segments
+        elsewhere (DRAM) never holds more than the reads in flight."""
         with self._lock:
             if self._closed:
                 return [None] * len(keys)
@@ -551,12 +556,13 @@ class SsdTier:
             ring = self._read_rings.pop() if self._read_rings else None
         out: list[bytes | None] = [None] * len(keys)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
+        hits: set[int] = set()
+        bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
         try:
             if ring is None:
                 ring = self._io.ring(self.config.read_queue_depth)
             todo = [i for i, s in enumerate(slots) if s is not None]
             started: dict[int, float] = {}
-            bufs: dict[int, memoryview] = {}
             pos = 0
             while pos < len(todo) or bufs:
                 while pos < len(todo) and ring.space() > 0:
@@ -567,22 +573,34 @@ class SsdTier:
                     started[i] = time.perf_counter()
                     ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
                     pos += 1
-                for i, res in ring.submit_and_wait():
+                landed = [(i, res, bufs.pop(i)) for i, res in ring.submit_and_wait()]
+                for i, res, buf in landed:
                     # Validate as each read lands, so only the reads in flight hold buffers.
-                    s, buf = slots[i], bufs.pop(i)
+                    s = slots[i]
                     if res != s.length:
                         verdicts[i] = _reason(res, "short_read")
                     else:
                         try:
                             _, _, seg = check_record(buf, s.key, s.generation)
-                            out[i] = bytes(seg)
+                            data = bytes(seg)
                             del seg
                             self._read_lat.append(time.perf_counter() - started[i])
+                            hits.add(i)
+                            if sink is None:
+                                out[i] = data
+                            else:
+                                sink(i, data)
+                            del data
                         except SegmentError:
                             verdicts[i] = "corrupt"
                     with self._lock:
                         self._recycle(buf)
         finally:
+            # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
+            # reads in flight, and their completions must not reach the ring's next user.
+            while bufs and ring is not None:
+                for i, _ in ring.wait(1.0):
+                    bufs.pop(i, None)
             with self._lock:
                 if ring is not None and self._closed:
                     ring.close()
@@ -594,7 +612,7 @@ class SsdTier:
                         continue
                     s.leases -= 1
                     v = verdicts.get(i)
-                    if out[i] is not None:
+                    if i in hits:
                         self._c["read_hits_total"] += 1
                         self._c["read_bytes_total"] += s.length
                     elif v == "corrupt":
