@@ -17,7 +17,7 @@ V (role value), per vector: lo = fp16(min), sc = fp16((max - min) / (2**bits - 1
 Record per vector: FP16 g (K) or FP16 lo, sc (V), then D*bits/8 bytes of codes packed LSB first.
 Signs: bit 63 of splitmix64(((seed << 32) | (layer << 16) | j) ^ 0x4F524249544B5631); set means -1.
 
-The per-vector work runs in numba kernels (one vector at a time, plain float32 operations, no fast-math,
+The per-vector work runs in numba kernels (blocks of 16 vectors, plain float32 operations, no fast-math,
 so LLVM never contracts them into FMAs); the FP16 side values are rounded with numpy. The tests hold the
 kernels to a scalar implementation of docs/format.md and to pinned SHA-256 test vectors.
 """
@@ -72,133 +72,158 @@ def rotation_signs(head_dim: int, layer: int, seed: int = 0) -> np.ndarray:
     return np.where(neg, np.float32(-1), np.float32(1))
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _tree_sum(s: np.ndarray) -> np.float32:
-    """Sum of float32 ``s`` by halving (the order the GPU reproduces); overwrites ``s``."""
-    n = s.size
+# Kernels work on blocks of ROWS vectors laid out [D, ROWS], so that every step is a loop over the
+# block's vectors that LLVM turns into SIMD. error_model="numpy": a division by zero would give inf/NaN
+# instead of raising (none is selected: q is 0 where the norm is 0), which lets the loops vectorise.
+ROWS = 16
+_JIT = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+
+@numba.njit(**_JIT)
+def _tree_sum_cols(s: np.ndarray, m: int, out: np.ndarray) -> None:
+    """out[r] = sum of s[:, r] by halving (the order the GPU reproduces); overwrites ``s``."""
+    n = s.shape[0]
     while n > 1:
         h = n // 2
         for i in range(h):
-            s[i] = s[i] + s[i + h]
+            for r in range(m):
+                s[i, r] = s[i, r] + s[i + h, r]
         n = h
-    return s[0]
+    for r in range(m):
+        out[r] = s[0, r]
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _fwht(a: np.ndarray) -> None:
-    """In place, unnormalised Walsh-Hadamard butterfly, stages h = 1, 2, ..., D/2."""
-    d = a.size
+@numba.njit(**_JIT)
+def _fwht_cols(a: np.ndarray, m: int) -> None:
+    """In place, unnormalised Walsh-Hadamard butterfly over axis 0, stages h = 1, 2, ..., D/2."""
+    d = a.shape[0]
     h = 1
     while h < d:
         for i in range(0, d, 2 * h):
             for j in range(i, i + h):
-                x = a[j]
-                y = a[j + h]
-                a[j] = x + y
-                a[j + h] = x - y
+                for r in range(m):
+                    x = a[j, r]
+                    y = a[j + h, r]
+                    a[j, r] = x + y
+                    a[j + h, r] = x - y
         h *= 2
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _pack(idx: np.ndarray, bits: int, out: np.ndarray) -> None:
-    """Codes LSB first: code j in bits [j*bits, (j+1)*bits) of ``out``. D is a multiple of 8, so
-    every 8 codes fill exactly ``bits`` bytes."""
-    for g in range(idx.size // 8):
+@numba.njit(**_JIT)
+def _pack(idx: np.ndarray, r: int, bits: int, out: np.ndarray) -> None:
+    """Codes idx[:, r] LSB first: code j in bits [j*bits, (j+1)*bits) of ``out``. D is a multiple of 8,
+    so every 8 codes fill exactly ``bits`` bytes."""
+    for g in range(idx.shape[0] // 8):
         acc = np.uint32(0)
         for i in range(8):
-            acc |= np.uint32(idx[8 * g + i]) << np.uint32(bits * i)
+            acc |= np.uint32(idx[8 * g + i, r]) << np.uint32(bits * i)
         for b in range(bits):
             out[bits * g + b] = np.uint8((acc >> np.uint32(8 * b)) & np.uint32(0xFF))
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _unpack(packed: np.ndarray, bits: int, idx: np.ndarray) -> None:
+@numba.njit(**_JIT)
+def _unpack(packed: np.ndarray, bits: int, idx: np.ndarray, r: int) -> None:
     mask = np.uint32((1 << bits) - 1)
-    for g in range(idx.size // 8):
+    for g in range(idx.shape[0] // 8):
         acc = np.uint32(0)
         for b in range(bits):
             acc |= np.uint32(packed[bits * g + b]) << np.uint32(8 * b)
         for i in range(8):
-            idx[8 * g + i] = np.uint8((acc >> np.uint32(bits * i)) & mask)
+            idx[8 * g + i, r] = np.uint8((acc >> np.uint32(bits * i)) & mask)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(**_JIT)
 def _encode_key_kernel(w, signs, bounds, cents, bits, g_out, codes_out):
     n, d = w.shape
     fd = np.float32(d)
     zero = np.float32(0)
-    s = np.empty(d, dtype=np.float32)
-    z = np.empty(d, dtype=np.float32)
-    q = np.empty(d, dtype=np.float32)
-    c = np.empty(d, dtype=np.float32)
-    idx = np.empty(d, dtype=np.uint8)
-    for r in range(n):
+    s = np.empty((d, ROWS), dtype=np.float32)
+    z = np.empty((d, ROWS), dtype=np.float32)
+    c = np.empty((d, ROWS), dtype=np.float32)
+    idx = np.empty((d, ROWS), dtype=np.uint8)
+    norm = np.empty(ROWS, dtype=np.float32)
+    den = np.empty(ROWS, dtype=np.float32)
+    dot = np.empty(ROWS, dtype=np.float32)
+    for r0 in range(0, n, ROWS):
+        m = min(ROWS, n - r0)
         for j in range(d):
-            s[j] = w[r, j] * w[r, j]
-        norm = np.sqrt(_tree_sum(s))
+            for r in range(m):
+                x = w[r0 + r, j]
+                s[j, r] = x * x
+                z[j, r] = x * signs[j]
+        _tree_sum_cols(s, m, norm)
+        for r in range(m):
+            norm[r] = np.sqrt(norm[r])
+        _fwht_cols(z, m)
         for j in range(d):
-            z[j] = w[r, j] * signs[j]
-        _fwht(z)
-        if norm > zero:
-            for j in range(d):
-                q[j] = z[j] / norm
-        else:
-            q[:] = zero
-        idx[:] = 0
-        for b in range(bounds.size):  # bounds outer, vector inner: SIMD-friendly count of q > B[b]
+            for r in range(m):
+                z[j, r] = z[j, r] / norm[r] if norm[r] > zero else zero  # z becomes q
+                idx[j, r] = 0
+        for b in range(bounds.size):  # idx = number of boundaries below q (strictly)
             bound = bounds[b]
             for j in range(d):
-                idx[j] += np.uint8(q[j] > bound)
+                for r in range(m):
+                    idx[j, r] += np.uint8(z[j, r] > bound)
         for j in range(d):
-            c[j] = cents[idx[j]]
+            for r in range(m):
+                c[j, r] = cents[idx[j, r]]
+                s[j, r] = c[j, r] * c[j, r]
+        _tree_sum_cols(s, m, den)
         for j in range(d):
-            s[j] = c[j] * c[j]
-        den = np.sqrt(_tree_sum(s) * fd)
-        for j in range(d):
-            s[j] = q[j] * c[j]
-        g_out[r] = (norm * _tree_sum(s)) / den
-        _pack(idx, bits, codes_out[r])
+            for r in range(m):
+                s[j, r] = z[j, r] * c[j, r]
+        _tree_sum_cols(s, m, dot)
+        for r in range(m):
+            g_out[r0 + r] = (norm[r] * dot[r]) / np.sqrt(den[r] * fd)
+            _pack(idx, r, bits, codes_out[r0 + r])
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(**_JIT)
 def _decode_key_kernel(g, codes, signs, cents, bits, out):
     n, d = out.shape
     fd = np.float32(d)
-    s = np.empty(d, dtype=np.float32)
-    c = np.empty(d, dtype=np.float32)
-    idx = np.empty(d, dtype=np.uint8)
-    for r in range(n):
-        _unpack(codes[r], bits, idx)
+    s = np.empty((d, ROWS), dtype=np.float32)
+    c = np.empty((d, ROWS), dtype=np.float32)
+    idx = np.empty((d, ROWS), dtype=np.uint8)
+    den = np.empty(ROWS, dtype=np.float32)
+    for r0 in range(0, n, ROWS):
+        m = min(ROWS, n - r0)
+        for r in range(m):
+            _unpack(codes[r0 + r], bits, idx, r)
         for j in range(d):
-            c[j] = cents[idx[j]]
-            s[j] = c[j] * c[j]
-        scale = g[r] / np.sqrt(_tree_sum(s) * fd)
-        _fwht(c)
-        for j in range(d):
-            out[r, j] = (c[j] * scale) * signs[j]
+            for r in range(m):
+                c[j, r] = cents[idx[j, r]]
+                s[j, r] = c[j, r] * c[j, r]
+        _tree_sum_cols(s, m, den)
+        for r in range(m):
+            den[r] = g[r0 + r] / np.sqrt(den[r] * fd)  # den becomes the scale
+        _fwht_cols(c, m)
+        for r in range(m):
+            for j in range(d):
+                out[r0 + r, j] = (c[j, r] * den[r]) * signs[j]
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(**_JIT)
 def _encode_value_kernel(w, lo, sc, bits, codes_out):
     n, d = w.shape
     levels = np.float32((1 << bits) - 1)
     zero = np.float32(0)
-    idx = np.empty(d, dtype=np.uint8)
+    idx = np.empty((d, 1), dtype=np.uint8)
     for r in range(n):
         for j in range(d):
             t = np.rint((w[r, j] - lo[r]) / sc[r]) if sc[r] > zero else zero
-            idx[j] = np.uint8(min(max(t, zero), levels))
-        _pack(idx, bits, codes_out[r])
+            idx[j, 0] = np.uint8(min(max(t, zero), levels))
+        _pack(idx, 0, bits, codes_out[r])
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(**_JIT)
 def _decode_value_kernel(lo, sc, codes, bits, out):
     n, d = out.shape
-    idx = np.empty(d, dtype=np.uint8)
+    idx = np.empty((d, 1), dtype=np.uint8)
     for r in range(n):
-        _unpack(codes[r], bits, idx)
+        _unpack(codes[r], bits, idx, 0)
         for j in range(d):
-            out[r, j] = lo[r] + np.float32(idx[j]) * sc[r]
+            out[r, j] = lo[r] + np.float32(idx[j, 0]) * sc[r]
 
 
 def _fp16_or_none(v: np.ndarray) -> np.ndarray | None:
