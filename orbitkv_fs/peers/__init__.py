@@ -7,7 +7,7 @@ their snapshot), :mod:`.node` (one Manager's peer layer). Importing this package
 ``mooncake`` nor ``zmq``; constructing a :class:`Transport`, :class:`PeerServer` or :class:`PeerClient` does.
 """
 
-from .client import PeerClient, PeerConfig, PeerError, UnknownPeer
+from .client import ArenaSink, PeerClient, PeerConfig, PeerError, UnknownPeer
 from .node import PeerNode
 from .protocol import ProtocolError
 from .server import PeerServer, PeerSource
@@ -15,7 +15,7 @@ from .stats import FailureReason, PeerInfo, PeerStats
 from .transport import Transport, TransportError, TransportUnavailable, transport_available
 
 __all__ = [
-    "FailureReason", "PeerClient", "PeerConfig", "PeerError", "PeerInfo", "PeerNode", "PeerServer",
+    "ArenaSink", "FailureReason", "PeerClient", "PeerConfig", "PeerError", "PeerInfo", "PeerNode", "PeerServer",
     "PeerSource", "PeerStats", "ProtocolError", "Transport", "TransportError", "TransportUnavailable",
     "UnknownPeer", "transport_available",
 ]

@@ -29,7 +29,7 @@ class FailureReason:
     NAMESPACE = "namespace"  # the peer refused our namespace, or answered for another one
     PROTOCOL = "protocol"  # an undecodable or inconsistent reply
     REFUSED = "refused"  # the peer refused for another reason (busy, version, bad request)
-    STAGING = "staging"  # no room in the local staging memory (not counted against the peer)
+    STAGING = "staging"  # no room in local staging memory or the arena (not counted against the peer)
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
