@@ -6,8 +6,8 @@ pages itself (shared-memory file or CUDA IPC); requests carry chunk keys and blo
 
 Wire format: one ZeroMQ frame each way. A request is a msgspec-tagged struct (:data:`Request`); a reply is
 one status byte (0 ok, 1 error) then msgpack: the call's result struct, or :class:`WireError` (error class
-name, message, field). Sockets: clients use REQ, the server a ROUTER proxied to ``workers`` REP threads
-over inproc, so slow saves do not stall lookups.
+name, message, field). Sockets: clients use REQ, the server one ROUTER; lookups are answered on the
+router's thread, saves and restores on worker threads, so slow saves do not stall lookups.
 
 Invariants: malformed or hostile input gets a typed error reply, never a crash; the server binds only
 loopback TCP or ipc:// unless told otherwise; the client re-raises the same error classes the embedded
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import msgspec
@@ -134,7 +136,12 @@ def _check_endpoint(endpoint: str, allow_remote: bool) -> None:
 
 
 class DataPlaneServer:
-    """Serves a :class:`Manager` on ``endpoint`` with ``workers`` threads until :meth:`close`."""
+    """Serves a :class:`Manager` on ``endpoint`` until :meth:`close`.
+
+    One thread owns the ROUTER socket. Requests that never wait on I/O (ping, stats, release, and lookups
+    when there is no lower tier or peer to consult) are answered inline on that thread: no thread hop on
+    the latency-critical path. The rest run on ``workers`` threads, which hand their replies back through
+    an inproc PUSH/PULL pair (ZeroMQ sockets stay with their threads)."""
 
     def __init__(self, manager: Manager, endpoint: str = DEFAULT_ENDPOINT, *, workers: int = 4,
                  allow_remote: bool = False) -> None:
@@ -150,44 +157,77 @@ class DataPlaneServer:
             self._ctx.term()
             raise OrbitKVError(f"cannot bind the data plane to {endpoint}: {e}") from None
         self.endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._backend_addr = f"inproc://dataplane-{id(self)}"
-        self._back = self._ctx.socket(zmq.DEALER)
-        self._back.setsockopt(zmq.LINGER, 0)
-        self._back.bind(self._backend_addr)
-        self._threads = [threading.Thread(target=self._proxy, name="dataplane-proxy", daemon=True)]
-        self._threads += [threading.Thread(target=self._worker, name=f"dataplane-{i}", daemon=True)
-                          for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._replies_addr = f"inproc://dataplane-replies-{id(self)}"
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        self._replies.bind(self._replies_addr)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dataplane")
+        self._local = threading.local()
+        self._push_socks: list[zmq.Socket] = []
+        self._push_lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="dataplane-router", daemon=True)
+        self._thread.start()
 
-    def _proxy(self) -> None:
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
         try:
-            zmq.proxy(self._front, self._back)
-        except zmq.ContextTerminated:
-            pass
+            while not self._stop:
+                ready = dict(poller.poll(100))
+                if self._replies in ready:
+                    while True:
+                        try:
+                            self._front.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if self._front in ready:
+                    while True:
+                        try:
+                            frames = self._front.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._route(frames)
+            time.sleep(0.01)  # close() stopped the workers first: forward the replies they left
+            while True:
+                try:
+                    self._front.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
         finally:
             self._front.close(0)
-            self._back.close(0)
+            self._replies.close(0)
 
-    def _worker(self) -> None:
-        sock = self._ctx.socket(zmq.REP)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._backend_addr)
-        try:
-            while True:
-                msg = sock.recv()
-                sock.send(self.handle(msg))
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            sock.close(0)
-
-    def handle(self, msg: bytes) -> bytes:
-        """One request's reply bytes. Never raises."""
+    def _route(self, frames: list[bytes]) -> None:
+        envelope, msg = frames[:-1], frames[-1]
         try:
             req = _REQ_DEC.decode(msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return _ERR + _ENC.encode(WireError("RequestError", f"malformed request: {e}"))
+            self._front.send_multipart(envelope + [_ERR + _ENC.encode(WireError("RequestError",
+                                                                                f"malformed request: {e}"))])
+            return
+        m = self.manager
+        inline = isinstance(req, (Ping, Stats, Release)) or (
+            isinstance(req, Lookup) and m.lower is None and m.peers is None)
+        if inline:
+            self._front.send_multipart(envelope + [self._reply(req)])
+        else:
+            self._pool.submit(self._work, envelope, req)
+
+    def _work(self, envelope: list[bytes], req: Any) -> None:
+        reply = self._reply(req)
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = self._local.push = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._replies_addr)
+            with self._push_lock:
+                self._push_socks.append(sock)
+        sock.send_multipart(envelope + [reply])
+
+    def _reply(self, req: Any) -> bytes:
+        """One decoded request's reply bytes. Never raises."""
         try:
             return _OK + _ENC.encode(self._dispatch(req))
         except OrbitKVError as e:
@@ -224,9 +264,13 @@ class DataPlaneServer:
 
     def close(self) -> None:
         """Stop serving: in-flight requests finish, the sockets close."""
+        self._pool.shutdown(wait=True)
+        self._stop = True
+        self._thread.join(timeout=10)
+        with self._push_lock:
+            for sock in self._push_socks:
+                sock.close(0)
         self._ctx.term()
-        for t in self._threads:
-            t.join(timeout=10)
 
 
 def _message(e: BaseException) -> str:

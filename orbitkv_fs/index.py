@@ -26,7 +26,7 @@ _KEY_NS_CHUNK = 32  # bytes of the packed key that name (namespace, chunk)
 class ObjectIndex:
     def __init__(self) -> None:
         self._map: dict[bytes, int] = {}
-        self._chunks: dict[bytes, int] = {}
+        self.chunks: dict[bytes, int] = {}
         self.keys: list[bytes | None] = []
         self.offset = array("I")  # in allocation units
         self.units = array("I")
@@ -61,7 +61,7 @@ class ObjectIndex:
         self.rep[slot], self.state[slot] = rep, LIVE
         self._map[key] = slot
         c = key[:_KEY_NS_CHUNK]
-        self._chunks[c] = self._chunks.get(c, 0) + 1
+        self.chunks[c] = self.chunks.get(c, 0) + 1
         return slot, gen
 
     def get(self, key: bytes) -> int | None:
@@ -69,7 +69,7 @@ class ObjectIndex:
 
     def chunk_count(self, ns_chunk: bytes) -> int:
         """Published segments of (namespace + chunk), 32 bytes."""
-        return self._chunks.get(ns_chunk, 0)
+        return self.chunks.get(ns_chunk, 0)
 
     def hide(self, slot: int) -> None:
         """LIVE -> HIDDEN: invisible to new readers, extent kept for the leases still on it."""
@@ -77,11 +77,11 @@ class ObjectIndex:
         assert key is not None and self.state[slot] == LIVE
         del self._map[key]
         c = key[:_KEY_NS_CHUNK]
-        n = self._chunks[c] - 1
+        n = self.chunks[c] - 1
         if n:
-            self._chunks[c] = n
+            self.chunks[c] = n
         else:
-            del self._chunks[c]
+            del self.chunks[c]
         self.state[slot] = HIDDEN
 
     def free(self, slot: int) -> None:

@@ -392,27 +392,29 @@ class PeerFetcher(Protocol):
 class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
-    __slots__ = ("layer", "role", "desc", "array", "codec", "raw_reason", "block_shape", "block_bytes", "dtype",
-                 "pick", "on_gpu")
+    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
-                 raw_reason: RawReason, on_gpu: bool) -> None:
+                 raw_reason: RawReason) -> None:
         self.layer = desc.layer
         self.role = role
         self.desc = desc
-        self.array = array
         self.codec = codec
         self.raw_reason = raw_reason
-        self.on_gpu = on_gpu
         self.dtype = np.dtype(parse_dtype(desc.dtype))
-        views = block_views(reg, desc, array, 0)
-        self.pick = [i for i, (r, _) in enumerate(views) if r == role][0]
-        v = views[self.pick][1]
+        # block -> view of that block, specialised per layout (the hot loop of save and restore).
+        if desc.layout == "vllm_packed":
+            half = slice(0, reg.head_dim) if role == Role.KEY else slice(reg.head_dim, 2 * reg.head_dim)
+            self.view = lambda b: array[b, :, :, half]
+        elif desc.layout == "sglang_token_pool":
+            t = reg.block_size
+            self.view = lambda b: array[b * t:(b + 1) * t]
+        else:
+            self.view = array.__getitem__
+        v = self.view(0)
+        assert any(r == role and w.shape == v.shape for r, w in block_views(reg, desc, array, 0))
         self.block_shape = tuple(v.shape)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
-
-    def view(self, reg: EngineRegistration, block: int):
-        return block_views(reg, self.desc, self.array, block)[self.pick][1]
 
 
 class _Engine:
@@ -545,7 +547,7 @@ class Manager:
                 if codec is None and codec_name != "none":
                     exact_layers.add(desc.layer)
                 for role, _ in block_views(reg, desc, arr, 0):
-                    segs.append(_Seg(reg, desc, arr, role, codec, reason, device != "host"))
+                    segs.append(_Seg(reg, desc, arr, role, codec, reason))
             segs.sort(key=lambda s: (s.layer, int(s.role)))
             blocks = min(num_blocks(reg, d) for d in reg.tensors)
             ns = namespace_v2(reg, codec_name)
@@ -659,23 +661,22 @@ class Manager:
                 if not isinstance(c, bytes) or len(c) != 16:
                     raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
             nseg = len(eng.segs)
-            dram = self.dram
             pin = _Lease(engine_id)
-            n_dram = n_lower = 0
-            for c in chunks:
-                nc = eng.ns + c
-                if lease:
-                    dram.pin_chunks((nc,))
-                    pin.chunks.append(nc)
-                if dram.chunk_count(nc) >= nseg:
-                    n_dram += 1
-                    continue
-                if self.lower is not None and self._promote(eng, c):
+            ns_chunks = [eng.ns + c for c in chunks]
+            n_dram = self.dram.leading_complete(ns_chunks, nseg, pin=lease)
+            if lease:
+                pin.chunks.extend(ns_chunks[:n_dram])
+            n_lower = 0
+            if self.lower is not None:
+                for c, nc in zip(chunks[n_dram:], ns_chunks[n_dram:]):
+                    if lease:
+                        self.dram.pin_chunks((nc,))
+                        pin.chunks.append(nc)
+                    if not self._promote(eng, c):
+                        if lease:
+                            self.dram.unpin_chunks((pin.chunks.pop(),))
+                        break
                     n_lower += 1
-                    continue
-                if lease:
-                    dram.unpin_chunks((pin.chunks.pop(),))
-                break
             count = n_dram + n_lower
             n_peer = 0
             if count < len(chunks) and self.peers is not None:
@@ -780,7 +781,7 @@ class Manager:
         """The chunk's blocks of ``seg`` as one contiguous host array (leading axis: blocks)."""
         out = np.empty((len(blocks),) + seg.block_shape, dtype=seg.dtype)
         for j, b in enumerate(blocks):
-            _to_host(seg.view(eng.reg, b), out[j])
+            _to_host(seg.view(b), out[j])
         return out
 
     def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
@@ -801,7 +802,7 @@ class Manager:
             body = self.dram.view(off + HEADER_SIZE, n)
             dst = body.view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape)
             for j, b in enumerate(ch.blocks):
-                _to_host(seg.view(eng.reg, b), dst[j])
+                _to_host(seg.view(b), dst[j])
             h = SegmentHeader(Format.RAW, seg.dtype, n, n, crc32c(body), role=seg.role, layer=seg.layer,
                               raw_reason=seg.raw_reason)
             self.dram.view(off, HEADER_SIZE)[:] = np.frombuffer(pack_header(h), dtype=np.uint8)
@@ -974,7 +975,7 @@ class Manager:
         try:
             per = seg.block_bytes // seg.dtype.itemsize
             for j, b in enumerate(blocks):
-                _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(eng.reg, b))
+                _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(b))
         finally:
             if h.format != Format.RAW:
                 self._workspace_delta(-flat.nbytes)

@@ -282,6 +282,22 @@ class DramTier:
                     del self.chunk_pins[c]
                 self.pins_active -= 1
 
+    def leading_complete(self, ns_chunks: list[bytes], nseg: int, *, pin: bool) -> int:
+        """How many leading chunks have all ``nseg`` segments published; with ``pin`` they are pinned
+        (one lock round for the whole lookup)."""
+        counts = self.index.chunks
+        with self.lock:
+            n = 0
+            for c in ns_chunks:
+                if counts.get(c, 0) < nseg:
+                    break
+                n += 1
+            if pin:
+                for c in ns_chunks[:n]:
+                    self.chunk_pins[c] = self.chunk_pins.get(c, 0) + 1
+                self.pins_active += n
+            return n
+
     def _pinned(self, slot: int) -> bool:
         ix = self.index
         return ix.leases[slot] > 0 or (bool(self.chunk_pins) and ix.keys[slot][:32] in self.chunk_pins)

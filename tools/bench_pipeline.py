@@ -1,0 +1,320 @@
+"""``orbitkv-bench pipeline``: save/restore through the Manager's whole pipeline, and its data plane.
+
+Figures (each next to its baseline, measured in the same run):
+
+* ``throughput``: logical GB/s (source bytes per second) of ``Manager.save`` and ``Manager.restore`` for
+  each codec at 64 KiB - 4 MiB segments, over host engine pages in shared memory, next to a plain copy of
+  the same bytes (``numpy.copyto`` of the engine pages into a preallocated buffer).
+* ``dataplane``: p50/p99 round trip of an empty lookup and of a 64-chunk lookup against a real
+  ``orbitkv-cache-manager`` process over ipc://; save and restore of 1 MiB segments remote vs embedded.
+* ``index``: bytes of Python heap per cached segment at 1 million segments (tracemalloc), for the
+  index alone and with each eviction policy.
+
+``--device gpu`` runs the same pipeline with the arena pinned and the GPU codec engine where present
+(engine pages stay host pages here; CUDA IPC engines are covered by the gpu tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+
+from orbitkv_fs.geometry import EngineRegistration
+from orbitkv_fs.index import ObjectIndex
+from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+from orbitkv_fs.pages import host_engine_pages
+from orbitkv_fs.segment import Role
+from orbitkv_fs.tiers.eviction import make_policy
+
+# Geometry of the throughput runs: 8 layers (TurboQuant leaves the first and last two exact, as in
+# production), 8 KV heads x 128 x 16 tokens of BF16: one block of one layer and role is 32 KiB.
+LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16
+BLOCK_BYTES = HEADS * HEAD_DIM * BLOCK * 2
+SEGMENT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _engine(num_blocks: int, num_layers: int = LAYERS, seed: int = 0):
+    pages, descs = host_engine_pages(num_layers=num_layers, num_blocks=num_blocks, block_size=BLOCK,
+                                     num_heads=HEADS, head_dim=HEAD_DIM)
+    rng = np.random.default_rng(seed)
+    for name in pages.tensors:
+        a = pages.array(name)
+        a[...] = rng.standard_normal(a.shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    reg = EngineRegistration(model="bench", num_layers=num_layers, layer_start=0, layer_end=num_layers,
+                             block_size=BLOCK, num_heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16", tensors=descs)
+    return pages, reg
+
+
+def _memcpy_gbs(pages, repeat: int) -> float:
+    srcs = [pages.array(n) for n in pages.tensors]
+    dsts = [np.empty_like(s) for s in srcs]
+    total = sum(s.nbytes for s in srcs)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for s, d in zip(srcs, dsts):
+            np.copyto(d, s)
+        best = min(best, time.perf_counter() - t)
+    return total / best / 1e9
+
+
+def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str) -> dict:
+    pages, reg = _engine(num_blocks)
+    out: dict = {"geometry": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
+                              "dtype": "bfloat16", "blocks": num_blocks,
+                              "logical_bytes_per_run": num_blocks * BLOCK_BYTES * LAYERS * 2},
+           "memcpy_gbs": _memcpy_gbs(pages, repeat), "runs": []}
+    try:
+        for codec in codecs:
+            with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * LAYERS * 2 + (64 << 20),
+                                       storage_codec=codec, device=device)) as m:
+                e = m.register_engine(reg)
+                for seg in SEGMENT_SIZES:
+                    per = seg // BLOCK_BYTES
+                    chunks = [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), list(range(i * per, (i + 1) * per)))
+                              for i in range(num_blocks // per)]
+                    save_s = restore_s = float("inf")
+                    stored = logical = 0
+                    for _ in range(repeat):
+                        m.invalidate(all=True)
+                        r = m.save(e.engine_id, chunks)
+                        save_s = min(save_s, r.seconds)
+                        stored, logical = r.stored_bytes, r.logical_bytes
+                        rr = m.restore(e.engine_id, chunks)
+                        assert all(rr.restored)
+                        restore_s = min(restore_s, rr.seconds)
+                    st = m.stats()
+                    out["runs"].append({
+                        "codec": codec, "segment_bytes": seg, "segments": len(chunks) * LAYERS * 2,
+                        "logical_bytes": logical, "stored_bytes": stored,
+                        "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9,
+                        "save_vs_memcpy": logical / save_s / 1e9 / out["memcpy_gbs"],
+                        "restore_vs_memcpy": logical / restore_s / 1e9 / out["memcpy_gbs"],
+                        "raw_segments": dict(st.raw_segments)})
+                    print(f"  {codec:>13} {seg >> 10:>5} KiB  save {out['runs'][-1]['save_gbs']:.3f} GB/s  "
+                          f"restore {out['runs'][-1]['restore_gbs']:.3f} GB/s", file=sys.stderr)
+        return out
+    finally:
+        pages.close()
+
+
+def _pcts(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"p50_us": s[len(s) // 2] * 1e6, "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+            "n": len(s)}
+
+
+def _time_calls(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_dataplane(n: int) -> dict:
+    from orbitkv_fs.dataplane import RemoteClient
+    from orbitkv_fs.errors import OrbitKVError
+
+    tmp = tempfile.mkdtemp(prefix="orbitkv-bench-")
+    endpoint = f"ipc://{tmp}/dp.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mb", "--device", "cpu",
+                             "--data-plane", endpoint, "--http-addr", "127.0.0.1:0", "--log-level", "WARNING"])
+    per = (1 << 20) // BLOCK_BYTES  # 1 MiB segments
+    pages, reg = _engine(per * 4, num_layers=2, seed=1)
+    small, small_reg = _engine(64, num_layers=2, seed=2)
+    out: dict = {"endpoint": "ipc://", "server": "orbitkv-cache-manager process, 4 data plane workers"}
+    try:
+        c = RemoteClient(endpoint, timeout=1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c.ping()
+                break
+            except OrbitKVError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the cache manager did not start") from None
+        c.close()
+        c = RemoteClient(endpoint)
+        se = c.register(small_reg)
+        keys = [chunk_key(f"k{i}") for i in range(64)]
+        c.save(se.engine_id, [ChunkBlocks(k, [i]) for i, k in enumerate(keys)])
+        _time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), 200)  # warm up
+        out["empty_lookup"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, [], lease=False), n))
+        out["lookup_64"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), n))
+        leases: list[int] = []
+        out["lookup_64_leased"] = _pcts(_time_calls(lambda: leases.append(c.lookup(se.engine_id, keys).lease_id), n))
+        for lid in leases:
+            c.release(lid)
+        assert c.lookup(se.engine_id, keys, lease=False).count == 64
+
+        chunks = [ChunkBlocks(chunk_key(f"mb{i}"), list(range(i * per, (i + 1) * per))) for i in range(4)]
+        seg_bytes = 1 << 20
+        segs = len(chunks) * 2 * 2
+
+        def cycle(client, engine_id, reps: int) -> tuple[list[float], list[float]]:
+            saves, restores = [], []
+            for _ in range(reps):
+                client.invalidate(engine_id=engine_id)
+                t = time.perf_counter()
+                client.save(engine_id, chunks)
+                saves.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                r = client.restore(engine_id, chunks)
+                restores.append(time.perf_counter() - t)
+                assert all(r.restored)
+            return saves, restores
+
+        reps = max(10, n // 100)
+        re = c.register(reg)
+        rs, rr = cycle(c, re.engine_id, reps)
+        c.unregister(re.engine_id)
+        with Manager(ManagerConfig(pool_size=512 << 20, device="cpu")) as m:
+            from orbitkv_fs.client import connect
+
+            ec = connect(m)
+            ee = ec.register(reg)
+            es, er = cycle(ec, ee.engine_id, reps)
+        med = statistics.median
+        out["segments_1mib"] = {
+            "segments_per_call": segs, "segment_bytes": seg_bytes, "reps": reps,
+            "save_embedded_ms": med(es) * 1e3, "save_remote_ms": med(rs) * 1e3,
+            "restore_embedded_ms": med(er) * 1e3, "restore_remote_ms": med(rr) * 1e3,
+            "save_overhead_us": (med(rs) - med(es)) * 1e6, "restore_overhead_us": (med(rr) - med(er)) * 1e6,
+            "save_overhead_pct": (med(rs) / med(es) - 1) * 100, "restore_overhead_pct": (med(rr) / med(er) - 1) * 100,
+        }
+        c.close()
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        pages.close()
+        small.close()
+
+
+def bench_index(n: int, segments_per_chunk: int) -> dict:
+    """Heap bytes per segment of the index (and of index + each policy) holding ``n`` segments."""
+    out: dict = {"segments": n, "segments_per_chunk": segments_per_chunk}
+    ns = bytes(16)
+    for label in ("index", "index+lru", "index+s3fifo"):
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        ix = ObjectIndex()
+        pol = make_policy(label.split("+")[1]) if "+" in label else None
+        layers = segments_per_chunk // 2 or 1
+        i = 0
+        while i < n:
+            chunk = (i // segments_per_chunk).to_bytes(16, "little")
+            for s in range(min(segments_per_chunk, n - i)):
+                kb = ObjectKey(ns, chunk, s % layers, Role.KEY if s < layers else Role.VALUE).pack()
+                slot, _ = ix.add(kb, i, 2, 1000, 2000, 0)
+                if pol is not None:
+                    pol.insert(slot, 1024, hash(kb))
+                i += 1
+        used = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        out[label.replace("+", "_") + "_bytes_per_segment"] = used / n
+        del ix, pol
+    return out
+
+
+def _markdown(res: dict, command: str) -> str:
+    lines = [f"# orbitkv-bench pipeline --device {res['device']}", "", f"Command: `{command}`", "",
+             f"Host: {res['host']}", ""]
+    if "throughput" in res:
+        t = res["throughput"]
+        g = t["geometry"]
+        lines += ["## Save / restore through the Manager", "",
+                  f"Host engine pages in /dev/shm: {g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} x "
+                  f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role); {g['logical_bytes_per_run'] >> 20} "
+                  "MiB per figure, best of the repeats. TurboQuant keeps the first and last two layers exact "
+                  "(policy), so half of its segments are raw here. Baseline: `numpy.copyto` of the same pages, "
+                  f"**{t['memcpy_gbs']:.3f} GB/s**.", "",
+                  "| codec | segment | save GB/s | restore GB/s | save / memcpy | restore / memcpy | stored / logical |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in t["runs"]:
+            lines.append(f"| {r['codec']} | {r['segment_bytes'] >> 10} KiB | {r['save_gbs']:.3f} | {r['restore_gbs']:.3f} "
+                         f"| {r['save_vs_memcpy']:.2f} | {r['restore_vs_memcpy']:.2f} | "
+                         f"{r['stored_bytes'] / r['logical_bytes']:.3f} |")
+        lines.append("")
+    if "dataplane" in res:
+        d = res["dataplane"]
+        lines += ["## Remote data plane", "", f"Client in this process, {d['server']}, over {d['endpoint']}.", "",
+                  "| round trip | p50 us | p99 us | n |", "| --- | ---: | ---: | ---: |"]
+        for k in ("empty_lookup", "lookup_64", "lookup_64_leased"):
+            lines.append(f"| {k} | {d[k]['p50_us']:.0f} | {d[k]['p99_us']:.0f} | {d[k]['n']} |")
+        s = d["segments_1mib"]
+        lines += ["", f"Save and restore of {s['segments_per_call']} segments of 1 MiB per call (codec none), median of "
+                  f"{s['reps']}:", "", "| call | embedded ms | remote ms | overhead us | overhead % |",
+                  "| --- | ---: | ---: | ---: | ---: |",
+                  f"| save | {s['save_embedded_ms']:.2f} | {s['save_remote_ms']:.2f} | {s['save_overhead_us']:.0f} | "
+                  f"{s['save_overhead_pct']:.1f} |",
+                  f"| restore | {s['restore_embedded_ms']:.2f} | {s['restore_remote_ms']:.2f} | "
+                  f"{s['restore_overhead_us']:.0f} | {s['restore_overhead_pct']:.1f} |", ""]
+    if "index" in res:
+        lines += ["## Index memory", "", "| segments | segments per chunk | index B/segment | + LRU | + S3-FIFO |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for ix in res["index"]:
+            lines.append(f"| {ix['segments']:,} | {ix['segments_per_chunk']} | {ix['index_bytes_per_segment']:.0f} | "
+                         f"{ix['index_lru_bytes_per_segment']:.0f} | {ix['index_s3fifo_bytes_per_segment']:.0f} |")
+        lines += ["", "Target: <= 256 bytes per segment (Python heap, tracemalloc: keys, dicts, columns, lists).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="orbitkv-bench pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--codecs", default=None, help="comma list (default: none,fp8,turboquant-4,turboquant-3; +ans on gpu)")
+    p.add_argument("--blocks", type=int, default=128, help="engine blocks per figure (0.5 MiB each over all layers)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--latency-samples", type=int, default=3000)
+    p.add_argument("--index-segments", type=int, default=1_000_000)
+    p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--out", default=None, help="directory for pipeline-<device>.json and .md")
+    args = p.parse_args(argv)
+    if args.blocks < (4 << 20) // BLOCK_BYTES:
+        p.error(f"--blocks must be at least {(4 << 20) // BLOCK_BYTES} (one 4 MiB segment)")
+    codecs = args.codecs.split(",") if args.codecs else \
+        ["none", "fp8", "turboquant-4", "turboquant-3"] + (["ans"] if args.device == "gpu" else [])
+    parts = set(args.only.split(","))
+    res: dict = {"device": args.device,
+                 "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+                         f"numpy {np.__version__}"}
+    if "throughput" in parts:
+        res["throughput"] = bench_throughput(codecs, args.blocks, args.repeat, "cpu" if args.device == "cpu" else "auto")
+    if "dataplane" in parts:
+        res["dataplane"] = bench_dataplane(args.latency_samples)
+    if "index" in parts:
+        res["index"] = [bench_index(args.index_segments, 16), bench_index(args.index_segments, 1)]
+    res["load_average_1m"] = os.getloadavg()[0]
+    res["host"] += f"; 1-minute load average at the end {res['load_average_1m']:.2f} (shared machine)"
+    command = "orbitkv-bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"pipeline-{args.device}.json"), "w") as f:
+            json.dump(res, f, indent=2)
+        with open(os.path.join(args.out, f"pipeline-{args.device}.md"), "w") as f:
+            f.write(_markdown(res, command))
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(_markdown(res, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
