@@ -340,3 +340,23 @@ def test_fetch_into_a_manager_arena(servers):
     finally:
         node.close()
         m.close()
+
+
+def test_concurrent_fetches(servers, requester):
+    """The Manager fetches from several worker threads at once: pooled sockets, one staging allocator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, a = servers(["32:65536:17", "4:1048576:18"])
+    node, _ = requester([a["address"]], budget_s=10.0)
+    segs = make_segments(NS, 32, 65536, 17) + make_segments(NS, 4, 1048576, 18)
+    parts = [segs[i::6] for i in range(6)]
+
+    def run(part):
+        got = node.client.fetch([k for k, _ in part])
+        return all(got.get(k) == b for k, b in part)
+
+    with ThreadPoolExecutor(6) as ex:
+        assert all(ex.map(run, parts * 3))
+    st = node.stats()
+    assert st.keys_fetched_total == 3 * len(segs) and st.failures_total == {}
+    assert st.staging_used_bytes == 0 and st.abandoned_reads == 0
