@@ -52,6 +52,7 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
     hit = sum(1 for r in run["records"] if r["computed_tokens"] < r["input_tokens"])
     assert hit <= reuse
     assert run["requests_hit"]["none"] == recipe["requests"] - hit
+    assert 0 <= run["reuse_short"] <= reuse
     if control:
         assert "manager" not in run
         return
@@ -64,6 +65,7 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
     assert m["restore_logical_bytes"] == restored_chunks * ct * recipe["kv_bytes_per_token"]
     if run["variant"] == "dram":
         assert hit == reuse  # DRAM holds the whole cohort: every reuse request hits somewhere
+        assert run["reuse_short"] == 0
         assert m["ssd_read_bytes"] == 0 and run["tier_tokens"]["lower"] == 0
     if run["tier_tokens"]["lower"]:
         assert m["ssd_read_bytes"] > 0 and m["segment_hits"]["lower"] > 0

@@ -714,6 +714,8 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages:
 def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[RequestRecord], wall: float,
                stats: dict | None, pins: int) -> dict[str, Any]:
     ttft = [r.ttft_s for r in records]
+    prefix_len = recipe.input_tokens - recipe.suffix_tokens
+    full_hit = min(prefix_len // recipe.chunk_tokens * recipe.chunk_tokens, recipe.input_tokens - 1)
     total = sum(r.input_tokens for r in records)
     tiers = {t: sum(getattr(r, f"{t}_tokens") for r in records) for t in ("hbm", "dram", "lower", "computed")}
     out: dict[str, Any] = {
@@ -735,6 +737,9 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
             "none": sum(1 for r in records if not r.hbm_tokens and not r.manager_tokens),
         },
         "restore_misses": sum(r.restore_misses for r in records),
+        # reuse requests that got less than their whole shared prefix back from some tier
+        "reuse_short": sum(1 for r in records if r.prefix is not None and not r.first
+                           and r.input_tokens - r.computed_tokens < full_hit),
         "phase_p50_ms": {p: _pct([getattr(r, f"{p}_s") for r in records if r.manager_tokens], 50) * 1e3
                          for p in ("lookup", "restore", "gather", "prefill")},
         # lookup + restore per restored chunk: requests with any SSD-promoted chunk, and DRAM-only ones
@@ -1006,9 +1011,13 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     f"{r['requests_per_s']:.2f} vs {none['requests_per_s']:.2f} req/s; restore p50 "
                     f"{r['phase_p50_ms']['restore']:.1f} vs {none['phase_p50_ms']['restore']:.1f} ms; decode "
                     f"{m['decode_s']:.2f} s and encode {m['encode_s']:.2f} s in total against "
-                    f"{saved / 2**20:.1f} MiB less read from SSD; Manager hit rate "
-                    f"{r['hit_rate']['dram'] + r['hit_rate']['lower']:.2f} vs "
-                    f"{none['hit_rate']['dram'] + none['hit_rate']['lower']:.2f}")
+                    f"{saved / 2**20:.1f} MiB less read from SSD; prompt tokens hit in any tier "
+                    f"{1 - r['hit_rate']['miss']:.2f} vs {1 - none['hit_rate']['miss']:.2f}")
+        if r.get("reuse_short"):
+            reuse = sum(1 for x in r["records"] if x["prefix"] is not None and not x["first"])
+            notes.append(f"{r['reuse_short']} of {reuse} reuse requests got less than their whole prefix back "
+                         f"(restore misses {r['restore_misses']}; the rest were not found by lookup: evicted from "
+                         f"DRAM and not yet published by the SSD writeback, or no DRAM room to promote into)")
         if r["codec"] in LOSSY:
             notes.append(f"lossy: {vs['token_agreement']:.3f} of generated tokens agree with recompute, first-token "
                          f"max |dlogprob| {vs['first_token_max_abs_logprob_diff']:.3g}")
