@@ -78,7 +78,7 @@ from .geometry import (
 )
 from .keys import ObjectKey
 from .namespace import namespace_v2
-from .pages import HostPages, PagesError, import_cuda_tensor
+from .pages import HostPages, PagesError, cupy_dtype, import_cuda_tensor
 from .segment import (
     HEADER_SIZE,
     MAX_STORED_BYTES,
@@ -468,7 +468,12 @@ class Manager:
         if config.storage_codec == "ans":
             get_codec("ans")  # CodecUnavailable here rather than at the first save
         self._gpu = config.device != "cpu" and _gpu_present()
-        self._codec_runner = _codec_runner(self._gpu)
+        self._gpu_codecs: _GpuCodecs | None = None
+        if self._gpu:
+            try:
+                self._gpu_codecs = _GpuCodecs(max(int(config.storage_codec_budget * config.pool_size), 64 << 20))
+            except ImportError as e:  # a GPU without the gpu extra: pinned arena, host codecs
+                log.warning("GPU present but the GPU codec engine is unavailable (%s); using host codecs", e)
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
@@ -817,16 +822,23 @@ class Manager:
                 self._count(self._raw, reason)
 
     def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]], acc: "_SaveAcc") -> None:
-        srcs = [self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
+        gpu = self._gpu_codecs
+        srcs = [_gather_device(seg, ch.blocks) if gpu else self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
         ws = sum(s.nbytes for s in srcs)
         self._workspace_delta(ws)
         try:
             t0 = time.perf_counter()
-            blobs = self._codec_runner.encode([(s, seg.codec, seg.role, seg.layer) for s, (_, seg, _) in zip(srcs, batch)])
+            if gpu is not None:
+                blobs = gpu.encode([(x, seg.codec.codec_id, seg.role, seg.layer, seg.dtype)
+                                    for x, (_, seg, _) in zip(srcs, batch)], eng.reg.rotation_seed)
+            else:
+                blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
+                         for x, (_, seg, _) in zip(srcs, batch)]
             self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1)
         finally:
             self._workspace_delta(-ws)
-        for (ch, seg, kb), src, blob in zip(batch, srcs, blobs):
+            del srcs
+        for (ch, seg, kb), blob in zip(batch, blobs):
             h = parse_header(blob)
             rep = _REP_NAMES[int(h.format)]
             self._count(self._codec_segments, rep)
@@ -844,7 +856,7 @@ class Manager:
 
     def _demote_direct(self, kb: bytes, blob: bytes, acc: "_SaveAcc") -> None:
         """DRAM is full of leased objects: hand the segment to the lower tier, or drop it."""
-        if self.lower is not None and self.lower.submit(ObjectKey.unpack(kb), blob):
+        if self.lower is not None and self.lower.submit(ObjectKey.unpack(kb), bytes(blob)):
             acc.admit(kb, parse_header(blob).original_length, len(blob))
         else:
             acc.dropped += 1
@@ -867,7 +879,7 @@ class Manager:
             sources = self._acquire([k for ks in keys for k in ks], held)
             # Phase 1: verify every source and check it against its destination; write nothing yet.
             bad: dict[int, str] = {}
-            plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
                 for seg, kb in zip(eng.segs, ks):
                     src = sources.get(kb)
@@ -886,14 +898,14 @@ class Manager:
                             f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {h.original_length} "
                             f"bytes of {h.dtype}, the {len(ch.blocks)} destination blocks take {want} bytes of "
                             f"{seg.dtype}")
-                    plan.append((ci, seg, ch, h, memoryview(src)[HEADER_SIZE:HEADER_SIZE + h.stored_length]))
+                    plan.append((ci, seg, ch, h, memoryview(src)))
             # Phase 2: decode and scatter.
             segments = logical = stored = 0
-            for ci, seg, ch, h, payload in plan:
+            for ci, seg, ch, h, blob in plan:
                 if ci in bad:
                     continue
                 try:
-                    self._write(eng, seg, ch.blocks, h, payload)
+                    self._write(seg, ch.blocks, h, blob)
                 except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
                     log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, e)
                     self._add(decode_failures=1)
@@ -964,12 +976,19 @@ class Manager:
                 out[kb] = bytes(blob)
         return out
 
-    def _write(self, eng: _Engine, seg: _Seg, blocks: list[int], h: SegmentHeader, payload: memoryview) -> None:
+    def _write(self, seg: _Seg, blocks: list[int], h: SegmentHeader, blob: memoryview) -> None:
+        """Decode a verified segment into the chunk's destination blocks."""
+        payload = blob[HEADER_SIZE:HEADER_SIZE + h.stored_length]
         if h.format == Format.RAW:
             flat = np.frombuffer(payload, dtype=h.dtype)
+        elif self._gpu_codecs is not None:
+            t0 = time.perf_counter()
+            self._gpu_codecs.decode_into(seg, blocks, blob, h.rotation_seed)
+            self._add(decode_seconds=time.perf_counter() - t0)
+            return
         else:
             t0 = time.perf_counter()
-            flat = self._codec_runner.decode(h, payload)
+            flat = decode_payload(h, payload)
             self._workspace_delta(flat.nbytes)
             self._add(decode_seconds=time.perf_counter() - t0)
         try:
@@ -1240,6 +1259,8 @@ class Manager:
             self._drop_lease(lease)
         if self.lower is not None:
             self.lower.close()
+        if self._gpu_codecs is not None:
+            self._gpu_codecs.close()
         self.dram.close()
 
     def __enter__(self) -> "Manager":
@@ -1272,19 +1293,60 @@ class _SaveAcc:
         self.stored += stored
 
 
-class _CodecRunner:
-    """Encodes and decodes batches of segments. This is the host path (the CI path); the GPU adapter
-    in :mod:`orbitkv_fs.gpu_codecs` has the same two methods."""
+class _GpuCodecs:
+    """The GPU codec engine (:mod:`orbitkv_fs.gpu`) behind the two calls the pipeline makes: encode a
+    batch of device arrays into segments, decode one segment into a chunk's blocks. One engine per
+    rotation seed (the engine's TurboQuant signs depend on it)."""
 
-    def encode(self, items: list[tuple[np.ndarray, Codec, Role, int]]) -> list[bytes]:
-        return [encode_segment(x, codec, role=role, layer=layer) for x, codec, role, layer in items]
+    def __init__(self, budget: int) -> None:
+        from .gpu import EncodeItem, GpuCodecEngine
 
-    def decode(self, header: SegmentHeader, payload: memoryview) -> np.ndarray:
-        return decode_payload(header, payload)
+        self._item = EncodeItem
+        self._cls = GpuCodecEngine
+        self._budget = budget
+        self._engines: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def _engine(self, seed: int):
+        with self._lock:
+            e = self._engines.get(seed)
+            if e is None:
+                e = self._engines[seed] = self._cls(budget_bytes=self._budget, seed=seed)
+            return e
+
+    def encode(self, items: list[tuple[object, str, Role, int, np.dtype]], seed: int) -> list:
+        return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d) for a, c, r, l, d in items])
+
+    def decode_into(self, seg: _Seg, blocks: list[int], blob: memoryview, seed: int) -> None:
+        import cupy
+
+        tmp = cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype))
+        err = self._engine(seed).decode_batch([blob], [tmp])[0]
+        if err is not None:
+            raise err
+        for j, b in enumerate(blocks):
+            dst = seg.view(b)
+            if isinstance(dst, np.ndarray):
+                tmp[j].get(out=dst.view(tmp.dtype))
+            else:
+                dst[...] = tmp[j]
+
+    def close(self) -> None:
+        with self._lock:
+            for e in self._engines.values():
+                e.close()
+            self._engines.clear()
 
 
-def _codec_runner(gpu: bool) -> _CodecRunner:
-    return _CodecRunner()
+def _gather_device(seg: _Seg, blocks: list[int]):
+    """The chunk's blocks of ``seg`` as one contiguous cupy array (host pages are uploaded)."""
+    import cupy
+
+    views = [seg.view(b) for b in blocks]
+    if isinstance(views[0], np.ndarray):
+        host = np.stack(views)
+        return cupy.asarray(host.view(cupy_dtype(host.dtype)))
+    return cupy.stack(views)
 
 
 def _layer_codec(reg: EngineRegistration, desc: TensorDesc, codec_name: str) -> tuple[Codec | None, RawReason]:
@@ -1319,7 +1381,7 @@ def _to_host(src, dst: np.ndarray) -> None:
     else:
         import cupy
 
-        cupy.ascontiguousarray(src).get(out=dst)
+        cupy.ascontiguousarray(src).get(out=dst.view(src.dtype))
 
 
 def _from_host(src: np.ndarray, dst) -> None:
@@ -1329,7 +1391,7 @@ def _from_host(src: np.ndarray, dst) -> None:
     else:
         import cupy
 
-        dst[...] = cupy.asarray(src)
+        dst[...] = cupy.asarray(src.view(dst.dtype))
 
 
 def _close_imports(imports: list) -> None:

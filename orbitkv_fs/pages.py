@@ -209,6 +209,16 @@ def host_engine_pages(*, num_layers: int, num_blocks: int, block_size: int, num_
     return pages, [pages.descriptor(t.name) for t in specs]
 
 
+_CUPY_NATIVE = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                "uint64", "bool"}
+
+
+def cupy_dtype(dt: np.dtype) -> np.dtype:
+    """The dtype cupy holds ``dt`` as: itself, or the unsigned int of its size (bfloat16, float8 types)."""
+    dt = np.dtype(dt)
+    return dt if dt.name in _CUPY_NATIVE else np.dtype(f"u{dt.itemsize}")
+
+
 class CudaImport:
     """A tensor imported from another process through CUDA IPC; ``close`` unmaps the handle."""
 
@@ -227,7 +237,8 @@ class CudaImport:
 
 def import_cuda_tensor(desc: TensorDesc, field: str):
     """``(cupy array, CudaImport)`` of a :class:`CudaIpcHandle` descriptor, its extent checked against the
-    shared allocation's size. Needs cupy and a GPU."""
+    shared allocation's size. The array's dtype is :func:`cupy_dtype` of the declared one (cupy has no
+    bfloat16). Needs cupy and a GPU."""
     import cupy
 
     from .geometry import CudaIpcHandle, GeometryError
@@ -248,6 +259,6 @@ def import_cuda_tensor(desc: TensorDesc, field: str):
             raise GeometryError(f"{field}.handle", f"cannot open the CUDA IPC handle: {e}") from None
         owner = CudaImport(ptr, h.device)
         mem = cupy.cuda.UnownedMemory(ptr + h.offset, extent, owner, device_id=h.device)
-        arr = cupy.ndarray(tuple(desc.shape), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0),
+        arr = cupy.ndarray(tuple(desc.shape), dtype=cupy_dtype(dt), memptr=cupy.cuda.MemoryPointer(mem, 0),
                            strides=tuple(s * dt.itemsize for s in desc.strides))
     return arr, owner

@@ -1,0 +1,91 @@
+"""The Manager against GPU KV tensors imported through CUDA IPC from a second (engine) process.
+
+The engine process allocates its KV with cudaMalloc, fills it and hands the Manager (this process) CUDA
+IPC handles; the Manager saves through the GPU codec engine, the engine zeroes its KV, the Manager
+restores, and the engine sends its KV back for a byte comparison (exact codecs) or an error bound
+(lossy ones).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
+from orbitkv_fs.keys import chunk_key
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+
+pytestmark = pytest.mark.gpu
+
+L, B, T, H, D = 6, 32, 16, 4, 128
+SHAPE = (B, T, H, D)
+NBYTES = int(np.prod(SHAPE)) * 2
+
+
+def _engine_process(cmd, reply) -> None:
+    import cupy
+
+    mem = cupy.cuda.Memory(2 * L * NBYTES)  # one cudaMalloc: its IPC handle's base is mem.ptr
+    flat = cupy.ndarray((2 * L * NBYTES // 2,), dtype=cupy.uint16, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    rng = np.random.default_rng(3)
+    host = rng.standard_normal(flat.size, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    flat.set(host)
+    cupy.cuda.runtime.deviceSynchronize()
+    reply.put((bytes(cupy.cuda.runtime.ipcGetMemHandle(mem.ptr)), host.tobytes()))
+    while True:
+        c = cmd.get()
+        if c == "zero":
+            flat.fill(0)
+            cupy.cuda.runtime.deviceSynchronize()
+            reply.put(None)
+        elif c == "read":
+            cupy.cuda.runtime.deviceSynchronize()
+            reply.put(flat.get().tobytes())
+        else:
+            return
+
+
+@pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])
+def test_cuda_ipc_engine_round_trip(codec):
+    ctx = mp.get_context("spawn")
+    cmd, reply = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
+    proc.start()
+    try:
+        handle, original = reply.get(timeout=120)
+        strides = [T * H * D, H * D, D, 1]
+        descs = [TensorDesc(layer=l, role=role, layout="separate", shape=list(SHAPE), strides=strides,
+                            dtype="bfloat16", handle=CudaIpcHandle(handle, (2 * l + r) * NBYTES, 0, 2 * L * NBYTES))
+                 for l in range(L) for r, role in enumerate(("key", "value"))]
+        reg = EngineRegistration(model="gpu-test", num_layers=L, layer_start=0, layer_end=L, block_size=T,
+                                 num_heads=H, head_dim=D, dtype="bfloat16", tensors=descs)
+        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
+            assert m.arena_info().pinned
+            e = m.register_engine(reg)
+            assert e.device == "cuda:0"
+            chunks = [ChunkBlocks(chunk_key(f"g{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+            r = m.save(e.engine_id, chunks)
+            assert r.segments == len(chunks) * 2 * L
+            cmd.put("zero")
+            reply.get(timeout=60)
+            lk = m.lookup(e.engine_id, [c.key for c in chunks])
+            assert lk.count == len(chunks)
+            res = m.restore(e.engine_id, chunks, lease_id=lk.lease_id)
+            assert all(res.restored), res.misses
+            st = m.stats()
+            assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+            cmd.put("read")
+            got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
+        want = np.frombuffer(original, dtype=np.uint16)
+        if codec in ("none", "ans"):
+            assert np.array_equal(got, want)
+        else:
+            g = got.view(ml_dtypes.bfloat16).astype(np.float32)
+            w = want.view(ml_dtypes.bfloat16).astype(np.float32)
+            assert np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w)
+    finally:
+        cmd.put("stop")
+        proc.join(60)
