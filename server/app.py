@@ -19,7 +19,8 @@ configured (:mod:`.auth`):
 ``GET /v1/config``                           the Manager's settings and the HTTP policy in force
 ``POST /v1/admin/flush-dram``         admin  demote every unleased DRAM object to the lower tier
 ``GET /v1/objects``                   admin  paginated listing of cached objects
-``/v1/peers...``                      admin  peer registry (:mod:`.peers_api`; GETs are open)
+``/v1/peers...``                      admin  peer registry (:mod:`.peers_api`; GETs are open; only
+                                             with peer sharing on, else 404 ``peers_off``)
 ====================================  =====  ===============================================================
 
 Invariants: every error is ``{code, message[, field]}`` (:mod:`.errors`); request bodies are bounded
@@ -48,7 +49,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import GeometryError
 from orbitkv_fs.keys import ObjectKey
-from orbitkv_fs.manager import EngineInfo, Manager, ManagerStats, RequestError
+from orbitkv_fs.manager import EngineInfo, Manager, ManagerStats
 from orbitkv_fs.segment import Role
 
 from . import errors
@@ -165,9 +166,13 @@ def _shm_resolver(shm_dir: str):
     return resolve
 
 
-def _key(text: str) -> ObjectKey:
+def _key(text: str, field: str) -> ObjectKey:
+    """An object key as /v1/objects prints it (the model checked the shape; the layer range is checked here)."""
     ns, chunk, layer, role = text.split("/")
-    return ObjectKey(bytes.fromhex(ns), bytes.fromhex(chunk), int(layer[1:]), Role.parse(role))
+    try:
+        return ObjectKey(bytes.fromhex(ns), bytes.fromhex(chunk), int(layer[1:]), Role.parse(role))
+    except ValueError as e:
+        raise ApiError(422, "invalid_request", f"{field}: {e}", field=field) from None
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -210,7 +215,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     # -- engines ---------------------------------------------------------------------------------------
 
     @app.post("/v1/engines", status_code=201, response_model=EngineOut, dependencies=admin, tags=["engines"],
-              responses=responses(401, 409, 413, 422))
+              responses=responses(400, 401, 409, 413, 422))
     def register_engine(body: RegisterRequest, request: Request, response: Response) -> EngineOut:
         """Register an engine's tensor geometry and handles. The Manager maps the handles (host pages by
         shared-memory object name, or CUDA IPC) for this engine only and checks every tensor against its
@@ -245,12 +250,13 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     # -- invalidate ------------------------------------------------------------------------------------
 
     @app.post("/v1/invalidate", response_model=InvalidateOut, dependencies=admin, tags=["cache"],
-              responses=responses(401, 404, 413, 422))
+              responses=responses(400, 401, 404, 413, 422))
     def invalidate(body: InvalidateRequest, request: Request) -> InvalidateOut:
         """Drop objects from every tier. Leased objects are hidden at once and freed when their leases drain."""
         m = _manager(request)
         chunks = [bytes.fromhex(c) for c in body.chunks] if body.chunks is not None else None
-        res = m.invalidate(keys=[_key(k) for k in body.keys] if body.keys is not None else None,
+        keys = [_key(k, f"keys[{i}]") for i, k in enumerate(body.keys)] if body.keys is not None else None
+        res = m.invalidate(keys=keys,
                            chunks=chunks,
                            namespace=bytes.fromhex(body.namespace) if body.namespace is not None else None,
                            engine_id=body.engine_id, all=body.all)
@@ -332,14 +338,38 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
 
     # -- peers -----------------------------------------------------------------------------------------
 
-    try:
+    if peer_node is not None:
         from .peers_api import router as peers_router
-    except ImportError:  # the peer routes are optional at import (their module may be absent in a build)
-        peers_router = None
-    if peers_router is not None:
-        app.include_router(peers_router, dependencies=[Depends(_admin_if_mutating)],
-                           responses=responses(401, 503))
+
+        app.include_router(peers_router, dependencies=[Depends(_admin_if_mutating)], responses=responses(401, 503))
+    else:
+        # Not in the schema: the routes do not exist in this process. Say why instead of a bare 404.
+        @app.api_route("/v1/peers{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        def peers_off() -> None:
+            raise ApiError(404, "peers_off", "peer sharing is off (start with --peer or --peer-port)")
+
+    _document_auth(app, admin_token is not None)
     return app
+
+
+def _document_auth(app: FastAPI, enforced: bool) -> None:
+    """The OpenAPI document states the auth in force: without a token nothing needs one, so the bearer
+    scheme and the 401 answers are left out rather than promised."""
+    if enforced:
+        return
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.pop("security", None)
+                    op.get("responses", {}).pop("401", None)
+            schema.get("components", {}).pop("securitySchemes", None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _admin_if_mutating(request: Request,

@@ -136,7 +136,9 @@ def test_health_ready_config_docs(stack):
     assert_error(stack.http.put("/v1/engines"), 405, "method_not_allowed")
     stack.app.state.ready = False
     assert_error(stack.http.get("/readyz"), 503, "not_ready")
-    assert_error(stack.http.get("/v1/peers"), 503, "unavailable")  # peer sharing is off
+    assert_error(stack.http.get("/v1/peers"), 404, "peers_off")
+    assert_error(stack.http.post("/v1/peers", json={}), 404, "peers_off")
+    assert "securitySchemes" not in stack.http.get("/openapi.json").json().get("components", {})
 
 
 def test_unexpected_failure_is_a_json_500(stack, monkeypatch):
@@ -319,7 +321,7 @@ def test_invalidate_flush_and_objects(stack):
     assert_error(stack.http.post("/v1/invalidate", json={"engine_id": "nope"}), 404, "unknown_engine")
     for bad in ({}, {"all": False}, {"all": True, "namespace": ns}, {"keys": keys, "chunks": [one]},
                 {"all": True, "chunks": [one]}, {"keys": ["a/b/L0/key"]}, {"keys": []}, {"namespace": "xyz"},
-                {"chunks": [one]}, {"all": "yes"}):
+                {"chunks": [one]}, {"all": "yes"}, {"keys": [f"{ns}/{one}/L65536/key"]}):
         assert_error(stack.http.post("/v1/invalidate", json=bad), 422, "invalid_request")
 
 
@@ -426,8 +428,7 @@ def test_auth_on(secured, caplog):
     _, descs = s.engine_pages()
     mutating = [("POST", "/v1/engines", reg_body(descs)), ("DELETE", "/v1/engines/x", None),
                 ("POST", "/v1/invalidate", {"all": True}), ("POST", "/v1/admin/flush-dram", None),
-                ("GET", "/v1/objects", None), ("POST", "/v1/peers", {"address": "127.0.0.1:1"}),
-                ("DELETE", "/v1/peers/127.0.0.1:1", None)]
+                ("GET", "/v1/objects", None)]
     for method, path, body in mutating:
         r = s.anon.request(method, path, json=body)
         assert_error(r, 401, "unauthorized")
@@ -443,11 +444,12 @@ def test_auth_on(secured, caplog):
     assert s.http.post("/v1/invalidate", json={"all": True}).status_code == 200
     assert s.http.post("/v1/admin/flush-dram").status_code == 200
     assert s.http.get("/v1/objects").status_code == 200
-    assert_error(s.http.post("/v1/peers", json={"address": "127.0.0.1:1"}), 503, "unavailable")
     # Reads stay open (Prometheus, probes).
     for path in ("/healthz", "/readyz", "/metrics", "/v1/stats", "/v1/config", "/v1/engines", "/openapi.json"):
         assert s.anon.get(path).status_code == 200, path
-    assert_error(s.anon.get("/v1/peers"), 503, "unavailable")
+    schema = s.anon.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert "security" in schema["paths"]["/v1/invalidate"]["post"]
     assert s.anon.get("/v1/config").json()["http"]["auth_required"] is True
     assert TOKEN not in s.anon.get("/v1/config").text
     server_logs = [r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
