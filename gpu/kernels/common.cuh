@@ -75,21 +75,38 @@ __device__ __forceinline__ u32 okv_gf_mul(u32 a, u32 b) {
 // Raw (zero-init, no final xor) CRC register after 8 more bytes, slicing-by-8 (8 x 256 words in
 // shared memory). Measured on the H200 (ncu): the kernels are bound by the integer pipe, not by the
 // bank conflicts of these random lookups, so byte tables (one lookup per byte) beat conflict-free
-// nibble tables (two lookups and twice the index arithmetic per byte).
+// nibble tables (two lookups and twice the index arithmetic per byte). The tables sit 1024-byte
+// aligned and are addressed by their shared-window address T: a lookup is then one shift, one LOP3
+// ((x & 0x3fc) | T) and a load with an immediate table offset, where C++ indexing costs an extra add.
 #define OKV_SLICE_WORDS (8 * 256)
-__device__ __forceinline__ u32 okv_crc8(u32 crc, u32 lo, u32 hi, const u32* T) {
+__device__ __forceinline__ u32 okv_lds(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+template <int OFF>
+__device__ __forceinline__ u32 okv_lds_off(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1+%2];" : "=r"(v) : "r"(addr), "n"(OFF));
+  return v;
+}
+__device__ __forceinline__ u32 okv_crc8(u32 crc, u32 lo, u32 hi, u32 T) {
   lo ^= crc;
-  return T[7 * 256 + (lo & 255)] ^ T[6 * 256 + ((lo >> 8) & 255)] ^ T[5 * 256 + ((lo >> 16) & 255)] ^
-         T[4 * 256 + (lo >> 24)] ^ T[3 * 256 + (hi & 255)] ^ T[2 * 256 + ((hi >> 8) & 255)] ^
-         T[1 * 256 + ((hi >> 16) & 255)] ^ T[0 * 256 + (hi >> 24)];
+  return okv_lds_off<7168>(((lo << 2) & 0x3fcu) | T) ^ okv_lds_off<6144>(((lo >> 6) & 0x3fcu) | T) ^
+         okv_lds_off<5120>(((lo >> 14) & 0x3fcu) | T) ^ okv_lds_off<4096>(((lo >> 22) & 0x3fcu) | T) ^
+         okv_lds_off<3072>(((hi << 2) & 0x3fcu) | T) ^ okv_lds_off<2048>(((hi >> 6) & 0x3fcu) | T) ^
+         okv_lds_off<1024>(((hi >> 14) & 0x3fcu) | T) ^ okv_lds(((hi >> 22) & 0x3fcu) | T);
 }
 
-__device__ __forceinline__ u32 okv_crc1(u32 crc, u32 b, const u32* T) {
-  return T[(crc ^ b) & 255] ^ (crc >> 8);
+__device__ __forceinline__ u32 okv_crc1(u32 crc, u32 b, u32 T) {
+  return okv_lds((((crc ^ b) & 255u) << 2) | T) ^ (crc >> 8);
 }
+
+// Shared-window address of a __shared__ array (for the lookups above).
+__device__ __forceinline__ u32 okv_saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Raw CRC of `len` (1..64) bytes held in shared memory at an 8-byte aligned address.
-__device__ __forceinline__ u32 okv_crc_piece_smem(const u8* p, int len, const u32* T) {
+__device__ __forceinline__ u32 okv_crc_piece_smem(const u8* p, int len, u32 T) {
   u32 crc = 0;
   int i = 0;
   const uint2* w = reinterpret_cast<const uint2*>(p);
@@ -112,12 +129,14 @@ __device__ __forceinline__ const u32* okv_load_tables(u32* sT, u32* sS, const u3
   return sT;
 }
 
-// v * x^(8s) for the fixed shift of table S (a lane's copy): eight nibble lookups.
-__device__ __forceinline__ u32 okv_mul_fixed(u32 v, const u32* S) {
-  u32 r = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) r ^= S[i * 32 + ((v >> (4 * i)) & 15u)];
-  return r;
+// v * x^(8s) for the fixed shift of table l: eight nibble lookups. S is the shared-window address of
+// the lane's copy of the table (sS + l * 256 words + (lane & 1) * 16 words; 64-byte aligned, so the
+// nibble offset is OR-ed in); row i lies i * 128 bytes further.
+__device__ __forceinline__ u32 okv_mul_fixed(u32 v, u32 S) {
+  return okv_lds(((v << 2) & 0x3cu) | S) ^ okv_lds_off<128>(((v >> 2) & 0x3cu) | S) ^
+         okv_lds_off<256>(((v >> 6) & 0x3cu) | S) ^ okv_lds_off<384>(((v >> 10) & 0x3cu) | S) ^
+         okv_lds_off<512>(((v >> 14) & 0x3cu) | S) ^ okv_lds_off<640>(((v >> 18) & 0x3cu) | S) ^
+         okv_lds_off<768>(((v >> 22) & 0x3cu) | S) ^ okv_lds_off<896>(((v >> 26) & 0x3cu) | S);
 }
 
 // Padded shared-memory layout of a 16 KiB work unit: 64-byte rows with 16 bytes of padding so that
@@ -134,17 +153,17 @@ __device__ __forceinline__ int okv_pad(int off) { return off + (off >> 6) * 16; 
 // of the whole segment. The host turns it into the standard CRC32C: acc ^ crc32c(n zero bytes)
 // (orbitkv_fs.gpu.tables.finish_crc). `red` holds 8 words; callers sync before reusing it.
 __device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64 n, Meta* meta, const u32* tables,
-                                             const u32* sS, u32* red) {
+                                             u32 sS, u32* red) {
   const int t = threadIdx.x, lane = t & 31;
   const bool full = m == OKV_CHUNK;
   u32 v = 0;
   if (full) {
     v = raw;
-    const u32* S = sS + (lane & 1) * 16;
+    const u32 S = sS + (lane & 1) * 64;
 #pragma unroll
     for (int k = 0; k < 5; ++k) {
       const u32 right = __shfl_down_sync(OKV_FULL, v, 1 << k);
-      const u32 shifted = okv_mul_fixed(v, S + k * 256);
+      const u32 shifted = okv_mul_fixed(v, S + k * 1024);
       if ((lane & ((2 << k) - 1)) == 0) v = shifted ^ right;
     }
   } else {
@@ -160,7 +179,7 @@ __device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64
   __syncthreads();
   if (t == 0) {
     u32 acc = red[0];
-    for (int w = 1; w < OKV_THREADS / 32; ++w) acc = (full ? okv_mul_fixed(acc, sS + 5 * 256) : acc) ^ red[w];
+    for (int w = 1; w < OKV_THREADS / 32; ++w) acc = (full ? okv_mul_fixed(acc, sS + 5 * 1024) : acc) ^ red[w];
     // units past a device-side length (m == 0) contribute nothing and must not index the tables
     const u64 d = m ? n - (unit_start + m) : 0;
     if (acc && d) {

@@ -6,11 +6,12 @@
 extern "C" __global__ void __launch_bounds__(OKV_THREADS, 8)
 okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
            const u32* __restrict__ tables) {
-  __shared__ u32 sN[OKV_SLICE_WORDS];
-  __shared__ u32 sS[OKV_SHIFT_WORDS];
+  __shared__ __align__(1024) u32 sN[OKV_SLICE_WORDS];
+  __shared__ __align__(1024) u32 sS[OKV_SHIFT_WORDS];
   __shared__ u32 red[OKV_THREADS / 32];
   __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
-  const u32* sT = okv_load_tables(sN, sS, tables);
+  okv_load_tables(sN, sS, tables);
+  const u32 sT = okv_saddr(sN), sSa = okv_saddr(sS);
   __syncthreads();
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     __syncthreads();  // the previous unit's rows have been read
@@ -47,7 +48,7 @@ okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict_
     int len = (int)m - (int)threadIdx.x * OKV_PIECE;
     u32 raw = 0;
     if (len > 0) raw = okv_crc_piece_smem(buf + threadIdx.x * OKV_ROW, min(len, OKV_PIECE), sT);
-    okv_crc_unit(raw, m, start, n, &meta[s.meta], tables, sS, red);
+    okv_crc_unit(raw, m, start, n, &meta[s.meta], tables, sSa, red);
   }
 }
 
