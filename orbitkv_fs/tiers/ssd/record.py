@@ -166,6 +166,12 @@ def scan(image: "bytes | memoryview", *, in_flight_window: int = 1024,
     """
     mv = memoryview(image).cast("B") if isinstance(image, memoryview) else memoryview(image)
     size = len(mv) - len(mv) % BLOCK
+    # Skipping empty or foreign space block by block is slow in Python; the buffer's own find() (mmap,
+    # bytes) jumps to the next magic at C speed. Only when the view covers its whole object.
+    base = image.obj if isinstance(image, memoryview) else image
+    find = getattr(base, "find", None)
+    if find is not None and getattr(base, "__len__", None) is not None and len(base) != len(mv):
+        find = None
     pending: list[ScanEntry] = []  # body failures, classified once the newest generation is known
     newest = 0
     out: list[ScanEntry] = []
@@ -176,7 +182,13 @@ def scan(image: "bytes | memoryview", *, in_flight_window: int = 1024,
             progress(off)
             next_report = off + (8 << 20)
         if mv[off:off + 4] != MAGIC:
-            off += BLOCK
+            if find is None:
+                off += BLOCK
+                continue
+            nxt = find(MAGIC, off + 1)
+            if nxt < 0:
+                break
+            off = -(-nxt // BLOCK) * BLOCK  # the block boundary at or after the match
             continue
         try:
             rh = parse_record_header(mv[off:off + RECORD_HEADER_SIZE])
