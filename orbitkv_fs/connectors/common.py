@@ -204,6 +204,26 @@ class ManagerGuard:
 # ------------------------------------------------------------------------------------- Manager session
 
 
+def connect_client(target: object, *, timeout_s: float = 30.0) -> object:
+    """A client of the Manager ``target``: an endpoint string (``tcp://...``, ``ipc://...``) or an
+    in-process :class:`~orbitkv_fs.manager.Manager`. A remote Manager is pinged first, and every call
+    waits at most ``timeout_s``: an engine must not stall for long on a Manager that went away."""
+    if not isinstance(target, str):
+        from ..client import connect
+
+        return connect(target)  # type: ignore[arg-type]
+    from ..dataplane import RemoteClient
+
+    client = RemoteClient(target, timeout=timeout_s)
+    try:
+        client.ping()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+
 class EngineSession:
     """One registered engine's view of the client API, with every failure turned into a miss.
 

@@ -36,7 +36,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from .common import EngineSession, ManagerGuard, StagingPages, engine_hash_keys
+from .common import EngineSession, ManagerGuard, StagingPages, connect_client, engine_hash_keys
 
 try:  # SGLang is optional: without it the class still imports (and is checked against the wheel's source).
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -90,6 +90,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._codec = extra.get(EXTRA_PREFIX + "codec")
         self._slots = int(extra.get(EXTRA_PREFIX + "staging_pages", 32))
         self._guard = ManagerGuard(cooldown_s=float(extra.get(EXTRA_PREFIX + "cooldown_s", 5.0)))
+        self._timeout_s = float(extra.get(EXTRA_PREFIX + "timeout_s", 30.0))
         model = getattr(storage_config, "model_name", None) or "model"
         self._model = str(model)
         self._salt = (f"{model}|tp{storage_config.tp_rank}/{storage_config.tp_size}"
@@ -124,7 +125,8 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         reg = self._staging.registration(
             model=self._model, engine_kind="sglang", codec=self._codec, tp_rank=self._config.tp_rank,
             tp_size=self._config.tp_size, pp_rank=self._config.pp_rank, pp_size=self._config.pp_size)
-        self._client = self._guard.call("connect", lambda: _connect(self._address), None)
+        self._client = self._guard.call(
+            "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
         if self._client is None:
             return
         info = self._guard.call("register", lambda: self._client.register(reg), None)
@@ -249,8 +251,3 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             self._staging.close()
             self._staging = None
 
-
-def _connect(address: str) -> Any:
-    from .. import client as client_mod
-
-    return client_mod.connect(address)

@@ -39,6 +39,7 @@ from .common import (
     EngineSession,
     ManagerGuard,
     PrefixPlanner,
+    connect_client,
     Transfer,
     engine_hash_keys,
     failed_blocks,
@@ -51,8 +52,24 @@ try:  # vLLM is optional: without it the class still imports (and is checked aga
         KVConnectorMetadata,
         KVConnectorRole,
     )
-except ImportError:  # pragma: no cover - exercised where vLLM is absent
-    KVConnectorBase_V1 = object  # type: ignore[assignment,misc]
+except ImportError:  # exercised where vLLM is absent (CI): enough of the base to drive the class
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        """Stand-in with the real base's constructor state and metadata binding (vLLM not installed)."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
     KVConnectorMetadata = object  # type: ignore[assignment,misc]
     KVConnectorRole = None  # type: ignore[assignment]
 
@@ -90,13 +107,6 @@ def engine_id_for(base: str, tp_rank: int, pp_rank: int) -> str:
     return f"{base}-tp{tp_rank}-pp{pp_rank}"
 
 
-def connect_client(address: str) -> Any:
-    """A client of the Manager at ``address`` (``embedded`` starts one in this process)."""
-    from .. import client as client_mod
-
-    return client_mod.connect(address)
-
-
 class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     """vLLM v1 KV connector backed by an OrbitKV-FS Manager (see the module docstring)."""
 
@@ -118,6 +128,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._pp_rank = int(getattr(parallel, "rank", 0)) // max(int(parallel.tensor_parallel_size), 1)
         self._pp_size = int(parallel.pipeline_parallel_size)
         self._guard = ManagerGuard(cooldown_s=float(_extra(vllm_config, "cooldown_s", 5.0)))
+        self._timeout_s = float(_extra(vllm_config, "timeout_s", 30.0))
         self._client: Any = None
         self._scheduler_engine_id = engine_id_for(base_id, 0, 0)
         self._worker_engine_id = engine_id_for(base_id, self._tp_rank, self._pp_rank)
@@ -130,7 +141,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def _get_client(self) -> Any:
         if self._client is None:
-            self._client = self._guard.call("connect", lambda: connect_client(self._address), None)
+            self._client = self._guard.call("connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
         return self._client
 
     def _scheduler_session(self) -> EngineSession | None:
