@@ -90,3 +90,40 @@ def test_cli_flags():
     from orbitkv_fs.peers.node import start_from_args
 
     assert start_from_args(object(), args) is None  # peer sharing off unless asked for
+
+
+def test_peer_routes_and_metrics_in_the_control_plane(tmp_path):
+    """The shipped app (server/app.py) with a real Manager and PeerNode: mutations need the admin token,
+    reads do not; a peer fetch shows up in /metrics and /v1/peers/stats."""
+    from orbitkv_fs.manager import Manager, ManagerConfig
+    from orbitkv_fs.server.app import HttpServer, create_app
+    from orbitkv_fs.server.auth import AdminToken
+    from orbitkv_fs.tools.bench_peer import make_segments, start_server, stop_server
+
+    ns = bytes(range(16))
+    proc, a = start_server(ns, ["2:65536:21"])
+    m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu"))
+    node = PeerNode(m)
+    http = HttpServer(create_app(m, admin_token=AdminToken("sekret-0123456789abcdef"), address="127.0.0.1:0", peer_node=node),
+                      "127.0.0.1", 0).start()
+    try:
+        with httpx.Client(base_url=http.url, timeout=10) as c:
+            assert c.get("/v1/peers").json()["peers"] == []
+            assert c.post("/v1/peers", json={"address": a["address"]}).status_code == 401
+            r = c.post("/v1/peers", json={"address": a["address"]}, headers={"Authorization": "Bearer sekret-0123456789abcdef"})
+            assert r.status_code == 201, r.text
+            keys = [k for k, _ in make_segments(ns, 2, 65536, 21)]
+            assert sorted(node.client.fetch_into(m, keys), key=keys.index) == keys
+            stats = c.get("/v1/peers/stats").json()
+            assert stats["keys_fetched_total"] == 2 and stats["peers"][0]["session_id"] == a["session_id"]
+            metrics = c.get("/metrics").text
+            assert "orbitkv_peer_keys_fetched_total 2.0" in metrics
+            assert "orbitkv_peer_hit_latency_seconds_count 1.0" in metrics
+            assert c.delete(f"/v1/peers/{a['address']}").status_code == 401
+            assert c.delete(f"/v1/peers/{a['address']}",
+                            headers={"Authorization": "Bearer sekret-0123456789abcdef"}).status_code == 204
+    finally:
+        http.close()
+        node.close()
+        m.close()
+        stop_server(proc)
