@@ -93,6 +93,7 @@ def load(path: str) -> list[Record]:
         except (OSError, ValueError) as e:
             raise InspectError(f"{path}: cannot map: {e}") from None
         with image:
+            image.madvise(mmap.MADV_SEQUENTIAL)
             progress = _Progress(size - size % BLOCK) if size > PROGRESS_THRESHOLD else None
             entries = list(scan(memoryview(image), progress=progress))
             if not entries and any(image[o:o + 4] != b"\0\0\0\0" for o in range(0, size - size % BLOCK, BLOCK)):

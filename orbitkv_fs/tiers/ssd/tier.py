@@ -289,6 +289,7 @@ class SsdTier:
                 if size < BLOCK:
                     continue
                 with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as image:
+                    image.madvise(mmap.MADV_SEQUENTIAL)
                     head_gen = 0
                     for e in scan(memoryview(image), in_flight_window=MAX_QUEUE_DEPTH):
                         if e.status is Status.TORN:
