@@ -21,11 +21,12 @@ __device__ __forceinline__ float okv_tree_sum8(const float* s, int G) {
 
 __device__ __forceinline__ void okv_fwht8(float* v, int G, int gl) {
   for (int h = 1; h < G; h <<= 1) {
-    bool up = (gl & h) != 0;
+    // lower lane: a + b = p + v; upper lane: a - b = p + (-v) (IEEE defines x - y as x + (-y))
+    const u32 neg = (gl & h) ? 0x80000000u : 0u;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       float p = __shfl_xor_sync(OKV_FULL, v[k], h, G);
-      v[k] = up ? __fsub_rn(p, v[k]) : __fadd_rn(v[k], p);
+      v[k] = __fadd_rn(p, __uint_as_float(__float_as_uint(v[k]) ^ neg));
     }
   }
 #pragma unroll
