@@ -156,15 +156,15 @@ def _serve(args: argparse.Namespace) -> int:
             arena.corrupt(segs[i][0])
         source, close_source = arena, arena.close
         extents = [arena._objects[k] for k, _ in segs]
-    if args.die_after_lease_ms >= 0:
-        # Fault injection: die (SIGKILL, no cleanup) that long after the first lease was granted.
-        lease = source.lease_objects
+    for ms, sig in ((args.die_after_lease_ms, signal.SIGKILL), (args.stop_after_lease_ms, signal.SIGSTOP)):
+        if ms >= 0:
+            # Fault injection: die (SIGKILL, no cleanup) or freeze (SIGSTOP) that long after a lease was
+            # granted, i.e. while the requester's reads are in flight.
+            def faulty_lease(keys, _lease=source.lease_objects, _ms=ms, _sig=sig):
+                threading.Timer(_ms / 1000, os.kill, (os.getpid(), _sig)).start()
+                return _lease(keys)
 
-        def dying_lease(keys):
-            threading.Timer(args.die_after_lease_ms / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            return lease(keys)
-
-        source.lease_objects = dying_lease
+            source.lease_objects = faulty_lease
     node = PeerNode(source, host=args.host, port=args.port, peers=args.peer,
                     config=PeerConfig(staging_bytes=1 << 20), lease_ttl_s=args.lease_ttl,
                     namespaces=lambda: serve_ns)
@@ -349,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="what serves: a standalone shm arena, or a real Manager")
     sv.add_argument("--corrupt", action="append", type=int, default=[],
                     help="index of a segment to corrupt (shm source)")
-    sv.add_argument("--die-after-lease-ms", type=float, default=-1)
+    sv.add_argument("--die-after-lease-ms", type=float, default=-1, help="fault: SIGKILL itself after a lease")
+    sv.add_argument("--stop-after-lease-ms", type=float, default=-1, help="fault: SIGSTOP itself after a lease")
     sv.add_argument("--lease-ttl", type=float, default=60.0)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=0)
