@@ -1081,7 +1081,10 @@ def _markdown(result: dict[str, Any]) -> str:
              f"{rc['kv_bytes_per_token'] / 1024:.1f} KiB per token); "
              f"HBM prefix cache {rc['hbm_tokens']} tokens; DRAM {rc['dram_bytes'] / 2**20:.0f} MiB + SSD "
              f"{rc['ssd_bytes'] / 2**20:.0f} MiB (variant ssd) or DRAM {rc['dram_only_bytes'] / 2**20:.0f} MiB "
-             f"(variant dram). Manager {result['manager_mode']}.", "",
+             f"(variant dram). Manager {result['manager_mode']}."
+             + (f" Load average (1 min) {la['start']:.1f} at the start, {la['end']:.1f} at the end, on "
+                f"{result['versions'].get('cpu_count')} CPUs." if (la := result.get("load_average_1m")) else ""),
+             "",
              _table(result), "",
              "TTFT = lookup + restore + page gather + prefill of the rest (or the full prefill on a miss). "
              "'served TTFT' is the p50 over the requests this run served from the Manager, and in brackets the "
@@ -1279,6 +1282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp = ssd_dir = tempfile.mkdtemp(prefix="orbitkv-cohort-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     t0 = time.perf_counter()
+    load_start = os.getloadavg()
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
                            ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2, log=log)
@@ -1288,6 +1292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["command"] = "orbitkv-bench cohort " + " ".join(argv)
     result["date"] = date
     result["elapsed_s"] = time.perf_counter() - t0
+    # other jobs on the machine move every figure: the 1-minute load average before and after the run
+    result["load_average_1m"] = {"start": load_start[0], "end": os.getloadavg()[0]}
     result["versions"] = _versions()
     files = write_report(result, out_dir, plots=not args.no_plots)
     if args.json:
