@@ -130,7 +130,7 @@ def test_health_ready_config_docs(stack):
     assert "swagger" in stack.http.get("/docs").text.lower()
     paths = stack.http.get("/openapi.json").json()["paths"]
     for p in ("/v1/engines", "/v1/engines/{engine_id}", "/v1/invalidate", "/metrics", "/v1/stats", "/healthz",
-              "/readyz", "/v1/config", "/v1/admin/flush-dram", "/v1/objects", "/v1/peers"):
+              "/readyz", "/v1/config", "/v1/admin/flush-dram", "/v1/objects"):
         assert p in paths, p
     assert_error(stack.http.get("/nope"), 404, "not_found")
     assert_error(stack.http.put("/v1/engines"), 405, "method_not_allowed")
@@ -524,19 +524,20 @@ def test_concurrent_registrations_and_invalidations_during_saves_and_restores(st
     assert (st.reserved_bytes, st.leases_active, st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0)
 
 
-def test_delete_waits_for_outstanding_work(stack):
+def test_delete_waits_for_outstanding_work(stack, monkeypatch):
+    import orbitkv_fs.manager as manager_mod
+
     _, descs = stack.engine_pages()
     stack.http.post("/v1/engines", json=reg_body(descs, engine_id="slow", codec="fp8"))
-    runner = stack.manager._codec_runner
     entered, release = threading.Event(), threading.Event()
-    real_encode = runner.encode
+    real_encode = manager_mod.encode_segment
 
-    def blocking_encode(items):  # fault injection: a codec batch that takes as long as the test wants
+    def blocking_encode(*args, **kw):  # fault injection: an encode that takes as long as the test wants
         entered.set()
         release.wait(30)
-        return real_encode(items)
+        return real_encode(*args, **kw)
 
-    runner.encode = blocking_encode
+    monkeypatch.setattr(manager_mod, "encode_segment", blocking_encode)
     result = {}
     saver = threading.Thread(target=lambda: result.setdefault("save", stack.client.save("slow", chunks(1))))
     saver.start()
