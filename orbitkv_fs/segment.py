@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import crc32c as _crc32c
 import ml_dtypes
@@ -313,10 +313,8 @@ def build_segment(h: SegmentHeader, payload: "bytes | bytearray | memoryview | n
     if isinstance(payload, np.ndarray):
         payload = memoryview(np.ascontiguousarray(payload)).cast("B")
     mv = memoryview(payload).cast("B") if isinstance(payload, memoryview) else memoryview(payload)
-    from dataclasses import replace
-
     h = replace(h, stored_length=len(mv), payload_crc=_crc32c.crc32c(mv))
-    return pack_header(h) + bytes(mv)
+    return b"".join((pack_header(h), mv))
 
 
 def parse_segment(

@@ -85,7 +85,10 @@ def raw_segment(x: np.ndarray, *, role: Role, layer: int, reason: RawReason) -> 
 def encode_segment(x: np.ndarray, codec: "str | Codec", *, role: "str | Role" = "opaque", layer: int = 0) -> bytes:
     """Encode ``x`` with ``codec`` into a segment (header + payload); raw where the policy says so."""
     x = np.asarray(x)
-    role = Role.parse(role)
+    try:
+        role = Role.parse(role)
+    except ValueError as e:
+        raise CodecError(str(e)) from None
     if not 0 <= layer <= 0xFFFF:
         raise CodecError(f"layer {layer} outside 0..65535")
     if x.nbytes > MAX_STORED_BYTES:
