@@ -354,6 +354,9 @@ class LowerTier(Protocol):
         """The segment bytes of ``key`` after CRC validation, or None (absent, or corrupt: then that
         record is invalidated)."""
 
+    def read_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        """:meth:`read` of several keys with their I/O in flight together (a restore's misses)."""
+
     def contains(self, key: ObjectKey) -> bool:
         """True when ``key`` is readable (published)."""
 
@@ -714,7 +717,10 @@ class Manager:
         return True
 
     def _read_lower(self, kb: bytes) -> bytes | None:
-        blob = self.lower.read(ObjectKey.unpack(kb))
+        return self._checked_lower(kb, self.lower.read(ObjectKey.unpack(kb)))
+
+    def _checked_lower(self, kb: bytes, blob: bytes | None) -> bytes | None:
+        """``blob`` as read from the lower tier for ``kb`` once verified; None when absent or bad."""
         if blob is None:
             return None
         try:
@@ -726,14 +732,14 @@ class Manager:
         self._count(self._hits, "lower")
         return blob
 
-    def _admit(self, kb: bytes, blob: bytes, *, lease: bool = False) -> tuple[int, int] | None:
+    def _admit(self, kb: bytes, blob: bytes) -> tuple[int, int] | None:
         """Copy a verified segment into DRAM and publish it; None when it did not fit or was present."""
         h = parse_header(blob)
         off = self.dram.reserve(len(blob))
         if off is None:
             return None
         self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
-        return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), lease=lease)
+        return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format))
 
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
@@ -864,17 +870,20 @@ class Manager:
     def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
         """Write the chunks' cached KV into the given blocks. Every destination is validated first
         (:class:`RequestError`, nothing written); a missing or corrupt segment is a miss for its chunk.
-        ``lease_id`` (from :meth:`lookup`) is released when the restore ends."""
+        ``lease_id`` (from :meth:`lookup`, of this engine) is released when the restore ends, whether it
+        succeeded or failed."""
         t0 = time.perf_counter()
         eng = self._enter(engine_id)
         held = _Lease(engine_id)
+        consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
         try:
-            self._check_chunks(eng, chunks)
             if lease_id:
                 with self._lock:
                     lease = self._leases.get(lease_id)
                 if lease is None or lease.engine_id != engine_id:
                     raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
+                consume = lease_id
+            self._check_chunks(eng, chunks)
             keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in eng.segs] for ch in chunks]
             sources = self._acquire([k for ks in keys for k in ks], held)
             # Phase 1: verify every source and check it against its destination; write nothing yet.
@@ -923,10 +932,10 @@ class Manager:
                                  segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
         finally:
             self._drop_lease(held)
-            if lease_id:
+            if consume:
                 with self._lock:
-                    lease = self._leases.pop(lease_id, None)
-                    eng.leases.discard(lease_id)
+                    lease = self._leases.pop(consume, None)
+                    eng.leases.discard(consume)
                 if lease is not None:
                     self._drop_lease(lease)
             self._exit(eng)
@@ -947,8 +956,9 @@ class Manager:
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and self.lower is not None:
             still = []
-            for kb in missing:
-                blob = self._read_lower(kb)
+            reads = self.lower.read_many([ObjectKey.unpack(k) for k in missing])
+            for kb, got in zip(missing, reads):
+                blob = self._checked_lower(kb, got)
                 if blob is None:
                     still.append(kb)
                     continue

@@ -203,6 +203,20 @@ def test_restore_validation_writes_nothing(engine):
         assert_reservations_zero(m)
 
 
+def test_restore_with_another_engines_lease_is_refused(engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        a = m.register_engine(reg)
+        b = m.register_engine(reg)
+        ch = chunks_for(1)
+        m.save(a.engine_id, ch)
+        lk = m.lookup(a.engine_id, [ch[0].key])
+        with pytest.raises(LeaseError):
+            m.restore(b.engine_id, ch, lease_id=lk.lease_id)
+        assert m.restore(a.engine_id, ch, lease_id=lk.lease_id).restored == [True]
+        assert_reservations_zero(m)
+
+
 def test_corrupt_segment_is_a_miss(engine):
     pages, reg = engine
     orig = snapshot(pages)

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if "dataplane" in parts:
         res["dataplane"] = bench_dataplane(args.latency_samples)
     if "index" in parts:
-        res["index"] = [bench_index(args.index_segments, 16), bench_index(args.index_segments, 1)]
+        res["index"] = [bench_index(args.index_segments, n) for n in (60, 2, 1)]
     res["load_average_1m"] = os.getloadavg()[0]
     res["host"] += f"; 1-minute load average at the end {res['load_average_1m']:.2f} (shared machine)"
     command = "orbitkv-bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:])

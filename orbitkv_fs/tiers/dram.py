@@ -211,10 +211,9 @@ class DramTier:
             self.reserved_bytes -= n * UNIT
             self.alloc.free(offset // UNIT, n)
 
-    def publish(self, key: bytes, offset: int, length: int, logical: int, rep: int,
-                *, lease: bool = False) -> tuple[int, int] | None:
-        """Make the reserved extent at ``offset`` the object ``key``; ``(slot, generation)``, leased once
-        when ``lease``. When ``key`` is already present the reservation is freed and None returned."""
+    def publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
+        """Make the reserved extent at ``offset`` the object ``key``; ``(slot, generation)``. When ``key``
+        is already present the reservation is freed and None returned."""
         n = units_of(length)
         with self.lock:
             self.reserved_bytes -= n * UNIT
@@ -225,8 +224,6 @@ class DramTier:
             self.policy.insert(slot, n * UNIT, hash(key))
             self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
             self.resident_logical += logical
-            if lease:
-                self._lease_slot(slot)
             return slot, gen
 
     # -- leases --------------------------------------------------------------------------------------
