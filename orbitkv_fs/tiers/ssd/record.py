@@ -31,12 +31,14 @@ Invariants: nothing here trusts a length before checking it against the buffer; 
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import crc32c as _crc32c
+import numpy as np
 
 from ...errors import (
     BadMagic,
@@ -57,6 +59,7 @@ RECORD_HEADER_SIZE = 128
 #: The largest record a segment can need (header + biggest segment, aligned).
 MAX_RECORD = -(-(RECORD_HEADER_SIZE + HEADER_SIZE + MAX_STORED_BYTES) // BLOCK) * BLOCK
 
+_GIL_FREE_COPY = 256 << 10
 _STRUCT = struct.Struct(f"<4sHH{PACKED_SIZE}sQII64xI")
 assert _STRUCT.size == RECORD_HEADER_SIZE
 _CRC_SPAN = RECORD_HEADER_SIZE - 4
@@ -109,7 +112,12 @@ def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "byt
     rec_len = record_length(seg_len)
     dst[:RECORD_HEADER_SIZE] = pack_record_header(RecordHeader(key, generation, seg_len, rec_len))
     end = RECORD_HEADER_SIZE + seg_len
-    dst[RECORD_HEADER_SIZE:end] = segment
+    if seg_len >= _GIL_FREE_COPY:
+        # ctypes.memmove releases the GIL: readers and the writeback thread run during a large copy.
+        src = np.frombuffer(segment, dtype=np.uint8)
+        ctypes.memmove(np.frombuffer(dst, dtype=np.uint8).ctypes.data + RECORD_HEADER_SIZE, src.ctypes.data, seg_len)
+    else:
+        dst[RECORD_HEADER_SIZE:end] = segment
     # Padding is zeroed explicitly: staging buffers are reused and must not leak old bytes to disk.
     dst[end:rec_len] = bytes(rec_len - end)
     return rec_len
