@@ -1,0 +1,130 @@
+"""The SGLang HiCache backend driven the way SGLang's cache controller drives it, without SGLang.
+
+SGLang's host pool is stood in by a record with the attributes and the ``kv_buffer`` shapes of its
+``MHATokenToKVPoolHost`` for each layout (``test_connectors_upstream.py`` checks those shapes in the
+SGLang wheel); the Manager is real (embedded).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orbitkv_fs.connectors.sglang import OrbitKVHiCacheStorage  # noqa: E402
+from orbitkv_fs.manager import Manager, ManagerConfig  # noqa: E402
+
+T, L, H, D = 8, 3, 2, 32
+PAGES = 12
+
+
+def _pool(layout: str) -> SimpleNamespace:
+    size = PAGES * T
+    dims = {"layer_first": (2, L, size, H, D), "page_first": (2, size, L, H, D),
+            "page_first_direct": (2, PAGES, L, T, H, D), "page_head": (2, PAGES, H, T, L, D)}[layout]
+    g = torch.Generator().manual_seed(hash(layout) % 1000)
+    buf = torch.randn(dims, generator=g).to(torch.bfloat16)
+    return SimpleNamespace(layout=layout, page_size=T, layer_num=L, head_num=H, head_dim=D, dtype=torch.bfloat16,
+                           kv_buffer=buf, size=size, page_num=PAGES)
+
+
+def _flat_page(pool, index: int) -> torch.Tensor:  # MHATokenToKVPoolHost.get_data_page(index, flat=True)
+    if pool.layout == "layer_first":
+        return pool.kv_buffer[:, :, index: index + T].flatten()
+    if pool.layout == "page_first":
+        return pool.kv_buffer[:, index: index + T].flatten()
+    return pool.kv_buffer[:, index // T: index // T + 1].flatten()
+
+
+def _config(manager, **extra) -> SimpleNamespace:
+    return SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, is_mla_model=False, model_name="org/m",
+                           extra_config={"backend_name": "orbitkv", "orbitkv.manager": manager,
+                                         **{f"orbitkv.{k}": v for k, v in extra.items()}})
+
+
+@pytest.fixture
+def manager(tmp_path):
+    m = Manager(ManagerConfig(pool_size=64 << 20, device="cpu", shm_dir=str(tmp_path)))
+    yield m
+    m.close()
+
+
+def _backend(manager, pool, **extra) -> OrbitKVHiCacheStorage:
+    b = OrbitKVHiCacheStorage(_config(manager, **extra), {})
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def _indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * T, (p + 1) * T) for p in pages])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_v1_pages_round_trip_in_every_layout(manager, layout: str) -> None:
+    pool = _pool(layout)
+    backend = _backend(manager, pool, staging_pages=2)  # 5 pages > 2 staging slots: several rounds
+    assert backend._slots == 2
+    keys = [f"hash{i}" for i in range(5)]
+    src = [0, 1, 2, 3, 4]
+    before = [_flat_page(pool, p * T).clone() for p in src]
+    assert backend.batch_set_v1(keys, _indices(src)) == [True] * 5
+    assert backend.batch_exists(keys) == 5 and backend.exists("hash3") and not backend.exists("nope")
+    dst = [7, 11, 5, 8, 10]
+    assert backend.batch_get_v1(keys, _indices(dst)) == [True] * 5
+    for b, p in zip(before, dst):
+        assert torch.equal(_flat_page(pool, p * T), b)
+    backend.close()
+
+
+def test_a_missing_page_ends_the_hit(manager) -> None:
+    pool = _pool("layer_first")
+    backend = _backend(manager, pool)
+    assert all(backend.batch_set_v1(["a", "b", "d"], _indices([0, 1, 2])))
+    assert backend.batch_exists(["a", "b", "c", "d"]) == 2
+    untouched = _flat_page(pool, 9 * T).clone()
+    assert backend.batch_get_v1(["a", "c", "d"], _indices([8, 9, 10])) == [True, False, False]
+    assert torch.equal(_flat_page(pool, 9 * T), untouched)  # nothing written for the miss
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_generic_flat_page_interface(manager, layout: str) -> None:
+    pool = _pool(layout)
+    backend = _backend(manager, pool)
+    pages = [_flat_page(pool, p * T).clone() for p in (0, 1)]
+    assert backend.batch_set(["x", "y"], pages) and backend.set("z", _flat_page(pool, 2 * T).clone())
+    dummies = [torch.zeros(2 * L * T * H * D, dtype=torch.bfloat16) for _ in range(3)]
+    got = backend.batch_get(["x", "y", "missing"], dummies)
+    assert torch.equal(got[0], pages[0]) and torch.equal(got[1], pages[1]) and got[2] is None
+    assert torch.equal(backend.get("z", torch.zeros_like(dummies[0])), _flat_page(pool, 2 * T))
+    backend.close()
+
+
+def test_pages_of_another_model_or_rank_are_not_served(manager) -> None:
+    pool = _pool("layer_first")
+    a = _backend(manager, pool)
+    assert all(a.batch_set_v1(["k"], _indices([0])))
+    other = OrbitKVHiCacheStorage(SimpleNamespace(**{**vars(_config(manager)), "tp_rank": 1, "tp_size": 2}), {})
+    other.register_mem_pool_host(pool)
+    assert other.batch_exists(["k"]) == 0
+    a.close()
+    other.close()
+
+
+def test_unsupported_pools_disable_the_backend_without_errors(manager) -> None:
+    backend = OrbitKVHiCacheStorage(SimpleNamespace(**{**vars(_config(manager)), "is_mla_model": True}), {})
+    backend.register_mem_pool_host(_pool("layer_first"))
+    assert backend.batch_set_v1(["a"], _indices([0])) == [False]
+    assert backend.batch_get_v1(["a"], _indices([1])) == [False]
+    assert backend.batch_exists(["a"]) == 0 and backend.get("a", torch.zeros(4)) is None
+    backend.close()
+
+
+def test_an_unreachable_manager_is_a_miss(manager) -> None:
+    backend = _backend("tcp://127.0.0.1:9", _pool("layer_first"), timeout_s=0.3)
+    assert backend.batch_set_v1(["a"], _indices([0])) == [False]
+    assert backend.batch_exists(["a"]) == 0
+    assert backend.get_stats()["failures"] == 1
+    backend.close()
