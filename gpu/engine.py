@@ -9,24 +9,29 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   stream and frees the old allocation before allocating the new one; :meth:`Workspace.release`
   drains the stream before freeing.
 * Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
-  host-to-device copy (descriptors, zeroed meta), one launch per kernel kind present (FP8 encode with
-  fused CRC32C, TurboQuant encode, nvCOMP ANS per data type, CRC32C/copy for raw and for
-  TurboQuant/ANS outputs), one device-to-host copy of [meta | ANS sizes | ANS statuses | segment slots]
-  -- sizes, statuses, CRC32Cs and payloads together -- and one stream synchronisation. The headers are
-  then written on the host in front of each payload, in place.
+  host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
+  (FP8 encode with fused CRC32C; TurboQuant encode; nvCOMP ANS compression of the 64 KiB chunks, one
+  call per nvCOMP data type, then ``okv_ans_pack``; CRC32C -- with the copy for raw segments -- over raw,
+  TurboQuant and ANS payloads), one device-to-host copy of [meta | ANS payload lengths | segment slots]
+  -- statuses, raw CRCs, sizes and payloads together -- and one stream synchronisation. The host then
+  finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
+  payload, in place.
 * Decode: one host-to-device copy (descriptors + payloads), CRC32C of every payload on the GPU, the
   decode kernels (which skip any segment whose CRC differs from its header: its destination is not
-  touched), nvCOMP for ANS into workspace scratch followed by a checked copy (status and exact length),
-  and one device-to-host copy of the meta. Failures are reported per segment, never raised.
+  touched), nvCOMP for ANS chunks into workspace scratch followed by a checked copy (every chunk's status
+  and exact length), and one device-to-host copy of the meta. Failures are reported per segment, never
+  raised.
 
 Invariants:
 
 * GPU output bytes equal :func:`orbitkv_fs.codecs.encode_segment` 's for the same input, codec, role,
   layer and TurboQuant seed, including the raw fallbacks and their reasons; decoded values equal
-  :func:`orbitkv_fs.codecs.decode_segment` 's.
+  :func:`orbitkv_fs.codecs.decode_segment` 's. ANS is the exception to byte equality: the same format
+  decisions and decoded bytes, but nvCOMP's bitstreams depend on the batch (docs/format-ans.md).
 * A segment whose workspace needs exceed the budget alone is encoded/decoded by the host codec
   (CPU fallback, counted in ``stats["cpu_fallbacks"]``); ANS, which has no CPU codec, is then
-  stored raw (reason ``UNSUPPORTED``) on encode.
+  stored raw (reason ``UNSUPPORTED``) on encode and decoded by :mod:`orbitkv_fs.gpu.ans` (outside
+  the arena) on restore.
 * Source arrays must be C-contiguous cupy arrays; the worker stream waits for the caller's current
   stream before reading them. Destinations are complete when :meth:`GpuCodecEngine.decode_batch`
   returns.
