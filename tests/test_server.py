@@ -556,3 +556,90 @@ def test_delete_waits_for_outstanding_work(stack, monkeypatch):
     assert answered["r"].status_code == 204
     assert result["save"].segments == 2 * L  # the outstanding save completed
     assert_error(stack.http.delete("/v1/engines/slow", params={"timeout_s": 0}), 422, "invalid_request")
+
+
+# ---------------------------------------------------------------------------------------------- peers, CLI
+
+
+def test_peer_routes_need_the_token_and_export_metrics(tmp_path):
+    from orbitkv_fs.peers import PeerNode, transport_available
+
+    if not transport_available():
+        pytest.skip("mooncake Transfer Engine not importable")
+    manager = Manager(ManagerConfig(pool_size=4 << 20, shm_dir=SHM, device="cpu"))
+    node = PeerNode(manager)
+    server = HttpServer(create_app(manager, admin_token=AdminToken(TOKEN), peer_node=node), "127.0.0.1", 0).start()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert_error(http.post("/v1/peers", json={"address": "127.0.0.1:1"}), 401, "unauthorized")
+            assert http.get("/v1/peers").json()["peers"] == []
+            r = http.post("/v1/peers", json={"address": "127.0.0.1:1"}, headers=auth)
+            assert r.status_code == 201, r.text
+            assert_error(http.delete("/v1/peers/127.0.0.1:1"), 401, "unauthorized")
+            ms = metrics(http)
+            assert m1(ms, "orbitkv_peers", state="ok") == 1
+            for name in ("orbitkv_peer_lookups_total", "orbitkv_peer_fetched_bytes_total",
+                         "orbitkv_peer_hit_latency_seconds_count", "orbitkv_peer_staging_bytes"):
+                assert (name, ()) in ms, name
+            assert ("orbitkv_hits_total", (("tier", "peer"),)) in ms
+            assert http.get("/v1/stats").json()["peers"]["address"] == node.address
+            assert "/v1/peers" in http.get("/openapi.json").json()["paths"]
+            assert http.delete("/v1/peers/127.0.0.1:1", headers=auth).status_code == 204
+    finally:
+        server.close()
+        node.close()
+        manager.close()
+
+
+def _cli(args, env_token=None):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ORBITKV_ADMIN_TOKEN"}
+    if env_token:
+        env["ORBITKV_ADMIN_TOKEN"] = env_token
+    return subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--device", "cpu", "--pool-size", "16mb",
+                             "--data-plane", "tcp://127.0.0.1:0", "--shm-dir", SHM, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_cli_refuses_a_public_address_without_a_token():
+    p = _cli(["--http-addr", "0.0.0.0:0"])
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2 and "without an admin token" in out
+    assert "orbitkv-arena" not in out  # refused before the Manager made its arena
+
+
+def test_cli_serves_with_a_token_on_a_public_address():
+    import re
+    import signal
+
+    p = _cli(["--http-addr", "0.0.0.0:0", "--log-level", "info"], env_token=TOKEN)
+    lines = []
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"http http://0\.0\.0\.0:(\d+) \(admin token required\)", line)
+            if m:
+                url = f"http://127.0.0.1:{m.group(1)}"
+        assert url, "".join(lines)
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/readyz").json()["status"] == "ready"
+            assert_error(http.post("/v1/invalidate", json={"all": True}), 401, "unauthorized")
+            r = http.post("/v1/invalidate", json={"all": True}, headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 200
+            assert http.get("/v1/config").json()["http"]["auth_required"] is True
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    lines.append(out)
+    assert p.returncode == 0
+    text = "".join(lines)
+    assert "POST /v1/invalidate" in text  # the access log is on at info ...
+    assert TOKEN not in text  # ... and never shows the token
