@@ -6,7 +6,7 @@ For each record size (``--bs``, the on-disk record: record header + segment + pa
 
 * tier writeback: ``SsdTier.submit`` of ``--size`` bytes of records into a fresh O_DIRECT shard, then
   ``flush``; GB/s of record bytes. fio: ``--rw=write`` with the same bs, iodepth, ``--direct=1``,
-  ``--ioengine=io_uring`` and size, over the same shard file afterwards.
+  ``--ioengine=io_uring`` and size, into a fresh file in the same directory (fio preallocates it).
 * tier demand read: ``SsdTier.read_many`` of every record just written (read ring at the same depth; each
   record validated: header CRC, key, generation, segment CRC32C; bytes copied out and handed to a consumer
   that drops them, as DRAM admission would). fio: ``--rw=read`` of the same shard file.
@@ -113,8 +113,10 @@ def throughput(d: str, bs: int, qd: int, size: int, with_fio: bool) -> dict[str,
         assert got[0] == n
         row["tier_read_GBps"] = n * bs / dt / 1e9
     if with_fio:
-        # fio reads the very file the tier wrote (same extents), then overwrites it in place.
+        # fio reads the very file the tier wrote (same extents), and writes a fresh file that it
+        # preallocates itself, as the tier's shard was.
         row["fio_read_GBps"] = _fio_bw("read", path, n * bs, bs, qd)
+        os.unlink(path)
         row["fio_write_GBps"] = _fio_bw("write", path, n * bs, bs, qd)
         row["write_vs_fio"] = row["tier_write_GBps"] / row["fio_write_GBps"]
         row["read_vs_fio"] = row["tier_read_GBps"] / row["fio_read_GBps"]
