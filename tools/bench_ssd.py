@@ -124,6 +124,20 @@ def throughput(d: str, bs: int, qd: int, size: int, with_fio: bool) -> dict[str,
     return row
 
 
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of every GB/s figure over repeated runs; ratios of the medians; the runs kept as they were."""
+    row = dict(runs[0])
+    for k in ("tier_write_GBps", "tier_read_GBps", "fio_write_GBps", "fio_read_GBps"):
+        if k in row:
+            row[k] = float(np.median([r[k] for r in runs]))
+    if "fio_write_GBps" in row:
+        row["write_vs_fio"] = row["tier_write_GBps"] / row["fio_write_GBps"]
+        row["read_vs_fio"] = row["tier_read_GBps"] / row["fio_read_GBps"]
+    if len(runs) > 1:
+        row["runs"] = runs
+    return row
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
@@ -229,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-samples", type=int, default=2000)
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--no-latency", action="store_true")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each throughput point N times, tier and fio alternating; report medians "
+                        "(for noisy hosts)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -249,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for bs in map(_size, args.bs):
             for qd in args.qd:
-                doc["throughput"].append(throughput(d, bs, qd, _size(args.size), with_fio))
+                runs = [throughput(d, bs, qd, _size(args.size), with_fio) for _ in range(max(1, args.repeat))]
+                doc["throughput"].append(_median_row(runs))
         if not args.no_latency:
             doc["latency"] = latency(d, _size(args.latency_fill), _size(args.latency_saturate), 32,
                                      args.latency_samples, with_fio)
