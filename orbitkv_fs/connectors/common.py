@@ -19,6 +19,7 @@ Primitives:
   counts them, and stops calling a failing Manager for a cool-down period.
 * :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded.
 * :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
+* :func:`packed_cuda_registration` -- registration of per-layer paged CUDA tensors through CUDA IPC.
 * :class:`StagingPages` -- host pages (``vllm_packed`` layout, one ``[slots, heads, block, 2 * head_dim]``
   tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
   import (transformers ``DynamicCache``, SGLang's pinned host pool): the adapter copies KV in and out.
@@ -350,6 +351,47 @@ class PrefixPlanner:
 
     def known(self, request_id: str) -> bool:
         return request_id in self._reqs
+
+
+# ------------------------------------------------------------------------------ GPU pages (CUDA IPC)
+
+
+def packed_cuda_registration(kv_caches: "dict[str, object]", *, model: str, block_size: int, engine_kind: str,
+                             engine_id: str | None = None, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+                             pp_size: int = 1, codec: str | None = None, model_revision: str = "") -> object | None:
+    """An :class:`~orbitkv_fs.geometry.EngineRegistration` of per-layer paged CUDA tensors in the packed
+    ``[blocks, kv_heads, block_size, 2 * head_dim]`` layout (vLLM's), shared through CUDA IPC handles;
+    layer ``i`` is the ``i``-th entry. None when a tensor is not in that layout or not on a GPU (the
+    adapter then stays off rather than guess a head layout)."""
+    from ..geometry import CudaIpcHandle, EngineRegistration, TensorDesc
+
+    tensors, geom = [], None
+    for layer, (name, t) in enumerate(kv_caches.items()):
+        if t.dim() != 4 or t.shape[2] != block_size or t.shape[3] % 2 or not t.is_cuda:
+            log.warning("OrbitKV-FS: layer %s (%s, %s) is not a CUDA [blocks, heads, %d, 2*head_dim] tensor",
+                        name, tuple(t.shape), t.device, block_size)
+            return None
+        g = (int(t.shape[1]), int(t.shape[3]) // 2, str(t.dtype).removeprefix("torch."))
+        if geom not in (None, g):
+            log.warning("OrbitKV-FS: layers disagree on heads/head_dim/dtype (%s vs %s)", geom, g)
+            return None
+        geom = g
+        # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
+        # block, and the storage sits at an offset inside it.
+        shared = t.untyped_storage()._share_cuda_()  # (device, handle, size_bytes, offset_bytes, ...)
+        base, size = int(shared[3]), int(shared[2])
+        handle = CudaIpcHandle(handle=bytes(shared[1]), offset=base + t.storage_offset() * t.element_size(),
+                               device=t.device.index or 0, size=base + size)
+        tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),
+                                  strides=list(t.stride()), dtype=g[2], handle=handle, name=name))
+    if geom is None:
+        return None
+    heads, head_dim, dtype = geom
+    n = len(tensors)
+    return EngineRegistration(model=model, num_layers=n, layer_start=0, layer_end=n, block_size=block_size,
+                              num_heads=heads, head_dim=head_dim, dtype=dtype, tensors=tensors,
+                              model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
+                              tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
 
 
 # ------------------------------------------------------------------------------------- staging pages

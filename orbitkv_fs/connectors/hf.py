@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import BlockMath, EngineSession, ManagerGuard, StagingPages, prefix_chunk_keys
+from .common import BlockMath, EngineSession, ManagerGuard, StagingPages, packed_cuda_registration, prefix_chunk_keys
 
 __all__ = ["HFPrefixStore", "model_geometry"]
 
@@ -56,10 +56,12 @@ class HFPrefixStore:
 
     def __init__(self, client: Any, *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: str,
                  block_size: int = 16, slots: int = 64, codec: str | None = None, engine_id: str | None = None,
-                 model_revision: str = "", config: Any = None, compute_dtype: str | None = None) -> None:
+                 model_revision: str = "", config: Any = None, compute_dtype: str | None = None,
+                 device: str = "cpu") -> None:
         """``dtype`` is the KV cache dtype (what is stored); ``compute_dtype`` the model's, when it differs
         (then :meth:`new_cache` rounds every K/V to ``dtype`` as it enters the cache, as an engine with a
-        narrower KV cache dtype does, so saved and restored KV are the values attention used)."""
+        narrower KV cache dtype does, so saved and restored KV are the values attention used). With a CUDA
+        ``device`` the staging pages live on that GPU and are registered through CUDA IPC."""
         import torch
 
         self.math = BlockMath(block_size)
@@ -68,14 +70,28 @@ class HFPrefixStore:
         self._compute_dtype = getattr(torch, compute_dtype or dtype)
         self._config = config
         self._salt = f"{model}@{model_revision}".encode()
-        self.staging = StagingPages(num_layers=num_layers, slots=slots, block_size=block_size,
-                                    num_heads=num_heads, head_dim=head_dim, dtype=dtype)
-        self._k = [_as_torch(self.staging.key(i), self._torch_dtype) for i in range(num_layers)]
-        self._v = [_as_torch(self.staging.value(i), self._torch_dtype) for i in range(num_layers)]
+        self.device = torch.device(device)
+        self.staging: StagingPages | None = None
+        if self.device.type == "cpu":
+            self.staging = StagingPages(num_layers=num_layers, slots=slots, block_size=block_size,
+                                        num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+            self._k = [_as_torch(self.staging.key(i), self._torch_dtype) for i in range(num_layers)]
+            self._v = [_as_torch(self.staging.value(i), self._torch_dtype) for i in range(num_layers)]
+            reg = self.staging.registration(model=model, engine_kind="transformers", codec=codec,
+                                            engine_id=engine_id, model_revision=model_revision)
+        else:
+            # GPU staging: one allocation (one CUDA IPC handle) holding every layer's packed pages; the
+            # Manager imports it and runs the GPU codecs on it in its own process.
+            self._gpu = torch.zeros((num_layers, slots, num_heads, block_size, 2 * head_dim), dtype=self._torch_dtype,
+                                    device=self.device)
+            layers = {f"L{i}": self._gpu[i] for i in range(num_layers)}
+            self._k = [t[..., :head_dim] for t in layers.values()]
+            self._v = [t[..., head_dim:] for t in layers.values()]
+            reg = packed_cuda_registration(layers, model=model, block_size=block_size, engine_kind="transformers",
+                                           codec=codec, engine_id=engine_id, model_revision=model_revision)
+        self.slots = slots
         self.guard = ManagerGuard()
-        reg = self.staging.registration(model=model, engine_kind="transformers", codec=codec,
-                                        engine_id=engine_id, model_revision=model_revision)
-        info = self.guard.call("register", lambda: client.register(reg), None)
+        info = self.guard.call("register", lambda: client.register(reg), None) if reg is not None else None
         self.engine_info = info
         self.session = EngineSession(client, info.engine_id, guard=self.guard) if info is not None else None
         self.client = client
@@ -87,6 +103,7 @@ class HFPrefixStore:
         args = model_geometry(lm)
         args["config"] = lm.config
         args["compute_dtype"] = args["dtype"]
+        args["device"] = str(getattr(lm, "device", "cpu"))
         args.update(overrides)
         return cls(client, **args)
 
@@ -119,6 +136,8 @@ class HFPrefixStore:
 
         Returns the number of prompt tokens now stored (leading blocks), 0 when the Manager is away.
         """
+        import torch
+
         if self.session is None:
             return 0
         ids = _token_list(input_ids)
@@ -126,7 +145,7 @@ class HFPrefixStore:
         have = min(len(ids), int(layers[0][0].shape[-2]))
         keys = self.keys(ids[:have])
         start = self.session.lookup(keys)
-        slots = self.staging.slots
+        slots = self.slots
         for first in range(start, len(keys), slots):
             end = min(first + slots, len(keys))
             n = end - first
@@ -137,6 +156,8 @@ class HFPrefixStore:
                 shape = (k.shape[1], n, self.block_size, k.shape[3])
                 self._k[layer][:n] = k[0, :, t0:t1].reshape(shape).transpose(0, 1)
                 self._v[layer][:n] = v[0, :, t0:t1].reshape(shape).transpose(0, 1)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the Manager reads the pages from another process
             if self.session.save(keys[first:end], [[s] for s in range(n)]) is None:
                 return first * self.block_size
         return len(keys) * self.block_size
@@ -160,7 +181,7 @@ class HFPrefixStore:
         ks: list[list[Any]] = [[] for _ in range(n_layers)]
         vs: list[list[Any]] = [[] for _ in range(n_layers)]
         got = 0
-        slots = self.staging.slots
+        slots = self.slots
         for first in range(0, len(keys), slots):
             part = keys[first : first + slots]
             missed = set(self.session.restore(part, [[s] for s in range(len(part))]))
@@ -187,7 +208,9 @@ class HFPrefixStore:
             self.guard.call("unregister", lambda: self.client.unregister(self.engine_info.engine_id), None)
             self.session = None
         self._k = self._v = []
-        self.staging.close()
+        self._gpu = None
+        if self.staging is not None:
+            self.staging.close()
 
     def __enter__(self) -> "HFPrefixStore":
         return self

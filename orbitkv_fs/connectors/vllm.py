@@ -40,6 +40,7 @@ from .common import (
     ManagerGuard,
     PrefixPlanner,
     connect_client,
+    packed_cuda_registration,
     Transfer,
     engine_hash_keys,
     failed_blocks,
@@ -191,10 +192,10 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         self._kv_caches = dict(kv_caches)
-        reg = registration_from_kv_caches(
-            kv_caches, model=self._salt.decode(), block_size=self._block_size, engine_id=self._worker_engine_id,
-            tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank, pp_size=self._pp_size,
-            codec=self._codec)
+        reg = packed_cuda_registration(
+            kv_caches, model=self._salt.decode(), block_size=self._block_size, engine_kind="vllm",
+            engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
+            pp_size=self._pp_size, codec=self._codec)
         client = self._get_client()
         if client is None or reg is None:
             log.warning("OrbitKV-FS disabled for this worker (no Manager at %s or unsupported layout)", self._address)
@@ -254,48 +255,3 @@ def _sync_device() -> None:
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
-
-
-def registration_from_kv_caches(kv_caches: dict[str, Any], *, model: str, block_size: int, engine_id: str,
-                                tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                                codec: str | None = None) -> Any:
-    """An :class:`~orbitkv_fs.geometry.EngineRegistration` of vLLM's per-layer paged tensors, or None
-    when a tensor is not the packed ``[blocks, kv_heads, block_size, 2 * head_dim]`` layout (MLA and
-    other layouts are not registered: the connector then stays off rather than guess a head layout)."""
-    from ..geometry import CudaIpcHandle, EngineRegistration, TensorDesc
-
-    names = list(kv_caches)
-    tensors, geom = [], None
-    for layer, name in enumerate(names):
-        t = kv_caches[name]
-        if t.dim() != 4 or t.shape[2] != block_size or t.shape[3] % 2:
-            log.warning("OrbitKV-FS: layer %s has shape %s, not [blocks, heads, %d, 2*head_dim]",
-                        name, tuple(t.shape), block_size)
-            return None
-        g = (int(t.shape[1]), int(t.shape[3]) // 2, str(t.dtype).removeprefix("torch."))
-        if geom not in (None, g):
-            log.warning("OrbitKV-FS: layers disagree on heads/head_dim/dtype (%s vs %s)", geom, g)
-            return None
-        geom = g
-        if t.is_cuda:
-            ipc, base = _ipc_handle(t.untyped_storage())
-            handle = CudaIpcHandle(handle=ipc, offset=base + t.storage_offset() * t.element_size(),
-                                   device=t.device.index or 0)
-        else:
-            return None  # CPU vLLM: host tensors are not in a shared pages file the Manager can map
-        tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),
-                                  strides=list(t.stride()), dtype=g[2], handle=handle, name=name))
-    if geom is None:
-        return None
-    heads, head_dim, dtype = geom
-    return EngineRegistration(model=model, num_layers=len(names), layer_start=0, layer_end=len(names),
-                              block_size=block_size, num_heads=heads, head_dim=head_dim, dtype=dtype,
-                              tensors=tensors, engine_kind="vllm", tp_rank=tp_rank, tp_size=tp_size,
-                              pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
-
-
-def _ipc_handle(storage: Any) -> tuple[bytes, int]:
-    """``cudaIpcMemHandle_t`` of the allocation behind a torch CUDA storage, and the storage's byte
-    offset inside that allocation (torch's caching allocator hands out slices of larger blocks)."""
-    shared = storage._share_cuda_()  # (device, handle, size_bytes, offset_bytes, ref_counter, ...)
-    return bytes(shared[1]), int(shared[3])
