@@ -528,12 +528,15 @@ class _Pages:
                                       layer_end=m.layers, block_size=recipe.block_size, num_heads=m.kv_heads,
                                       head_dim=m.head_dim, dtype="bfloat16", tensors=self.descs, codec=codec,
                                       engine_id=engine_id, engine_kind="bench")
-        from orbitkv_fs.connectors.vllm import registration_from_kv_caches
+        from orbitkv_fs.connectors.common import packed_cuda_registration
 
         _torch().cuda.synchronize()
-        return registration_from_kv_caches({f"L{i}": t for i, t in enumerate(self.tensors)},
-                                           model=f"random-{m.name}", block_size=recipe.block_size,
-                                           engine_id=engine_id, codec=codec)
+        reg = packed_cuda_registration({f"L{i}": t for i, t in enumerate(self.tensors)}, model=f"random-{m.name}",
+                                       block_size=recipe.block_size, engine_kind="bench", engine_id=engine_id,
+                                       codec=codec)
+        if reg is None:
+            raise RuntimeError("the GPU pages are not CUDA tensors in the packed layout")
+        return reg
 
     def close(self) -> None:
         self.tensors = []
