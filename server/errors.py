@@ -82,14 +82,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     first_field = None
     for err in exc.errors()[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
-        where = ".".join(loc) or "request"
+        where = _field_path(err.get("loc", ()))
         first_field = first_field or where
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
     more = len(exc.errors()) - 5
     if more > 0:
         parts.append(f"... and {more} more")
     return "; ".join(parts) or "invalid request", first_field
+
+
+def _field_path(loc: tuple | list) -> str | None:
+    """``("body", "tensors", 0, "handle", "host", "name")`` -> ``tensors[0].handle.name``: the field as the
+    client wrote it (pydantic adds the union member's tag, which is not in the request)."""
+    out = ""
+    items = list(loc)
+    if items and items[0] == "body":
+        items = items[1:]
+    for i, x in enumerate(items):
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif i > 0 and items[i - 1] == "handle" and x in ("host", "cuda_ipc"):
+            continue
+        else:
+            out += f".{x}" if out else str(x)
+    return out or None
 
 
 def install(app: FastAPI) -> None:

@@ -105,6 +105,7 @@ class ManagerCollector(Collector):
         for _, label in reversed(tiers):
             misses[(label,)] = fell
             fell += hits[(label,)]
+        misses = {(label,): misses[(label,)] for _, label in tiers}
         yield _counter("hits", "segments served, per tier", labels=["tier"], rows=hits)
         yield _counter("misses", "segments a tier could not serve (fell through to the next tier, or missed)",
                        labels=["tier"], rows=misses)
