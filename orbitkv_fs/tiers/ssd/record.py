@@ -21,7 +21,8 @@ Primitives:
 * :func:`record_length` -- the aligned footprint of a segment of a given size.
 * :func:`pack_record_header` / :func:`parse_record_header` -- header bytes <-> :class:`RecordHeader`.
 * :func:`write_record` -- lay a whole record (header, segment, zero padding) into a buffer.
-* :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, segment CRCs).
+* :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, full segment parse).
+* :func:`verify_record` -- the demand-read check: every CRC and the index's key/generation/length.
 * :func:`scan` -- walk a shard image (an mmap or any buffer) and classify every record; shared by
   recovery and ``orbitkv-inspect``.
 
@@ -51,6 +52,7 @@ from ...errors import (
 )
 from ...keys import PACKED_SIZE, ObjectKey
 from ...segment import HEADER_SIZE, MAX_STORED_BYTES, SegmentHeader, crc32c, parse_segment
+from ...segment import MAGIC as SEGMENT_MAGIC
 
 MAGIC = b"OKVR"
 VERSION = 1
@@ -123,27 +125,55 @@ def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "byt
     return rec_len
 
 
-def check_record(buf: "bytes | memoryview", expect_key: ObjectKey | None = None,
-                 expect_generation: int | None = None) -> tuple[RecordHeader, SegmentHeader, memoryview]:
-    """Validate the record at the start of ``buf``; return its header, segment header and segment bytes."""
+def check_record(buf: "bytes | memoryview") -> tuple[RecordHeader, SegmentHeader, memoryview]:
+    """Validate the record at the start of ``buf`` in full (record header, segment header fields, payload
+    CRC); return its header, segment header and segment bytes. Used by recovery and inspection."""
     rh = parse_record_header(buf)
-    if expect_key is not None and rh.key != expect_key:
-        raise SegmentError(f"record holds {rh.key}, expected {expect_key}")
-    if expect_generation is not None and rh.generation != expect_generation:
-        raise SegmentError(f"record generation {rh.generation}, expected {expect_generation}")
     mv = memoryview(buf)
     end = RECORD_HEADER_SIZE + rh.segment_length
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
     seg = mv[RECORD_HEADER_SIZE:end]
-    sh, payload = parse_segment(seg, verify_crc=False)
-    # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
-    # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
-    if _crc32c.crc32c(payload, gil_release_mode=0) != sh.payload_crc:
-        raise PayloadChecksumMismatch("payload CRC32C mismatch")
+    sh, _ = parse_segment(seg)
     if sh.layer != rh.key.layer or sh.role != rh.key.role:
         raise SegmentError("segment header layer/role disagree with the record key")
     return rh, sh, seg
+
+
+_SEG_CRCS = struct.Struct("<4s16xII32xI")  # segment header (docs/format.md): magic, stored @20, crc @24, hcrc @60
+
+
+def verify_record(buf: "bytes | memoryview", packed_key: bytes, generation: int, segment_length: int) -> memoryview:
+    """The demand-read check of a record whose key, generation and length the index knows: record header
+    CRC and fields, segment header CRC and length, payload CRC32C. Every byte read is covered by a CRC;
+    the segment's field semantics were validated when it was admitted (and the Manager parses it again).
+    Returns the segment bytes; raises a ``SegmentError`` subclass."""
+    mv = memoryview(buf)
+    end = RECORD_HEADER_SIZE + segment_length
+    if len(mv) < end:
+        raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
+    raw = bytes(mv[:RECORD_HEADER_SIZE])
+    magic, _, _, key, gen, seg_len, _, crc = _STRUCT.unpack(raw)
+    if magic != MAGIC:
+        raise BadMagic("not a record header")
+    if _crc32c.crc32c(raw[:_CRC_SPAN]) != crc:
+        raise HeaderChecksumMismatch("record header CRC32C mismatch")
+    if key != packed_key or gen != generation or seg_len != segment_length:
+        raise SegmentError("record header names another key, generation or length")
+    seg = mv[RECORD_HEADER_SIZE:end]
+    head = bytes(seg[:HEADER_SIZE])
+    smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack(head)
+    if smagic != SEGMENT_MAGIC:
+        raise BadMagic("not a segment header")
+    if _crc32c.crc32c(head[:HEADER_SIZE - 4]) != hcrc:
+        raise HeaderChecksumMismatch("segment header CRC32C mismatch")
+    if HEADER_SIZE + stored != segment_length:
+        raise LengthMismatch("segment length disagrees with the record")
+    # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
+    # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
+    if _crc32c.crc32c(seg[HEADER_SIZE:], gil_release_mode=0) != pcrc:
+        raise PayloadChecksumMismatch("payload CRC32C mismatch")
+    return seg
 
 
 class Status(enum.Enum):

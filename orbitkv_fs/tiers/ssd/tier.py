@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from ...errors import OrbitKVError, SegmentError
 from ...keys import ObjectKey
 from ...segment import HEADER_SIZE, MAGIC, Format, crc32c, parse_header
-from .record import BLOCK, MAX_RECORD, Status, check_record, record_length, scan, write_record
+from .record import BLOCK, MAX_RECORD, Status, record_length, scan, verify_record, write_record
 from .uring import IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
 
 if TYPE_CHECKING:
@@ -606,7 +606,7 @@ class SsdTier:
                         verdicts[i] = _reason(res, "short_read")
                     else:
                         try:
-                            _, _, seg = check_record(buf, s.key, s.generation)
+                            seg = verify_record(buf, s.key.pack(), s.generation, s.stored)
                             data = bytes(seg)
                             del seg
                             self._read_lat.append(time.perf_counter() - started[i])
