@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-cache-capacity", type=parse_size, default=None,
                    help="total SSD tier bytes over all shards, e.g. 100gb (required with --ssd-cache-path)")
     g.add_argument("--ssd-backend", choices=("auto", "uring", "cufile"), default="auto",
-                   help="auto: cuFile (kvikio) with a GPU, else io_uring")
+                   help="auto: io_uring; cufile: kvikio (GPU machines)")
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
     g.add_argument("--ssd-recover", action="store_true",
                    help="rebuild the SSD index from the shard files (default: start empty, files truncated)")

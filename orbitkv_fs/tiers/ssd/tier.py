@@ -228,14 +228,14 @@ def _reason(res: int, short: str) -> str:
 
 
 def make_backend(name: str) -> IoBackend:
-    """The I/O backend for ``--ssd-backend``: auto (cufile with a GPU and kvikio, else uring), uring, cufile."""
-    if name in ("auto", "cufile"):
+    """The I/O backend for ``--ssd-backend``. ``auto`` is io_uring: the Manager hands the tier host bytes,
+    which io_uring moves best; cuFile (kvikio) only when asked, until GPU batches are written directly."""
+    if name == "cufile":
         from .cufile import CuFileBackend, cufile_usable
 
-        if cufile_usable():
-            return CuFileBackend()
-        if name == "cufile":
+        if not cufile_usable():
             raise SsdConfigError("--ssd-backend cufile needs kvikio and a CUDA GPU")
+        return CuFileBackend()
     return UringBackend()
 
 
