@@ -124,3 +124,32 @@ def test_manager_keeps_serving_through_ssd_write_errors_and_a_slow_lane(ssd_path
             m.release(lk.lease_id)
     finally:
         pages.close()
+
+
+def test_cache_manager_process_with_ssd_flags(ssd_paths, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "64mib", "--device", "cpu",
+            "--shm-dir", str(tmp_path), "--data-plane", f"ipc://{tmp_path}/dp.sock"]
+    bad = subprocess.run(base + ["--ssd-cache-path", str(tmp_path / "no" / "such" / "dir.okv"),
+                                 "--ssd-cache-capacity", "64mb"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot open" in bad.stderr and "Traceback" not in bad.stderr
+    p = subprocess.Popen(base + ["--ssd-cache-path", ssd_paths[0], "--ssd-cache-path", ssd_paths[1],
+                                 "--ssd-cache-capacity", "64mb", "--ssd-write-queue-depth", "8"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        log = ""
+        while "ready" not in log and time.monotonic() < deadline and p.poll() is None:
+            log += p.stderr.readline()
+        assert "ready" in log, log
+        assert [os.path.getsize(x) for x in ssd_paths] == [32 << 20, 32 << 20]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+        p.wait()
