@@ -239,6 +239,8 @@ def test_registration_errors(stack, tmp_path):
     assert_error(post({**good, "tensors": [t0]}), 422, "invalid_request")
     assert_error(stack.http.post("/v1/engines", content=b"{not json", headers={"content-type": "application/json"}),
                  422, "invalid_request")
+    assert_error(stack.http.post("/v1/engines", content=b"\xca\xaa\xff", headers={"content-type": "application/json"}),
+                 400, "bad_request")
     assert stack.manager.list_engines() == []  # nothing half-registered
     assert post(good).status_code == 201
 
