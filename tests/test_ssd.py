@@ -249,3 +249,14 @@ def test_read_many_sink_streams_and_survives_a_raising_sink(ssd_dir):
         assert t.read_many(keys) == [segment(i) for i in range(40)]
         assert all(s.leases == 0 for sh in t._shards for s in sh.slots.values())
         assert t.snapshot().read_hits_total == 40 + 1 + 40
+
+
+def test_submit_with_timeout_waits_for_room_instead_of_dropping(ssd_dir):
+    faults = Faults(write_delay=0.05)
+    with make(ssd_dir, shards=1, capacity=128 << 20, backend=FaultyBackend(UringBackend(), faults),
+              max_pending_bytes=33 << 20) as t:
+        big = segment(0, n=4 << 20)  # four fit in the staging bound at a time
+        assert all(t.submit(key(i), big, timeout=30.0) for i in range(12))
+        t.flush()
+        s = t.snapshot()
+        assert s.write_dropped_total == 0 and s.objects == 12

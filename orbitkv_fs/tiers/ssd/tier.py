@@ -402,26 +402,32 @@ class SsdTier:
             self._pool.setdefault(cls, []).append(memoryview(base))
             self._pool_bytes += cls
 
-    def submit(self, key: ObjectKey, segment: "bytes | memoryview") -> bool:
+    def submit(self, key: ObjectKey, segment: "bytes | memoryview", *, timeout: float = 0.0) -> bool:
         """Queue ``segment`` for writeback (copied into an aligned staging buffer). False when dropped:
-        the tier is closed, the lane is full, or no ring space can be found. Raises ``SegmentError`` when
-        ``segment`` is not a segment."""
+        the tier is closed, the lane is full, or no ring space can be found. By default it never waits;
+        with ``timeout`` it waits up to that many seconds for room in the lane (for callers that demote in
+        bulk, such as a DRAM flush). Raises ``SegmentError`` when ``segment`` is not a segment."""
         fmt, original, stored = _peek_segment(segment)
         seg_len = HEADER_SIZE + stored
         if len(segment) != seg_len:
             raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
         rec_len = record_length(seg_len)
+        deadline = time.monotonic() + timeout
+        sh = self._shard_of(key)
         with self._lock:
-            if self._closed:
-                return False
-            if self._pending_bytes + rec_len > self.config.max_pending_bytes:
-                self._c["write_dropped_total"] += 1
-                return False
-            sh = self._shard_of(key)
-            offset = self._allocate(sh, rec_len)
-            if offset is None:
-                self._c["write_dropped_total"] += 1
-                return False
+            while True:
+                if self._closed:
+                    return False
+                offset = None
+                if self._pending_bytes + rec_len <= self.config.max_pending_bytes:
+                    offset = self._allocate(sh, rec_len)
+                if offset is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or not (self._queue or self._inflight):  # nothing in flight will make room
+                    self._c["write_dropped_total"] += 1
+                    return False
+                self._idle.wait(left)
             gen = self._generation
             self._generation += 1
             slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, fmt, original)
