@@ -346,9 +346,10 @@ class LowerTier(Protocol):
 
     name: str
 
-    def submit(self, key: ObjectKey, segment: bytes) -> bool:
+    def submit(self, key: ObjectKey, segment: bytes, *, timeout: float = 0.0) -> bool:
         """Queue ``segment`` (header + payload, CRC-valid) for asynchronous writeback. Never blocks on
-        I/O; False when dropped. A later submit of the same key replaces the earlier one."""
+        I/O; False when dropped. A later submit of the same key replaces the earlier one. With ``timeout``
+        it may wait that long for room in the lane (bulk demotion, e.g. :meth:`Manager.flush_dram`)."""
 
     def read(self, key: ObjectKey) -> bytes | None:
         """The segment bytes of ``key`` after CRC validation, or None (absent, or corrupt: then that
@@ -1118,7 +1119,8 @@ class Manager:
         sub = [0, 0]
         drop = [0, 0]
         for key, blob in objs:
-            ok = self.lower is not None and self.lower.submit(key, blob)
+            # A flush hands over everything at once: wait for room in the lane rather than drop.
+            ok = self.lower is not None and self.lower.submit(key, blob, timeout=60.0)
             t = sub if ok else drop
             t[0] += 1
             t[1] += len(blob)
