@@ -57,7 +57,7 @@ from .auth import AdminToken, bearer, check_bind, require_admin
 from .errors import ApiError, responses
 from .metrics import build_registry
 from .models import (
-    ENGINE_ID,
+    ENGINE_REF,
     HEX16,
     MAX_OBJECTS_PAGE,
     ConfigOut,
@@ -229,7 +229,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     def list_engines(request: Request) -> EngineList:
         return EngineList(engines=[_engine_out(i) for i in _manager(request).list_engines()])
 
-    engine_path = Path(pattern=ENGINE_ID, max_length=128, description="engine id")
+    engine_path = Path(pattern=ENGINE_REF, max_length=128, description="engine id")
 
     @app.get("/v1/engines/{engine_id}", response_model=EngineOut, tags=["engines"], responses=responses(404, 422))
     def get_engine(request: Request, engine_id: str = engine_path) -> EngineOut:

@@ -36,7 +36,10 @@ MAX_CHUNKS = 10_000
 MAX_OBJECTS_PAGE = 1000
 #: A shared-memory object name: one path component, no leading dot (never ``..``), no separators.
 SHM_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$"
+#: An id a REST registration may ask for (URL-safe).
 ENGINE_ID = r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$"
+#: An id naming an existing engine: whatever the data plane accepted too (1-128 printable characters).
+ENGINE_REF = r"^[^\x00-\x1f\x7f]{1,128}$"
 HEX16 = r"^[0-9a-f]{32}$"
 OBJECT_KEY = r"^[0-9a-f]{32}/[0-9a-f]{32}/L[0-9]{1,5}/(opaque|key|value)$"
 _CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
@@ -49,7 +52,7 @@ class _Strict(BaseModel):
 # ---------------------------------------------------------------------------------------------- registration
 
 
-class HostPagesHandleIn(_Strict):
+class HostHandleIn(_Strict):
     """A tensor in a host engine-pages file (:mod:`orbitkv_fs.pages`) in the Manager's shared-memory
     directory, named like ``shm_open`` names: the object's name, never a path."""
 
@@ -65,9 +68,6 @@ class HostPagesHandleIn(_Strict):
         if isinstance(data, dict) and "path" in data:
             raise ValueError("handles name a shared-memory object ('name'), not a file-system path ('path')")
         return data
-
-
-HostHandleIn = HostPagesHandleIn
 
 
 class CudaIpcHandleIn(_Strict):
@@ -104,7 +104,7 @@ class TensorIn(_Strict):
     shape: list[_Extent] = Field(min_length=1, max_length=MAX_DIMS)
     strides: list[_Stride] = Field(min_length=1, max_length=MAX_DIMS)
     dtype: str = Field(min_length=1, max_length=32, examples=["bfloat16"])
-    handle: HostPagesHandleIn | CudaIpcHandleIn = Field(discriminator="type")
+    handle: HostHandleIn | CudaIpcHandleIn = Field(discriminator="type")
     name: str = Field(default="", max_length=128)
 
 
@@ -122,7 +122,7 @@ class RegisterRequest(_Strict):
     tensors: list[TensorIn] = Field(min_length=1, max_length=MAX_TENSORS)
     attention: Literal[tuple(x.value for x in AttentionKind)] = "gqa"  # type: ignore[valid-type]
     model_revision: str = Field(default="", max_length=256)
-    engine_kind: str = Field(default="generic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    engine_kind: str = Field(default="generic", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
     tp_rank: int = Field(default=0, ge=0, lt=1 << 16)
     tp_size: int = Field(default=1, ge=1, le=1 << 16)
     pp_rank: int = Field(default=0, ge=0, lt=1 << 16)
@@ -141,7 +141,7 @@ class RegisterRequest(_Strict):
         tensors = []
         for i, t in enumerate(self.tensors):
             h = t.handle
-            if isinstance(h, HostPagesHandleIn):
+            if isinstance(h, HostHandleIn):
                 handle: HostPagesHandle | CudaIpcHandle = HostPagesHandle(
                     shm_path(h.name, f"tensors[{i}].handle.name"), h.offset)
             else:
@@ -194,7 +194,7 @@ class InvalidateRequest(_Strict):
         default=None, min_length=1, max_length=MAX_KEYS,
         description="object keys as /v1/objects lists them: namespace/chunk/L<layer>/<role>")
     namespace: str | None = Field(default=None, pattern=HEX16, description="hex storage namespace")
-    engine_id: str | None = Field(default=None, pattern=ENGINE_ID, description="an engine's namespace")
+    engine_id: str | None = Field(default=None, pattern=ENGINE_REF, description="an engine's namespace")
     chunks: list[Annotated[str, Field(pattern=HEX16)]] | None = Field(
         default=None, min_length=1, max_length=MAX_CHUNKS,
         description="hex chunk keys, with namespace or engine_id: only these chunks")

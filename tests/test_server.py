@@ -172,7 +172,9 @@ def test_register_list_get_delete(stack):
     assert r.status_code == 204 and r.content == b""
     assert_error(stack.http.get("/v1/engines/vllm-0"), 404, "unknown_engine")
     assert_error(stack.http.delete("/v1/engines/vllm-0"), 404, "unknown_engine")
-    assert_error(stack.http.get("/v1/engines/bad%20id"), 422, "invalid_request")
+    assert_error(stack.http.get("/v1/engines/bad%01id"), 422, "invalid_request")
+    assert_error(stack.http.get("/v1/engines/" + "a" * 129), 422, "invalid_request")
+    assert_error(stack.http.get("/v1/engines/any printable id"), 404, "unknown_engine")
     with pytest.raises(UnknownEngine):
         stack.client.save("vllm-0", chunks(1))
     assert stack.http.delete(f"/v1/engines/{other}").status_code == 204
