@@ -72,8 +72,10 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
     if run["codec"] == "none":
         assert m["compression_ratio"] < 1.0  # headers only, nothing encoded
         assert m["encode_s"] == 0 and m["codec_batches"] == 0
+    elif run["codec"] == "ans":  # exact: random-weight KV may not compress, but it goes through the codec
+        assert m["codec_batches"] > 0
     else:
-        assert m["compression_ratio"] > 1.5
+        assert m["compression_ratio"] > 1.3  # 4 of the 8 tiny layers stay exact under TurboQuant
         assert m["codec_batches"] > 0 and m["segments_per_batch"] > 0
     vs = run["vs_control"]
     assert 0.0 <= vs["token_agreement"] <= 1.0
@@ -97,9 +99,10 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     recipe = res["recipe"]
     for run in res["runs"]:
         _check_run(run, recipe, control=run["codec"] == "recompute")
-    ssd_none = res["runs"][1]
-    # DRAM is smaller than the cohort's KV in the ssd variant: reuse goes through the SSD log
-    assert ssd_none["tier_tokens"]["lower"] > 0
+    ssd_none = res["runs"][1]["manager"]
+    # DRAM is smaller than the cohort's KV in the ssd variant: evicted objects are demoted to the SSD log
+    # (whether a reuse request is then served from DRAM or the SSD depends on thread timing)
+    assert ssd_none["demoted"] > 0 and ssd_none["ssd_write_bytes"] > 0
     verdicts = {(v["variant"], v["codec"]): v for v in res["verdicts"]}
     assert set(verdicts) == set(labels[1:])
     tq = verdicts[("ssd", "turboquant-4")]
@@ -133,3 +136,26 @@ def test_bad_recipe_is_refused():
         bench_cohort.main(["--quick", "--warm-requests", "99"])
     with pytest.raises(ValueError):
         bench_cohort.Recipe(chunk_tokens=100, block_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["ans", "turboquant-4"])
+def test_quick_cohort_on_gpu(tmp_path, codec):
+    """The GPU path at quick scale: model and pages on CUDA, pages registered through CUDA IPC with a Manager
+    in its own process (its GPU path), ans available. Same invariants as on the CPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    out = tmp_path / "res"
+    argv = SMALL + ["--device", "cuda", "--codecs", f"none,{codec}", "--variants", "ssd,dram", "--no-plots",
+                    "--ssd-dir", str(tmp_path), "--out", str(out)]
+    assert bench_cohort.main(argv) == 0
+    res = _load(out)
+    assert res["device"] == "cuda" and res["manager_mode"] == "process" and not res["skipped"]
+    assert [(r["variant"], r["codec"]) for r in res["runs"]] == [
+        ("control", "recompute"), ("ssd", "none"), ("ssd", codec), ("dram", "none"), ("dram", codec)]
+    for run in res["runs"]:
+        _check_run(run, res["recipe"], control=run["codec"] == "recompute")
+    if codec == "ans":  # exact: restored requests generate what the exact `none` restore generates
+        for a, b in zip(res["runs"][3]["records"], res["runs"][4]["records"]):
+            assert a["tokens"] == b["tokens"]
