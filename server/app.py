@@ -50,6 +50,7 @@ from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import GeometryError
 from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.manager import EngineInfo, Manager, ManagerStats
+from orbitkv_fs.peers.stats import PeerStats
 from orbitkv_fs.segment import Role
 
 from . import errors
@@ -194,23 +195,14 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     app.state.admin_token = admin_token
     app.state.peer_node = peer_node
     app.state.ready = True
-    app.state.address = address
-    app.state.max_body_bytes = max_body_bytes
     registry = build_registry(manager, (lambda: peer_node.stats()) if peer_node is not None else None)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     resolve = _shm_resolver(manager.config().shm_dir)
     admin = [Depends(require_admin)]
     cache: dict = {}
-    peer_model = None
-    try:
-        from orbitkv_fs.peers.stats import PeerStats
-
-        peer_model = model_of_struct(PeerStats, cache)
-    except ImportError:  # pragma: no cover - the peers package is part of the distribution
-        pass
     StatsOut = model_of_struct(ManagerStats, cache, name="StatsOut",
-                               extra={"peers": (peer_model | None, None)} if peer_model else {})
+                               extra={"peers": (model_of_struct(PeerStats, cache) | None, None)})
 
     # -- engines ---------------------------------------------------------------------------------------
 
@@ -278,8 +270,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     def stats(request: Request) -> Response:
         """The facts ``/metrics`` exports, as one JSON snapshot."""
         out = msgspec.to_builtins(_manager(request).stats())
-        if peer_model is not None:
-            out["peers"] = msgspec.to_builtins(peer_node.stats()) if peer_node is not None else None
+        out["peers"] = msgspec.to_builtins(peer_node.stats()) if peer_node is not None else None
         return Response(msgspec.json.encode(out), media_type="application/json")
 
     @app.get("/healthz", response_model=HealthOut, tags=["observability"])
