@@ -170,7 +170,6 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     device: str = "auto"
     #: Segments encoded per codec batch.
     batch_segments: int = 64
-    host: str = "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------------------------- requests / results
@@ -471,6 +470,8 @@ class Manager:
             raise CodecError(f"unknown storage codec {config.storage_codec!r}; expected {', '.join(CODEC_NAMES)}")
         if config.storage_codec == "ans":
             get_codec("ans")  # CodecUnavailable here rather than at the first save
+        if config.device not in ("auto", "cpu"):
+            raise ValueError(f"device {config.device!r}: expected auto or cpu")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -720,8 +721,9 @@ class Manager:
     def _read_lower(self, kb: bytes) -> bytes | None:
         return self._checked_lower(kb, self.lower.read(ObjectKey.unpack(kb)))
 
-    def _checked_lower(self, kb: bytes, blob: bytes | None) -> bytes | None:
-        """``blob`` as read from the lower tier for ``kb`` once verified; None when absent or bad."""
+    def _checked_lower(self, kb: bytes, blob: bytes | None, reasons: dict[bytes, str] | None = None) -> bytes | None:
+        """``blob`` as read from the lower tier for ``kb`` once verified; None when absent or bad (then
+        ``reasons[kb]`` says why)."""
         if blob is None:
             return None
         try:
@@ -729,6 +731,8 @@ class Manager:
         except SegmentError as e:
             log.warning("lower tier returned a bad segment for %s: %s", ObjectKey.unpack(kb), e)
             self._add(decode_failures=1)
+            if reasons is not None:
+                reasons[kb] = f"corrupt (lower tier): {type(e).__name__}: {e}"
             return None
         self._count(self._hits, "lower")
         return blob
@@ -886,7 +890,8 @@ class Manager:
                 consume = lease_id
             self._check_chunks(eng, chunks)
             keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in eng.segs] for ch in chunks]
-            sources = self._acquire([k for ks in keys for k in ks], held)
+            reasons: dict[bytes, str] = {}
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons)
             # Phase 1: verify every source and check it against its destination; write nothing yet.
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
@@ -894,7 +899,7 @@ class Manager:
                 for seg, kb in zip(eng.segs, ks):
                     src = sources.get(kb)
                     if src is None:
-                        bad.setdefault(ci, "missing")
+                        bad.setdefault(ci, reasons.get(kb, "missing"))
                         continue
                     try:
                         h = _verify(kb, src)
@@ -941,9 +946,10 @@ class Manager:
                     self._drop_lease(lease)
             self._exit(eng)
 
-    def _acquire(self, kbs: list[bytes], held: _Lease) -> dict[bytes, "memoryview | bytes"]:
+    def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str]) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
-        bytes (readmitted to DRAM when they fit). Absent keys are left out."""
+        bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
+        ``reasons`` says why."""
         out: dict[bytes, memoryview | bytes] = {}
         found = self.dram.lease(kbs)
         missing = []
@@ -959,7 +965,7 @@ class Manager:
             still = []
             reads = self.lower.read_many([ObjectKey.unpack(k) for k in missing])
             for kb, got in zip(missing, reads):
-                blob = self._checked_lower(kb, got)
+                blob = self._checked_lower(kb, got, reasons)
                 if blob is None:
                     still.append(kb)
                     continue
@@ -972,15 +978,17 @@ class Manager:
             except Exception as e:  # peers failing is a miss
                 log.warning("peer fetch failed: %s", e)
                 got = {}
+            wanted = set(missing)
             for key, blob in got.items():
                 kb = key.pack() if isinstance(key, ObjectKey) else b""
-                if kb not in missing or kb in out:
+                if kb not in wanted or kb in out:
                     continue
                 try:
                     _verify(kb, blob)
                 except SegmentError as e:
                     log.warning("peer sent a bad segment for %s: %s", key, e)
                     self._add(decode_failures=1)
+                    reasons[kb] = f"corrupt (peer): {type(e).__name__}: {e}"
                     continue
                 self._count(self._hits, "peer")
                 self._admit(kb, bytes(blob))

@@ -328,3 +328,54 @@ def test_unregister_waits_and_releases(engine):
         assert done.is_set() and m.list_engines() == []
         assert_reservations_zero(m)
         assert m.stats().resident_objects["dram"] == 2 * 2 * L  # objects outlive the engine
+
+
+class _PeerManagers:
+    """Another Manager in this process as the peer (the real transport is the peers part's); ``corrupt``
+    flips a payload byte of what it serves (fault injection)."""
+
+    def __init__(self, other: Manager, corrupt: bool = False) -> None:
+        self.other = other
+        self.corrupt = corrupt
+
+    def fetch(self, keys):
+        out = {}
+        for k in keys:
+            blob = self.other.read_object(k)
+            if blob is not None:
+                if self.corrupt:
+                    blob = blob[:HEADER_SIZE] + bytes([blob[HEADER_SIZE] ^ 1]) + blob[HEADER_SIZE + 1:]
+                out[k] = blob
+        return out
+
+    def lookup_prefix(self, namespace, chunks, layers):
+        n = 0
+        for c in chunks:
+            if not all(self.other.read_object(ObjectKey(namespace, c, l, Role(r))) for l, r in layers):
+                break
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_peer_fetch_on_local_miss(engine, corrupt):
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20)) as remote, Manager(ManagerConfig(pool_size=8 << 20)) as local:
+        ch = chunks_for(2)
+        remote.save(remote.register_engine(reg).engine_id, ch)
+        e = local.register_engine(reg)
+        local.set_peer_fetcher(_PeerManagers(remote, corrupt))
+        lk = local.lookup(e.engine_id, [c.key for c in ch])
+        assert (lk.count, lk.peer, lk.dram) == (2, 2, 0)
+        zero(pages)
+        res = local.restore(e.engine_id, ch, lease_id=lk.lease_id)
+        if corrupt:  # the CRC catches it: a miss, nothing admitted
+            assert res.restored == [False, False] and "PayloadChecksumMismatch" in res.misses[0].reason
+            assert local.stats().resident_objects["dram"] == 0
+        else:
+            assert res.restored == [True, True] and local.stats().hits["peer"] == 2 * 2 * L
+            for name in pages.tensors:
+                assert np.array_equal(pages.array(name)[:4].view(np.uint16), orig[name][:4].view(np.uint16))
+            assert local.lookup(e.engine_id, [ch[0].key], lease=False).dram == 1  # admitted locally
+        assert_reservations_zero(local)
