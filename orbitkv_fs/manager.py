@@ -1346,8 +1346,8 @@ class _GpuCodecs:
             raise err
         for j, b in enumerate(blocks):
             dst = seg.view(b)
-            if isinstance(dst, np.ndarray):
-                tmp[j].get(out=dst.view(tmp.dtype))
+            if isinstance(dst, np.ndarray):  # host pages (may be a strided view: no get(out=))
+                np.copyto(dst, tmp[j].get().view(dst.dtype))
             else:
                 dst[...] = tmp[j]
 
