@@ -27,7 +27,8 @@ Invariants: every error is ``{code, message[, field]}`` (:mod:`.errors`); reques
 (:data:`DEFAULT_MAX_BODY_BYTES`) and strictly validated (:mod:`.models`); no endpoint takes a file-system
 path -- a host-pages handle names a regular file directly inside the Manager's ``--shm-dir`` (no
 symlinks, FIFOs or devices), and the Manager maps a registration's handles for that engine alone, closing
-them when it unregisters; blocking Manager calls run in the threadpool, never on the event loop.
+them when it unregisters; memory a registered engine holds cannot be registered again (409
+``handle_in_use``: REST cannot tell which process sent a handle, so nobody registers over an engine's pages); blocking Manager calls run in the threadpool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from orbitkv_fs.errors import OrbitKVError
-from orbitkv_fs.geometry import GeometryError
+from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, GeometryError, HostPagesHandle
 from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.manager import EngineInfo, Manager, ManagerStats
 from orbitkv_fs.peers.stats import PeerStats
@@ -167,6 +168,29 @@ def _shm_resolver(shm_dir: str):
     return resolve
 
 
+def _handle_id(h: HostPagesHandle | CudaIpcHandle) -> tuple:
+    if isinstance(h, HostPagesHandle):
+        return ("host", os.path.realpath(h.path))
+    return ("cuda_ipc", h.handle, h.device)
+
+
+def _check_handles_free(manager: Manager, reg: EngineRegistration) -> None:
+    """Refuse a registration naming memory a registered engine holds: the pages (or GPU allocation) are
+    mapped for the engine that sent them, never handed to a second registrant. An id already taken is
+    left to the Manager (409 ``engine_busy``)."""
+    held: dict[tuple, str] = {}
+    for e in manager.list_engines():
+        if e.engine_id == reg.engine_id:
+            return
+        for t in e.registration.tensors:
+            held[_handle_id(t.handle)] = e.engine_id
+    for i, t in enumerate(reg.tensors):
+        owner = held.get(_handle_id(t.handle))
+        if owner is not None:
+            raise ApiError(409, "handle_in_use", f"tensors[{i}].handle names memory engine {owner!r} registered",
+                           field=f"tensors[{i}].handle")
+
+
 def _key(text: str, field: str) -> ObjectKey:
     """An object key as /v1/objects prints it (the model checked the shape; the layer range is checked here)."""
     ns, chunk, layer, role = text.split("/")
@@ -199,6 +223,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     resolve = _shm_resolver(manager.config().shm_dir)
+    register_lock = threading.Lock()
     admin = [Depends(require_admin)]
     cache: dict = {}
     StatsOut = model_of_struct(ManagerStats, cache, name="StatsOut",
@@ -211,9 +236,14 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     def register_engine(body: RegisterRequest, request: Request, response: Response) -> EngineOut:
         """Register an engine's tensor geometry and handles. The Manager maps the handles (host pages by
         shared-memory object name, or CUDA IPC) for this engine only and checks every tensor against its
-        descriptor: 422 ``invalid_registration`` naming the field on any mismatch, nothing registered."""
+        descriptor: 422 ``invalid_registration`` naming the field on any mismatch, nothing registered. A
+        handle another registered engine holds is refused (409 ``handle_in_use``): nobody registers
+        over an engine's pages."""
         reg = body.to_registration(resolve)
-        info = _manager(request).register_engine(reg)
+        m = _manager(request)
+        with register_lock:  # the in-use check and the registration are one step
+            _check_handles_free(m, reg)
+            info = m.register_engine(reg)
         response.headers["Location"] = f"/v1/engines/{info.engine_id}"
         return _engine_out(info)
 

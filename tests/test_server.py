@@ -160,7 +160,11 @@ def test_register_list_get_delete(stack):
     assert e["engine_id"] == "vllm-0" and len(e["namespace"]) == 32 and e["codec"] == "fp8"
     assert (e["num_blocks"], e["tensors"], e["segments_per_chunk"], e["device"]) == (B, 2 * L, 2 * L, "host")
     assert "handle" not in r.text and SHM not in r.text  # handles are not echoed
-    r2 = stack.http.post("/v1/engines", json=reg_body(descs))  # the same pages, a second engine, own mapping
+    # Nobody registers over an engine's pages, whatever id they ask for.
+    body = assert_error(stack.http.post("/v1/engines", json=reg_body(descs)), 409, "handle_in_use")
+    assert body["field"] == "tensors[0].handle" and "vllm-0" in body["message"]
+    _, descs2 = stack.engine_pages(seed=8)
+    r2 = stack.http.post("/v1/engines", json=reg_body(descs2))
     assert r2.status_code == 201
     other = r2.json()["engine_id"]
     assert other.startswith("generic-") and r2.json()["namespace"] != e["namespace"]  # codec is in the namespace
@@ -179,6 +183,7 @@ def test_register_list_get_delete(stack):
         stack.client.save("vllm-0", chunks(1))
     assert stack.http.delete(f"/v1/engines/{other}").status_code == 204
     assert stack.http.get("/v1/engines").json() == {"engines": []}
+    assert stack.http.post("/v1/engines", json=reg_body(descs)).status_code == 201  # free again
 
 
 def test_registration_errors(stack, tmp_path):
@@ -353,8 +358,9 @@ def test_metrics_move_with_work(stack):
     names = {k[0] for k in metrics(stack.http)}
     before = metrics(stack.http)
     pages, descs = stack.engine_pages()
-    stack.http.post("/v1/engines", json=reg_body(descs, engine_id="fp", codec="fp8"))
-    stack.http.post("/v1/engines", json=reg_body(descs, engine_id="raw"))
+    _, descs2 = stack.engine_pages(seed=8)
+    assert stack.http.post("/v1/engines", json=reg_body(descs, engine_id="fp", codec="fp8")).status_code == 201
+    assert stack.http.post("/v1/engines", json=reg_body(descs2, engine_id="raw")).status_code == 201
     work = chunks(3, "m")
     pages.array("L1.value")[work[2].blocks[0], 0, 0, 0] = 1000.0  # FP8 keeps that segment raw (> 448)
     stack.client.save("fp", work)
@@ -501,8 +507,9 @@ def test_concurrent_registrations_and_invalidations_during_saves_and_restores(st
     def control(k: int):
         try:
             with httpx.Client(base_url=stack.server.url, timeout=30) as http:
+                _, own = stack.engine_pages(seed=k)
                 for j in range(4):
-                    r = http.post("/v1/engines", json=reg_body(descs, engine_id=f"c{k}-{j}"))
+                    r = http.post("/v1/engines", json=reg_body(own, engine_id=f"c{k}-{j}"))
                     assert r.status_code == 201, r.text
                     r = http.post("/v1/invalidate", json={"engine_id": "busy"} if j % 2 else {"all": True})
                     assert r.status_code == 200, r.text
@@ -526,6 +533,27 @@ def test_concurrent_registrations_and_invalidations_during_saves_and_restores(st
     assert stack.http.delete("/v1/engines/busy").status_code == 204
     st = stack.manager.stats()
     assert (st.reserved_bytes, st.leases_active, st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0)
+
+
+def test_racing_registrations_of_one_pages_file_admit_exactly_one(stack):
+    _, descs = stack.engine_pages()
+    answers: list = [None] * 6
+    start = threading.Barrier(6)
+
+    def register(i: int) -> None:
+        with httpx.Client(base_url=stack.server.url, timeout=30) as http:
+            start.wait()
+            answers[i] = http.post("/v1/engines", json=reg_body(descs, engine_id=f"race-{i}"))
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [201, 409, 409, 409, 409, 409], [r.text for r in answers]
+    assert all(r.json()["code"] == "handle_in_use" for r in answers if r.status_code == 409)
+    assert len(stack.manager.list_engines()) == 1
 
 
 def test_delete_waits_for_outstanding_work(stack, monkeypatch):

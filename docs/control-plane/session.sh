@@ -22,7 +22,13 @@ run 'curl -s http://127.0.0.1:9091/v1/config | jq .'
 PAGES=$(python3 mkpages.py 2>/dev/null)
 run "jq '{model, engine_id, codec, tensors: (.tensors | length), first_tensor: .tensors[0]}' register.json"
 run 'curl -s -i -X POST http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json'
+run "jq '.engine_id = \"other\" | .tensors[0].handle = {\"type\": \"host\", \"path\": \"/etc/passwd\", \"offset\": 0}' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
+run "jq '.engine_id = \"other\" | .tensors[1].handle.name = \"no-such-object\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
+run "jq '.engine_id = \"other\" | .tensors[0].shape[2] = 3' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
+run "jq '.block_size = \"16\" | .turbo = true' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run 'curl -s -X POST http://127.0.0.1:9091/v1/engines -H "$AUTH" -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n" | jq -c .'
+run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n"'
+run "jq '.engine_id = \"vllm-tp1\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run 'curl -s http://127.0.0.1:9091/v1/engines | jq -c ".engines[] | {engine_id, namespace, codec, num_blocks, segments_per_chunk, device}"'
 run 'curl -s http://127.0.0.1:9091/v1/engines/vllm-tp0 | jq .'
 run 'python3 work.py 2>/dev/null'
@@ -46,11 +52,6 @@ run "curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/invalidate -H 'Conte
 run 'curl -s -X POST http://127.0.0.1:9091/v1/invalidate -H "Content-Type: application/json" -d "{\"all\": true}" -w "\n%{http_code}\n"'
 run 'curl -s -X POST -H "Authorization: Bearer wrong-token-wrong-token" http://127.0.0.1:9091/v1/admin/flush-dram -w "\n%{http_code}\n"'
 run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/invalidate -H "Content-Type: application/json" -d "{\"all\": true, \"namespace\": \"$NS\"}" -w "\n%{http_code}\n"'
-run "jq '.engine_id = \"other\" | .tensors[0].handle = {\"type\": \"host\", \"path\": \"/etc/passwd\", \"offset\": 0}' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-run "jq '.engine_id = \"other\" | .tensors[1].handle.name = \"no-such-object\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-run "jq '.engine_id = \"other\" | .tensors[0].shape[2] = 3' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-run "jq '.block_size = \"16\" | .turbo = true' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n"'
 run 'head -c 5000000 /dev/zero | curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/invalidate -H "Content-Type: application/json" --data-binary @- -w "\n%{http_code}\n"'
 run 'curl -s -H "$AUTH" "http://127.0.0.1:9091/v1/objects?limit=5000" -w "\n%{http_code}\n"'
 run 'curl -s http://127.0.0.1:9091/v1/peers -w "\n%{http_code}\n"'
