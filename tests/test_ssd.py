@@ -151,6 +151,11 @@ def test_submit_rejects_non_segments_and_closed_tier_drops(ssd_dir):
         t.submit(key(0), b"not a segment" * 10)
     with pytest.raises(SegmentError):
         t.submit(key(0), segment(0) + b"\0")
+    damaged = bytearray(segment(0))
+    damaged[17] ^= 1  # original_length: the segment header CRC no longer matches
+    with pytest.raises(SegmentError):
+        t.submit(key(0), bytes(damaged))
+    assert t.snapshot().write_submitted_total == 0
     t.close()
     t.close()
     assert t.submit(key(0), segment(0)) is False
