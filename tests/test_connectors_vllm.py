@@ -178,3 +178,11 @@ def test_planner_preemption_replaces_blocks() -> None:
     assert not p.known("r")
     p.scheduled("r", 50, [1, 2, 3])  # unknown request: nothing planned
     assert p.take() == ([], [])
+
+
+def test_worker_shutdown_unregisters_its_engine(env) -> None:
+    assert [e.engine_id for e in env.manager.list_engines()] == [env.info.engine_id]
+    env.sched.shutdown()  # the scheduler owns no registration
+    assert len(env.manager.list_engines()) == 1
+    env.worker.shutdown()
+    assert env.manager.list_engines() == []

@@ -116,7 +116,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._block_size = int(vllm_config.cache_config.block_size)
         model = vllm_config.model_config
         self._model_name = str(getattr(model, "model", "model"))
-        self._salt = f"{self._model_name}@{getattr(model, 'revision', None) or ''}".encode()
+        self._revision = str(getattr(model, "revision", None) or "")
+        self._salt = f"{self._model_name}@{self._revision}".encode()
         self._key_source = _extra(vllm_config, "key_source", "tokens")
         if self._key_source not in ("tokens", "block_hashes"):
             raise ValueError(f"orbitkv.key_source must be 'tokens' or 'block_hashes', not {self._key_source!r}")
@@ -193,7 +194,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         self._kv_caches = dict(kv_caches)
         reg = packed_cuda_registration(
-            kv_caches, model=self._salt.decode(), block_size=self._block_size, engine_kind="vllm",
+            kv_caches, model=self._model_name, model_revision=self._revision, block_size=self._block_size,
+            engine_kind="vllm",
             engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
             pp_size=self._pp_size, codec=self._codec)
         client = self._get_client()
@@ -242,8 +244,16 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def shutdown(self):
         client, self._client = self._client, None
-        if client is not None and hasattr(client, "close"):
-            self._guard.call("close", client.close, None)
+        if client is None:
+            return
+        if self._role_is_worker() and self._session is not None:
+            # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
+            self._guard.call("unregister", lambda: client.unregister(self._session.engine_id), None)
+        self._session = None
+        self._guard.call("close", client.close, None)
+
+    def _role_is_worker(self) -> bool:
+        return getattr(self._role, "name", self._role) in ("WORKER", "worker")
 
 
 def _sync_device() -> None:
