@@ -611,6 +611,7 @@ def _serve_manager(spec_json: str, endpoint: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = DataPlaneServer(manager, endpoint, workers=8)
     print("ready", flush=True)
+    os.dup2(2, 1)  # nobody reads the pipe after "ready": later output must not fill it and block
     try:
         stop.wait()
     finally:
