@@ -1123,15 +1123,18 @@ class Manager:
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
         nothing it could hand over (without a lower tier the objects are simply dropped)."""
-        objs, leased = self.dram.drain()
         sub = [0, 0]
         drop = [0, 0]
-        for key, blob in objs:
-            # A flush hands over everything at once: wait for room in the lane rather than drop.
-            ok = self.lower is not None and self.lower.submit(key, blob, timeout=60.0)
-            t = sub if ok else drop
-            t[0] += 1
-            t[1] += len(blob)
+        while True:  # in slices, so a flush never holds a copy of the whole pool
+            objs, leased = self.dram.drain(64 << 20)
+            if not objs:
+                break
+            for key, blob in objs:
+                # A flush hands over everything at once: wait for room in the lane rather than drop.
+                ok = self.lower is not None and self.lower.submit(key, blob, timeout=60.0)
+                t = sub if ok else drop
+                t[0] += 1
+                t[1] += len(blob)
         if self.lower is not None:
             self.lower.flush()
         return FlushResult(submitted=TierCounts(*sub), dropped=TierCounts(*drop), skipped_leased=leased)

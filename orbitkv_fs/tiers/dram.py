@@ -356,18 +356,19 @@ class DramTier:
                     self._drop(slot)
         return count, nbytes
 
-    def drain(self, match: Callable[[bytes], bool] | None = None) -> tuple[list[tuple[ObjectKey, bytes]], int]:
-        """Remove every unleased (matching) object and return copies of their bytes; also the number of
-        leased objects left in place."""
+    def drain(self, max_bytes: int) -> tuple[list[tuple[ObjectKey, bytes]], int]:
+        """Remove unleased objects, up to about ``max_bytes`` of them, and return copies of their bytes;
+        also the number of leased (or pinned) objects passed over. An empty list: nothing left to take."""
         out: list[tuple[ObjectKey, bytes]] = []
-        leased = 0
+        leased = taken = 0
         with self.lock:
             for key, slot in self.index.items():
-                if match is not None and not match(key):
-                    continue
                 if self._pinned(slot):
                     leased += 1
                     continue
+                if taken >= max_bytes:
+                    break
+                taken += self.index.length[slot]
                 out.append((ObjectKey.unpack(key), self._copy_out(slot)))
                 self._drop(slot)
         return out, leased
