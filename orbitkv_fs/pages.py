@@ -104,7 +104,9 @@ class HostPages:
     def open(cls, path: str) -> "HostPages":
         """Map an existing file read-write, validating its table."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            # O_NOFOLLOW: the HTTP plane lstat()s the path first; a symlink swapped in after that
+            # check must not redirect the Manager to another file.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise PagesError(f"cannot open engine pages file {path!r}: {e.strerror}") from None
         try:
