@@ -153,3 +153,42 @@ def test_cache_manager_process_with_ssd_flags(ssd_paths, tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_objects_stay_visible_while_their_demotion_is_in_flight(ssd_paths):
+    """An object evicted from DRAM is served from the bytes handed to the SSD tier until its write lands
+    (the writes are held back here, so every lookup runs inside that window)."""
+    from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
+    from orbitkv_fs.tiers.ssd.uring import UringBackend
+
+    faults = Faults(write_delay=1.5)
+    lower = SsdTier(SsdConfig(paths=ssd_paths, capacity=64 << 20), backend=FaultyBackend(UringBackend(), faults))
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        chunks = chunks_for(12)
+        keys = [c.key for c in chunks]
+        with Manager(ManagerConfig(pool_size=512 << 10), lower_tier=lower) as m:
+            e = m.register_engine(reg)
+            m.save(e.engine_id, chunks)
+            assert m.stats().demoted > 0
+            snap = lower.snapshot()
+            assert snap.objects == 0 and snap.writing_bytes > 0  # nothing committed yet
+            zero(pages)
+            lk = m.lookup(e.engine_id, keys[:4])
+            assert lk.count == 4 and lk.lower > 0
+            assert m.restore(e.engine_id, chunks[:4], lease_id=lk.lease_id).restored == [True] * 4
+            blocks = [b for c in chunks[:4] for b in c.blocks]
+            for name in pages.tensors:
+                assert np.array_equal(pages.array(name)[blocks].view(np.uint16), orig[name][blocks].view(np.uint16))
+            assert lower.snapshot().read_pending_hits_total > 0
+            # Invalidation hides a pending object at once, even though its write completes later.
+            gone = keys[0]
+            m.invalidate(engine_id=e.engine_id, chunks=[gone])
+            assert m.lookup(e.engine_id, [gone], lease=False).count == 0
+            faults.write_delay = 0.0
+            lower.flush()
+            assert m.lookup(e.engine_id, [gone], lease=False).count == 0
+            assert m.lookup(e.engine_id, keys[1:4], lease=False).count == 3
+    finally:
+        pages.close()

@@ -8,7 +8,8 @@ Primitives (the Manager's :class:`~orbitkv_fs.manager.LowerTier` seam, plus a fe
 
 * :meth:`SsdTier.submit` -- stage a segment and queue its write; never waits for I/O; False = dropped.
 * :meth:`SsdTier.read` / :meth:`SsdTier.read_many` -- demand reads under a lease, validated (record header
-  CRC, key, generation, segment header and payload CRC32C).
+  CRC, key, generation, segment header and payload CRC32C). A key submitted but not yet committed is
+  served from the bytes :meth:`SsdTier.submit` was handed (see invariant 7).
 * :meth:`SsdTier.contains`, :meth:`SsdTier.invalidate`, :meth:`SsdTier.flush`, :meth:`SsdTier.iter_objects`,
   :meth:`SsdTier.iter_records`, :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
   (flat mapping), :meth:`SsdTier.close`.
@@ -27,6 +28,10 @@ Invariants:
 5. Invalidated records have their header block zeroed once unleased, so ``recover`` cannot bring them back.
 6. Ephemeral by default (files truncated at start); with ``recover`` every record is validated and the
    newest valid generation of each key is served again.
+7. No gap while demoting: from ``submit`` until its write completes, :meth:`SsdTier.contains` and the reads
+   answer for the key from the submitted (immutable) segment bytes, kept in a pending map beside the
+   index; the index itself still only holds completed writes. The pending entry goes when that write
+   completes (committed, cancelled or failed), when a newer submit replaces it, or on invalidation.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class SsdStats:
     read_hits_total: int
     read_bytes_total: int
     read_errors_total: int
+    read_pending_hits_total: int  # reads served from submitted segments whose write had not completed
     corrupt_records_total: int
     invalidated_total: int
     wipes_total: int
@@ -250,6 +256,8 @@ class SsdTier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._index: dict[ObjectKey, _Slot] = {}
+        #: key -> (generation, segment bytes) of the newest submit whose write has not completed.
+        self._pending_segments: dict[ObjectKey, tuple[int, bytes]] = {}
         self._c: collections.Counter[str] = collections.Counter()
         self._errnos: collections.Counter[str] = collections.Counter()
         self._read_lat: collections.deque[float] = collections.deque(maxlen=_LATENCY_SAMPLES)
@@ -408,6 +416,8 @@ class SsdTier:
         with ``timeout`` it waits up to that many seconds for room in the lane (for callers that demote in
         bulk, such as a DRAM flush). Raises ``SegmentError`` when ``segment`` is not a segment."""
         fmt, original, stored = _peek_segment(segment)
+        if not isinstance(segment, bytes):  # kept for readers until the write lands: must not change
+            segment = bytes(segment)
         seg_len = HEADER_SIZE + stored
         if len(segment) != seg_len:
             raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
@@ -439,6 +449,8 @@ class SsdTier:
         # touches its ring space, and the writer only sees it once queued below.
         write_record(buf, key, gen, segment)
         with self._lock:
+            if not slot.wipe:  # not invalidated meanwhile
+                self._pending_segments[key] = (gen, segment)
             self._queue.append(_Write(gen, slot, buf))
             self._c["write_submitted_total"] += 1
             self._kick()
@@ -506,6 +518,9 @@ class SsdTier:
             return
         self._pending_bytes -= s.length
         self._writing -= s.length
+        p = self._pending_segments.get(s.key)
+        if p is not None and p[0] == s.generation:
+            del self._pending_segments[s.key]
         if res != s.length:
             self._c["write_errors_total"] += 1
             self._errnos[_reason(res, "short_write")] += 1
@@ -562,7 +577,7 @@ class SsdTier:
 
     def contains(self, key: ObjectKey) -> bool:
         with self._lock:
-            return key in self._index
+            return key in self._index or key in self._pending_segments
 
     def read(self, key: ObjectKey) -> bytes | None:
         """The validated segment bytes of ``key``, or None (absent, I/O error, or corrupt)."""
@@ -579,13 +594,25 @@ class SsdTier:
             if self._closed:
                 return [None] * len(keys)
             slots = []
-            for k in keys:
+            staged: dict[int, bytes] = {}  # submitted, write not completed: served from memory
+            for i, k in enumerate(keys):
+                p = self._pending_segments.get(k)
+                if p is not None:
+                    staged[i] = p[1]
+                    slots.append(None)
+                    continue
                 s = self._index.get(k)
                 if s is not None:
                     s.leases += 1
                 slots.append(s)
+            self._c["read_pending_hits_total"] += len(staged)
             ring = self._read_rings.pop() if self._read_rings else None
         out: list[bytes | None] = [None] * len(keys)
+        for i, data in staged.items():
+            if sink is None:
+                out[i] = data
+            else:
+                sink(i, data)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
         bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
@@ -673,6 +700,8 @@ class SsdTier:
             def match(k: ObjectKey) -> bool:
                 return all or (want is not None and k in want) or (namespace is not None and k.namespace == namespace)
 
+            for k in [k for k in self._pending_segments if match(k)]:
+                del self._pending_segments[k]
             for sh in self._shards:
                 for s in list(sh.slots.values()):
                     if s.zeroed or s.state is _State.WIPING or not match(s.key):
@@ -690,9 +719,13 @@ class SsdTier:
         return TierCounts(objects=count, bytes=nbytes)
 
     def iter_objects(self, namespace: bytes | None = None) -> Iterator[tuple[ObjectKey, int]]:
-        """``(key, stored_bytes)`` of every published object (optionally of one namespace)."""
-        for o in self.iter_records(namespace):
-            yield o.key, o.stored_bytes
+        """``(key, stored_bytes)`` of every readable object (optionally of one namespace): the published
+        records, then keys whose first write is still in flight (readable from memory, invariant 7)."""
+        with self._lock:
+            items = [(k, s.stored) for k, s in self._index.items() if namespace is None or k.namespace == namespace]
+            items += [(k, len(seg)) for k, (_, seg) in self._pending_segments.items()
+                      if k not in self._index and (namespace is None or k.namespace == namespace)]
+        yield from items
 
     def iter_records(self, namespace: bytes | None = None) -> Iterator[SsdObject]:
         with self._lock:
@@ -712,7 +745,7 @@ class SsdTier:
                     "write_submitted_total", "write_completed_total", "write_bytes_total", "write_errors_total",
                     "write_dropped_total", "write_skipped_blocked_total", "write_cancelled_total",
                     "evicted_total", "evicted_bytes_total", "read_total", "read_hits_total", "read_bytes_total",
-                    "read_errors_total", "corrupt_records_total", "invalidated_total", "wipes_total",
+                    "read_errors_total", "read_pending_hits_total", "corrupt_records_total", "invalidated_total", "wipes_total",
                     "recovered_records", "recovered_torn_total", "recovered_corrupt_total")},
                 read_latency_p50_seconds=_percentile(self._read_lat, 0.5),
                 read_latency_p99_seconds=_percentile(self._read_lat, 0.99),
