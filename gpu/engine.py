@@ -298,7 +298,8 @@ class GpuCodecEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: launches, h2d_copies, d2h_copies, syncs, batches, cpu_fallbacks, raw_fallbacks (per worker)."""
+        """Counters: launches, h2d_copies, d2h_copies, syncs, batches, segments (in GPU batches), cpu_fallbacks,
+        raw_fallbacks, and the workspace size and grows (per worker)."""
         out: dict[str, int] = {}
         for w in (self.save, self.restore):
             for key, v in w.stats.items():
@@ -573,6 +574,7 @@ class GpuCodecEngine:
         w.d2h(host, region)
         w.sync()
         w.stats["batches"] += 1
+        w.stats["segments"] += len(plans)
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off = off["pay_len"] - off["meta"]
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
@@ -818,6 +820,7 @@ class GpuCodecEngine:
         w.d2h(host, meta_ptr)
         w.sync()
         w.stats["batches"] += 1
+        w.stats["segments"] += len(plans)
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
         actual = host[a_off:a_off + 8 * chunks].view("<u8")

@@ -334,6 +334,14 @@ class ManagerStats(msgspec.Struct, frozen=True):
     lower: dict[str, float] = {}  # the lower tier's own stats()
     #: save/restore (per request), encode (per codec batch), decode (per segment) durations.
     durations: dict[str, DurationHistogram] = {}
+    #: The GPU codec engine (zero/empty without one): device workspace retained by its workers now, how
+    #: often a workspace was (re)allocated to grow, and per worker (save|restore) its batches, the
+    #: segments those batches carried, and the segments it coded on the host instead (CPU fallbacks).
+    gpu_workspace_bytes: int = 0
+    gpu_workspace_grows: int = 0
+    gpu_batches: dict[str, int] = {}
+    gpu_segments: dict[str, int] = {}
+    gpu_cpu_fallbacks: dict[str, int] = {}
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -914,17 +922,46 @@ class Manager:
                             f"bytes of {h.dtype}, the {len(ch.blocks)} destination blocks take {want} bytes of "
                             f"{seg.dtype}")
                     plan.append((ci, seg, ch, h, memoryview(src)))
-            # Phase 2: decode and scatter.
+            # Phase 2: decode and scatter. With the GPU codec engine, coded segments go through it in
+            # batches, and raw segments bound for GPU blocks in one upload per batch; the rest segment by
+            # segment on the host.
             segments = logical = stored = 0
-            for ci, seg, ch, h, blob in plan:
+            gpu = self._gpu_codecs
+            on_device = eng.info.device != "host"
+            coded: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = []
+            for item in plan:
+                ci, seg, ch, h, blob = item
                 if ci in bad:
                     continue
-                try:
-                    self._write(seg, ch.blocks, h, blob)
-                except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
-                    log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, e)
+                if gpu is not None and h.format != Format.RAW:
+                    coded.append(item)
+                elif on_device and h.format == Format.RAW:
+                    raw_dev.append(item)
+                else:
+                    try:
+                        self._write(seg, ch.blocks, h, blob)
+                        done.append((ci, seg, ch, h, None))
+                    except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
+                        done.append((ci, seg, ch, h, e))
+            if coded:
+                done += self._decode_gpu(coded)
+            uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
+            if raw_dev:
+                done += self._upload_raw(raw_dev, uploads)
+            if on_device:
+                # Every copy into engine blocks was queued on this thread's CUDA stream: they must have
+                # landed before the answer lets the engine read its pages.
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
+                del uploads
+            for ci, seg, ch, h, err in done:
+                if err is not None:
+                    log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
                     self._add(decode_failures=1)
-                    bad[ci] = f"decode: {type(e).__name__}: {e}"
+                    bad.setdefault(ci, f"decode: {type(err).__name__}: {err}")
                     continue
                 segments += 1
                 logical += h.original_length
@@ -995,16 +1032,90 @@ class Manager:
                 out[kb] = bytes(blob)
         return out
 
+    def _restore_batches(self, items: list, nbytes) -> Iterator[list]:
+        """``items`` in batches of at most ``batch_segments`` and the codec budget (one item may exceed it)."""
+        budget = max(int(self._config.storage_codec_budget * self._config.pool_size), 1 << 20)
+        batch: list = []
+        size = 0
+        for it in items:
+            n = nbytes(it)
+            if batch and (len(batch) >= self._config.batch_segments or size + n > budget):
+                yield batch
+                batch, size = [], 0
+            batch.append(it)
+            size += n
+        if batch:
+            yield batch
+
+    def _decode_gpu(self, items: list) -> list:
+        """Coded segments through the GPU codec engine, one ``decode_batch`` per batch (and rotation
+        seed). Answers ``(ci, seg, ch, h, error or None)`` per item; copies into GPU blocks are queued on
+        the current stream (the caller synchronises it)."""
+        out = []
+        by_seed: dict[int, list] = {}
+        for it in items:
+            by_seed.setdefault(it[3].rotation_seed, []).append(it)
+        for seed, group in by_seed.items():
+            for batch in self._restore_batches(group, lambda it: it[3].original_length):
+                ws = sum(h.original_length for _, _, _, h, _ in batch)
+                self._workspace_delta(ws)
+                t0 = time.perf_counter()
+                try:
+                    errs = self._gpu_codecs.decode_into_many([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch],
+                                                             seed)
+                except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+                    errs = [e] * len(batch)
+                finally:
+                    self._workspace_delta(-ws)
+                dt = time.perf_counter() - t0
+                for _ in batch:  # the decode histogram observes segments
+                    self._add(decode_seconds=dt / len(batch))
+                out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
+        return out
+
+    def _upload_raw(self, items: list, keep: list) -> list:
+        """Raw segments into GPU blocks: per batch, the payloads are packed into one pinned buffer, sent
+        with one host-to-device copy, then scattered on the device, all queued on the current stream.
+        The pinned buffers go to ``keep``: the caller holds them until it has synchronised the stream."""
+        import cupy
+
+        out = []
+        for batch in self._restore_batches(items, lambda it: it[3].stored_length):
+            total = sum(h.stored_length for _, _, _, h, _ in batch)
+            res: list = []
+            self._workspace_delta(2 * total)
+            try:
+                host = np.frombuffer(cupy.cuda.alloc_pinned_memory(total), np.uint8, total)
+                keep.append(host)
+                pos = 0
+                for _, _, _, h, blob in batch:
+                    host[pos:pos + h.stored_length] = np.frombuffer(blob, np.uint8, h.stored_length, HEADER_SIZE)
+                    pos += h.stored_length
+                dev = cupy.empty(total, dtype=cupy.uint8)
+                stream = cupy.cuda.get_current_stream()
+                cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, total,
+                                              cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+                pos = 0
+                for ci, seg, ch, h, _ in batch:
+                    src = dev[pos:pos + h.stored_length].view(cupy_dtype(seg.dtype))
+                    per = seg.block_bytes // seg.dtype.itemsize
+                    for j, b in enumerate(ch.blocks):
+                        seg.view(b)[...] = src[j * per:(j + 1) * per].reshape(seg.block_shape)
+                    res.append((ci, seg, ch, h, None))
+                    pos += h.stored_length
+            except Exception as e:  # a CUDA failure: the whole batch misses
+                res = [(ci, seg, ch, h, e) for ci, seg, ch, h, _ in batch]
+            finally:
+                self._workspace_delta(-2 * total)
+            out += res
+        return out
+
     def _write(self, seg: _Seg, blocks: list[int], h: SegmentHeader, blob: memoryview) -> None:
-        """Decode a verified segment into the chunk's destination blocks."""
+        """Decode a verified segment into the chunk's destination blocks on the host (GPU blocks get
+        their copies queued on the current stream)."""
         payload = blob[HEADER_SIZE:HEADER_SIZE + h.stored_length]
         if h.format == Format.RAW:
             flat = np.frombuffer(payload, dtype=h.dtype)
-        elif self._gpu_codecs is not None:
-            t0 = time.perf_counter()
-            self._gpu_codecs.decode_into(seg, blocks, blob, h.rotation_seed)
-            self._add(decode_seconds=time.perf_counter() - t0)
-            return
         else:
             t0 = time.perf_counter()
             flat = decode_payload(h, payload)
@@ -1093,6 +1204,11 @@ class Manager:
             leases = dram.leases_active + dram.pins_active
             leased = dram.leased_bytes
         lower_stats: dict[str, float] = {}
+        gpu = self._gpu_codecs.stats() if self._gpu_codecs is not None else {}
+
+        def per_worker(name: str) -> dict[str, int]:
+            return {w: int(gpu.get(f"{w}_{name}", 0)) for w in ("save", "restore")} if gpu else {}
+
         res_objects = {"dram": objects}
         res_bytes = {"dram": resident}
         if self.lower is not None:
@@ -1118,7 +1234,11 @@ class Manager:
                 reserved_bytes=reserved, leases_active=leases, leased_bytes=leased,
                 workspace_bytes=self._workspace, inflight_requests=inflight, lower=lower_stats,
                 durations={name: DurationHistogram(list(b), float(c[f"{name}_seconds"]), sum(b))
-                           for name, b in self._durations.items()})
+                           for name, b in self._durations.items()},
+                gpu_workspace_bytes=int(gpu.get("save_workspace_bytes", 0) + gpu.get("restore_workspace_bytes", 0)),
+                gpu_workspace_grows=int(gpu.get("save_workspace_grows", 0) + gpu.get("restore_workspace_grows", 0)),
+                gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),
+                gpu_cpu_fallbacks=per_worker("cpu_fallbacks"))
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1340,19 +1460,39 @@ class _GpuCodecs:
     def encode(self, items: list[tuple[object, str, Role, int, np.dtype]], seed: int) -> list:
         return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d) for a, c, r, l, d in items])
 
-    def decode_into(self, seg: _Seg, blocks: list[int], blob: memoryview, seed: int) -> None:
+    def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int) -> list:
+        """Decode ``(seg, blocks, segment bytes)`` items with one ``decode_batch`` and scatter each into
+        its chunk's blocks; the error (or None) per item. Host blocks are written when this returns;
+        copies into GPU blocks are queued on the current stream."""
         import cupy
 
-        tmp = cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype))
-        err = self._engine(seed).decode_batch([blob], [tmp])[0]
-        if err is not None:
-            raise err
-        for j, b in enumerate(blocks):
-            dst = seg.view(b)
-            if isinstance(dst, np.ndarray):  # host pages (may be a strided view: no get(out=))
-                np.copyto(dst, tmp[j].get().view(dst.dtype))
-            else:
-                dst[...] = tmp[j]
+        tmps = [cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype)) for seg, blocks, _ in items]
+        errs: list = list(self._engine(seed).decode_batch([blob for _, _, blob in items], tmps))
+        for i, ((seg, blocks, _), tmp) in enumerate(zip(items, tmps)):
+            if errs[i] is not None:
+                continue
+            try:
+                if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
+                    host = tmp.get()
+                    for j, b in enumerate(blocks):
+                        dst = seg.view(b)
+                        np.copyto(dst, host[j].view(dst.dtype))
+                else:
+                    for j, b in enumerate(blocks):
+                        seg.view(b)[...] = tmp[j]
+            except Exception as e:
+                errs[i] = e
+        return errs
+
+    def stats(self) -> dict[str, int]:
+        """The engines' counters (``GpuCodecEngine.stats`` names), summed over rotation seeds."""
+        out: dict[str, int] = {}
+        with self._lock:
+            engines = list(self._engines.values())
+        for e in engines:
+            for k, v in e.stats.items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
 
     def close(self) -> None:
         with self._lock:

@@ -138,6 +138,18 @@ class ManagerCollector(Collector):
         yield _gauge("leases_active", "leases held", s.leases_active)
         yield _gauge("leased_bytes", "bytes under lease", s.leased_bytes)
         yield _gauge("workspace_bytes", "codec workspace in use", s.workspace_bytes)
+        # The GPU codec engine's own workspace and batches (zero without a GPU engine).
+        yield _gauge("gpu_codec_workspace_bytes", "device workspace the GPU codec engine retains",
+                     s.gpu_workspace_bytes)
+        yield _counter("gpu_codec_workspace_grows", "GPU codec workspace (re)allocations to grow",
+                       s.gpu_workspace_grows)
+        for field, name, doc in (("gpu_batches", "gpu_codec_batches", "GPU codec batches, per worker"),
+                                 ("gpu_segments", "gpu_codec_segments", "segments coded in GPU batches, per worker"),
+                                 ("gpu_cpu_fallbacks", "gpu_codec_cpu_fallbacks",
+                                  "segments the GPU engine coded on the host (over its workspace), per worker")):
+            rows = {(w,): 0 for w in ("save", "restore")}
+            rows.update({(w,): n for w, n in getattr(s, field).items()})
+            yield _counter(name, doc, labels=["worker"], rows=rows)
         yield _gauge("inflight_requests", "data-path requests in progress", s.inflight_requests)
 
     # -- the lower tier ---------------------------------------------------------------------------------

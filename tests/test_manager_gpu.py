@@ -44,6 +44,8 @@ def _engine_process(cmd, reply) -> None:
         elif c == "read":
             cupy.cuda.runtime.deviceSynchronize()
             reply.put(flat.get().tobytes())
+        elif c == "read_now":  # what an engine does once restore answered: no wait for anyone's stream
+            reply.put(flat.get().tobytes())
         else:
             return
 
@@ -86,6 +88,60 @@ def test_cuda_ipc_engine_round_trip(codec):
             g = got.view(ml_dtypes.bfloat16).astype(np.float32)
             w = want.view(ml_dtypes.bfloat16).astype(np.float32)
             assert np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w)
+    finally:
+        cmd.put("stop")
+        proc.join(60)
+
+
+def _registration(handle: bytes) -> EngineRegistration:
+    strides = [T * H * D, H * D, D, 1]
+    descs = [TensorDesc(layer=l, role=role, layout="separate", shape=list(SHAPE), strides=strides,
+                        dtype="bfloat16", handle=CudaIpcHandle(handle, (2 * l + r) * NBYTES, 0, 2 * L * NBYTES))
+             for l in range(L) for r, role in enumerate(("key", "value"))]
+    return EngineRegistration(model="gpu-test", num_layers=L, layer_start=0, layer_end=L, block_size=T,
+                              num_heads=H, head_dim=D, dtype="bfloat16", tensors=descs)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4"])
+def test_restored_pages_are_in_place_when_restore_answers(codec):
+    """The engine (another process) reads its KV the moment restore returns, without synchronising:
+    every copy the Manager queued must have landed. Also checks the GPU engine's counters: one
+    decode_batch per restore batch (batch_segments), not one per segment."""
+    ctx = mp.get_context("spawn")
+    cmd, reply = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
+    proc.start()
+    try:
+        handle, original = reply.get(timeout=120)
+        per_batch = 16
+        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=per_batch)) as m:
+            e = m.register_engine(_registration(handle))
+            chunks = [ChunkBlocks(chunk_key(f"r{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+            nseg = len(chunks) * 2 * L
+            assert m.save(e.engine_id, chunks).segments == nseg
+            cmd.put("zero")
+            reply.get(timeout=60)
+            assert all(m.restore(e.engine_id, chunks).restored)
+            cmd.put("read")
+            ref = reply.get(timeout=60)  # after a device-wide sync in the engine
+            if codec == "none":
+                assert ref == original
+            for _ in range(5):
+                cmd.put("zero")
+                reply.get(timeout=60)
+                assert all(m.restore(e.engine_id, chunks).restored)
+                cmd.put("read_now")
+                assert reply.get(timeout=60) == ref
+            st = m.stats()
+            assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+            if codec != "none":
+                restores = 6
+                encoded = nseg - len(chunks) * 2 * len(e.exact_layers)  # policy keeps some layers exact
+                coded = nseg - st.codec_segments.get("raw", 0)  # segments stored in a coded format
+                assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == encoded
+                assert st.gpu_segments["restore"] == restores * coded
+                assert st.gpu_batches["restore"] == restores * -(-coded // per_batch)
+                assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
     finally:
         cmd.put("stop")
         proc.join(60)
