@@ -107,7 +107,7 @@ def test_a_missing_block_cuts_the_prefix(lm, manager) -> None:
     ids = _ids(70, seed=6)
     store.save(ids, _prefill(lm, ids, 70))
     keys = store.keys(ids)
-    client.invalidate(chunks=[keys[2]], engine_id=store.engine_info.engine_id)
+    client.invalidate(chunks=[keys[2]], engine_id=store.engine_id)
     cache, n = store.restore(ids)
     assert n == 32
     assert _generate(lm, ids, cache) == _generate(lm, ids, _prefill(lm, ids, 32))

@@ -17,6 +17,7 @@ Primitives:
   first one (a prefix cache is only valid up to its first hole).
 * :class:`ManagerGuard` -- turns Manager failures (typed errors, a dead socket, a timeout) into misses,
   counts them, and stops calling a failing Manager for a cool-down period.
+* :class:`RestRegistrar` -- engine registration over the HTTP control plane (``POST /v1/engines``).
 * :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded.
 * :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
 * :func:`packed_cuda_registration` -- registration of per-layer paged CUDA tensors through CUDA IPC.
@@ -200,6 +201,83 @@ class ManagerGuard:
             if first:
                 log.warning("OrbitKV-FS %s failed (%s); treating as a miss for %.1fs", what, e, self.cooldown_s)
             return fallback
+
+
+# ------------------------------------------------------------------------------------- REST registration
+
+
+class RestRegistrar:
+    """Registers engines over the Manager's HTTP control plane (``POST /v1/engines``, ``DELETE
+    /v1/engines/{id}``), the way DESIGN.md has adapters register; data then flows over the data plane.
+
+    Host-pages handles are sent as shared-memory object names (the file must lie in the Manager's
+    ``--shm-dir``), CUDA IPC handles as base64. ``token`` is the Manager's admin token (needed off
+    loopback; ``$ORBITKV_ADMIN_TOKEN`` by default). Failures raise :class:`~orbitkv_fs.errors.OrbitKVError`
+    with the Manager's error code and message. Standard library only (urllib).
+    """
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        import os
+
+        if "://" not in base_url:
+            base_url = "http://" + base_url
+        self.base_url = base_url.rstrip("/")
+        self.token = token if token is not None else os.environ.get("ORBITKV_ADMIN_TOKEN")
+        self.timeout_s = timeout_s
+
+    @staticmethod
+    def body(reg: object) -> dict:
+        """The JSON body of ``POST /v1/engines`` for an :class:`~orbitkv_fs.geometry.EngineRegistration`."""
+        import base64
+        import os
+
+        import msgspec
+
+        from ..geometry import CudaIpcHandle
+
+        doc = msgspec.to_builtins(reg)
+        for desc, out in zip(reg.tensors, doc["tensors"]):  # type: ignore[attr-defined]
+            h = desc.handle
+            if isinstance(h, CudaIpcHandle):
+                out["handle"] = {"type": "cuda_ipc", "handle": base64.b64encode(h.handle).decode(),
+                                 "offset": h.offset, "device": h.device, "size": h.size}
+            else:
+                out["handle"] = {"type": "host", "name": os.path.basename(h.path), "offset": h.offset}
+        return doc
+
+    def _request(self, method: str, path: str, doc: dict | None = None) -> dict | None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(doc).encode() if doc is not None else None
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            try:
+                err = json.loads(e.read() or b"{}")
+            except ValueError:
+                err = {}
+            raise OrbitKVError(f"{method} {path}: HTTP {e.code} {err.get('code', '')}: "
+                               f"{err.get('message', e.reason)}") from None
+        except urllib.error.URLError as e:
+            raise OrbitKVError(f"{method} {path}: control plane at {self.base_url} unreachable: {e.reason}") from None
+        return json.loads(raw) if raw else None
+
+    def register(self, reg: object) -> str:
+        """Register ``reg``; the Manager's engine id."""
+        out = self._request("POST", "/v1/engines", self.body(reg))
+        return str(out["engine_id"])  # type: ignore[index]
+
+    def unregister(self, engine_id: str) -> None:
+        from urllib.parse import quote
+
+        self._request("DELETE", f"/v1/engines/{quote(engine_id, safe='')}")
 
 
 # ------------------------------------------------------------------------------------- Manager session

@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from .common import BlockMath, EngineSession, ManagerGuard, StagingPages, packed_cuda_registration, prefix_chunk_keys
+from .common import (
+    BlockMath,
+    EngineSession,
+    ManagerGuard,
+    RestRegistrar,
+    StagingPages,
+    packed_cuda_registration,
+    prefix_chunk_keys,
+)
 
 __all__ = ["HFPrefixStore", "model_geometry"]
 
@@ -57,11 +65,12 @@ class HFPrefixStore:
     def __init__(self, client: Any, *, model: str, num_layers: int, num_heads: int, head_dim: int, dtype: str,
                  block_size: int = 16, slots: int = 64, codec: str | None = None, engine_id: str | None = None,
                  model_revision: str = "", config: Any = None, compute_dtype: str | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", http: str | None = None) -> None:
         """``dtype`` is the KV cache dtype (what is stored); ``compute_dtype`` the model's, when it differs
         (then :meth:`new_cache` rounds every K/V to ``dtype`` as it enters the cache, as an engine with a
         narrower KV cache dtype does, so saved and restored KV are the values attention used). With a CUDA
-        ``device`` the staging pages live on that GPU and are registered through CUDA IPC."""
+        ``device`` the staging pages live on that GPU and are registered through CUDA IPC. ``http`` (the
+        Manager's control plane, e.g. ``127.0.0.1:9091``) registers over REST instead of the client."""
         import torch
 
         self.math = BlockMath(block_size)
@@ -91,9 +100,18 @@ class HFPrefixStore:
                                            codec=codec, engine_id=engine_id, model_revision=model_revision)
         self.slots = slots
         self.guard = ManagerGuard()
-        info = self.guard.call("register", lambda: client.register(reg), None) if reg is not None else None
-        self.engine_info = info
-        self.session = EngineSession(client, info.engine_id, guard=self.guard) if info is not None else None
+        self.engine_info = None
+        engine_id = None
+        if reg is not None and http is None:
+            self.engine_info = self.guard.call("register", lambda: client.register(reg), None)
+            engine_id = self.engine_info.engine_id if self.engine_info is not None else None
+            self._unregister = client.unregister
+        elif reg is not None:
+            rest = RestRegistrar(http)
+            engine_id = self.guard.call("register", lambda: rest.register(reg), None)
+            self._unregister = rest.unregister
+        self.engine_id = engine_id
+        self.session = EngineSession(client, engine_id, guard=self.guard) if engine_id is not None else None
         self.client = client
 
     @classmethod
@@ -204,8 +222,8 @@ class HFPrefixStore:
         return cache, got * self.block_size
 
     def close(self) -> None:
-        if self.session is not None and self.engine_info is not None:
-            self.guard.call("unregister", lambda: self.client.unregister(self.engine_info.engine_id), None)
+        if self.session is not None:
+            self.guard.call("unregister", lambda: self._unregister(self.engine_id), None)
             self.session = None
         self._k = self._v = []
         self._gpu = None

@@ -36,7 +36,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from .common import EngineSession, ManagerGuard, StagingPages, connect_client, engine_hash_keys
+from .common import EngineSession, ManagerGuard, RestRegistrar, StagingPages, connect_client, engine_hash_keys
 
 try:  # SGLang is optional: without it the class still imports (and is checked against the wheel's source).
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -88,6 +88,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._config = storage_config
         self._address = extra.get(EXTRA_PREFIX + "manager", os.environ.get("ORBITKV_MANAGER", "tcp://127.0.0.1:9092"))
         self._codec = extra.get(EXTRA_PREFIX + "codec")
+        self._http = extra.get(EXTRA_PREFIX + "http")
         self._slots = int(extra.get(EXTRA_PREFIX + "staging_pages", 32))
         self._guard = ManagerGuard(cooldown_s=float(extra.get(EXTRA_PREFIX + "cooldown_s", 5.0)))
         self._timeout_s = float(extra.get(EXTRA_PREFIX + "timeout_s", 30.0))
@@ -129,9 +130,16 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
         if self._client is None:
             return
-        info = self._guard.call("register", lambda: self._client.register(reg), None)
-        if info is not None:
-            self._session = EngineSession(self._client, info.engine_id, guard=self._guard)
+        if self._http:
+            rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
+            engine_id = self._guard.call("register", lambda: rest.register(reg), None)
+            self._unregister = rest.unregister
+        else:
+            info = self._guard.call("register", lambda: self._client.register(reg), None)
+            engine_id = info.engine_id if info is not None else None
+            self._unregister = self._client.unregister
+        if engine_id is not None:
+            self._session = EngineSession(self._client, engine_id, guard=self._guard)
 
     # -- page copies --------------------------------------------------------------------------------
 
@@ -243,7 +251,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def close(self) -> None:
         if self._client is not None:
             if self._session is not None:
-                self._guard.call("unregister", lambda: self._client.unregister(self._session.engine_id), None)
+                self._guard.call("unregister", lambda: self._unregister(self._session.engine_id), None)
             self._guard.call("close", self._client.close, None)
         self._session = self._client = None
         if self._staging is not None:

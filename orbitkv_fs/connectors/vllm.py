@@ -39,11 +39,12 @@ from .common import (
     EngineSession,
     ManagerGuard,
     PrefixPlanner,
-    connect_client,
-    packed_cuda_registration,
+    RestRegistrar,
     Transfer,
+    connect_client,
     engine_hash_keys,
     failed_blocks,
+    packed_cuda_registration,
     prefix_chunk_keys,
 )
 
@@ -123,6 +124,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             raise ValueError(f"orbitkv.key_source must be 'tokens' or 'block_hashes', not {self._key_source!r}")
         self._address = _extra(vllm_config, "manager", os.environ.get("ORBITKV_MANAGER", "tcp://127.0.0.1:9092"))
         self._codec = _extra(vllm_config, "codec", None)
+        self._http = _extra(vllm_config, "http", None)
         base_id = _extra(vllm_config, "engine_id", f"vllm-{self._model_name.replace('/', '-')}")
         parallel = vllm_config.parallel_config
         self._tp_rank = int(getattr(parallel, "rank", 0)) % max(int(parallel.tensor_parallel_size), 1)
@@ -202,9 +204,16 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if client is None or reg is None:
             log.warning("OrbitKV-FS disabled for this worker (no Manager at %s or unsupported layout)", self._address)
             return
-        info = self._guard.call("register", lambda: client.register(reg), None)
-        if info is not None:
-            self._session = EngineSession(client, info.engine_id, guard=self._guard)
+        if self._http:
+            rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
+            engine_id = self._guard.call("register", lambda: rest.register(reg), None)
+            self._unregister = rest.unregister
+        else:
+            info = self._guard.call("register", lambda: client.register(reg), None)
+            engine_id = info.engine_id if info is not None else None
+            self._unregister = client.unregister
+        if engine_id is not None:
+            self._session = EngineSession(client, engine_id, guard=self._guard)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -248,7 +257,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return
         if self._role_is_worker() and self._session is not None:
             # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
-            self._guard.call("unregister", lambda: client.unregister(self._session.engine_id), None)
+            unregister = getattr(self, "_unregister", client.unregister)
+            self._guard.call("unregister", lambda: unregister(self._session.engine_id), None)
         self._session = None
         self._guard.call("close", client.close, None)
 
