@@ -25,9 +25,11 @@ Seams for the other parts:
   ``contains``, ``invalidate``, ``flush``, ``stats``, ``iter_objects`` and ``close`` serve lookup, admin and
   shutdown. The Manager closes the tier in :meth:`~Manager.close`.
 * **Peers** (:class:`PeerFetcher`): ``Manager(..., peer_fetcher=...)`` or :meth:`~Manager.set_peer_fetcher`.
-  On a miss in DRAM and the lower tier, the Manager calls ``fetch(keys) -> {key: segment bytes}``; every
-  answer is verified like any segment (header, the key's namespace/layer/role, CRC32C) and a bad one is a
-  miss. ``lookup_prefix(namespace, chunks, layers)`` lets lookups count chunks peers hold. For serving peers:
+  On a miss in DRAM and the lower tier, a fetcher with ``fetch_into(manager, keys)`` (the peer client)
+  reads straight into the arena through :meth:`~Manager.reserve` / :meth:`~Manager.publish` (which
+  verifies in place); the Manager then leases what landed and serves it like DRAM hits. Otherwise it calls
+  ``fetch(keys) -> {key: segment bytes}``; every answer is verified like any segment (header, the key's
+  namespace/layer/role, CRC32C) and a bad one is a miss. ``lookup_prefix(namespace, chunks, layers)`` lets lookups count chunks peers hold. For serving peers:
   :meth:`~Manager.lease_objects` leases extents by key, :meth:`~Manager.read_object` returns a segment's
   bytes from any local tier, :meth:`~Manager.arena_info` gives the arena's file path, size and base address
   (for the Transfer Engine to register), and :meth:`~Manager.reserve` / :meth:`~Manager.publish` /
@@ -1009,6 +1011,24 @@ class Manager:
                 self._admit(kb, blob)
                 out[kb] = blob
             missing = still
+        fetch_into = getattr(self.peers, "fetch_into", None)
+        if missing and fetch_into is not None:
+            # Zero-copy: the fetcher reserves arena extents, reads into them and publish() verifies in
+            # place; what landed is then leased and served like any DRAM hit.
+            try:
+                fetch_into(self, [ObjectKey.unpack(k) for k in missing])
+            except Exception as e:  # peers failing is a miss
+                log.warning("peer fetch failed: %s", e)
+            still = []
+            for kb, f in zip(missing, self.dram.lease(missing)):
+                if f is None:  # not delivered, failed verification, or already evicted again
+                    still.append(kb)
+                    continue
+                slot, gen, off, length = f
+                held.entries.append((slot, gen))
+                out[kb] = memoryview(self.dram.view(off, length))
+            self._count(self._hits, "peer", len(missing) - len(still))
+            missing = []
         if missing and self.peers is not None:
             try:
                 got = self.peers.fetch([ObjectKey.unpack(k) for k in missing])

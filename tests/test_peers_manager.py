@@ -43,6 +43,12 @@ if cfg.get("die_after_lease_ms") is not None:
         threading.Timer(cfg["die_after_lease_ms"] / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
         return lease(keys)
     m.lease_objects = dying
+published = [0]  # segments peers wrote straight into the arena (publish() verifies them in place)
+publish = m.publish
+def counted_publish(res, key):
+    published[0] += 1
+    return publish(res, key)
+m.publish = counted_publish
 node = PeerNode(m, peers=cfg.get("peers", []), config=PeerConfig(budget_s=cfg.get("budget", 2.0),
                                                                    staging_bytes=64 << 20))
 
@@ -87,7 +93,7 @@ for line in sys.stdin:
         import msgspec
         st = m.stats()
         out = {"peer": msgspec.to_builtins(node.stats()), "hits": st.hits, "leases_active": st.leases_active,
-               "reserved_bytes": st.reserved_bytes}
+               "reserved_bytes": st.reserved_bytes, "published": published[0]}
     print(json.dumps(out), flush=True)
 node.close(); m.close(); pages.close()
 '''
@@ -150,6 +156,7 @@ def test_prefix_saved_on_a_restores_on_b_byte_exact(managers):
     st = b("stats")
     assert st["hits"]["peer"] == 24 and st["peer"]["keys_fetched_total"] == 24
     assert st["peer"]["failures_total"] == {} and st["reserved_bytes"] == 0
+    assert st["published"] == 24  # zero-copy: read into B's arena, verified there, no copied bytes admitted
     # Admitted locally: a second restore is served from B's own DRAM.
     r = b("restore", names=names, blocks=blocks)
     assert r["restored"] == [True] * 6 and b("stats")["hits"]["dram"] == 24
