@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -149,3 +151,28 @@ def test_manager_guard_does_not_hide_bugs() -> None:
     g = ManagerGuard()
     with pytest.raises(TypeError):
         g.call("lookup", lambda: None + 1, 0)
+
+
+def test_rest_registration_body_sends_object_names_and_base64_ipc_handles(tmp_path) -> None:
+    import base64
+
+    from orbitkv_fs.connectors.common import RestRegistrar, StagingPages
+    from orbitkv_fs.geometry import CudaIpcHandle, TensorDesc
+
+    pages = StagingPages(num_layers=1, slots=2, block_size=4, num_heads=1, head_dim=8, dtype="bfloat16",
+                         directory=str(tmp_path))
+    try:
+        reg = pages.registration(model="m", engine_kind="test")
+        body = RestRegistrar.body(reg)
+        assert body["tensors"][0]["handle"] == {"type": "host", "name": Path(pages.pages.path).name,
+                                                "offset": reg.tensors[0].handle.offset}
+        assert "/" not in body["tensors"][0]["handle"]["name"]  # names, never paths
+        ipc = TensorDesc(layer=0, role="kv", layout="vllm_packed", shape=[2, 1, 4, 16], strides=[64, 64, 16, 1],
+                         dtype="bfloat16", handle=CudaIpcHandle(bytes(range(64)), 4096, 1, 1 << 20))
+        body = RestRegistrar.body(msgspec.structs.replace(reg, tensors=[ipc]))
+        h = body["tensors"][0]["handle"]
+        assert h["type"] == "cuda_ipc" and base64.b64decode(h["handle"]) == bytes(range(64))
+        assert (h["offset"], h["device"], h["size"]) == (4096, 1, 1 << 20)
+        assert body["model"] == "m" and body["block_size"] == 4
+    finally:
+        pages.close()
