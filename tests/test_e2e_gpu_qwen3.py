@@ -20,7 +20,6 @@ of the text (the model is random, a real tokenizer adds nothing). Run on the dev
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
