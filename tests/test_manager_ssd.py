@@ -78,3 +78,32 @@ def test_full_dram_of_leases_saves_to_ssd(tier):
             assert_reservations_zero(m)
     finally:
         pages.close()
+
+
+def test_ssd_hit_restores_while_dram_is_full_of_pinned_chunks(tier):
+    """A segment the SSD holds but DRAM cannot take back (every extent pinned) is restored from the SSD
+    bytes directly."""
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        with Manager(ManagerConfig(pool_size=128 << 10), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            b = chunks_for(1, base=4, salt="b")
+            m.save(e.engine_id, b)
+            m.flush_dram()  # b lives on the SSD only
+            a = [ChunkBlocks(chunk_key("a"), [0, 1])]
+            m.save(e.engine_id, a)
+            lk = m.lookup(e.engine_id, [a[0].key])  # pins the only chunk that fits
+            zero(pages)
+            res = m.restore(e.engine_id, b)
+            assert res.restored == [True], res.misses
+            for name in pages.tensors:
+                assert np.array_equal(pages.array(name)[b[0].blocks].view(np.uint16),
+                                      orig[name][b[0].blocks].view(np.uint16))
+            st = m.stats()
+            assert st.hits["lower"] == 2 * L
+            assert st.resident_objects["dram"] < 2 * 2 * L  # some of b was served without being taken back
+            m.release(lk.lease_id)
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
