@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -16,17 +13,11 @@ from orbitkv_fs.tools.bench_peer import ShmArena
 pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def api():
-    import uvicorn
     from fastapi import FastAPI
 
+    from orbitkv_fs.server.app import HttpServer
     from orbitkv_fs.server.peers_api import router
 
     arena = ShmArena(1 << 20, [bytes(16)])
@@ -34,17 +25,13 @@ def api():
     app = FastAPI()
     app.include_router(router)
     app.state.peer_node = node
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+    # HttpServer, not a bare uvicorn.Config: uvicorn's default log config would rewire the process's
+    # logging for every later test.
+    server = HttpServer(app, "127.0.0.1", 0)
+    server.start()
+    with httpx.Client(base_url=server.url, timeout=5) as client:
         yield client, app, node
-    server.should_exit = True
-    th.join(10)
+    server.close()
     node.close()
     arena.close()
 
