@@ -176,3 +176,14 @@ def test_rest_registration_body_sends_object_names_and_base64_ipc_handles(tmp_pa
         assert body["model"] == "m" and body["block_size"] == 4
     finally:
         pages.close()
+
+
+def test_cuda_ipc_mem_handle_from_torch_handles():
+    from orbitkv_fs.connectors.common import cuda_ipc_mem_handle
+
+    raw = bytes(range(64))
+    assert cuda_ipc_mem_handle(raw) == raw  # torch before versioned handles
+    for version in (2, 3):  # torch <= 2.12, torch >= 2.13: same 'c' payload
+        assert cuda_ipc_mem_handle(bytes([version]) + b"c" + raw) == raw
+    assert cuda_ipc_mem_handle(bytes([3]) + b"e" + raw) is None  # expandable segment: not cudaIpc-openable
+    assert cuda_ipc_mem_handle(raw[:40]) is None

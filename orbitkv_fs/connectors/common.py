@@ -434,6 +434,24 @@ class PrefixPlanner:
 # ------------------------------------------------------------------------------ GPU pages (CUDA IPC)
 
 
+CUDA_IPC_HANDLE_BYTES = 64
+_TORCH_HANDLE_CUDA_MALLOC = ord("c")
+
+
+def cuda_ipc_mem_handle(torch_handle: bytes) -> bytes | None:
+    """The ``cudaIpcMemHandle_t`` inside a handle from torch's ``storage._share_cuda_()``, or None.
+
+    torch's caching allocator writes ``[version][type][payload]``: type ``'c'`` is a plain cudaMalloc block
+    followed by the 64-byte cudaIpcMemHandle_t (version 2 up to torch 2.12, 3 since, same payload); type
+    ``'e'`` is an expandable segment, which cudaIpcOpenMemHandle cannot open. Old torch sent the bare 64 bytes.
+    """
+    if len(torch_handle) == CUDA_IPC_HANDLE_BYTES:
+        return torch_handle
+    if len(torch_handle) == CUDA_IPC_HANDLE_BYTES + 2 and torch_handle[1] == _TORCH_HANDLE_CUDA_MALLOC:
+        return torch_handle[2:]
+    return None
+
+
 def packed_cuda_registration(kv_caches: "dict[str, object]", *, model: str, block_size: int, engine_kind: str,
                              engine_id: str | None = None, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
                              pp_size: int = 1, codec: str | None = None, model_revision: str = "") -> object | None:
@@ -458,7 +476,12 @@ def packed_cuda_registration(kv_caches: "dict[str, object]", *, model: str, bloc
         # block, and the storage sits at an offset inside it.
         shared = t.untyped_storage()._share_cuda_()  # (device, handle, size_bytes, offset_bytes, ...)
         base, size = int(shared[3]), int(shared[2])
-        handle = CudaIpcHandle(handle=bytes(shared[1]), offset=base + t.storage_offset() * t.element_size(),
+        ipc = cuda_ipc_mem_handle(bytes(shared[1]))
+        if ipc is None:
+            log.warning("OrbitKV-FS: layer %s lives in memory CUDA IPC cannot share (torch expandable segments "
+                        "or an unknown handle format); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False", name)
+            return None
+        handle = CudaIpcHandle(handle=ipc, offset=base + t.storage_offset() * t.element_size(),
                                device=t.device.index or 0, size=base + size)
         tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),
                                   strides=list(t.stride()), dtype=g[2], handle=handle, name=name))
