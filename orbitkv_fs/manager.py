@@ -163,8 +163,9 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     pool_size: int = 1 << 30
     #: Default codec of engines that do not ask for one: none|ans|fp8|turboquant-4|turboquant-3.
     storage_codec: str = "none"
-    #: Fraction of the pool the codec path may use as workspace for a batch (bounds batch size).
-    storage_codec_budget: float = 0.05
+    #: Bytes of codec workspace per worker (``--storage-codec-budget``): bounds the GPU engine's retained
+    #: workspace arena and the source bytes of one codec batch.
+    storage_codec_budget: int = 64 << 20
     eviction: str = "lru"  # lru | s3fifo
     #: Directory of the arena file (a tmpfs: /dev/shm where it exists).
     shm_dir: str = "/dev/shm"
@@ -486,7 +487,7 @@ class Manager:
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
             try:
-                self._gpu_codecs = _GpuCodecs(max(int(config.storage_codec_budget * config.pool_size), 64 << 20))
+                self._gpu_codecs = _GpuCodecs(config.storage_codec_budget)
             except ImportError as e:  # a GPU without the gpu extra: pinned arena, host codecs
                 log.warning("GPU present but the GPU codec engine is unavailable (%s); using host codecs", e)
         self.lower = lower_tier
@@ -777,7 +778,7 @@ class Manager:
                     if not self.dram.contains(kb):
                         todo.append((ch, seg, kb))
             acc = _SaveAcc()
-            budget = max(int(self._config.storage_codec_budget * self._config.pool_size), 1 << 20)
+            budget = self._config.storage_codec_budget
             batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
             batch_bytes = 0
             for item in todo:
@@ -1054,7 +1055,7 @@ class Manager:
 
     def _restore_batches(self, items: list, nbytes) -> Iterator[list]:
         """``items`` in batches of at most ``batch_segments`` and the codec budget (one item may exceed it)."""
-        budget = max(int(self._config.storage_codec_budget * self._config.pool_size), 1 << 20)
+        budget = self._config.storage_codec_budget
         batch: list = []
         size = 0
         for it in items:

@@ -39,14 +39,11 @@ def parse_size(text: str) -> int:
     return n
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad fraction {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError("must be in (0, 1]")
-    return v
+def _codec_budget(text: str) -> int:
+    n = parse_size(text)
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError("the codec budget must be at least 1mb")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DRAM arena size (shared-memory file), e.g. 8gb (default 1gb)")
     g.add_argument("--storage-codec", choices=CODEC_NAMES, default="none",
                    help="default codec of registered engines (default none; fp8/turboquant-* are lossy)")
-    g.add_argument("--storage-codec-budget", type=_fraction, default=0.05,
-                   help="fraction of the pool a codec batch may use as workspace (default 0.05)")
+    g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
+                   help="codec workspace per worker, e.g. 64mb: the GPU workspace arena and one batch's "
+                        "source bytes (default 64 MiB, at least 1 MiB)")
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
     g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",
