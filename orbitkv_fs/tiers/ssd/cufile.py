@@ -17,11 +17,10 @@ import concurrent.futures
 import errno
 import functools
 import os
-import select
 import threading
 from typing import Any
 
-from .uring import SsdIoError
+from .uring import EventfdRing, SsdIoError
 
 
 @functools.cache
@@ -44,7 +43,7 @@ def _as_array(buf: Any) -> Any:
     return buf
 
 
-class CuFileRing:
+class CuFileRing(EventfdRing):
     def __init__(self, entries: int, files: dict[int, Any]) -> None:
         self._files = files
         self._entries = entries
@@ -88,24 +87,6 @@ class CuFileRing:
             self._done.clear()
         self._inflight -= len(out)
         return out
-
-    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
-        out = self.reap()
-        if out or self._inflight == 0:
-            return out
-        select.select([self.eventfd], [], [], timeout)
-        try:
-            os.eventfd_read(self.eventfd)
-        except BlockingIOError:
-            pass
-        return self.reap()
-
-    def submit_and_wait(self) -> list[tuple[int, int]]:
-        self.submit()
-        while True:
-            out = self.wait(None)
-            if out:
-                return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -92,7 +92,41 @@ def _check(rc: int, what: str) -> int:
     return rc
 
 
-class SysRing:
+class EventfdRing:
+    """Completion waiting shared by the rings: each signals an eventfd when completions land, so a wait
+    blocks in ``select`` (GIL released) and then reaps. Subclasses provide ``reap``, ``submit``,
+    ``eventfd`` and ``_inflight``."""
+
+    eventfd: int
+    _inflight: int
+
+    def reap(self) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def submit(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
+        out = self.reap()
+        if out or self._inflight == 0:
+            return out
+        select.select([self.eventfd], [], [], timeout)
+        try:
+            os.eventfd_read(self.eventfd)
+        except BlockingIOError:
+            pass
+        return self.reap()
+
+    def submit_and_wait(self) -> list[tuple[int, int]]:
+        # Not a blocking library call: liburing's holds the GIL while it blocks.
+        self.submit()
+        while True:
+            out = self.wait(None)
+            if out:
+                return out
+
+
+class SysRing(EventfdRing):
     """io_uring through the raw system calls (see the module docstring)."""
 
     def __init__(self, entries: int, files: dict[int, int]) -> None:
@@ -190,17 +224,6 @@ class SysRing:
         self._inflight -= len(out)
         return out
 
-    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
-        out = self.reap()
-        if out or self._inflight == 0:
-            return out
-        select.select([self.eventfd], [], [], timeout)
-        try:
-            os.eventfd_read(self.eventfd)
-        except BlockingIOError:
-            pass
-        return self.reap()
-
     def close(self) -> None:
         while self._inflight:  # buffers must outlive the kernel's use of them
             self.wait(1.0)
@@ -242,7 +265,7 @@ def _liburing_selftest() -> None:
         ring.close()
 
 
-class LiburingRing:
+class LiburingRing(EventfdRing):
     """io_uring through the ``liburing`` package (see the module docstring)."""
 
     def __init__(self, entries: int, files: dict[int, int]) -> None:
@@ -298,25 +321,6 @@ class LiburingRing:
             L.io_uring_cq_advance(self._ring, len(out))
         self._inflight -= len(out)
         return out
-
-    def wait(self, timeout: float | None) -> list[tuple[int, int]]:
-        out = self.reap()
-        if out or self._inflight == 0:
-            return out
-        select.select([self.eventfd], [], [], timeout)
-        try:
-            os.eventfd_read(self.eventfd)
-        except BlockingIOError:
-            pass
-        return self.reap()
-
-    def submit_and_wait(self) -> list[tuple[int, int]]:
-        # Not io_uring_submit_and_wait: the package holds the GIL while it blocks.
-        self.submit()
-        while True:
-            out = self.wait(None)
-            if out:
-                return out
 
     def close(self) -> None:
         while self._inflight:
