@@ -125,16 +125,15 @@ class Transport:
     def poll(self, handle: int) -> int:
         """:data:`READ_PENDING`, :data:`READ_DONE` or :data:`READ_FAILED` (terminal states free the handle;
         polling a handle again after that raises :class:`TransportError`)."""
+        # The status call and the forget are one step under the lock: a terminal status frees the engine's
+        # batch, whose address another thread's submit_read may get back at once as its own handle.
         with self._lock:
             if handle not in self._pending:
                 raise TransportError(f"unknown or finished transfer handle {handle}")
-        s = self._engine.transfer_check_status(handle)
-        if s == 0:
-            return READ_PENDING
-        if s == -2:
-            # The engine's TIMEOUT state does not free the batch: it stays pending until FAILED.
-            return READ_PENDING
-        with self._lock:
+            s = self._engine.transfer_check_status(handle)
+            if s == 0 or s == -2:
+                # The engine's TIMEOUT state (-2) does not free the batch: it stays pending until FAILED.
+                return READ_PENDING
             self._pending.discard(handle)
         return READ_DONE if s == 1 else READ_FAILED
 
