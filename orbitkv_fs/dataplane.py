@@ -1,31 +1,45 @@
-"""The remote data plane: the client API over a local ZeroMQ socket, msgpack-encoded with msgspec.
+"""The remote data plane: the client API over a local socket, ZeroMQ's wire protocol, msgpack via msgspec.
 
 Owns the wire protocol between :class:`RemoteClient` (in the engine process) and :class:`DataPlaneServer`
 (in ``orbitkv-cache-manager``). KV bytes never cross this socket: the Manager reads and writes the engine's
 pages itself (shared-memory file or CUDA IPC); requests carry chunk keys and block ids only.
 
-Wire format: one ZeroMQ frame each way. A request is a msgspec-tagged struct (:data:`Request`); a reply is
-one status byte (0 ok, 1 error) then msgpack: the call's result struct, or :class:`WireError` (error class
-name, message, field). Sockets: clients use REQ, the server one ROUTER; lookups are answered on the
-router's thread, saves and restores on worker threads, so slow saves do not stall lookups.
+Transport: ZMTP 3.0 (ZeroMQ's wire protocol, RFC 23, NULL mechanism) over a Unix (``ipc://PATH``) or
+loopback TCP (``tcp://HOST:PORT``) stream socket; the server is a ROUTER, the client a REQ. Both ends are
+implemented here on plain sockets: libzmq moves every message through its I/O threads, four thread
+wake-ups per round trip, which cost ~100 us on a small host -- more than a lookup itself. A libzmq REQ or
+DEALER socket is still a valid client (the tests use one to send hostile bytes).
 
-Invariants: malformed or hostile input gets a typed error reply, never a crash; the server binds only
-loopback TCP or ipc:// unless told otherwise; the client re-raises the same error classes the embedded
-Manager raises, so both modes behave alike; a remote client is shareable between threads (one socket per
-thread) and times out instead of hanging when the server is gone.
+Message format: one request frame each way, after the REQ envelope (an empty delimiter frame). A request
+is a msgspec-tagged struct (:data:`Request`); a reply is one status byte (0 ok, 1 error) then msgpack: the
+call's result struct, or :class:`WireError` (error class name, message, field).
+
+Server: one accepting thread and one thread per connection, which reads a request, runs it and writes the
+reply; a REQ connection has one request in flight, so a connection's thread is its queue. Calls that may
+wait on I/O or codecs (save, restore, register, unregister, invalidate, and lookups that consult a lower
+tier or peers) take one of ``workers`` permits first; ping, stats, release and DRAM-only lookups do not,
+so slow saves never delay lookups on other connections.
+
+Invariants: malformed or hostile input gets a typed error reply, never a crash (bytes that are not ZMTP,
+a message over :data:`MAX_MESSAGE` bytes or more than :data:`MAX_FRAMES` frames close that connection, as libzmq
+does); the server binds only loopback TCP or ipc:// unless told otherwise; the client re-raises the same
+error classes the embedded Manager raises, so both modes behave alike; a remote client is shareable
+between threads (one connection per thread) and times out instead of hanging when the server is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import stat
+import struct
 import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import msgspec
-import zmq
 
 from . import errors as _errors
 from . import geometry as _geometry
@@ -50,6 +64,9 @@ from .manager import (
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:9092"
+MAX_MESSAGE = 64 << 20  # bytes of one message; a save of 10^6 chunks of a few blocks fits
+MAX_FRAMES = 16  # frames of one message: a REQ sends 2, a DEALER client its own envelope
+MAX_CONNECTIONS = 1024
 
 
 class Register(msgspec.Struct, tag="register", array_like=True):
@@ -121,110 +138,236 @@ def _error_classes() -> dict[str, type[BaseException]]:
 
 
 _ERRORS = _error_classes()
+_LIGHT = (Ping, Stats, Release)  # never wait on I/O or codecs: no worker permit
+
+
+# -- ZMTP 3.0, NULL mechanism ------------------------------------------------------------------------------
+
+_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
+_GREETING = _SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+assert len(_GREETING) == 64
+_MORE, _LONG, _COMMAND = 1, 2, 4
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+_DELIMITER = b"\x01\x00"  # REQ envelope: an empty frame with MORE set
+_ROUTER_PEERS = (b"REQ", b"DEALER", b"ROUTER")  # socket types a ROUTER talks to (RFC 28)
+
+
+class ProtocolError(OrbitKVError):
+    """The peer broke ZMTP framing: the connection is closed (there is no frame to answer in)."""
+
+
+def _frame(body: bytes, flags: int = 0) -> bytes:
+    n = len(body)
+    if n < 256:
+        return bytes((flags, n)) + body
+    return bytes((flags | _LONG,)) + _U64.pack(n) + body
+
+
+def _ready(socket_type: bytes) -> bytes:
+    props = b"\x0bSocket-Type" + _U32.pack(len(socket_type)) + socket_type
+    return _frame(b"\x05READY" + props, _COMMAND)
+
+
+def _read_exact(rfile: Any, n: int) -> bytes:
+    b = rfile.read(n)
+    if len(b) != n:
+        raise EOFError
+    return b
+
+
+def _read_frame(rfile: Any, room: int = MAX_MESSAGE) -> tuple[int, bytes]:
+    """One frame of at most ``room`` bytes: ``(flags, body)``. EOFError at a clean end of stream."""
+    hdr = rfile.read(2)
+    if len(hdr) != 2:
+        raise EOFError
+    flags = hdr[0]
+    if flags & ~(_MORE | _LONG | _COMMAND) or flags & _COMMAND and flags & _MORE:
+        raise ProtocolError(f"bad frame flags {flags:#04x}")
+    n = _U64.unpack(hdr[1:] + _read_exact(rfile, 7))[0] if flags & _LONG else hdr[1]
+    if n > room:
+        raise ProtocolError(f"a message over the {MAX_MESSAGE}-byte limit")
+    return flags, _read_exact(rfile, n)
+
+
+def _read_message(rfile: Any) -> list[bytes]:
+    """The frames of one message (commands after the handshake, e.g. 3.1 heartbeats, are skipped)."""
+    frames: list[bytes] = []
+    room = MAX_MESSAGE
+    while True:
+        flags, body = _read_frame(rfile, room)
+        if flags & _COMMAND:
+            if frames:
+                raise ProtocolError("command inside a message")
+            continue
+        frames.append(body)
+        room -= len(body)
+        if not flags & _MORE:
+            return frames
+        if len(frames) >= MAX_FRAMES:
+            raise ProtocolError(f"more than {MAX_FRAMES} frames in one message")
+
+
+def _handshake(sock: socket.socket, rfile: Any, own_type: bytes, peer_types: tuple[bytes, ...]) -> None:
+    """Exchange greetings and READY commands; raises ProtocolError unless the peer is a NULL-mechanism
+    ZMTP 3.x socket of one of ``peer_types``."""
+    sock.sendall(_GREETING + _ready(own_type))
+    g = _read_exact(rfile, 64)
+    if g[0] != 0xFF or not g[9] & 1:
+        raise ProtocolError("not a ZMTP peer")
+    if g[10] < 3:
+        raise ProtocolError(f"ZMTP {g[10]}.x peer; 3.0 or later needed")
+    if g[12:32].rstrip(b"\x00") != b"NULL":
+        raise ProtocolError(f"security mechanism {g[12:32].rstrip(bytes(1))!r}; only NULL is served")
+    flags, body = _read_frame(rfile)
+    if not flags & _COMMAND or body[:6] != b"\x05READY":
+        raise ProtocolError("expected a READY command")
+    props: dict[bytes, bytes] = {}
+    i = 6
+    while i < len(body):
+        nlen = body[i]
+        name = body[i + 1:i + 1 + nlen].lower()
+        if i + 5 + nlen > len(body):
+            raise ProtocolError("truncated READY property")
+        vlen = _U32.unpack_from(body, i + 1 + nlen)[0]
+        i += 5 + nlen
+        if i + vlen > len(body):
+            raise ProtocolError("truncated READY property")
+        props[name] = body[i:i + vlen]
+        i += vlen
+    peer = props.get(b"socket-type", b"")
+    if peer not in peer_types:
+        raise ProtocolError(f"peer socket type {peer!r}; expected one of {peer_types}")
+
+
+def _parse_endpoint(endpoint: str) -> tuple[int, Any]:
+    """``(address family, address)`` of ``ipc://PATH`` or ``tcp://HOST:PORT``."""
+    u = urllib.parse.urlparse(endpoint)
+    if u.scheme == "ipc":
+        path = endpoint[len("ipc://"):]
+        if not path:
+            raise ValueError(f"data plane endpoint {endpoint!r}: no path")
+        return socket.AF_UNIX, path
+    if u.scheme != "tcp":
+        raise ValueError(f"data plane endpoint {endpoint!r}: expected ipc:// or tcp://")
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if not u.hostname or port is None:
+        raise ValueError(f"data plane endpoint {endpoint!r}: expected tcp://HOST:PORT")
+    fam = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
+    return fam, (u.hostname, port)
 
 
 def _check_endpoint(endpoint: str, allow_remote: bool) -> None:
-    u = urllib.parse.urlparse(endpoint)
-    if u.scheme == "ipc":
+    fam, addr = _parse_endpoint(endpoint)
+    if fam == socket.AF_UNIX:
         return
-    if u.scheme != "tcp":
-        raise ValueError(f"data plane endpoint {endpoint!r}: expected ipc:// or tcp://")
-    host = u.hostname or ""
-    if not allow_remote and host not in ("127.0.0.1", "localhost", "::1"):
+    if not allow_remote and addr[0] not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"data plane endpoint {endpoint!r} is not loopback; the data plane has no "
                          "authentication (pass allow_remote to bind it anyway)")
 
 
-class DataPlaneServer:
-    """Serves a :class:`Manager` on ``endpoint`` until :meth:`close`.
+def _endpoint_of(sock: socket.socket) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"ipc://{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"tcp://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"tcp://{host}:{port}"
 
-    One thread owns the ROUTER socket. Requests that never wait on I/O (ping, stats, release, and lookups
-    when there is no lower tier or peer to consult) are answered inline on that thread: no thread hop on
-    the latency-critical path. The rest run on ``workers`` threads, which hand their replies back through
-    an inproc PUSH/PULL pair (ZeroMQ sockets stay with their threads)."""
+
+def _bind(endpoint: str) -> socket.socket:
+    fam, addr = _parse_endpoint(endpoint)
+    if fam == socket.AF_UNIX:
+        try:
+            if stat.S_ISSOCK(os.stat(addr).st_mode):
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(addr)
+                except ConnectionRefusedError:
+                    os.unlink(addr)  # left behind by a process that is gone
+                else:
+                    raise OrbitKVError(f"cannot bind the data plane to {endpoint}: another process serves it")
+                finally:
+                    probe.close()
+        except FileNotFoundError:
+            pass
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        if fam != socket.AF_UNIX:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(128)
+    except OSError as e:
+        s.close()
+        raise OrbitKVError(f"cannot bind the data plane to {endpoint}: {e}") from None
+    return s
+
+
+class DataPlaneServer:
+    """Serves a :class:`Manager` on ``endpoint`` until :meth:`close` (see the module docstring)."""
 
     def __init__(self, manager: Manager, endpoint: str = DEFAULT_ENDPOINT, *, workers: int = 4,
                  allow_remote: bool = False) -> None:
         _check_endpoint(endpoint, allow_remote)
         self.manager = manager
-        self._ctx = zmq.Context()
-        self._front = self._ctx.socket(zmq.ROUTER)
-        self._front.setsockopt(zmq.LINGER, 0)
-        try:
-            self._front.bind(endpoint)
-        except zmq.ZMQError as e:
-            self._front.close()
-            self._ctx.term()
-            raise OrbitKVError(f"cannot bind the data plane to {endpoint}: {e}") from None
-        self.endpoint = self._front.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._replies_addr = f"inproc://dataplane-replies-{id(self)}"
-        self._replies = self._ctx.socket(zmq.PULL)
-        self._replies.setsockopt(zmq.LINGER, 0)
-        self._replies.bind(self._replies_addr)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dataplane")
-        self._local = threading.local()
-        self._push_socks: list[zmq.Socket] = []
-        self._push_lock = threading.Lock()
+        self._listener = _bind(endpoint)
+        self.endpoint = _endpoint_of(self._listener)
+        self._permits = threading.BoundedSemaphore(max(1, workers))
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
         self._stop = False
-        self._thread = threading.Thread(target=self._serve, name="dataplane-router", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name="dataplane-accept", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._front, zmq.POLLIN)
-        poller.register(self._replies, zmq.POLLIN)
-        try:
-            while not self._stop:
-                ready = dict(poller.poll(100))
-                if self._replies in ready:
-                    while True:
-                        try:
-                            self._front.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                if self._front in ready:
-                    while True:
-                        try:
-                            frames = self._front.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._route(frames)
-            time.sleep(0.01)  # close() stopped the workers first: forward the replies they left
-            while True:
-                try:
-                    self._front.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-        finally:
-            self._front.close(0)
-            self._replies.close(0)
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # close() shut the listener down
+                return
+            with self._lock:
+                if self._stop or len(self._conns) >= MAX_CONNECTIONS:
+                    sock.close()
+                    continue
+                t = threading.Thread(target=self._serve, args=(sock,), name="dataplane-conn", daemon=True)
+                self._conns[sock] = t
+            t.start()
 
-    def _route(self, frames: list[bytes]) -> None:
-        envelope, msg = frames[:-1], frames[-1]
+    def _serve(self, sock: socket.socket) -> None:
+        """One connection: handshake, then request -> reply until the peer or :meth:`close` ends it."""
+        rfile = sock.makefile("rb", 1 << 16)  # holds the descriptor open until it is closed too
+        try:
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _handshake(sock, rfile, b"ROUTER", _ROUTER_PEERS)
+            while True:
+                frames = _read_message(rfile)
+                reply = self._answer(frames[-1])
+                # The envelope goes back as it came (REQ: one empty delimiter), MORE on all but the last.
+                sock.sendall(b"".join(_frame(f, _MORE) for f in frames[:-1]) + _frame(reply))
+        except EOFError:
+            pass
+        except ProtocolError as e:
+            log.warning("data plane: dropping a connection: %s", e)
+        except OSError:
+            pass  # the peer went away, or close() shut the connection down
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+            rfile.close()
+            sock.close()
+
+    def _answer(self, msg: bytes) -> bytes:
         try:
             req = _REQ_DEC.decode(msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._front.send_multipart(envelope + [_ERR + _ENC.encode(WireError("RequestError",
-                                                                                f"malformed request: {e}"))])
-            return
+            return _ERR + _ENC.encode(WireError("RequestError", f"malformed request: {e}"))
         m = self.manager
-        inline = isinstance(req, (Ping, Stats, Release)) or (
-            isinstance(req, Lookup) and m.lower is None and m.peers is None)
-        if inline:
-            self._front.send_multipart(envelope + [self._reply(req)])
-        else:
-            self._pool.submit(self._work, envelope, req)
-
-    def _work(self, envelope: list[bytes], req: Any) -> None:
-        reply = self._reply(req)
-        sock = getattr(self._local, "push", None)
-        if sock is None:
-            sock = self._local.push = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._replies_addr)
-            with self._push_lock:
-                self._push_socks.append(sock)
-        sock.send_multipart(envelope + [reply])
+        if type(req) in _LIGHT or (type(req) is Lookup and m.lower is None and m.peers is None):
+            return self._reply(req)
+        with self._permits:
+            return self._reply(req)
 
     def _reply(self, req: Any) -> bytes:
         """One decoded request's reply bytes. Never raises."""
@@ -263,14 +406,28 @@ class DataPlaneServer:
         return None  # Ping
 
     def close(self) -> None:
-        """Stop serving: in-flight requests finish, the sockets close."""
-        self._pool.shutdown(wait=True)
-        self._stop = True
+        """Stop serving: no new connections or requests; requests in flight finish and are answered."""
+        with self._lock:
+            self._stop = True
+            conns = list(self._conns.items())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._thread.join(timeout=10)
-        with self._push_lock:
-            for sock in self._push_socks:
-                sock.close(0)
-        self._ctx.term()
+        self._listener.close()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RD)  # the thread's next read ends; a reply in progress still goes
+            except OSError:
+                pass
+        for _, t in conns:
+            t.join(timeout=60)
 
 
 def _message(e: BaseException) -> str:
@@ -286,44 +443,82 @@ def _raise(err: WireError) -> None:
     raise exc
 
 
+class _Conn:
+    __slots__ = ("sock", "rfile")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rfile = sock.makefile("rb", 1 << 16)
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
 class RemoteClient(Client):
-    """The client API against an ``orbitkv-cache-manager`` at ``endpoint``."""
+    """The client API against an ``orbitkv-cache-manager`` at ``endpoint``. Like a ZeroMQ REQ socket, a
+    call made while the server is not (yet) listening waits for it, up to ``timeout`` seconds."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout: float = 300.0) -> None:
         self.endpoint = endpoint
-        self._timeout_ms = int(timeout * 1000)
-        self._ctx = zmq.Context()
+        self._family, self._addr = _parse_endpoint(endpoint)
+        self._timeout = timeout
         self._local = threading.local()
-        self._socks: list[zmq.Socket] = []
+        self._conns: list[_Conn] = []
         self._lock = threading.Lock()
         self._decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
-    def _sock(self) -> zmq.Socket:
-        s = getattr(self._local, "sock", None)
-        if s is None:
-            s = self._ctx.socket(zmq.REQ)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
-            s.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-            s.connect(self.endpoint)
-            self._local.sock = s
-            with self._lock:
-                self._socks.append(s)
-        return s
+    def _no_answer(self, why: str = "") -> OrbitKVError:
+        return OrbitKVError(f"no answer from the data plane at {self.endpoint} within {self._timeout:g}s{why}")
+
+    def _connect(self, deadline: float) -> _Conn:
+        pause = 0.002
+        while True:
+            sock = socket.socket(self._family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.connect(self._addr)
+                if self._family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = _Conn(sock)
+                _handshake(sock, conn.rfile, b"REQ", (b"ROUTER",))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise self._no_answer(" (nothing listens there)") from None
+                time.sleep(pause)  # not up yet: wait for it, as a ZeroMQ socket would
+                pause = min(2 * pause, 0.1)
+            except (OSError, EOFError, ProtocolError) as e:
+                sock.close()
+                raise self._no_answer(f" ({type(e).__name__}: {e})") from None
+        with self._lock:
+            self._conns.append(conn)
+        self._local.conn = conn
+        return conn
+
+    def _drop(self, conn: _Conn) -> None:
+        self._local.conn = None
+        with self._lock:
+            self._conns.remove(conn)
+        conn.close()
 
     def _call(self, req: Any, result: type | None) -> Any:
-        s = self._sock()
+        deadline = time.monotonic() + self._timeout
+        conn = getattr(self._local, "conn", None) or self._connect(deadline)
         try:
-            s.send(_ENC.encode(req))
-            reply = s.recv()
-        except zmq.Again:
-            # A REQ socket that missed its reply is stuck: drop it, the next call makes a new one.
-            self._local.sock = None
-            with self._lock:
-                self._socks.remove(s)
-            s.close(0)
-            raise OrbitKVError(f"no answer from the data plane at {self.endpoint} within "
-                               f"{self._timeout_ms / 1000:g}s") from None
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.sock.sendall(_DELIMITER + _frame(_ENC.encode(req)))
+            frames = _read_message(conn.rfile)
+        except (OSError, EOFError, ProtocolError) as e:
+            # Timed out or cut off: the connection's state is unknown, so drop it; the next call reconnects.
+            self._drop(conn)
+            why = "" if isinstance(e, TimeoutError) else f" (connection lost: {type(e).__name__})"
+            raise self._no_answer(why) from None
+        if len(frames) != 2 or frames[0]:
+            self._drop(conn)
+            raise OrbitKVError(f"data plane at {self.endpoint}: a reply without the REQ envelope")
+        reply = frames[1]
         if reply[:1] == _ERR:
             _raise(msgspec.msgpack.decode(reply[1:], type=WireError))
         if result is None:
@@ -366,10 +561,11 @@ class RemoteClient(Client):
 
     def close(self) -> None:
         with self._lock:
-            for s in self._socks:
-                s.close(0)
-            self._socks.clear()
-        self._ctx.term()
+            for c in self._conns:
+                c.close()
+            self._conns.clear()
+        self._local = threading.local()
 
 
-__all__ = ["DEFAULT_ENDPOINT", "DataPlaneServer", "RemoteClient", "Request", "RequestError", "WireError"]
+__all__ = ["DEFAULT_ENDPOINT", "DataPlaneServer", "ProtocolError", "RemoteClient", "Request", "RequestError",
+           "WireError"]

@@ -1,0 +1,248 @@
+"""The data plane's transport: ZMTP 3.0 on plain sockets, against a Manager in this process.
+
+Interop with libzmq (REQ and DEALER clients), TCP and ipc endpoints, hostile bytes at every layer (not
+ZMTP, bad frames, oversized and over-long messages, undecodable requests, values the schema lets through),
+a client that waits for a server starting late and times out on one that is gone, binding over a stale
+socket file but not over a live server, and close() answering the request in flight."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from orbitkv_fs import dataplane as dp
+from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
+from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
+
+
+@pytest.fixture
+def manager():
+    with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m:
+        yield m
+
+
+@pytest.fixture
+def server(manager, tmp_path):
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", workers=1)
+    yield srv
+    srv.close()
+
+
+def _raw(srv: DataPlaneServer) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(srv.endpoint[len("ipc://"):])
+    return s
+
+
+def _handshaken(srv: DataPlaneServer, socket_type: bytes = b"DEALER") -> tuple[socket.socket, object]:
+    s = _raw(srv)
+    rfile = s.makefile("rb")
+    dp._handshake(s, rfile, socket_type, (b"ROUTER",))
+    return s, rfile
+
+
+def _closed(s: socket.socket) -> bool:
+    """True when the server closed ``s`` (after reading whatever it had sent before)."""
+    try:
+        while True:
+            if not s.recv(1 << 16):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_tcp_endpoint_resolves_its_port_and_serves(manager):
+    srv = DataPlaneServer(manager, "tcp://127.0.0.1:0")
+    try:
+        assert srv.endpoint.startswith("tcp://127.0.0.1:") and not srv.endpoint.endswith(":0")
+        c = RemoteClient(srv.endpoint, timeout=10)
+        c.ping()
+        assert c.stats().engines == 0
+        with pytest.raises(UnknownEngine):
+            c.lookup("nope", [bytes(16)])
+        c.close()
+    finally:
+        srv.close()
+
+
+def test_libzmq_dealer_and_req_clients_are_served(server):
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, 10_000)
+        d.connect(server.endpoint)
+        # A DEALER's envelope is its own: two frames of it come back in front of the reply.
+        d.send_multipart([b"corr-id", b"", msgspec.msgpack.encode(dp.Stats())])
+        tag, empty, reply = d.recv_multipart()
+        assert (tag, empty, reply[:1]) == (b"corr-id", b"", b"\x00")
+        assert msgspec.msgpack.decode(reply[1:], type=dp.ManagerStats).engines == 0
+        r = ctx.socket(zmq.REQ)
+        r.setsockopt(zmq.RCVTIMEO, 10_000)
+        r.connect(server.endpoint)
+        r.send(msgspec.msgpack.encode(dp.Lookup("nope", [bytes(16)])))
+        err = msgspec.msgpack.decode(r.recv()[1:], type=dp.WireError)
+        assert err.type == "UnknownEngine"
+        d.close(0)
+        r.close(0)
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize("junk", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64),  # not ZMTP
+    dp._SIGNATURE + b"\x02\x00" + bytes(52),  # ZMTP 2
+    dp._SIGNATURE + b"\x03\x00" + b"PLAIN".ljust(20, b"\x00") + bytes(32),  # a mechanism not served
+])
+def test_non_zmtp_peers_are_dropped_and_the_server_keeps_serving(server, junk):
+    s = _raw(server)
+    s.sendall(junk)
+    assert _closed(s)
+    s.close()
+    c = RemoteClient(server.endpoint, timeout=10)
+    c.ping()
+    c.close()
+
+
+def test_incompatible_socket_type_is_dropped(server):
+    s = _raw(server)
+    s.sendall(dp._GREETING + dp._ready(b"PUB"))
+    assert _closed(s)
+    s.close()
+
+
+@pytest.mark.parametrize("frames", [
+    b"\x08\x00",  # reserved flag bit
+    b"\x02" + struct.pack(">Q", 1001),  # one frame over the limit
+    b"\x03" + struct.pack(">Q", 600) + bytes(600) + b"\x02" + struct.pack(">Q", 401),  # two, together over it
+    b"\x01\x00" * (dp.MAX_FRAMES + 1) + b"\x00\x00",  # too many frames
+    b"\x01\x00\x04\x00",  # a command inside a message
+])
+def test_bad_framing_closes_that_connection_only(server, frames, monkeypatch):
+    monkeypatch.setattr(dp, "MAX_MESSAGE", 1000)
+    s, _ = _handshaken(server)
+    s.sendall(frames)
+    assert _closed(s)
+    s.close()
+    c = RemoteClient(server.endpoint, timeout=10)
+    assert c.stats().engines == 0
+    c.close()
+
+
+@pytest.mark.parametrize("body, error", [
+    (b"", "malformed request"),
+    (b"\xc1", "malformed request"),
+    (msgspec.msgpack.encode(["lookup", "e", "not-a-list"]), "malformed request"),
+    (msgspec.msgpack.encode(["nosuchcall"]), "malformed request"),
+    (os.urandom(300), "malformed request"),  # a long frame of noise
+    (msgspec.msgpack.encode(dp.Invalidate(namespace=b"abc")), ""),  # passes the schema, not the Manager
+])
+def test_undecodable_or_invalid_requests_get_typed_errors(server, body, error):
+    s, rfile = _handshaken(server, b"REQ")
+    s.sendall(dp._DELIMITER + dp._frame(body))
+    frames = dp._read_message(rfile)
+    assert frames[0] == b"" and frames[1][:1] == b"\x01"
+    err = msgspec.msgpack.decode(frames[1][1:], type=dp.WireError)
+    assert err.type == "RequestError" and error in err.message
+    # The same connection goes on serving.
+    s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Ping())))
+    assert dp._read_message(rfile) == [b"", b"\x00\xc0"]
+    s.close()
+
+
+def test_request_errors_reraise_as_the_embedded_classes(server):
+    c = RemoteClient(server.endpoint, timeout=10)
+    with pytest.raises(RequestError):
+        c.invalidate()
+    with pytest.raises(OrbitKVError):
+        c.release(12345)
+    c.close()
+
+
+def test_client_waits_for_a_late_server_and_times_out_on_a_gone_one(manager, tmp_path):
+    endpoint = f"ipc://{tmp_path}/late.sock"
+    c = RemoteClient(endpoint, timeout=20)
+    started: list[DataPlaneServer] = []
+    t = threading.Timer(0.3, lambda: started.append(DataPlaneServer(manager, endpoint)))
+    t.start()
+    c.ping()  # sent before anything listened
+    t.join()
+    started[0].close()
+    c2 = RemoteClient(endpoint, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(OrbitKVError, match="no answer"):
+        c2.ping()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(OrbitKVError, match="no answer"):
+        c.ping()  # its connection was closed by the server
+    c.close()
+    c2.close()
+
+
+def test_stale_socket_file_is_replaced_but_a_live_server_is_not(manager, tmp_path):
+    path = f"{tmp_path}/s.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # the file stays, nobody listens
+    srv = DataPlaneServer(manager, f"ipc://{path}")
+    try:
+        with pytest.raises(OrbitKVError, match="another process serves it"):
+            DataPlaneServer(manager, f"ipc://{path}")
+        RemoteClient(srv.endpoint, timeout=10).ping()
+    finally:
+        srv.close()
+    assert not os.path.exists(path)
+
+
+def test_close_answers_the_request_in_flight(manager, tmp_path, monkeypatch):
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/c.sock")
+    entered = threading.Event()
+    real = manager.stats
+
+    def slow_stats():
+        entered.set()
+        time.sleep(0.5)
+        return real()
+
+    monkeypatch.setattr(manager, "stats", slow_stats)
+    c = RemoteClient(srv.endpoint, timeout=10)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(c.stats()))
+    t.start()
+    assert entered.wait(10)
+    srv.close()
+    t.join(10)
+    assert got and got[0].engines == 0
+    with pytest.raises(OrbitKVError, match="no answer"):
+        RemoteClient(srv.endpoint, timeout=0.2).ping()
+    c.close()
+
+
+def test_one_client_shared_by_threads(server):
+    c = RemoteClient(server.endpoint, timeout=30)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(50):
+                assert c.stats().engines == 0
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+    c.close()
