@@ -2,23 +2,33 @@
 
 vLLM's request, block and scheduler-output objects are stood in by plain records carrying exactly the
 fields the connector reads (``test_connectors_upstream.py`` checks those fields exist in vLLM 0.33). The
-Manager is real (embedded); the "worker" registers host pages in place of CUDA IPC tensors, which the
-GPU test does for real.
+Manager is real (embedded, or behind the real data plane); the worker's KV caches are real torch CPU
+tensors named like vLLM's layers (``model.layers.N.self_attn.attn``) inside a shared-memory pages file, so
+``register_kv_caches`` runs its real registration path (the file and offset stand in for the CUDA IPC
+handle the GPU test uses).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from orbitkv_fs.client import connect
-from orbitkv_fs.connectors.common import EngineSession, PrefixPlanner, StagingPages, prefix_chunk_keys
-from orbitkv_fs.connectors.vllm import OrbitKVConnector, OrbitKVConnectorMetadata
-from orbitkv_fs.manager import Manager, ManagerConfig
+torch = pytest.importorskip("torch")
+
+from orbitkv_fs.client import EmbeddedClient, connect  # noqa: E402
+from orbitkv_fs.connectors.common import PrefixPlanner, layer_index, prefix_chunk_keys  # noqa: E402
+from orbitkv_fs.connectors.vllm import OrbitKVConnector, OrbitKVConnectorMetadata  # noqa: E402
+from orbitkv_fs.dataplane import DataPlaneServer  # noqa: E402
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig  # noqa: E402
+from orbitkv_fs.pages import HostPages, PageTensor  # noqa: E402
 
 BS = 16
+HEADS, HD, BLOCKS = 2, 32, 64
 
 
 @dataclass
@@ -51,40 +61,88 @@ def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:  # SchedulerO
         num_scheduled_tokens=dict(scheduled or {}))
 
 
-def _config(**extra) -> SimpleNamespace:
+def _config(*, rank: int = 0, tp: int = 1, pp: int = 1, layers: int = 2, policy: str = "recompute",
+            **extra) -> SimpleNamespace:
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={f"orbitkv.{k}": v for k, v in extra.items()}),
-        cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="org/m", revision=None),
-        parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1, pipeline_parallel_size=1))
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={f"orbitkv.{k}": v for k, v in extra.items()},
+                                           kv_load_failure_policy=policy),
+        cache_config=SimpleNamespace(block_size=BS),
+        model_config=SimpleNamespace(model="org/m", revision=None, hf_config=SimpleNamespace(num_hidden_layers=layers)),
+        parallel_config=SimpleNamespace(rank=rank, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+
+
+class VllmPages:
+    """A worker's paged KV caches: one ``[blocks, heads, BS, 2 * HD]`` BF16 torch tensor per layer, named as
+    vLLM names them, living in a shared-memory pages file the Manager maps."""
+
+    def __init__(self, layers: range, directory: str) -> None:
+        self.layers = layers
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+        specs = [PageTensor(n, 0, [BLOCKS, HEADS, BS, 2 * HD], [], "bfloat16", "kv", i, "vllm_packed")
+                 for n, i in zip(self.names, layers)]
+        self.pages = HostPages.create(specs, directory=directory)
+        self.kv = {n: torch.from_numpy(self.pages.array(n).view(np.uint16)).view(torch.bfloat16) for n in self.names}
+
+    def fill(self, block: int, value: float) -> None:
+        for t in self.kv.values():
+            t[block, ..., :HD] = value
+            t[block, ..., HD:] = -value
+
+    def holds(self, block: int, value: float, layer: int | None = None) -> bool:
+        ts = self.kv.values() if layer is None else [self.kv[f"model.layers.{layer}.self_attn.attn"]]
+        return all(bool((t[block, ..., :HD].float() == value).all() and (t[block, ..., HD:].float() == -value).all())
+                   for t in ts)
+
+    def close(self) -> None:
+        self.kv = {}
+        self.pages.close()
 
 
 @pytest.fixture
-def env(tmp_path):
-    """A Manager, a registered 'worker' engine (host pages, 64 blocks), a scheduler and a worker connector."""
-    manager = Manager(ManagerConfig(pool_size=64 << 20, device="cpu", shm_dir=str(tmp_path)))
+def manager(tmp_path):
+    m = Manager(ManagerConfig(pool_size=64 << 20, device="cpu", shm_dir=str(tmp_path)))
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def env(manager, tmp_path):
+    """A Manager, a scheduler connector and a worker connector whose 2 layers are registered through
+    register_kv_caches (asynchronous loads, the default)."""
     client = connect(manager)
-    pages = StagingPages(num_layers=2, slots=64, block_size=BS, num_heads=2, head_dim=32, dtype="bfloat16",
-                         directory=str(tmp_path))
+    kv = VllmPages(range(2), str(tmp_path))
     sched = OrbitKVConnector(_config(), "scheduler", None)
     worker = OrbitKVConnector(_config(), "worker", None)
-    info = client.register(pages.registration(model="org/m@", engine_kind="vllm",
-                                              engine_id=sched._scheduler_engine_id))
     for c in (sched, worker):
         c._client = client
-    worker._session = EngineSession(client, info.engine_id, guard=worker._guard)
-    yield SimpleNamespace(manager=manager, client=client, pages=pages, sched=sched, worker=worker, info=info)
-    pages.close()
-    manager.close()
+    worker.register_kv_caches(kv.kv)
+    assert worker._session is not None and worker._loader is not None
+    yield SimpleNamespace(manager=manager, client=client, kv=kv, sched=sched, worker=worker,
+                          engine_id=worker._session.engine_id)
+    worker.shutdown()
+    kv.close()
 
 
-def _fill(pages: StagingPages, block: int, value: float) -> None:
-    for layer in range(pages.num_layers):
-        pages.key(layer)[block] = value
-        pages.value(layer)[block] = -value
+def _save_prefix(env, prompt: list[int], n_blocks: int) -> list[bytes]:
+    keys = prefix_chunk_keys(prompt, BS, salt=b"org/m@")[:n_blocks]
+    for b in range(n_blocks):
+        env.kv.fill(b, float(b + 1))
+    res = env.client.save(env.engine_id, [ChunkBlocks(k, [b]) for b, k in enumerate(keys)])
+    assert res.chunks_saved == n_blocks
+    return keys
+
+
+def _plan_load(sched: OrbitKVConnector, req: Req, blocks: list[int], n_tokens: int) -> OrbitKVConnectorMetadata:
+    assert sched.get_num_new_matched_tokens(req, 0) == (n_tokens, False)
+    sched.update_state_after_alloc(req, Blocks(blocks), n_tokens)
+    return sched.build_connector_meta(_output(new=[_new(req, blocks, n_tokens)], scheduled={req.request_id: 1}))
+
+
+# ------------------------------------------------------------------------------------------ the full flow
 
 
 def test_prompt_blocks_are_saved_once_and_a_later_request_loads_them(env) -> None:
-    sched, worker, pages = env.sched, env.worker, env.pages
+    sched, worker, kv = env.sched, env.worker, env.kv
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks
     r1 = Req("r1", prompt)
     assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
@@ -94,7 +152,7 @@ def test_prompt_blocks_are_saved_once_and_a_later_request_loads_them(env) -> Non
     assert isinstance(meta, OrbitKVConnectorMetadata) and not meta.loads
     assert [t.blocks for t in meta.saves] == [[[3]]]
     for b, v in ((3, 1.0), (4, 2.0), (5, 3.0), (6, 4.0)):
-        _fill(pages, b, v)
+        kv.fill(b, v)
     worker.bind_connector_metadata(meta)
     worker.wait_for_save()
     meta = sched.build_connector_meta(_output(cached=[("r1", [5, 6], 20)], scheduled={"r1": 30}))
@@ -116,39 +174,38 @@ def test_prompt_blocks_are_saved_once_and_a_later_request_loads_them(env) -> Non
     assert [t.blocks for t in meta.saves] == [[[12]]]
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(SimpleNamespace())
-    worker.wait_for_layer_load("layer.0")
+    for name in kv.names:
+        worker.wait_for_layer_load(name)
+    assert kv.holds(10, 1.0) and kv.holds(11, 2.0)
+    worker.wait_for_save()
     assert worker.get_block_ids_with_load_errors() == set()
-    for layer in range(pages.num_layers):
-        assert (pages.key(layer)[10].astype(float) == 1.0).all() and (pages.value(layer)[11].astype(float) == -2.0).all()
 
 
 def test_a_block_that_fails_to_load_is_reported_with_everything_after_it(env) -> None:
-    sched, worker, pages = env.sched, env.worker, env.pages
     prompt = list(range(7, 7 + 64))
-    keys = prefix_chunk_keys(prompt, BS, salt=b"org/m@")
-    for b in range(4):
-        _fill(pages, b, float(b + 1))
-    assert env.client.save(env.info.engine_id, [__import__("orbitkv_fs.manager", fromlist=["x"]).ChunkBlocks(k, [b])
-                                                for b, k in enumerate(keys)]).chunks_saved == 4
-    r = Req("r", prompt + [1])
-    assert sched.get_num_new_matched_tokens(r, 0) == (64, False)
-    sched.update_state_after_alloc(r, Blocks([20, 21, 22, 23, 24]), 64)
-    meta = sched.build_connector_meta(_output(new=[_new(r, [20, 21, 22, 23, 24], 64)], scheduled={"r": 1}))
+    keys = _save_prefix(env, prompt, 4)
+    meta = _plan_load(env.sched, Req("r", prompt + [1]), [20, 21, 22, 23, 24], 64)
     # Between lookup and load the third block disappears (evicted, or a corrupt record).
-    env.client.invalidate(chunks=[keys[2]], engine_id=env.info.engine_id)
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(SimpleNamespace())
-    assert worker.get_block_ids_with_load_errors() == {22, 23}
-    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    env.client.invalidate(chunks=[keys[2]], engine_id=env.engine_id)
+    env.worker.bind_connector_metadata(meta)
+    env.worker.start_load_kv(SimpleNamespace())
+    env.worker.wait_for_layer_load(env.kv.names[0])
+    # vLLM asks for load errors before wait_for_save when it defers finalisation: the load must be waited for.
+    assert env.worker.get_block_ids_with_load_errors() == {22, 23}
+    assert env.worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert env.kv.holds(20, 1.0) and env.kv.holds(21, 2.0)
 
 
-def test_an_unreachable_manager_means_no_hits_and_no_errors(env) -> None:
-    sched = OrbitKVConnector(_config(manager="tcp://127.0.0.1:9", cooldown_s=60, timeout_s=0.3), "scheduler", None)
+def test_an_unreachable_manager_means_no_hits_and_no_errors(tmp_path) -> None:
+    dead = f"ipc://{tmp_path}/nobody.sock"
+    sched = OrbitKVConnector(_config(manager=dead, cooldown_s=60, lookup_timeout_s=0.3), "scheduler", None)
     r = Req("r", list(range(64)))
+    t0 = time.monotonic()
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert time.monotonic() - t0 < 5  # the scheduler's lookup timeout, not the 30 s data timeout
     assert sched._guard.stats.failures == 1 and sched._guard.stats.skipped >= 1
-    worker = OrbitKVConnector(_config(manager="tcp://127.0.0.1:9", timeout_s=0.3), "worker", None)
+    worker = OrbitKVConnector(_config(manager=dead, timeout_s=0.3), "worker", None)
     meta = OrbitKVConnectorMetadata(loads=sched.build_connector_meta(_output()).loads)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(SimpleNamespace())
@@ -181,8 +238,339 @@ def test_planner_preemption_replaces_blocks() -> None:
 
 
 def test_worker_shutdown_unregisters_its_engine(env) -> None:
-    assert [e.engine_id for e in env.manager.list_engines()] == [env.info.engine_id]
+    assert [e.engine_id for e in env.manager.list_engines()] == [env.engine_id]
     env.sched.shutdown()  # the scheduler owns no registration
     assert len(env.manager.list_engines()) == 1
     env.worker.shutdown()
     assert env.manager.list_engines() == []
+
+
+# ------------------------------------------------------------------------------------ asynchronous loads
+
+
+class GatedClient(EmbeddedClient):
+    """The real embedded client whose restores each wait for a permit (a slow tier, one restore at a
+    time), recording each call's ``layers``. With ``layered`` it takes ``layers=`` the way a Manager with
+    per-layer restore does; the restore underneath writes every layer (the Manager's filter is the
+    Manager's to test), so what this checks is the connector's order and its per-layer waits."""
+
+    def __init__(self, manager: Manager) -> None:
+        super().__init__(manager)
+        self.permits = threading.Semaphore(0)
+        self.calls: list[list[int] | None] = []
+        self.returned: list[list[int] | None] = []
+
+    def allow(self, n: int = 1) -> None:
+        self.permits.release(n)
+
+    def restore(self, engine_id, chunks, *, lease_id=0):  # type: ignore[override]
+        return self._restore(engine_id, chunks, None)
+
+    def _restore(self, engine_id, chunks, layers):
+        self.calls.append(layers)
+        assert self.permits.acquire(timeout=30)
+        res = super().restore(engine_id, chunks)
+        self.returned.append(layers)
+        return res
+
+
+class LayeredGatedClient(GatedClient):
+    def restore(self, engine_id, chunks, *, lease_id=0, layers=None):  # type: ignore[override]
+        return self._restore(engine_id, chunks, layers)
+
+
+def _waiter(worker: OrbitKVConnector, name: str) -> tuple[threading.Thread, threading.Event]:
+    done = threading.Event()
+
+    def run() -> None:
+        worker.wait_for_layer_load(name)
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done
+
+
+def _until(cond, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, tmp_path) -> None:
+    client = GatedClient(manager)
+    kv = VllmPages(range(2), str(tmp_path))
+    sched, worker = (OrbitKVConnector(_config(), role, None) for role in ("scheduler", "worker"))
+    sched._client = worker._client = client
+    worker.register_kv_caches(kv.kv)
+    try:
+        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
+        prompt = list(range(1000, 1049))
+        _save_prefix(env, prompt, 3)
+        meta = _plan_load(sched, Req("r", prompt), [30, 31, 32, 33], 48)
+        worker.bind_connector_metadata(meta)
+        t0 = time.monotonic()
+        worker.start_load_kv(SimpleNamespace())
+        assert time.monotonic() - t0 < 1.0  # started, not done: the restore waits for its permit
+        t, done = _waiter(worker, kv.names[0])
+        assert not done.wait(0.3)  # a layer's wait blocks while its restore is in flight
+        assert client.calls == [None] and client.returned == []  # one restore of every layer (no per-layer API)
+        client.allow()
+        assert done.wait(10)
+        t.join()
+        assert kv.holds(30, 1.0) and kv.holds(32, 3.0)
+        worker.wait_for_save()
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(manager, tmp_path) -> None:
+    client = LayeredGatedClient(manager)
+    kv = VllmPages(range(3), str(tmp_path))
+    cfg = _config(layers=3)
+    sched, worker = OrbitKVConnector(cfg, "scheduler", None), OrbitKVConnector(cfg, "worker", None)
+    sched._client = worker._client = client
+    worker.register_kv_caches(kv.kv)
+    try:
+        assert worker._session.layered
+        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
+        prompt = list(range(2000, 2033))
+        _save_prefix(env, prompt, 2)
+        meta = _plan_load(sched, Req("r", prompt), [40, 41, 42], 32)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(SimpleNamespace())
+        first, first_done = _waiter(worker, kv.names[0])
+        second, second_done = _waiter(worker, kv.names[1])
+        assert _until(lambda: client.calls == [[0]])  # layer 0 first
+        assert not first_done.wait(0.2)
+        client.allow()  # layer 0 lands; layer 1's restore is now in flight
+        assert first_done.wait(10)
+        assert _until(lambda: client.calls == [[0], [1]])
+        assert not second_done.wait(0.2) and client.returned == [[0]]
+        client.allow(2)
+        assert second_done.wait(10)
+        first.join()
+        second.join()
+        worker.wait_for_save()
+        assert client.returned == [[0], [1], [2]]
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert kv.holds(40, 1.0) and kv.holds(41, 2.0)
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+def test_a_layered_load_stops_restoring_a_chunk_after_its_first_miss(manager, tmp_path) -> None:
+    client = LayeredGatedClient(manager)
+    client.allow(100)
+    kv = VllmPages(range(2), str(tmp_path))
+    sched, worker = OrbitKVConnector(_config(), "scheduler", None), OrbitKVConnector(_config(), "worker", None)
+    sched._client = worker._client = client
+    worker.register_kv_caches(kv.kv)
+    try:
+        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
+        prompt = list(range(3000, 3049))
+        keys = _save_prefix(env, prompt, 3)
+        meta = _plan_load(sched, Req("r", prompt), [50, 51, 52, 53], 48)
+        client.invalidate(chunks=[keys[1]], engine_id=env.engine_id)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(SimpleNamespace())
+        worker.wait_for_save()
+        assert worker.get_block_ids_with_load_errors() == {51, 52}
+        assert client.calls == [[0], [1]]
+        assert kv.holds(50, 1.0)
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+def test_async_load_off_loads_inside_start_load_kv_and_keeps_full_cuda_graphs(env, tmp_path) -> None:
+    assert OrbitKVConnector.requires_piecewise_for_cudagraph({})
+    assert not OrbitKVConnector.requires_piecewise_for_cudagraph({"orbitkv.async_load": False})
+    assert not OrbitKVConnector.requires_piecewise_for_cudagraph({"orbitkv.async_load": "false"})
+    worker = OrbitKVConnector(_config(async_load=False), "worker", None)
+    worker._client = env.client
+    kv = VllmPages(range(2), str(tmp_path))
+    worker._worker_engine_id += "-sync"
+    worker.register_kv_caches(kv.kv)
+    try:
+        assert worker._loader is None
+        prompt = list(range(500, 549))
+        _save_prefix(env, prompt, 3)
+        meta = _plan_load(env.sched, Req("s", prompt), [7, 8, 9, 10], 48)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(SimpleNamespace())
+        assert worker._load_job.finished  # done before the forward pass starts
+        assert kv.holds(7, 1.0) and kv.holds(9, 3.0)
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+# ------------------------------------------------------------------------------------- pipeline parallel
+
+
+def test_layer_index_follows_vllm_names() -> None:
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    assert layer_index("language_model.model.layers.3.self_attn.attn") == 3
+    assert layer_index("L0") is None and layer_index("a.1.b.2") is None
+
+
+def test_pp_rank_1_registers_its_global_layers_and_the_scheduler_looks_up_every_stage(manager, tmp_path) -> None:
+    client = connect(manager)
+    stages = [VllmPages(range(0, 2), str(tmp_path)), VllmPages(range(2, 4), str(tmp_path))]
+    workers = [OrbitKVConnector(_config(rank=r, pp=2, layers=4), "worker", None) for r in (0, 1)]
+    sched = OrbitKVConnector(_config(pp=2, layers=4), "scheduler", None)
+    for c in (*workers, sched):
+        c._client = client
+    try:
+        for w, kv in zip(workers, stages):
+            w.register_kv_caches(kv.kv)
+        assert [w._pp_rank for w in workers] == [0, 1]
+        info = manager.get_engine(workers[1]._session.engine_id)
+        assert (info.layer_start, info.layer_end, info.registration.num_layers) == (2, 4, 4)
+        assert sorted(d.layer for d in info.registration.tensors) == [2, 3]
+        assert workers[1]._layer_of == {"model.layers.2.self_attn.attn": 2, "model.layers.3.self_attn.attn": 3}
+        assert workers[1]._load_groups() == [None]
+
+        prompt = list(range(4000, 4049))
+        keys = prefix_chunk_keys(prompt, BS, salt=b"org/m@")
+        # Stage 0 saved 3 blocks, stage 1 only 2: the scheduler may load only what both stages hold.
+        for w, kv, n in zip(workers, stages, (3, 2)):
+            for b in range(n):
+                kv.fill(b, float(b + 1))
+            assert client.save(w._session.engine_id, [ChunkBlocks(k, [b]) for b, k in enumerate(keys[:n])]).chunks_saved == n
+        meta = _plan_load(sched, Req("r", prompt), [60, 61, 62, 63], 32)
+        for w, kv in zip(workers, stages):
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(SimpleNamespace())
+            w.wait_for_layer_load(kv.names[-1])
+            w.wait_for_save()
+            assert w.get_block_ids_with_load_errors() == set()
+            assert kv.holds(60, 1.0) and kv.holds(61, 2.0)
+    finally:
+        for w in workers:
+            w.shutdown()
+        for kv in stages:
+            kv.close()
+
+
+def test_a_stage_registered_elsewhere_does_not_hide_hits(manager, tmp_path) -> None:
+    """PP across hosts: stage 1 registered with its own host's Manager; this Manager knows stage 0 only."""
+    client = connect(manager)
+    kv = VllmPages(range(0, 2), str(tmp_path))
+    worker = OrbitKVConnector(_config(rank=0, pp=2, layers=4), "worker", None)
+    sched = OrbitKVConnector(_config(pp=2, layers=4), "scheduler", None)
+    worker._client = sched._client = client
+    worker.register_kv_caches(kv.kv)
+    try:
+        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
+        prompt = list(range(5000, 5049))
+        _save_prefix(env, prompt, 3)
+        assert sched.get_num_new_matched_tokens(Req("r", prompt), 0) == (48, False)
+        assert sched._guard.stats.failures == 0
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+def test_rank_layout_is_dp_pp_tp() -> None:
+    c = OrbitKVConnector(_config(rank=7, tp=2, pp=2), "worker", None)  # DP rank 1, PP rank 1, TP rank 1
+    assert (c._tp_rank, c._pp_rank) == (1, 1)
+
+
+def test_a_gap_in_a_stage_s_layers_disables_the_worker(manager, tmp_path) -> None:
+    kv = VllmPages(range(0, 4), str(tmp_path))
+    worker = OrbitKVConnector(_config(pp=2, layers=8), "worker", None)
+    worker._client = connect(manager)
+    try:
+        worker.register_kv_caches({n: t for i, (n, t) in enumerate(kv.kv.items()) if i != 2})
+        assert worker._session is None and manager.list_engines() == []
+    finally:
+        worker.shutdown()
+        kv.close()
+
+
+# ----------------------------------------------------------------------------------- operator failures
+
+
+def test_engine_ids_are_per_instance_and_per_dp_rank() -> None:
+    a, b = _config(), _config()
+    a.kv_transfer_config.engine_id = "3f0c5e1c-aaaa-bbbb"
+    b.kv_transfer_config.engine_id = "77d1e0aa-cccc-dddd"
+    ids = {OrbitKVConnector(c, "worker", None)._worker_engine_id for c in (a, b)}
+    assert len(ids) == 2  # two vLLM servers of one model on one host
+    a.parallel_config.data_parallel_size, a.parallel_config.data_parallel_rank = 2, 1
+    assert OrbitKVConnector(a, "worker", None)._worker_engine_id.endswith("-dp1-tp0-pp0")
+
+
+def test_fail_policy_warns_the_operator(caplog) -> None:
+    with caplog.at_level("WARNING"):
+        OrbitKVConnector(_config(policy="fail"), "scheduler", None)
+    assert "kv_load_failure_policy" in caplog.text
+
+
+def test_several_kv_cache_groups_disable_the_connector(manager, tmp_path) -> None:
+    groups = SimpleNamespace(kv_cache_groups=[object(), object()])
+    sched = OrbitKVConnector(_config(), "scheduler", groups)
+    worker = OrbitKVConnector(_config(), "worker", groups)
+    sched._client = worker._client = connect(manager)
+    kv = VllmPages(range(2), str(tmp_path))
+    try:
+        worker.register_kv_caches(kv.kv)
+        assert worker._session is None and manager.list_engines() == []
+        assert sched.get_num_new_matched_tokens(Req("r", list(range(64))), 0) == (0, False)
+    finally:
+        kv.close()
+
+
+def test_a_restarted_manager_gets_the_worker_registered_again(tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    m1 = Manager(ManagerConfig(pool_size=16 << 20, device="cpu", shm_dir=str(tmp_path)))
+    srv = DataPlaneServer(m1, endpoint, workers=2)
+    kv = VllmPages(range(2), str(tmp_path))
+    worker = OrbitKVConnector(_config(manager=endpoint, timeout_s=2, cooldown_s=0.2), "worker", None)
+    sched = OrbitKVConnector(_config(manager=endpoint, timeout_s=2, cooldown_s=0.2), "scheduler", None)
+    m2 = srv2 = None
+    try:
+        worker.register_kv_caches(kv.kv)
+        engine_id = worker._session.engine_id
+        assert [e.engine_id for e in m1.list_engines()] == [engine_id]
+        srv.close()
+        m1.close()
+        m2 = Manager(ManagerConfig(pool_size=16 << 20, device="cpu", shm_dir=str(tmp_path)))
+        srv2 = DataPlaneServer(m2, endpoint, workers=2)
+        # The first prefill after the restart: the save finds the engine unknown, registers and saves.
+        prompt = list(range(6000, 6033))
+        r = Req("r", prompt)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        sched.update_state_after_alloc(r, Blocks([]), 0)
+        meta = sched.build_connector_meta(_output(new=[_new(r, [1, 2, 3], 0)], scheduled={"r": 33}))
+        kv.fill(1, 5.0)
+        kv.fill(2, 6.0)
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+        if worker._session.reregistrations == 0:
+            # The old connection broke with the old process: that save was lost (a miss, later recomputed).
+            assert worker._guard.stats.failures == 1 and "connection" in worker._guard.stats.last_error
+            time.sleep(0.3)
+            worker.wait_for_save()  # the same saves, as the next prefill step would issue them
+        assert worker._session.reregistrations == 1
+        assert [e.engine_id for e in m2.list_engines()] == [engine_id]
+        time.sleep(0.3)  # the scheduler's cool-down after it met the unknown engine, if it did
+        assert sched.get_num_new_matched_tokens(Req("r2", prompt), 0) == (32, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        for s in (srv2,):
+            if s is not None:
+                s.close()
+        if m2 is not None:
+            m2.close()
+        kv.close()

@@ -16,11 +16,17 @@ Primitives:
 * :func:`failed_blocks` -- the engine block ids whose keys missed at restore, and everything after the
   first one (a prefix cache is only valid up to its first hole).
 * :class:`ManagerGuard` -- turns Manager failures (typed errors, a dead socket, a timeout) into misses,
-  counts them, and stops calling a failing Manager for a cool-down period.
+  counts them, and stops calling a failing Manager for a cool-down period (probed with a short ping,
+  backing off while it stays down); :func:`ping_probe` builds that probe.
 * :class:`RestRegistrar` -- engine registration over the HTTP control plane (``POST /v1/engines``).
-* :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded.
+* :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded,
+  registering again when the Manager no longer knows the engine (restarted).
 * :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
-* :func:`packed_cuda_registration` -- registration of per-layer paged CUDA tensors through CUDA IPC.
+* :func:`packed_registration` -- registration of per-layer paged torch tensors (global layer indices of
+  one pipeline stage) through :func:`tensor_handle`: CUDA IPC, or a shared pages file for CPU tensors.
+* :func:`layer_index` -- the global layer number in an engine's layer name (vLLM's rule).
+* :class:`LayerLoadJob`, :class:`LayerLoader` -- a step's restores on a loader thread, layer group by
+  layer group in order, with per-layer waits and the failed blocks collected at the end.
 * :class:`StagingPages` -- host pages (``vllm_packed`` layout, one ``[slots, heads, block, 2 * head_dim]``
   tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
   import (transformers ``DynamicCache``, SGLang's pinned host pool): the adapter copies KV in and out.
@@ -160,6 +166,7 @@ class GuardStats:
     calls: int = 0
     failures: int = 0
     skipped: int = 0
+    probes_failed: int = 0
     last_error: str = ""
 
 
@@ -168,14 +175,22 @@ class ManagerGuard:
     """Runs Manager calls so that their failure is a miss, never an engine error.
 
     After a failure, calls are skipped (answered with the fallback) for ``cooldown_s`` seconds, so an
-    engine does not stall on every block while its Manager is down. Programming errors (TypeError,
-    AttributeError, ...) are not caught: they are bugs, not outages.
+    engine does not stall on every block while its Manager is down. When the cool-down ends, ``probe``
+    (a cheap call with a short timeout, e.g. a ping) runs before the next real call: while the Manager
+    stays down, each failed probe doubles the cool-down up to ``max_cooldown_s``, so a dead Manager costs
+    one short probe per cool-down instead of one full call timeout. The first success resets it.
+    Programming errors (TypeError, AttributeError, ...) are not caught: they are bugs, not outages.
     """
 
     cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+    probe: Callable[[], object] | None = None
     clock: Callable[[], float] = time.monotonic
     stats: GuardStats = field(default_factory=GuardStats)
     _open_until: float = 0.0
+    _down: bool = False
+    _probing: bool = False
+    _current_cooldown: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     CAUGHT = (OrbitKVError, OSError, TimeoutError, ConnectionError)
@@ -184,23 +199,50 @@ class ManagerGuard:
     def healthy(self) -> bool:
         return self.clock() >= self._open_until
 
+    def _trip(self, what: str, e: BaseException, *, probe: bool) -> None:
+        with self._lock:
+            self.stats.failures += 1
+            if probe:
+                self.stats.probes_failed += 1
+            self.stats.last_error = f"{what}: {type(e).__name__}: {e}"
+            first = not self._down
+            self._current_cooldown = (self.cooldown_s if first
+                                      else min(max(self._current_cooldown, self.cooldown_s) * 2, self.max_cooldown_s))
+            self._down = True
+            self._open_until = self.clock() + self._current_cooldown
+            cooldown = self._current_cooldown
+        if first:
+            log.warning("OrbitKV-FS %s failed (%s); treating as a miss for %.1fs", what, e, cooldown)
+
     def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
         with self._lock:
-            if not self.healthy:
+            if not self.healthy or self._probing:
                 self.stats.skipped += 1
                 return fallback
+            probe = self.probe if self._down else None
+            self._probing = probe is not None
             self.stats.calls += 1
+        if probe is not None:
+            try:
+                probe()
+            except self.CAUGHT as e:
+                self._trip(f"{what} (probe)", e, probe=True)
+                return fallback
+            finally:
+                with self._lock:
+                    self._probing = False
         try:
-            return fn()
+            result = fn()
         except self.CAUGHT as e:
-            with self._lock:
-                self.stats.failures += 1
-                self.stats.last_error = f"{what}: {type(e).__name__}: {e}"
-                first = self.healthy
-                self._open_until = self.clock() + self.cooldown_s
-            if first:
-                log.warning("OrbitKV-FS %s failed (%s); treating as a miss for %.1fs", what, e, self.cooldown_s)
+            self._trip(what, e, probe=False)
             return fallback
+        if self._down:
+            with self._lock:
+                recovered, self._down = self._down, False
+                self._current_cooldown = 0.0
+            if recovered:
+                log.warning("OrbitKV-FS %s succeeded again; the Manager is back", what)
+        return result
 
 
 # ------------------------------------------------------------------------------------- REST registration
@@ -302,6 +344,24 @@ def connect_client(target: object, *, timeout_s: float = 30.0) -> object:
     return client
 
 
+def ping_probe(target: object, *, timeout_s: float = 1.0) -> Callable[[], object] | None:
+    """A :attr:`ManagerGuard.probe` for ``target``: a ping over a fresh socket that waits at most
+    ``timeout_s`` (a REQ socket to a dead Manager would otherwise wait for the full call timeout).
+    None for an in-process Manager, which cannot go away on its own."""
+    if not isinstance(target, str):
+        return None
+    return lambda: connect_client(target, timeout_s=timeout_s).close()  # type: ignore[attr-defined]
+
+
+def supports_layer_restore(client: object) -> bool:
+    """Whether ``client.restore`` takes ``layers=`` (restore only those layers' segments)."""
+    import inspect
+
+    try:
+        return "layers" in inspect.signature(client.restore).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError, AttributeError):
+        return False
+
 
 class EngineSession:
     """One registered engine's view of the client API, with every failure turned into a miss.
@@ -309,19 +369,59 @@ class EngineSession:
     ``client`` is an :mod:`orbitkv_fs.client` client (embedded or remote) or a
     :class:`~orbitkv_fs.manager.Manager`: anything with ``lookup``, ``save`` and ``restore`` taking an
     engine id. A chunk is one key and the engine block ids (token order) that hold it.
+
+    ``reregister`` (the adapter's own registration, returning the new engine id) runs when the Manager
+    answers that it does not know the engine -- it restarted, or unregistered it -- and the call is then
+    retried once: a Manager restart costs the engine one round trip instead of its cache.
     """
 
-    def __init__(self, client: object, engine_id: str, *, guard: ManagerGuard | None = None) -> None:
+    def __init__(self, client: object, engine_id: str, *, guard: ManagerGuard | None = None,
+                 reregister: Callable[[], str] | None = None) -> None:
         self.client = client
         self.engine_id = engine_id
         self.guard = guard or ManagerGuard()
+        self.layered = supports_layer_restore(client)
+        self._reregister = reregister
+        self._rereg_lock = threading.Lock()
+        self.reregistrations = 0
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading run of ``keys`` the Manager holds in full (0 when it cannot answer)."""
+    def _call(self, what: str, fn: Callable[[str], T], fallback: T) -> T:
+        from ..manager import UnknownEngine
+
+        def run() -> T:
+            engine_id = self.engine_id
+            try:
+                return fn(engine_id)
+            except UnknownEngine:
+                if self._reregister is None:
+                    raise
+                with self._rereg_lock:
+                    if self.engine_id == engine_id:  # another thread may have re-registered already
+                        log.warning("OrbitKV-FS: the Manager does not know engine %s (restarted?); registering "
+                                    "again", engine_id)
+                        self.engine_id = self._reregister()
+                        self.reregistrations += 1
+                return fn(self.engine_id)
+
+        return self.guard.call(what, run, fallback)
+
+    def lookup(self, keys: Sequence[bytes], *, if_unknown: int | None = None) -> int:
+        """Leading run of ``keys`` the Manager holds in full (0 when it cannot answer). ``if_unknown`` is
+        the answer when the Manager does not know the engine (registered with another Manager); None makes
+        that a failure like any other."""
         if not keys:
             return 0
-        res = self.guard.call("lookup", lambda: self.client.lookup(self.engine_id, list(keys), lease=False), None)
-        return 0 if res is None else int(res.count)
+        from ..manager import UnknownEngine
+
+        def run(engine_id: str) -> int:
+            try:
+                return int(self.client.lookup(engine_id, list(keys), lease=False).count)
+            except UnknownEngine:
+                if if_unknown is None:
+                    raise
+                return if_unknown
+
+        return self._call("lookup", run, 0)
 
     def save(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]]) -> object | None:
         """Save each key's blocks; the Manager's SaveResult, or None when it could not be reached."""
@@ -330,19 +430,117 @@ class EngineSession:
         from ..manager import ChunkBlocks
 
         chunks = [ChunkBlocks(k, list(map(int, b))) for k, b in zip(keys, blocks, strict=True)]
-        return self.guard.call("save", lambda: self.client.save(self.engine_id, chunks), None)
+        return self._call("save", lambda e: self.client.save(e, chunks), None)
 
-    def restore(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]]) -> list[bytes]:
-        """Restore each key into its blocks; the keys that missed (all of them when the call failed)."""
+    def restore(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]], *,
+                layers: Sequence[int] | None = None) -> list[bytes]:
+        """Restore each key into its blocks (only ``layers``' segments when given: needs
+        :attr:`layered`); the keys that missed (all of them when the call failed)."""
         if not keys:
             return []
         from ..manager import ChunkBlocks
 
         chunks = [ChunkBlocks(k, list(map(int, b))) for k, b in zip(keys, blocks, strict=True)]
-        res = self.guard.call("restore", lambda: self.client.restore(self.engine_id, chunks), None)
+        if layers is None:
+            res = self._call("restore", lambda e: self.client.restore(e, chunks), None)
+        else:
+            res = self._call("restore", lambda e: self.client.restore(e, chunks, layers=list(layers)), None)
         if res is None:
             return list(keys)
         return [k for k, ok in zip(keys, res.restored, strict=True) if not ok]
+
+
+class LayerLoadJob:
+    """One engine step's loads, restored layer group by layer group in order, on a loader thread.
+
+    ``groups`` are the layer groups in the order the forward pass reaches them; ``[None]`` is one
+    restore of every layer (a client without per-layer restore). Within a group each transfer is one
+    restore call; a transfer stops at its first missed chunk (a prefix is usable only up to its first
+    hole), so later groups restore only what can still be used. :meth:`wait_layer` returns once the
+    layer's group is written (or the job ended); :meth:`wait` returns the engine block ids that failed:
+    every block from a transfer's first miss on, in any group.
+
+    Invariants: waiters never hang on a job whose thread died (``run`` always ends the job); a bug in
+    ``run`` is re-raised to the waiter of :meth:`wait` instead of being turned into a miss.
+    """
+
+    def __init__(self, session: "EngineSession | None", transfers: Sequence[Transfer],
+                 groups: Sequence[Sequence[int] | None]) -> None:
+        self.session = session
+        self.transfers = list(transfers)
+        self.groups = [None if g is None else list(g) for g in groups]
+        self._group_of = {layer: gi for gi, g in enumerate(self.groups) if g is not None for layer in g}
+        self._cond = threading.Condition()
+        self._done = 0  # groups [0, _done) are written
+        self._finished = False
+        self._error: BaseException | None = None
+        self._failed: set[int] = set()
+
+    def run(self) -> None:
+        # Chunks [0, cut[i]) of transfer i have not missed in any group so far.
+        cut = [len(t.keys) for t in self.transfers]
+        try:
+            for gi, group in enumerate(self.groups):
+                for i, t in enumerate(self.transfers):
+                    n = cut[i]
+                    if n == 0:
+                        continue
+                    if self.session is None:
+                        missed: Iterable[bytes] = t.keys[:n]
+                    else:
+                        missed = self.session.restore(t.keys[:n], t.blocks[:n], layers=group)
+                    miss = set(missed)
+                    if miss:
+                        cut[i] = next(j for j, k in enumerate(t.keys[:n]) if k in miss)
+                with self._cond:
+                    self._done = gi + 1
+                    self._cond.notify_all()
+        except BaseException as e:  # re-raised to wait(): a bug must surface, and waiters must not hang
+            self._error = e
+            cut = [0] * len(self.transfers)
+        finally:
+            failed = {b for t, n in zip(self.transfers, cut) for blocks in t.blocks[n:] for b in blocks}
+            with self._cond:
+                self._failed = failed
+                self._finished = True
+                self._cond.notify_all()
+
+    def wait_layer(self, layer: int | None) -> None:
+        """Block until ``layer`` is written; an unknown layer (or None) waits for the whole job."""
+        gi = self._group_of.get(layer) if layer is not None else None
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished or (gi is not None and self._done > gi))
+
+    def wait(self) -> set[int]:
+        """Block until the job ended; the block ids that failed to load."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished)
+        if self._error is not None:
+            raise self._error
+        return set(self._failed)
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self._finished
+
+
+class LayerLoader:
+    """The loader thread of one worker: runs :class:`LayerLoadJob` s one after another (a step's loads
+    start after the previous step's ended, which the engine guarantees by waiting for them)."""
+
+    def __init__(self, name: str = "orbitkv-load") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def start(self, job: LayerLoadJob) -> LayerLoadJob:
+        self._pool.submit(job.run)
+        return job
+
+    def close(self) -> None:
+        """Wait for the running job, then stop the thread."""
+        self._pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------------------- scheduler bookkeeping
@@ -452,47 +650,103 @@ def cuda_ipc_mem_handle(torch_handle: bytes) -> bytes | None:
     return None
 
 
-def packed_cuda_registration(kv_caches: "dict[str, object]", *, model: str, block_size: int, engine_kind: str,
-                             engine_id: str | None = None, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
-                             pp_size: int = 1, codec: str | None = None, model_revision: str = "") -> object | None:
-    """An :class:`~orbitkv_fs.geometry.EngineRegistration` of per-layer paged CUDA tensors in the packed
-    ``[blocks, kv_heads, block_size, 2 * head_dim]`` layout (vLLM's), shared through CUDA IPC handles;
-    layer ``i`` is the ``i``-th entry. None when a tensor is not in that layout or not on a GPU (the
-    adapter then stays off rather than guess a head layout)."""
-    from ..geometry import CudaIpcHandle, EngineRegistration, TensorDesc
+def layer_index(name: str) -> int | None:
+    """The layer number in an engine's layer name, vLLM's rule (``extract_layer_index``): the one integer
+    component of the dotted name (``model.layers.17.self_attn.attn`` -> 17, the model's global index, also
+    on a later pipeline stage). None when there is not exactly one."""
+    ints = [int(p) for p in name.split(".") if p.isdigit()]
+    return ints[0] if len(ints) == 1 else None
 
+
+def _shared_file_handle(address: int) -> object | None:
+    """The :class:`~orbitkv_fs.geometry.HostPagesHandle` of host memory at ``address`` when it lies in a
+    shared file mapping of this process (a pages file such as :class:`StagingPages`), else None."""
+    from ..geometry import HostPagesHandle
+
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= address < hi:
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if "s" not in parts[1] or not path.startswith("/") or path.endswith("(deleted)"):
+                        return None
+                    return HostPagesHandle(path, address - lo + int(parts[2], 16))
+    except OSError:
+        return None
+    return None
+
+
+def tensor_handle(t: "object") -> object | None:
+    """The handle through which the Manager imports torch tensor ``t``'s memory: a CUDA IPC handle for a
+    GPU tensor, the file and offset for a CPU tensor inside a shared pages file; None when the Manager
+    cannot reach it (ordinary process memory, torch expandable segments)."""
+    from ..geometry import CudaIpcHandle
+
+    if not t.is_cuda:  # type: ignore[attr-defined]
+        return _shared_file_handle(int(t.data_ptr()))  # type: ignore[attr-defined]
+    # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
+    # block, and the storage sits at an offset inside it.
+    shared = t.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]  # (device, handle, size, offset, ...)
+    base, size = int(shared[3]), int(shared[2])
+    ipc = cuda_ipc_mem_handle(bytes(shared[1]))
+    if ipc is None:
+        log.warning("OrbitKV-FS: a KV tensor lives in memory CUDA IPC cannot share (torch expandable segments "
+                    "or an unknown handle format); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+        return None
+    return CudaIpcHandle(handle=ipc, offset=base + t.storage_offset() * t.element_size(),  # type: ignore[attr-defined]
+                         device=t.device.index or 0, size=base + size)  # type: ignore[attr-defined]
+
+
+def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_size: int, engine_kind: str,
+                        layers: Sequence[int] | None = None, num_layers: int | None = None,
+                        engine_id: str | None = None, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+                        pp_size: int = 1, codec: str | None = None, model_revision: str = "") -> object | None:
+    """An :class:`~orbitkv_fs.geometry.EngineRegistration` of per-layer paged torch tensors in the packed
+    ``[blocks, kv_heads, block_size, 2 * head_dim]`` layout (vLLM's), each shared through
+    :func:`tensor_handle`. ``layers[i]`` is the model's global layer index of the ``i``-th entry (default:
+    0, 1, ...); the stage range is ``[min, max + 1)`` of ``num_layers`` (default: the range's end) and must
+    be complete. None when a tensor is not in that layout, the Manager cannot reach it, or the layers
+    are not one contiguous stage (the adapter then stays off rather than guess)."""
+    from ..geometry import EngineRegistration, TensorDesc
+
+    layers = list(range(len(kv_caches))) if layers is None else [int(x) for x in layers]
+    if len(layers) != len(kv_caches) or not layers:
+        log.warning("OrbitKV-FS: %d layer indices for %d KV tensors", len(layers), len(kv_caches))
+        return None
+    start, end = min(layers), max(layers) + 1
+    total = end if num_layers is None else int(num_layers)
+    if sorted(layers) != list(range(start, end)) or end > total:
+        log.warning("OrbitKV-FS: KV layers %s are not one contiguous pipeline stage of %d layers", layers, total)
+        return None
     tensors, geom = [], None
-    for layer, (name, t) in enumerate(kv_caches.items()):
-        if t.dim() != 4 or t.shape[2] != block_size or t.shape[3] % 2 or not t.is_cuda:
-            log.warning("OrbitKV-FS: layer %s (%s, %s) is not a CUDA [blocks, heads, %d, 2*head_dim] tensor",
-                        name, tuple(t.shape), t.device, block_size)
+    for layer, (name, t) in zip(layers, kv_caches.items()):
+        if t.dim() != 4 or t.shape[2] != block_size or t.shape[3] % 2:  # type: ignore[attr-defined]
+            log.warning("OrbitKV-FS: layer %s %s is not a [blocks, heads, %d, 2*head_dim] tensor",
+                        name, tuple(t.shape), block_size)  # type: ignore[attr-defined]
             return None
-        g = (int(t.shape[1]), int(t.shape[3]) // 2, str(t.dtype).removeprefix("torch."))
+        g = (int(t.shape[1]), int(t.shape[3]) // 2, str(t.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
         if geom not in (None, g):
             log.warning("OrbitKV-FS: layers disagree on heads/head_dim/dtype (%s vs %s)", geom, g)
             return None
         geom = g
-        # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
-        # block, and the storage sits at an offset inside it.
-        shared = t.untyped_storage()._share_cuda_()  # (device, handle, size_bytes, offset_bytes, ...)
-        base, size = int(shared[3]), int(shared[2])
-        ipc = cuda_ipc_mem_handle(bytes(shared[1]))
-        if ipc is None:
-            log.warning("OrbitKV-FS: layer %s lives in memory CUDA IPC cannot share (torch expandable segments "
-                        "or an unknown handle format); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False", name)
+        handle = tensor_handle(t)
+        if handle is None:
+            log.warning("OrbitKV-FS: layer %s (%s) is in memory the Manager cannot map", name, t.device)  # type: ignore[attr-defined]
             return None
-        handle = CudaIpcHandle(handle=ipc, offset=base + t.storage_offset() * t.element_size(),
-                               device=t.device.index or 0, size=base + size)
-        tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),
-                                  strides=list(t.stride()), dtype=g[2], handle=handle, name=name))
-    if geom is None:
-        return None
+        tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),  # type: ignore[attr-defined]
+                                  strides=list(t.stride()), dtype=g[2], handle=handle, name=name))  # type: ignore[attr-defined]
+    assert geom is not None
     heads, head_dim, dtype = geom
-    n = len(tensors)
-    return EngineRegistration(model=model, num_layers=n, layer_start=0, layer_end=n, block_size=block_size,
+    return EngineRegistration(model=model, num_layers=total, layer_start=start, layer_end=end, block_size=block_size,
                               num_heads=heads, head_dim=head_dim, dtype=dtype, tensors=tensors,
                               model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
                               tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
+
+
+#: The former name, for callers outside the adapters (tools/bench_cohort.py registers GPU pages through it).
+packed_cuda_registration = packed_registration
 
 
 # ------------------------------------------------------------------------------------- staging pages

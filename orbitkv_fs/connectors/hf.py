@@ -33,7 +33,7 @@ from .common import (
     ManagerGuard,
     RestRegistrar,
     StagingPages,
-    packed_cuda_registration,
+    packed_registration,
     prefix_chunk_keys,
 )
 
@@ -96,8 +96,8 @@ class HFPrefixStore:
             layers = {f"L{i}": self._gpu[i] for i in range(num_layers)}
             self._k = [t[..., :head_dim] for t in layers.values()]
             self._v = [t[..., head_dim:] for t in layers.values()]
-            reg = packed_cuda_registration(layers, model=model, block_size=block_size, engine_kind="transformers",
-                                           codec=codec, engine_id=engine_id, model_revision=model_revision)
+            reg = packed_registration(layers, model=model, block_size=block_size, engine_kind="transformers",
+                                      codec=codec, engine_id=engine_id, model_revision=model_revision)
         self.slots = slots
         self.guard = ManagerGuard()
         self.engine_info = None

@@ -37,14 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from .common import (
     EngineSession,
+    LayerLoader,
+    LayerLoadJob,
     ManagerGuard,
     PrefixPlanner,
     RestRegistrar,
     Transfer,
     connect_client,
     engine_hash_keys,
-    failed_blocks,
-    packed_cuda_registration,
+    layer_index,
+    packed_registration,
+    ping_probe,
     prefix_chunk_keys,
 )
 
@@ -105,8 +108,25 @@ def _extra(config: Any, key: str, default: Any) -> Any:
 
 
 def engine_id_for(base: str, tp_rank: int, pp_rank: int) -> str:
-    """The Manager engine id of one TP/PP rank; the scheduler looks up on rank (0, pp_rank)."""
+    """The Manager engine id of one TP/PP rank; the scheduler looks up on the TP-rank-0 engine of every
+    pipeline stage."""
     return f"{base}-tp{tp_rank}-pp{pp_rank}"
+
+
+def _total_layers(model_config: Any) -> int | None:
+    """The model's hidden layer count (all pipeline stages together), None when the config does not say."""
+    get = getattr(model_config, "get_total_num_hidden_layers", None)
+    if callable(get):
+        return int(get())
+    n = getattr(getattr(model_config, "hf_config", None), "num_hidden_layers", None)
+    return int(n) if n is not None else None
+
+
+def _flag(value: Any) -> bool:
+    """A boolean extra-config value (JSON gives bools; a CLI string "false"/"0" must not read as True)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(value)
 
 
 class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
@@ -118,6 +138,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         model = vllm_config.model_config
         self._model_name = str(getattr(model, "model", "model"))
         self._revision = str(getattr(model, "revision", None) or "")
+        self._num_layers = _total_layers(model)
         self._salt = f"{self._model_name}@{self._revision}".encode()
         self._key_source = _extra(vllm_config, "key_source", "tokens")
         if self._key_source not in ("tokens", "block_hashes"):
@@ -125,35 +146,80 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._address = _extra(vllm_config, "manager", os.environ.get("ORBITKV_MANAGER", "tcp://127.0.0.1:9092"))
         self._codec = _extra(vllm_config, "codec", None)
         self._http = _extra(vllm_config, "http", None)
-        base_id = _extra(vllm_config, "engine_id", f"vllm-{self._model_name.replace('/', '-')}")
+        self._async_load = _flag(_extra(vllm_config, "async_load", True))
         parallel = vllm_config.parallel_config
-        self._tp_rank = int(getattr(parallel, "rank", 0)) % max(int(parallel.tensor_parallel_size), 1)
-        self._tp_size = int(parallel.tensor_parallel_size)
-        self._pp_rank = int(getattr(parallel, "rank", 0)) // max(int(parallel.tensor_parallel_size), 1)
-        self._pp_size = int(parallel.pipeline_parallel_size)
-        self._guard = ManagerGuard(cooldown_s=float(_extra(vllm_config, "cooldown_s", 5.0)))
+        tp = max(int(parallel.tensor_parallel_size), 1)
+        pp = max(int(parallel.pipeline_parallel_size), 1)
+        rank = int(getattr(parallel, "rank", 0))
+        # vLLM's rank layout is DP x PP x TP (ModelConfig.get_layers_start_end_indices).
+        self._tp_rank, self._tp_size = rank % tp, tp
+        self._pp_rank, self._pp_size = (rank // tp) % pp, pp
+        self._base_id = self._engine_base(vllm_config)
+        self._guard = ManagerGuard(cooldown_s=float(_extra(vllm_config, "cooldown_s", 5.0)),
+                                   probe=ping_probe(self._address))
         self._timeout_s = float(_extra(vllm_config, "timeout_s", 30.0))
+        # The scheduler blocks every request on a lookup: a Manager that went away must cost it seconds.
+        self._lookup_timeout_s = float(_extra(vllm_config, "lookup_timeout_s", 5.0))
         self._client: Any = None
-        self._scheduler_engine_id = engine_id_for(base_id, 0, 0)
-        self._worker_engine_id = engine_id_for(base_id, self._tp_rank, self._pp_rank)
+        self._scheduler_engine_ids = [engine_id_for(self._base_id, 0, r) for r in range(self._pp_size)]
+        self._worker_engine_id = engine_id_for(self._base_id, self._tp_rank, self._pp_rank)
         self._planner = PrefixPlanner(self._block_size)
         self._session: EngineSession | None = None
+        self._stage_sessions: list[EngineSession] = []
         self._load_errors: set[int] = set()
         self._kv_caches: dict[str, Any] = {}
+        self._layer_of: dict[str, int] = {}
+        self._loader: LayerLoader | None = None
+        self._load_job: LayerLoadJob | None = None
+        self._unregister: Any = None
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        # Block ids are per KV cache group; a flat block list fits one group only (vLLM disables its hybrid
+        # allocator for connectors without SupportsHMA, so this holds unless a model needs several).
+        self._enabled = groups is None or len(groups) <= 1
+        if not self._enabled:
+            log.warning("OrbitKV-FS disabled: %d KV cache groups (one is supported)", len(groups))
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and not self._role_is_worker():
+            log.warning("OrbitKV-FS: kv_load_failure_policy is %r, so a block evicted between lookup and load "
+                        "fails its request; set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config "
+                        "to have vLLM recompute it", policy)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Asynchronous loads are waited for per layer (``wait_for_layer_load``), which a full CUDA graph
+        would skip on replay: attention could read blocks still being written."""
+        return _flag((extra_config or {}).get(EXTRA_PREFIX + "async_load", True))
+
+    def _engine_base(self, vllm_config: "VllmConfig") -> str:
+        """Base of this vLLM instance's engine ids: ``orbitkv.engine_id``, else the model and the instance's
+        ``kv_transfer_config.engine_id`` (a UUID shared by its scheduler and workers, so two servers of one
+        model on one host do not collide), plus the data-parallel rank when there are several."""
+        base = _extra(vllm_config, "engine_id", None)
+        if base is None:
+            base = f"vllm-{self._model_name.replace('/', '-')}"
+            instance = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+            if instance:
+                base += f"-{str(instance)[:12]}"
+        parallel = vllm_config.parallel_config
+        if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+            base += f"-dp{int(getattr(parallel, 'data_parallel_rank', 0) or 0)}"
+        return base
 
     # -- plumbing -----------------------------------------------------------------------------------
 
     def _get_client(self) -> Any:
         if self._client is None:
-            self._client = self._guard.call("connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
+            timeout = self._timeout_s if self._role_is_worker() else self._lookup_timeout_s
+            self._client = self._guard.call("connect", lambda: connect_client(self._address, timeout_s=timeout), None)
         return self._client
 
-    def _scheduler_session(self) -> EngineSession | None:
-        if self._session is None:
+    def _scheduler_sessions(self) -> list[EngineSession]:
+        if not self._stage_sessions and self._enabled:
             client = self._get_client()
             if client is not None:
-                self._session = EngineSession(client, self._scheduler_engine_id, guard=self._guard)
-        return self._session
+                self._stage_sessions = [EngineSession(client, e, guard=self._guard)
+                                        for e in self._scheduler_engine_ids]
+        return self._stage_sessions
 
     def _keys_for(self, request: "Request") -> list[bytes]:
         if self._key_source == "block_hashes":
@@ -164,8 +230,14 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         keys = self._keys_for(request)
-        session = self._scheduler_session()
-        hit = session.lookup(keys) if session is not None else 0
+        sessions = self._scheduler_sessions()
+        hit = sessions[0].lookup(keys) if sessions else 0
+        # Each pipeline stage stores its own layers: a block is loadable only where every stage has it. A
+        # stage registered with another host's Manager is not known here; its worker reports what it misses.
+        for session in sessions[1:]:
+            if hit == 0:
+                break
+            hit = min(hit, session.lookup(keys[:hit], if_unknown=hit))
         n_prompt = len(request.prompt_token_ids or [])
         return self._planner.matched(request.request_id, keys, n_prompt, num_computed_tokens, hit), False
 
@@ -195,9 +267,19 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         self._kv_caches = dict(kv_caches)
-        reg = packed_cuda_registration(
-            kv_caches, model=self._model_name, model_revision=self._revision, block_size=self._block_size,
-            engine_kind="vllm",
+        layers = [layer_index(name) for name in kv_caches]
+        if any(i is None for i in layers):
+            if self._pp_size > 1:
+                log.warning("OrbitKV-FS disabled for this worker: layer names %s carry no layer index, needed to "
+                            "number a pipeline stage's layers", [n for n, i in zip(kv_caches, layers) if i is None])
+                return
+            layers = list(range(len(kv_caches)))  # one stage: the model's order is the layer order
+        self._layer_of = dict(zip(kv_caches, layers))  # type: ignore[arg-type]
+        if not self._enabled:
+            return
+        reg = packed_registration(
+            kv_caches, layers=layers, num_layers=self._num_layers if self._pp_size > 1 else None,  # type: ignore[arg-type]
+            model=self._model_name, model_revision=self._revision, block_size=self._block_size, engine_kind="vllm",
             engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
             pp_size=self._pp_size, codec=self._codec)
         client = self._get_client()
@@ -206,30 +288,50 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return
         if self._http:
             rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
-            engine_id = self._guard.call("register", lambda: rest.register(reg), None)
+            register = lambda: rest.register(reg)  # noqa: E731
             self._unregister = rest.unregister
         else:
-            info = self._guard.call("register", lambda: client.register(reg), None)
-            engine_id = info.engine_id if info is not None else None
+            register = lambda: client.register(reg).engine_id  # noqa: E731
             self._unregister = client.unregister
-        if engine_id is not None:
-            self._session = EngineSession(client, engine_id, guard=self._guard)
+        engine_id = self._guard.call("register", register, None)
+        if engine_id is None:
+            log.warning("OrbitKV-FS disabled for this worker: registering %s failed (%s); an engine id still "
+                        "registered by a crashed worker is freed with DELETE /v1/engines/{id}",
+                        self._worker_engine_id, self._guard.stats.last_error)
+            return
+        self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
+        if self._async_load:
+            self._loader = LayerLoader(f"orbitkv-load-tp{self._tp_rank}-pp{self._pp_rank}")
+
+    def _load_groups(self) -> list[list[int] | None]:
+        """Layer groups in forward order: one per layer when the Manager restores single layers, else one
+        restore of all layers."""
+        if self._session is None or not self._session.layered:
+            return [None]
+        return [[layer] for layer in sorted(set(self._layer_of.values()))]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, OrbitKVConnectorMetadata) or not meta.loads:
             return
-        for t in meta.loads:
-            if self._session is None:
-                missed = list(t.keys)
-            else:
-                missed = self._session.restore(t.keys, t.blocks)
-            if missed:
-                self._load_errors.update(failed_blocks(t.keys, [b[0] for b in t.blocks], missed))
+        self._finish_load()  # a step's loads never overlap the next step's
+        job = LayerLoadJob(self._session, meta.loads, self._load_groups())
+        if self._loader is None or self._session is None:
+            job.run()
+        else:
+            self._loader.start(job)
+        self._load_job = job
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads finish inside start_load_kv: the Manager writes every layer before it answers.
-        return None
+        job = self._load_job
+        if job is not None:
+            job.wait_layer(self._layer_of.get(layer_name))
+
+    def _finish_load(self) -> None:
+        """Wait for this step's loads and keep their failed blocks for get_block_ids_with_load_errors."""
+        job, self._load_job = self._load_job, None
+        if job is not None:
+            self._load_errors |= job.wait()
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -237,6 +339,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return None
 
     def wait_for_save(self):
+        self._finish_load()
         meta = self._connector_metadata
         if not isinstance(meta, OrbitKVConnectorMetadata) or not meta.saves or self._session is None:
             return
@@ -248,18 +351,29 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks for these before wait_for_save when it defers finalisation (speculative decoding).
+        self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self):
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close()  # an in-flight restore writes into pages the Manager must stop touching first
+        try:
+            self._finish_load()
+        except Exception:  # a load bug surfaces in the step; at shutdown only the cleanup matters
+            log.exception("OrbitKV-FS: load failed during shutdown")
         client, self._client = self._client, None
         if client is None:
             return
         if self._role_is_worker() and self._session is not None:
             # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
-            unregister = getattr(self, "_unregister", client.unregister)
-            self._guard.call("unregister", lambda: unregister(self._session.engine_id), None)
+            unregister = self._unregister or client.unregister
+            session = self._session
+            self._guard.call("unregister", lambda: unregister(session.engine_id), None)
         self._session = None
+        self._stage_sessions = []
         self._guard.call("close", client.close, None)
 
     def _role_is_worker(self) -> bool:
