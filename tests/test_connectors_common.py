@@ -187,3 +187,94 @@ def test_cuda_ipc_mem_handle_from_torch_handles():
         assert cuda_ipc_mem_handle(bytes([version]) + b"c" + raw) == raw
     assert cuda_ipc_mem_handle(bytes([3]) + b"e" + raw) is None  # expandable segment: not cudaIpc-openable
     assert cuda_ipc_mem_handle(raw[:40]) is None
+
+
+def test_a_dead_manager_costs_one_short_probe_per_growing_cooldown(tmp_path) -> None:
+    """The first failure costs one call timeout; after that each cool-down ends with a short ping, and
+    while the Manager stays down the cool-down doubles. A Manager that comes back is used again at once."""
+    import time
+
+    from orbitkv_fs.connectors.common import connect_client, ping_probe
+    from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
+    from orbitkv_fs.manager import Manager, ManagerConfig
+
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    clock = _Clock()
+    g = ManagerGuard(cooldown_s=5.0, max_cooldown_s=15.0, clock=clock, probe=ping_probe(endpoint, timeout_s=0.2))
+    client = RemoteClient(endpoint, timeout=1.0)
+    calls = []
+
+    def stats() -> object:
+        calls.append(1)
+        return client.stats()
+
+    try:
+        assert g.call("stats", stats, None) is None and len(calls) == 1
+        for n, (t, cooldown) in enumerate(((5.0, 10.0), (15.0, 15.0), (30.0, 15.0))):
+            clock.t = t - 0.1
+            skipped = g.stats.skipped
+            assert g.call("stats", stats, None) is None  # still cooling down: no probe, no call
+            assert g.stats.skipped == skipped + 1 and g.stats.probes_failed == n
+            clock.t = t
+            t0 = time.monotonic()
+            assert g.call("stats", stats, None) is None
+            assert time.monotonic() - t0 < 0.9  # the probe's timeout, not the call's
+            assert len(calls) == 1  # the real call was never made
+            assert g._open_until == pytest.approx(t + cooldown)
+        assert g.stats.probes_failed == 3
+        with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m:
+            srv = DataPlaneServer(m, endpoint, workers=1)
+            try:
+                clock.t = 45.0
+                assert g.call("stats", stats, None) is not None and len(calls) == 2
+                assert g.healthy and g.stats.failures == 4
+                # Recovered: the next outage starts again at the base cool-down.
+                assert g.call("stats", lambda: connect_client(f"ipc://{tmp_path}/other.sock", timeout_s=0.2), None) is None
+                assert g._open_until == pytest.approx(45.0 + 5.0)
+            finally:
+                srv.close()
+    finally:
+        client.close()
+
+
+def test_a_load_job_that_hits_a_bug_wakes_its_waiters_and_reraises() -> None:
+    import threading
+
+    from orbitkv_fs.connectors.common import LayerLoadJob, Transfer
+
+    class Broken:
+        layered = True
+
+        def restore(self, keys, blocks, *, layers=None):
+            if layers == [1]:
+                raise TypeError("bug")
+            return []
+
+    job = LayerLoadJob(Broken(), [Transfer("r", [b"k" * 16], [[3]])], [[0], [1], [2]])
+    t = threading.Thread(target=job.run)
+    t.start()
+    job.wait_layer(0)
+    job.wait_layer(2)  # returns: the job ended, it does not hang
+    t.join()
+    with pytest.raises(TypeError, match="bug"):
+        job.wait()
+
+
+def test_tensor_handle_finds_shared_pages_and_refuses_private_memory(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from orbitkv_fs.connectors.common import tensor_handle
+    from orbitkv_fs.geometry import HostPagesHandle
+    from orbitkv_fs.pages import HostPages
+
+    pages = HostPages.create([("a", (8, 64), "float32", "opaque"), ("b", (8, 64), "float32", "opaque")],
+                             directory=str(tmp_path))
+    try:
+        b = torch.from_numpy(pages.array("b"))
+        assert tensor_handle(b) == HostPagesHandle(pages.path, pages.tensors["b"].offset)
+        assert tensor_handle(torch.zeros(8, 64)) is None
+        assert tensor_handle(torch.from_numpy(np.zeros((8, 64), np.float32))) is None
+    finally:
+        del b
+        pages.close()

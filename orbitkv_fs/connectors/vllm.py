@@ -7,15 +7,26 @@ Start vLLM with::
         "kv_connector_extra_config": {"orbitkv.manager": "tcp://127.0.0.1:9092"}}'
 
 Scheduler side: :meth:`~OrbitKVConnector.get_num_new_matched_tokens` asks the Manager for the leading run
-of the prompt's block keys, :meth:`~OrbitKVConnector.update_state_after_alloc` plans the load into the
-allocated blocks, :meth:`~OrbitKVConnector.build_connector_meta` ships the step's loads and saves (full
-prompt blocks computed this step) to the workers, :meth:`~OrbitKVConnector.request_finished` forgets the
-request. Worker side: :meth:`~OrbitKVConnector.register_kv_caches` registers every layer's paged tensor
-(``[blocks, kv_heads, block_size, 2 * head_dim]``, the ``vllm_packed`` layout) with the Manager through
-CUDA IPC handles; :meth:`~OrbitKVConnector.start_load_kv` restores the step's loads (the Manager writes
-into the pages itself), :meth:`~OrbitKVConnector.wait_for_save` saves the step's blocks after the forward
-pass; a block that fails to load is reported by
-:meth:`~OrbitKVConnector.get_block_ids_with_load_errors` so vLLM recomputes it.
+of the prompt's block keys (on every pipeline stage's engine it knows, taking the shortest),
+:meth:`~OrbitKVConnector.update_state_after_alloc` plans the load into the allocated blocks,
+:meth:`~OrbitKVConnector.build_connector_meta` ships the step's loads and saves (full prompt blocks computed
+this step) to the workers, :meth:`~OrbitKVConnector.request_finished` forgets the request. Worker side:
+:meth:`~OrbitKVConnector.register_kv_caches` registers every layer's paged tensor (``[blocks, kv_heads,
+block_size, 2 * head_dim]``, the ``vllm_packed`` layout) under the model's global layer index parsed from
+vLLM's layer name (``model.layers.N.self_attn.attn``; a pipeline stage registers its own contiguous range)
+through CUDA IPC handles; :meth:`~OrbitKVConnector.start_load_kv` hands the step's loads to a loader
+thread, which restores them layer group by layer group in forward order (the Manager writes into the pages
+itself); :meth:`~OrbitKVConnector.wait_for_layer_load` blocks only until that layer's group is written;
+:meth:`~OrbitKVConnector.wait_for_save` waits for the loads, then saves the step's blocks;
+a block that fails to load is reported by :meth:`~OrbitKVConnector.get_block_ids_with_load_errors` with
+every later block of its request, so vLLM recomputes them (with ``kv_load_failure_policy: recompute``).
+
+Layer groups: one per layer when the client's ``restore`` takes ``layers=`` (a Manager that restores a
+subset of an engine's layers), else a single restore of every layer -- still off the calling thread, so
+the forward pass launches its first kernels while the restore runs. ``"orbitkv.async_load": false`` loads
+inside ``start_load_kv`` instead and lets vLLM keep full CUDA graphs (asynchronous loads make
+:meth:`~OrbitKVConnector.requires_piecewise_for_cudagraph` true: a replayed full graph would skip the
+per-layer waits).
 
 Keys: one chunk per vLLM block; by default the chained token-prefix keys of
 :func:`~orbitkv_fs.connectors.common.prefix_chunk_keys` salted with the model name (stable across
@@ -24,8 +35,9 @@ instead (stable across processes only with a fixed ``PYTHONHASHSEED``).
 
 Invariants: importing this module never imports vllm or torch when they are absent (the base class is
 imported under a guard, so source-only tests can read the class); the storage tier never fails a request
--- an unreachable Manager or a bad segment is a miss that vLLM recomputes; loads complete inside
-``start_load_kv`` and saves inside ``wait_for_save`` (synchronous connector, no blocks held after a step).
+-- an unreachable Manager or a bad segment is a miss that vLLM recomputes, and a Manager that restarted
+gets the worker registered again on its next call; a step's loads have ended before its saves start and
+before its load errors are reported, and no load outlives the step (no blocks held after a step).
 """
 
 from __future__ import annotations
