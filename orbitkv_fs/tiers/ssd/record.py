@@ -19,8 +19,11 @@ Record header (little endian, :data:`RECORD_HEADER_SIZE` bytes)::
 Primitives:
 
 * :func:`record_length` -- the aligned footprint of a segment of a given size.
-* :func:`pack_record_header` / :func:`parse_record_header` -- header bytes <-> :class:`RecordHeader`.
-* :func:`write_record` -- lay a whole record (header, segment, zero padding) into a buffer.
+* :func:`pack_record_header` / :func:`parse_record_header` -- header bytes <-> :class:`RecordHeader`;
+  :func:`pack_record_header_into` writes one straight into a staging buffer.
+* :func:`write_record` -- lay a whole record (header, segment, zero padding) into a buffer;
+  :func:`write_record_body` lays only the segment and padding (the header follows once its generation is
+  known).
 * :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, full segment parse).
 * :func:`verify_record` -- the demand-read check: every CRC and the index's key/generation/length.
 * :func:`scan` -- walk a shard image (an mmap or any buffer) and classify every record; shared by
@@ -65,6 +68,8 @@ _GIL_FREE_COPY = 256 << 10
 _STRUCT = struct.Struct(f"<4sHH{PACKED_SIZE}sQII64xI")
 assert _STRUCT.size == RECORD_HEADER_SIZE
 _CRC_SPAN = RECORD_HEADER_SIZE - 4
+_U32 = struct.Struct("<I")
+_ZEROS = memoryview(bytes(BLOCK))  # padding never reaches a whole block
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +86,19 @@ def record_length(segment_length: int) -> int:
 
 
 def pack_record_header(h: RecordHeader) -> bytes:
-    raw = _STRUCT.pack(MAGIC, VERSION, RECORD_HEADER_SIZE, h.key.pack(), h.generation, h.segment_length,
-                       h.record_length, 0)
-    return raw[:_CRC_SPAN] + struct.pack("<I", crc32c(raw[:_CRC_SPAN]))
+    buf = bytearray(RECORD_HEADER_SIZE)
+    pack_record_header_into(buf, h.key.pack(), h.generation, h.segment_length, h.record_length)
+    return bytes(buf)
+
+
+def pack_record_header_into(dst: "bytearray | memoryview", packed_key: bytes, generation: int,
+                            segment_length: int, record_length: int) -> None:
+    """Write a record header (CRC included) into the first :data:`RECORD_HEADER_SIZE` bytes of ``dst``:
+    one precompiled ``pack_into`` and one CRC over ``dst`` itself, no intermediate bytes (the submit path
+    of small records pays this per record)."""
+    _STRUCT.pack_into(dst, 0, MAGIC, VERSION, RECORD_HEADER_SIZE, packed_key, generation, segment_length,
+                      record_length, 0)
+    _U32.pack_into(dst, _CRC_SPAN, _crc32c.crc32c(memoryview(dst)[:_CRC_SPAN]))
 
 
 def parse_record_header(buf: "bytes | memoryview") -> RecordHeader:
@@ -108,11 +123,12 @@ def parse_record_header(buf: "bytes | memoryview") -> RecordHeader:
     return RecordHeader(okey, gen, seg_len, rec_len)
 
 
-def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "bytes | memoryview") -> int:
-    """Lay the record for ``segment`` into ``dst`` (at least :func:`record_length` bytes); return its length."""
+def write_record_body(dst: memoryview, segment: "bytes | memoryview") -> int:
+    """Lay ``segment`` and its zero padding after the header space of ``dst``; return the record length.
+    The header is written separately (:func:`pack_record_header_into`) once the generation is known, so
+    that the copy can run before the writer takes any lock."""
     seg_len = len(segment)
     rec_len = record_length(seg_len)
-    dst[:RECORD_HEADER_SIZE] = pack_record_header(RecordHeader(key, generation, seg_len, rec_len))
     end = RECORD_HEADER_SIZE + seg_len
     if seg_len >= _GIL_FREE_COPY:
         # ctypes.memmove releases the GIL: readers and the writeback thread run during a large copy.
@@ -121,7 +137,14 @@ def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "byt
     else:
         dst[RECORD_HEADER_SIZE:end] = segment
     # Padding is zeroed explicitly: staging buffers are reused and must not leak old bytes to disk.
-    dst[end:rec_len] = bytes(rec_len - end)
+    dst[end:rec_len] = _ZEROS[:rec_len - end]
+    return rec_len
+
+
+def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "bytes | memoryview") -> int:
+    """Lay the record for ``segment`` into ``dst`` (at least :func:`record_length` bytes); return its length."""
+    rec_len = write_record_body(dst, segment)
+    pack_record_header_into(dst, key.pack(), generation, len(segment), rec_len)
     return rec_len
 
 
@@ -152,20 +175,19 @@ def verify_record(buf: "bytes | memoryview", packed_key: bytes, generation: int,
     end = RECORD_HEADER_SIZE + segment_length
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
-    raw = bytes(mv[:RECORD_HEADER_SIZE])
-    magic, _, _, key, gen, seg_len, _, crc = _STRUCT.unpack(raw)
+    # Fields are unpacked and CRC'd in place (no copies): this runs once per demand-read record.
+    magic, _, _, key, gen, seg_len, _, crc = _STRUCT.unpack_from(mv)
     if magic != MAGIC:
         raise BadMagic("not a record header")
-    if _crc32c.crc32c(raw[:_CRC_SPAN]) != crc:
+    if _crc32c.crc32c(mv[:_CRC_SPAN]) != crc:
         raise HeaderChecksumMismatch("record header CRC32C mismatch")
     if key != packed_key or gen != generation or seg_len != segment_length:
         raise SegmentError("record header names another key, generation or length")
     seg = mv[RECORD_HEADER_SIZE:end]
-    head = bytes(seg[:HEADER_SIZE])
-    smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack(head)
+    smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack_from(seg)
     if smagic != SEGMENT_MAGIC:
         raise BadMagic("not a segment header")
-    if _crc32c.crc32c(head[:HEADER_SIZE - 4]) != hcrc:
+    if _crc32c.crc32c(seg[:HEADER_SIZE - 4]) != hcrc:
         raise HeaderChecksumMismatch("segment header CRC32C mismatch")
     if HEADER_SIZE + stored != segment_length:
         raise LengthMismatch("segment length disagrees with the record")

@@ -24,7 +24,9 @@ Invariants:
    counted as corrupt) and its space is reclaimed when its leases drain; resubmitting the key repairs it.
    An I/O error on a read is a miss that invalidates nothing.
 4. The writeback lane is bounded in queue depth and staged bytes; beyond that, submits drop (counted).
-   Demand reads go through their own rings, never behind queued writebacks.
+   Demand reads go through their own rings, never behind queued writebacks. The writeback ring is driven
+   by whichever thread gets to it first (``_pump``: the submitting thread starts its own write; the lane's
+   thread takes over when nobody submits), so a write never waits for another thread to get the GIL.
 5. Invalidated records have their header block zeroed once unleased, so ``recover`` cannot bring them back.
 6. Ephemeral by default (files truncated at start); with ``recover`` every record is validated and the
    newest valid generation of each key is served again.
@@ -53,7 +55,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from ...errors import OrbitKVError, SegmentError
 from ...keys import ObjectKey
 from ...segment import HEADER_SIZE, MAGIC, Format, crc32c, parse_header
-from .record import BLOCK, MAX_RECORD, Status, record_length, scan, verify_record, write_record
+from .record import (BLOCK, MAX_RECORD, Status, pack_record_header_into, record_length, scan, verify_record,
+                     write_record_body)
 from .uring import IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
 
 if TYPE_CHECKING:
@@ -192,7 +195,7 @@ class _Shard:
         del self.slots[slot.offset]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Write:
     tag: int
     slot: _Slot
@@ -267,9 +270,12 @@ class SsdTier:
         self._inflight: dict[int, _Write] = {}
         self._pool: dict[int, list[memoryview]] = {}
         self._pool_bytes = 0
+        # Lock order: _ring_lock, then _lock, then _pool_lock.
+        self._pool_lock = threading.Lock()
+        self._ring_lock = threading.Lock()  # one driver of the writeback ring at a time
+        self._repump = False  # a _pump() call found the ring driven: the driver goes round once more
         self._generation = 1
         self._closed = False
-        self._sleeping = False
         per_shard = config.capacity // len(config.paths) // BLOCK * BLOCK
         self._shards: list[_Shard] = []
         try:
@@ -394,11 +400,13 @@ class SsdTier:
     # -------------------------------------------------------------------------------------- writeback
 
     def _staging(self, nbytes: int) -> memoryview:
+        """A page-aligned buffer of ``nbytes`` from the pool (own lock: taken with or without ``_lock``)."""
         cls = 1 << max(12, (nbytes - 1).bit_length())
-        free = self._pool.get(cls)
-        if free:
-            self._pool_bytes -= cls
-            return free.pop()[:nbytes]
+        with self._pool_lock:
+            free = self._pool.get(cls)
+            if free:
+                self._pool_bytes -= cls
+                return free.pop()[:nbytes]
         return aligned_buffer(cls)[:nbytes]
 
     def _recycle(self, buf: memoryview) -> None:
@@ -406,9 +414,10 @@ class SsdTier:
         if base is None:
             return
         cls = len(base)
-        if self._pool_bytes + cls <= self.config.max_pending_bytes:
-            self._pool.setdefault(cls, []).append(memoryview(base))
-            self._pool_bytes += cls
+        with self._pool_lock:
+            if self._pool_bytes + cls <= self.config.max_pending_bytes:
+                self._pool.setdefault(cls, []).append(memoryview(base))
+                self._pool_bytes += cls
 
     def submit(self, key: ObjectKey, segment: "bytes | memoryview", *, timeout: float = 0.0) -> bool:
         """Queue ``segment`` for writeback (copied into an aligned staging buffer). False when dropped:
@@ -422,11 +431,20 @@ class SsdTier:
         if len(segment) != seg_len:
             raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
         rec_len = record_length(seg_len)
+        if timeout <= 0 and self._pending_bytes + rec_len > self.config.max_pending_bytes:
+            # The lane is full (an unlocked peek, rechecked below): drop before paying for the copy.
+            with self._lock:
+                self._c["write_dropped_total"] += 1
+            return False
+        # The copy into the staging buffer runs before any lock; only the header waits for the generation.
+        buf = self._staging(rec_len)
+        write_record_body(buf, segment)
         deadline = time.monotonic() + timeout
         sh = self._shard_of(key)
         with self._lock:
             while True:
                 if self._closed:
+                    self._recycle(buf)
                     return False
                 offset = None
                 if self._pending_bytes + rec_len <= self.config.max_pending_bytes:
@@ -436,6 +454,7 @@ class SsdTier:
                 left = deadline - time.monotonic()
                 if left <= 0 or not (self._queue or self._inflight):  # nothing in flight will make room
                     self._c["write_dropped_total"] += 1
+                    self._recycle(buf)
                     return False
                 self._idle.wait(left)
             gen = self._generation
@@ -444,58 +463,76 @@ class SsdTier:
             sh.insert(slot)
             self._writing += rec_len
             self._pending_bytes += rec_len
-            buf = self._staging(rec_len)
-        # The copy into the staging buffer runs outside the lock; the slot is WRITING, so nothing else
-        # touches its ring space, and the writer only sees it once queued below.
-        write_record(buf, key, gen, segment)
-        with self._lock:
-            if not slot.wipe:  # not invalidated meanwhile
-                self._pending_segments[key] = (gen, segment)
+            pack_record_header_into(buf, key.pack(), gen, seg_len, rec_len)
+            self._pending_segments[key] = (gen, segment)
             self._queue.append(_Write(gen, slot, buf))
             self._c["write_submitted_total"] += 1
-            self._kick()
+        # The submitting thread starts its own write: handing it to the writeback thread would wait for
+        # that thread to get the GIL, up to the interpreter's switch interval, while the disk idles.
+        self._pump()
         return True
 
     def _kick(self) -> None:
-        """Wake the writer if it sleeps with nothing queued (otherwise completions wake it). Lock held."""
-        if self._sleeping:
-            self._sleeping = False
-            os.eventfd_write(self._wake, 1)
+        """Wake the writeback thread (work queued by someone who does not drive the ring)."""
+        os.eventfd_write(self._wake, 1)
+
+    def _pump(self) -> None:
+        """Drive the writeback ring: reap its completions, start queued writes in its free slots, submit
+        them. Any thread may call it; never blocks on I/O nor on another driver. One thread drives at a
+        time (``_ring_lock``); a caller that finds the ring driven leaves a request (``_repump``) that the
+        driver serves before it lets go, so queued writes join the driver's next submission (fewer
+        ``io_uring_enter`` calls) and nobody waits for the ring."""
+        ring = self._wring
+        with self._lock:
+            self._repump = True
+        while self._ring_lock.acquire(blocking=False):
+            try:
+                while True:
+                    done = ring.reap()
+                    now = time.perf_counter()
+                    with self._lock:
+                        if not done and not self._repump:
+                            break
+                        self._repump = False
+                        for tag, res in done:
+                            self._complete(self._inflight.pop(tag), res, now)
+                        if done:
+                            self._idle.notify_all()
+                        started = 0
+                        while self._queue and ring.space() > 0:
+                            w = self._queue.popleft()
+                            w.started = now
+                            ring.prep_write(self._shards[w.slot.shard].fid, w.buf, w.slot.offset, w.tag)
+                            self._inflight[w.tag] = w
+                            started += 1
+                    if started:
+                        try:
+                            ring.submit()
+                        except SsdIoError as e:
+                            self._fail_all(e)
+            finally:
+                self._ring_lock.release()
+            with self._lock:  # a request that came in after the last check and before the release
+                if not self._repump:
+                    return
 
     def _writeback(self) -> None:
-        ring = self._wring
+        """The lane's thread: drives the ring whenever no submitter does (completions of the last writes,
+        wipes, shutdown). Waits on the ring's eventfd and its own wake-up eventfd (GIL released)."""
+        fds = [self._wake, self._wring.eventfd]
         while True:
+            self._pump()
             with self._lock:
-                while ring.space() > 0 and self._queue:
-                    w = self._queue.popleft()
-                    w.started = time.perf_counter()
-                    ring.prep_write(self._shards[w.slot.shard].fid, w.buf, w.slot.offset, w.tag)
-                    self._inflight[w.tag] = w
-                busy = bool(self._inflight)
-                stop = self._closed and not self._queue and not busy
-                # Idle: submit() must wake us. Busy: the next completion does, and picks up new work.
-                self._sleeping = not busy
-            if stop:
-                return
-            try:
-                if busy:
-                    done = ring.submit_and_wait()  # one syscall per batch while the lane is busy
-                else:
-                    select.select([self._wake], [], [], 0.5)
-                    try:
-                        os.eventfd_read(self._wake)
-                    except BlockingIOError:
-                        pass
-                    continue
-            except SsdIoError as e:
-                self._fail_all(e)
-                continue
-            if done:
-                now = time.perf_counter()
-                with self._lock:
-                    for tag, res in done:
-                        self._complete(self._inflight.pop(tag), res, now)
-                    self._idle.notify_all()
+                if self._closed and not self._queue and not self._inflight:
+                    return
+                busy = bool(self._queue or self._inflight)
+            # Busy: a completion signals the eventfd; the timeout only bounds a missed wake-up.
+            select.select(fds, [], [], 0.05 if busy else 0.5)
+            for fd in fds:
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
 
     def _fail_all(self, e: SsdIoError) -> None:
         """The ring itself failed to submit: every queued write fails (nothing was published)."""
@@ -626,8 +663,7 @@ class SsdTier:
                 while pos < len(todo) and ring.space() > 0:
                     i = todo[pos]
                     s = slots[i]
-                    with self._lock:
-                        bufs[i] = self._staging(s.length)
+                    bufs[i] = self._staging(s.length)
                     started[i] = time.perf_counter()
                     ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
                     pos += 1
@@ -651,8 +687,7 @@ class SsdTier:
                             del data
                         except SegmentError:
                             verdicts[i] = "corrupt"
-                    with self._lock:
-                        self._recycle(buf)
+                    self._recycle(buf)
         finally:
             # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
             # reads in flight, and their completions must not reach the ring's next user.

@@ -30,6 +30,7 @@ import select
 import struct
 import subprocess
 import sys
+import time
 from typing import Protocol
 
 from ...errors import OrbitKVError
@@ -142,8 +143,9 @@ class SysRing(EventfdRing):
         self._cq = mmap.mmap(self.fd, cqes + cq_entries * 16, flags=flags, prot=prot, offset=_OFF_CQ_RING)
         self._sqes = mmap.mmap(self.fd, sq_entries * 64, flags=flags, prot=prot, offset=_OFF_SQES)
         self._sq_mask, self._cq_mask, self._cqes = _U32.unpack_from(self._sq, sq_mask)[0], _U32.unpack_from(self._cq, cq_mask)[0], cqes
-        self._sq_array = sq_array
         self._entries = sq_entries
+        # SQE i always sits in slot i of the indirection array: filled once, never per submission.
+        struct.pack_into(f"<{sq_entries}I", self._sq, sq_array, *range(sq_entries))
         self._tail = _U32.unpack_from(self._sq, self._sq_tail)[0]
         self._unsubmitted = 0
         self._inflight = 0
@@ -159,16 +161,17 @@ class SysRing(EventfdRing):
         if self.space() <= 0:
             raise SsdIoError("submission queue full")
         addr, pin = buffer_address(buf)
-        idx = self._tail & self._sq_mask
-        _SQE.pack_into(self._sqes, idx * 64, op, 0, 0, self._files[fid], offset, addr, len(buf), 0, tag,
-                       0, 0, 0, 0, 0)
-        _U32.pack_into(self._sq, self._sq_array + idx * 4, idx)
+        _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * 64, op, 0, 0, self._files[fid], offset, addr,
+                       len(buf), 0, tag, 0, 0, 0, 0, 0)
         self._tail = (self._tail + 1) & 0xFFFFFFFF
-        # The tail is published last: the kernel must never see a tail covering a half-written SQE
-        # (x86-64 keeps these plain stores in order; each pack_into is an opaque C call).
-        _U32.pack_into(self._sq, self._sq_tail, self._tail)
         self._pins[tag] = pin
         self._unsubmitted += 1
+
+    def _publish(self) -> None:
+        # The tail is published once per batch, right before io_uring_enter (without SQPOLL the kernel
+        # reads it only there), after every SQE of the batch is written: the kernel must never see a tail
+        # covering a half-written SQE (x86-64 keeps these plain stores in order; pack_into is a C call).
+        _U32.pack_into(self._sq, self._sq_tail, self._tail)
 
     def prep_write(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
         self._prep(_OP_WRITE, fid, buf, offset, tag)
@@ -177,12 +180,15 @@ class SysRing(EventfdRing):
         self._prep(_OP_READ, fid, buf, offset, tag)
 
     def submit(self) -> None:
+        self._publish()
         while self._unsubmitted:
             n = _libc.syscall(_SYS_ENTER, self.fd, self._unsubmitted, 0, 0, None, 0)
             if n < 0:
                 e = ctypes.get_errno()
                 if e in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
-                    self.wait(0.001)
+                    # Transient: retry shortly. Completions are not reaped here (they would be lost to
+                    # the caller); the ring never has more in flight than its completion queue holds.
+                    time.sleep(0.0005)
                     continue
                 raise SsdIoError(f"io_uring_enter: {os.strerror(e)}")
             self._unsubmitted -= n
@@ -195,6 +201,7 @@ class SysRing(EventfdRing):
             return out
         # One io_uring_enter submits and blocks for a completion: a single GIL release per wait, which
         # matters for demand-read latency next to busy Python threads.
+        self._publish()
         while True:
             n = _libc.syscall(_SYS_ENTER, self.fd, self._unsubmitted, 1, _ENTER_GETEVENTS, None, 0)
             if n >= 0:
