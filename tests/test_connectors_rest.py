@@ -59,8 +59,10 @@ def test_register_over_rest_then_save_and_restore_over_the_data_plane(manager, l
     assert n == 32
     assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                for a, b in zip(restored.layers, cache.layers))
+    engine_id = store.engine_id
     store.close()
-    assert store.engine_id not in {e["engine_id"] for e in _engines(manager)}  # DELETE /v1/engines/{id}
+    assert engine_id is not None and store.engine_id is None
+    assert engine_id not in {e["engine_id"] for e in _engines(manager)}  # DELETE /v1/engines/{id}
     client.close()
 
 

@@ -128,3 +128,43 @@ def test_an_unreachable_manager_is_a_miss(manager) -> None:
     assert backend.batch_exists(["a"]) == 0
     assert backend.get_stats()["failures"] == 1
     backend.close()
+
+
+def test_a_restarted_manager_gets_the_staging_file_registered_again(tmp_path) -> None:
+    """The Manager process restarts under a running SGLang server: its engines are gone. The backend
+    registers its staging file again on the next call instead of missing until SGLang restarts."""
+    import time
+
+    from orbitkv_fs.dataplane import DataPlaneServer
+
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    m1 = Manager(ManagerConfig(pool_size=16 << 20, device="cpu"))
+    srv1 = DataPlaneServer(m1, endpoint, workers=2)
+    pool = _pool("page_first")
+    backend = _backend(endpoint, pool, cooldown_s=0.2, timeout_s=2)
+    m2 = srv2 = None
+    try:
+        first = backend._session.engine_id
+        assert backend.batch_set_v1(["a"], _indices([0])) == [True]
+        srv1.close()
+        m1.close()
+        m2 = Manager(ManagerConfig(pool_size=16 << 20, device="cpu"))
+        srv2 = DataPlaneServer(m2, endpoint, workers=2)
+        keys = ["b", "c"]
+        ok = backend.batch_set_v1(keys, _indices([1, 2]))
+        if ok != [True, True]:  # the old connection broke with the old process: a miss, then the cool-down
+            assert backend._guard.stats.failures == 1
+            time.sleep(0.3)
+            ok = backend.batch_set_v1(keys, _indices([1, 2]))
+        assert ok == [True, True] and backend._session.reregistrations == 1
+        assert [e.engine_id for e in m2.list_engines()] == [backend._session.engine_id] != [first]
+        assert backend.batch_exists(keys) == 2 and backend.batch_exists(["a"]) == 0  # "a" died with m1
+        before = _flat_page(pool, 2 * T).clone()
+        assert backend.batch_get_v1(["c"], _indices([9])) == [True]
+        assert torch.equal(_flat_page(pool, 9 * T), before)
+    finally:
+        backend.close()
+        if srv2 is not None:
+            srv2.close()
+        if m2 is not None:
+            m2.close()

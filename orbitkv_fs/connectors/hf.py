@@ -34,6 +34,7 @@ from .common import (
     RestRegistrar,
     StagingPages,
     packed_registration,
+    ping_probe,
     prefix_chunk_keys,
 )
 
@@ -99,19 +100,23 @@ class HFPrefixStore:
             reg = packed_registration(layers, model=model, block_size=block_size, engine_kind="transformers",
                                       codec=codec, engine_id=engine_id, model_revision=model_revision)
         self.slots = slots
-        self.guard = ManagerGuard()
+        self.guard = ManagerGuard(probe=ping_probe(getattr(client, "endpoint", None) or client))
         self.engine_info = None
-        engine_id = None
-        if reg is not None and http is None:
-            self.engine_info = self.guard.call("register", lambda: client.register(reg), None)
-            engine_id = self.engine_info.engine_id if self.engine_info is not None else None
-            self._unregister = client.unregister
-        elif reg is not None:
-            rest = RestRegistrar(http)
-            engine_id = self.guard.call("register", lambda: rest.register(reg), None)
-            self._unregister = rest.unregister
-        self.engine_id = engine_id
-        self.session = EngineSession(client, engine_id, guard=self.guard) if engine_id is not None else None
+        self.session: EngineSession | None = None
+        if reg is not None:
+            if http is None:
+                def register() -> str:
+                    self.engine_info = client.register(reg)
+                    return self.engine_info.engine_id
+                self._unregister = client.unregister
+            else:
+                rest = RestRegistrar(http)
+                register = lambda: rest.register(reg)  # noqa: E731
+                self._unregister = rest.unregister
+            engine_id = self.guard.call("register", register, None)
+            if engine_id is not None:
+                # A restarted Manager forgets the engine: the next call registers the same pages again.
+                self.session = EngineSession(client, engine_id, guard=self.guard, reregister=register)
         self.client = client
 
     @classmethod
@@ -221,10 +226,15 @@ class HFPrefixStore:
             cache.update(k.to(self._compute_dtype).contiguous(), v.to(self._compute_dtype).contiguous(), layer)
         return cache, got * self.block_size
 
+    @property
+    def engine_id(self) -> str | None:
+        """The Manager's id of this store's engine (it changes when a restarted Manager registers it again)."""
+        return self.session.engine_id if self.session is not None else None
+
     def close(self) -> None:
-        if self.session is not None:
-            self.guard.call("unregister", lambda: self._unregister(self.engine_id), None)
-            self.session = None
+        session, self.session = self.session, None
+        if session is not None:
+            self.guard.call("unregister", lambda: self._unregister(session.engine_id), None)
         self._k = self._v = []
         self._gpu = None
         if self.staging is not None:

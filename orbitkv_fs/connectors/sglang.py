@@ -24,7 +24,8 @@ zero-copy path SGLang selects with ``"interface_v1": 1``) and the generic ``get`
 ``batch_set`` with flat data pages.
 
 Invariants: importing this module never imports sglang or torch when they are absent; a failed or
-unreachable Manager makes a page a miss (``False``/``None``), never an exception into SGLang's threads;
+unreachable Manager makes a page a miss (``False``/``None``), never an exception into SGLang's threads,
+and a Manager that restarted gets the staging file registered again on the next call;
 ``batch_get_v1`` reports success only for the leading run of restored pages; saves and loads each use
 their own half of the staging file, so SGLang's backup and prefetch threads never share a slot.
 """
@@ -36,7 +37,15 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from .common import EngineSession, ManagerGuard, RestRegistrar, StagingPages, connect_client, engine_hash_keys
+from .common import (
+    EngineSession,
+    ManagerGuard,
+    RestRegistrar,
+    StagingPages,
+    connect_client,
+    engine_hash_keys,
+    ping_probe,
+)
 
 try:  # SGLang is optional: without it the class still imports (and is checked against the wheel's source).
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -90,7 +99,8 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._codec = extra.get(EXTRA_PREFIX + "codec")
         self._http = extra.get(EXTRA_PREFIX + "http")
         self._slots = int(extra.get(EXTRA_PREFIX + "staging_pages", 32))
-        self._guard = ManagerGuard(cooldown_s=float(extra.get(EXTRA_PREFIX + "cooldown_s", 5.0)))
+        self._guard = ManagerGuard(cooldown_s=float(extra.get(EXTRA_PREFIX + "cooldown_s", 5.0)),
+                                   probe=ping_probe(self._address))
         self._timeout_s = float(extra.get(EXTRA_PREFIX + "timeout_s", 30.0))
         model = getattr(storage_config, "model_name", None) or "model"
         self._model = str(model)
@@ -130,16 +140,18 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
         if self._client is None:
             return
+        client = self._client
         if self._http:
             rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
-            engine_id = self._guard.call("register", lambda: rest.register(reg), None)
+            register = lambda: rest.register(reg)  # noqa: E731
             self._unregister = rest.unregister
         else:
-            info = self._guard.call("register", lambda: self._client.register(reg), None)
-            engine_id = info.engine_id if info is not None else None
-            self._unregister = self._client.unregister
+            register = lambda: client.register(reg).engine_id  # noqa: E731
+            self._unregister = client.unregister
+        engine_id = self._guard.call("register", register, None)
         if engine_id is not None:
-            self._session = EngineSession(self._client, engine_id, guard=self._guard)
+            # A restarted Manager forgets the engine; the staging file is still there to register again.
+            self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
 
     # -- page copies --------------------------------------------------------------------------------
 
