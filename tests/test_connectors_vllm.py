@@ -574,3 +574,15 @@ def test_a_restarted_manager_gets_the_worker_registered_again(tmp_path) -> None:
         if m2 is not None:
             m2.close()
         kv.close()
+
+
+def test_a_waiting_request_s_keys_are_derived_once(env) -> None:
+    """vLLM asks again on every step a request waits for memory; its prompt's keys do not change."""
+    r = Req("w", list(range(7000, 7000 + 4096)))
+    env.sched.get_num_new_matched_tokens(r, 0)
+    keys = env.sched._planner.keys("w")
+    assert keys == prefix_chunk_keys(r.prompt_token_ids, BS, salt=b"org/m@")
+    env.sched.get_num_new_matched_tokens(r, 0)
+    assert env.sched._planner.keys("w") is keys
+    env.sched.request_finished(r, [])
+    assert env.sched._planner.keys("w") is None

@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
+
 from ..errors import OrbitKVError
 from ..keys import chunk_key
 
@@ -80,14 +82,20 @@ def prefix_chunk_keys(
     _check_block_size(block_size)
     n_full = len(token_ids) // block_size
     prev = parent if parent is not None else chunk_key(KEY_SCHEME_VERSION + b"\0" + salt)
+    # One vectorised packing of the whole prompt: a scheduler derives the keys of every waiting prompt on
+    # every step it cannot schedule it, and long prompts are tens of thousands of tokens.
+    try:
+        ids = np.asarray(token_ids[: n_full * block_size], dtype=np.int64)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise KeyDerivationError(f"token ids are not integers in 0..2**32-1: {e}") from None
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFFFFFF):
+        b = int(np.argmax((ids < 0) | (ids > 0xFFFFFFFF))) // block_size
+        raise KeyDerivationError(f"token id outside 0..2**32-1 in block {b}")
+    packed = ids.astype("<u4").tobytes()
+    step = block_size * _TOKEN.size
     keys: list[bytes] = []
     for b in range(n_full):
-        block = token_ids[b * block_size : (b + 1) * block_size]
-        try:
-            packed = b"".join(_TOKEN.pack(int(t)) for t in block)
-        except struct.error as e:
-            raise KeyDerivationError(f"token id outside 0..2**32-1 in block {b}: {e}") from None
-        prev = chunk_key(prev + packed)
+        prev = chunk_key(prev + packed[b * step : (b + 1) * step])
         keys.append(prev)
     return keys
 
@@ -582,10 +590,11 @@ class PrefixPlanner:
 
     def matched(self, request_id: str, keys: Sequence[bytes], n_prompt: int, n_computed: int, hit_blocks: int) -> int:
         """Record a lookup; return the tokens the engine may load beyond its ``n_computed``."""
+        keys = keys if isinstance(keys, list) else list(keys)
         st = self._reqs.get(request_id)
         if st is None:
-            st = self._reqs[request_id] = _RequestState(list(keys), n_prompt)
-        st.keys, st.n_prompt, st.n_computed_local = list(keys), n_prompt, n_computed
+            st = self._reqs[request_id] = _RequestState(keys, n_prompt)
+        st.keys, st.n_prompt, st.n_computed_local = keys, n_prompt, n_computed
         return self.math.new_matched_tokens(n_prompt, hit_blocks, n_computed)
 
     def allocated(self, request_id: str, block_ids: Sequence[int], n_external: int) -> None:
@@ -624,6 +633,12 @@ class PrefixPlanner:
 
     def finished(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
+
+    def keys(self, request_id: str) -> list[bytes] | None:
+        """The keys recorded by :meth:`matched` (None before): a prompt's keys never change, and a
+        scheduler asks again on every step a request waits."""
+        st = self._reqs.get(request_id)
+        return st.keys if st is not None else None
 
     def known(self, request_id: str) -> bool:
         return request_id in self._reqs

@@ -234,6 +234,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return self._stage_sessions
 
     def _keys_for(self, request: "Request") -> list[bytes]:
+        known = self._planner.keys(request.request_id)
+        if known is not None:
+            return known
         if self._key_source == "block_hashes":
             return engine_hash_keys(request.block_hashes, salt=self._salt)
         return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size, salt=self._salt)
