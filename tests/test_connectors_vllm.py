@@ -586,3 +586,19 @@ def test_a_waiting_request_s_keys_are_derived_once(env) -> None:
     assert env.sched._planner.keys("w") is keys
     env.sched.request_finished(r, [])
     assert env.sched._planner.keys("w") is None
+
+
+def test_without_pipeline_stages_unnumbered_layers_are_numbered_in_order(manager, tmp_path) -> None:
+    """One stage needs no global numbering: names without one index (an encoder-decoder's two attentions
+    per layer) are registered in the model's order."""
+    kv = VllmPages(range(2), str(tmp_path))
+    worker = OrbitKVConnector(_config(), "worker", None)
+    worker._client = connect(manager)
+    names = ["model.layers.0.self_attn.attn", "model.layers.0.cross_attn.attn"]
+    try:
+        worker.register_kv_caches(dict(zip(names, kv.kv.values())))
+        assert worker._layer_of == {names[0]: 0, names[1]: 1}
+        assert manager.get_engine(worker._session.engine_id).layer_end == 2
+    finally:
+        worker.shutdown()
+        kv.close()

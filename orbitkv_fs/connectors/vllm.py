@@ -283,10 +283,10 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
         self._kv_caches = dict(kv_caches)
         layers = [layer_index(name) for name in kv_caches]
-        if any(i is None for i in layers):
+        if None in layers or sorted(layers) != list(range(min(layers), max(layers) + 1)):  # type: ignore[type-var,arg-type]
             if self._pp_size > 1:
-                log.warning("OrbitKV-FS disabled for this worker: layer names %s carry no layer index, needed to "
-                            "number a pipeline stage's layers", [n for n, i in zip(kv_caches, layers) if i is None])
+                log.warning("OrbitKV-FS disabled for this worker: layer names %s do not number one contiguous "
+                            "pipeline stage", list(kv_caches))
                 return
             layers = list(range(len(kv_caches)))  # one stage: the model's order is the layer order
         self._layer_of = dict(zip(kv_caches, layers))  # type: ignore[arg-type]
