@@ -52,6 +52,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import threading
@@ -173,6 +174,11 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     device: str = "auto"
     #: Segments encoded per codec batch.
     batch_segments: int = 64
+    #: Speculative SSD prefetch (``--ssd-prefetch-chunks``, ``--ssd-prefetch-bytes``): after a lookup or
+    #: restore hits SSD-resident chunks of a prefix, up to this many following chunks of the prefix (and
+    #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.
+    ssd_prefetch_chunks: int = 2
+    ssd_prefetch_bytes: int = 32 << 20
 
 
 # ---------------------------------------------------------------------------------------------- requests / results
@@ -345,6 +351,12 @@ class ManagerStats(msgspec.Struct, frozen=True):
     gpu_batches: dict[str, int] = {}
     gpu_segments: dict[str, int] = {}
     gpu_cpu_fallbacks: dict[str, int] = {}
+    #: Speculative SSD prefetch: segments (and their bytes) read ahead into DRAM, prefetched objects later
+    #: served (hits), and prefetched objects that left DRAM without being served (wasted).
+    prefetch_segments: int = 0
+    prefetch_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_wasted: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -470,6 +482,25 @@ def _verify(kb: bytes, blob) -> SegmentHeader:
     return h
 
 
+def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
+    """Header validation of a segment whose payload CRC a tier just checked (prefetched from the SSD tier,
+    which verifies every record's CRCs): header CRC and fields, the key's layer/role, the length. Raises
+    SegmentError. Spares a second CRC pass over the payload."""
+    h = parse_header(blob)
+    key = ObjectKey.unpack(kb)
+    if h.layer != key.layer or h.role != key.role:
+        raise UnknownFormat(f"segment is layer {h.layer}/{h.role.name}, the key says {key.layer}/{key.role.name}")
+    if len(blob) != HEADER_SIZE + h.stored_length:
+        raise SegmentError(f"segment of {len(blob)} bytes, its header says {HEADER_SIZE + h.stored_length}")
+    return h
+
+
+#: Segments a lookup reads from the lower tier in one batch (all in flight together).
+_PROMOTE_WINDOW = 256
+#: Chunks whose successors the prefetch remembers (about 100 bytes each).
+_PREFIX_MEMORY = 1 << 16
+
+
 class Manager:
     """One per host (remote mode) or per engine process (embedded mode). Thread-safe."""
 
@@ -483,6 +514,8 @@ class Manager:
             get_codec("ans")  # CodecUnavailable here rather than at the first save
         if config.device not in ("auto", "cpu"):
             raise ValueError(f"device {config.device!r}: expected auto or cpu")
+        if config.ssd_prefetch_chunks < 0 or config.ssd_prefetch_bytes < 0:
+            raise ValueError("ssd_prefetch_chunks and ssd_prefetch_bytes must be >= 0")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -510,6 +543,11 @@ class Manager:
         self._durations = {name: [0] * (len(DURATION_BUCKETS_S) + 1) for name in _DURATIONS.values()}
         self._inflight = 0
         self._closed = False
+        # Prefix memory for prefetch: namespace + chunk -> the chunks that followed it in a save or
+        # lookup (up to ssd_prefetch_chunks of them), least recently recorded first.
+        self._succ: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
+        self._succ_lock = threading.Lock()
+        self._inval_epoch = 0  # bumped by invalidate(): a prefetch that raced one is not kept
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
@@ -688,17 +726,12 @@ class Manager:
             if lease:
                 pin.chunks.extend(ns_chunks[:n_dram])
             n_lower = 0
-            if self.lower is not None:
-                for c, nc in zip(chunks[n_dram:], ns_chunks[n_dram:]):
-                    if lease:
-                        self.dram.pin_chunks((nc,))
-                        pin.chunks.append(nc)
-                    if not self._promote(eng, c):
-                        if lease:
-                            self.dram.unpin_chunks((pin.chunks.pop(),))
-                        break
-                    n_lower += 1
+            if self.lower is not None and n_dram < len(chunks):
+                n_lower = self._promote_run(eng, chunks[n_dram:], pin if lease else None)
             count = n_dram + n_lower
+            self._remember_prefix(eng, chunks)
+            if n_lower:
+                self._readahead(eng, chunks[count - 1], set(chunks))
             n_peer = 0
             if count < len(chunks) and self.peers is not None:
                 layers = [(s.layer, int(s.role)) for s in eng.segs]
@@ -717,17 +750,119 @@ class Manager:
         finally:
             self._exit(eng)
 
-    def _promote(self, eng: _Engine, chunk: bytes) -> bool:
-        """Bring a chunk's missing segments up from the lower tier; True when the chunk is then complete."""
-        keys = [_pack(eng.ns, chunk, s.layer, s.role) for s in eng.segs]
-        missing = [k for k in keys if not self.dram.contains(k)]
-        if not all(self.lower.contains(ObjectKey.unpack(k)) for k in missing):
-            return False
-        for k in missing:
-            blob = self._read_lower(k)
-            if blob is None or self._admit(k, blob) is None and not self.dram.contains(k):
-                return False
-        return True
+    def _promote_run(self, eng: _Engine, chunks: Sequence[bytes], pin: _Lease | None) -> int:
+        """How many leading ``chunks`` the lower tier can complete: every segment DRAM lacks is held by the
+        lower tier and reads back valid. Those segments are readmitted to DRAM where they fit; the rest a
+        restore serves from the lower tier's bytes again, so a chunk counts whether or not DRAM could take
+        it back (an arena full of leased or pinned objects). With ``pin`` the counted chunks are pinned
+        (recorded in it). A segment the lower tier claimed but could not deliver (corrupt, I/O error) is a
+        miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together."""
+        nseg = len(eng.segs)
+        counted = 0
+        pos = 0
+        while pos < len(chunks):
+            window: list[tuple[bytes, list[bytes]]] = []  # (chunk, its keys DRAM lacks)
+            size = 0
+            for c in chunks[pos:]:
+                missing = [kb for kb in (_pack(eng.ns, c, s.layer, s.role) for s in eng.segs)
+                           if not self.dram.contains(kb)]
+                if not all(self.lower.contains(ObjectKey.unpack(kb)) for kb in missing):
+                    break
+                window.append((c, missing))
+                size += len(missing)
+                if size >= _PROMOTE_WINDOW:
+                    break
+            if not window:
+                break
+            if pin is not None:
+                # Pinned before the reads land, so the admissions below cannot evict each other.
+                ncs = [eng.ns + c for c, _ in window]
+                self.dram.pin_chunks(ncs)
+                pin.chunks.extend(ncs)
+            flat = [kb for _, m in window for kb in m]
+            got: dict[bytes, bytes] = {}
+            for kb, blob in zip(flat, self.lower.read_many([ObjectKey.unpack(kb) for kb in flat])):
+                blob = self._checked_lower(kb, blob)
+                if blob is not None:
+                    got[kb] = blob
+            if len(got) < len(flat):
+                self._add(misses=len(flat) - len(got))
+            good = 0
+            for _, m in window:
+                if any(kb not in got for kb in m):
+                    break
+                good += 1
+            for _, m in window[:good]:
+                for kb in m:
+                    self._admit(kb, got[kb])
+            del got
+            if pin is not None and good < len(window):
+                bad = [eng.ns + c for c, _ in window[good:]]
+                self.dram.unpin_chunks(bad)
+                del pin.chunks[len(pin.chunks) - len(bad):]
+            counted += good
+            pos += good
+            if good < len(window) or nseg == 0:
+                break
+        return counted
+
+    def _remember_prefix(self, eng: _Engine, chunks: Sequence[bytes]) -> None:
+        """Record which chunks follow which in a prefix (the order a save or lookup names them), for
+        :meth:`_readahead`. Bounded: the oldest entries go past :data:`_PREFIX_MEMORY`."""
+        n = self._config.ssd_prefetch_chunks
+        if not n or len(chunks) < 2 or getattr(self.lower, "prefetch", None) is None:
+            return
+        with self._succ_lock:
+            for i in range(len(chunks) - 1):
+                k = eng.ns + chunks[i]
+                self._succ[k] = tuple(chunks[i + 1:i + 1 + n])
+                self._succ.move_to_end(k)
+            while len(self._succ) > _PREFIX_MEMORY:
+                self._succ.popitem(last=False)
+
+    def _readahead(self, eng: _Engine, after: bytes, exclude: set[bytes]) -> None:
+        """Speculative prefetch: the chunks that followed ``after`` in its prefix (up to
+        ``ssd_prefetch_chunks``, not in ``exclude``: the request asked for those itself), their segments
+        DRAM lacks, read on the lower tier's background lane (at most ``ssd_prefetch_bytes``) and admitted
+        to DRAM as they land."""
+        prefetch = getattr(self.lower, "prefetch", None)
+        if prefetch is None or not self._config.ssd_prefetch_chunks:
+            return
+        with self._succ_lock:
+            nxt = self._succ.get(eng.ns + after, ())
+        keys = [ObjectKey(eng.ns, c, s.layer, s.role) for c in nxt if c not in exclude for s in eng.segs
+                if not self.dram.contains(_pack(eng.ns, c, s.layer, s.role))]
+        if not keys:
+            return
+        epoch = self._inval_epoch
+        try:
+            prefetch(keys, lambda key, blob: self._prefetched(key, blob, epoch),
+                     max_bytes=self._config.ssd_prefetch_bytes)
+        except Exception as e:  # speculation must never fail the request that triggered it
+            log.warning("SSD prefetch request failed: %s", e)
+
+    def _prefetched(self, key: ObjectKey, blob: bytes, epoch: int) -> None:
+        """A prefetched segment landed (on the lower tier's lane thread; the tier validated every CRC):
+        admit it to DRAM as a prefetched object, unless an invalidation ran since it was requested."""
+        kb = key.pack()
+        if self._inval_epoch != epoch or self._closed:
+            return
+        try:
+            h = _verify_header(kb, blob)
+        except SegmentError as e:
+            log.warning("lower tier prefetched a bad segment for %s: %s", key, e)
+            self._add(decode_failures=1)
+            return
+        off = self.dram.reserve(len(blob))
+        if off is None:
+            return
+        self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+        if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), prefetched=True) is None:
+            return
+        if self._inval_epoch != epoch:  # the invalidation may have swept DRAM before this publish
+            self.dram.invalidate(lambda k: k == kb)
+            return
+        self._add(prefetch_segments=1, prefetch_bytes=len(blob))
 
     def _read_lower(self, kb: bytes) -> bytes | None:
         return self._checked_lower(kb, self.lower.read(ObjectKey.unpack(kb)))
@@ -765,6 +900,7 @@ class Manager:
         eng = self._enter(engine_id)
         try:
             self._check_chunks(eng, chunks)
+            self._remember_prefix(eng, [ch.key for ch in chunks])
             nseg = len(eng.segs)
             todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
             present = 0
@@ -902,7 +1038,11 @@ class Manager:
             self._check_chunks(eng, chunks)
             keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in eng.segs] for ch in chunks]
             reasons: dict[bytes, str] = {}
-            sources = self._acquire([k for ks in keys for k in ks], held, reasons)
+            pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
+            tally = {"lower": 0}
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally)
+            if chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
+                self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: verify every source and check it against its destination; write nothing yet.
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
@@ -986,10 +1126,11 @@ class Manager:
                     self._drop_lease(lease)
             self._exit(eng)
 
-    def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str]) -> dict[bytes, "memoryview | bytes"]:
+    def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
+                 tally: dict[str, int] | None = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
-        ``reasons`` says why."""
+        ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served."""
         out: dict[bytes, memoryview | bytes] = {}
         found = self.dram.lease(kbs)
         missing = []
@@ -1011,6 +1152,8 @@ class Manager:
                     continue
                 self._admit(kb, blob)
                 out[kb] = blob
+                if tally is not None:
+                    tally["lower"] += 1
             missing = still
         fetch_into = getattr(self.peers, "fetch_into", None)
         if missing and fetch_into is not None:
@@ -1187,6 +1330,8 @@ class Manager:
                 namespace = eng.ns
         if namespace is not None and len(namespace) != 16:
             raise RequestError("a namespace is 16 bytes")
+        with self._stat_lock:
+            self._inval_epoch += 1  # before DRAM is swept: see _prefetched()
         lower = TierCounts()
         if keys is not None:
             if chunks is not None:
@@ -1221,6 +1366,7 @@ class Manager:
             objects = len(dram.index)
             logical = dram.resident_logical
             evictions, evicted, demoted = dram.evictions, dram.evicted_bytes, dram.demoted
+            pf_hits, pf_wasted = dram.prefetch_hits, dram.prefetch_wasted
             reserved = dram.reserved_bytes
             leases = dram.leases_active + dram.pins_active
             leased = dram.leased_bytes
@@ -1259,7 +1405,9 @@ class Manager:
                 gpu_workspace_bytes=int(gpu.get("save_workspace_bytes", 0) + gpu.get("restore_workspace_bytes", 0)),
                 gpu_workspace_grows=int(gpu.get("save_workspace_grows", 0) + gpu.get("restore_workspace_grows", 0)),
                 gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),
-                gpu_cpu_fallbacks=per_worker("cpu_fallbacks"))
+                gpu_cpu_fallbacks=per_worker("cpu_fallbacks"),
+                prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
+                prefetch_hits=pf_hits, prefetch_wasted=pf_wasted)
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1440,7 +1588,7 @@ _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seco
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
-             "dropped_segments")
+             "dropped_segments", "prefetch_segments", "prefetch_bytes")
 
 
 class _SaveAcc:

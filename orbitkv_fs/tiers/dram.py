@@ -177,6 +177,11 @@ class DramTier:
         self.demoted = 0
         self.resident_bytes: dict[int, int] = {}  # representation -> stored bytes (unit-rounded)
         self.resident_logical = 0
+        # Objects a speculative prefetch published that nobody has been served yet: the first lease or
+        # read of one counts a prefetch hit, its removal before that a wasted prefetch.
+        self.prefetched: set[int] = set()
+        self.prefetch_hits = 0
+        self.prefetch_wasted = 0
 
     @property
     def capacity(self) -> int:
@@ -211,9 +216,11 @@ class DramTier:
             self.reserved_bytes -= n * UNIT
             self.alloc.free(offset // UNIT, n)
 
-    def publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
+    def publish(self, key: bytes, offset: int, length: int, logical: int, rep: int, *,
+                prefetched: bool = False) -> tuple[int, int] | None:
         """Make the reserved extent at ``offset`` the object ``key``; ``(slot, generation)``. When ``key``
-        is already present the reservation is freed and None returned."""
+        is already present the reservation is freed and None returned. ``prefetched``: published by a
+        speculative prefetch (counted as a hit when first served, as wasted when dropped unserved)."""
         n = units_of(length)
         with self.lock:
             self.reserved_bytes -= n * UNIT
@@ -224,12 +231,21 @@ class DramTier:
             self.policy.insert(slot, n * UNIT, hash(key))
             self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
             self.resident_logical += logical
+            if prefetched:
+                self.prefetched.add(slot)
             return slot, gen
 
     # -- leases --------------------------------------------------------------------------------------
 
+    def _served(self, slot: int) -> None:
+        if slot in self.prefetched:
+            self.prefetched.discard(slot)
+            self.prefetch_hits += 1
+
     def _lease_slot(self, slot: int) -> None:
         ix = self.index
+        if self.prefetched:
+            self._served(slot)
         ix.leases[slot] += 1
         self.leases_active += 1
         self.leased_bytes += ix.units[slot] * UNIT
@@ -312,6 +328,9 @@ class DramTier:
     def _drop(self, slot: int) -> None:
         """Unpublish ``slot``; free its extent now, or when its last lease goes."""
         ix = self.index
+        if slot in self.prefetched:
+            self.prefetched.discard(slot)
+            self.prefetch_wasted += 1
         self.policy.remove(slot)
         ix.hide(slot)
         n = ix.units[slot] * UNIT
@@ -377,7 +396,10 @@ class DramTier:
         """A copy of ``key``'s bytes (unverified), or None."""
         with self.lock:
             slot = self.index.get(key)
-            return None if slot is None else self._copy_out(slot)
+            if slot is None:
+                return None
+            self._served(slot)
+            return self._copy_out(slot)
 
     def listing(self) -> list[tuple[bytes, int, int, int, int]]:
         """``(packed key, rep, logical, stored length, generation)`` of every object, sorted by key."""

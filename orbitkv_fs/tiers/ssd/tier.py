@@ -10,6 +10,8 @@ Primitives (the Manager's :class:`~orbitkv_fs.manager.LowerTier` seam, plus a fe
 * :meth:`SsdTier.read` / :meth:`SsdTier.read_many` -- demand reads under a lease, validated (record header
   CRC, key, generation, segment header and payload CRC32C). A key submitted but not yet committed is
   served from the bytes :meth:`SsdTier.submit` was handed (see invariant 7).
+* :meth:`SsdTier.prefetch` -- speculative reads on a background lane (own ring and thread), validated
+  like demand reads and handed to the caller's sink; bounded in depth and bytes.
 * :meth:`SsdTier.contains`, :meth:`SsdTier.invalidate`, :meth:`SsdTier.flush`, :meth:`SsdTier.iter_objects`,
   :meth:`SsdTier.iter_records`, :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
   (flat mapping), :meth:`SsdTier.close`.
@@ -34,6 +36,9 @@ Invariants:
    answer for the key from the submitted (immutable) segment bytes, kept in a pending map beside the
    index; the index itself still only holds completed writes. The pending entry goes when that write
    completes (committed, cancelled or failed), when a newer submit replaces it, or on invalidation.
+8. The prefetch lane never delays demand reads: it starts no read while a demand read is in progress
+   (reads it already started finish; at most ``prefetch_queue_depth``). A prefetched record is validated
+   like a demand read; a corrupt one is invalidated and never reaches the sink.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import bisect
 import collections
 import enum
 import errno
+import logging
 import mmap
 import os
 import re
@@ -61,6 +67,8 @@ from .uring import IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
 
 if TYPE_CHECKING:
     from ...manager import TierCounts
+
+log = logging.getLogger(__name__)
 
 #: Writes can only be in flight within this many generations of the newest (the lane's depth is capped
 #: below it), which is what tells a torn record from a corrupt one at recovery.
@@ -85,6 +93,10 @@ class SsdConfig:
     #: Bytes staged for writeback (queued + in flight); submits beyond it drop.
     max_pending_bytes: int = 256 << 20
     recover: bool = False
+    #: Speculative prefetch lane (:meth:`SsdTier.prefetch`): reads in flight, and record bytes queued or
+    #: in flight (requests beyond it are dropped, counted); 0 bytes turns the lane off.
+    prefetch_queue_depth: int = 4
+    prefetch_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -101,6 +113,10 @@ class SsdConfig:
             raise SsdConfigError("--ssd-cache-capacity leaves less than 1 MiB per shard")
         if self.max_pending_bytes < MAX_RECORD:
             raise SsdConfigError(f"max_pending_bytes must hold at least one record ({MAX_RECORD} bytes)")
+        if not 1 <= self.prefetch_queue_depth <= MAX_QUEUE_DEPTH:
+            raise SsdConfigError(f"prefetch_queue_depth must be 1..{MAX_QUEUE_DEPTH}")
+        if self.prefetch_max_bytes < 0:
+            raise SsdConfigError("prefetch_max_bytes must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -129,6 +145,11 @@ class SsdStats:
     read_bytes_total: int
     read_errors_total: int
     read_pending_hits_total: int  # reads served from submitted segments whose write had not completed
+    prefetch_requested_total: int  # keys queued on the prefetch lane
+    prefetch_read_total: int  # records the lane read and validated, handed to the caller's sink
+    prefetch_read_bytes_total: int  # their segment bytes
+    prefetch_dropped_total: int  # requests over the lane's byte bound, or gone before their read started
+    prefetch_errors_total: int  # I/O errors on the lane (corrupt records count in corrupt_records_total)
     corrupt_records_total: int
     invalidated_total: int
     wipes_total: int
@@ -276,6 +297,14 @@ class SsdTier:
         self._repump = False  # a _pump() call found the ring driven: the driver goes round once more
         self._generation = 1
         self._closed = False
+        # Prefetch lane: (key, record bytes, sink) queued; its thread starts with the first request.
+        self._pf_queue: collections.deque[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None]]] = \
+            collections.deque()
+        self._pf_keys: set[ObjectKey] = set()  # queued or in flight
+        self._pf_bytes = 0
+        self._pf_cond = threading.Condition(self._lock)
+        self._pf_thread: threading.Thread | None = None
+        self._demand = 0  # demand reads in progress: the prefetch lane starts nothing meanwhile
         per_shard = config.capacity // len(config.paths) // BLOCK * BLOCK
         self._shards: list[_Shard] = []
         try:
@@ -630,6 +659,7 @@ class SsdTier:
         with self._lock:
             if self._closed:
                 return [None] * len(keys)
+            self._demand += 1
             slots = []
             staged: dict[int, bytes] = {}  # submitted, write not completed: served from memory
             for i, k in enumerate(keys):
@@ -700,6 +730,9 @@ class SsdTier:
                 elif ring is not None:
                     self._read_rings.append(ring)
                 self._c["read_total"] += len(keys)
+                self._demand -= 1
+                if not self._demand:
+                    self._pf_cond.notify_all()
                 for i, s in enumerate(slots):
                     if s is None:
                         continue
@@ -717,6 +750,116 @@ class SsdTier:
                     if s.wipe and not s.leases:
                         self._queue_wipe(s)
         return out
+
+    # -------------------------------------------------------------------------------------- prefetch
+
+    def prefetch(self, keys: Sequence[ObjectKey], sink: Callable[[ObjectKey, bytes], None], *,
+                 max_bytes: int | None = None) -> int:
+        """Queue speculative reads of ``keys`` on the background lane; answer how many were queued.
+
+        Each record that validates (the demand-read checks) is handed to ``sink(key, segment)`` on the
+        lane's thread; an absent key is skipped, a corrupt record is invalidated and dropped like a demand
+        miss, an I/O error drops the key. Never waits for I/O, and never delays demand reads: the lane
+        starts no read while a demand read is in progress. Keys already queued, not published yet (their
+        bytes are still in memory), or over ``max_bytes`` of records for this call or the lane's
+        ``prefetch_max_bytes`` (counted as dropped) are skipped."""
+        limit = self.config.prefetch_max_bytes
+        budget = limit if max_bytes is None else min(max_bytes, limit)
+        n = 0
+        with self._lock:
+            if self._closed or limit <= 0:
+                return 0
+            for k in keys:
+                s = self._index.get(k)
+                if s is None or k in self._pf_keys:
+                    continue
+                if s.length > budget or self._pf_bytes + s.length > limit:
+                    self._c["prefetch_dropped_total"] += 1
+                    continue
+                budget -= s.length
+                self._pf_keys.add(k)
+                self._pf_bytes += s.length
+                self._pf_queue.append((k, s.length, sink))
+                n += 1
+            if n:
+                self._c["prefetch_requested_total"] += n
+                if self._pf_thread is None:
+                    self._pf_thread = threading.Thread(target=self._prefetch_lane, name="orbitkv-ssd-prefetch",
+                                                       daemon=True)
+                    self._pf_thread.start()
+                self._pf_cond.notify_all()
+        return n
+
+    def _prefetch_lane(self) -> None:
+        """The lane's thread: its own ring (prefetch_queue_depth), reads started only while no demand read
+        is in progress, validated like demand reads, results to each request's sink."""
+        ring = self._io.ring(self.config.prefetch_queue_depth)
+        inflight: dict[int, tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], _Slot, memoryview]] = {}
+        tag = 0
+        try:
+            while True:
+                batch: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], _Slot]] = []
+                with self._lock:
+                    while not inflight and not self._closed and (not self._pf_queue or self._demand):
+                        self._pf_cond.wait(0.5)
+                    if self._closed:  # queued requests go; reads in flight are waited for below
+                        for k, length, _ in self._pf_queue:
+                            self._pf_keys.discard(k)
+                            self._pf_bytes -= length
+                        self._pf_queue.clear()
+                        if not inflight:
+                            return
+                    while not self._demand and self._pf_queue and ring.space() > len(batch):
+                        k, length, sink = self._pf_queue.popleft()
+                        s = self._index.get(k)
+                        if s is None:  # evicted, invalidated or replaced since it was queued
+                            self._pf_keys.discard(k)
+                            self._pf_bytes -= length
+                            self._c["prefetch_dropped_total"] += 1
+                            continue
+                        s.leases += 1
+                        batch.append((k, length, sink, s))
+                for k, length, sink, s in batch:
+                    tag += 1
+                    buf = self._staging(s.length)
+                    ring.prep_read(self._shards[s.shard].fid, buf, s.offset, tag)
+                    inflight[tag] = (k, length, sink, s, buf)
+                if batch:
+                    ring.submit()
+                for t, res in ring.wait(0.05) if inflight else ():
+                    k, length, sink, s, buf = inflight.pop(t)
+                    seg = None
+                    verdict = ""
+                    if res != s.length:
+                        verdict = _reason(res, "short_read")
+                    else:
+                        try:
+                            seg = bytes(verify_record(buf, k.pack(), s.generation, s.stored))
+                        except SegmentError:
+                            verdict = "corrupt"
+                    self._recycle(buf)
+                    with self._lock:
+                        s.leases -= 1
+                        self._pf_keys.discard(k)
+                        self._pf_bytes -= length
+                        if seg is not None:
+                            self._c["prefetch_read_total"] += 1
+                            self._c["prefetch_read_bytes_total"] += s.stored
+                        elif verdict == "corrupt":
+                            self._c["corrupt_records_total"] += 1
+                            self._kill(s)
+                        else:
+                            self._c["prefetch_errors_total"] += 1
+                            self._errnos[verdict] += 1
+                        if s.wipe and not s.leases:
+                            self._queue_wipe(s)
+                    if seg is not None:
+                        try:
+                            sink(k, seg)
+                        except Exception:  # the consumer's failure must not stop the lane
+                            log.exception("SSD prefetch sink failed for %s", k)
+        finally:
+            ring.close()
 
     # -------------------------------------------------------------------------------------- admin
 
@@ -780,7 +923,9 @@ class SsdTier:
                     "write_submitted_total", "write_completed_total", "write_bytes_total", "write_errors_total",
                     "write_dropped_total", "write_skipped_blocked_total", "write_cancelled_total",
                     "evicted_total", "evicted_bytes_total", "read_total", "read_hits_total", "read_bytes_total",
-                    "read_errors_total", "read_pending_hits_total", "corrupt_records_total", "invalidated_total", "wipes_total",
+                    "read_errors_total", "read_pending_hits_total", "prefetch_requested_total",
+                    "prefetch_read_total", "prefetch_read_bytes_total", "prefetch_dropped_total",
+                    "prefetch_errors_total", "corrupt_records_total", "invalidated_total", "wipes_total",
                     "recovered_records", "recovered_torn_total", "recovered_corrupt_total")},
                 read_latency_p50_seconds=_percentile(self._read_lat, 0.5),
                 read_latency_p99_seconds=_percentile(self._read_lat, 0.99),
@@ -806,8 +951,12 @@ class SsdTier:
             if self._closed:
                 return
             self._closed = True
+            self._pf_cond.notify_all()
+            lane = self._pf_thread
         os.eventfd_write(self._wake, 1)
         self._writer.join()
+        if lane is not None:
+            lane.join()
         self._wring.close()
         for r in self._read_rings:
             r.close()
