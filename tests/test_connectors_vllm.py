@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from orbitkv_fs.client import EmbeddedClient, connect  # noqa: E402
-from orbitkv_fs.connectors.common import PrefixPlanner, layer_index, prefix_chunk_keys  # noqa: E402
+from orbitkv_fs.connectors.common import PrefixPlanner, Transfer, layer_index, prefix_chunk_keys  # noqa: E402
 from orbitkv_fs.connectors.vllm import OrbitKVConnector, OrbitKVConnectorMetadata  # noqa: E402
 from orbitkv_fs.dataplane import DataPlaneServer  # noqa: E402
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig  # noqa: E402
@@ -601,4 +601,33 @@ def test_without_pipeline_stages_unnumbered_layers_are_numbered_in_order(manager
         assert manager.get_engine(worker._session.engine_id).layer_end == 2
     finally:
         worker.shutdown()
+        kv.close()
+
+
+def test_a_worker_started_before_its_manager_registers_once_the_manager_is_up(tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    kv = VllmPages(range(2), str(tmp_path))
+    worker = OrbitKVConnector(_config(manager=endpoint, timeout_s=2, cooldown_s=0.2), "worker", None)
+    m = srv = None
+    try:
+        t0 = time.monotonic()
+        worker.register_kv_caches(kv.kv)
+        assert time.monotonic() - t0 < 4  # the connect timeout, not a call timeout per attempt
+        assert worker._session is None and worker._registration is not None
+        m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu", shm_dir=str(tmp_path)))
+        srv = DataPlaneServer(m, endpoint, workers=2)
+        time.sleep(0.3)  # the cool-down after the failed start
+        keys = prefix_chunk_keys(list(range(8000, 8033)), BS, salt=b"org/m@")
+        kv.fill(1, 9.0)
+        worker.bind_connector_metadata(OrbitKVConnectorMetadata(saves=[Transfer("r", keys[:1], [[1]])]))
+        worker.wait_for_save()
+        assert worker._session is not None
+        assert [e.engine_id for e in m.list_engines()] == [worker._session.engine_id]
+        assert m.lookup(worker._session.engine_id, keys[:1], lease=False).count == 1
+    finally:
+        worker.shutdown()
+        if srv is not None:
+            srv.close()
+        if m is not None:
+            m.close()
         kv.close()

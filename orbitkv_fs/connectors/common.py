@@ -333,23 +333,24 @@ class RestRegistrar:
 # ------------------------------------------------------------------------------------- Manager session
 
 
-def connect_client(target: object, *, timeout_s: float = 30.0) -> object:
+def connect_client(target: object, *, timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> object:
     """A client of the Manager ``target``: an endpoint string (``tcp://...``, ``ipc://...``) or an
-    in-process :class:`~orbitkv_fs.manager.Manager`. A remote Manager is pinged first, and every call
-    waits at most ``timeout_s``: an engine must not stall for long on a Manager that went away."""
+    in-process :class:`~orbitkv_fs.manager.Manager`. A remote Manager is pinged first, waiting at most
+    ``connect_timeout_s`` (an engine starting while its Manager is down must not wait a call timeout), and
+    every call then waits at most ``timeout_s``: an engine must not stall for long on a Manager that went
+    away."""
     if not isinstance(target, str):
         from ..client import connect
 
         return connect(target)  # type: ignore[arg-type]
     from ..dataplane import RemoteClient
 
-    client = RemoteClient(target, timeout=timeout_s)
+    probe = RemoteClient(target, timeout=min(timeout_s, connect_timeout_s))
     try:
-        client.ping()
-    except BaseException:
-        client.close()
-        raise
-    return client
+        probe.ping()
+    finally:
+        probe.close()
+    return RemoteClient(target, timeout=timeout_s)
 
 
 def ping_probe(target: object, *, timeout_s: float = 1.0) -> Callable[[], object] | None:
@@ -358,7 +359,17 @@ def ping_probe(target: object, *, timeout_s: float = 1.0) -> Callable[[], object
     None for an in-process Manager, which cannot go away on its own."""
     if not isinstance(target, str):
         return None
-    return lambda: connect_client(target, timeout_s=timeout_s).close()  # type: ignore[attr-defined]
+
+    def ping() -> None:
+        from ..dataplane import RemoteClient
+
+        client = RemoteClient(target, timeout=timeout_s)
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+    return ping
 
 
 def supports_layer_restore(client: object) -> bool:

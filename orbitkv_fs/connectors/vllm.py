@@ -183,6 +183,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._layer_of: dict[str, int] = {}
         self._loader: LayerLoader | None = None
         self._load_job: LayerLoadJob | None = None
+        self._registration: Any = None
         self._unregister: Any = None
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         # Block ids are per KV cache group; a flat block list fits one group only (vLLM disables its hybrid
@@ -297,10 +298,27 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             model=self._model_name, model_revision=self._revision, block_size=self._block_size, engine_kind="vllm",
             engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
             pp_size=self._pp_size, codec=self._codec)
-        client = self._get_client()
-        if client is None or reg is None:
-            log.warning("OrbitKV-FS disabled for this worker (no Manager at %s or unsupported layout)", self._address)
+        if reg is None:
+            log.warning("OrbitKV-FS disabled for this worker: its KV caches are not in a layout or memory the "
+                        "Manager can import")
             return
+        self._registration = reg
+        if self._async_load:
+            self._loader = LayerLoader(f"orbitkv-load-tp{self._tp_rank}-pp{self._pp_rank}")
+        if self._worker_session() is None:
+            log.warning("OrbitKV-FS: registering %s with the Manager at %s failed (%s); retrying on later steps. "
+                        "An engine id still registered by a crashed worker is freed with DELETE /v1/engines/{id}",
+                        self._worker_engine_id, self._address, self._guard.stats.last_error)
+
+    def _worker_session(self) -> EngineSession | None:
+        """This worker's registered session; registers first when that has not succeeded yet (a Manager
+        started after vLLM, or down at start), at most once per guard cool-down."""
+        if self._session is not None or self._registration is None:
+            return self._session
+        client = self._get_client()
+        if client is None:
+            return None
+        reg = self._registration
         if self._http:
             rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
             register = lambda: rest.register(reg)  # noqa: E731
@@ -309,14 +327,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             register = lambda: client.register(reg).engine_id  # noqa: E731
             self._unregister = client.unregister
         engine_id = self._guard.call("register", register, None)
-        if engine_id is None:
-            log.warning("OrbitKV-FS disabled for this worker: registering %s failed (%s); an engine id still "
-                        "registered by a crashed worker is freed with DELETE /v1/engines/{id}",
-                        self._worker_engine_id, self._guard.stats.last_error)
-            return
-        self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
-        if self._async_load:
-            self._loader = LayerLoader(f"orbitkv-load-tp{self._tp_rank}-pp{self._pp_rank}")
+        if engine_id is not None:
+            self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
+        return self._session
 
     def _load_groups(self) -> list[list[int] | None]:
         """Layer groups in forward order: one per layer when the Manager restores single layers, else one
@@ -330,8 +343,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if not isinstance(meta, OrbitKVConnectorMetadata) or not meta.loads:
             return
         self._finish_load()  # a step's loads never overlap the next step's
-        job = LayerLoadJob(self._session, meta.loads, self._load_groups())
-        if self._loader is None or self._session is None:
+        session = self._worker_session()
+        job = LayerLoadJob(session, meta.loads, self._load_groups())
+        if self._loader is None or session is None:
             job.run()
         else:
             self._loader.start(job)
@@ -356,11 +370,14 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def wait_for_save(self):
         self._finish_load()
         meta = self._connector_metadata
-        if not isinstance(meta, OrbitKVConnectorMetadata) or not meta.saves or self._session is None:
+        if not isinstance(meta, OrbitKVConnectorMetadata) or not meta.saves:
+            return
+        session = self._worker_session()
+        if session is None:
             return
         _sync_device()
         for t in meta.saves:
-            self._session.save(t.keys, t.blocks)
+            session.save(t.keys, t.blocks)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
