@@ -168,3 +168,27 @@ def test_a_restarted_manager_gets_the_staging_file_registered_again(tmp_path) ->
             srv2.close()
         if m2 is not None:
             m2.close()
+
+
+def test_a_backend_started_before_its_manager_registers_once_the_manager_is_up(tmp_path) -> None:
+    import time
+
+    from orbitkv_fs.dataplane import DataPlaneServer
+
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    pool = _pool("layer_first")
+    backend = _backend(endpoint, pool, cooldown_s=0.2, timeout_s=2)
+    m = srv = None
+    try:
+        assert backend._session is None and backend.batch_set_v1(["a"], _indices([0])) == [False]
+        m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu"))
+        srv = DataPlaneServer(m, endpoint, workers=2)
+        time.sleep(0.3)
+        assert backend.batch_set_v1(["a"], _indices([0])) == [True]
+        assert len(m.list_engines()) == 1 and backend.batch_exists(["a"]) == 1
+    finally:
+        backend.close()
+        if srv is not None:
+            srv.close()
+        if m is not None:
+            m.close()

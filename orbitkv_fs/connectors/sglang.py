@@ -24,8 +24,9 @@ zero-copy path SGLang selects with ``"interface_v1": 1``) and the generic ``get`
 ``batch_set`` with flat data pages.
 
 Invariants: importing this module never imports sglang or torch when they are absent; a failed or
-unreachable Manager makes a page a miss (``False``/``None``), never an exception into SGLang's threads,
-and a Manager that restarted gets the staging file registered again on the next call;
+unreachable Manager makes a page a miss (``False``/``None``), never an exception into SGLang's threads;
+a backend that could not register at start (Manager not up yet) registers on a later call, and a Manager
+that restarted gets the staging file registered again on the next call;
 ``batch_get_v1`` reports success only for the leading run of restored pages; saves and loads each use
 their own half of the staging file, so SGLang's backup and prefetch threads never share a slot.
 """
@@ -109,7 +110,9 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         self._client: Any = None
         self._session: EngineSession | None = None
         self._staging: StagingPages | None = None
+        self._registration: Any = None
         self._set_lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._get_lock = threading.Lock()
         self.mem_pool_host: Any = None
 
@@ -133,14 +136,30 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
         self._k = [_as_torch(self._staging.key(i), pool.dtype) for i in range(pool.layer_num)]
         self._v = [_as_torch(self._staging.value(i), pool.dtype) for i in range(pool.layer_num)]
-        reg = self._staging.registration(
+        self._registration = self._staging.registration(
             model=self._model, engine_kind="sglang", codec=self._codec, tp_rank=self._config.tp_rank,
             tp_size=self._config.tp_size, pp_rank=self._config.pp_rank, pp_size=self._config.pp_size)
-        self._client = self._guard.call(
-            "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
+        if self._ensure_session() is None:
+            log.warning("OrbitKV-FS: registering with the Manager at %s failed (%s); retrying on later calls",
+                        self._address, self._guard.stats.last_error)
+
+    def _ensure_session(self) -> EngineSession | None:
+        """The registered session; registers first when that has not succeeded yet (a Manager started after
+        SGLang, or down at start), at most once per guard cool-down."""
+        if self._session is not None or self._registration is None:
+            return self._session
+        with self._register_lock:  # SGLang's backup and prefetch threads: one registration, not two
+            if self._session is None:
+                self._register()
+        return self._session
+
+    def _register(self) -> None:
         if self._client is None:
-            return
-        client = self._client
+            self._client = self._guard.call(
+                "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
+            if self._client is None:
+                return
+        client, reg = self._client, self._registration
         if self._http:
             rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
             register = lambda: rest.register(reg)  # noqa: E731
@@ -175,7 +194,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return engine_hash_keys(keys, salt=self._salt)
 
     def _save(self, keys: List[str], pages: list["torch.Tensor"]) -> List[bool]:
-        if self._session is None or not keys:
+        if self._ensure_session() is None or not keys:
             return [False] * len(keys)
         out: list[bool] = []
         with self._set_lock:
@@ -187,7 +206,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return out
 
     def _load(self, keys: List[str], pages: list["torch.Tensor"]) -> List[bool]:
-        if self._session is None or not keys:
+        if self._ensure_session() is None or not keys:
             return [False] * len(keys)
         out: list[bool] = []
         base = self._slots  # loads use the second half of the staging file
@@ -206,7 +225,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     # -- interface v1 (host indices) ----------------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info: Optional["HiCacheStorageExtraInfo"] = None) -> int:
-        if self._session is None:
+        if self._ensure_session() is None:
             return 0
         return self._session.lookup(self._keys(keys))
 
@@ -214,14 +233,14 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                      extra_info: Optional["HiCacheStorageExtraInfo"] = None) -> List[bool]:
         t = self.mem_pool_host.page_size if self.mem_pool_host is not None else 1
         pages = [page_view(self.mem_pool_host, int(host_indices[i * t])) for i in range(len(keys))] \
-            if self._session is not None else []
+            if self._ensure_session() is not None else []
         return self._load(keys, pages)
 
     def batch_set_v1(self, keys: List[str], host_indices: "torch.Tensor",
                      extra_info: Optional["HiCacheStorageExtraInfo"] = None) -> List[bool]:
         t = self.mem_pool_host.page_size if self.mem_pool_host is not None else 1
         pages = [page_view(self.mem_pool_host, int(host_indices[i * t])) for i in range(len(keys))] \
-            if self._session is not None else []
+            if self._ensure_session() is not None else []
         return self._save(keys, pages)
 
     # -- generic interface (flat data pages) --------------------------------------------------------
@@ -232,7 +251,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None):
-        if self._session is None or target_locations is None:
+        if self._ensure_session() is None or target_locations is None:
             return [None] * len(keys)
         pages = [flat_page_view(self.mem_pool_host, t) for t in target_locations]
         ok = self._load(keys, pages)
@@ -244,7 +263,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        if self._session is None or values is None:
+        if self._ensure_session() is None or values is None:
             return False
         pages = [flat_page_view(self.mem_pool_host, v) for v in values]
         return all(self._save(keys, pages))
@@ -265,7 +284,7 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             if self._session is not None:
                 self._guard.call("unregister", lambda: self._unregister(self._session.engine_id), None)
             self._guard.call("close", self._client.close, None)
-        self._session = self._client = None
+        self._session = self._client = self._registration = None
         if self._staging is not None:
             self._k = self._v = []
             self._staging.close()
