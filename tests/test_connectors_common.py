@@ -16,7 +16,6 @@ from orbitkv_fs.connectors.common import (
     KeyDerivationError,
     ManagerGuard,
     engine_hash_keys,
-    failed_blocks,
     leading_run,
     prefix_chunk_keys,
 )
@@ -104,14 +103,34 @@ def test_new_matched_tokens_is_block_aligned_and_leaves_one_token(bs, n_prompt, 
         assert (computed + n) // bs <= hit
 
 
-def test_leading_run_and_failed_blocks() -> None:
+def test_leading_run() -> None:
     assert leading_run([]) == 0 and leading_run([True, True, False, True]) == 2
+
+
+def test_a_load_job_fails_every_block_from_a_transfer_s_first_miss() -> None:
+    """A prefix is usable only up to its first hole: the first missed chunk and all later ones of the same
+    transfer are failed, whichever layer group missed them; other transfers are unaffected."""
+    from orbitkv_fs.connectors.common import LayerLoadJob, Transfer
+
     keys = [bytes([i]) * 16 for i in range(4)]
-    assert failed_blocks(keys, [10, 11, 12, 13], []) == []
-    assert failed_blocks(keys, [10, 11, 12, 13], [keys[2]]) == [12, 13]
-    assert failed_blocks(keys, [10, 11, 12, 13], [keys[3], keys[1]]) == [11, 12, 13]
-    with pytest.raises(ValueError):
-        failed_blocks(keys, [1], [])
+
+    class Session:
+        def __init__(self) -> None:
+            self.asked: list[tuple[list[bytes], list[int] | None]] = []
+
+        def restore(self, ks, blocks, *, layers=None):
+            self.asked.append((list(ks), layers))
+            return {None: [], 0: [keys[3]], 1: [keys[1]]}[None if layers is None else layers[0]]
+
+    s = Session()
+    job = LayerLoadJob(s, [Transfer("a", keys, [[10], [11], [12], [13]]), Transfer("b", keys[:1], [[20, 21]])],
+                       [[0], [1]])
+    job.run()
+    assert job.wait() == {11, 12, 13}
+    assert s.asked == [(keys, [0]), (keys[:1], [0]), (keys[:3], [1]), (keys[:1], [1])]
+    unregistered = LayerLoadJob(None, [Transfer("a", keys[:2], [[1], [2]])], [None])
+    unregistered.run()
+    assert unregistered.wait() == {1, 2}  # no session: everything is a miss
 
 
 class _Clock:

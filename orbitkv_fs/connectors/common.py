@@ -13,8 +13,6 @@ Primitives:
 * :class:`BlockMath` -- full blocks of a token count, the loadable part of a hit (an engine must still
   compute at least one prompt token), slot ranges.
 * :func:`leading_run` -- length of the leading run of ``True`` in per-key answers.
-* :func:`failed_blocks` -- the engine block ids whose keys missed at restore, and everything after the
-  first one (a prefix cache is only valid up to its first hole).
 * :class:`ManagerGuard` -- turns Manager failures (typed errors, a dead socket, a timeout) into misses,
   counts them, and stops calling a failing Manager for a cool-down period (probed with a short ping,
   backing off while it stays down); :func:`ping_probe` builds that probe.
@@ -152,21 +150,6 @@ def leading_run(flags: Iterable[bool]) -> int:
             break
         n += 1
     return n
-
-
-def failed_blocks(keys: Sequence[bytes], block_ids: Sequence[int], missed: Iterable[bytes]) -> list[int]:
-    """Engine block ids to recompute after a restore of ``keys`` into ``block_ids`` missed ``missed``.
-
-    A prefix is usable only up to its first hole, so the first missed block and every later block of
-    the same request are reported, in order.
-    """
-    if len(keys) != len(block_ids):
-        raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
-    missed = set(missed)
-    for i, k in enumerate(keys):
-        if k in missed:
-            return list(block_ids[i:])
-    return []
 
 
 @dataclass
@@ -509,8 +492,7 @@ class LayerLoadJob:
                     else:
                         missed = self.session.restore(t.keys[:n], t.blocks[:n], layers=group)
                     miss = set(missed)
-                    if miss:
-                        cut[i] = next(j for j, k in enumerate(t.keys[:n]) if k in miss)
+                    cut[i] = next((j for j, k in enumerate(t.keys[:n]) if k in miss), n)
                 with self._cond:
                     self._done = gi + 1
                     self._cond.notify_all()

@@ -282,7 +282,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     # -- worker side --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
-        self._kv_caches = dict(kv_caches)
+        self._kv_caches = dict(kv_caches)  # the Manager maps this memory: hold it while registered
         layers = [layer_index(name) for name in kv_caches]
         if None in layers or sorted(layers) != list(range(min(layers), max(layers) + 1)):  # type: ignore[type-var,arg-type]
             if self._pp_size > 1:
