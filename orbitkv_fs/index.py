@@ -1,33 +1,73 @@
 """The DRAM object index: packed key -> slot, with per-slot columns and per-chunk presence counts.
 
-Sized for millions of segments (target: <= 256 bytes a segment): a slot is a row of ``array`` columns
-(extent, lengths, generation, lease count, representation, state) plus one dict entry keyed by the
-36-byte packed :class:`~orbitkv_fs.keys.ObjectKey`; the per-chunk count (namespace + chunk -> segments
-published) makes a lookup one dict probe per chunk instead of one per layer.
+Sized for millions of segments (target: <= 256 bytes a segment with the eviction policy, also at one
+segment per chunk). Objects are grouped by chunk: the packed :class:`~orbitkv_fs.keys.ObjectKey` is
+(namespace + chunk: 32 bytes, layer, role), and only the 32-byte prefix is a Python object, one per chunk,
+shared by two dicts:
+
+* ``chunks``: prefix -> segments published (a lookup is one dict probe per chunk, not one per layer);
+* ``_segs``: prefix -> the chunk's segments: the slot itself while the chunk has one segment, else an
+  ``array('i')`` ``[base, slot or -1, ...]`` indexed by ``sub - base``, where ``sub = layer * 3 + role``
+  (kept trimmed: its first and last entries are present). Chunks hold the consecutive layers of a pipeline
+  stage, so the array is dense; its worst case (two layers 65535 apart) is 768 KiB for that chunk.
+
+A slot is a row of ``array`` columns (extent, lengths, generation, lease count, representation, state,
+layer, role) plus a reference to its chunk's prefix; there is no per-segment key object or dict entry.
+:attr:`ObjectIndex.keys` rebuilds a slot's packed key on demand (eviction, listings).
 
 Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.hide`,
-:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`.
+:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
+:meth:`~ObjectIndex.items`.
 
-States: FREE (row unused) -> LIVE (published: in the dict, counted in its chunk) -> HIDDEN (evicted or
-invalidated while leased: out of the dict and the chunk count, extent still allocated) -> FREE (once no
-lease remains). Invariants: a LIVE or HIDDEN row owns its extent; generations are unique and never reused,
-so (slot, generation) names one publication. Not thread-safe: the DRAM tier serialises access.
+States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
+invalidated while leased: not findable nor counted, extent still allocated) -> FREE (once no lease remains).
+Invariants: a LIVE or HIDDEN row owns its extent; generations are unique and never reused, so (slot,
+generation) names one publication; ``chunks`` and ``_segs`` have the same keys, the same prefix objects, and
+``chunks[p]`` is the number of LIVE slots of chunk ``p``. Not thread-safe: the DRAM tier serialises access.
 """
 
 from __future__ import annotations
 
+import struct
 from array import array
 from typing import Iterator
 
 FREE, LIVE, HIDDEN = 0, 1, 2
 _KEY_NS_CHUNK = 32  # bytes of the packed key that name (namespace, chunk)
+_TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed key after the prefix
+_ROLES = 3  # Role.OPAQUE, KEY, VALUE: sub = layer * 3 + role is one-to-one
+
+
+def _sub_of(key: bytes) -> int:
+    """``layer * 3 + role`` of a packed key, or -1 when ``key`` is not one (length, role, padding)."""
+    if len(key) != 36 or key[35] or key[34] >= _ROLES:
+        return -1
+    return (key[32] | key[33] << 8) * _ROLES + key[34]
+
+
+class _Keys:
+    """``keys[slot]``: the packed key of a LIVE or HIDDEN slot, None for a FREE one."""
+
+    __slots__ = ("_ix",)
+
+    def __init__(self, ix: "ObjectIndex") -> None:
+        self._ix = ix
+
+    def __getitem__(self, slot: int) -> bytes | None:
+        ix = self._ix
+        prefix = ix._prefix[slot]
+        return None if prefix is None else prefix + _TAIL.pack(ix.layer[slot], ix.role[slot])
+
+    def __len__(self) -> int:
+        return len(self._ix._prefix)
 
 
 class ObjectIndex:
     def __init__(self) -> None:
-        self._map: dict[bytes, int] = {}
         self.chunks: dict[bytes, int] = {}
-        self.keys: list[bytes | None] = []
+        self._segs: dict[bytes, int | array] = {}
+        self._prefix: list[bytes | None] = []  # slot -> its chunk's prefix object (shared, not a copy)
+        self.keys = _Keys(self)
         self.offset = array("I")  # in allocation units
         self.units = array("I")
         self.length = array("I")  # stored segment bytes (header + payload)
@@ -36,36 +76,78 @@ class ObjectIndex:
         self.leases = array("I")
         self.rep = array("B")  # segment Format
         self.state = array("B")
+        self.layer = array("H")
+        self.role = array("B")
         self._free: array = array("i")
         self._next_gen = 1
+        self._live = 0
 
     def __len__(self) -> int:
-        return len(self._map)
+        return self._live
 
     def add(self, key: bytes, offset: int, units: int, length: int, logical: int, rep: int) -> tuple[int, int]:
         """Publish ``key`` (absent) at ``offset``; returns ``(slot, generation)``."""
+        sub = _sub_of(key)
+        if sub < 0:
+            raise ValueError(f"not a packed object key: {key!r}")
         if self._free:
             slot = self._free.pop()
         else:
-            slot = len(self.keys)
-            self.keys.append(None)
+            slot = len(self._prefix)
+            self._prefix.append(None)
             for col in (self.offset, self.units, self.length, self.logical, self.generation, self.leases):
                 col.append(0)
-            self.rep.append(0)
-            self.state.append(FREE)
+            for col in (self.rep, self.state, self.layer, self.role):
+                col.append(0)
+        prefix = key[:_KEY_NS_CHUNK]
+        have = self._segs.get(prefix)
+        if have is None:
+            self._segs[prefix] = slot
+            self.chunks[prefix] = 1
+        elif type(have) is int:
+            prefix = self._prefix[have]
+            other = self.layer[have] * _ROLES + self.role[have]
+            assert other != sub, "add of a present key"
+            base = min(other, sub)
+            segs = array("i", [-1]) * (abs(other - sub) + 2)
+            segs[0], segs[1 + other - base], segs[1 + sub - base] = base, have, slot
+            self._segs[prefix] = segs
+            self.chunks[prefix] = 2
+        else:
+            prefix = self._prefix[have[1]]
+            i = sub - have[0]
+            if i < 0:
+                have[1:1] = array("i", [-1]) * -i
+                have[0] = sub
+                i = 0
+            elif i + 1 >= len(have):
+                have.extend(array("i", [-1]) * (i + 2 - len(have)))
+            assert have[1 + i] < 0, "add of a present key"
+            have[1 + i] = slot
+            self.chunks[prefix] += 1
         gen = self._next_gen
         self._next_gen += 1
-        self.keys[slot] = key
+        self._prefix[slot] = prefix
         self.offset[slot], self.units[slot], self.length[slot] = offset, units, length
         self.logical[slot], self.generation[slot], self.leases[slot] = logical, gen, 0
         self.rep[slot], self.state[slot] = rep, LIVE
-        self._map[key] = slot
-        c = key[:_KEY_NS_CHUNK]
-        self.chunks[c] = self.chunks.get(c, 0) + 1
+        self.layer[slot], self.role[slot] = key[32] | key[33] << 8, key[34]
+        self._live += 1
         return slot, gen
 
     def get(self, key: bytes) -> int | None:
-        return self._map.get(key)
+        """Slot of the LIVE object ``key``, or None."""
+        have = self._segs.get(key[:_KEY_NS_CHUNK])
+        if have is None:
+            return None
+        sub = _sub_of(key)
+        if type(have) is int:
+            return have if sub == self.layer[have] * _ROLES + self.role[have] else None
+        i = sub - have[0] + 1
+        if sub < 0 or i < 1 or i >= len(have):
+            return None
+        slot = have[i]
+        return slot if slot >= 0 else None
 
     def chunk_count(self, ns_chunk: bytes) -> int:
         """Published segments of (namespace + chunk), 32 bytes."""
@@ -73,27 +155,51 @@ class ObjectIndex:
 
     def hide(self, slot: int) -> None:
         """LIVE -> HIDDEN: invisible to new readers, extent kept for the leases still on it."""
-        key = self.keys[slot]
-        assert key is not None and self.state[slot] == LIVE
-        del self._map[key]
-        c = key[:_KEY_NS_CHUNK]
-        n = self.chunks[c] - 1
-        if n:
-            self.chunks[c] = n
+        prefix = self._prefix[slot]
+        assert prefix is not None and self.state[slot] == LIVE
+        n = self.chunks[prefix] - 1
+        if not n:
+            del self.chunks[prefix], self._segs[prefix]
         else:
-            del self.chunks[c]
+            self.chunks[prefix] = n
+            segs = self._segs[prefix]
+            assert type(segs) is array
+            i = 1 + self.layer[slot] * _ROLES + self.role[slot] - segs[0]
+            segs[i] = -1
+            if n == 1:  # back to the one-slot form
+                self._segs[prefix] = next(s for s in segs[1:] if s >= 0)
+            elif i == 1:  # keep the first entry present: drop the leading holes
+                j = 2
+                while segs[j] < 0:
+                    j += 1
+                del segs[1:j]
+                segs[0] += j - 1
+            elif i == len(segs) - 1:  # and the last one
+                j = i - 1
+                while segs[j] < 0:
+                    j -= 1
+                del segs[j + 1:]
         self.state[slot] = HIDDEN
+        self._live -= 1
 
     def free(self, slot: int) -> None:
         """HIDDEN -> FREE (the caller frees the extent)."""
         assert self.state[slot] == HIDDEN and self.leases[slot] == 0
-        self.keys[slot] = None
+        self._prefix[slot] = None
         self.state[slot] = FREE
         self._free.append(slot)
 
     def slots(self) -> Iterator[int]:
-        """Slots of the LIVE objects (snapshot; safe to hide while iterating)."""
-        return iter(list(self._map.values()))
+        """Slots of the LIVE objects, chunk by chunk (snapshot; safe to hide while iterating)."""
+        out: list[int] = []
+        for have in self._segs.values():
+            if type(have) is int:
+                out.append(have)
+            else:
+                out.extend(s for s in have[1:] if s >= 0)
+        return iter(out)
 
     def items(self) -> Iterator[tuple[bytes, int]]:
-        return iter(list(self._map.items()))
+        """``(packed key, slot)`` of the LIVE objects (snapshot, like :meth:`slots`)."""
+        keys = self.keys
+        return iter([(keys[s], s) for s in self.slots()])  # type: ignore[misc]

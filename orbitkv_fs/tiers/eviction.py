@@ -1,4 +1,4 @@
-"""Eviction policies over index slots: LRU and S3-FIFO, byte-weighted, lease-aware.
+"""Eviction policies over index slots: LRU and S3-FIFO (byte-weighted queues), lease-aware.
 
 A policy orders slot ids (small ints owned by :class:`orbitkv_fs.index.ObjectIndex`) and, asked for a
 victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)``, ``touch(slot)``,
@@ -13,8 +13,9 @@ victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_has
 
 Invariants: every linked slot is in exactly one queue; ``victim`` never returns a slot for which
 ``pinned(slot)`` is true (a leased extent): pinned slots are rotated to the head instead, and after a full
-round of pinned slots ``victim`` answers None. The lists live in ``array`` columns (a few bytes a slot),
-not in per-object Python objects, to keep the index small.
+round of pinned slots ``victim`` answers None. The lists live in ``array`` columns, not in per-object
+Python objects, to keep the index small: 9 bytes a slot for LRU (links and queue), 14 for S3-FIFO (plus
+size and frequency); the ghost FIFO holds hashes of evicted keys only, at most max(main length, 1024).
 """
 
 from __future__ import annotations
@@ -27,28 +28,31 @@ _NIL = -1
 
 
 class _Lists:
-    """Doubly linked lists over slot ids in array columns; list ``q`` has head[q]/tail[q]."""
+    """Doubly linked lists over slot ids in array columns; list ``q`` has head[q]/tail[q]. ``weighted``
+    lists also keep each slot's byte size and a frequency counter (S3-FIFO); LRU needs neither."""
 
-    def __init__(self, queues: int) -> None:
+    def __init__(self, queues: int, *, weighted: bool) -> None:
         self.prev = array("i")
         self.next = array("i")
         self.queue = array("b")
         self.size = array("I")
         self.freq = array("B")
+        self.weighted = weighted
         self.head = [_NIL] * queues
         self.tail = [_NIL] * queues
         self.count = [0] * queues
         self.bytes = [0] * queues
 
     def _grow(self, slot: int) -> None:
-        n = slot + 1 - len(self.prev)
-        if n > 0:
-            n = max(n, len(self.prev) // 2, 64)
-            self.prev.extend([_NIL] * n)
-            self.next.extend([_NIL] * n)
-            self.queue.extend([-1] * n)
-            self.size.extend([0] * n)
-            self.freq.extend([0] * n)
+        # One row at a time: array's own over-allocation (1/16) amortises it, and the columns stay within
+        # a few percent of the slot count instead of growing by halves.
+        while len(self.prev) <= slot:
+            self.prev.append(_NIL)
+            self.next.append(_NIL)
+            self.queue.append(-1)
+            if self.weighted:
+                self.size.append(0)
+                self.freq.append(0)
 
     def push_head(self, q: int, slot: int, nbytes: int) -> None:
         self._grow(slot)
@@ -61,9 +65,10 @@ class _Lists:
             self.tail[q] = slot
         self.head[q] = slot
         self.queue[slot] = q
-        self.size[slot] = nbytes
         self.count[q] += 1
-        self.bytes[q] += nbytes
+        if self.weighted:
+            self.size[slot] = nbytes
+            self.bytes[q] += nbytes
 
     def unlink(self, slot: int) -> int:
         """Remove ``slot`` from its list; returns the list it was in (-1 when unlinked)."""
@@ -83,7 +88,8 @@ class _Lists:
             self.tail[q] = p
         self.queue[slot] = -1
         self.count[q] -= 1
-        self.bytes[q] -= self.size[slot]
+        if self.weighted:
+            self.bytes[q] -= self.size[slot]
         return q
 
 
@@ -91,7 +97,7 @@ class LruPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        self._l = _Lists(1)
+        self._l = _Lists(1, weighted=False)
 
     def insert(self, slot: int, nbytes: int, key_hash: int) -> None:  # noqa: ARG002
         self._l.push_head(0, slot, nbytes)
@@ -99,7 +105,7 @@ class LruPolicy:
     def touch(self, slot: int) -> None:
         l = self._l
         if l.unlink(slot) == 0:
-            l.push_head(0, slot, l.size[slot])
+            l.push_head(0, slot, 0)
 
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)
@@ -129,7 +135,7 @@ class S3FifoPolicy:
     MAX_FREQ = 3
 
     def __init__(self) -> None:
-        self._l = _Lists(2)
+        self._l = _Lists(2, weighted=True)
         self._ghost: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, slot: int, nbytes: int, key_hash: int) -> None:

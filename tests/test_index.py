@@ -1,0 +1,125 @@
+"""ObjectIndex against a plain dict model: random add / hide / free over a few chunks, layers and roles,
+checking get, chunk counts, keys, items and the compact per-chunk forms after every step; malformed keys;
+and its memory per segment (the benchmark's target, at a smaller count)."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from orbitkv_fs.index import FREE, HIDDEN, LIVE, ObjectIndex
+from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.segment import Role
+from orbitkv_fs.tiers.eviction import make_policy
+
+NS = bytes(range(16))
+
+
+def key(chunk: int, layer: int, role: Role) -> bytes:
+    return ObjectKey(NS, chunk_key(chunk), layer, role).pack()
+
+
+def check(ix: ObjectIndex, live: dict[bytes, int], hidden: set[int]) -> None:
+    assert len(ix) == len(live)
+    for k, s in live.items():
+        assert ix.get(k) == s and ix.keys[s] == k and ix.state[s] == LIVE
+    for s in hidden:
+        assert ix.state[s] == HIDDEN and ix.get(ix.keys[s]) != s  # the key may be live again elsewhere
+    counts: dict[bytes, int] = {}
+    for k in live:
+        counts[k[:32]] = counts.get(k[:32], 0) + 1
+    assert ix.chunks == counts
+    assert sorted(ix.items()) == sorted(live.items())
+    assert sorted(ix.slots()) == sorted(live.values())
+    for p, c in counts.items():
+        assert ix.chunk_count(p) == c
+        segs = ix._segs[p]
+        if c == 1:
+            assert isinstance(segs, int)
+        else:  # trimmed: both ends present
+            assert segs[1] >= 0 and segs[-1] >= 0 and sum(s >= 0 for s in segs[1:]) == c
+    # One prefix object per chunk, shared by both dicts and every slot of the chunk.
+    objs = {id(p) for p in ix.chunks}
+    assert objs == {id(p) for p in ix._segs}
+    assert all(id(ix._prefix[s]) in objs for s in live.values())
+
+
+def test_random_against_a_model():
+    rnd = random.Random(7)
+    ix = ObjectIndex()
+    live: dict[bytes, int] = {}
+    hidden: set[int] = set()
+    gens: set[int] = set()
+    universe = [key(c, layer, r) for c in range(5) for layer in (0, 1, 2, 7, 40) for r in Role]
+    for step in range(3000):
+        op = rnd.random()
+        if op < 0.5:
+            k = rnd.choice(universe)
+            if k in live:
+                continue
+            slot, gen = ix.add(k, step, 1, 100, 200, 1)
+            assert gen not in gens and slot not in live.values() and slot not in hidden
+            gens.add(gen)
+            live[k] = slot
+        elif op < 0.85 and live:
+            k = rnd.choice(sorted(live))
+            s = live.pop(k)
+            ix.hide(s)
+            hidden.add(s)
+        elif hidden:
+            s = rnd.choice(sorted(hidden))
+            hidden.remove(s)
+            ix.free(s)
+            assert ix.state[s] == FREE and ix.keys[s] is None
+        if step % 50 == 0:
+            check(ix, live, hidden)
+    check(ix, live, hidden)
+    for s in list(live.values()):
+        ix.hide(s)
+    assert len(ix) == 0 and ix.chunks == {} and ix._segs == {}
+
+
+def test_prepend_and_holes_in_a_chunk():
+    ix = ObjectIndex()
+    a = ix.add(key(1, 10, Role.VALUE), 0, 1, 1, 1, 0)[0]
+    b = ix.add(key(1, 3, Role.KEY), 0, 1, 1, 1, 0)[0]  # below the base: the array grows at the front
+    c = ix.add(key(1, 20, Role.OPAQUE), 0, 1, 1, 1, 0)[0]
+    assert [ix.get(key(1, L, r)) for L, r in ((10, Role.VALUE), (3, Role.KEY), (20, Role.OPAQUE))] == [a, b, c]
+    assert ix.get(key(1, 10, Role.KEY)) is None and ix.get(key(1, 2, Role.KEY)) is None
+    assert ix.get(key(1, 21, Role.KEY)) is None and ix.get(key(2, 10, Role.VALUE)) is None
+    ix.hide(b)
+    assert ix._segs[key(1, 10, Role.VALUE)[:32]][0] == 10 * 3 + 2
+    ix.hide(c)
+    assert ix._segs[key(1, 0, Role.KEY)[:32]] == a and ix.get(key(1, 10, Role.VALUE)) == a
+
+
+@pytest.mark.parametrize("bad", [b"", bytes(35), bytes(37), bytes(35) + b"\x01", bytes(34) + b"\x03\x00"])
+def test_malformed_keys_miss_and_are_refused(bad):
+    ix = ObjectIndex()
+    ix.add(bytes(36), 0, 1, 1, 1, 0)
+    assert ix.get(bad) is None
+    with pytest.raises(ValueError):
+        ix.add(bad, 0, 1, 1, 1, 0)
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 60])
+def test_memory_per_segment_with_each_policy(per_chunk):
+    n = 60_000
+    layers = per_chunk // 2 or 1
+    tails = [ObjectKey(NS, bytes(16), s % layers, Role.KEY if s < layers else Role.VALUE).pack()[32:]
+             for s in range(per_chunk)]
+    for policy in ("lru", "s3fifo"):
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        ix = ObjectIndex()
+        pol = make_policy(policy)
+        for i in range(n):
+            kb = NS + (i // per_chunk).to_bytes(16, "little") + tails[i % per_chunk]
+            slot, _ = ix.add(kb, i, 2, 1000, 2000, 0)
+            pol.insert(slot, 1024, hash(kb))
+        used = (tracemalloc.get_traced_memory()[0] - base) / n
+        tracemalloc.stop()
+        assert used <= 256, f"{used:.0f} bytes a segment with {policy}"
+        del ix, pol
