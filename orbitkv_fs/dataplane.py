@@ -67,6 +67,7 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:9092"
 MAX_MESSAGE = 64 << 20  # bytes of one message; a save of 10^6 chunks of a few blocks fits
 MAX_FRAMES = 16  # frames of one message: a REQ sends 2, a DEALER client its own envelope
 MAX_CONNECTIONS = 1024
+_RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
 
 
 class Register(msgspec.Struct, tag="register", array_like=True):
@@ -472,7 +473,6 @@ class RemoteClient(Client):
         return OrbitKVError(f"no answer from the data plane at {self.endpoint} within {self._timeout:g}s{why}")
 
     def _connect(self, deadline: float) -> _Conn:
-        pause = 0.002
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
             try:
@@ -485,10 +485,9 @@ class RemoteClient(Client):
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                if time.monotonic() + pause > deadline:
+                if time.monotonic() + _RECONNECT_S > deadline:
                     raise self._no_answer(" (nothing listens there)") from None
-                time.sleep(pause)  # not up yet: wait for it, as a ZeroMQ socket would
-                pause = min(2 * pause, 0.1)
+                time.sleep(_RECONNECT_S)  # not up yet: wait for it, as a ZeroMQ socket would
             except (OSError, EOFError, ProtocolError) as e:
                 sock.close()
                 raise self._no_answer(f" ({type(e).__name__}: {e})") from None

@@ -6,7 +6,8 @@ Figures (each next to its baseline, measured in the same run):
   each codec at 64 KiB - 4 MiB segments, over host engine pages in shared memory, next to a plain copy of
   the same bytes (``numpy.copyto`` of the engine pages into a preallocated buffer).
 * ``dataplane``: p50/p99 round trip of an empty lookup and of a 64-chunk lookup against a real
-  ``orbitkv-cache-manager`` process over ipc://; save and restore of 1 MiB segments remote vs embedded.
+  ``orbitkv-cache-manager`` process over ipc://, next to a ping and a bare libzmq REQ/ROUTER echo;
+  save and restore of 1 MiB segments remote vs embedded.
 * ``index``: bytes of Python heap per cached segment at 1 million segments (tracemalloc), for the
   index alone and with each eviction policy.
 
@@ -127,6 +128,43 @@ def _time_calls(fn, n: int) -> list[float]:
     return out
 
 
+_ECHO_SERVER = """
+import sys, zmq
+s = zmq.Context().socket(zmq.ROUTER)
+s.bind(sys.argv[1])
+while True:
+    s.send_multipart(s.recv_multipart())
+"""
+
+
+def _libzmq_echo(endpoint: str, n: int) -> dict:
+    """Round trips of a 64-key lookup's request size (1.2 kB) through libzmq REQ -> ROUTER echo in
+    another process: the floor of the data plane's previous transport on this host."""
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint])
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 60_000)
+        s.connect(endpoint)
+        msg = bytes(1200)
+
+        def rt() -> None:
+            s.send(msg)
+            s.recv()
+
+        _time_calls(rt, 200)
+        out = _pcts(_time_calls(rt, n))
+        s.close(0)
+        return out
+    finally:
+        ctx.term()
+        proc.terminate()
+        proc.wait(30)
+
+
 def bench_dataplane(n: int) -> dict:
     from orbitkv_fs.dataplane import RemoteClient
     from orbitkv_fs.errors import OrbitKVError
@@ -138,7 +176,8 @@ def bench_dataplane(n: int) -> dict:
     per = (1 << 20) // BLOCK_BYTES  # 1 MiB segments
     pages, reg = _engine(per * 4, num_layers=2, seed=1)
     small, small_reg = _engine(64, num_layers=2, seed=2)
-    out: dict = {"endpoint": "ipc://", "server": "orbitkv-cache-manager process, 4 data plane workers"}
+    out: dict = {"endpoint": "ipc://", "server": "orbitkv-cache-manager process, 4 data plane workers",
+                 "transport": "ZMTP 3.0 on Unix stream sockets (orbitkv_fs.dataplane)"}
     try:
         c = RemoteClient(endpoint, timeout=1)
         deadline = time.monotonic() + 60
@@ -155,6 +194,8 @@ def bench_dataplane(n: int) -> dict:
         keys = [chunk_key(f"k{i}") for i in range(64)]
         c.save(se.engine_id, [ChunkBlocks(k, [i]) for i, k in enumerate(keys)])
         _time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), 200)  # warm up
+        out["libzmq_echo"] = _libzmq_echo(f"ipc://{tmp}/echo.sock", n)
+        out["ping"] = _pcts(_time_calls(c.ping, n))
         out["empty_lookup"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, [], lease=False), n))
         out["lookup_64"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), n))
         leases: list[int] = []
@@ -214,17 +255,20 @@ def bench_index(n: int, segments_per_chunk: int) -> dict:
     """Heap bytes per segment of the index (and of index + each policy) holding ``n`` segments."""
     out: dict = {"segments": n, "segments_per_chunk": segments_per_chunk}
     ns = bytes(16)
+    layers = segments_per_chunk // 2 or 1
+    # The packed keys' (layer, role) tails, made once: a key is namespace + chunk + tail.
+    tails = [ObjectKey(ns, ns, s % layers, Role.KEY if s < layers else Role.VALUE).pack()[32:]
+             for s in range(segments_per_chunk)]
     for label in ("index", "index+lru", "index+s3fifo"):
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         ix = ObjectIndex()
         pol = make_policy(label.split("+")[1]) if "+" in label else None
-        layers = segments_per_chunk // 2 or 1
         i = 0
         while i < n:
-            chunk = (i // segments_per_chunk).to_bytes(16, "little")
+            prefix = ns + (i // segments_per_chunk).to_bytes(16, "little")
             for s in range(min(segments_per_chunk, n - i)):
-                kb = ObjectKey(ns, chunk, s % layers, Role.KEY if s < layers else Role.VALUE).pack()
+                kb = prefix + tails[s]
                 slot, _ = ix.add(kb, i, 2, 1000, 2000, 0)
                 if pol is not None:
                     pol.insert(slot, 1024, hash(kb))
@@ -258,10 +302,15 @@ def _markdown(res: dict, command: str) -> str:
         lines.append("")
     if "dataplane" in res:
         d = res["dataplane"]
-        lines += ["## Remote data plane", "", f"Client in this process, {d['server']}, over {d['endpoint']}.", "",
+        lines += ["## Remote data plane", "", f"Client in this process, {d['server']}, over {d['endpoint']}; "
+                  f"transport: {d.get('transport', 'libzmq REQ/ROUTER')}. Baselines in the same run: `ping` (the "
+                  "transport and server loop with no Manager call) and `libzmq_echo` (a pyzmq REQ -> ROUTER echo "
+                  "of 1.2 kB in another process, the floor of the previous libzmq transport). "
+                  "Target: lookup_64 p50 <= 150 us.", "",
                   "| round trip | p50 us | p99 us | n |", "| --- | ---: | ---: | ---: |"]
-        for k in ("empty_lookup", "lookup_64", "lookup_64_leased"):
-            lines.append(f"| {k} | {d[k]['p50_us']:.0f} | {d[k]['p99_us']:.0f} | {d[k]['n']} |")
+        for k in ("libzmq_echo", "ping", "empty_lookup", "lookup_64", "lookup_64_leased"):
+            if k in d:
+                lines.append(f"| {k} | {d[k]['p50_us']:.0f} | {d[k]['p99_us']:.0f} | {d[k]['n']} |")
         s = d["segments_1mib"]
         lines += ["", f"Save and restore of {s['segments_per_call']} segments of 1 MiB per call (codec none), median of "
                   f"{s['reps']}, remote and embedded alternating:", "", "| call | embedded ms | remote ms | overhead us | overhead % |",
