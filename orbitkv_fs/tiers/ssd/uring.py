@@ -76,6 +76,7 @@ class IoRing(Protocol):
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
 _OP_READ, _OP_WRITE = 22, 23
 _ENTER_GETEVENTS = 1
+_SQ_CQ_OVERFLOW = 1 << 1  # IORING_SQ_CQ_OVERFLOW in the SQ ring's flags
 _REGISTER_EVENTFD = 4
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")
@@ -135,7 +136,7 @@ class SysRing(EventfdRing):
         params = (ctypes.c_uint8 * 120)()
         self.fd = _check(_libc.syscall(_SYS_SETUP, ctypes.c_uint(entries), params), "io_uring_setup")
         sq_entries, cq_entries = struct.unpack_from("<II", params, 0)
-        (self._sq_head, self._sq_tail, sq_mask, _, _, _, sq_array) = struct.unpack_from("<7I", params, 40)
+        (self._sq_head, self._sq_tail, sq_mask, _, self._sq_flags, _, sq_array) = struct.unpack_from("<7I", params, 40)
         (self._cq_head, self._cq_tail, cq_mask, _, _, cqes) = struct.unpack_from("<6I", params, 80)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -218,6 +219,11 @@ class SysRing(EventfdRing):
         return self.reap() or self.wait(None)
 
     def reap(self) -> list[tuple[int, int]]:
+        if _U32.unpack_from(self._sq, self._sq_flags)[0] & _SQ_CQ_OVERFLOW:
+            # Completions the kernel could not post wait on its overflow list, and every later one joins
+            # them there, until an io_uring_enter with GETEVENTS flushes it: a reaper that only peeks at
+            # the ring (the writeback lane) would otherwise wait for them forever.
+            _libc.syscall(_SYS_ENTER, self.fd, 0, 0, _ENTER_GETEVENTS, None, 0)
         head = _U32.unpack_from(self._cq, self._cq_head)[0]
         tail = _U32.unpack_from(self._cq, self._cq_tail)[0]
         out = []
