@@ -23,14 +23,19 @@ Seams for the other parts:
   drops the object (lane full, disabled). On a DRAM miss the Manager calls ``read(key)`` (``bytes`` of a
   CRC-valid segment or ``None``; corrupt -> ``None``), verifies it again and readmits it to DRAM.
   ``contains``, ``invalidate``, ``flush``, ``stats``, ``iter_objects`` and ``close`` serve lookup, admin and
-  shutdown. The Manager closes the tier in :meth:`~Manager.close`.
+  shutdown. The Manager closes the tier in :meth:`~Manager.close`. A tier with ``prefetch(keys, sink,
+  max_bytes=)`` (the SSD tier) gets speculative readahead: the Manager remembers which chunks followed
+  which in saves and lookups, and after a lookup or restore that the lower tier (or an earlier prefetch)
+  served, asks for the next ``ssd_prefetch_chunks`` chunks of that prefix; what lands is admitted to DRAM
+  as prefetched (counted as a hit when first served, as wasted when it leaves DRAM unserved).
 * **Peers** (:class:`PeerFetcher`): ``Manager(..., peer_fetcher=...)`` or :meth:`~Manager.set_peer_fetcher`.
   On a miss in DRAM and the lower tier, a fetcher with ``fetch_into(manager, keys)`` (the peer client)
   reads straight into the arena through :meth:`~Manager.reserve` / :meth:`~Manager.publish` (which
   verifies in place); the Manager then leases what landed and serves it like DRAM hits. Otherwise it calls
   ``fetch(keys) -> {key: segment bytes}``; every answer is verified like any segment (header, the key's
   namespace/layer/role, CRC32C) and a bad one is a miss. ``lookup_prefix(namespace, chunks, layers)`` lets lookups count chunks peers hold. For serving peers:
-  :meth:`~Manager.lease_objects` leases extents by key, :meth:`~Manager.read_object` returns a segment's
+  :meth:`~Manager.lease_objects` leases extents by key (objects only the lower tier holds are read back into
+  DRAM first, bounded), :meth:`~Manager.read_object` returns a segment's
   bytes from any local tier, :meth:`~Manager.arena_info` gives the arena's file path, size and base address
   (for the Transfer Engine to register), and :meth:`~Manager.reserve` / :meth:`~Manager.publish` /
   :meth:`~Manager.abort` let a transfer write verified segment bytes straight into the arena.
@@ -497,6 +502,8 @@ def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
 
 #: Segments a lookup reads from the lower tier in one batch (all in flight together).
 _PROMOTE_WINDOW = 256
+#: Segments one peer lease request may read back from the lower tier into DRAM.
+_PEER_READMIT_SEGMENTS = 256
 #: Chunks whose successors the prefetch remembers (about 100 bytes each).
 _PREFIX_MEMORY = 1 << 16
 
@@ -1479,10 +1486,15 @@ class Manager:
         self.peers = fetcher
 
     def lease_objects(self, keys: Sequence[ObjectKey]) -> tuple[int, list[ObjectExtent | None]]:
-        """Lease the DRAM extents of ``keys`` (None where not in DRAM); release with :meth:`release`."""
+        """Lease the DRAM extents of ``keys`` (None where no tier has one DRAM can hold); release with
+        :meth:`release`. Keys only the lower tier holds are first read back into DRAM (verified, at most
+        :data:`_PEER_READMIT_SEGMENTS` per call), so peers are served SSD data too."""
+        kbs = [k.pack() for k in keys]
+        if self.lower is not None:
+            self._readmit([(k, kb) for k, kb in zip(keys, kbs) if not self.dram.contains(kb)])
         lease = _Lease(None)
         out: list[ObjectExtent | None] = []
-        for f in self.dram.lease([k.pack() for k in keys]):
+        for f in self.dram.lease(kbs):
             if f is None:
                 out.append(None)
                 continue
@@ -1495,6 +1507,16 @@ class Manager:
         with self._lock:
             self._leases[lease_id] = lease
         return lease_id, out
+
+    def _readmit(self, wanted: list[tuple[ObjectKey, bytes]]) -> None:
+        """Read ``wanted`` objects the lower tier holds back into DRAM (bounded), for peers."""
+        held = [(k, kb) for k, kb in wanted if self.lower.contains(k)][:_PEER_READMIT_SEGMENTS]
+        if not held:
+            return
+        for (k, kb), blob in zip(held, self.lower.read_many([k for k, _ in held])):
+            blob = self._checked_lower(kb, blob)
+            if blob is not None:
+                self._admit(kb, blob)
 
     def read_object(self, key: ObjectKey) -> bytes | None:
         """A verified copy of ``key``'s segment from DRAM or the lower tier (no peers, no promotion)."""

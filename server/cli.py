@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
     g.add_argument("--ssd-recover", action="store_true",
                    help="rebuild the SSD index from the shard files (default: start empty, files truncated)")
+    g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
+                   help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
+                        "chunks of the prefix into DRAM in the background (default 2; 0: off)")
+    g.add_argument("--ssd-prefetch-bytes", type=parse_size, default=32 << 20,
+                   help="at most this many bytes per prefetch (default 32mb)")
     g = p.add_argument_group("http control plane (see docs/control-plane.md)")
     g.add_argument("--http-addr", default="127.0.0.1:9091",
                    help="host:port of the REST API and /metrics (default 127.0.0.1:9091; a non-loopback "
@@ -92,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
                          storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
-                         shm_dir=args.shm_dir, device=args.device)
+                         shm_dir=args.shm_dir, device=args.device,
+                         ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)
 
 
 def build_lower_tier(args: argparse.Namespace):

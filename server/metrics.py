@@ -151,6 +151,10 @@ class ManagerCollector(Collector):
             rows.update({(w,): n for w, n in getattr(s, field).items()})
             yield _counter(name, doc, labels=["worker"], rows=rows)
         yield _gauge("inflight_requests", "data-path requests in progress", s.inflight_requests)
+        yield _counter("prefetch_segments", "segments speculatively read from the SSD into DRAM", s.prefetch_segments)
+        yield _counter("prefetch_bytes", "segment bytes speculatively read from the SSD into DRAM", s.prefetch_bytes)
+        yield _counter("prefetch_hits", "prefetched objects later served", s.prefetch_hits)
+        yield _counter("prefetch_wasted", "prefetched objects that left DRAM unserved", s.prefetch_wasted)
 
     # -- the lower tier ---------------------------------------------------------------------------------
 
