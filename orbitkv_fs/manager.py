@@ -1151,10 +1151,14 @@ class Manager:
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and self.lower is not None:
             still = []
-            reads = self.lower.read_many([ObjectKey.unpack(k) for k in missing])
-            for kb, got in zip(missing, reads):
+            okeys = [ObjectKey.unpack(k) for k in missing]
+            claimed = [self.lower.contains(k) for k in okeys]
+            reads = self.lower.read_many(okeys)
+            for kb, got, held_there in zip(missing, reads, claimed):
                 blob = self._checked_lower(kb, got, reasons)
                 if blob is None:
+                    if held_there and kb not in reasons:  # the tier dropped it as corrupt, or its read failed
+                        reasons[kb] = "lower tier: record failed validation or could not be read"
                     still.append(kb)
                     continue
                 self._admit(kb, blob)

@@ -107,3 +107,66 @@ def test_ssd_hit_restores_while_dram_is_full_of_pinned_chunks(tier):
             assert_reservations_zero(m)
     finally:
         pages.close()
+
+
+def test_ssd_corruption_is_a_counted_miss_in_lookup_and_restore(tier):
+    from test_ssd_common import flip
+
+    pages, reg = make_engine()
+    try:
+        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            ch = chunks_for(3)
+            m.save(e.engine_id, ch)
+            m.flush_dram()
+            path = tier.config.paths[0]
+
+            def damage(c) -> None:
+                victim = next(o for o in tier.iter_records() if o.key.chunk == c.key)
+                flip(path, victim.offset + 128 + 200)
+
+            damage(ch[1])
+            lk = m.lookup(e.engine_id, [c.key for c in ch], lease=False)
+            assert (lk.count, lk.lower) == (1, 1)
+            assert m.stats().misses == 1  # the bad segment the lookup read
+            assert tier.snapshot().corrupt_records_total == 1
+            damage(ch[2])
+            m.flush_dram()  # chunk 0 leaves DRAM again; its SSD records are intact
+            res = m.restore(e.engine_id, ch[2:])
+            assert res.restored == [False]
+            assert res.misses[0].reason.startswith("lower tier: record failed validation")
+            st = m.stats()
+            assert st.misses == 2 and tier.snapshot().corrupt_records_total == 2
+    finally:
+        pages.close()
+
+
+def test_lookup_counts_what_restore_serves_while_dram_is_full_of_pinned_chunks(tier):
+    """DRAM full of pinned objects cannot take SSD chunks back; lookup (leased or not) still counts the
+    chunks whose SSD records read back valid, because restore serves them from the SSD bytes."""
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        with Manager(ManagerConfig(pool_size=128 << 10, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            b = chunks_for(2, base=4, salt="b")
+            m.save(e.engine_id, b)
+            m.flush_dram()
+            a = [ChunkBlocks(chunk_key("a"), [0, 1])]
+            m.save(e.engine_id, a)
+            pinned = m.lookup(e.engine_id, [a[0].key])
+            for lease in (False, True):
+                lk = m.lookup(e.engine_id, [c.key for c in b], lease=lease)
+                assert (lk.count, lk.lower) == (2, 2)
+                zero(pages)
+                res = m.restore(e.engine_id, b, lease_id=lk.lease_id)
+                assert res.restored == [True, True], res.misses
+                for name in pages.tensors:
+                    blocks = [x for c in b for x in c.blocks]
+                    assert np.array_equal(pages.array(name)[blocks].view(np.uint16),
+                                          orig[name][blocks].view(np.uint16))
+            assert m.stats().misses == 0
+            m.release(pinned.lease_id)
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
