@@ -27,8 +27,8 @@ Invariants:
    An I/O error on a read is a miss that invalidates nothing.
 4. The writeback lane is bounded in queue depth and staged bytes; beyond that, submits drop (counted).
    Demand reads go through their own rings, never behind queued writebacks. The writeback ring is driven
-   by whichever thread gets to it first (``_pump``: the submitting thread starts its own write; the lane's
-   thread takes over when nobody submits), so a write never waits for another thread to get the GIL.
+   by whichever thread gets to it first (``_pump``: a bulk submitter starts its own write; the lane's
+   thread takes over when nobody does), so a bulk write never waits for another thread to get the GIL.
 5. Invalidated records have their header block zeroed once unleased, so ``recover`` cannot bring them back.
 6. Ephemeral by default (files truncated at start); with ``recover`` every record is validated and the
    newest valid generation of each key is served again.
@@ -450,9 +450,10 @@ class SsdTier:
 
     def submit(self, key: ObjectKey, segment: "bytes | memoryview", *, timeout: float = 0.0) -> bool:
         """Queue ``segment`` for writeback (copied into an aligned staging buffer). False when dropped:
-        the tier is closed, the lane is full, or no ring space can be found. By default it never waits;
-        with ``timeout`` it waits up to that many seconds for room in the lane (for callers that demote in
-        bulk, such as a DRAM flush). Raises ``SegmentError`` when ``segment`` is not a segment."""
+        the tier is closed, the lane is full, or no ring space can be found. By default it never waits
+        and leaves the submission to the lane's thread; with ``timeout`` (callers that demote in bulk,
+        such as a DRAM flush) it waits up to that many seconds for room in the lane and submits the write
+        itself. Raises ``SegmentError`` when ``segment`` is not a segment."""
         fmt, original, stored = _peek_segment(segment)
         if not isinstance(segment, bytes):  # kept for readers until the write lands: must not change
             segment = bytes(segment)
@@ -496,9 +497,14 @@ class SsdTier:
             self._pending_segments[key] = (gen, segment)
             self._queue.append(_Write(gen, slot, buf))
             self._c["write_submitted_total"] += 1
-        # The submitting thread starts its own write: handing it to the writeback thread would wait for
-        # that thread to get the GIL, up to the interpreter's switch interval, while the disk idles.
-        self._pump()
+        if timeout > 0:
+            # A bulk submitter starts its own write: handing it to the lane's thread would wait for that
+            # thread to win the GIL back, up to the interpreter's switch interval, while the disk idles.
+            self._pump()
+        else:
+            # The non-blocking path (DRAM eviction demotes under the DRAM lock): no system call that can
+            # take a while (io_uring_enter of a write); the lane's thread submits it.
+            self._kick()
         return True
 
     def _kick(self) -> None:
