@@ -21,7 +21,8 @@ Seams for the other parts:
   :meth:`~Manager.flush_dram`) the Manager calls ``submit(key, segment_bytes)`` with an immutable ``bytes``
   the tier may keep; ``submit`` must not block on I/O (asynchronous writeback) and returns False when it
   drops the object (lane full, disabled). On a DRAM miss the Manager calls ``read(key)`` (``bytes`` of a
-  CRC-valid segment or ``None``; corrupt -> ``None``), verifies it again and readmits it to DRAM.
+  CRC-valid segment or ``None``; corrupt -> ``None``), checks its header against the key again (the tier
+  validated every CRC: the payload is not checksummed a second time) and readmits it to DRAM.
   ``contains``, ``invalidate``, ``flush``, ``stats``, ``iter_objects`` and ``close`` serve lookup, admin and
   shutdown. The Manager closes the tier in :meth:`~Manager.close`. A tier with ``prefetch(keys, sink,
   max_bytes=)`` (the SSD tier) gets speculative readahead: the Manager remembers which chunks followed
@@ -880,7 +881,7 @@ class Manager:
         if blob is None:
             return None
         try:
-            _verify(kb, blob)
+            _verify_header(kb, blob)  # the tier checked every CRC of these (private, immutable) bytes
         except SegmentError as e:
             log.warning("lower tier returned a bad segment for %s: %s", ObjectKey.unpack(kb), e)
             self._add(decode_failures=1)
@@ -1047,7 +1048,8 @@ class Manager:
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
-            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally)
+            fresh: set[bytes] = set()  # keys whose source bytes were just validated in full (private copies)
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh)
             if chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: verify every source and check it against its destination; write nothing yet.
@@ -1060,7 +1062,9 @@ class Manager:
                         bad.setdefault(ci, reasons.get(kb, "missing"))
                         continue
                     try:
-                        h = _verify(kb, src)
+                        # Arena extents (shared memory) are checked in full; lower-tier bytes were
+                        # validated by the tier a moment ago and need no second payload CRC pass.
+                        h = _verify_header(kb, src) if kb in fresh else _verify(kb, src)
                     except SegmentError as e:
                         self._add(decode_failures=1)
                         bad[ci] = f"corrupt: {type(e).__name__}: {e}"
@@ -1134,10 +1138,12 @@ class Manager:
             self._exit(eng)
 
     def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
-                 tally: dict[str, int] | None = None) -> dict[bytes, "memoryview | bytes"]:
+                 tally: dict[str, int] | None = None,
+                 fresh: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
-        ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served."""
+        ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
+        the keys whose bytes the lower tier validated in full (every CRC)."""
         out: dict[bytes, memoryview | bytes] = {}
         found = self.dram.lease(kbs)
         missing = []
@@ -1165,6 +1171,8 @@ class Manager:
                 out[kb] = blob
                 if tally is not None:
                     tally["lower"] += 1
+                if fresh is not None:
+                    fresh.add(kb)
             missing = still
         fetch_into = getattr(self.peers, "fetch_into", None)
         if missing and fetch_into is not None:
