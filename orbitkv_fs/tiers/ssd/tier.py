@@ -681,15 +681,16 @@ class SsdTier:
             self._c["read_pending_hits_total"] += len(staged)
             ring = self._read_rings.pop() if self._read_rings else None
         out: list[bytes | None] = [None] * len(keys)
-        for i, data in staged.items():
-            if sink is None:
-                out[i] = data
-            else:
-                sink(i, data)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
         bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
         try:
+            # Inside the try: a sink that raises must still give back the leases and the demand count.
+            for i, data in staged.items():
+                if sink is None:
+                    out[i] = data
+                else:
+                    sink(i, data)
             if ring is None:
                 ring = self._io.ring(self.config.read_queue_depth)
             todo = [i for i, s in enumerate(slots) if s is not None]
