@@ -344,6 +344,11 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return
         self._finish_load()  # a step's loads never overlap the next step's
         session = self._worker_session()
+        if session is not None:
+            # The Manager writes the blocks from its own process, outside vLLM's stream order: whatever vLLM
+            # queued that may touch them (block zeroing and copies of this step, an earlier step's tail
+            # under async scheduling) must have run first.
+            _sync_device()
         job = LayerLoadJob(session, meta.loads, self._load_groups())
         if self._loader is None or session is None:
             job.run()
@@ -413,8 +418,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
 
 def _sync_device() -> None:
-    """The forward pass wrote the pages on the current stream; the Manager reads them from another
-    process, so the writes must be complete first."""
+    """Wait for the work queued on the current CUDA stream: the Manager reads and writes the pages from
+    another process, outside that stream's order."""
     try:
         import torch
     except ImportError:
