@@ -26,7 +26,7 @@ import torch
 
 from orbitkv_fs.connectors.common import prefix_chunk_keys, supports_layer_restore
 from orbitkv_fs.connectors.vllm import OrbitKVConnector
-from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
+from orbitkv_fs.dataplane import DataPlaneServer
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.pages import HostPages, PageTensor
 
