@@ -257,8 +257,8 @@ def _parse_endpoint(endpoint: str) -> tuple[int, Any]:
         port = None
     if not u.hostname or port is None:
         raise ValueError(f"data plane endpoint {endpoint!r}: expected tcp://HOST:PORT")
-    fam = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
-    return fam, (u.hostname, port)
+    host = "0.0.0.0" if u.hostname == "*" else u.hostname  # ZeroMQ's spelling of every interface
+    return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, port)
 
 
 def _check_endpoint(endpoint: str, allow_remote: bool) -> None:

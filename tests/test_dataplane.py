@@ -246,3 +246,15 @@ def test_one_client_shared_by_threads(server):
         t.join(60)
     assert not errors
     c.close()
+
+
+@pytest.mark.parametrize("endpoint, error", [
+    ("tcp://0.0.0.0:0", "not loopback"),
+    ("tcp://*:9092", "not loopback"),
+    ("tcp://127.0.0.1", "tcp://HOST:PORT"),
+    ("udp://127.0.0.1:1", "expected ipc:// or tcp://"),
+    ("ipc://", "no path"),
+])
+def test_bad_or_non_loopback_endpoints_are_refused(manager, endpoint, error):
+    with pytest.raises(ValueError, match=error):
+        DataPlaneServer(manager, endpoint)
