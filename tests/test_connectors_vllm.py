@@ -631,3 +631,93 @@ def test_a_worker_started_before_its_manager_registers_once_the_manager_is_up(tm
         if m is not None:
             m.close()
         kv.close()
+
+
+def test_shutdown_during_a_load_waits_for_it_then_unregisters(manager, tmp_path) -> None:
+    """The Manager is writing into the worker's pages: shutdown must not unregister (and let the pages go)
+    before that write ended."""
+    client = GatedClient(manager)
+    kv = VllmPages(range(2), str(tmp_path))
+    sched, worker = OrbitKVConnector(_config(), "scheduler", None), OrbitKVConnector(_config(), "worker", None)
+    sched._client = worker._client = client
+    worker.register_kv_caches(kv.kv)
+    try:
+        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
+        prompt = list(range(9000, 9033))
+        _save_prefix(env, prompt, 2)
+        worker.bind_connector_metadata(_plan_load(sched, Req("r", prompt), [5, 6, 7], 32))
+        worker.start_load_kv(SimpleNamespace())
+        assert _until(lambda: client.calls == [None])
+        t = threading.Thread(target=worker.shutdown)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and [e.engine_id for e in manager.list_engines()] == [env.engine_id]
+        client.allow()
+        t.join(10)
+        assert not t.is_alive() and manager.list_engines() == []
+        assert kv.holds(5, 1.0) and kv.holds(6, 2.0)
+    finally:
+        kv.close()
+
+
+def test_many_steps_of_loads_saves_and_misses_leave_no_reservations(tmp_path) -> None:
+    """Over the real data plane: requests load, miss, save and finish across steps; afterwards the Manager
+    holds no lease, reservation or in-flight request for them."""
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    m = Manager(ManagerConfig(pool_size=32 << 20, device="cpu", shm_dir=str(tmp_path)))
+    srv = DataPlaneServer(m, endpoint, workers=2)
+    kv = VllmPages(range(2), str(tmp_path))
+    sched = OrbitKVConnector(_config(manager=endpoint), "scheduler", None)
+    worker = OrbitKVConnector(_config(manager=endpoint), "worker", None)
+    try:
+        worker.register_kv_caches(kv.kv)
+        engine_id = worker._session.engine_id
+        prompts = [list(range(100 * i, 100 * i + 49)) for i in range(6)]
+        for i, p in enumerate(prompts):  # cold: each prompt computed and saved
+            r = Req(f"c{i}", p)
+            assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            sched.update_state_after_alloc(r, Blocks([]), 0)
+            blocks = [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]
+            for j, b in enumerate(blocks[:3]):
+                kv.fill(b, float(10 * i + j))
+            worker.bind_connector_metadata(sched.build_connector_meta(_output(new=[_new(r, blocks, 0)],
+                                                                              scheduled={r.request_id: 49})))
+            worker.start_load_kv(SimpleNamespace())
+            worker.wait_for_save()
+            assert worker.get_block_ids_with_load_errors() == set()
+            worker.clear_connector_metadata()
+            sched.request_finished(r, blocks)
+        # Evict one prompt's middle block; then every prompt again, two per step, into fresh blocks.
+        m.invalidate(chunks=[prefix_chunk_keys(prompts[3], BS, salt=b"org/m@")[1]], engine_id=engine_id)
+        for step in range(3):
+            reqs = [Req(f"w{2 * step + k}", prompts[2 * step + k]) for k in range(2)]
+            new, errors = [], set()
+            for k, r in enumerate(reqs):
+                n, _ = sched.get_num_new_matched_tokens(r, 0)
+                blocks = [40 + 8 * step + 4 * k + j for j in range(4)]
+                sched.update_state_after_alloc(r, Blocks(blocks), n)
+                new.append(_new(r, blocks, n))
+            meta = sched.build_connector_meta(_output(new=new, scheduled={r.request_id: 1 for r in reqs}))
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(SimpleNamespace())
+            for name in kv.names:
+                worker.wait_for_layer_load(name)
+            worker.wait_for_save()
+            errors = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            for k, r in enumerate(reqs):
+                i = 2 * step + k
+                base = 40 + 8 * step + 4 * k
+                if i == 3:  # its lookup stopped at the hole: one block loaded, nothing failed
+                    assert kv.holds(base, 30.0) and errors == set()
+                else:
+                    assert all(kv.holds(base + j, float(10 * i + j)) for j in range(3))
+                sched.request_finished(r, [])
+        st = m.stats()
+        assert (st.leases_active, st.reserved_bytes, st.inflight_requests) == (0, 0, 0)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        srv.close()
+        m.close()
+        kv.close()
