@@ -174,3 +174,12 @@ def test_lossy_codec_restores_close_values(lm, manager) -> None:
     scale = max(float(b.keys.float().abs().max()) for b in cache.layers)
     assert 0 < worst <= scale / 8  # E4M3 has a 3-bit mantissa: relative error <= 2**-4, plus subnormals
     store.close()
+
+
+def test_blocks_the_manager_had_no_room_for_are_not_counted_stored(lm) -> None:
+    with Manager(ManagerConfig(pool_size=512, device="cpu")) as m:  # smaller than one segment, no SSD
+        store = HFPrefixStore.for_model(connect(m), lm, block_size=BS, model="tiny-llama")
+        ids = _ids(40, seed=3)
+        assert store.save(ids, _prefill(lm, ids, 40)) == 0
+        assert m.stats().dropped_segments > 0 and store.restore(ids) == (None, 0)
+        store.close()

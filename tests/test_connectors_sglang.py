@@ -192,3 +192,16 @@ def test_a_backend_started_before_its_manager_registers_once_the_manager_is_up(t
             srv.close()
         if m is not None:
             m.close()
+
+
+def test_pages_the_manager_dropped_are_not_reported_stored() -> None:
+    """A Manager with no room (here: a pool smaller than one segment, no SSD) drops the segments; SGLang
+    must not be told those pages are in storage."""
+    with Manager(ManagerConfig(pool_size=512, device="cpu")) as m:
+        pool = _pool("layer_first")
+        backend = _backend(m, pool)
+        try:
+            assert backend.batch_set_v1(["a", "b"], _indices([0, 1])) == [False, False]
+            assert m.stats().dropped_segments > 0 and backend.batch_exists(["a", "b"]) == 0
+        finally:
+            backend.close()

@@ -181,7 +181,8 @@ class HFPrefixStore:
                 self._v[layer][:n] = v[0, :, t0:t1].reshape(shape).transpose(0, 1)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the Manager reads the pages from another process
-            if self.session.save(keys[first:end], [[s] for s in range(n)]) is None:
+            res = self.session.save(keys[first:end], [[s] for s in range(n)])
+            if res is None or res.dropped_segments:  # unreachable, or no room for some of this round
                 return first * self.block_size
         return len(keys) * self.block_size
 

@@ -202,7 +202,9 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 part = keys[first : first + self._slots]
                 self._stage_in(pages[first : first + self._slots], 0)
                 res = self._session.save(self._keys(part), [[s] for s in range(len(part))])
-                out += [res is not None] * len(part)
+                # Dropped segments (no room in DRAM or the lower tier) belong to pages the result does not
+                # name: none of this round's pages is reported stored, so SGLang does not count on them.
+                out += [res is not None and res.dropped_segments == 0] * len(part)
         return out
 
     def _load(self, keys: List[str], pages: list["torch.Tensor"]) -> List[bool]:
