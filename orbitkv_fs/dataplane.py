@@ -472,7 +472,7 @@ class RemoteClient(Client):
     def _no_answer(self, why: str = "") -> OrbitKVError:
         return OrbitKVError(f"no answer from the data plane at {self.endpoint} within {self._timeout:g}s{why}")
 
-    def _connect(self, deadline: float) -> _Conn:
+    def _connect(self, deadline: float, *, wait: bool = True) -> _Conn:
         while True:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
             try:
@@ -485,7 +485,7 @@ class RemoteClient(Client):
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                if time.monotonic() + _RECONNECT_S > deadline:
+                if not wait or time.monotonic() + _RECONNECT_S > deadline:
                     raise self._no_answer(" (nothing listens there)") from None
                 time.sleep(_RECONNECT_S)  # not up yet: wait for it, as a ZeroMQ socket would
             except (OSError, EOFError, ProtocolError) as e:
@@ -504,16 +504,31 @@ class RemoteClient(Client):
 
     def _call(self, req: Any, result: type | None) -> Any:
         deadline = time.monotonic() + self._timeout
-        conn = getattr(self._local, "conn", None) or self._connect(deadline)
-        try:
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn.sock.sendall(_DELIMITER + _frame(_ENC.encode(req)))
-            frames = _read_message(conn.rfile)
-        except (OSError, EOFError, ProtocolError) as e:
-            # Timed out or cut off: the connection's state is unknown, so drop it; the next call reconnects.
-            self._drop(conn)
-            why = "" if isinstance(e, TimeoutError) else f" (connection lost: {type(e).__name__})"
-            raise self._no_answer(why) from None
+        msg = _DELIMITER + _frame(_ENC.encode(req))
+        conn = getattr(self._local, "conn", None)
+        reused = conn is not None
+        attempt = 0
+        while True:
+            # A retry does not wait for a server that is not back yet: that is a dead Manager, not a slow one.
+            conn = conn or self._connect(deadline, wait=attempt == 0)
+            attempt += 1
+            try:
+                conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.sock.sendall(msg)
+                frames = _read_message(conn.rfile)
+                break
+            except (OSError, EOFError, ProtocolError) as e:
+                # Timed out or cut off: the connection's state is unknown, so drop it.
+                self._drop(conn)
+                conn = None
+                if reused and isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
+                    # A connection from an earlier call that the server closed: it restarted (its state,
+                    # and whatever this request did there, is gone), so one retry on a new connection is
+                    # safe and spares the caller a spurious miss.
+                    reused = False
+                    continue
+                why = "" if isinstance(e, TimeoutError) else f" (connection lost: {type(e).__name__})"
+                raise self._no_answer(why) from None
         if len(frames) != 2 or frames[0]:
             self._drop(conn)
             raise OrbitKVError(f"data plane at {self.endpoint}: a reply without the REQ envelope")

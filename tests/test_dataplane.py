@@ -189,6 +189,29 @@ def test_client_waits_for_a_late_server_and_times_out_on_a_gone_one(manager, tmp
     c2.close()
 
 
+def test_a_restarted_server_is_reached_again_without_a_failed_call(tmp_path):
+    """The Manager process restarted: the client's old connection is dead. The next call reconnects once
+    and succeeds instead of failing with "connection lost"; with nothing listening it fails at once,
+    not after the call timeout."""
+    endpoint = f"ipc://{tmp_path}/restart.sock"
+    c = RemoteClient(endpoint, timeout=30)
+    with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m1:
+        srv = DataPlaneServer(m1, endpoint)
+        c.ping()
+        srv.close()
+    with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m2:
+        srv = DataPlaneServer(m2, endpoint)
+        try:
+            assert c.stats().engines == 0  # answered by the new server
+        finally:
+            srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(OrbitKVError, match="nothing listens"):
+        c.ping()
+    assert time.monotonic() - t0 < 5
+    c.close()
+
+
 def test_stale_socket_file_is_replaced_but_a_live_server_is_not(manager, tmp_path):
     path = f"{tmp_path}/s.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
