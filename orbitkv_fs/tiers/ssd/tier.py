@@ -696,7 +696,10 @@ class SsdTier:
             todo = [i for i, s in enumerate(slots) if s is not None]
             started: dict[int, float] = {}
             pos = 0
-            while pos < len(todo) or bufs:
+
+            def fill() -> bool:
+                nonlocal pos
+                n = pos
                 while pos < len(todo) and ring.space() > 0:
                     i = todo[pos]
                     s = slots[i]
@@ -704,7 +707,16 @@ class SsdTier:
                     started[i] = time.perf_counter()
                     ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
                     pos += 1
+                return pos > n
+
+            while pos < len(todo) or bufs:
+                fill()
                 landed = [(i, res, bufs.pop(i)) for i, res in ring.submit_and_wait()]
+                # The freed slots get their next reads before this thread validates what landed: at
+                # 64 KiB and a shallow queue, checking and copying a batch takes as long as the device
+                # needs to drain the reads still in flight.
+                if fill():
+                    ring.submit()
                 for i, res, buf in landed:
                     # Validate as each read lands, so only the reads in flight hold buffers.
                     s = slots[i]
