@@ -57,7 +57,6 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 import collections
 import itertools
 import logging
@@ -85,6 +84,7 @@ from .geometry import (
     parse_dtype,
     validate_registration,
 )
+from .histogram import DURATION_BUCKETS_S, DurationCounter, DurationHistogram
 from .keys import ObjectKey
 from .namespace import namespace_v2
 from .pages import HostPages, PagesError, cupy_dtype, import_cuda_tensor
@@ -295,19 +295,6 @@ class ArenaInfo(msgspec.Struct, frozen=True):
     size: int
     base_address: int
     pinned: bool
-
-
-#: Upper bounds (seconds) of the duration histograms in :attr:`ManagerStats.durations`; the last bucket is +Inf.
-DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                      5.0, 10.0)
-
-
-class DurationHistogram(msgspec.Struct, frozen=True):
-    """Observations per :data:`DURATION_BUCKETS_S` bound, then +Inf (not cumulative)."""
-
-    buckets: list[int]
-    sum: float
-    count: int
 
 
 class ManagerStats(msgspec.Struct, frozen=True):
@@ -548,7 +535,7 @@ class Manager:
         self._codec_segments: dict[str, int] = {}
         self._raw: dict[str, int] = {}
         self._workspace = 0
-        self._durations = {name: [0] * (len(DURATION_BUCKETS_S) + 1) for name in _DURATIONS.values()}
+        self._durations = {name: DurationCounter() for name in _DURATIONS.values()}
         self._inflight = 0
         self._closed = False
         # Prefix memory for prefetch: namespace + chunk -> the chunks that followed it in a save or
@@ -565,7 +552,7 @@ class Manager:
                 self._c[k] += v
                 hist = _DURATIONS.get(k)
                 if hist is not None:  # every *_seconds add is one observation of that duration
-                    self._durations[hist][bisect.bisect_left(DURATION_BUCKETS_S, v)] += 1
+                    self._durations[hist].observe(v)
 
     def _count(self, table: dict[str, int], name: str, n: int = 1) -> None:
         with self._stat_lock:
@@ -1419,8 +1406,7 @@ class Manager:
                 decode_failures=int(c["decode_failures"]), dropped_segments=int(c["dropped_segments"]),
                 reserved_bytes=reserved, leases_active=leases, leased_bytes=leased,
                 workspace_bytes=self._workspace, inflight_requests=inflight, lower=lower_stats,
-                durations={name: DurationHistogram(list(b), float(c[f"{name}_seconds"]), sum(b))
-                           for name, b in self._durations.items()},
+                durations={name: h.snapshot() for name, h in self._durations.items()},
                 gpu_workspace_bytes=int(gpu.get("save_workspace_bytes", 0) + gpu.get("restore_workspace_bytes", 0)),
                 gpu_workspace_grows=int(gpu.get("save_workspace_grows", 0) + gpu.get("restore_workspace_grows", 0)),
                 gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),

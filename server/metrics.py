@@ -25,7 +25,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from orbitkv_fs.manager import DURATION_BUCKETS_S, ManagerStats
+from orbitkv_fs.histogram import DURATION_BUCKETS_S
+from orbitkv_fs.manager import ManagerStats
 from orbitkv_fs.segment import Format, RawReason
 
 __all__ = ["ManagerCollector", "build_registry"]
@@ -175,8 +176,6 @@ class ManagerCollector(Collector):
     # -- peers --------------------------------------------------------------------------------------------
 
     def _peer_families(self, p: Any) -> Iterator[Metric]:
-        from orbitkv_fs.peers.stats import LATENCY_BUCKETS_S
-
         for f in ("lookups_total", "keys_requested_total", "keys_fetched_total", "fetched_bytes_total",
                   "misses_total", "served_lease_requests_total", "served_keys_requested_total",
                   "served_keys_total", "served_bytes_total", "served_leases_expired_total"):
@@ -186,8 +185,8 @@ class ManagerCollector(Collector):
                        rows={(r,): n for r, n in p.failures_total.items()})
         yield _counter("peer_served_refusals", "peer requests this Manager refused, per reason", labels=["reason"],
                        rows={(r,): n for r, n in p.served_refusals_total.items()})
-        yield _histogram("peer_hit_latency_seconds", "remote-hit latency", LATENCY_BUCKETS_S,
-                         p.hit_latency_buckets, p.hit_latency_seconds_sum)
+        yield _histogram("peer_hit_latency_seconds", "remote-hit latency", DURATION_BUCKETS_S,
+                         p.hit_latency.buckets, p.hit_latency.sum)
         yield _gauge("peer_staging_bytes", "staging memory for peer reads", p.staging_bytes)
         yield _gauge("peer_staging_used_bytes", "staging memory in use", p.staging_used_bytes)
         yield _gauge("peer_served_leases_active", "leases held for peers", p.served_leases_active)

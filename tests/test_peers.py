@@ -85,7 +85,7 @@ def test_saved_on_a_restores_on_b_byte_exact(servers, requester):
     assert st.fetched_bytes_total == sum(len(b) for _, b in segs)
     assert st.failures_total == {}
     assert st.staging_used_bytes == 0 and st.abandoned_reads == 0
-    assert st.hit_latency_count == 1 and sum(st.hit_latency_buckets) == 1
+    assert st.hit_latency.count == 1 and sum(st.hit_latency.buckets) == 1 and st.hit_latency.sum > 0
     assert st.peers[0].session_id == a["session_id"] and st.peers[0].state == "ok"
 
 

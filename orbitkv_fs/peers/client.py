@@ -561,7 +561,7 @@ class PeerClient:
             c.misses += len(keys) - fetched[0]
             c.fetch_seconds += elapsed
             if fetched[0]:
-                c.observe_hit(elapsed)
+                c.hit_latency.observe(elapsed)
 
     def _check_reply(self, rep: "P.Reply | str", ns: bytes, ks: list[ObjectKey]) -> str | None:
         if isinstance(rep, str):

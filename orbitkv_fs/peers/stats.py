@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-__all__ = ["ClientCounters", "FailureReason", "LATENCY_BUCKETS_S", "PeerInfo", "PeerStats", "ServerCounters"]
+from ..histogram import DurationCounter, DurationHistogram
 
-#: Upper bounds (seconds) of the remote-hit latency histogram buckets; the last bucket is +Inf.
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+__all__ = ["ClientCounters", "FailureReason", "PeerInfo", "PeerStats", "ServerCounters"]
 
 
 class FailureReason:
@@ -58,10 +57,7 @@ class PeerStats(msgspec.Struct, frozen=True):
     misses_total: int  # requested keys no peer delivered
     failures_total: dict[str, int]  # reason -> count (per peer and request)
     fetch_seconds_total: float
-    #: Remote-hit latency histogram: counts per LATENCY_BUCKETS_S bound, then +Inf (not cumulative).
-    hit_latency_buckets: list[int]
-    hit_latency_seconds_sum: float
-    hit_latency_count: int
+    hit_latency: DurationHistogram  # remote hits: request to verified bytes
     staging_bytes: int
     staging_used_bytes: int
     abandoned_reads: int  # reads given up at the deadline, still owned by the engine
@@ -84,17 +80,7 @@ class ClientCounters:
     misses: int = 0
     failures: Counter = field(default_factory=Counter)
     fetch_seconds: float = 0.0
-    hit_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    hit_seconds_sum: float = 0.0
-    hit_count: int = 0
-
-    def observe_hit(self, seconds: float) -> None:
-        i = 0
-        while i < len(LATENCY_BUCKETS_S) and seconds > LATENCY_BUCKETS_S[i]:
-            i += 1
-        self.hit_buckets[i] += 1
-        self.hit_seconds_sum += seconds
-        self.hit_count += 1
+    hit_latency: DurationCounter = field(default_factory=DurationCounter)
 
 
 @dataclass
