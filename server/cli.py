@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: pin the arena and use the GPU codec engine when a GPU is present")
     g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
-    g.add_argument("--data-plane-workers", type=int, default=4, help="data plane worker threads")
+    g.add_argument("--data-plane-workers", type=int, default=4,
+                   help="saves, restores, registrations and invalidations running at once (lookups never wait)")
     g.add_argument("--log-level", default="INFO", help="logging level")
     g = p.add_argument_group("ssd tier (omit --ssd-cache-path for DRAM only; see docs/ssd.md)")
     g.add_argument("--ssd-cache-path", action="append", default=[], metavar="PATH",
@@ -156,17 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
         return 2
     try:
-        try:
-            dataplane = DataPlaneServer(manager, args.data_plane, workers=args.data_plane_workers)
-        except (OrbitKVError, ValueError) as e:
-            print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
-            return 2
         from orbitkv_fs.peers.node import start_from_args
 
+        # Peers first: the data plane answers lookups from its first connection on, and a lookup served
+        # before the peer node is attached would miss what peers hold.
         try:
             peers = start_from_args(manager, args)
         except (OrbitKVError, ValueError) as e:
-            dataplane.close()
+            print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
+            return 2
+        try:
+            dataplane = DataPlaneServer(manager, args.data_plane, workers=args.data_plane_workers)
+        except (OrbitKVError, ValueError) as e:
+            if peers is not None:
+                peers.close()
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
         from orbitkv_fs.server.app import HttpServer, create_app
