@@ -46,7 +46,8 @@ class Client:
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         raise NotImplementedError
 
-    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
+                layers: Sequence[int] | None = None) -> RestoreResult:
         raise NotImplementedError
 
     def release(self, lease_id: int) -> None:
@@ -88,8 +89,9 @@ class EmbeddedClient(Client):
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         return self.manager.save(engine_id, chunks)
 
-    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
-        return self.manager.restore(engine_id, chunks, lease_id=lease_id)
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
+                layers: Sequence[int] | None = None) -> RestoreResult:
+        return self.manager.restore(engine_id, chunks, lease_id=lease_id, layers=layers)
 
     def release(self, lease_id: int) -> None:
         self.manager.release(lease_id)

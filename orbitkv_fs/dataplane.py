@@ -93,6 +93,7 @@ class Restore(msgspec.Struct, tag="restore", array_like=True):
     engine_id: str
     chunks: list[ChunkBlocks]
     lease_id: int = 0
+    layers: list[int] | None = None
 
 
 class Release(msgspec.Struct, tag="release", array_like=True):
@@ -389,7 +390,7 @@ class DataPlaneServer:
         if isinstance(req, Save):
             return m.save(req.engine_id, req.chunks)
         if isinstance(req, Restore):
-            return m.restore(req.engine_id, req.chunks, lease_id=req.lease_id)
+            return m.restore(req.engine_id, req.chunks, lease_id=req.lease_id, layers=req.layers)
         if isinstance(req, Release):
             m.release(req.lease_id)
             return None
@@ -557,8 +558,10 @@ class RemoteClient(Client):
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         return self._call(Save(engine_id, list(chunks)), SaveResult)
 
-    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
-        return self._call(Restore(engine_id, list(chunks), lease_id), RestoreResult)
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
+                layers: Sequence[int] | None = None) -> RestoreResult:
+        return self._call(Restore(engine_id, list(chunks), lease_id, None if layers is None else list(layers)),
+                          RestoreResult)
 
     def release(self, lease_id: int) -> None:
         self._call(Release(lease_id), None)

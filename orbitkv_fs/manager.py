@@ -1014,11 +1014,13 @@ class Manager:
         else:
             acc.dropped += 1
 
-    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0) -> RestoreResult:
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
+                layers: Sequence[int] | None = None) -> RestoreResult:
         """Write the chunks' cached KV into the given blocks. Every destination is validated first
         (:class:`RequestError`, nothing written); a missing or corrupt segment is a miss for its chunk.
         ``lease_id`` (from :meth:`lookup`, of this engine) is released when the restore ends, whether it
-        succeeded or failed."""
+        succeeded or failed. ``layers`` restores only those layers' segments (an engine loading layer by
+        layer); ``restored[i]`` then says whether every segment of those layers was written."""
         t0 = time.perf_counter()
         eng = self._enter(engine_id)
         held = _Lease(engine_id)
@@ -1031,19 +1033,28 @@ class Manager:
                     raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
                 consume = lease_id
             self._check_chunks(eng, chunks)
-            keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in eng.segs] for ch in chunks]
+            segs = eng.segs
+            if layers is not None:
+                wanted = set(layers)
+                if not wanted or not wanted <= {s.layer for s in eng.segs}:
+                    raise RequestError(f"layers: {sorted(wanted)} are not all layers of engine {engine_id!r} "
+                                       f"[{eng.info.layer_start}, {eng.info.layer_end})")
+                segs = [s for s in eng.segs if s.layer in wanted]
+            # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
+            first = layers is None or eng.segs[0].layer in wanted
+            keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
             fresh: set[bytes] = set()  # keys whose source bytes were just validated in full (private copies)
             sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh)
-            if chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
+            if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: verify every source and check it against its destination; write nothing yet.
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
-                for seg, kb in zip(eng.segs, ks):
+                for seg, kb in zip(segs, ks):
                     src = sources.get(kb)
                     if src is None:
                         bad.setdefault(ci, reasons.get(kb, "missing"))

@@ -437,7 +437,7 @@ def test_pp_rank_1_registers_its_global_layers_and_the_scheduler_looks_up_every_
         assert (info.layer_start, info.layer_end, info.registration.num_layers) == (2, 4, 4)
         assert sorted(d.layer for d in info.registration.tensors) == [2, 3]
         assert workers[1]._layer_of == {"model.layers.2.self_attn.attn": 2, "model.layers.3.self_attn.attn": 3}
-        assert workers[1]._load_groups() == [None]
+        assert workers[1]._load_groups() == [[2], [3]]  # the Manager restores single layers
 
         prompt = list(range(4000, 4049))
         keys = prefix_chunk_keys(prompt, BS, salt=b"org/m@")

@@ -379,3 +379,39 @@ def test_peer_fetch_on_local_miss(engine, corrupt):
                 assert np.array_equal(pages.array(name)[:4].view(np.uint16), orig[name][:4].view(np.uint16))
             assert local.lookup(e.engine_id, [ch[0].key], lease=False).dram == 1  # admitted locally
         assert_reservations_zero(local)
+
+
+def test_restore_of_chosen_layers_writes_only_those(engine, tmp_path):
+    """An engine loading layer by layer restores one layer per call: only that layer's pages are written,
+    embedded and over the data plane; a layer the engine does not have is refused before anything is."""
+    from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
+
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3)
+        m.save(e.engine_id, ch)
+        srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock")
+        remote = RemoteClient(srv.endpoint, timeout=30)
+        try:
+            for restore in (m.restore, remote.restore):
+                zero(pages)
+                r = restore(e.engine_id, ch, layers=[2])
+                assert r.restored == [True] * 3
+                for name, t in pages.tensors.items():
+                    got = pages.array(name)
+                    if t.layer == 2:
+                        assert np.array_equal(got[:6].view(np.uint16), orig[name][:6].view(np.uint16)), name
+                    else:
+                        assert not got.view(np.uint16).any(), name
+                zero(pages)
+                for bad in ([L], [], [0, -1]):
+                    with pytest.raises(RequestError, match="layers"):
+                        restore(e.engine_id, ch, layers=bad)
+                for name in pages.tensors:
+                    assert not pages.array(name).view(np.uint16).any(), name
+        finally:
+            remote.close()
+            srv.close()
+        assert_reservations_zero(m)
