@@ -752,7 +752,6 @@ class Manager:
         it back (an arena full of leased or pinned objects). With ``pin`` the counted chunks are pinned
         (recorded in it). A segment the lower tier claimed but could not deliver (corrupt, I/O error) is a
         miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together."""
-        nseg = len(eng.segs)
         counted = 0
         pos = 0
         while pos < len(chunks):
@@ -797,7 +796,7 @@ class Manager:
                 del pin.chunks[len(pin.chunks) - len(bad):]
             counted += good
             pos += good
-            if good < len(window) or nseg == 0:
+            if good < len(window):
                 break
         return counted
 
