@@ -265,3 +265,51 @@ def test_submit_with_timeout_waits_for_room_instead_of_dropping(ssd_dir):
         t.flush()
         s = t.snapshot()
         assert s.write_dropped_total == 0 and s.objects == 12
+
+
+@pytest.mark.parametrize("throttle", [True, False])
+def test_writeback_yields_to_demand_reads(ssd_dir, throttle):
+    """While a demand read is in progress, the lane keeps at most ``write_bytes_while_reading`` bytes of
+    writes in flight (at least one write), still drains, and goes back to its full depth afterwards."""
+    rec = record_length(len(segment(0)))
+    cap = 2 * rec
+    with make(ssd_dir, shards=1, write_queue_depth=32, demand_holdoff=0.0,
+              write_bytes_while_reading=cap if throttle else None) as t:
+        t.submit(key(0), segment(0), timeout=5.0)
+        t.flush()
+        in_read, release = threading.Event(), threading.Event()
+
+        def sink(i: int, seg: bytes) -> None:
+            in_read.set()
+            assert release.wait(10.0)
+
+        reader = threading.Thread(target=lambda: t.read_many([key(0)], sink=sink))
+        reader.start()
+        try:
+            assert in_read.wait(5.0)
+            peak = 0
+            for i in range(1, 200):
+                assert t.submit(key(i), segment(i), timeout=5.0)
+                peak = max(peak, t.snapshot().write_inflight_bytes)
+            t.flush(timeout=20.0)  # throttled, not stopped: the lane drains while the read is held
+            held = t.snapshot().write_held_for_reads_total
+        finally:
+            release.set()
+            reader.join()
+        if throttle:
+            assert peak <= cap and held > 0
+        else:
+            assert held == 0
+        # The read is over (no hold-off): the lane is unthrottled again.
+        for i in range(200, 260):
+            assert t.submit(key(i), segment(i), timeout=5.0)
+        t.flush(timeout=20.0)
+        assert t.snapshot().write_held_for_reads_total == held
+        assert t.snapshot().objects == 260 and t.snapshot().write_inflight_bytes == 0
+
+
+def test_throttle_config_errors(ssd_dir):
+    with pytest.raises(SsdConfigError):
+        make(ssd_dir, write_bytes_while_reading=-1)
+    with pytest.raises(SsdConfigError):
+        make(ssd_dir, demand_holdoff=float("nan"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -24,4 +26,37 @@ def test_bench_smoke(tmp_path, capsys, fio):
     (row,) = doc["throughput"]
     assert row["tier_write_GBps"] > 0 and row["tier_read_GBps"] > 0 and row["records"] == 64
     assert ("fio_write_GBps" in row) == fio and ("fio_saturated_read_p99_us" in doc["latency"]) == fio
-    assert doc["latency"]["saturated_read_p99_us"] > 0 and doc["latency"]["saturated_switch500us_samples"] > 0
+    lat = doc["latency"]
+    assert [r["throttled"] for r in lat["runs"]] == [False, True]
+    assert all(r["saturated_samples"] > 0 and r["saturated_read_p99_us"] > 0 for r in lat["runs"])
+    assert lat["unthrottled_saturated_read_p50_us"] > 0 and lat["throttled_saturated_read_p50_us"] > 0
+
+
+def test_bench_only_latency(tmp_path, capsys):
+    d = direct_io_dir(tmp_path)
+    assert main(["--dir", str(d), "--only", "latency", "--no-fio", "--latency-fill", "2m", "--latency-saturate",
+                 "8m", "--latency-samples", "10", "--latency-repeat", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "throughput" not in doc and len(doc["latency"]["runs"]) == 4
+    assert list(d.iterdir()) == []  # scratch shards removed
+
+
+def test_bench_default_dir_outside_cwd(tmp_path, capsys, monkeypatch):
+    # A killed run must not leave a scratch shard in the working tree (the repository, typically).
+    try:
+        with tempfile.NamedTemporaryFile() as f:
+            os.close(os.open(f.name, os.O_RDWR | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the system temporary directory does not take O_DIRECT")
+    made = []
+    real = tempfile.mkdtemp
+
+    def spy(*a, **kw):
+        made.append(real(*a, **kw))
+        return made[-1]
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "mkdtemp", spy)
+    assert main(["--only", "throughput", "--no-fio", "--bs", "64k", "--qd", "8", "--size", "1m", "--json"]) == 0
+    assert made and not os.path.commonpath([made[0], str(tmp_path)]) == str(tmp_path)
+    assert list(tmp_path.iterdir()) == [] and not os.path.exists(made[0])

@@ -10,8 +10,12 @@ For each record size (``--bs``, the on-disk record: record header + segment + pa
 * tier demand read: ``SsdTier.read_many`` of every record just written (read ring at the same depth; each
   record validated: header CRC, key, generation, segment CRC32C; bytes copied out and handed to a consumer
   that drops them, as DRAM admission would). fio: ``--rw=read`` of the same shard file.
-* latency: QD1 demand reads of 64 KiB records (p50/p99), idle and while a writer thread keeps the lane
-  saturated with 1 MiB records; fio's equivalent is a QD1 ``randread`` job next to a QD32 ``write`` job.
+* latency: QD1 demand reads of 64 KiB records (p50/p99/mean), idle and while a writer thread keeps the
+  lane saturated with 1 MiB records at QD32, with the tier's demand-read throttle off
+  (``write_bytes_while_reading=None``) and on (the default), alternating; fio's equivalent is a QD1
+  ``randread`` job next to a QD32 ``write`` job on one prefilled file.
+
+The scratch files live in ``--dir`` or in a fresh directory of the system temporary directory.
 
 Prints a table, or JSON with ``--json``; ``--out FILE`` also writes the JSON there.
 """
@@ -19,6 +23,7 @@ Prints a table, or JSON with ``--json``; ``--out FILE`` also writes the JSON the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -65,9 +70,13 @@ def _key(i: int, tag: str) -> ObjectKey:
     return ObjectKey(NS, chunk_key(f"{tag}{i}"), 0, Role.OPAQUE)
 
 
+def _config(path: str, capacity: int, qd: int, bs: int) -> SsdConfig:
+    return SsdConfig(paths=(path,), capacity=capacity, backend="uring", write_queue_depth=qd,
+                     read_queue_depth=qd, max_pending_bytes=max(MAX_RECORD, 2 * qd * bs))
+
+
 def _tier(path: str, capacity: int, qd: int, bs: int) -> SsdTier:
-    return SsdTier(SsdConfig(paths=(path,), capacity=capacity, backend="uring", write_queue_depth=qd,
-                             read_queue_depth=qd, max_pending_bytes=max(MAX_RECORD, 2 * qd * bs)))
+    return SsdTier(_config(path, capacity, qd, bs))
 
 
 def _submit_all(t: SsdTier, keys: Sequence[ObjectKey], segs: Sequence[bytes]) -> None:
@@ -142,15 +151,18 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: bool) -> dict[str, Any]:
+def _saturated(path: str, fill: int, saturate: int, qd: int, samples: int, throttle: bool) -> dict[str, Any]:
+    """One tier, fresh shard: fill it with 64 KiB records, sample QD1 reads idle, then while a writer
+    thread keeps the lane saturated with 1 MiB records."""
     rbs, wbs = 64 << 10, 1 << 20
     nread, nwrite = fill // rbs, saturate // wbs
     rkeys = [_key(i, "lat-r") for i in range(nread)]
     wkeys = [_key(i, "lat-w") for i in range(nwrite)]
-    path = os.path.join(d, "bench-ssd-lat.okv")
-    out: dict[str, Any] = {"read_record_bytes": rbs, "write_record_bytes": wbs, "write_qd": qd}
     rnd = random.Random(1)
-    with _tier(path, nread * rbs + nwrite * wbs + (64 << 20), qd, wbs) as t:
+    cfg = _config(path, nread * rbs + nwrite * wbs + (64 << 20), qd, wbs)
+    if not throttle:
+        cfg = dataclasses.replace(cfg, write_bytes_while_reading=None)
+    with SsdTier(cfg) as t:
         _submit_all(t, rkeys, _segments(rbs, 16))
         t.flush()
 
@@ -164,39 +176,48 @@ def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: b
             return lat
 
         idle = sample(None)
-        out.update({"idle_read_p50_us": _pct(idle, 50) * 1e6, "idle_read_p99_us": _pct(idle, 99) * 1e6})
-        wsegs = _segments(wbs, 8)
-        # The writer thread and the reader share the GIL: a reader coming back from a syscall waits up to
-        # the interpreter's switch interval. Measured at Python's default (5 ms) and at 0.5 ms, a setting
-        # a latency-sensitive Manager process can choose.
-        default_interval = sys.getswitchinterval()
-        for label, interval in (("", default_interval), ("_switch500us", 0.0005)):
-            sys.setswitchinterval(interval)
-            done = threading.Event()
-            keys = wkeys[: nwrite // 2] if not label else wkeys[nwrite // 2:]
+        done = threading.Event()
 
-            def writer() -> None:
-                _submit_all(t, keys, wsegs)
-                t.flush()
-                done.set()
+        def writer() -> None:
+            _submit_all(t, wkeys, _segments(wbs, 8))
+            t.flush()
+            done.set()
 
-            before = t.snapshot().write_bytes_total
-            t0 = time.perf_counter()
-            th = threading.Thread(target=writer)
-            th.start()
-            try:
-                busy = sample(done)
-            finally:
-                th.join()
-                sys.setswitchinterval(default_interval)
-            wdt = time.perf_counter() - t0
-            out.update({
-                f"saturated{label}_read_p50_us": _pct(busy, 50) * 1e6,
-                f"saturated{label}_read_p99_us": _pct(busy, 99) * 1e6,
-                f"saturated{label}_samples": len(busy),
-                f"saturated{label}_write_GBps": (t.snapshot().write_bytes_total - before) / wdt / 1e9,
-            })
+        t0 = time.perf_counter()
+        th = threading.Thread(target=writer)
+        th.start()
+        try:
+            busy = sample(done)
+            # The writeback rate while reads were being sampled, then the whole write.
+            sampled_dt, sampled_bytes = time.perf_counter() - t0, t.snapshot().write_bytes_total
+        finally:
+            th.join()
+        wdt = time.perf_counter() - t0
+        s = t.snapshot()
     os.unlink(path)
+    return {"throttled": throttle, "idle_read_p50_us": _pct(idle, 50) * 1e6, "idle_read_p99_us": _pct(idle, 99) * 1e6,
+            "saturated_read_p50_us": _pct(busy, 50) * 1e6, "saturated_read_p99_us": _pct(busy, 99) * 1e6,
+            "saturated_read_mean_us": float(np.mean(busy)) * 1e6 if busy else float("nan"),
+            "saturated_samples": len(busy), "write_GBps_while_sampling": sampled_bytes / sampled_dt / 1e9,
+            "write_GBps": nwrite * wbs / wdt / 1e9, "write_held_for_reads_total": s.write_held_for_reads_total}
+
+
+def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: bool,
+            repeat: int = 1) -> dict[str, Any]:
+    """Demand-read latency with the writeback lane saturated, the tier without its demand-read throttle
+    (``write_bytes_while_reading=None``) and with it (the default), alternating, ``repeat`` times each;
+    then fio's reader next to fio's writer on one file."""
+    rbs, wbs = 64 << 10, 1 << 20
+    path = os.path.join(d, "bench-ssd-lat.okv")
+    out: dict[str, Any] = {"read_record_bytes": rbs, "write_record_bytes": wbs, "write_qd": qd, "runs": []}
+    for _ in range(max(1, repeat)):
+        for throttle in (False, True):
+            out["runs"].append(_saturated(path, fill, saturate, qd, samples, throttle))
+    for throttle, label in ((False, "unthrottled"), (True, "throttled")):
+        rows = [r for r in out["runs"] if r["throttled"] is throttle]
+        for k in ("idle_read_p50_us", "idle_read_p99_us", "saturated_read_p50_us", "saturated_read_p99_us",
+                  "saturated_read_mean_us", "write_GBps_while_sampling", "write_GBps"):
+            out[f"{label}_{k}"] = float(np.median([r[k] for r in rows]))
     if with_fio:
         fpath = os.path.join(d, "bench-fio-lat.dat")
         common = [f"--filename={fpath}", "--direct=1", "--ioengine=io_uring", f"--size={fill + saturate}"]
@@ -209,32 +230,37 @@ def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: b
         pct = reader["read"]["clat_ns"]["percentile"]
         out["fio_saturated_read_p50_us"] = pct["50.000000"] / 1e3
         out["fio_saturated_read_p99_us"] = pct["99.000000"] / 1e3
+        out["fio_saturated_read_mean_us"] = reader["read"]["clat_ns"]["mean"] / 1e3
+        out["fio_saturated_write_GBps"] = next(j for j in res["jobs"] if j["jobname"] == "writer")["write"]["bw_bytes"] / 1e9
         os.unlink(fpath)
     return out
 
 
 def _table(doc: dict[str, Any]) -> str:
     lines = ["record  QD  tier write  fio write  ratio   tier read  fio read  ratio   (GB/s)"]
-    for r in doc["throughput"]:
+    for r in doc.get("throughput", []):
         lines.append(f"{r['record_bytes'] >> 10:>5}K {r['qd']:>3}  {r['tier_write_GBps']:>10.3f} "
                      f"{r.get('fio_write_GBps', float('nan')):>10.3f} {r.get('write_vs_fio', float('nan')):>6.2f}  "
                      f"{r['tier_read_GBps']:>10.3f} {r.get('fio_read_GBps', float('nan')):>9.3f} "
                      f"{r.get('read_vs_fio', float('nan')):>6.2f}")
     lat = doc.get("latency")
     if lat:
-        lines.append(f"64K QD1 demand read: idle p50 {lat['idle_read_p50_us']:.0f} us p99 {lat['idle_read_p99_us']:.0f} us; "
-                     f"writeback saturated p50 {lat['saturated_read_p50_us']:.0f} us p99 {lat['saturated_read_p99_us']:.0f} us; "
-                     f"saturated with 0.5 ms switch interval p50 {lat['saturated_switch500us_read_p50_us']:.0f} us "
-                     f"p99 {lat['saturated_switch500us_read_p99_us']:.0f} us "
-                     f"(fio p50 {lat.get('fio_saturated_read_p50_us', float('nan')):.0f} us "
-                     f"p99 {lat.get('fio_saturated_read_p99_us', float('nan')):.0f} us)")
+        lines.append("64K QD1 demand read, writeback lane saturated (medians over runs), us:")
+        for label in ("unthrottled", "throttled"):
+            lines.append(f"  tier {label:<11}: idle p50 {lat[label + '_idle_read_p50_us']:.0f}; saturated p50 "
+                         f"{lat[label + '_saturated_read_p50_us']:.0f} p99 {lat[label + '_saturated_read_p99_us']:.0f} "
+                         f"mean {lat[label + '_saturated_read_mean_us']:.0f}; writeback "
+                         f"{lat[label + '_write_GBps_while_sampling']:.3f} GB/s while sampling")
+        if "fio_saturated_read_p50_us" in lat:
+            lines.append(f"  fio reader next to fio writer: p50 {lat['fio_saturated_read_p50_us']:.0f} "
+                         f"p99 {lat['fio_saturated_read_p99_us']:.0f} mean {lat['fio_saturated_read_mean_us']:.0f}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="orbitkv-bench ssd", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="directory on the file system to measure (default: a fresh "
-                   "directory under the current one)")
+                   "directory in the system temporary directory, removed at the end)")
     p.add_argument("--bs", nargs="+", default=["1m", "64k"], help="record sizes (default 1m 64k)")
     p.add_argument("--qd", nargs="+", type=int, default=[8, 32], help="queue depths (default 8 32)")
     p.add_argument("--size", default="1g", help="bytes written per throughput point (default 1g)")
@@ -242,7 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-saturate", default="2g", help="1 MiB records written while sampling")
     p.add_argument("--latency-samples", type=int, default=2000)
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
-    p.add_argument("--no-latency", action="store_true")
+    p.add_argument("--no-latency", action="store_true", help="same as --only throughput")
+    p.add_argument("--only", choices=("throughput", "latency"), help="run only this part")
+    p.add_argument("--latency-repeat", type=int, default=1,
+                   help="run the saturated-latency test N times per setting, unthrottled and throttled alternating")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each throughput point N times, tier and fio alternating; report medians "
                         "(for noisy hosts)")
@@ -253,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if with_fio and shutil.which("fio") is None:
         print("orbitkv-bench ssd: fio not found (apt-get install fio, or --no-fio)", file=sys.stderr)
         return 2
-    d = args.dir or tempfile.mkdtemp(prefix=".orbitkv-bench-ssd-", dir=os.getcwd())
+    # Outside the working tree by default: a killed run leaves its scratch shard (up to --size) in the
+    # system temporary directory, not in the repository.
+    d = args.dir or tempfile.mkdtemp(prefix="orbitkv-bench-ssd-")
     os.makedirs(d, exist_ok=True)
     doc: dict[str, Any] = {
         "command": "orbitkv-bench ssd " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -261,16 +292,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "python": platform.python_version(), "loadavg_start": os.getloadavg()},
         "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if with_fio else None,
         "filesystem": subprocess.run(["df", "-T", d], capture_output=True, text=True).stdout.splitlines()[-1].split()[1],
-        "throughput": [],
     }
+    run_throughput = args.only in (None, "throughput")
+    run_latency = args.only == "latency" or (args.only is None and not args.no_latency)
     try:
-        for bs in map(_size, args.bs):
-            for qd in args.qd:
-                runs = [throughput(d, bs, qd, _size(args.size), with_fio) for _ in range(max(1, args.repeat))]
-                doc["throughput"].append(_median_row(runs))
-        if not args.no_latency:
+        if run_throughput:
+            doc["throughput"] = []
+            for bs in map(_size, args.bs):
+                for qd in args.qd:
+                    runs = [throughput(d, bs, qd, _size(args.size), with_fio) for _ in range(max(1, args.repeat))]
+                    doc["throughput"].append(_median_row(runs))
+        if run_latency:
             doc["latency"] = latency(d, _size(args.latency_fill), _size(args.latency_saturate), 32,
-                                     args.latency_samples, with_fio)
+                                     args.latency_samples, with_fio, args.latency_repeat)
     finally:
         if args.dir is None:
             shutil.rmtree(d, ignore_errors=True)
