@@ -11,6 +11,9 @@ actually imported. Primitives:
   and role tag; raises :class:`GeometryError` naming the field.
 * :func:`block_views` -- the array views of one block of one tensor for each K/V role it holds: what a
   segment gathers on save and scatters on restore.
+* :func:`process_start_time` -- a running process's start time (``/proc/PID/stat``), which together with
+  its pid names one process for the life of the host: what a registration's ``pid`` /
+  ``pid_start_time`` carry so that the Manager can unregister an engine whose process died.
 
 Layouts (``B`` blocks, ``T`` = block_size tokens, ``H`` KV heads, ``D`` = head_dim):
 
@@ -147,6 +150,28 @@ class EngineRegistration(msgspec.Struct, frozen=True):
     #: The adapter would place pages first; codec-enabled instances store per layer regardless.
     page_first: bool = False
     engine_id: str | None = None
+    #: The engine's process id (same host; connectors send ``os.getpid()``). The Manager watches that
+    #: process and unregisters the engine when it exits. ``None``: not watched (DELETE it yourself).
+    pid: int | None = None
+    #: :func:`process_start_time` of ``pid`` as the engine read it; the Manager watches only when the
+    #: process it sees under ``pid`` started then (another PID namespace, or a reused pid, would not).
+    #: ``None``: the Manager reads it itself at registration.
+    pid_start_time: int | None = None
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time (clock ticks after boot, field 22 of ``/proc/PID/stat``) of the process ``pid`` while it
+    runs; None when there is no such process, it has exited (a zombie), or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields 3.. follow its last ")".
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 def parse_dtype(name: str, field: str = "dtype") -> np.dtype:
@@ -211,6 +236,10 @@ def validate_registration(reg: EngineRegistration) -> None:
     engine_dtype = parse_dtype(reg.dtype)
     if reg.engine_id is not None and not (0 < len(reg.engine_id) <= 128 and reg.engine_id.isprintable()):
         raise GeometryError("engine_id", "must be 1-128 printable characters")
+    if reg.pid is not None and not 0 < reg.pid < 1 << 22:  # PID_MAX_LIMIT
+        raise GeometryError("pid", f"{reg.pid} is not a process id")
+    if reg.pid_start_time is not None and (reg.pid is None or reg.pid_start_time < 0):
+        raise GeometryError("pid_start_time", "goes with pid, and is >= 0")
     if not reg.tensors:
         raise GeometryError("tensors", "no tensors registered")
     seen: dict[int, set[str]] = {}

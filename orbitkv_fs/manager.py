@@ -8,7 +8,12 @@ Public API (in-process; :mod:`orbitkv_fs.client` exposes the same calls embedded
 the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
 
 * engines: :meth:`Manager.register_engine`, :meth:`~Manager.list_engines`, :meth:`~Manager.get_engine`,
-  :meth:`~Manager.unregister_engine` (waits for the engine's outstanding work).
+  :meth:`~Manager.unregister_engine` (waits for the engine's outstanding work). A registration that
+  names its process (``pid``, ``pid_start_time``) is watched: a thread checks every
+  ``engine_check_interval`` seconds whether that process still runs (a pidfd where the kernel has them,
+  else ``kill(pid, 0)`` plus the start time in ``/proc/PID/stat``, so a reused pid is not taken for the
+  engine) and unregisters a dead engine's registration itself, through :meth:`~Manager.unregister_engine`'s
+  path (counted as ``engines_reaped``).
 * data path: :meth:`~Manager.lookup` (leading run of present chunks, under a lease),
   :meth:`~Manager.save`, :meth:`~Manager.restore`, :meth:`~Manager.release`.
 * admin: :meth:`~Manager.invalidate`, :meth:`~Manager.stats` (:class:`ManagerStats`, what metrics are built
@@ -53,6 +58,8 @@ Invariants:
 4. Every reservation (arena bytes, leases, workspace) returns to zero when requests complete or fail:
    :class:`ManagerStats` ``reserved_bytes``, ``leases_active``, ``workspace_bytes``, ``inflight_requests``.
 5. Bytes are never served across storage namespaces (:func:`orbitkv_fs.namespace.namespace_v2`).
+6. An engine is reaped only when the very process it registered (pid and start time) is gone; an engine
+   whose process the Manager cannot identify (another PID namespace, no ``/proc``) is never reaped.
 """
 
 from __future__ import annotations
@@ -60,9 +67,12 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
+import select
 import threading
 import time
 import uuid
+import weakref
 from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgspec
@@ -82,6 +92,7 @@ from .geometry import (
     layer_attention,
     num_blocks,
     parse_dtype,
+    process_start_time,
     validate_registration,
 )
 from .histogram import DURATION_BUCKETS_S, DurationCounter, DurationHistogram
@@ -185,6 +196,9 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.
     ssd_prefetch_chunks: int = 2
     ssd_prefetch_bytes: int = 32 << 20
+    #: Seconds between checks that watched engines' processes (registrations with a ``pid``) still run;
+    #: a dead one is unregistered. 0: never checked.
+    engine_check_interval: float = 1.0
 
 
 # ---------------------------------------------------------------------------------------------- requests / results
@@ -211,6 +225,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     exact_layers: list[int]
     device: str  # "host" (shared-memory pages) or "cuda:N"
     registration: EngineRegistration
+    #: True when the Manager watches the registration's ``pid`` and unregisters the engine when it exits.
+    watched: bool = False
 
 
 class LookupResult(msgspec.Struct, frozen=True):
@@ -350,6 +366,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     prefetch_bytes: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
+    #: Engines the Manager unregistered because their process had exited.
+    engines_reaped: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -438,16 +456,69 @@ class _Seg:
 
 class _Engine:
     def __init__(self, info: EngineInfo, reg: EngineRegistration, ns: bytes, segs: list[_Seg],
-                 num_blocks: int, imports: list) -> None:
+                 num_blocks: int, imports: list, watch: "_ProcessWatch | None") -> None:
         self.info = info
         self.reg = reg
         self.ns = ns
         self.segs = segs
         self.num_blocks = num_blocks
-        self.imports = imports
+        self.imports = imports  # closed on unregister (the watch too, when there is one)
+        self.watch = watch
         self.inflight = 0
         self.closing = False
         self.leases: set[int] = set()
+
+
+class _ProcessWatch:
+    """Whether one engine process still runs. A pidfd names the process itself, so a reused pid cannot
+    fool it; without one (no ``os.pidfd_open``, a kernel before 5.3, a seccomp filter) ``kill(pid, 0)``
+    and the start time in ``/proc/PID/stat`` (a zombie counts as dead) tell the same."""
+
+    __slots__ = ("pid", "start", "fd")
+
+    def __init__(self, pid: int, start: int, fd: int) -> None:
+        self.pid = pid
+        self.start = start
+        self.fd = fd
+
+    @classmethod
+    def open(cls, pid: int, start: int | None) -> "_ProcessWatch | None":
+        """A watch on ``pid``; None when this host shows no running process ``pid`` that started at
+        ``start`` (another PID namespace, a reused pid, no ``/proc``): such an engine is not watched."""
+        fd = -1
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is not None:
+            try:
+                fd = pidfd_open(pid)
+            except ProcessLookupError:
+                return None
+            except OSError:
+                fd = -1
+        # Read after the pidfd is open: if the pid changed hands in between, the start time differs.
+        now = process_start_time(pid)
+        if now is None or (start is not None and now != start):
+            if fd >= 0:
+                os.close(fd)
+            return None
+        return cls(pid, now, fd)
+
+    def alive(self) -> bool:
+        if self.fd >= 0:
+            p = select.poll()
+            p.register(self.fd, select.POLLIN)
+            return not p.poll(0)  # a pidfd turns readable when its process exits
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's process: it exists
+        return process_start_time(self.pid) == self.start
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class _Lease:
@@ -543,6 +614,10 @@ class Manager:
         self._succ: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         self._succ_lock = threading.Lock()
         self._inval_epoch = 0  # bumped by invalidate(): a prefetch that raced one is not kept
+        if config.engine_check_interval < 0:
+            raise ValueError("engine_check_interval must be >= 0")
+        self._watcher: threading.Thread | None = None  # started with the first watched engine
+        self._watcher_stop = threading.Event()
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
@@ -593,6 +668,14 @@ class Manager:
                 raise GeometryError("codec", str(e)) from None
         imports: list = []
         try:
+            watch = None
+            if reg.pid is not None and self._config.engine_check_interval > 0:
+                watch = _ProcessWatch.open(reg.pid, reg.pid_start_time)
+                if watch is None:
+                    log.warning("engine process %d is not visible to the Manager as registered (another PID "
+                                "namespace, or it exited): it will not be unregistered when it dies", reg.pid)
+                else:
+                    imports.append(watch)
             arrays, device = self._import_tensors(reg, imports)
             segs: list[_Seg] = []
             exact_layers: set[int] = set()
@@ -614,8 +697,14 @@ class Manager:
                 info = EngineInfo(engine_id=engine_id, namespace=ns.hex(), codec=codec_name, model=reg.model,
                                   layer_start=reg.layer_start, layer_end=reg.layer_end, num_blocks=blocks,
                                   segments_per_chunk=len(segs), exact_layers=sorted(exact_layers), device=device,
-                                  registration=reg)
-                self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports)
+                                  registration=reg, watched=watch is not None)
+                self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports, watch)
+                if watch is not None and self._watcher is None:
+                    self._watcher = threading.Thread(
+                        target=_watch_engines, args=(weakref.ref(self), self._watcher_stop,
+                                                     self._config.engine_check_interval),
+                        name="orbitkv-engine-watch", daemon=True)
+                    self._watcher.start()
             return info
         except BaseException:
             _close_imports(imports)
@@ -675,9 +764,14 @@ class Manager:
     def unregister_engine(self, engine_id: str, *, timeout: float | None = 60.0) -> None:
         """Refuse new requests for the engine, wait for its outstanding ones, release its leases, codec
         resources and imported tensors. Cached objects stay (they belong to the namespace)."""
+        self._unregister(engine_id, timeout)
+
+    def _unregister(self, engine_id: str, timeout: float | None, only: _Engine | None = None) -> None:
+        """:meth:`unregister_engine`; with ``only``, only that registration (not a later one that took
+        the same id while the reaper looked)."""
         with self._lock:
             eng = self._engines.get(engine_id)
-            if eng is None or eng.closing:
+            if eng is None or eng.closing or (only is not None and eng is not only):
                 raise UnknownEngine(f"no engine {engine_id!r} is registered")
             eng.closing = True
             if not self._cond.wait_for(lambda: eng.inflight == 0, timeout):
@@ -687,7 +781,27 @@ class Manager:
             del self._engines[engine_id]
         for lease in leases:
             self._drop_lease(lease)
+        # The segment views are the last references into the imported memory: dropped first, the
+        # imports' close unmaps the pages file (or closes the CUDA IPC mapping) at once.
+        eng.segs = []
         _close_imports(eng.imports)
+
+    def _reap_dead(self) -> None:
+        """Unregister every watched engine whose process has exited (the watcher thread's round)."""
+        with self._lock:
+            watched = [(i, e) for i, e in self._engines.items() if e.watch is not None and not e.closing]
+        for engine_id, eng in watched:
+            if eng.watch.alive():
+                continue
+            try:
+                self._unregister(engine_id, 60.0, only=eng)
+            except UnknownEngine:
+                continue  # unregistered meanwhile
+            except EngineBusy as e:  # requests still running for it: the next round tries again
+                log.warning("engine %r (pid %d) exited but %s", engine_id, eng.watch.pid, e)
+                continue
+            self._add(engines_reaped=1)
+            log.warning("engine %r: its process %d exited; unregistered it", engine_id, eng.reg.pid)
 
     # -- data path -----------------------------------------------------------------------------------
 
@@ -1422,7 +1536,7 @@ class Manager:
                 gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),
                 gpu_cpu_fallbacks=per_worker("cpu_fallbacks"),
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
-                prefetch_hits=pf_hits, prefetch_wasted=pf_wasted)
+                prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]))
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1589,6 +1703,10 @@ class Manager:
                 return
             self._closed = True
             ids = list(self._engines)
+            watcher = self._watcher
+        self._watcher_stop.set()
+        if watcher is not None:
+            watcher.join()
         for engine_id in ids:
             try:
                 self.unregister_engine(engine_id)
@@ -1618,7 +1736,21 @@ _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seco
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
-             "dropped_segments", "prefetch_segments", "prefetch_bytes")
+             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped")
+
+
+def _watch_engines(manager: "weakref.ref[Manager]", stop: threading.Event, interval: float) -> None:
+    """The watcher thread: every ``interval`` seconds, reap the Manager's dead engines. Holds the
+    Manager only during a round, so a Manager dropped without :meth:`Manager.close` can still go."""
+    while not stop.wait(interval):
+        m = manager()
+        if m is None:
+            return
+        try:
+            m._reap_dead()
+        except Exception:  # the watcher must outlive one bad round
+            log.exception("engine liveness check failed")
+        del m
 
 
 class _SaveAcc:

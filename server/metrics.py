@@ -87,6 +87,8 @@ class ManagerCollector(Collector):
 
     def _manager_families(self, s: ManagerStats, lower: str | None, has_peers: bool) -> Iterator[Metric]:
         yield _gauge("engines", "registered engines", s.engines)
+        yield _counter("engines_reaped", "engines unregistered by the Manager because their process exited",
+                       s.engines_reaped)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
         yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],

@@ -134,6 +134,12 @@ class RegisterRequest(_Strict):
     page_first: bool = False
     engine_id: str | None = Field(default=None, pattern=ENGINE_ID,
                                   description="ask for this id (409 when taken); null: the Manager picks one")
+    pid: int | None = Field(default=None, ge=1, lt=1 << 22, description=(
+        "the engine's process id on the Manager's host: the Manager unregisters the engine when that "
+        "process exits; null: never (DELETE it)"))
+    pid_start_time: int | None = Field(default=None, ge=0, lt=1 << 63, description=(
+        "start time of pid (clock ticks after boot, field 22 of /proc/PID/stat): the engine is watched "
+        "only if the Manager sees pid with this start time; null: the Manager reads it at registration"))
 
     def to_registration(self, shm_path: typing.Callable[[str, str], str]) -> EngineRegistration:
         """The Manager's registration; ``shm_path(name, field)`` maps a handle's object name to the file

@@ -38,6 +38,7 @@ engine recomputes.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
@@ -717,7 +718,7 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
     0, 1, ...); the stage range is ``[min, max + 1)`` of ``num_layers`` (default: the range's end) and must
     be complete. None when a tensor is not in that layout, the Manager cannot reach it, or the layers
     are not one contiguous stage (the adapter then stays off rather than guess)."""
-    from ..geometry import EngineRegistration, TensorDesc
+    from ..geometry import EngineRegistration, TensorDesc, process_start_time
 
     layers = list(range(len(kv_caches))) if layers is None else [int(x) for x in layers]
     if len(layers) != len(kv_caches) or not layers:
@@ -750,7 +751,8 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
     return EngineRegistration(model=model, num_layers=total, layer_start=start, layer_end=end, block_size=block_size,
                               num_heads=heads, head_dim=head_dim, dtype=dtype, tensors=tensors,
                               model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
-                              tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
+                              tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,
+                              pid=os.getpid(), pid_start_time=process_start_time(os.getpid()))
 
 
 #: The former name, for callers outside the adapters (tools/bench_cohort.py registers GPU pages through it).
@@ -790,7 +792,7 @@ class StagingPages:
     def registration(self, *, model: str, engine_kind: str, codec: str | None = None, engine_id: str | None = None,
                      tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                      model_revision: str = "") -> object:
-        from ..geometry import EngineRegistration
+        from ..geometry import EngineRegistration, process_start_time
 
         tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed")
                    for layer in range(self.num_layers)]
@@ -798,7 +800,8 @@ class StagingPages:
             model=model, num_layers=self.num_layers, layer_start=0, layer_end=self.num_layers,
             block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
             tensors=tensors, model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
-            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id)
+            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,
+            pid=os.getpid(), pid_start_time=process_start_time(os.getpid()))
 
     def close(self) -> None:
         self._kv = []

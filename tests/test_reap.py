@@ -1,0 +1,156 @@
+"""Dead engines: a real engine process registers host pages through the data plane, is killed with SIGKILL,
+and the Manager unregisters it by itself (its leases, reservations and pages-file mapping released)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from prometheus_client import generate_latest
+
+from orbitkv_fs.connectors.common import RestRegistrar, StagingPages
+from orbitkv_fs.dataplane import DataPlaneServer
+from orbitkv_fs.geometry import EngineRegistration, GeometryError, process_start_time
+from orbitkv_fs.manager import Manager, ManagerConfig, UnknownEngine
+from server.metrics import build_registry
+from server.models import RegisterRequest
+
+INTERVAL = 0.2
+
+# The engine: staging pages (the connectors' registration, which carries its pid), a save, a lookup whose
+# lease it never releases; then it reports and waits to be killed.
+ENGINE = textwrap.dedent("""
+    import sys, time
+    from orbitkv_fs.connectors.common import StagingPages
+    from orbitkv_fs.dataplane import RemoteClient
+    from orbitkv_fs.keys import chunk_key
+    from orbitkv_fs.manager import ChunkBlocks
+
+    pages = StagingPages(num_layers=2, slots=16, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    pages.key(0)[...] = 1
+    c = RemoteClient(sys.argv[1], timeout=30)
+    eng = c.register(pages.registration(model="m", engine_kind="test"))
+    chunks = [ChunkBlocks(chunk_key(f"c{i}"), [i]) for i in range(4)]
+    c.save(eng.engine_id, chunks)
+    hit = c.lookup(eng.engine_id, [ch.key for ch in chunks])
+    print(eng.engine_id, pages.pages.path, hit.count, hit.lease_id, eng.watched, flush=True)
+    time.sleep(600)
+""")
+
+
+def mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(path) for line in f)
+
+
+def start_engine(endpoint: str) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, endpoint], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    if len(line) != 5:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"engine process failed: {line}")
+    return proc, line
+
+
+@pytest.mark.parametrize("mode", ["pidfd", "kill0"])
+def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monkeypatch, mode):
+    if mode == "pidfd" and not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfd on this platform")
+    if mode == "kill0":
+        monkeypatch.delattr(os, "pidfd_open", raising=False)  # kill(pid, 0) + /proc/PID/stat start time
+    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu", engine_check_interval=INTERVAL)) as m:
+        srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock", workers=2)
+        proc, (engine_id, path, count, lease_id, watched) = start_engine(srv.endpoint)
+        try:
+            assert (count, watched) == ("4", "True") and lease_id != "0"
+            info = m.get_engine(engine_id)
+            assert info.watched and info.registration.pid == proc.pid
+            st = m.stats()
+            assert st.engines == 1 and st.leases_active == 4  # the lookup pinned its 4 chunks
+            assert mapped(path)
+            time.sleep(3 * INTERVAL)  # alive: the watcher leaves it alone
+            assert m.stats().engines == 1
+            proc.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            # Not waited for yet: the child stays a zombie, which must count as dead.
+            while m.stats().engines and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            gone = time.monotonic() - t0
+            assert gone < INTERVAL + 1.0, f"reaped after {gone:.2f}s"
+            with pytest.raises(UnknownEngine):
+                m.get_engine(engine_id)
+            st = m.stats()
+            assert st.engines_reaped == 1
+            assert (st.engines, st.reserved_bytes, st.leases_active, st.leased_bytes, st.workspace_bytes,
+                    st.inflight_requests) == (0, 0, 0, 0, 0, 0)
+            assert st.resident_objects["dram"] == 16  # cached objects belong to the namespace: they stay
+            assert not mapped(path)
+            assert b"orbitkv_engines_reaped_total 1.0" in generate_latest(build_registry(m))
+        finally:
+            proc.kill()
+            proc.wait()
+            srv.close()
+            if os.path.exists(path):
+                os.unlink(path)  # the engine died before it could remove its pages file
+
+
+def test_engine_without_pid_or_unidentified_process_is_never_reaped():
+    pages = StagingPages(num_layers=2, slots=4, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        reg = pages.registration(model="m", engine_kind="test")
+        assert reg.pid == os.getpid() and reg.pid_start_time == process_start_time(os.getpid())
+        fields = {f: getattr(reg, f) for f in reg.__struct_fields__}
+        start = None
+        while start is None:  # the child's /proc entry exists once it is forked
+            start = process_start_time(sleeper.pid)
+        with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", engine_check_interval=INTERVAL)) as m:
+            own = m.register_engine(reg)  # embedded: this process
+            bare = m.register_engine(EngineRegistration(**{**fields, "pid": None, "pid_start_time": None,
+                                                           "engine_id": "bare"}))
+            # The sleeper's pid, but another start time: as another PID namespace (or a reused pid) would
+            # show it. Not watched, so its death below must not unregister it.
+            other = m.register_engine(EngineRegistration(**{**fields, "pid": sleeper.pid,
+                                                            "pid_start_time": start + 1, "engine_id": "other"}))
+            mine = m.register_engine(EngineRegistration(**{**fields, "pid": sleeper.pid, "pid_start_time": start,
+                                                           "engine_id": "sleeper"}))
+            assert (own.watched, bare.watched, other.watched, mine.watched) == (True, False, False, True)
+            sleeper.kill()
+            sleeper.wait()  # reaped by us: the pid is gone
+            deadline = time.monotonic() + 10
+            while m.stats().engines_reaped < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(3 * INTERVAL)
+            assert sorted(e.engine_id for e in m.list_engines()) == sorted([own.engine_id, "bare", "other"])
+            assert m.stats().engines_reaped == 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        pages.close()
+
+
+def test_pid_fields_are_validated_and_carried_over_rest():
+    pages = StagingPages(num_layers=1, slots=4, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    try:
+        reg = pages.registration(model="m", engine_kind="test")
+        fields = {f: getattr(reg, f) for f in reg.__struct_fields__}
+        with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m:
+            for bad, field in (({"pid": 0}, "pid"), ({"pid": 1 << 22}, "pid"),
+                               ({"pid": None, "pid_start_time": 5}, "pid_start_time"),
+                               ({"pid_start_time": -1}, "pid_start_time")):
+                with pytest.raises(GeometryError) as ei:
+                    m.register_engine(EngineRegistration(**{**fields, **bad}))
+                assert ei.value.field == field
+            assert m.stats().engines == 0
+        # The REST body the connectors send is accepted, and the pid reaches the Manager's registration.
+        body = RegisterRequest.model_validate(RestRegistrar.body(reg))
+        back = body.to_registration(lambda name, field: os.path.join("/dev/shm", name))
+        assert (back.pid, back.pid_start_time) == (reg.pid, reg.pid_start_time)
+    finally:
+        pages.close()
