@@ -104,9 +104,9 @@ class SsdConfig:
     #: Demand-read priority: while a demand read is in progress, and for ``demand_holdoff`` seconds after
     #: the last one ended (a restore reads in batches), the writeback lane keeps at most this many bytes
     #: of writes in flight (at least one write). The device serves a read after the writes it already
-    #: holds: with 32 x 1 MiB in flight, 64 KiB reads waited about 25 ms at p50 on the development VM.
-    #: None turns the throttle off.
-    write_bytes_while_reading: int | None = 2 << 20
+    #: holds: with 32 x 1 MiB in flight, 64 KiB reads waited about 20 ms at p50 on the development VM;
+    #: 1 MiB read best of 1/2/4/8 MiB there (docs/results/2026-11-29-ssd-3). None turns the throttle off.
+    write_bytes_while_reading: int | None = 1 << 20
     demand_holdoff: float = 0.01
 
     def __post_init__(self) -> None:
