@@ -54,7 +54,8 @@ def requester():
 
     def make(peers, namespaces=(NS,), **cfg):
         arena = ShmArena(1 << 20, list(namespaces))
-        node = PeerNode(arena, peers=peers, config=PeerConfig(**{"staging_bytes": 64 << 20, **cfg}))
+        # Budget 5 s unless a test is about the budget: a loaded 2-core CI host connects slowly.
+        node = PeerNode(arena, peers=peers, config=PeerConfig(**{"staging_bytes": 64 << 20, "budget_s": 5.0, **cfg}))
         nodes.append((node, arena))
         return node, arena
 
@@ -329,7 +330,7 @@ def test_fetch_into_a_manager_arena(servers):
 
     _, a = servers(["6:65536:14", "2:4194304:15"], extra=["--corrupt", "1"])
     m = Manager(ManagerConfig(pool_size=32 << 20, device="cpu"))
-    node = PeerNode(m, peers=[a["address"]], config=PeerConfig(staging_bytes=1 << 20))
+    node = PeerNode(m, peers=[a["address"]], config=PeerConfig(staging_bytes=1 << 20, budget_s=5.0))
     try:
         segs = make_segments(NS, 6, 65536, 14) + make_segments(NS, 2, 4194304, 15)
         published = node.client.fetch_into(m, [k for k, _ in segs])

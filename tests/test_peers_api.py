@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from orbitkv_fs.peers import PeerNode, transport_available
+from orbitkv_fs.peers.client import PeerConfig
 from orbitkv_fs.tools.bench_peer import ShmArena
 
 pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
@@ -90,7 +91,8 @@ def test_peer_routes_and_metrics_in_the_control_plane(tmp_path):
     ns = bytes(range(16))
     proc, a = start_server(ns, ["2:65536:21"])
     m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu"))
-    node = PeerNode(m)
+    # A generous budget: the first fetch also connects to the peer, slow on a loaded 2-core CI host.
+    node = PeerNode(m, config=PeerConfig(budget_s=10.0))
     http = HttpServer(create_app(m, admin_token=AdminToken("sekret-0123456789abcdef"), address="127.0.0.1:0", peer_node=node),
                       "127.0.0.1", 0).start()
     try:
