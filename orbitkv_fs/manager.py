@@ -533,6 +533,13 @@ class _Lease:
 _REP_NAMES = {int(f): f.name.lower() for f in Format}
 
 
+def _check_keys(chunks: Sequence[bytes]) -> None:
+    """Raises :class:`RequestError` naming the first of ``chunks`` that is not a 16-byte key."""
+    for i, c in enumerate(chunks):
+        if not isinstance(c, bytes) or len(c) != 16:
+            raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
+
+
 def _pack(ns: bytes, chunk: bytes, layer: int, role: Role) -> bytes:
     return ObjectKey(ns, chunk, layer, role).pack()
 
@@ -650,7 +657,8 @@ class Manager:
         with self._lock:
             eng.inflight -= 1
             self._inflight -= 1
-            self._cond.notify_all()
+            if eng.closing:  # only unregister waits (for a closing engine's requests to drain)
+                self._cond.notify_all()
 
     # -- engines -------------------------------------------------------------------------------------
 
@@ -825,12 +833,13 @@ class Manager:
         lease id) or :meth:`release`."""
         eng = self._enter(engine_id)
         try:
-            for i, c in enumerate(chunks):
-                if not isinstance(c, bytes) or len(c) != 16:
-                    raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
+            for c in chunks:
+                if type(c) is not bytes or len(c) != 16:
+                    _check_keys(chunks)  # raises naming the bad key (a bytes subclass passes)
+                    break
             nseg = len(eng.segs)
             pin = _Lease(engine_id)
-            ns_chunks = [eng.ns + c for c in chunks]
+            ns_chunks = list(map(eng.ns.__add__, chunks))
             n_dram = self.dram.leading_complete(ns_chunks, nseg, pin=lease)
             if lease:
                 pin.chunks.extend(ns_chunks[:n_dram])
@@ -854,7 +863,9 @@ class Manager:
                 with self._lock:
                     self._leases[lease_id] = pin
                     eng.leases.add(lease_id)
-            self._add(lookups=1, lookup_chunks_hit=count + n_peer)
+            with self._stat_lock:  # not _add: its keyword loop costs more than the counting
+                self._c["lookups"] += 1
+                self._c["lookup_chunks_hit"] += count + n_peer
             return LookupResult(count=count + n_peer, lease_id=lease_id, dram=n_dram, lower=n_lower, peer=n_peer)
         finally:
             self._exit(eng)

@@ -22,11 +22,12 @@ Invariants (all under :attr:`DramTier.lock`):
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import threading
 import uuid
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -168,7 +169,8 @@ class DramTier:
         self.lock = threading.Lock()
         self.demote = demote
         self.reserved_bytes = 0
-        self.chunk_pins: dict[bytes, int] = {}  # namespace + chunk -> lookup leases pinning it
+        # namespace + chunk -> lookup leases pinning it; a Counter: update() counts a list at C speed.
+        self.chunk_pins: collections.Counter[bytes] = collections.Counter()
         self.pins_active = 0
         self.leases_active = 0  # lease references held on objects
         self.leased_bytes = 0
@@ -277,39 +279,38 @@ class DramTier:
                 if ix.leases[slot] == 0 and ix.state[slot] == HIDDEN:
                     self._free_slot(slot)
 
-    def pin_chunks(self, ns_chunks: Iterable[bytes]) -> None:
+    def pin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
         """Keep every segment of these chunks (namespace + chunk) from eviction: a lookup's lease. Costs
         one dict entry per chunk, not one lease per segment."""
         with self.lock:
-            for c in ns_chunks:
-                self.chunk_pins[c] = self.chunk_pins.get(c, 0) + 1
-                self.pins_active += 1
+            self.chunk_pins.update(ns_chunks)
+            self.pins_active += len(ns_chunks)
 
-    def unpin_chunks(self, ns_chunks: Iterable[bytes]) -> None:
+    def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
+        pins = self.chunk_pins
+        pop = pins.pop
         with self.lock:
             for c in ns_chunks:
-                n = self.chunk_pins[c] - 1
-                if n:
-                    self.chunk_pins[c] = n
-                else:
-                    del self.chunk_pins[c]
-                self.pins_active -= 1
+                # Most chunks hold one pin: one dict operation (pop) drops it; KeyError when none is held.
+                n = pop(c)
+                if n > 1:
+                    pins[c] = n - 1
+            self.pins_active -= len(ns_chunks)
 
-    def leading_complete(self, ns_chunks: list[bytes], nseg: int, *, pin: bool) -> int:
+    def leading_complete(self, ns_chunks: Sequence[bytes], nseg: int, *, pin: bool) -> int:
         """How many leading chunks have all ``nseg`` segments published; with ``pin`` they are pinned
         (one lock round for the whole lookup)."""
-        counts = self.index.chunks
+        count_of = self.index.chunks.get
+        n = 0
         with self.lock:
-            n = 0
             for c in ns_chunks:
-                if counts.get(c, 0) < nseg:
+                if count_of(c, 0) < nseg:
                     break
                 n += 1
-            if pin:
-                for c in ns_chunks[:n]:
-                    self.chunk_pins[c] = self.chunk_pins.get(c, 0) + 1
+            if pin and n:
+                self.chunk_pins.update(ns_chunks if n == len(ns_chunks) else ns_chunks[:n])
                 self.pins_active += n
-            return n
+        return n
 
     def _pinned(self, slot: int) -> bool:
         ix = self.index
