@@ -55,6 +55,7 @@ __all__ = [
     "layer_attention",
     "num_blocks",
     "parse_dtype",
+    "process_start_time",
     "validate_registration",
 ]
 

@@ -1,5 +1,6 @@
 """Dead engines: a real engine process registers host pages through the data plane, is killed with SIGKILL,
-and the Manager unregisters it by itself (its leases, reservations and pages-file mapping released)."""
+and the Manager unregisters it by itself (its leases, reservations and pages-file mapping released),
+after the requests it still had in flight; engines without a pid, or whose pid names another process, stay."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -16,7 +18,8 @@ from prometheus_client import generate_latest
 from orbitkv_fs.connectors.common import RestRegistrar, StagingPages
 from orbitkv_fs.dataplane import DataPlaneServer
 from orbitkv_fs.geometry import EngineRegistration, GeometryError, process_start_time
-from orbitkv_fs.manager import Manager, ManagerConfig, UnknownEngine
+from orbitkv_fs.keys import chunk_key
+from orbitkv_fs.manager import Manager, ManagerConfig, TierCounts, UnknownEngine
 from server.metrics import build_registry
 from server.models import RegisterRequest
 
@@ -153,4 +156,84 @@ def test_pid_fields_are_validated_and_carried_over_rest():
         back = body.to_registration(lambda name, field: os.path.join("/dev/shm", name))
         assert (back.pid, back.pid_start_time) == (reg.pid, reg.pid_start_time)
     finally:
+        pages.close()
+
+
+class _StallingTier:
+    """A lower tier that claims every object and holds the first read until ``go`` is set: a request in
+    flight for as long as the test wants."""
+
+    name = "stall"
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.go = threading.Event()
+
+    def submit(self, key, segment, *, timeout=0.0):
+        return False
+
+    def read(self, key):
+        return None
+
+    def read_many(self, keys):
+        self.reading.set()
+        assert self.go.wait(30)
+        return [None] * len(keys)
+
+    def contains(self, key):
+        return True
+
+    def invalidate(self, *, keys=None, namespace=None, all=False):
+        return TierCounts()
+
+    def flush(self):
+        pass
+
+    def stats(self):
+        return {}
+
+    def iter_objects(self, namespace=None):
+        return iter(())
+
+    def close(self):
+        pass
+
+
+def test_reaping_waits_for_the_dead_engines_requests_in_flight():
+    pages = StagingPages(num_layers=1, slots=4, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    tier = _StallingTier()
+    try:
+        reg = pages.registration(model="m", engine_kind="test")
+        start = None
+        while start is None:
+            start = process_start_time(sleeper.pid)
+        reg = EngineRegistration(**{**{f: getattr(reg, f) for f in reg.__struct_fields__},
+                                    "pid": sleeper.pid, "pid_start_time": start})
+        with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", engine_check_interval=INTERVAL),
+                     lower_tier=tier) as m:
+            e = m.register_engine(reg).engine_id
+            result: list = []
+            t = threading.Thread(target=lambda: result.append(m.lookup(e, [chunk_key("x")])))
+            t.start()
+            assert tier.reading.wait(30)  # the lookup is in flight, inside the lower tier
+            sleeper.kill()
+            sleeper.wait()
+            time.sleep(4 * INTERVAL)
+            # Being unregistered: refused to new requests, not yet gone (its request still runs).
+            with pytest.raises(UnknownEngine):
+                m.lookup(e, [chunk_key("y")])
+            assert m.stats().engines_reaped == 0 and m.stats().inflight_requests == 1
+            tier.go.set()
+            t.join(30)
+            assert result and result[0].count == 0
+            deadline = time.monotonic() + 10
+            while m.stats().engines_reaped < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            st = m.stats()
+            assert (st.engines_reaped, st.engines, st.inflight_requests, st.leases_active) == (1, 0, 0, 0)
+    finally:
+        tier.go.set()
+        sleeper.kill()
+        sleeper.wait()
         pages.close()
