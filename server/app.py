@@ -28,7 +28,8 @@ Invariants: every error is ``{code, message[, field]}`` (:mod:`.errors`); reques
 path -- a host-pages handle names a regular file directly inside the Manager's ``--shm-dir`` (no
 symlinks, FIFOs or devices), and the Manager maps a registration's handles for that engine alone, closing
 them when it unregisters; memory a registered engine holds cannot be registered again (409
-``handle_in_use``: REST cannot tell which process sent a handle, so nobody registers over an engine's pages); blocking Manager calls run in the threadpool, never on the event loop.
+``handle_in_use``: REST cannot tell which process sent a handle, so nobody registers over an engine's
+pages); blocking Manager calls run in the threadpool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _engine_out(info: EngineInfo) -> EngineOut:
                      num_heads=r.num_heads, head_dim=r.head_dim, dtype=r.dtype, num_blocks=info.num_blocks,
                      tensors=len(r.tensors), segments_per_chunk=info.segments_per_chunk,
                      exact_layers=list(info.exact_layers), device=info.device, tp_rank=r.tp_rank,
-                     tp_size=r.tp_size, pp_rank=r.pp_rank, pp_size=r.pp_size)
+                     tp_size=r.tp_size, pp_rank=r.pp_rank, pp_size=r.pp_size, pid=r.pid, watched=info.watched)
 
 
 def _shm_resolver(shm_dir: str):

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",
                    help="auto: pin the arena and use the GPU codec engine when a GPU is present")
+    g.add_argument("--engine-check-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="how often to check that registered engines' processes still run (0: never; a dead "
+                        "engine is unregistered as by DELETE /v1/engines/{id})")
     g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
     g.add_argument("--data-plane-workers", type=int, default=4,
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
                          storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
-                         shm_dir=args.shm_dir, device=args.device,
+                         shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)
 
 

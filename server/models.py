@@ -183,6 +183,8 @@ class EngineOut(BaseModel):
     tp_size: int
     pp_rank: int
     pp_size: int
+    pid: int | None = Field(None, description="the engine's process id, when it registered one")
+    watched: bool = Field(False, description="the Manager checks that process and unregisters a dead engine")
 
 
 class EngineList(BaseModel):

@@ -155,6 +155,15 @@ def test_pid_fields_are_validated_and_carried_over_rest():
         body = RegisterRequest.model_validate(RestRegistrar.body(reg))
         back = body.to_registration(lambda name, field: os.path.join("/dev/shm", name))
         assert (back.pid, back.pid_start_time) == (reg.pid, reg.pid_start_time)
+        # GET /v1/engines shows the pid and whether the Manager watches it.
+        from server.app import _engine_out
+
+        with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m:
+            out = _engine_out(m.register_engine(reg))
+            assert (out.pid, out.watched) == (os.getpid(), True)
+            out = _engine_out(m.register_engine(EngineRegistration(**{**fields, "pid": None, "pid_start_time": None,
+                                                                        "tensors": reg.tensors})))
+            assert (out.pid, out.watched) == (None, False)
     finally:
         pages.close()
 
