@@ -30,7 +30,8 @@ Invariants:
    progress, and for ``demand_holdoff`` seconds after the last one ended, the lane starts a write only
    while fewer than ``write_bytes_while_reading`` bytes of writes are in flight (always at least one
    write): a read waits behind every write the device already holds, so the bytes in flight bound it.
-   The writeback ring is driven
+   Staging buffers of 1 MiB and more live in huge pages, so a large write reaches the device as a few
+   contiguous segments, not one per 4 KiB page. The writeback ring is driven
    by whichever thread gets to it first (``_pump``: a bulk submitter starts its own write; the lane's
    thread takes over when nobody does), so a bulk write never waits for another thread to get the GIL.
 5. Invalidated records have their header block zeroed once unleased, so ``recover`` cannot bring them back.
