@@ -331,9 +331,9 @@ def test_throttle_config_errors(ssd_dir):
 
 
 def test_large_records_stage_in_huge_pages(ssd_dir):
-    """Records of 1 MiB and more are staged in huge-page buffers (1 MiB ones carved two per 2 MiB page);
-    they write and read back intact, and their buffers return to the pool as the size class they are."""
-    sizes = [300_000, 700_000, 1_200_000]  # float16: records in the 1, 2 and 4 MiB classes
+    """Records of 64 KiB and more are staged in huge-page buffers (classes below 2 MiB carved from a 2 MiB
+    page); they write and read back intact, and their buffers return to the pool as the size class they are."""
+    sizes = [20_000, 300_000, 700_000, 1_200_000]  # float16: records in the 64 KiB, 1, 2 and 4 MiB classes
     with make(ssd_dir, shards=1, capacity=64 << 20) as t:
         segs = {key(i): segment(i, n=n) for i, n in enumerate(sizes * 2)}
         for k, v in segs.items():
@@ -346,4 +346,5 @@ def test_large_records_stage_in_huge_pages(ssd_dir):
         assert t._staging(700_000).obj is a.obj
         big = t._staging(1_400_000)
         assert isinstance(big.obj, mmap.mmap) and len(big.obj) == 2 << 20
-        assert isinstance(t._staging(70_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages
+        assert isinstance(t._staging(70_000).obj, ctypes.Array) and len(t._staging(70_000).obj) == 128 << 10
+        assert isinstance(t._staging(20_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages
