@@ -7,12 +7,9 @@ stdin/stdout with JSON lines."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
+from json_child import JsonChild, spawner
 from orbitkv_fs.peers import transport_available
 from test_ssd_common import direct_io_dir
 
@@ -86,43 +83,16 @@ node.close(); m.close(); pages.close()
 '''
 
 
-class Mgr:
+class Mgr(JsonChild):
     def __init__(self, **cfg):
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        hello = json.loads(self.proc.stdout.readline())
-        self.address, self.namespace = hello["address"], hello["namespace"]
-
-    def __call__(self, op, **kw):
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"manager process exited ({self.proc.poll()})")
-        return json.loads(line)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(_CHILD, cfg)
+        self.address, self.namespace = self.hello["address"], self.hello["namespace"]
 
 
 @pytest.fixture
 def managers():
-    made = []
-
-    def make(**cfg):
-        m = Mgr(**cfg)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
+    with spawner(Mgr) as make:
+        yield make
 
 
 def test_ssd_resident_prefix_restores_on_a_peer(managers, tmp_path):
