@@ -845,7 +845,11 @@ class Manager:
                 pin.chunks.extend(ns_chunks[:n_dram])
             n_lower = 0
             if self.lower is not None and n_dram < len(chunks):
-                n_lower = self._promote_run(eng, chunks[n_dram:], pin if lease else None)
+                try:
+                    n_lower = self._promote_run(eng, chunks[n_dram:], pin if lease else None)
+                except BaseException:  # the lower tier failed: no lease is handed out, so no pin stays
+                    self._drop_lease(pin)
+                    raise
             count = n_dram + n_lower
             self._remember_prefix(eng, chunks)
             if n_lower:

@@ -170,3 +170,31 @@ def test_lookup_counts_what_restore_serves_while_dram_is_full_of_pinned_chunks(t
             assert_reservations_zero(m)
     finally:
         pages.close()
+
+
+def test_lookup_that_fails_in_the_lower_tier_leaves_no_pins(tier, monkeypatch):
+    """A lookup whose lower-tier read raises (an io_uring failure) fails, and hands back the chunk pins it
+    took on the DRAM run and the promotion window: nothing stays pinned for a lease nobody got."""
+    pages, reg = make_engine()
+    try:
+        with Manager(ManagerConfig(pool_size=256 << 10, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            a, b = chunks_for(1, base=0, salt="a"), chunks_for(1, base=4, salt="b")
+            m.save(e.engine_id, b)
+            m.flush_dram()  # b lives on the SSD only
+            m.save(e.engine_id, a)  # a in DRAM: the lookup pins it, then promotes b
+
+            def broken(keys, sink=None):
+                raise ssd.SsdIoError("io_uring_enter: injected")
+
+            monkeypatch.setattr(tier, "read_many", broken)
+            with pytest.raises(ssd.SsdIoError):
+                m.lookup(e.engine_id, [a[0].key, b[0].key])
+            assert_reservations_zero(m)
+            monkeypatch.undo()
+            lk = m.lookup(e.engine_id, [a[0].key, b[0].key])
+            assert (lk.count, lk.dram, lk.lower) == (2, 1, 1)
+            m.release(lk.lease_id)
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
