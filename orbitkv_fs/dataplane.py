@@ -21,10 +21,13 @@ tier or peers) take one of ``workers`` permits first; ping, stats, release and D
 so slow saves never delay lookups on other connections.
 
 Invariants: malformed or hostile input gets a typed error reply, never a crash (bytes that are not ZMTP,
-a message over :data:`MAX_MESSAGE` bytes or more than :data:`MAX_FRAMES` frames close that connection, as libzmq
-does); the server binds only loopback TCP or ipc:// unless told otherwise; the client re-raises the same
-error classes the embedded Manager raises, so both modes behave alike; a remote client is shareable
-between threads (one connection per thread) and times out instead of hanging when the server is gone.
+a message over :data:`MAX_MESSAGE` bytes or more than :data:`MAX_FRAMES` frames close that connection, as
+libzmq does); a peer stalled inside a handshake, a message or a reply's send is dropped after
+:data:`STALL_TIMEOUT_S`, and close() waits for requests in flight at most a minute in all; a failed accept
+(out of descriptors) never ends the accept thread; the server binds only loopback TCP or ipc:// unless
+told otherwise; the client re-raises the same error classes the embedded Manager raises, so both modes
+behave alike; a remote client is shareable between threads (one connection per thread, closed when its
+thread ends) and times out instead of hanging when the server is gone.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import struct
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import Any, Sequence
 
 import msgspec
@@ -67,6 +71,11 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:9092"
 MAX_MESSAGE = 64 << 20  # bytes of one message; a save of 10^6 chunks of a few blocks fits
 MAX_FRAMES = 16  # frames of one message: a REQ sends 2, a DEALER client its own envelope
 MAX_CONNECTIONS = 1024
+# Longest wait for one step of a handshake, of a message once its first byte came, or of a reply's send
+# (libzmq's ZMQ_HANDSHAKE_IVL default): a peer stalled there holds a connection slot only this long. Waiting
+# between messages is not limited -- an engine thread's connection idles between calls.
+STALL_TIMEOUT_S = 30.0
+_CLOSE_WAIT_S = 60.0  # close(): longest wait, all connections together, for the requests in flight
 _RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
 
 
@@ -326,8 +335,14 @@ class DataPlaneServer:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # close() shut the listener down
-                return
+            except OSError as e:
+                if self._stop:  # close() shut the listener down
+                    return
+                # Out of descriptors (EMFILE, ENFILE) or a peer gone before accept: transient, and the
+                # accept thread must outlive it or the server stops taking connections for good.
+                log.warning("data plane: accept failed: %s", e)
+                time.sleep(_RECONNECT_S)
+                continue
             with self._lock:
                 if self._stop or len(self._conns) >= MAX_CONNECTIONS:
                     sock.close()
@@ -342,8 +357,13 @@ class DataPlaneServer:
         try:
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(STALL_TIMEOUT_S)
             _handshake(sock, rfile, b"ROUTER", _ROUTER_PEERS)
             while True:
+                sock.settimeout(None)  # idle between requests: no limit
+                if not rfile.peek(1):
+                    break
+                sock.settimeout(STALL_TIMEOUT_S)  # a message begun must arrive, and its reply go out
                 frames = _read_message(rfile)
                 reply = self._answer(frames[-1])
                 # The envelope goes back as it came (REQ: one empty delimiter), MORE on all but the last.
@@ -353,7 +373,7 @@ class DataPlaneServer:
         except ProtocolError as e:
             log.warning("data plane: dropping a connection: %s", e)
         except OSError:
-            pass  # the peer went away, or close() shut the connection down
+            pass  # the peer went away or stalled past STALL_TIMEOUT_S, or close() shut the connection down
         finally:
             with self._lock:
                 self._conns.pop(sock, None)
@@ -428,8 +448,9 @@ class DataPlaneServer:
                 sock.shutdown(socket.SHUT_RD)  # the thread's next read ends; a reply in progress still goes
             except OSError:
                 pass
+        deadline = time.monotonic() + _CLOSE_WAIT_S
         for _, t in conns:
-            t.join(timeout=60)
+            t.join(timeout=max(deadline - time.monotonic(), 0))
 
 
 def _message(e: BaseException) -> str:
@@ -445,16 +466,21 @@ def _raise(err: WireError) -> None:
     raise exc
 
 
+def _close_conn(rfile: Any, sock: socket.socket) -> None:
+    rfile.close()
+    sock.close()
+
+
 class _Conn:
-    __slots__ = ("sock", "rfile")
+    __slots__ = ("sock", "rfile", "close", "__weakref__")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.rfile = sock.makefile("rb", 1 << 16)
-
-    def close(self) -> None:
-        self.rfile.close()
-        self.sock.close()
+        # Also runs when the thread that owned the connection has ended (its thread-local slot was the
+        # last reference): a client used from short-lived threads would otherwise keep one socket, and
+        # one server thread, per thread that ever called it.
+        self.close = weakref.finalize(self, _close_conn, self.rfile, sock)
 
 
 class RemoteClient(Client):
@@ -466,7 +492,7 @@ class RemoteClient(Client):
         self._family, self._addr = _parse_endpoint(endpoint)
         self._timeout = timeout
         self._local = threading.local()
-        self._conns: list[_Conn] = []
+        self._conns: weakref.WeakSet[_Conn] = weakref.WeakSet()  # each is held by its thread's local slot
         self._lock = threading.Lock()
         self._decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
@@ -493,14 +519,14 @@ class RemoteClient(Client):
                 sock.close()
                 raise self._no_answer(f" ({type(e).__name__}: {e})") from None
         with self._lock:
-            self._conns.append(conn)
+            self._conns.add(conn)
         self._local.conn = conn
         return conn
 
     def _drop(self, conn: _Conn) -> None:
         self._local.conn = None
         with self._lock:
-            self._conns.remove(conn)
+            self._conns.discard(conn)
         conn.close()
 
     def _call(self, req: Any, result: type | None) -> Any:
@@ -578,9 +604,10 @@ class RemoteClient(Client):
 
     def close(self) -> None:
         with self._lock:
-            for c in self._conns:
-                c.close()
+            conns = list(self._conns)
             self._conns.clear()
+        for c in conns:
+            c.close()
         self._local = threading.local()
 
 

@@ -281,3 +281,98 @@ def test_one_client_shared_by_threads(server):
 def test_bad_or_non_loopback_endpoints_are_refused(manager, endpoint, error):
     with pytest.raises(ValueError, match=error):
         DataPlaneServer(manager, endpoint)
+
+
+class _FailingAccept:
+    """A listener whose accept() fails like a process out of descriptors, then works again."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self._sock, self.failures = sock, failures
+
+    def accept(self):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(24, "Too many open files")
+        return self._sock.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_accept_survives_a_transient_error(manager, tmp_path):
+    # EMFILE on accept (descriptors run out for a moment) must not end the accept thread for good.
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock")
+    try:
+        c = RemoteClient(srv.endpoint, timeout=10)
+        c.ping()  # the accept thread is now blocked in the real listener's accept()
+        flaky = _FailingAccept(srv._listener, failures=2)
+        srv._listener = flaky
+        _raw(srv).close()  # wakes the old accept() once; the next calls go to the flaky listener
+        c2 = RemoteClient(srv.endpoint, timeout=10)
+        c2.ping()
+        assert flaky.failures == 0
+        c.close(); c2.close()
+    finally:
+        srv.close()
+
+
+def test_a_stalled_handshake_or_message_is_dropped(manager, tmp_path, monkeypatch):
+    # A peer that connects and sends nothing, half a greeting, or a frame header announcing bytes that never
+    # come holds a server thread (and a connection slot) only for the handshake/message time limit.
+    monkeypatch.setattr(dp, "STALL_TIMEOUT_S", 0.3)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock")
+    try:
+        silent = _raw(srv)
+        partial = _raw(srv)
+        partial.sendall(dp._GREETING[:20])
+        stalled, _ = _handshaken(srv)
+        stalled.sendall(dp._DELIMITER + bytes((dp._LONG,)) + struct.pack(">Q", 1 << 20) + b"x" * 100)
+        for s in (silent, partial, stalled):
+            assert _closed(s)
+            s.close()
+        RemoteClient(srv.endpoint, timeout=10).ping()
+    finally:
+        srv.close()
+
+
+def test_close_does_not_wait_on_a_peer_that_never_reads(manager, tmp_path, monkeypatch):
+    # A DEALER that pipelines requests and never reads its replies blocks the server's send; close() must
+    # still end promptly.
+    monkeypatch.setattr(dp, "STALL_TIMEOUT_S", 0.5)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock")
+    s, _ = _handshaken(srv)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    req = dp._frame(b"", dp._MORE) + dp._frame(msgspec.msgpack.encode(dp.Stats()))
+    sender = threading.Thread(target=lambda: _send_until_blocked(s, req), daemon=True)
+    sender.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    srv.close()
+    assert time.monotonic() - t0 < 5
+    s.close()
+
+
+def _send_until_blocked(s: socket.socket, req: bytes) -> None:
+    try:
+        while True:
+            s.sendall(req * 64)
+    except OSError:
+        pass
+
+
+def test_a_dead_threads_connection_is_closed(server):
+    # A client used from short-lived threads must not keep one connection (and one server thread) per
+    # thread that has ended.
+    c = RemoteClient(server.endpoint, timeout=10)
+    for _ in range(5):
+        t = threading.Thread(target=c.ping)
+        t.start()
+        t.join()
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while len(server._conns) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(server._conns) == 0
+    c.close()
