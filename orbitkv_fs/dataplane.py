@@ -539,19 +539,24 @@ class RemoteClient(Client):
             # A retry does not wait for a server that is not back yet: that is a dead Manager, not a slow one.
             conn = conn or self._connect(deadline, wait=attempt == 0)
             attempt += 1
+            replied = False
             try:
                 conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 conn.sock.sendall(msg)
+                if not conn.rfile.peek(1):  # no reply byte: the server closed before answering
+                    raise EOFError
+                replied = True  # from here on the server ran the request: never send it again
                 frames = _read_message(conn.rfile)
                 break
             except (OSError, EOFError, ProtocolError) as e:
                 # Timed out or cut off: the connection's state is unknown, so drop it.
                 self._drop(conn)
                 conn = None
-                if reused and isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
-                    # A connection from an earlier call that the server closed: it restarted (its state,
-                    # and whatever this request did there, is gone), so one retry on a new connection is
-                    # safe and spares the caller a spurious miss.
+                if reused and not replied and isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
+                    # A connection from an earlier call that the server closed before answering (it
+                    # restarted, so its state and whatever this request did there are gone, or it dropped
+                    # the connection idle): one retry on a new connection is safe and spares the caller a
+                    # spurious miss.
                     reused = False
                     continue
                 why = "" if isinstance(e, TimeoutError) else f" (connection lost: {type(e).__name__})"

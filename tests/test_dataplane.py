@@ -376,3 +376,49 @@ def test_a_dead_threads_connection_is_closed(server):
         time.sleep(0.05)
     assert len(server._conns) == 0
     c.close()
+
+
+def test_no_retry_once_part_of_the_reply_came(tmp_path):
+    # A connection cut after the server began its reply (it ran the request, then dropped a peer whose
+    # reads stalled) must not be retried: the request would run twice.
+    path = f"{tmp_path}/fake.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(10)
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        rfile = conn.makefile("rb")
+        dp._handshake(conn, rfile, b"ROUTER", (b"REQ",))
+        ok = dp._frame(b"", dp._MORE) + dp._frame(dp._OK + msgspec.msgpack.encode(None))
+        requests.append(dp._read_message(rfile)[-1])
+        conn.sendall(ok)
+        requests.append(dp._read_message(rfile)[-1])
+        conn.sendall(ok[:3])  # part of the reply, then gone
+        rfile.close()
+        conn.close()
+        listener.settimeout(1)
+        try:
+            again, _ = listener.accept()  # a retry would come here
+        except TimeoutError:
+            return
+        rfile = again.makefile("rb")
+        try:
+            dp._handshake(again, rfile, b"ROUTER", (b"REQ",))
+            requests.append(dp._read_message(rfile)[-1])
+            again.sendall(ok)
+        except (OSError, EOFError):
+            pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = RemoteClient(f"ipc://{path}", timeout=5)
+    c.ping()
+    with pytest.raises(OrbitKVError, match="connection lost"):
+        c.ping()
+    c.close()
+    t.join(15)
+    listener.close()
+    assert len(requests) == 2
