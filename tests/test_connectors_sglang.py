@@ -205,3 +205,47 @@ def test_pages_the_manager_dropped_are_not_reported_stored() -> None:
             assert m.stats().dropped_segments > 0 and backend.batch_exists(["a", "b"]) == 0
         finally:
             backend.close()
+
+
+@pytest.mark.parametrize("op", ["batch_set_v1", "batch_get_v1"])
+def test_close_waits_for_a_transfer_in_flight(manager, op: str) -> None:
+    # SGLang's backup and prefetch threads can be inside a transfer when the backend is closed: the transfer
+    # finishes (or reports a miss), it never raises into SGLang's thread or touches closed staging pages.
+    import threading
+
+    pool = _pool("layer_first")
+    backend = _backend(manager, pool, staging_pages=2)
+    keys = [f"hash{i}" for i in range(5)]  # 3 rounds of 2 staging slots
+    assert backend.batch_set_v1(keys, _indices([0, 1, 2, 3, 4])) == [True] * 5
+    session = backend._session
+    name = "save" if op == "batch_set_v1" else "restore"
+    real = getattr(session, name)
+    inside, go = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        inside.set()
+        go.wait(10)
+        return real(*args, **kwargs)
+
+    setattr(session, name, held)
+    result: list = []
+    errors: list = []
+
+    def transfer() -> None:
+        try:
+            result.append(getattr(backend, op)(keys, _indices([5, 6, 7, 8, 9])))
+        except BaseException as e:  # noqa: BLE001 -- what would reach SGLang's thread
+            errors.append(e)
+
+    t = threading.Thread(target=transfer)
+    t.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=backend.close)
+    closer.start()
+    closer.join(0.5)
+    go.set()
+    t.join(10)
+    closer.join(10)
+    assert not errors, errors
+    assert len(result[0]) == 5
+    assert session.reregistrations == 0 and manager.stats().engines == 0  # not registered again after close

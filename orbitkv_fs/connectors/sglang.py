@@ -198,10 +198,13 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             return [False] * len(keys)
         out: list[bool] = []
         with self._set_lock:
+            session = self._session
+            if session is None:  # closed while this call waited for the lock
+                return [False] * len(keys)
             for first in range(0, len(keys), self._slots):
                 part = keys[first : first + self._slots]
                 self._stage_in(pages[first : first + self._slots], 0)
-                res = self._session.save(self._keys(part), [[s] for s in range(len(part))])
+                res = session.save(self._keys(part), [[s] for s in range(len(part))])
                 # Dropped segments (no room in DRAM or the lower tier) belong to pages the result does not
                 # name: none of this round's pages is reported stored, so SGLang does not count on them.
                 out += [res is not None and res.dropped_segments == 0] * len(part)
@@ -213,10 +216,13 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         out: list[bool] = []
         base = self._slots  # loads use the second half of the staging file
         with self._get_lock:
+            session = self._session
+            if session is None:  # closed while this call waited for the lock
+                return [False] * len(keys)
             for first in range(0, len(keys), self._slots):
                 part = keys[first : first + self._slots]
                 ckeys = self._keys(part)
-                missed = set(self._session.restore(ckeys, [[base + s] for s in range(len(part))]))
+                missed = set(session.restore(ckeys, [[base + s] for s in range(len(part))]))
                 for s, k in enumerate(ckeys):
                     if k in missed:
                         return out + [False] * (len(keys) - len(out))
@@ -274,21 +280,26 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         return self.batch_exists([key]) == 1
 
     def clear(self) -> None:
-        if self._session is not None:
-            self._guard.call("invalidate", lambda: self._client.invalidate(engine_id=self._session.engine_id), None)
+        client, session = self._client, self._session  # close() may clear them meanwhile
+        if client is not None and session is not None:
+            self._guard.call("invalidate", lambda: client.invalidate(engine_id=session.engine_id), None)
 
     def get_stats(self):
         return {"calls": self._guard.stats.calls, "failures": self._guard.stats.failures,
                 "skipped": self._guard.stats.skipped}
 
     def close(self) -> None:
-        if self._client is not None:
-            if self._session is not None:
-                self._guard.call("unregister", lambda: self._unregister(self._session.engine_id), None)
-            self._guard.call("close", self._client.close, None)
-        self._session = self._client = self._registration = None
-        if self._staging is not None:
-            self._k = self._v = []
-            self._staging.close()
-            self._staging = None
+        # SGLang's backup and prefetch threads may be mid-transfer: let them finish first, or one would see
+        # the engine unregistered, register the closed staging file again, and copy through dropped views.
+        with self._register_lock, self._set_lock, self._get_lock:
+            client, session = self._client, self._session
+            self._session = self._client = self._registration = None
+            if client is not None:
+                if session is not None:
+                    self._guard.call("unregister", lambda: self._unregister(session.engine_id), None)
+                self._guard.call("close", client.close, None)
+            if self._staging is not None:
+                self._k = self._v = []
+                self._staging.close()
+                self._staging = None
 
