@@ -5,13 +5,14 @@ Each time: the tier keeps serving, a corrupt record is a miss, nothing else is l
 from __future__ import annotations
 
 import errno
+import threading
 
 import pytest
 
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
 from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE
-from orbitkv_fs.tiers.ssd.uring import UringBackend
+from orbitkv_fs.tiers.ssd.uring import SsdIoError, UringBackend
 from test_ssd_common import direct_io_dir, flip, key, segment
 
 N = 24
@@ -117,3 +118,59 @@ def test_slow_writeback_never_delays_demand_reads(tier):
     assert tier.snapshot().writing_bytes > 0
     tier.flush()
     assert all(tier.contains(key(200 + i)) for i in range(8))
+
+
+class _FailOnceSubmit:
+    """A real ring whose next ``submit`` fails (an io_uring_enter error) before reaching the kernel: the
+    writes prepped for it stay in the ring, unsubmitted."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.fail = False
+        self.eventfd = inner.eventfd
+
+    def submit(self) -> None:
+        if self.fail:
+            self.fail = False
+            raise SsdIoError("io_uring_enter: injected")
+        self._inner.submit()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _FailOnceBackend:
+    def __init__(self) -> None:
+        self._inner = UringBackend()
+        self.name = "fail-once"
+        self.rings: list[_FailOnceSubmit] = []
+
+    def open(self, path: str, size: int, *, truncate: bool) -> int:
+        return self._inner.open(path, size, truncate=truncate)
+
+    def ring(self, entries: int) -> _FailOnceSubmit:
+        r = _FailOnceSubmit(self._inner.ring(entries))
+        self.rings.append(r)
+        return r
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def test_writes_left_in_the_ring_by_a_failed_submit_still_complete(tmp_path):
+    """io_uring_enter failing after writes were started: they are submitted again on the lane's next
+    round (they stayed prepped in the ring), so flush and close do not wait for them forever."""
+    d = direct_io_dir(tmp_path)
+    backend = _FailOnceBackend()
+    t = SsdTier(SsdConfig(paths=(str(d / "a.okv"),), capacity=32 << 20), backend=backend)
+    try:
+        backend.rings[0].fail = True  # the writeback ring: the first ring the tier opens
+        assert t.submit(key(1), segment(1), timeout=1.0)
+        t.flush(timeout=5.0)
+        assert t.read(key(1)) == segment(1)
+        assert t.snapshot().write_completed_total == 1
+    finally:
+        closer = threading.Thread(target=t.close, daemon=True)
+        closer.start()
+        closer.join(10.0)
+        assert not closer.is_alive(), "close() waits for writes that were never submitted"

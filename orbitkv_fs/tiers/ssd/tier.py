@@ -319,6 +319,7 @@ class SsdTier:
         self._pool_lock = threading.Lock()
         self._ring_lock = threading.Lock()  # one driver of the writeback ring at a time
         self._repump = False  # a _pump() call found the ring driven: the driver goes round once more
+        self._submit_failed = False  # the last writeback submit raised: the next _pump submits again (_ring_lock)
         self._generation = 1
         self._closed = False
         # Prefetch lane: (key, record bytes, sink) queued; its thread starts with the first request.
@@ -595,10 +596,14 @@ class SsdTier:
                             self._inflight[w.tag] = w
                             self._inflight_bytes += len(w.buf)
                             started += 1
-                    if started:
+                    if started or self._submit_failed:
+                        # After a failed io_uring_enter the writes it was to start are still prepped in
+                        # the ring (in _inflight): only a later submit sends them, even when none is new.
                         try:
                             ring.submit()
+                            self._submit_failed = False
                         except SsdIoError as e:
+                            self._submit_failed = True
                             self._fail_all(e)
             finally:
                 self._ring_lock.release()
