@@ -548,8 +548,9 @@ class RemoteClient(Client):
                 replied = True  # from here on the server ran the request: never send it again
                 frames = _read_message(conn.rfile)
                 break
-            except (OSError, EOFError, ProtocolError) as e:
-                # Timed out or cut off: the connection's state is unknown, so drop it.
+            except (OSError, EOFError, ProtocolError, ValueError) as e:
+                # Timed out or cut off (ValueError: close() from another thread closed its file): the
+                # connection's state is unknown, so drop it.
                 self._drop(conn)
                 conn = None
                 if reused and not replied and isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):

@@ -422,3 +422,14 @@ def test_no_retry_once_part_of_the_reply_came(tmp_path):
     t.join(15)
     listener.close()
     assert len(requests) == 2
+
+
+def test_a_call_racing_close_raises_a_typed_error(server):
+    # close() from another thread can close a connection between a call's send and its read: the call
+    # fails with the data plane's error (a miss to the adapters' guard), not a ValueError from the file.
+    c = RemoteClient(server.endpoint, timeout=10)
+    c.ping()
+    c._local.conn.rfile.close()  # what close() does to it at that moment
+    with pytest.raises(OrbitKVError):
+        c.ping()
+    c.close()
