@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 
@@ -144,12 +145,14 @@ class _FailOnceBackend:
         self._inner = UringBackend()
         self.name = "fail-once"
         self.rings: list[_FailOnceSubmit] = []
+        self.fail_next_ring = False  # the next ring made fails its first submit
 
     def open(self, path: str, size: int, *, truncate: bool) -> int:
         return self._inner.open(path, size, truncate=truncate)
 
     def ring(self, entries: int) -> _FailOnceSubmit:
         r = _FailOnceSubmit(self._inner.ring(entries))
+        r.fail, self.fail_next_ring = self.fail_next_ring, False
         self.rings.append(r)
         return r
 
@@ -174,3 +177,35 @@ def test_writes_left_in_the_ring_by_a_failed_submit_still_complete(tmp_path):
         closer.start()
         closer.join(10.0)
         assert not closer.is_alive(), "close() waits for writes that were never submitted"
+
+
+def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(tmp_path):
+    """The prefetch lane's io_uring_enter failing ends that lane: the keys it held are dropped (counted as
+    errors), their record leases are given back, and the next prefetch starts a new lane that serves them."""
+    d = direct_io_dir(tmp_path)
+    backend = _FailOnceBackend()
+    t = SsdTier(SsdConfig(paths=(str(d / "a.okv"),), capacity=32 << 20), backend=backend)
+    try:
+        keys = [key(i) for i in range(4)]
+        for i, k in enumerate(keys):
+            assert t.submit(k, segment(i), timeout=1.0)
+        t.flush(timeout=5.0)
+        got: dict = {}
+        backend.fail_next_ring = True  # the lane's ring (made by its first request)
+        assert t.prefetch(keys, got.__setitem__) == 4
+        deadline = time.monotonic() + 10
+        while t.snapshot().prefetch_errors_total < 4:
+            assert time.monotonic() < deadline, t.snapshot()
+            time.sleep(0.01)
+        assert got == {}
+        assert t.prefetch(keys, got.__setitem__) == 4  # nothing left behind as "queued"
+        while len(got) < 4:
+            assert time.monotonic() < deadline, t.snapshot()
+            time.sleep(0.01)
+        assert got == {k: segment(i) for i, k in enumerate(keys)}
+        # No lease stays on the records: invalidated, every one has its header wiped.
+        t.invalidate(keys=keys)
+        t.flush(timeout=5.0)
+        assert t.snapshot().wipes_total == 4
+    finally:
+        t.close()

@@ -881,13 +881,17 @@ class SsdTier:
 
     def _prefetch_lane(self) -> None:
         """The lane's thread: its own ring (prefetch_queue_depth), reads started only while no demand read
-        is in progress, validated like demand reads, results to each request's sink."""
-        ring = self._io.ring(self.config.prefetch_queue_depth)
+        is in progress, validated like demand reads, results to each request's sink. An I/O engine failure
+        (the ring cannot be made or submitted to) ends the lane: its requests are dropped, their leases
+        given back, and the next :meth:`prefetch` starts a new lane."""
+        ring: IoRing | None = None
         inflight: dict[int, tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], _Slot, memoryview]] = {}
+        batch: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], _Slot]] = []
         tag = 0
         try:
+            ring = self._io.ring(self.config.prefetch_queue_depth)
             while True:
-                batch: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], _Slot]] = []
+                batch = []
                 with self._lock:
                     while not inflight and not self._closed and (not self._pf_queue or self._demand):
                         self._pf_cond.wait(0.5)
@@ -908,12 +912,14 @@ class SsdTier:
                             continue
                         s.leases += 1
                         batch.append((k, length, sink, s))
-                for k, length, sink, s in batch:
+                prepped = bool(batch)
+                while batch:
+                    k, length, sink, s = batch.pop()
                     tag += 1
                     buf = self._staging(s.length)
-                    ring.prep_read(self._shards[s.shard].fid, buf, s.offset, tag)
                     inflight[tag] = (k, length, sink, s, buf)
-                if batch:
+                    ring.prep_read(self._shards[s.shard].fid, buf, s.offset, tag)
+                if prepped:
                     ring.submit()
                 for t, res in ring.wait(0.05) if inflight else ():
                     k, length, sink, s, buf = inflight.pop(t)
@@ -947,8 +953,30 @@ class SsdTier:
                             sink(k, seg)
                         except Exception:  # the consumer's failure must not stop the lane
                             log.exception("SSD prefetch sink failed for %s", k)
+        except SsdIoError as e:
+            log.warning("SSD prefetch lane stopped: %s", e)
         finally:
-            ring.close()
+            # Reads still in flight finish before their buffers and leases go (close waits for them);
+            # prepped but never submitted ones die with the ring.
+            if ring is not None:
+                ring.close()
+            with self._lock:
+                left = [(k, length, s) for k, length, _, s, _ in inflight.values()]
+                left += [(k, length, s) for k, length, _, s in batch]
+                for k, length, s in left:
+                    s.leases -= 1
+                    if s.wipe and not s.leases:
+                        self._queue_wipe(s)
+                left_keys = [(k, length) for k, length, _ in left]
+                left_keys += [(k, length) for k, length, _ in self._pf_queue]
+                for k, length in left_keys:
+                    self._pf_keys.discard(k)
+                    self._pf_bytes -= length
+                self._c["prefetch_errors_total"] += len(left)
+                self._c["prefetch_dropped_total"] += len(self._pf_queue)
+                self._pf_queue.clear()
+                if self._pf_thread is threading.current_thread():
+                    self._pf_thread = None
 
     # -------------------------------------------------------------------------------------- admin
 
