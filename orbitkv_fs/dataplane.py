@@ -75,6 +75,7 @@ MAX_CONNECTIONS = 1024
 # (libzmq's ZMQ_HANDSHAKE_IVL default): a peer stalled there holds a connection slot only this long. Waiting
 # between messages is not limited -- an engine thread's connection idles between calls.
 STALL_TIMEOUT_S = 30.0
+_KEEPALIVE_IDLE_S = 60
 _CLOSE_WAIT_S = 60.0  # close(): longest wait, all connections together, for the requests in flight
 _RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
 
@@ -315,6 +316,16 @@ def _bind(endpoint: str) -> socket.socket:
     return s
 
 
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keep-alive: a remote client host that vanished (allow_remote) leaves a half-open connection that
+    never reads EOF; probes end it in about two minutes instead of holding a thread and a slot forever. Idle
+    connections between live ends are not limited (engine threads idle between calls)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, opt):  # Linux names; elsewhere the OS defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
 class DataPlaneServer:
     """Serves a :class:`Manager` on ``endpoint`` until :meth:`close` (see the module docstring)."""
 
@@ -357,6 +368,7 @@ class DataPlaneServer:
         try:
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keepalive(sock)
             sock.settimeout(STALL_TIMEOUT_S)
             _handshake(sock, rfile, b"ROUTER", _ROUTER_PEERS)
             while True:

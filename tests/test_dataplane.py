@@ -433,3 +433,19 @@ def test_a_call_racing_close_raises_a_typed_error(server):
     with pytest.raises(OrbitKVError):
         c.ping()
     c.close()
+
+
+def test_tcp_connections_are_kept_alive(manager):
+    # Over TCP (allow_remote) a client host that vanishes leaves a half-open connection that never reads
+    # EOF; keep-alive probes end it, so it does not hold a server thread and a connection slot forever.
+    srv = DataPlaneServer(manager, "tcp://127.0.0.1:0")
+    try:
+        c = RemoteClient(srv.endpoint, timeout=10)
+        c.ping()
+        (sock,) = list(srv._conns)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == dp._KEEPALIVE_IDLE_S
+        c.close()
+    finally:
+        srv.close()
