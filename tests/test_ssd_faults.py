@@ -136,6 +136,12 @@ class _FailOnceSubmit:
             raise SsdIoError("io_uring_enter: injected")
         self._inner.submit()
 
+    def submit_and_wait(self):
+        if self.fail:
+            self.fail = False
+            raise SsdIoError("io_uring_enter: injected")
+        return self._inner.submit_and_wait()
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
@@ -205,6 +211,40 @@ def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(t
         assert got == {k: segment(i) for i, k in enumerate(keys)}
         # No lease stays on the records: invalidated, every one has its header wiped.
         t.invalidate(keys=keys)
+        t.flush(timeout=5.0)
+        assert t.snapshot().wipes_total == 4
+    finally:
+        t.close()
+
+
+def test_demand_read_whose_submit_fails_raises_and_leaves_no_reads_in_the_ring(tmp_path):
+    """io_uring_enter failing under a demand read: the read raises (no wait for reads the kernel never
+    got), its leases are given back, and the ring with those prepped reads is not handed to the next
+    reader (whose submit would send them, into buffers already dropped, under tags it reuses)."""
+    d = direct_io_dir(tmp_path)
+    backend = _FailOnceBackend()
+    t = SsdTier(SsdConfig(paths=(str(d / "a.okv"),), capacity=32 << 20), backend=backend)
+    try:
+        keys = [key(i) for i in range(4)]
+        for i, k in enumerate(keys):
+            assert t.submit(k, segment(i), timeout=1.0)
+        t.flush(timeout=5.0)
+        backend.fail_next_ring = True  # the first read ring
+        result: list = []
+
+        def read() -> None:
+            try:
+                result.append(t.read_many(keys))
+            except SsdIoError as e:
+                result.append(e)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10.0)
+        assert not reader.is_alive(), "read_many waits for reads that were never submitted"
+        assert isinstance(result[0], SsdIoError)
+        assert t.read_many(keys[::-1]) == [segment(i) for i in range(4)][::-1]
+        t.invalidate(keys=keys)  # no lease stays on the records: every header gets wiped
         t.flush(timeout=5.0)
         assert t.snapshot().wipes_total == 4
     finally:

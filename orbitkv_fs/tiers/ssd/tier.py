@@ -753,6 +753,7 @@ class SsdTier:
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
         bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
+        broken = False  # the ring raised: reads may sit in it prepped, never submitted
         try:
             # Inside the try: a sink that raises must still give back the leases and the demand count.
             for i, data in staged.items():
@@ -806,9 +807,17 @@ class SsdTier:
                         except SegmentError:
                             verdicts[i] = "corrupt"
                     self._recycle(buf)
+        except SsdIoError:
+            broken = True
+            raise
         finally:
             # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
-            # reads in flight, and their completions must not reach the ring's next user.
+            # reads in flight, and their completions must not reach the ring's next user. A ring that
+            # failed to submit is closed instead (close waits for what the kernel got; reads it never got
+            # would never complete, and the next user's submit would send them): it is not reused.
+            if broken and ring is not None:
+                ring.close()
+                ring = None
             while bufs and ring is not None:
                 for i, _ in ring.wait(1.0):
                     bufs.pop(i, None)
