@@ -185,6 +185,23 @@ def test_writes_left_in_the_ring_by_a_failed_submit_still_complete(tmp_path):
         assert not closer.is_alive(), "close() waits for writes that were never submitted"
 
 
+def test_close_waits_for_a_submitter_driving_the_writeback_ring(tmp_path):
+    """A flush_dram submitter can be in its round on the writeback ring while the Manager shuts down: close()
+    waits for that round before closing the ring, and a later round does not touch the closed ring."""
+    t = SsdTier(SsdConfig(paths=(str(direct_io_dir(tmp_path) / "a.okv"),), capacity=32 << 20))
+    assert t.submit(key(1), segment(1), timeout=1.0)
+    t.flush(timeout=5.0)
+    t._ring_lock.acquire()  # a submitter in the middle of its round
+    closer = threading.Thread(target=t.close, daemon=True)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() closed the ring under a submitter's round"
+    t._ring_lock.release()
+    closer.join(10.0)
+    assert not closer.is_alive()
+    t._pump()  # the submitter's next round: nothing to drive, no error from the closed ring
+
+
 def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(tmp_path):
     """The prefetch lane's io_uring_enter failing ends that lane: the keys it held are dropped (counted as
     errors), their record leases are given back, and the next prefetch starts a new lane that serves them."""

@@ -1083,6 +1083,9 @@ class SsdTier:
         self._writer.join()
         if lane is not None:
             lane.join()
+        # A bulk submitter may still be in its _pump round on the writeback ring: wait for it, and keep
+        # the ring lock for good, so that no later _pump drives (reaps) the ring once it is closed.
+        self._ring_lock.acquire()
         self._wring.close()
         for r in self._read_rings:
             r.close()
