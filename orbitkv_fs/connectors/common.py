@@ -16,7 +16,8 @@ Primitives:
 * :class:`ManagerGuard` -- turns Manager failures (typed errors, a dead socket, a timeout) into misses,
   counts them, and stops calling a failing Manager for a cool-down period (probed with a short ping,
   backing off while it stays down); :func:`ping_probe` builds that probe.
-* :class:`RestRegistrar` -- engine registration over the HTTP control plane (``POST /v1/engines``).
+* :class:`RestRegistrar` -- engine registration over the HTTP control plane (``POST /v1/engines``);
+  :func:`registration_calls` picks it or the data-plane client for an adapter.
 * :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded,
   registering again when the Manager no longer knows the engine (restarted).
 * :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
@@ -44,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -312,6 +313,16 @@ class RestRegistrar:
         from urllib.parse import quote
 
         self._request("DELETE", f"/v1/engines/{quote(engine_id, safe='')}")
+
+
+def registration_calls(client: Any, reg: object, http: str | None, *,
+                       timeout_s: float = 30.0) -> tuple[Callable[[], str], Callable[[str], None]]:
+    """``(register, unregister)`` of ``reg``: over the REST control plane at ``http`` when given, else over
+    ``client``. ``register()`` answers the engine id and may be called again (a restarted Manager)."""
+    if http:
+        rest = RestRegistrar(http, timeout_s=timeout_s)
+        return (lambda: rest.register(reg)), rest.unregister
+    return (lambda: client.register(reg).engine_id), client.unregister
 
 
 # ------------------------------------------------------------------------------------- Manager session

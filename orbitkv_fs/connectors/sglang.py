@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, List, Optional
 from .common import (
     EngineSession,
     ManagerGuard,
-    RestRegistrar,
     StagingPages,
     connect_client,
     engine_hash_keys,
     ping_probe,
+    registration_calls,
 )
 
 try:  # SGLang is optional: without it the class still imports (and is checked against the wheel's source).
@@ -159,14 +159,9 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
                 "connect", lambda: connect_client(self._address, timeout_s=self._timeout_s), None)
             if self._client is None:
                 return
-        client, reg = self._client, self._registration
-        if self._http:
-            rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
-            register = lambda: rest.register(reg)  # noqa: E731
-            self._unregister = rest.unregister
-        else:
-            register = lambda: client.register(reg).engine_id  # noqa: E731
-            self._unregister = client.unregister
+        client = self._client
+        register, self._unregister = registration_calls(client, self._registration, self._http,
+                                                        timeout_s=self._timeout_s)
         engine_id = self._guard.call("register", register, None)
         if engine_id is not None:
             # A restarted Manager forgets the engine; the staging file is still there to register again.

@@ -49,11 +49,10 @@ from typing import TYPE_CHECKING, Any
 
 from .common import (
     EngineSession,
-    LayerLoader,
     LayerLoadJob,
+    LayerLoader,
     ManagerGuard,
     PrefixPlanner,
-    RestRegistrar,
     Transfer,
     connect_client,
     engine_hash_keys,
@@ -61,6 +60,7 @@ from .common import (
     packed_registration,
     ping_probe,
     prefix_chunk_keys,
+    registration_calls,
 )
 
 try:  # vLLM is optional: without it the class still imports (and is checked against the wheel's source).
@@ -318,14 +318,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         client = self._get_client()
         if client is None:
             return None
-        reg = self._registration
-        if self._http:
-            rest = RestRegistrar(self._http, timeout_s=self._timeout_s)
-            register = lambda: rest.register(reg)  # noqa: E731
-            self._unregister = rest.unregister
-        else:
-            register = lambda: client.register(reg).engine_id  # noqa: E731
-            self._unregister = client.unregister
+        register, self._unregister = registration_calls(client, self._registration, self._http,
+                                                        timeout_s=self._timeout_s)
         engine_id = self._guard.call("register", register, None)
         if engine_id is not None:
             self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
