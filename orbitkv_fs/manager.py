@@ -1263,6 +1263,18 @@ class Manager:
                     self._drop_lease(lease)
             self._exit(eng)
 
+    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict) -> list[bytes]:
+        """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out``; the keys not there."""
+        missing = []
+        for kb, f in zip(kbs, self.dram.lease(kbs)):
+            if f is None:
+                missing.append(kb)
+                continue
+            slot, gen, off, length = f
+            held.entries.append((slot, gen))
+            out[kb] = memoryview(self.dram.view(off, length))
+        return missing
+
     def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
                  tally: dict[str, int] | None = None,
                  fresh: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
@@ -1271,15 +1283,7 @@ class Manager:
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
         the keys whose bytes the lower tier validated in full (every CRC)."""
         out: dict[bytes, memoryview | bytes] = {}
-        found = self.dram.lease(kbs)
-        missing = []
-        for kb, f in zip(kbs, found):
-            if f is None:
-                missing.append(kb)
-                continue
-            slot, gen, off, length = f
-            held.entries.append((slot, gen))
-            out[kb] = memoryview(self.dram.view(off, length))
+        missing = self._lease_dram(kbs, held, out)
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and self.lower is not None:
             still = []
@@ -1308,14 +1312,8 @@ class Manager:
                 fetch_into(self, [ObjectKey.unpack(k) for k in missing])
             except Exception as e:  # peers failing is a miss
                 log.warning("peer fetch failed: %s", e)
-            still = []
-            for kb, f in zip(missing, self.dram.lease(missing)):
-                if f is None:  # not delivered, failed verification, or already evicted again
-                    still.append(kb)
-                    continue
-                slot, gen, off, length = f
-                held.entries.append((slot, gen))
-                out[kb] = memoryview(self.dram.view(off, length))
+            # Not delivered, failed verification, or already evicted again: still missing.
+            still = self._lease_dram(missing, held, out)
             self._count(self._hits, "peer", len(missing) - len(still))
             missing = []
         if missing and self.peers is not None:
