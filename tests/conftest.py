@@ -1,4 +1,5 @@
-"""Shared test configuration: ``gpu`` tests skip cleanly where no CUDA device is usable."""
+"""Shared test configuration: ``gpu`` tests skip cleanly where no CUDA device is usable; the ``managers``
+fixture starts Manager processes that share through peers (peer_manager_child.py)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def managers():
+    """``make(**cfg)`` starts a Manager process (:class:`peer_manager_child.Mgr`); all are closed after."""
+    from json_child import spawner
+    from peer_manager_child import Mgr
+
+    with spawner(Mgr) as make:
+        yield make

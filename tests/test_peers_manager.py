@@ -1,6 +1,6 @@
 """Peer sharing between real Manager processes on loopback (two and three Managers).
 
-Each Manager runs in its own process (the ``_CHILD`` program below): a real :class:`Manager` over its
+Each Manager runs in its own process (peer_manager_child.py): a real :class:`Manager` over its
 /dev/shm arena, an engine whose KV pages are a shared-memory pages file, and a :class:`PeerNode` (real
 Transfer Engine, real peer socket). The test drives them over stdin/stdout with JSON lines. Faults are
 injected only where the test says so: a Manager that SIGKILLs itself right after leasing to a peer, and a
@@ -16,100 +16,12 @@ import time
 
 import pytest
 
-from json_child import JsonChild, spawner
 from orbitkv_fs.peers import FailureReason, transport_available
 
 pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
 
-_CHILD = r'''
-import hashlib, json, mmap, os, signal, sys, threading
-import numpy as np
-from orbitkv_fs.connectors.common import StagingPages
-from orbitkv_fs.keys import ObjectKey, chunk_key
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
-from orbitkv_fs.peers import PeerConfig, PeerNode
-from orbitkv_fs.segment import Role
-
-cfg = json.loads(sys.argv[1])
-m = Manager(ManagerConfig(pool_size=cfg.get("pool", 128 << 20), device="cpu"))
-L, S = cfg["layers"], cfg["slots"]
-pages = StagingPages(num_layers=L, slots=S, block_size=16, num_heads=cfg["heads"], head_dim=64, dtype="float16")
-info = m.register_engine(pages.registration(model="peer-test", engine_kind="generic", engine_id="e",
-                                            codec=cfg.get("codec", "none")))
-if cfg.get("die_after_lease_ms") is not None:
-    lease = m.lease_objects
-    def dying(keys):
-        threading.Timer(cfg["die_after_lease_ms"] / 1000, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        return lease(keys)
-    m.lease_objects = dying
-published = [0]  # segments peers wrote straight into the arena (publish() verifies them in place)
-publish = m.publish
-def counted_publish(res, key):
-    published[0] += 1
-    return publish(res, key)
-m.publish = counted_publish
-node = PeerNode(m, peers=cfg.get("peers", []), config=PeerConfig(budget_s=cfg.get("budget", 2.0),
-                                                                   staging_bytes=64 << 20))
-
-def digest(blocks):
-    h = hashlib.sha256()
-    for l in range(L):
-        for b in blocks:
-            h.update(pages.key(l)[b].tobytes()); h.update(pages.value(l)[b].tobytes())
-    return h.hexdigest()
-
-def chunks(names, blocks):
-    return [ChunkBlocks(chunk_key(n), [b]) for n, b in zip(names, blocks)]
-
-print(json.dumps({"address": node.address, "namespace": info.namespace, "pid": os.getpid()}), flush=True)
-for line in sys.stdin:
-    c = json.loads(line)
-    op = c["op"]
-    if op == "fill":
-        rng = np.random.default_rng(c["seed"])
-        for l in range(L):
-            for arr in (pages.key(l), pages.value(l)):
-                arr[c["blocks"]] = rng.standard_normal(arr[c["blocks"]].shape).astype(np.float16)
-        out = {"digest": digest(c["blocks"])}
-    elif op == "save":
-        r = m.save("e", chunks(c["names"], c["blocks"]))
-        out = {"segments": r.segments}
-    elif op == "lookup":
-        r = m.lookup("e", [chunk_key(n) for n in c["names"]], lease=False)
-        out = {"count": r.count, "peer": r.peer}
-    elif op == "restore":
-        r = m.restore("e", chunks(c["names"], c["blocks"]))
-        out = {"restored": r.restored, "digest": digest(c["blocks"]), "misses": [x.reason for x in r.misses]}
-    elif op == "corrupt":
-        key = ObjectKey(bytes.fromhex(info.namespace), chunk_key(c["name"]), 0, Role.KEY)
-        lid, (ext,) = m.lease_objects([key])
-        a = m.arena_info()
-        with open(a.path, "r+b") as f, mmap.mmap(f.fileno(), a.size) as mm:
-            mm[ext.offset + 64] ^= 0xFF  # first payload byte
-        m.release(lid)
-        out = {}
-    elif op == "stats":
-        import msgspec
-        st = m.stats()
-        out = {"peer": msgspec.to_builtins(node.stats()), "hits": st.hits, "leases_active": st.leases_active,
-               "reserved_bytes": st.reserved_bytes, "published": published[0]}
-    print(json.dumps(out), flush=True)
-node.close(); m.close(); pages.close()
-'''
 
 
-class Mgr(JsonChild):
-    def __init__(self, **cfg):
-        # The Transfer Engine's own timeout at its floor: reads a killed peer leaves behind fail (and hand
-        # back their arena reservations) within seconds, not the default 30 s.
-        super().__init__(_CHILD, {"layers": 2, "slots": 16, "heads": 2, **cfg}, env={"MC_TRANSFER_TIMEOUT": "5"})
-        self.address, self.namespace, self.pid = self.hello["address"], self.hello["namespace"], self.hello["pid"]
-
-
-@pytest.fixture
-def managers():
-    with spawner(Mgr) as make:
-        yield make
 
 
 def _names(prefix, n):
