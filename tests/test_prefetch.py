@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 
-from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import Manager, ManagerConfig
 from orbitkv_fs.tiers.ssd import RECORD_HEADER_SIZE, SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.record import record_length
@@ -139,114 +138,105 @@ def tier(ssd_dir):
     return make(ssd_dir)
 
 
+@pytest.fixture
+def engine():
+    pages, reg = make_engine()
+    yield pages, reg
+    pages.close()
+
+
 def _on_ssd_only(m: Manager, eng_id: str, chunks) -> None:
     m.save(eng_id, chunks)  # one save: the chunks are remembered as one prefix, in order
     m.flush_dram()
     assert m.stats().resident_objects["dram"] == 0
 
 
-def test_restore_reads_ahead_along_the_prefix(tier):
-    pages, reg = make_engine()
-    try:
-        orig = snapshot(pages)
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=2), lower_tier=tier) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(6)
-            _on_ssd_only(m, e.engine_id, ch)
-            zero(pages)
-            assert all(m.restore(e.engine_id, ch[:2]).restored)  # SSD hits: chunks 2 and 3 are read ahead
-            wait_until(lambda: m.stats().prefetch_segments == 2 * 2 * L)
-            st = m.stats()
-            assert st.prefetch_bytes > 0 and st.prefetch_hits == 0
-            assert m.lookup(e.engine_id, [c.key for c in ch[2:4]], lease=False).dram == 2
-            lower_hits = m.stats().hits["lower"]
-            res = m.restore(e.engine_id, ch[2:4])  # served by the prefetched objects
-            assert all(res.restored)
-            st = m.stats()
-            assert st.hits["lower"] == lower_hits and st.prefetch_hits == 2 * 2 * L
-            # ... and the readahead went on to chunks 4 and 5.
-            wait_until(lambda: m.stats().prefetch_segments == 4 * 2 * L)
-            for name in pages.tensors:
-                blocks = [b for c in ch[:4] for b in c.blocks]
-                assert np.array_equal(pages.array(name)[blocks].view(np.uint16),
-                                      orig[name][blocks].view(np.uint16))
-            # Unused prefetched objects that leave DRAM count as wasted.
-            m.invalidate(engine_id=e.engine_id, chunks=[ch[4].key, ch[5].key])
-            st = m.stats()
-            assert st.prefetch_wasted == 2 * 2 * L
-            assert_reservations_zero(m)
-    finally:
-        pages.close()
+def test_restore_reads_ahead_along_the_prefix(tier, engine):
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=2), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(6)
+        _on_ssd_only(m, e.engine_id, ch)
+        zero(pages)
+        assert all(m.restore(e.engine_id, ch[:2]).restored)  # SSD hits: chunks 2 and 3 are read ahead
+        wait_until(lambda: m.stats().prefetch_segments == 2 * 2 * L)
+        st = m.stats()
+        assert st.prefetch_bytes > 0 and st.prefetch_hits == 0
+        assert m.lookup(e.engine_id, [c.key for c in ch[2:4]], lease=False).dram == 2
+        lower_hits = m.stats().hits["lower"]
+        res = m.restore(e.engine_id, ch[2:4])  # served by the prefetched objects
+        assert all(res.restored)
+        st = m.stats()
+        assert st.hits["lower"] == lower_hits and st.prefetch_hits == 2 * 2 * L
+        # ... and the readahead went on to chunks 4 and 5.
+        wait_until(lambda: m.stats().prefetch_segments == 4 * 2 * L)
+        for name in pages.tensors:
+            blocks = [b for c in ch[:4] for b in c.blocks]
+            assert np.array_equal(pages.array(name)[blocks].view(np.uint16),
+                                  orig[name][blocks].view(np.uint16))
+        # Unused prefetched objects that leave DRAM count as wasted.
+        m.invalidate(engine_id=e.engine_id, chunks=[ch[4].key, ch[5].key])
+        st = m.stats()
+        assert st.prefetch_wasted == 2 * 2 * L
+        assert_reservations_zero(m)
 
 
-def test_lookup_hit_on_ssd_reads_the_next_chunks(tier):
-    pages, reg = make_engine()
-    try:
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(4)
-            _on_ssd_only(m, e.engine_id, ch)
-            lk = m.lookup(e.engine_id, [ch[0].key], lease=False)
-            assert (lk.count, lk.lower) == (1, 1)
-            wait_until(lambda: m.stats().prefetch_segments == 2 * L)  # chunk 1 only (one chunk ahead)
-            assert m.stats().lower["ssd_prefetch_requested_total"] == 2 * L
-            assert m.lookup(e.engine_id, [ch[1].key], lease=False).dram == 1
-            assert m.lookup(e.engine_id, [ch[2].key], lease=False).dram == 0
-    finally:
-        pages.close()
+def test_lookup_hit_on_ssd_reads_the_next_chunks(tier, engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(4)
+        _on_ssd_only(m, e.engine_id, ch)
+        lk = m.lookup(e.engine_id, [ch[0].key], lease=False)
+        assert (lk.count, lk.lower) == (1, 1)
+        wait_until(lambda: m.stats().prefetch_segments == 2 * L)  # chunk 1 only (one chunk ahead)
+        assert m.stats().lower["ssd_prefetch_requested_total"] == 2 * L
+        assert m.lookup(e.engine_id, [ch[1].key], lease=False).dram == 1
+        assert m.lookup(e.engine_id, [ch[2].key], lease=False).dram == 0
 
 
-def test_prefetch_off_and_bounded_by_bytes(tier):
-    pages, reg = make_engine()
-    try:
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(3)
-            _on_ssd_only(m, e.engine_id, ch)
-            assert all(m.restore(e.engine_id, ch[:1]).restored)
-            time.sleep(0.2)
-            assert m.stats().prefetch_segments == 0 and m.stats().lower["ssd_prefetch_requested_total"] == 0
-    finally:
-        pages.close()
-    pages, reg = make_engine()
-    try:
-        one = 8 << 10  # less than one record of this engine: nothing fits the byte bound
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=2, ssd_prefetch_bytes=one),
-                     lower_tier=SsdTier(tier.config)) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(3, salt="b")
-            _on_ssd_only(m, e.engine_id, ch)
-            assert all(m.restore(e.engine_id, ch[:1]).restored)
-            time.sleep(0.2)
-            st = m.stats()
-            assert st.prefetch_segments == 0 and st.lower["ssd_prefetch_dropped_total"] > 0
-    finally:
-        pages.close()
+def test_prefetch_off_and_bounded_by_bytes(tier, engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3)
+        _on_ssd_only(m, e.engine_id, ch)
+        assert all(m.restore(e.engine_id, ch[:1]).restored)
+        time.sleep(0.2)
+        assert m.stats().prefetch_segments == 0 and m.stats().lower["ssd_prefetch_requested_total"] == 0
+    one = 8 << 10  # less than one record of this engine: nothing fits the byte bound
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=2, ssd_prefetch_bytes=one),
+                 lower_tier=SsdTier(tier.config)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3, salt="b")
+        _on_ssd_only(m, e.engine_id, ch)
+        assert all(m.restore(e.engine_id, ch[:1]).restored)
+        time.sleep(0.2)
+        st = m.stats()
+        assert st.prefetch_segments == 0 and st.lower["ssd_prefetch_dropped_total"] > 0
 
 
-def test_a_corrupt_prefetched_record_is_a_miss_later(tier, ssd_dir):
-    pages, reg = make_engine()
-    try:
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(2)
-            _on_ssd_only(m, e.engine_id, ch)
-            victim = next(o for o in tier.iter_records() if o.key.chunk == ch[1].key)
-            flip(str(ssd_dir / "shard0.okv"), victim.offset + RECORD_HEADER_SIZE + 200)
-            assert all(m.restore(e.engine_id, ch[:1]).restored)
-            wait_until(lambda: m.stats().prefetch_segments == 2 * L - 1)  # all of chunk 1 but the bad one
-            time.sleep(0.1)
-            assert m.stats().prefetch_segments == 2 * L - 1
-            assert tier.snapshot().corrupt_records_total == 1
-            misses = m.stats().misses
-            res = m.restore(e.engine_id, ch[1:2])
-            assert res.restored == [False]
-            assert m.stats().misses == misses + 1
-    finally:
-        pages.close()
+def test_a_corrupt_prefetched_record_is_a_miss_later(tier, ssd_dir, engine):
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(2)
+        _on_ssd_only(m, e.engine_id, ch)
+        victim = next(o for o in tier.iter_records() if o.key.chunk == ch[1].key)
+        flip(str(ssd_dir / "shard0.okv"), victim.offset + RECORD_HEADER_SIZE + 200)
+        assert all(m.restore(e.engine_id, ch[:1]).restored)
+        wait_until(lambda: m.stats().prefetch_segments == 2 * L - 1)  # all of chunk 1 but the bad one
+        time.sleep(0.1)
+        assert m.stats().prefetch_segments == 2 * L - 1
+        assert tier.snapshot().corrupt_records_total == 1
+        misses = m.stats().misses
+        res = m.restore(e.engine_id, ch[1:2])
+        assert res.restored == [False]
+        assert m.stats().misses == misses + 1
 
 
-def test_cli_flags_and_metrics(tier):
+def test_cli_flags_and_metrics(tier, engine):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from orbitkv_fs.server.cli import build_parser, config_from_args
@@ -258,21 +248,18 @@ def test_cli_flags_and_metrics(tier):
     assert config_from_args(p.parse_args([])).ssd_prefetch_chunks == 2
     with pytest.raises(ValueError, match="prefetch"):
         Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=-1))
-    pages, reg = make_engine()
-    try:
-        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
-            e = m.register_engine(reg)
-            ch = chunks_for(2)
-            _on_ssd_only(m, e.engine_id, ch)
-            assert all(m.restore(e.engine_id, ch[:1]).restored)
-            wait_until(lambda: m.stats().prefetch_segments == 2 * L)
-            m.restore(e.engine_id, ch[1:2])
-            reg_ = CollectorRegistry()
-            reg_.register(ManagerCollector(m))
-            text = generate_latest(reg_).decode()
-            assert f"orbitkv_prefetch_segments_total {float(2 * L)}" in text
-            assert f"orbitkv_prefetch_hits_total {float(2 * L)}" in text
-            assert "orbitkv_prefetch_wasted_total 0.0" in text and "orbitkv_prefetch_bytes_total" in text
-            assert "orbitkv_ssd_prefetch_read_total" in text
-    finally:
-        pages.close()
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=1), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(2)
+        _on_ssd_only(m, e.engine_id, ch)
+        assert all(m.restore(e.engine_id, ch[:1]).restored)
+        wait_until(lambda: m.stats().prefetch_segments == 2 * L)
+        m.restore(e.engine_id, ch[1:2])
+        reg_ = CollectorRegistry()
+        reg_.register(ManagerCollector(m))
+        text = generate_latest(reg_).decode()
+        assert f"orbitkv_prefetch_segments_total {float(2 * L)}" in text
+        assert f"orbitkv_prefetch_hits_total {float(2 * L)}" in text
+        assert "orbitkv_prefetch_wasted_total 0.0" in text and "orbitkv_prefetch_bytes_total" in text
+        assert "orbitkv_ssd_prefetch_read_total" in text
