@@ -835,20 +835,32 @@ def _compare(run: dict[str, Any], control: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- SmolLM2 ratios
 
 
-def smollm2_ratios(codecs: Sequence[str], chunk_tokens: int, max_tokens: int = 512) -> dict[str, Any]:
+def load_saved_kv(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-layer ``(K, V)`` as BF16 ``[tokens, kv_heads, head_dim]`` from the .npz ``orbitkv-bench codecs
+    --save-kv`` writes: the GPU machine has no SmolLM2 package, the sample travels instead."""
+    import ml_dtypes
+
+    with np.load(path) as z:
+        k, v = (z[n].view(ml_dtypes.bfloat16) for n in ("k", "v"))
+    return [(np.ascontiguousarray(k[i]), np.ascontiguousarray(v[i])) for i in range(k.shape[0])]
+
+
+def smollm2_ratios(codecs: Sequence[str], chunk_tokens: int, max_tokens: int = 512,
+                   kv_path: str | None = None) -> dict[str, Any]:
     """Compression ratio and reconstruction error of each codec on the real SmolLM2-135M's KV (the fixed
-    sample text), in segments of ``chunk_tokens`` per (layer, K/V), with the Manager's layer policy
-    (TurboQuant keeps the first and last two layers exact)."""
+    sample text, or the saved KV at ``kv_path``), in segments of ``chunk_tokens`` per (layer, K/V), with the
+    Manager's layer policy (TurboQuant keeps the first and last two layers exact)."""
     from orbitkv_fs.codecs import decode_segment, encode_segment
     from orbitkv_fs.segment import parse_header
 
     try:
-        from orbitkv_fs.tools.models import SAMPLE_TEXT, prefill_kv
-    except ImportError as e:
-        return {"skipped": f"tools.models unavailable: {e}"}
-    try:
-        kv = prefill_kv(SAMPLE_TEXT * 4, max_tokens=max_tokens)
-    except Exception as e:  # ModelUnavailable and friends: reported, not fatal
+        if kv_path is not None:
+            kv = load_saved_kv(kv_path)
+        else:
+            from orbitkv_fs.tools.models import SAMPLE_TEXT, prefill_kv
+
+            kv = prefill_kv(SAMPLE_TEXT * 4, max_tokens=max_tokens)
+    except Exception as e:  # ModelUnavailable, no tools.models, a bad file: reported, not fatal
         return {"skipped": f"{type(e).__name__}: {e}"}
     layers = len(kv)
     tokens = kv[0][0].shape[0] // chunk_tokens * chunk_tokens
@@ -919,7 +931,7 @@ def _versions() -> dict[str, str]:
 
 def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
               manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm", smollm2: bool = True,
-              log=print) -> dict[str, Any]:
+              smollm2_kv: str | None = None, log=print) -> dict[str, Any]:
     """The control, then every (variant, codec) run on the same cohort; differences and verdicts."""
     torch = _torch()
     cohort = build_cohort(recipe)
@@ -971,7 +983,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     }
     del model
     if smollm2:  # every codec, whatever --codecs says: cheap, and the merged report needs one table
-        result["smollm2_kv"] = smollm2_ratios(CODECS, chunk_tokens=min(recipe.chunk_tokens, 64))
+        result["smollm2_kv"] = smollm2_ratios(CODECS, chunk_tokens=min(recipe.chunk_tokens, 64), kv_path=smollm2_kv)
     result["verdicts"] = verdicts(runs)
     return result
 
@@ -1220,6 +1232,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge cohort.json files of separate invocations (same recipe) into one report under --out")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --quick)")
     p.add_argument("--no-smollm2", action="store_true", help="skip compression ratios on real SmolLM2 KV")
+    p.add_argument("--smollm2-kv", default=None, metavar="NPZ",
+                   help="SmolLM2 K/V saved by `orbitkv-bench codecs --save-kv` instead of running the model")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-cohort[-cpu])")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
@@ -1289,7 +1303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
-                           ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2, log=log)
+                           ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2, smollm2_kv=args.smollm2_kv, log=log)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
