@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import cupy as cp
 import numpy as np
@@ -108,6 +108,8 @@ class EncodeItem:
     role: "Role | str" = Role.OPAQUE
     layer: int = 0
     dtype: Any = None
+    #: The header's raw reason when ``codec`` is ``none`` (the Manager's policy-exact layers: POLICY).
+    raw_reason: RawReason = RawReason.NONE
 
 
 @dataclass
@@ -283,6 +285,8 @@ class GpuCodecEngine:
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
         self._nvcomp = None
+        # per call, under the worker's lock: see encode_batch and decode_batch
+        self._slot_align, self._out_region, self._pinned_src = SLOT_ALIGN, None, None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -336,6 +340,7 @@ class GpuCodecEngine:
         e = _Enc(i, it, int(arr.data.ptr), n, dtype, role, it.layer, "raw")
         c = it.codec
         if c == "none":
+            e.reason = it.raw_reason
             return e
         if n > MAX_SOURCE_BYTES:
             e.reason = RawReason.TOO_LARGE
@@ -382,10 +387,10 @@ class GpuCodecEngine:
         n_desc += len(ans)
         lay = _Layout()
         off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
-        off["meta"] = lay.take(16 * k)
+        off["meta"] = lay.take(16 * k, self._slot_align)
         off["pay_len"] = lay.take(8 * max(len(ans), 1), 8)
         for p in plans:
-            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n)) - off["meta"]
+            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n), self._slot_align) - off["meta"]
         off["region_end"] = lay.end
         off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
         off["chunk_status"] = lay.take(4 * max(chunks, 1))
@@ -407,27 +412,33 @@ class GpuCodecEngine:
         """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
         na = len(ans)
         chunks = sum(p.nch for p in ans)
-        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
+        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256 + self._slot_align
         tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if ans else 0
         return fixed + slots + tmp + self._ans_temp(ans)
 
-    def encode_batch(self, items: Sequence[Any]) -> "list[memoryview | bytes]":
+    def encode_batch(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
+                     slot_align: int = SLOT_ALIGN) -> "list[memoryview | bytes]":
         """Encode ``items`` (EncodeItem or (array, codec, role, layer[, dtype])) into complete segments.
 
         Returns, in order, one segment per item: a memoryview into a pinned host buffer (header followed
         by payload, exactly ``64 + stored_length`` bytes) or ``bytes`` for fallbacks. Raises CodecError
         for invalid items (unknown codec, non-contiguous or non-cupy array, over 32 MiB).
+
+        ``out_region(nbytes)``, when given, supplies each batch's pinned host region (the Manager's arena:
+        segments then land where they will be stored, with no host copy); None from it means "use a
+        buffer of your own". Segments start at multiples of ``slot_align`` inside the region.
         """
         plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
         out: "list[memoryview | bytes | None]" = [None] * len(plans)
         w = self.save
         with w.lock:
+            self._slot_align, self._out_region = slot_align, out_region
             w.wait_for_current()
             gpu: list[_Enc] = []
             ans: list[_Enc] = []
             slots = 0
             for p in plans:
-                slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap))
+                slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
                 pa = [p] if p.kind == "ans" else []
                 if p.kind == "host" or self._enc_estimate(1, slot, pa) > self.budget_bytes:
                     if p.kind != "host":
@@ -570,7 +581,9 @@ class GpuCodecEngine:
             w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,
                      k.crc_tables)
         region_len = off["region_end"] - off["meta"]
-        host = _pinned_array(region_len)
+        host = self._out_region(region_len) if self._out_region is not None else None
+        if host is None:
+            host = _pinned_array(region_len)
         w.d2h(host, region)
         w.sync()
         w.stats["batches"] += 1
@@ -674,18 +687,22 @@ class GpuCodecEngine:
     def _dec_staged(p: _Dec) -> int:
         return _up(p.h.stored_length) + (_up(p.h.original_length) if p.kind == "ans" else 0)
 
-    def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any]) -> "list[OrbitKVError | None]":
+    def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any], *,
+                     pinned: "Sequence[bool] | None" = None) -> "list[OrbitKVError | None]":
         """Verify and decode ``segments`` into ``destinations`` (cupy arrays of the original byte size).
 
         Returns one entry per segment: None when the destination now holds the decoded values, or the
         error (header, length, CRC32C, nvCOMP status) that made it a miss -- its destination is then left
-        as it was. Never raises for bad segment bytes.
+        as it was. Never raises for bad segment bytes. ``pinned[i]`` says segment i lies in pinned host
+        memory (the Manager's arena): its payload is then copied to the device from where it is, one copy
+        per segment, instead of through the upload buffer.
         """
         if len(segments) != len(destinations):
             raise CodecError(f"{len(segments)} segments but {len(destinations)} destinations")
         results: "list[OrbitKVError | None]" = [None] * len(segments)
         w = self.restore
         with w.lock:
+            self._pinned_src = pinned
             w.wait_for_current()
             gpu: list[_Dec] = []
             ans: list[_Dec] = []
@@ -742,8 +759,11 @@ class GpuCodecEngine:
         meta_ptr = base + off["meta"]
         up = w.upload.get(upload_len)
         up[off["meta"]:off["down_end"]] = 0
+        pinned = self._pinned_src
+        direct = {p.i for p in plans if pinned is not None and pinned[p.i]}
         for p in plans:
-            up[p.staged:p.staged + p.h.stored_length] = np.frombuffer(p.payload, np.uint8)
+            if p.i not in direct:
+                up[p.staged:p.staged + p.h.stored_length] = np.frombuffer(p.payload, np.uint8)
         crc_rows = plans
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
@@ -795,7 +815,13 @@ class GpuCodecEngine:
             a[1] = np.concatenate([p.sizes for p in ans])
             a[2] = np.concatenate([np.minimum(cb, p.h.original_length - cb * np.arange(p.sizes.size)) for p in ans])
             a[3] = np.concatenate([base + p.scratch + cb * np.arange(p.sizes.size, dtype=np.uint64) for p in ans])
-        w.h2d(base, up)
+        if direct:  # descriptors, then each payload from where it lies (the rest through the upload buffer)
+            w.h2d(base, up[:off["down_end"]])
+            for p in plans:
+                src = np.frombuffer(p.payload, np.uint8) if p.i in direct else up[p.staged:p.staged + p.h.stored_length]
+                w.h2d(base + p.staged, src)
+        else:
+            w.h2d(base, up)
         segs = base + off["desc"]
         size = km.SEG_DTYPE.itemsize
         first, count, blocks = firsts["okv_crc32c"]

@@ -111,7 +111,7 @@ from .segment import (
     parse_header,
     parse_segment,
 )
-from .tiers.dram import DramTier
+from .tiers.dram import UNIT, DramTier, units_of
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ class PeerFetcher(Protocol):
 class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
-    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view")
+    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view", "base")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -439,19 +439,46 @@ class _Seg:
         self.codec = codec
         self.raw_reason = raw_reason
         self.dtype = np.dtype(parse_dtype(desc.dtype))
-        # block -> view of that block, specialised per layout (the hot loop of save and restore).
+        # block -> view of that block, specialised per layout (the hot loop of save and restore). ``base``,
+        # where the layout allows, is a block-major view (base[b] is block b): a whole chunk then moves
+        # with one gather or scatter (:meth:`gather`, :meth:`scatter`) instead of a copy per block.
+        self.base = None
         if desc.layout == "vllm_packed":
             half = slice(0, reg.head_dim) if role == Role.KEY else slice(reg.head_dim, 2 * reg.head_dim)
-            self.view = lambda b: array[b, :, :, half]
+            self.base = array[:, :, :, half]
+            self.view = self.base.__getitem__
         elif desc.layout == "sglang_token_pool":
             t = reg.block_size
             self.view = lambda b: array[b * t:(b + 1) * t]
+            n = array.shape[0] // t
+            split = array[:n * t].reshape((n, t) + tuple(array.shape[1:]))
+            if split.strides[:2] == (array.strides[0] * t, array.strides[0]):  # a view, not a copy
+                self.base = split
         else:
+            self.base = array
             self.view = array.__getitem__
         v = self.view(0)
         assert any(r == role and w.shape == v.shape for r, w in block_views(reg, desc, array, 0))
         self.block_shape = tuple(v.shape)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def gather(self, blocks: Sequence[int]):
+        """The blocks as one C-contiguous array ``[len(blocks), *block_shape]`` of the pages' kind (numpy
+        or cupy): one gather where the layout has a block-major view."""
+        if self.base is not None:
+            xp = _array_module(self.base)
+            return xp.take(self.base, xp.asarray(blocks, dtype=np.int64), axis=0)
+        xp = _array_module(self.view(blocks[0]))
+        return xp.stack([self.view(b) for b in blocks])
+
+    def scatter(self, blocks: Sequence[int], src) -> None:
+        """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks."""
+        if self.base is not None:
+            xp = _array_module(self.base)
+            self.base[xp.asarray(blocks, dtype=np.int64)] = src
+            return
+        for j, b in enumerate(blocks):
+            self.view(b)[...] = src[j]
 
 
 class _Engine:
@@ -1040,8 +1067,11 @@ class Manager:
             budget = self._config.storage_codec_budget
             batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
             batch_bytes = 0
+            # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
+            # device-to-host copy into the arena per batch) rather than a host copy per block.
+            raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
             for item in todo:
-                if item[1].codec is None:
+                if item[1].codec is None and raw_on_host:
                     self._save_raw(eng, item, acc)
                     continue
                 batch.append(item)
@@ -1104,21 +1134,41 @@ class Manager:
 
     def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]], acc: "_SaveAcc") -> None:
         gpu = self._gpu_codecs
-        srcs = [_gather_device(seg, ch.blocks) if gpu else self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
+        on_device = gpu is not None and eng.info.device != "host"
+        if on_device:
+            srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch])
+        else:
+            srcs = [_gather_device(seg, ch.blocks) if gpu else self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
         ws = sum(s.nbytes for s in srcs)
         self._workspace_delta(ws)
+        regions: list[tuple[int, int]] = []  # arena extents the GPU engine wrote segments into
+
+        def arena_region(nbytes: int) -> np.ndarray | None:
+            off = self.dram.reserve(nbytes)
+            if off is None:
+                return None
+            regions.append((off, units_of(nbytes) * UNIT))
+            return self.dram.view(off, nbytes)
+
         try:
             t0 = time.perf_counter()
             if gpu is not None:
-                blobs = gpu.encode([(x, seg.codec.codec_id, seg.role, seg.layer, seg.dtype)
-                                    for x, (_, seg, _) in zip(srcs, batch)], eng.reg.rotation_seed)
+                blobs = gpu.encode([(x, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, seg.dtype,
+                                     seg.raw_reason) for x, (_, seg, _) in zip(srcs, batch)], eng.reg.rotation_seed,
+                                   out_region=arena_region if self.dram.arena.pinned else None)
             else:
                 blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
                          for x, (_, seg, _) in zip(srcs, batch)]
             self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1)
+        except BaseException:
+            for off, n in regions:
+                self.dram.cancel(off, n)
+            raise
         finally:
             self._workspace_delta(-ws)
             del srcs
+        base = self.dram.view(0, 1).ctypes.data
+        used: list[tuple[int, int]] = []  # arena extents published in place
         for (ch, seg, kb), blob in zip(batch, blobs):
             h = parse_header(blob)
             rep = _REP_NAMES[int(h.format)]
@@ -1127,13 +1177,19 @@ class Manager:
                 r = h.raw_reason.name.lower()
                 acc.raw[r] = acc.raw.get(r, 0) + 1
                 self._count(self._raw, r)
-            off = self.dram.reserve(len(blob))
-            if off is None:
-                self._demote_direct(kb, blob, acc)
-                continue
-            self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+            off = _offset_in(regions, base, blob)
+            if off is not None:
+                used.append((off, units_of(len(blob)) * UNIT))
+            else:
+                off = self.dram.reserve(len(blob))
+                if off is None:
+                    self._demote_direct(kb, blob, acc)
+                    continue
+                self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
             if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format)) is not None:
                 acc.admit(kb, h.original_length, len(blob))
+        for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
+            self.dram.cancel(off, n)
 
     def _demote_direct(self, kb: bytes, blob: bytes, acc: "_SaveAcc") -> None:
         """DRAM is full of leased objects: hand the segment to the lower tier, or drop it."""
@@ -1179,6 +1235,11 @@ class Manager:
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: verify every source and check it against its destination; write nothing yet.
+            # Segments bound for GPU pages through the GPU engine get their payload CRC32C checked there,
+            # before anything is written to their destination (a mismatch is a miss, as here).
+            gpu = self._gpu_codecs
+            on_device = eng.info.device != "host"
+            gpu_checks = gpu is not None and on_device
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
@@ -1190,7 +1251,7 @@ class Manager:
                     try:
                         # Arena extents (shared memory) are checked in full; lower-tier bytes were
                         # validated by the tier a moment ago and need no second payload CRC pass.
-                        h = _verify_header(kb, src) if kb in fresh else _verify(kb, src)
+                        h = _verify_header(kb, src) if kb in fresh or gpu_checks else _verify(kb, src)
                     except SegmentError as e:
                         self._add(decode_failures=1)
                         bad[ci] = f"corrupt: {type(e).__name__}: {e}"
@@ -1206,8 +1267,6 @@ class Manager:
             # batches, and raw segments bound for GPU blocks in one upload per batch; the rest segment by
             # segment on the host.
             segments = logical = stored = 0
-            gpu = self._gpu_codecs
-            on_device = eng.info.device != "host"
             coded: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
             raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
             done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = []
@@ -1215,7 +1274,7 @@ class Manager:
                 ci, seg, ch, h, blob = item
                 if ci in bad:
                     continue
-                if gpu is not None and h.format != Format.RAW:
+                if gpu is not None and (h.format != Format.RAW or on_device):
                     coded.append(item)
                 elif on_device and h.format == Format.RAW:
                     raw_dev.append(item)
@@ -1369,7 +1428,7 @@ class Manager:
                 t0 = time.perf_counter()
                 try:
                     errs = self._gpu_codecs.decode_into_many([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch],
-                                                             seed)
+                                                             seed, [self._pinned(blob) for *_, blob in batch])
                 except Exception as e:  # the engine failed as a whole: every segment of the batch misses
                     errs = [e] * len(batch)
                 finally:
@@ -1379,6 +1438,13 @@ class Manager:
                     self._add(decode_seconds=dt / len(batch))
                 out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
         return out
+
+    def _pinned(self, blob) -> bool:
+        """``blob`` is a view of the arena, and the arena is pinned (the GPU copies from it directly)."""
+        if not self.dram.arena.pinned or not isinstance(blob, memoryview) or not len(blob):
+            return False
+        addr = np.frombuffer(blob, np.uint8).ctypes.data - self.dram.view(0, 1).ctypes.data
+        return 0 <= addr and addr + len(blob) <= self.dram.arena.size
 
     def _upload_raw(self, items: list, keep: list) -> list:
         """Raw segments into GPU blocks: per batch, the payloads are packed into one pinned buffer, sent
@@ -1405,9 +1471,7 @@ class Manager:
                 pos = 0
                 for ci, seg, ch, h, _ in batch:
                     src = dev[pos:pos + h.stored_length].view(cupy_dtype(seg.dtype))
-                    per = seg.block_bytes // seg.dtype.itemsize
-                    for j, b in enumerate(ch.blocks):
-                        seg.view(b)[...] = src[j * per:(j + 1) * per].reshape(seg.block_shape)
+                    seg.scatter(ch.blocks, src.reshape((len(ch.blocks),) + seg.block_shape))
                     res.append((ci, seg, ch, h, None))
                     pos += h.stored_length
             except Exception as e:  # a CUDA failure: the whole batch misses
@@ -1801,17 +1865,24 @@ class _GpuCodecs:
                 e = self._engines[seed] = self._cls(budget_bytes=self._budget, seed=seed)
             return e
 
-    def encode(self, items: list[tuple[object, str, Role, int, np.dtype]], seed: int) -> list:
-        return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d) for a, c, r, l, d in items])
+    def encode(self, items: list[tuple[object, str, Role, int, np.dtype, RawReason]], seed: int, *,
+               out_region=None) -> list:
+        """Segments of ``items``; with ``out_region`` (see ``encode_batch``) they land in the arena, each at a
+        multiple of the arena's allocation unit."""
+        return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d, raw_reason=why)
+                                                for a, c, r, l, d, why in items],
+                                               out_region=out_region, slot_align=UNIT)
 
-    def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int) -> list:
+    def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
+                         pinned: Sequence[bool] | None = None) -> list:
         """Decode ``(seg, blocks, segment bytes)`` items with one ``decode_batch`` and scatter each into
         its chunk's blocks; the error (or None) per item. Host blocks are written when this returns;
-        copies into GPU blocks are queued on the current stream."""
+        copies into GPU blocks are queued on the current stream. ``pinned[i]``: item i's bytes are in
+        pinned memory (the arena) and go to the GPU from there."""
         import cupy
 
         tmps = [cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype)) for seg, blocks, _ in items]
-        errs: list = list(self._engine(seed).decode_batch([blob for _, _, blob in items], tmps))
+        errs: list = list(self._engine(seed).decode_batch([blob for _, _, blob in items], tmps, pinned=pinned))
         for i, ((seg, blocks, _), tmp) in enumerate(zip(items, tmps)):
             if errs[i] is not None:
                 continue
@@ -1822,8 +1893,7 @@ class _GpuCodecs:
                         dst = seg.view(b)
                         np.copyto(dst, host[j].view(dst.dtype))
                 else:
-                    for j, b in enumerate(blocks):
-                        seg.view(b)[...] = tmp[j]
+                    seg.scatter(blocks, tmp)
             except Exception as e:
                 errs[i] = e
         return errs
@@ -1849,11 +1919,72 @@ def _gather_device(seg: _Seg, blocks: list[int]):
     """The chunk's blocks of ``seg`` as one contiguous cupy array (host pages are uploaded)."""
     import cupy
 
-    views = [seg.view(b) for b in blocks]
-    if isinstance(views[0], np.ndarray):
-        host = np.stack(views)
-        return cupy.asarray(host.view(cupy_dtype(host.dtype)))
-    return cupy.stack(views)
+    x = seg.gather(blocks)
+    if isinstance(x, np.ndarray):
+        return cupy.asarray(x.view(cupy_dtype(x.dtype)))
+    return x
+
+
+def _gather_batch(items: list[tuple[_Seg, list[int]]]) -> list:
+    """Each item's blocks as one contiguous device array, with one gather per tensor: the items of one
+    segment kind (layer, role) are gathered together and handed out as slices of the result."""
+    import cupy
+
+    by_seg: dict[int, list[int]] = {}
+    for i, (seg, _) in enumerate(items):
+        by_seg.setdefault(id(seg), []).append(i)
+    out: list = [None] * len(items)
+    for idx in by_seg.values():
+        seg = items[idx[0]][0]
+        if seg.base is None:
+            for i in idx:
+                out[i] = seg.gather(items[i][1])
+            continue
+        blocks = np.concatenate([np.asarray(items[i][1], dtype=np.int64) for i in idx])
+        whole = cupy.take(seg.base, cupy.asarray(blocks), axis=0)
+        pos = 0
+        for i in idx:
+            n = len(items[i][1])
+            out[i] = whole[pos:pos + n]
+            pos += n
+    return out
+
+
+def _offset_in(regions: list[tuple[int, int]], base: int, blob) -> int | None:
+    """The arena offset of ``blob`` when it lies inside one of ``regions`` (offset, length), else None."""
+    if not regions or not isinstance(blob, memoryview):
+        return None
+    addr = np.frombuffer(blob, np.uint8).ctypes.data - base
+    for off, n in regions:
+        if off <= addr < off + n:
+            return addr
+    return None
+
+
+def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``regions`` not covered by ``used`` (both lists of (offset, length), unit-aligned)."""
+    out = []
+    taken = sorted(used)
+    for off, n in regions:
+        pos, end = off, off + n
+        for u, m in taken:
+            if u + m <= pos or u >= end:
+                continue
+            if u > pos:
+                out.append((pos, u - pos))
+            pos = max(pos, u + m)
+        if pos < end:
+            out.append((pos, end - pos))
+    return out
+
+
+def _array_module(a):
+    """numpy for host arrays, cupy for device ones (cupy imported only when a device array is here)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
 
 
 def _layer_codec(reg: EngineRegistration, desc: TensorDesc, codec_name: str) -> tuple[Codec | None, RawReason]:

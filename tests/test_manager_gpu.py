@@ -16,7 +16,8 @@ import pytest
 
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig, _pack
+from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu
 
@@ -134,15 +135,56 @@ def test_restored_pages_are_in_place_when_restore_answers(codec):
                 assert reply.get(timeout=60) == ref
             st = m.stats()
             assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
-            if codec != "none":
-                restores = 6
-                encoded = nseg - len(chunks) * 2 * len(e.exact_layers)  # policy keeps some layers exact
-                coded = nseg - st.codec_segments.get("raw", 0)  # segments stored in a coded format
-                assert 0 < st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] <= encoded
-                assert st.gpu_cpu_fallbacks["restore"] == 0  # 32 KiB segments fit the workspace
-                assert st.gpu_segments["restore"] == restores * coded
-                assert st.gpu_batches["restore"] == restores * -(-coded // per_batch)
-                assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
+            # GPU pages: every segment, exact ones included, goes through the GPU engine both ways
+            restores = 6
+            assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == nseg
+            assert st.gpu_cpu_fallbacks["restore"] == 0  # 32 KiB segments fit the workspace
+            assert st.gpu_segments["restore"] == restores * nseg
+            assert st.gpu_batches["restore"] == restores * -(-nseg // per_batch)
+            assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
+            if codec == "turboquant-4":  # the policy's exact layers are stored raw, with their reason
+                assert st.codec_segments.get("raw", 0) == len(chunks) * 2 * len(e.exact_layers)
+    finally:
+        cmd.put("stop")
+        proc.join(60)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec):
+    """Payload CRC32Cs of segments bound for GPU pages are checked on the GPU: a flipped payload byte in
+    the arena makes its chunk a miss, its destination blocks keep what they held, every other chunk is
+    restored exactly as saved."""
+    ctx = mp.get_context("spawn")
+    cmd, reply = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
+    proc.start()
+    try:
+        handle, _ = reply.get(timeout=120)
+        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
+            e = m.register_engine(_registration(handle))
+            chunks = [ChunkBlocks(chunk_key(f"c{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+            m.save(e.engine_id, chunks)
+            cmd.put("read")
+            saved = np.frombuffer(reply.get(timeout=60), np.uint16)
+            victim = chunks[3]
+            kb = _pack(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
+            (slot, gen, off, _), = m.dram.lease([kb])
+            m.dram.unlease([(slot, gen)])
+            m.dram.view(off + 64 + 100, 1)[0] ^= 0x40  # a payload byte, past the 64-byte header
+            cmd.put("zero")
+            reply.get(timeout=60)
+            res = m.restore(e.engine_id, chunks)
+            assert res.restored == [i != 3 for i in range(len(chunks))]
+            cmd.put("read")
+            got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+            want = saved.reshape(2 * L, B, T * H * D)
+            for i, ch in enumerate(chunks):
+                for b in ch.blocks:
+                    if i == 3:
+                        assert not got[2 * 2 + 1, b].any()  # the corrupt segment wrote nothing
+                    elif codec == "none":
+                        assert np.array_equal(got[:, b], want[:, b])
+            assert m.stats().decode_failures >= 1
     finally:
         cmd.put("stop")
         proc.join(60)

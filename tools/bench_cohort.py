@@ -931,9 +931,13 @@ def _versions() -> dict[str, str]:
 
 def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
               manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm", smollm2: bool = True,
-              smollm2_kv: str | None = None, log=print) -> dict[str, Any]:
-    """The control, then every (variant, codec) run on the same cohort; differences and verdicts."""
+              smollm2_kv: str | None = None, log=print, checkpoint=None) -> dict[str, Any]:
+    """The control, then every (variant, codec) run on the same cohort; differences and verdicts.
+    ``checkpoint(partial result)`` is called after every run, so a run cut short by a time limit still
+    leaves the runs it finished (mergeable with :func:`merge`)."""
     torch = _torch()
+    # every codec, whatever --codecs says: cheap, and the merged report needs one table
+    sm = smollm2_ratios(CODECS, chunk_tokens=min(recipe.chunk_tokens, 64), kv_path=smollm2_kv) if smollm2 else None
     cohort = build_cohort(recipe)
     model = build_model(recipe.model, device, recipe.seed)
     fwd = _Forward(model)
@@ -952,6 +956,17 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
         control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
         log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
         runs = [control]
+
+        def snapshot() -> dict[str, Any]:
+            snap = {"benchmark": "cohort", "recipe": _recipe_dict(recipe), "device": device,
+                    "manager_mode": manager_mode, "skipped": dict(skipped), "partial": True,
+                    "runs": [{k: v for k, v in r.items() if k != "_records"} for r in runs]}
+            if sm is not None:
+                snap["smollm2_kv"] = sm
+            return snap
+
+        if checkpoint is not None:
+            checkpoint(snapshot())
         for variant in variants:
             for codec in codecs:
                 if codec == "ans":
@@ -962,6 +977,8 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
                 run = run_cohort(model, recipe, cohort, pages, codec=codec, variant=variant, **kw)
                 _compare(run, control)
                 runs.append(run)
+                if checkpoint is not None:
+                    checkpoint(snapshot())
                 log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
                     f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
                     f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
@@ -971,21 +988,25 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
         run.pop("_records")
     result: dict[str, Any] = {
         "benchmark": "cohort",
-        "recipe": dataclasses.asdict(recipe) | {"kv_bytes_per_token": recipe.kv_bytes_per_token,
-                                                 # requests that can hit: reuse requests after their prefix's first
-                                                 "reuse_requests": recipe.warm_requests - recipe.prefixes,
-                                                 "prefix_logical_bytes": recipe.prefixes * recipe.kv_bytes_per_token
-                                                 * (recipe.input_tokens - recipe.suffix_tokens)},
+        "recipe": _recipe_dict(recipe),
         "device": device,
         "manager_mode": manager_mode,
         "skipped": skipped,
         "runs": runs,
     }
     del model
-    if smollm2:  # every codec, whatever --codecs says: cheap, and the merged report needs one table
-        result["smollm2_kv"] = smollm2_ratios(CODECS, chunk_tokens=min(recipe.chunk_tokens, 64), kv_path=smollm2_kv)
+    if sm is not None:
+        result["smollm2_kv"] = sm
     result["verdicts"] = verdicts(runs)
     return result
+
+
+def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe) | {"kv_bytes_per_token": recipe.kv_bytes_per_token,
+                                         # requests that can hit: reuse requests after their prefix's first
+                                         "reuse_requests": recipe.warm_requests - recipe.prefixes,
+                                         "prefix_logical_bytes": recipe.prefixes * recipe.kv_bytes_per_token
+                                         * (recipe.input_tokens - recipe.suffix_tokens)}
 
 
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1301,19 +1322,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     t0 = time.perf_counter()
     load_start = os.getloadavg()
+    command = "orbitkv-bench cohort " + " ".join(argv)
+
+    def checkpoint(partial: dict[str, Any]) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        partial.update(command=command, date=date, elapsed_s=time.perf_counter() - t0)
+        with open(os.path.join(out_dir, "cohort.partial.json"), "w") as f:
+            json.dump(partial, f, indent=1, default=float)
+
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
-                           ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2, smollm2_kv=args.smollm2_kv, log=log)
+                           ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2,
+                           smollm2_kv=args.smollm2_kv, log=log, checkpoint=checkpoint)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    result["command"] = "orbitkv-bench cohort " + " ".join(argv)
+    result["command"] = command
     result["date"] = date
     result["elapsed_s"] = time.perf_counter() - t0
     # other jobs on the machine move every figure: the 1-minute load average before and after the run
     result["load_average_1m"] = {"start": load_start[0], "end": os.getloadavg()[0]}
     result["versions"] = _versions()
     files = write_report(result, out_dir, plots=not args.no_plots)
+    with contextlib.suppress(FileNotFoundError):  # superseded by the complete cohort.json
+        os.remove(os.path.join(out_dir, "cohort.partial.json"))
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=float)
         print()

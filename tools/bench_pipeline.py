@@ -121,6 +121,21 @@ def _gpu_engine_process(nbytes: int, tensor_bytes: int, repeat: int, cmd, reply)
         reply.put({"save_baseline_gbs": best(2), "restore_baseline_gbs": best(1)})
 
 
+def _reply(q, proc, timeout: float = 300.0):
+    """The engine's next answer; a dead engine process is an error at once, not a wait."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the engine process exited ({proc.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise
+
+
 def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
@@ -135,7 +150,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dic
     proc = ctx.Process(target=_gpu_engine_process, args=(nbytes, tensor_bytes, repeat, cmd, reply), daemon=True)
     proc.start()
     try:
-        handle = reply.get(timeout=300)
+        handle = _reply(reply, proc)
         strides = [BLOCK * HEADS * HEAD_DIM, HEADS * HEAD_DIM, HEAD_DIM, 1]
         descs = [TensorDesc(layer=l, role=role, layout="separate", shape=[num_blocks, BLOCK, HEADS, HEAD_DIM],
                             strides=strides, dtype="bfloat16",
@@ -146,7 +161,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dic
 
         def baseline() -> dict:
             cmd.put("memcpy")
-            return reply.get(timeout=300)
+            return _reply(reply, proc)
 
         return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline,
                            pages="GPU pages of an engine process, imported through CUDA IPC",
