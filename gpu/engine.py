@@ -412,7 +412,8 @@ class GpuCodecEngine:
         """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
         na = len(ans)
         chunks = sum(p.nch for p in ans)
-        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256 + self._slot_align
+        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
+        fixed += self._slot_align - SLOT_ALIGN  # the region starts at a slot boundary
         tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if ans else 0
         return fixed + slots + tmp + self._ans_temp(ans)
 
