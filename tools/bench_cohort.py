@@ -1120,7 +1120,7 @@ def _markdown(result: dict[str, Any]) -> str:
              f"{rc['ssd_bytes'] / 2**20:.0f} MiB (variant ssd) or DRAM {rc['dram_only_bytes'] / 2**20:.0f} MiB "
              f"(variant dram). Manager {result['manager_mode']}."
              + (f" Load average (1 min) {la['start']:.1f} at the start, {la['end']:.1f} at the end, on "
-                f"{result['versions'].get('cpu_count')} CPUs." if (la := result.get("load_average_1m")) else ""),
+                f"{result.get('versions', {}).get('cpu_count')} CPUs." if (la := result.get("load_average_1m")) else ""),
              "",
              _table(result), "",
              "TTFT = lookup + restore + page gather + prefill of the rest (or the full prefill on a miss). "
@@ -1157,7 +1157,7 @@ def _markdown(result: dict[str, Any]) -> str:
                 else:
                     lines.append(f"| {c} | {d['ratio']:.2f} | {d['relative_rmse']:.4f} | "
                                  f"{', '.join(f'{k} {n}' for k, n in d['segments'].items())} |")
-    lines += ["", "## Versions", ""] + [f"* {k}: {v}" for k, v in result["versions"].items()]
+    lines += ["", "## Versions", ""] + [f"* {k}: {v}" for k, v in result.get("versions", {}).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -1323,12 +1323,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     command = "orbitkv-bench cohort " + " ".join(argv)
+    versions = _versions()
 
     def checkpoint(partial: dict[str, Any]) -> None:
         os.makedirs(out_dir, exist_ok=True)
-        partial.update(command=command, date=date, elapsed_s=time.perf_counter() - t0)
-        with open(os.path.join(out_dir, "cohort.partial.json"), "w") as f:
+        partial.update(command=command, date=date, elapsed_s=time.perf_counter() - t0, versions=versions)
+        path = os.path.join(out_dir, "cohort.partial.json")
+        with open(path + ".tmp", "w") as f:  # a kill mid-write must not cost the previous checkpoint
             json.dump(partial, f, indent=1, default=float)
+        os.replace(path + ".tmp", path)
 
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
@@ -1342,7 +1345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["elapsed_s"] = time.perf_counter() - t0
     # other jobs on the machine move every figure: the 1-minute load average before and after the run
     result["load_average_1m"] = {"start": load_start[0], "end": os.getloadavg()[0]}
-    result["versions"] = _versions()
+    result["versions"] = versions
     files = write_report(result, out_dir, plots=not args.no_plots)
     with contextlib.suppress(FileNotFoundError):  # superseded by the complete cohort.json
         os.remove(os.path.join(out_dir, "cohort.partial.json"))
