@@ -1,0 +1,44 @@
+"""``orbitkv-bench pipeline`` on the CPU: the throughput part runs the real Manager over host pages and
+reports each codec next to its baseline and to ``none``; SmolLM2 ratios from a saved K/V sample."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+
+from orbitkv_fs.tools import bench_cohort, bench_pipeline
+
+
+def test_throughput_report(tmp_path):
+    out = tmp_path / "res"
+    assert bench_pipeline.main(["--only", "throughput", "--blocks", "128", "--repeat", "1", "--codecs", "none,fp8",
+                                "--out", str(out)]) == 0
+    res = json.loads((out / "pipeline-cpu.json").read_text())
+    runs = res["throughput"]["runs"]
+    assert [(r["codec"], r["segment_bytes"]) for r in runs] == [
+        (c, s) for c in ("none", "fp8") for s in bench_pipeline.SEGMENT_SIZES]
+    for r in runs:
+        assert r["save_gbs"] > 0 and r["restore_gbs"] > 0 and r["save_baseline_gbs"] > 0
+        assert abs(r["save_vs_baseline"] - r["save_gbs"] / r["save_baseline_gbs"]) < 1e-9
+        none = next(x for x in runs if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"])
+        assert abs(r["restore_vs_none"] - r["restore_gbs"] / none["restore_gbs"]) < 1e-9
+        ratio = r["stored_bytes"] / r["logical_bytes"]
+        assert (0.49 < ratio < 0.52) if r["codec"] == "fp8" else (1.0 <= ratio < 1.01)
+    assert "| fp8 | 64 KiB |" in (out / "pipeline-cpu.md").read_text()
+
+
+def test_smollm2_ratios_from_saved_kv(tmp_path):
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((6, 128, 2, 64), dtype=np.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+    path = tmp_path / "kv.npz"
+    np.savez(path, k=k.view(np.uint16), v=v.view(np.uint16))
+    r = bench_cohort.smollm2_ratios(["none", "fp8", "turboquant-4"], chunk_tokens=64, kv_path=str(path))
+    assert (r["layers"], r["tokens"], r["kv_heads"], r["head_dim"]) == (6, 128, 2, 64)
+    assert r["codecs"]["none"]["relative_rmse"] == 0.0
+    assert 1.9 < r["codecs"]["fp8"]["ratio"] < 2.0
+    tq = r["codecs"]["turboquant-4"]
+    assert tq["segments"]["raw"] == 4 * 2 * 2  # first and last two layers exact: 2 roles x 2 segments each
+    assert tq["ratio"] > r["codecs"]["fp8"]["ratio"] * 0.5 and tq["relative_rmse"] < 0.2
+    assert "skipped" in bench_cohort.smollm2_ratios(["none"], 64, kv_path=str(tmp_path / "missing.npz"))
