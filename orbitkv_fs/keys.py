@@ -17,6 +17,18 @@ from .segment import Role
 PACKED_SIZE = 36
 _STRUCT = struct.Struct("<16s16sHB1x")
 assert _STRUCT.size == PACKED_SIZE
+_LAYER_ROLE = struct.Struct("<HB")  # at byte 32 of the packed form
+
+
+def pack_key(namespace: bytes, chunk: bytes, layer: int, role: Role) -> bytes:
+    """``ObjectKey(namespace, chunk, layer, role).pack()`` without building the object, for callers whose
+    namespace and chunk are already checked 16-byte values (the Manager's per-segment loops)."""
+    return _STRUCT.pack(namespace, chunk, layer, role)
+
+
+def key_layer_role(packed: bytes) -> tuple[int, int]:
+    """``(layer, role value)`` of a packed key."""
+    return _LAYER_ROLE.unpack_from(packed, 32)
 
 
 def chunk_key(data: "bytes | str | int") -> bytes:

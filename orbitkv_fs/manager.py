@@ -96,7 +96,7 @@ from .geometry import (
     validate_registration,
 )
 from .histogram import DURATION_BUCKETS_S, DurationCounter, DurationHistogram
-from .keys import ObjectKey
+from .keys import ObjectKey, key_layer_role, pack_key
 from .namespace import namespace_v2
 from .pages import HostPages, PagesError, cupy_dtype, import_cuda_tensor
 from .segment import (
@@ -567,16 +567,19 @@ def _check_keys(chunks: Sequence[bytes]) -> None:
             raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
 
 
-def _pack(ns: bytes, chunk: bytes, layer: int, role: Role) -> bytes:
-    return ObjectKey(ns, chunk, layer, role).pack()
+_pack = pack_key
+
+
+def _check_key(kb: bytes, h: SegmentHeader) -> None:
+    layer, role = key_layer_role(kb)
+    if h.layer != layer or h.role != role:
+        raise UnknownFormat(f"segment is layer {h.layer}/{h.role.name}, the key says {layer}/{Role(role).name}")
 
 
 def _verify(kb: bytes, blob) -> SegmentHeader:
     """Full validation of a segment claimed to be the object ``kb``. Raises SegmentError."""
     h, _ = parse_segment(blob)
-    key = ObjectKey.unpack(kb)
-    if h.layer != key.layer or h.role != key.role:
-        raise UnknownFormat(f"segment is layer {h.layer}/{h.role.name}, the key says {key.layer}/{key.role.name}")
+    _check_key(kb, h)
     return h
 
 
@@ -585,9 +588,7 @@ def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
     which verifies every record's CRCs): header CRC and fields, the key's layer/role, the length. Raises
     SegmentError. Spares a second CRC pass over the payload."""
     h = parse_header(blob)
-    key = ObjectKey.unpack(kb)
-    if h.layer != key.layer or h.role != key.role:
-        raise UnknownFormat(f"segment is layer {h.layer}/{h.role.name}, the key says {key.layer}/{key.role.name}")
+    _check_key(kb, h)
     if len(blob) != HEADER_SIZE + h.stored_length:
         raise SegmentError(f"segment of {len(blob)} bytes, its header says {HEADER_SIZE + h.stored_length}")
     return h
@@ -1493,9 +1494,12 @@ class Manager:
             self._workspace_delta(flat.nbytes)
             self._add(decode_seconds=time.perf_counter() - t0)
         try:
-            per = seg.block_bytes // seg.dtype.itemsize
-            for j, b in enumerate(blocks):
-                _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(b))
+            if seg.base is not None and isinstance(seg.base, np.ndarray):  # one scatter for the whole chunk
+                seg.scatter(blocks, flat.view(seg.dtype).reshape((len(blocks),) + seg.block_shape))
+            else:
+                per = seg.block_bytes // seg.dtype.itemsize
+                for j, b in enumerate(blocks):
+                    _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(b))
         finally:
             if h.format != Format.RAW:
                 self._workspace_delta(-flat.nbytes)
