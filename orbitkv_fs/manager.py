@@ -15,7 +15,9 @@ the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
   engine) and unregisters a dead engine's registration itself, through :meth:`~Manager.unregister_engine`'s
   path (counted as ``engines_reaped``).
 * data path: :meth:`~Manager.lookup` (leading run of present chunks, under a lease),
-  :meth:`~Manager.save`, :meth:`~Manager.restore`, :meth:`~Manager.release`.
+  :meth:`~Manager.save`, :meth:`~Manager.restore`, :meth:`~Manager.release`. A lease that neither a
+  restore nor a release ends within ``lease_ttl`` seconds (its engine timed out and never came back for it)
+  expires: the housekeeping thread drops it, so its extents can be evicted again (``leases_expired``).
 * admin: :meth:`~Manager.invalidate`, :meth:`~Manager.stats` (:class:`ManagerStats`, what metrics are built
   from), :meth:`~Manager.flush_dram`, :meth:`~Manager.list_objects`, :meth:`~Manager.config`.
 
@@ -199,6 +201,8 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: Seconds between checks that watched engines' processes (registrations with a ``pid``) still run;
     #: a dead one is unregistered. 0: never checked.
     engine_check_interval: float = 1.0
+    #: Seconds a lookup's (or a peer's) lease lives unless a restore or release ends it first. 0: forever.
+    lease_ttl: float = 300.0
 
 
 # ---------------------------------------------------------------------------------------------- requests / results
@@ -368,6 +372,7 @@ class ManagerStats(msgspec.Struct, frozen=True):
     prefetch_wasted: int = 0
     #: Engines the Manager unregistered because their process had exited.
     engines_reaped: int = 0
+    leases_expired: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -549,12 +554,13 @@ class _ProcessWatch:
 
 
 class _Lease:
-    __slots__ = ("engine_id", "chunks", "entries")
+    __slots__ = ("engine_id", "chunks", "entries", "expires")
 
     def __init__(self, engine_id: str | None) -> None:
         self.engine_id = engine_id
         self.chunks: list[bytes] = []  # pinned (namespace + chunk)
         self.entries: list[tuple[int, int]] = []  # leased (slot, generation)
+        self.expires = float("inf")  # time.monotonic() deadline once handed out (lease_ttl)
 
 
 _REP_NAMES = {int(f): f.name.lower() for f in Format}
@@ -594,6 +600,8 @@ def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
     return h
 
 
+#: Expired lease ids remembered so that a late restore under one is served, not refused.
+_EXPIRED_IDS_KEPT = 4096
 #: Segments a lookup reads from the lower tier in one batch (all in flight together).
 _PROMOTE_WINDOW = 256
 #: Segments one peer lease request may read back from the lower tier into DRAM.
@@ -651,8 +659,14 @@ class Manager:
         self._inval_epoch = 0  # bumped by invalidate(): a prefetch that raced one is not kept
         if config.engine_check_interval < 0:
             raise ValueError("engine_check_interval must be >= 0")
-        self._watcher: threading.Thread | None = None  # started with the first watched engine
+        if config.lease_ttl < 0:
+            raise ValueError("lease_ttl must be >= 0")
+        # the housekeeping thread (dead engines, expired leases): started with the first watched engine
+        # or the first lease that can expire
+        self._watcher: threading.Thread | None = None
         self._watcher_stop = threading.Event()
+        # recently expired lease ids -> engine id: a late restore naming one still runs, without the lease
+        self._expired: collections.OrderedDict[int, str | None] = collections.OrderedDict()
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
@@ -735,12 +749,8 @@ class Manager:
                                   segments_per_chunk=len(segs), exact_layers=sorted(exact_layers), device=device,
                                   registration=reg, watched=watch is not None)
                 self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports, watch)
-                if watch is not None and self._watcher is None:
-                    self._watcher = threading.Thread(
-                        target=_watch_engines, args=(weakref.ref(self), self._watcher_stop,
-                                                     self._config.engine_check_interval),
-                        name="orbitkv-engine-watch", daemon=True)
-                    self._watcher.start()
+                if watch is not None:
+                    self._start_housekeeping()
             return info
         except BaseException:
             _close_imports(imports)
@@ -822,6 +832,48 @@ class Manager:
         eng.segs = []
         _close_imports(eng.imports)
 
+    def _start_housekeeping(self) -> None:
+        """Start the housekeeping thread if it is not running. Called with ``_lock`` held."""
+        if self._watcher is not None or self._closed:
+            return
+        c = self._config
+        periods = [c.engine_check_interval] if c.engine_check_interval > 0 else []
+        if c.lease_ttl > 0:
+            periods.append(min(c.lease_ttl / 4, 5.0))
+        self._watcher = threading.Thread(target=_housekeep, args=(weakref.ref(self), self._watcher_stop,
+                                                                  min(periods, default=1.0)),
+                                         name="orbitkv-housekeeping", daemon=True)
+        self._watcher.start()
+
+    def _hand_out(self, lease: _Lease) -> int:
+        """Register ``lease`` under a new id with its expiry; answers the id. Called with ``_lock`` held."""
+        lease_id = next(self._lease_ids)
+        if self._config.lease_ttl > 0:
+            lease.expires = time.monotonic() + self._config.lease_ttl
+            self._start_housekeeping()
+        self._leases[lease_id] = lease
+        return lease_id
+
+    def _expire_leases(self) -> None:
+        """Drop every lease past its expiry (the housekeeping thread's round)."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [(i, lease) for i, lease in self._leases.items() if lease.expires <= now]
+            for i, lease in expired:
+                del self._leases[i]
+                self._expired[i] = lease.engine_id
+                while len(self._expired) > _EXPIRED_IDS_KEPT:
+                    self._expired.popitem(last=False)
+                eng = self._engines.get(lease.engine_id) if lease.engine_id else None
+                if eng is not None:
+                    eng.leases.discard(i)
+        for _, lease in expired:
+            self._drop_lease(lease)
+        if expired:
+            self._add(leases_expired=len(expired))
+            log.warning("%d lease(s) expired after %gs without a restore or release (lease ids %s)", len(expired),
+                        self._config.lease_ttl, ", ".join(str(i) for i, _ in expired[:8]))
+
     def _reap_dead(self) -> None:
         """Unregister every watched engine whose process has exited (the watcher thread's round)."""
         with self._lock:
@@ -891,9 +943,8 @@ class Manager:
                     log.warning("peer lookup failed: %s", e)
             lease_id = 0
             if pin.chunks:
-                lease_id = next(self._lease_ids)
                 with self._lock:
-                    self._leases[lease_id] = pin
+                    lease_id = self._hand_out(pin)
                     eng.leases.add(lease_id)
             with self._stat_lock:  # not _add: its keyword loop costs more than the counting
                 self._c["lookups"] += 1
@@ -1214,9 +1265,13 @@ class Manager:
             if lease_id:
                 with self._lock:
                     lease = self._leases.get(lease_id)
-                if lease is None or lease.engine_id != engine_id:
+                    late = lease is None and self._expired.get(lease_id, 0) == engine_id
+                if late:  # its lease expired: the restore takes its own hold below; evicted chunks miss
+                    log.warning("engine %r restores under lease %d, which expired", engine_id, lease_id)
+                elif lease is None or lease.engine_id != engine_id:
                     raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
-                consume = lease_id
+                else:
+                    consume = lease_id
             self._check_chunks(eng, chunks)
             segs = eng.segs
             if layers is not None:
@@ -1509,6 +1564,8 @@ class Manager:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
+                if lease_id in self._expired:  # expired already: nothing left to drop
+                    return
                 raise LeaseError(f"unknown lease {lease_id}")
             eng = self._engines.get(lease.engine_id) if lease.engine_id else None
             if eng is not None:
@@ -1617,7 +1674,8 @@ class Manager:
                 gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),
                 gpu_cpu_fallbacks=per_worker("cpu_fallbacks"),
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
-                prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]))
+                prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
+                leases_expired=int(c["leases_expired"]))
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1706,9 +1764,8 @@ class Manager:
             out.append(ObjectExtent(off, length, gen))
         if not lease.entries:
             return 0, out
-        lease_id = next(self._lease_ids)
         with self._lock:
-            self._leases[lease_id] = lease
+            lease_id = self._hand_out(lease)
         return lease_id, out
 
     def _readmit(self, wanted: list[tuple[ObjectKey, bytes]]) -> None:
@@ -1817,20 +1874,22 @@ _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seco
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
-             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped")
+             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "leases_expired")
 
 
-def _watch_engines(manager: "weakref.ref[Manager]", stop: threading.Event, interval: float) -> None:
-    """The watcher thread: every ``interval`` seconds, reap the Manager's dead engines. Holds the
-    Manager only during a round, so a Manager dropped without :meth:`Manager.close` can still go."""
+def _housekeep(manager: "weakref.ref[Manager]", stop: threading.Event, interval: float) -> None:
+    """The housekeeping thread: every ``interval`` seconds, reap the Manager's dead engines and drop its
+    expired leases. Holds the Manager only during a round, so a Manager dropped without
+    :meth:`Manager.close` can still go."""
     while not stop.wait(interval):
         m = manager()
         if m is None:
             return
-        try:
-            m._reap_dead()
-        except Exception:  # the watcher must outlive one bad round
-            log.exception("engine liveness check failed")
+        for job in (m._reap_dead, m._expire_leases):
+            try:
+                job()
+            except Exception:  # the thread must outlive one bad round
+                log.exception("housekeeping: %s failed", job.__name__)
         del m
 
 

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-check-interval", type=float, default=1.0, metavar="SECONDS",
                    help="how often to check that registered engines' processes still run (0: never; a dead "
                         "engine is unregistered as by DELETE /v1/engines/{id})")
+    g.add_argument("--lease-ttl", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a lookup's lease pins its chunks without a restore or release (0: forever)")
     g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
     g.add_argument("--data-plane-workers", type=int, default=4,
@@ -102,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
                          storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
                          shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
+                         lease_ttl=args.lease_ttl,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)
 
 

@@ -89,6 +89,8 @@ class ManagerCollector(Collector):
         yield _gauge("engines", "registered engines", s.engines)
         yield _counter("engines_reaped", "engines unregistered by the Manager because their process exited",
                        s.engines_reaped)
+        yield _counter("leases_expired", "lookup and peer leases dropped after --lease-ttl without a restore or "
+                       "release", s.leases_expired)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
         yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],
