@@ -472,6 +472,9 @@ class _Seg:
         or cupy): one gather where the layout has a block-major view."""
         if self.base is not None:
             xp = _array_module(self.base)
+            run = _run_of(blocks)
+            if run is not None:  # consecutive blocks: a plain copy, no index array to upload
+                return xp.ascontiguousarray(self.base[run])
             return xp.take(self.base, xp.asarray(blocks, dtype=np.int64), axis=0)
         xp = _array_module(self.view(blocks[0]))
         return xp.stack([self.view(b) for b in blocks])
@@ -479,6 +482,10 @@ class _Seg:
     def scatter(self, blocks: Sequence[int], src) -> None:
         """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks."""
         if self.base is not None:
+            run = _run_of(blocks)
+            if run is not None:
+                self.base[run] = src
+                return
             xp = _array_module(self.base)
             self.base[xp.asarray(blocks, dtype=np.int64)] = src
             return
@@ -2039,6 +2046,15 @@ def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[t
         if pos < end:
             out.append((pos, end - pos))
     return out
+
+
+def _run_of(blocks: Sequence[int]) -> slice | None:
+    """``blocks`` as a slice when they are consecutive ascending ids (engines often allocate a chunk's
+    blocks together), else None."""
+    first, n = blocks[0], len(blocks)
+    if blocks[-1] - first == n - 1 and (n < 3 or all(b == first + j for j, b in enumerate(blocks))):
+        return slice(first, first + n)
+    return None
 
 
 def _array_module(a):

@@ -15,8 +15,9 @@ from orbitkv_fs.pages import host_engine_pages
 L, B, T, H, D = 2, 12, 4, 2, 32
 
 
+@pytest.mark.parametrize("blocks", [[7, 2, 11, 3], [4, 5, 6, 7], [9]], ids=["scattered", "run", "one"])
 @pytest.mark.parametrize("layout", ["separate", "vllm_packed", "sglang_token_pool", "mla"])
-def test_gather_and_scatter_match_block_views(layout):
+def test_gather_and_scatter_match_block_views(layout, blocks):
     pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D, layout=layout)
     try:
         rng = np.random.default_rng(1)
@@ -28,7 +29,6 @@ def test_gather_and_scatter_match_block_views(layout):
                                  head_dim=D, dtype="bfloat16", tensors=descs, attention=attention)
         with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
             e = m.register_engine(reg)
-            blocks = [7, 2, 11, 3]
             for seg in m._engines[e.engine_id].segs:
                 before = {b: np.array(seg.view(b)) for b in range(B)}
                 got = seg.gather(blocks)
