@@ -51,47 +51,50 @@ def _engine_process(cmd, reply) -> None:
             return
 
 
-@pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])
-def test_cuda_ipc_engine_round_trip(codec):
+@pytest.fixture
+def engine():
+    """The engine process (:func:`_engine_process`): ``(cmd, reply, IPC handle, its KV bytes)``; stopped
+    after the test."""
     ctx = mp.get_context("spawn")
     cmd, reply = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine_process, args=(cmd, reply))
     proc.start()
     try:
         handle, original = reply.get(timeout=120)
-        strides = [T * H * D, H * D, D, 1]
-        descs = [TensorDesc(layer=l, role=role, layout="separate", shape=list(SHAPE), strides=strides,
-                            dtype="bfloat16", handle=CudaIpcHandle(handle, (2 * l + r) * NBYTES, 0, 2 * L * NBYTES))
-                 for l in range(L) for r, role in enumerate(("key", "value"))]
-        reg = EngineRegistration(model="gpu-test", num_layers=L, layer_start=0, layer_end=L, block_size=T,
-                                 num_heads=H, head_dim=D, dtype="bfloat16", tensors=descs)
-        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
-            assert m.arena_info().pinned
-            e = m.register_engine(reg)
-            assert e.device == "cuda:0"
-            chunks = [ChunkBlocks(chunk_key(f"g{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
-            r = m.save(e.engine_id, chunks)
-            assert r.segments == len(chunks) * 2 * L
-            cmd.put("zero")
-            reply.get(timeout=60)
-            lk = m.lookup(e.engine_id, [c.key for c in chunks])
-            assert lk.count == len(chunks)
-            res = m.restore(e.engine_id, chunks, lease_id=lk.lease_id)
-            assert all(res.restored), res.misses
-            st = m.stats()
-            assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
-            cmd.put("read")
-            got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
-        want = np.frombuffer(original, dtype=np.uint16)
-        if codec in ("none", "ans"):
-            assert np.array_equal(got, want)
-        else:
-            g = got.view(ml_dtypes.bfloat16).astype(np.float32)
-            w = want.view(ml_dtypes.bfloat16).astype(np.float32)
-            assert np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w)
+        yield cmd, reply, handle, original
     finally:
         cmd.put("stop")
         proc.join(60)
+
+
+@pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])
+def test_cuda_ipc_engine_round_trip(codec, engine):
+    cmd, reply, handle, original = engine
+    reg = _registration(handle)
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
+        assert m.arena_info().pinned
+        e = m.register_engine(reg)
+        assert e.device == "cuda:0"
+        chunks = [ChunkBlocks(chunk_key(f"g{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+        r = m.save(e.engine_id, chunks)
+        assert r.segments == len(chunks) * 2 * L
+        cmd.put("zero")
+        reply.get(timeout=60)
+        lk = m.lookup(e.engine_id, [c.key for c in chunks])
+        assert lk.count == len(chunks)
+        res = m.restore(e.engine_id, chunks, lease_id=lk.lease_id)
+        assert all(res.restored), res.misses
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        cmd.put("read")
+        got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
+    want = np.frombuffer(original, dtype=np.uint16)
+    if codec in ("none", "ans"):
+        assert np.array_equal(got, want)
+    else:
+        g = got.view(ml_dtypes.bfloat16).astype(np.float32)
+        w = want.view(ml_dtypes.bfloat16).astype(np.float32)
+        assert np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w)
 
 
 def _registration(handle: bytes) -> EngineRegistration:
@@ -104,87 +107,71 @@ def _registration(handle: bytes) -> EngineRegistration:
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4"])
-def test_restored_pages_are_in_place_when_restore_answers(codec):
+def test_restored_pages_are_in_place_when_restore_answers(codec, engine):
     """The engine (another process) reads its KV the moment restore returns, without synchronising:
     every copy the Manager queued must have landed. Also checks the GPU engine's counters: one
     decode_batch per restore batch (batch_segments), not one per segment."""
-    ctx = mp.get_context("spawn")
-    cmd, reply = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
-    proc.start()
-    try:
-        handle, original = reply.get(timeout=120)
-        per_batch = 16
-        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=per_batch)) as m:
-            e = m.register_engine(_registration(handle))
-            chunks = [ChunkBlocks(chunk_key(f"r{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
-            nseg = len(chunks) * 2 * L
-            assert m.save(e.engine_id, chunks).segments == nseg
+    cmd, reply, handle, original = engine
+    per_batch = 16
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=per_batch)) as m:
+        e = m.register_engine(_registration(handle))
+        chunks = [ChunkBlocks(chunk_key(f"r{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+        nseg = len(chunks) * 2 * L
+        assert m.save(e.engine_id, chunks).segments == nseg
+        cmd.put("zero")
+        reply.get(timeout=60)
+        assert all(m.restore(e.engine_id, chunks).restored)
+        cmd.put("read")
+        ref = reply.get(timeout=60)  # after a device-wide sync in the engine
+        if codec == "none":
+            assert ref == original
+        for _ in range(5):
             cmd.put("zero")
             reply.get(timeout=60)
             assert all(m.restore(e.engine_id, chunks).restored)
-            cmd.put("read")
-            ref = reply.get(timeout=60)  # after a device-wide sync in the engine
-            if codec == "none":
-                assert ref == original
-            for _ in range(5):
-                cmd.put("zero")
-                reply.get(timeout=60)
-                assert all(m.restore(e.engine_id, chunks).restored)
-                cmd.put("read_now")
-                assert reply.get(timeout=60) == ref
-            st = m.stats()
-            assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
-            # GPU pages: every segment, exact ones included, goes through the GPU engine both ways
-            restores = 6
-            assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == nseg
-            assert st.gpu_cpu_fallbacks["restore"] == 0  # 32 KiB segments fit the workspace
-            assert st.gpu_segments["restore"] == restores * nseg
-            assert st.gpu_batches["restore"] == restores * -(-nseg // per_batch)
-            assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
-            if codec == "turboquant-4":  # the policy's exact layers are stored raw, with their reason
-                assert st.codec_segments.get("raw", 0) == len(chunks) * 2 * len(e.exact_layers)
-    finally:
-        cmd.put("stop")
-        proc.join(60)
+            cmd.put("read_now")
+            assert reply.get(timeout=60) == ref
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        # GPU pages: every segment, exact ones included, goes through the GPU engine both ways
+        restores = 6
+        assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == nseg
+        assert st.gpu_cpu_fallbacks["restore"] == 0  # 32 KiB segments fit the workspace
+        assert st.gpu_segments["restore"] == restores * nseg
+        assert st.gpu_batches["restore"] == restores * -(-nseg // per_batch)
+        assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
+        if codec == "turboquant-4":  # the policy's exact layers are stored raw, with their reason
+            assert st.codec_segments.get("raw", 0) == len(chunks) * 2 * len(e.exact_layers)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8"])
-def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec):
+def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec, engine):
     """Payload CRC32Cs of segments bound for GPU pages are checked on the GPU: a flipped payload byte in
     the arena makes its chunk a miss, its destination blocks keep what they held, every other chunk is
     restored exactly as saved."""
-    ctx = mp.get_context("spawn")
-    cmd, reply = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
-    proc.start()
-    try:
-        handle, _ = reply.get(timeout=120)
-        with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
-            e = m.register_engine(_registration(handle))
-            chunks = [ChunkBlocks(chunk_key(f"c{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
-            m.save(e.engine_id, chunks)
-            cmd.put("read")
-            saved = np.frombuffer(reply.get(timeout=60), np.uint16)
-            victim = chunks[3]
-            kb = _pack(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
-            (slot, gen, off, _), = m.dram.lease([kb])
-            m.dram.unlease([(slot, gen)])
-            m.dram.view(off + 64 + 100, 1)[0] ^= 0x40  # a payload byte, past the 64-byte header
-            cmd.put("zero")
-            reply.get(timeout=60)
-            res = m.restore(e.engine_id, chunks)
-            assert res.restored == [i != 3 for i in range(len(chunks))]
-            cmd.put("read")
-            got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
-            want = saved.reshape(2 * L, B, T * H * D)
-            for i, ch in enumerate(chunks):
-                for b in ch.blocks:
-                    if i == 3:
-                        assert not got[2 * 2 + 1, b].any()  # the corrupt segment wrote nothing
-                    elif codec == "none":
-                        assert np.array_equal(got[:, b], want[:, b])
-            assert m.stats().decode_failures >= 1
-    finally:
-        cmd.put("stop")
-        proc.join(60)
+    cmd, reply, handle, _ = engine
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec)) as m:
+        e = m.register_engine(_registration(handle))
+        chunks = [ChunkBlocks(chunk_key(f"c{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+        m.save(e.engine_id, chunks)
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16)
+        victim = chunks[3]
+        kb = _pack(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
+        (slot, gen, off, _), = m.dram.lease([kb])
+        m.dram.unlease([(slot, gen)])
+        m.dram.view(off + 64 + 100, 1)[0] ^= 0x40  # a payload byte, past the 64-byte header
+        cmd.put("zero")
+        reply.get(timeout=60)
+        res = m.restore(e.engine_id, chunks)
+        assert res.restored == [i != 3 for i in range(len(chunks))]
+        cmd.put("read")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        want = saved.reshape(2 * L, B, T * H * D)
+        for i, ch in enumerate(chunks):
+            for b in ch.blocks:
+                if i == 3:
+                    assert not got[2 * 2 + 1, b].any()  # the corrupt segment wrote nothing
+                elif codec == "none":
+                    assert np.array_equal(got[:, b], want[:, b])
+        assert m.stats().decode_failures >= 1
