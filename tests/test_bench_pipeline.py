@@ -42,3 +42,15 @@ def test_smollm2_ratios_from_saved_kv(tmp_path):
     assert tq["segments"]["raw"] == 4 * 2 * 2  # first and last two layers exact: 2 roles x 2 segments each
     assert tq["ratio"] > r["codecs"]["fp8"]["ratio"] * 0.5 and tq["relative_rmse"] < 0.2
     assert "skipped" in bench_cohort.smollm2_ratios(["none"], 64, kv_path=str(tmp_path / "missing.npz"))
+
+
+def test_shuffled_blocks_and_profile(tmp_path):
+    """Chunks of random block ids (an engine's fragmented free list) still restore exactly (the bench asserts
+    every chunk restored); ``--profile`` writes the throughput part's profile."""
+    out = tmp_path / "res"
+    assert bench_pipeline.main(["--only", "throughput", "--blocks", "128", "--repeat", "1", "--codecs", "none",
+                                "--block-order", "shuffled", "--profile", "--out", str(out)]) == 0
+    res = json.loads((out / "pipeline-cpu.json").read_text())
+    assert res["throughput"]["geometry"]["block_order"] == "shuffled"
+    assert "shuffled block ids" in (out / "pipeline-cpu.md").read_text()
+    assert "_throughput" in (out / "profile-cpu.txt").read_text()

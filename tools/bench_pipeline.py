@@ -19,9 +19,11 @@ pinned device-to-host and host-to-device copies of the same pages.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -78,11 +80,12 @@ def _host_baseline(pages, repeat: int) -> dict:
     return {"save_baseline_gbs": gbs, "restore_baseline_gbs": gbs}
 
 
-def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str) -> dict:
+def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str,
+                     block_order: str = "contiguous") -> dict:
     """Host engine pages in shared memory; baseline ``numpy.copyto`` of the same pages."""
     pages, reg = _engine(num_blocks)
     try:
-        return _throughput(codecs, reg, num_blocks, repeat, device, lambda: _host_baseline(pages, repeat),
+        return _throughput(codecs, reg, num_blocks, repeat, device, lambda: _host_baseline(pages, repeat), block_order,
                            pages="host pages in /dev/shm", baseline_name="numpy.copyto of the same pages")
     finally:
         pages.close()
@@ -136,7 +139,7 @@ def _reply(q, proc, timeout: float = 300.0):
                 raise
 
 
-def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dict:
+def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous") -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -163,7 +166,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dic
             cmd.put("memcpy")
             return _reply(reply, proc)
 
-        return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline,
+        return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline, block_order,
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)")
@@ -173,18 +176,24 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int) -> dic
 
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
-                baseline: Callable[[], dict], *, pages: str, baseline_name: str) -> dict:
+                baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str) -> dict:
     out: dict = {"geometry": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
-                              "logical_bytes_per_run": num_blocks * BLOCK_BYTES * LAYERS * 2},
+                              "logical_bytes_per_run": num_blocks * BLOCK_BYTES * LAYERS * 2,
+                              "block_order": block_order},
                  "pages": pages, "baseline": baseline_name, "runs": []}
+    # Engines hand out blocks from a free list: after a while a chunk's blocks are anywhere. "shuffled"
+    # gives every chunk random block ids (the gather/scatter path); "contiguous" consecutive ones.
+    order = np.arange(num_blocks)
+    if block_order == "shuffled":
+        np.random.default_rng(1).shuffle(order)
     for codec in codecs:
         with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * LAYERS * 2 + (64 << 20),
                                    storage_codec=codec, device=device)) as m:
             e = m.register_engine(reg)
             for seg in SEGMENT_SIZES:
                 per = seg // BLOCK_BYTES
-                chunks = [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), list(range(i * per, (i + 1) * per)))
+                chunks = [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
                           for i in range(num_blocks // per)]
                 base = baseline()  # right next to this figure
                 save_s = restore_s = float("inf")
@@ -391,7 +400,8 @@ def _markdown(res: dict, command: str) -> str:
         g = t["geometry"]
         lines += ["## Save / restore through the Manager", "",
                   f"Engine pages: {t['pages']}; {g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} x "
-                  f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role); {g['logical_bytes_per_run'] >> 20} "
+                  f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role; {g.get('block_order', 'contiguous')} "
+                  f"block ids per chunk); {g['logical_bytes_per_run'] >> 20} "
                   "MiB per figure, best of the repeats. TurboQuant keeps the first and last two layers exact "
                   f"(policy), so half of its segments are raw here. Baseline: {t['baseline']}, measured right "
                   "before each row, best of the same number of repeats. 'vs none' compares logical GB/s with "
@@ -443,9 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-samples", type=int, default=3000)
     p.add_argument("--index-segments", type=int, default=1_000_000)
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
+    p.add_argument("--block-order", choices=("contiguous", "shuffled"), default="contiguous",
+                   help="block ids of a chunk: consecutive, or random (an engine's fragmented free list)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the throughput part (cProfile, by own time) into <out>/profile-<device>.txt")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--out", default=None, help="directory for pipeline-<device>.json and .md")
     args = p.parse_args(argv)
+    if args.profile and not args.out:
+        p.error("--profile needs --out")
     if args.blocks < (4 << 20) // BLOCK_BYTES:
         p.error(f"--blocks must be at least {(4 << 20) // BLOCK_BYTES} (one 4 MiB segment)")
     codecs = args.codecs.split(",") if args.codecs else \
@@ -455,8 +471,17 @@ def main(argv: list[str] | None = None) -> int:
                  "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
                          f"numpy {np.__version__}"}
     if "throughput" in parts:
-        res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu") if args.device == "cpu"
-                             else bench_throughput_gpu(codecs, args.blocks, args.repeat))
+        prof = cProfile.Profile() if args.profile else None
+        if prof:
+            prof.enable()
+        res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order)
+                             if args.device == "cpu" else
+                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order))
+        if prof:
+            prof.disable()
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"profile-{args.device}.txt"), "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(60)
     if "dataplane" in parts:
         res["dataplane"] = bench_dataplane(args.latency_samples)
     if "index" in parts:
