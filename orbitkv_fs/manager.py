@@ -1951,10 +1951,15 @@ class _GpuCodecs:
         pinned memory (the arena) and go to the GPU from there."""
         import cupy
 
-        tmps = [cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype)) for seg, blocks, _ in items]
+        # A chunk whose blocks are one contiguous stretch of GPU pages is decoded straight into them (the
+        # engine leaves a destination untouched when its segment fails the CRC32C check); others land in
+        # a temporary and are scattered.
+        dsts = [_device_run(seg, blocks) for seg, blocks, _ in items]
+        tmps = [d if d is not None else cupy.empty((len(blocks),) + seg.block_shape, dtype=cupy_dtype(seg.dtype))
+                for d, (seg, blocks, _) in zip(dsts, items)]
         errs: list = list(self._engine(seed).decode_batch([blob for _, _, blob in items], tmps, pinned=pinned))
         for i, ((seg, blocks, _), tmp) in enumerate(zip(items, tmps)):
-            if errs[i] is not None:
+            if errs[i] is not None or dsts[i] is not None:
                 continue
             try:
                 if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
@@ -2006,6 +2011,11 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]]) -> list:
     out: list = [None] * len(items)
     for idx in by_seg.values():
         seg = items[idx[0]][0]
+        runs = [_device_run(seg, items[i][1]) for i in idx]
+        if all(r is not None for r in runs):  # the pages themselves are the sources: no gather at all
+            for i, r in zip(idx, runs):
+                out[i] = r
+            continue
         if seg.base is None:
             for i in idx:
                 out[i] = seg.gather(items[i][1])
@@ -2046,6 +2056,18 @@ def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[t
         if pos < end:
             out.append((pos, end - pos))
     return out
+
+
+def _device_run(seg: _Seg, blocks: Sequence[int]):
+    """The GPU pages of ``blocks`` as one C-contiguous device array, when they are consecutive blocks of a
+    layout whose blocks are contiguous in memory (``separate``, ``sglang_token_pool``); else None."""
+    if seg.base is None or isinstance(seg.base, np.ndarray):
+        return None
+    run = _run_of(blocks)
+    if run is None:
+        return None
+    view = seg.base[run]
+    return view if view.flags.c_contiguous else None
 
 
 def _run_of(blocks: Sequence[int]) -> slice | None:
