@@ -285,8 +285,6 @@ class GpuCodecEngine:
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
         self._nvcomp = None
-        # per call, under the worker's lock: see encode_batch and decode_batch
-        self._slot_align, self._out_region, self._pinned_src = SLOT_ALIGN, None, None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -378,7 +376,7 @@ class GpuCodecEngine:
         """Bytes of one chunk's nvCOMP output buffer (worst case for 64 KiB)."""
         return _up(self.nvcomp().max_compressed_bytes(ans_format.CHUNK_BYTES, AnsType.BYTES))
 
-    def _enc_layout(self, plans: Sequence[_Enc], temp: int) -> tuple[dict[str, int], int]:
+    def _enc_layout(self, plans: Sequence[_Enc], temp: int, align: int) -> tuple[dict[str, int], int]:
         """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks."""
         k = len(plans)
         ans = [p for p in plans if p.kind == "ans"]
@@ -387,10 +385,10 @@ class GpuCodecEngine:
         n_desc += len(ans)
         lay = _Layout()
         off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
-        off["meta"] = lay.take(16 * k, self._slot_align)
+        off["meta"] = lay.take(16 * k, align)
         off["pay_len"] = lay.take(8 * max(len(ans), 1), 8)
         for p in plans:
-            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n), self._slot_align) - off["meta"]
+            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n), align) - off["meta"]
         off["region_end"] = lay.end
         off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
         off["chunk_status"] = lay.take(4 * max(chunks, 1))
@@ -408,12 +406,12 @@ class GpuCodecEngine:
         return max(nv.compress_temp_bytes(sum(p.nch for p in ans), ans_format.CHUNK_BYTES, sum(p.n for p in ans), t)
                    for t in {p.ans_type for p in ans})
 
-    def _enc_estimate(self, k: int, slots: int, ans: Sequence[_Enc]) -> int:
+    def _enc_estimate(self, k: int, slots: int, ans: Sequence[_Enc], align: int) -> int:
         """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
         na = len(ans)
         chunks = sum(p.nch for p in ans)
         fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
-        fixed += self._slot_align - SLOT_ALIGN  # the region starts at a slot boundary
+        fixed += align - SLOT_ALIGN  # the region starts at a slot boundary
         tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if ans else 0
         return fixed + slots + tmp + self._ans_temp(ans)
 
@@ -433,7 +431,6 @@ class GpuCodecEngine:
         out: "list[memoryview | bytes | None]" = [None] * len(plans)
         w = self.save
         with w.lock:
-            self._slot_align, self._out_region = slot_align, out_region
             w.wait_for_current()
             gpu: list[_Enc] = []
             ans: list[_Enc] = []
@@ -441,19 +438,20 @@ class GpuCodecEngine:
             for p in plans:
                 slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
                 pa = [p] if p.kind == "ans" else []
-                if p.kind == "host" or self._enc_estimate(1, slot, pa) > self.budget_bytes:
+                if p.kind == "host" or self._enc_estimate(1, slot, pa, slot_align) > self.budget_bytes:
                     if p.kind != "host":
                         w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
                     out[p.i] = self._host_encode(p)
                     continue
-                if len(gpu) == MAX_BATCH or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa) > self.budget_bytes:
-                    self._run_encode(gpu, out)
+                if (len(gpu) == MAX_BATCH
+                        or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
+                    self._run_encode(gpu, out, out_region, slot_align)
                     gpu, ans, slots = [], [], 0
                 gpu.append(p)
                 ans += pa
                 slots += slot
             if gpu:
-                self._run_encode(gpu, out)
+                self._run_encode(gpu, out, out_region, slot_align)
         return out  # type: ignore[return-value]
 
     def _host_source(self, p: _Enc) -> np.ndarray:
@@ -472,7 +470,8 @@ class GpuCodecEngine:
         codec = get_codec(c, seed=self.seed) if c.startswith("turboquant") else c
         return encode_segment(x, codec, role=p.role, layer=p.layer)
 
-    def _run_encode(self, plans: list[_Enc], out: list) -> None:
+    def _run_encode(self, plans: list[_Enc], out: list, out_region: "Callable[[int], np.ndarray | None] | None",
+                    align: int) -> None:
         w, k = self.save, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -482,7 +481,7 @@ class GpuCodecEngine:
             p.chunk0 = chunk
             chunk += p.nch
         temp = self._ans_temp(plans)
-        off, total = self._enc_layout(plans, temp)
+        off, total = self._enc_layout(plans, temp, align)
         base = w.ws.reserve(total)
         region = base + off["meta"]
         # descriptors: fp8 | tq | crc (raw copies, tq outputs, ans outputs)
@@ -582,7 +581,7 @@ class GpuCodecEngine:
             w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,
                      k.crc_tables)
         region_len = off["region_end"] - off["meta"]
-        host = self._out_region(region_len) if self._out_region is not None else None
+        host = out_region(region_len) if out_region is not None else None
         if host is None:
             host = _pinned_array(region_len)
         w.d2h(host, region)
@@ -703,7 +702,6 @@ class GpuCodecEngine:
         results: "list[OrbitKVError | None]" = [None] * len(segments)
         w = self.restore
         with w.lock:
-            self._pinned_src = pinned
             w.wait_for_current()
             gpu: list[_Dec] = []
             ans: list[_Dec] = []
@@ -719,13 +717,13 @@ class GpuCodecEngine:
                     results[i] = self._host_decode(p)
                     continue
                 if len(gpu) == MAX_BATCH or self._dec_estimate(len(gpu) + 1, staged + st, ans + pa) > self.budget_bytes:
-                    self._run_decode(gpu, results)
+                    self._run_decode(gpu, results, pinned)
                     gpu, ans, staged = [], [], 0
                 gpu.append(p)
                 ans += pa
                 staged += st
             if gpu:
-                self._run_decode(gpu, results)
+                self._run_decode(gpu, results, pinned)
         return results
 
     def _host_decode(self, p: _Dec) -> "OrbitKVError | None":
@@ -746,7 +744,7 @@ class GpuCodecEngine:
             w.sync()
         return None
 
-    def _run_decode(self, plans: list[_Dec], results: list) -> None:
+    def _run_decode(self, plans: list[_Dec], results: list, pinned: "Sequence[bool] | None") -> None:
         w, k = self.restore, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -760,7 +758,6 @@ class GpuCodecEngine:
         meta_ptr = base + off["meta"]
         up = w.upload.get(upload_len)
         up[off["meta"]:off["down_end"]] = 0
-        pinned = self._pinned_src
         direct = {p.i for p in plans if pinned is not None and pinned[p.i]}
         for p in plans:
             if p.i not in direct:
