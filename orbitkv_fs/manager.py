@@ -580,9 +580,6 @@ def _check_keys(chunks: Sequence[bytes]) -> None:
             raise RequestError(f"chunks[{i}]: a chunk key is 16 bytes")
 
 
-_pack = pack_key
-
-
 def _check_key(kb: bytes, h: SegmentHeader) -> None:
     layer, role = key_layer_role(kb)
     if h.layer != layer or h.role != role:
@@ -632,6 +629,10 @@ class Manager:
             raise ValueError(f"device {config.device!r}: expected auto or cpu")
         if config.ssd_prefetch_chunks < 0 or config.ssd_prefetch_bytes < 0:
             raise ValueError("ssd_prefetch_chunks and ssd_prefetch_bytes must be >= 0")
+        if config.engine_check_interval < 0:
+            raise ValueError("engine_check_interval must be >= 0")
+        if config.lease_ttl < 0:
+            raise ValueError("lease_ttl must be >= 0")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -664,14 +665,10 @@ class Manager:
         self._succ: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         self._succ_lock = threading.Lock()
         self._inval_epoch = 0  # bumped by invalidate(): a prefetch that raced one is not kept
-        if config.engine_check_interval < 0:
-            raise ValueError("engine_check_interval must be >= 0")
-        if config.lease_ttl < 0:
-            raise ValueError("lease_ttl must be >= 0")
         # the housekeeping thread (dead engines, expired leases): started with the first watched engine
         # or the first lease that can expire
-        self._watcher: threading.Thread | None = None
-        self._watcher_stop = threading.Event()
+        self._housekeeper: threading.Thread | None = None
+        self._housekeeper_stop = threading.Event()
         # recently expired lease ids -> engine id: a late restore naming one still runs, without the lease
         self._expired: collections.OrderedDict[int, str | None] = collections.OrderedDict()
 
@@ -841,16 +838,16 @@ class Manager:
 
     def _start_housekeeping(self) -> None:
         """Start the housekeeping thread if it is not running. Called with ``_lock`` held."""
-        if self._watcher is not None or self._closed:
+        if self._housekeeper is not None or self._closed:
             return
         c = self._config
         periods = [c.engine_check_interval] if c.engine_check_interval > 0 else []
         if c.lease_ttl > 0:
             periods.append(min(c.lease_ttl / 4, 5.0))
-        self._watcher = threading.Thread(target=_housekeep, args=(weakref.ref(self), self._watcher_stop,
+        self._housekeeper = threading.Thread(target=_housekeep, args=(weakref.ref(self), self._housekeeper_stop,
                                                                   min(periods, default=1.0)),
                                          name="orbitkv-housekeeping", daemon=True)
-        self._watcher.start()
+        self._housekeeper.start()
 
     def _hand_out(self, lease: _Lease) -> int:
         """Register ``lease`` under a new id with its expiry; answers the id. Called with ``_lock`` held."""
@@ -882,7 +879,7 @@ class Manager:
                         self._config.lease_ttl, ", ".join(str(i) for i, _ in expired[:8]))
 
     def _reap_dead(self) -> None:
-        """Unregister every watched engine whose process has exited (the watcher thread's round)."""
+        """Unregister every watched engine whose process has exited (the housekeeping thread's round)."""
         with self._lock:
             watched = [(i, e) for i, e in self._engines.items() if e.watch is not None and not e.closing]
         for engine_id, eng in watched:
@@ -973,7 +970,7 @@ class Manager:
             window: list[tuple[bytes, list[bytes]]] = []  # (chunk, its keys DRAM lacks)
             size = 0
             for c in chunks[pos:]:
-                missing = [kb for kb in (_pack(eng.ns, c, s.layer, s.role) for s in eng.segs)
+                missing = [kb for kb in (pack_key(eng.ns, c, s.layer, s.role) for s in eng.segs)
                            if not self.dram.contains(kb)]
                 if not all(self.lower.contains(ObjectKey.unpack(kb)) for kb in missing):
                     break
@@ -1040,7 +1037,7 @@ class Manager:
         with self._succ_lock:
             nxt = self._succ.get(eng.ns + after, ())
         keys = [ObjectKey(eng.ns, c, s.layer, s.role) for c in nxt if c not in exclude for s in eng.segs
-                if not self.dram.contains(_pack(eng.ns, c, s.layer, s.role))]
+                if not self.dram.contains(pack_key(eng.ns, c, s.layer, s.role))]
         if not keys:
             return
         epoch = self._inval_epoch
@@ -1062,11 +1059,7 @@ class Manager:
             log.warning("lower tier prefetched a bad segment for %s: %s", key, e)
             self._add(decode_failures=1)
             return
-        off = self.dram.reserve(len(blob))
-        if off is None:
-            return
-        self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
-        if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), prefetched=True) is None:
+        if self._admit(kb, blob, h, prefetched=True) is None:
             return
         if self._inval_epoch != epoch:  # the invalidation may have swept DRAM before this publish
             self.dram.invalidate(lambda k: k == kb)
@@ -1092,14 +1085,16 @@ class Manager:
         self._count(self._hits, "lower")
         return blob
 
-    def _admit(self, kb: bytes, blob: bytes) -> tuple[int, int] | None:
-        """Copy a verified segment into DRAM and publish it; None when it did not fit or was present."""
-        h = parse_header(blob)
+    def _admit(self, kb: bytes, blob: bytes, h: SegmentHeader | None = None, *,
+               prefetched: bool = False) -> tuple[int, int] | None:
+        """Copy a verified segment (``h``: its parsed header, when the caller has it) into DRAM and publish
+        it; None when it did not fit or was present."""
+        h = h or parse_header(blob)
         off = self.dram.reserve(len(blob))
         if off is None:
             return None
         self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
-        return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format))
+        return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), prefetched=prefetched)
 
     def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
         """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
@@ -1119,7 +1114,7 @@ class Manager:
                     present += 1
                     continue
                 for seg in eng.segs:
-                    kb = _pack(eng.ns, ch.key, seg.layer, seg.role)
+                    kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
                     if not self.dram.contains(kb):
                         todo.append((ch, seg, kb))
             acc = _SaveAcc()
@@ -1152,13 +1147,6 @@ class Manager:
         finally:
             self._exit(eng)
 
-    def _gather(self, eng: _Engine, seg: _Seg, blocks: list[int]) -> np.ndarray:
-        """The chunk's blocks of ``seg`` as one contiguous host array (leading axis: blocks)."""
-        out = np.empty((len(blocks),) + seg.block_shape, dtype=seg.dtype)
-        for j, b in enumerate(blocks):
-            _to_host(seg.view(b), out[j])
-        return out
-
     def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
         """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
         ch, seg, kb = item
@@ -1170,7 +1158,7 @@ class Manager:
                                f"{MAX_STORED_BYTES}-byte bound")
         off = self.dram.reserve(total)
         if off is None:
-            self._demote_direct(kb, raw_segment(self._gather(eng, seg, ch.blocks), role=seg.role, layer=seg.layer,
+            self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
                                                 reason=seg.raw_reason), acc)
             return
         try:
@@ -1197,7 +1185,7 @@ class Manager:
         if on_device:
             srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch])
         else:
-            srcs = [_gather_device(seg, ch.blocks) if gpu else self._gather(eng, seg, ch.blocks) for ch, seg, _ in batch]
+            srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
         ws = sum(s.nbytes for s in srcs)
         self._workspace_delta(ws)
         regions: list[tuple[int, int]] = []  # arena extents the GPU engine wrote segments into
@@ -1226,7 +1214,6 @@ class Manager:
         finally:
             self._workspace_delta(-ws)
             del srcs
-        base = self.dram.view(0, 1).ctypes.data
         used: list[tuple[int, int]] = []  # arena extents published in place
         for (ch, seg, kb), blob in zip(batch, blobs):
             h = parse_header(blob)
@@ -1236,8 +1223,8 @@ class Manager:
                 r = h.raw_reason.name.lower()
                 acc.raw[r] = acc.raw.get(r, 0) + 1
                 self._count(self._raw, r)
-            off = _offset_in(regions, base, blob)
-            if off is not None:
+            off = self._arena_offset(blob) if regions else None
+            if off is not None and any(o <= off < o + n for o, n in regions):
                 used.append((off, units_of(len(blob)) * UNIT))
             else:
                 off = self.dram.reserve(len(blob))
@@ -1289,7 +1276,7 @@ class Manager:
                 segs = [s for s in eng.segs if s.layer in wanted]
             # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
             first = layers is None or eng.segs[0].layer in wanted
-            keys = [[_pack(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+            keys = [[pack_key(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
@@ -1502,12 +1489,16 @@ class Manager:
                 out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
         return out
 
+    def _arena_offset(self, blob) -> int | None:
+        """The arena offset of ``blob`` when it is a view of the arena, else None."""
+        if not isinstance(blob, memoryview) or not len(blob):
+            return None
+        off = np.frombuffer(blob, np.uint8).ctypes.data - self.dram.arena.base_address
+        return off if 0 <= off and off + len(blob) <= self.dram.arena.size else None
+
     def _pinned(self, blob) -> bool:
         """``blob`` is a view of the arena, and the arena is pinned (the GPU copies from it directly)."""
-        if not self.dram.arena.pinned or not isinstance(blob, memoryview) or not len(blob):
-            return False
-        addr = np.frombuffer(blob, np.uint8).ctypes.data - self.dram.view(0, 1).ctypes.data
-        return 0 <= addr and addr + len(blob) <= self.dram.arena.size
+        return self.dram.arena.pinned and self._arena_offset(blob) is not None
 
     def _upload_raw(self, items: list, keep: list) -> list:
         """Raw segments into GPU blocks: per batch, the payloads are packed into one pinned buffer, sent
@@ -1556,12 +1547,12 @@ class Manager:
             self._workspace_delta(flat.nbytes)
             self._add(decode_seconds=time.perf_counter() - t0)
         try:
-            if seg.base is not None and isinstance(seg.base, np.ndarray):  # one scatter for the whole chunk
-                seg.scatter(blocks, flat.view(seg.dtype).reshape((len(blocks),) + seg.block_shape))
-            else:
-                per = seg.block_bytes // seg.dtype.itemsize
-                for j, b in enumerate(blocks):
-                    _from_host(flat[j * per:(j + 1) * per].reshape(seg.block_shape), seg.view(b))
+            src = flat.view(seg.dtype).reshape((len(blocks),) + seg.block_shape)
+            if not isinstance(seg.view(blocks[0]), np.ndarray):  # GPU pages without the GPU codec engine
+                import cupy
+
+                src = cupy.asarray(src.view(cupy_dtype(seg.dtype)))
+            seg.scatter(blocks, src)
         finally:
             if h.format != Format.RAW:
                 self._workspace_delta(-flat.nbytes)
@@ -1848,10 +1839,10 @@ class Manager:
                 return
             self._closed = True
             ids = list(self._engines)
-            watcher = self._watcher
-        self._watcher_stop.set()
-        if watcher is not None:
-            watcher.join()
+            housekeeper = self._housekeeper
+        self._housekeeper_stop.set()
+        if housekeeper is not None:
+            housekeeper.join()
         for engine_id in ids:
             try:
                 self.unregister_engine(engine_id)
@@ -1963,10 +1954,7 @@ class _GpuCodecs:
                 continue
             try:
                 if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
-                    host = tmp.get()
-                    for j, b in enumerate(blocks):
-                        dst = seg.view(b)
-                        np.copyto(dst, host[j].view(dst.dtype))
+                    seg.scatter(blocks, tmp.get().view(seg.dtype))
                 else:
                     seg.scatter(blocks, tmp)
             except Exception as e:
@@ -1988,6 +1976,12 @@ class _GpuCodecs:
             for e in self._engines.values():
                 e.close()
             self._engines.clear()
+
+
+def _gather_host(seg: _Seg, blocks: list[int]) -> np.ndarray:
+    """The chunk's blocks of ``seg`` as one contiguous host array of the segment's dtype."""
+    x = seg.gather(blocks)
+    return x if isinstance(x, np.ndarray) else x.get().view(seg.dtype)
 
 
 def _gather_device(seg: _Seg, blocks: list[int]):
@@ -2028,17 +2022,6 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]]) -> list:
             out[i] = whole[pos:pos + n]
             pos += n
     return out
-
-
-def _offset_in(regions: list[tuple[int, int]], base: int, blob) -> int | None:
-    """The arena offset of ``blob`` when it lies inside one of ``regions`` (offset, length), else None."""
-    if not regions or not isinstance(blob, memoryview):
-        return None
-    addr = np.frombuffer(blob, np.uint8).ctypes.data - base
-    for off, n in regions:
-        if off <= addr < off + n:
-            return addr
-    return None
 
 
 def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -2121,16 +2104,6 @@ def _to_host(src, dst: np.ndarray) -> None:
         import cupy
 
         cupy.ascontiguousarray(src).get(out=dst.view(src.dtype))
-
-
-def _from_host(src: np.ndarray, dst) -> None:
-    """Copy host ``src`` into an engine block view (numpy, or cupy)."""
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        import cupy
-
-        dst[...] = cupy.asarray(src.view(dst.dtype))
 
 
 def _close_imports(imports: list) -> None:

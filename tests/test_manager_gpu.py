@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
-from orbitkv_fs.keys import chunk_key
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig, _pack
+from orbitkv_fs.keys import chunk_key, pack_key
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu
@@ -157,7 +157,7 @@ def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec, engine):
         cmd.put("read")
         saved = np.frombuffer(reply.get(timeout=60), np.uint16)
         victim = chunks[3]
-        kb = _pack(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
+        kb = pack_key(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
         (slot, gen, off, _), = m.dram.lease([kb])
         m.dram.unlease([(slot, gen)])
         m.dram.view(off + 64 + 100, 1)[0] ^= 0x40  # a payload byte, past the 64-byte header
