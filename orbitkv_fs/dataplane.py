@@ -188,6 +188,10 @@ def _read_exact(rfile: Any, n: int) -> bytes:
     return b
 
 
+#: Bytes a READY command may take: its properties (socket type, identity of at most 255 bytes, ...).
+_MAX_READY = 4096
+
+
 def _read_frame(rfile: Any, room: int = MAX_MESSAGE) -> tuple[int, bytes]:
     """One frame of at most ``room`` bytes: ``(flags, body)``. EOFError at a clean end of stream."""
     hdr = rfile.read(2)
@@ -231,7 +235,7 @@ def _handshake(sock: socket.socket, rfile: Any, own_type: bytes, peer_types: tup
         raise ProtocolError(f"ZMTP {g[10]}.x peer; 3.0 or later needed")
     if g[12:32].rstrip(b"\x00") != b"NULL":
         raise ProtocolError(f"security mechanism {g[12:32].rstrip(bytes(1))!r}; only NULL is served")
-    flags, body = _read_frame(rfile)
+    flags, body = _read_frame(rfile, _MAX_READY)  # a peer not yet greeted gets no 64 MiB buffer
     if not flags & _COMMAND or body[:6] != b"\x05READY":
         raise ProtocolError("expected a READY command")
     props: dict[bytes, bytes] = {}

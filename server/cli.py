@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
     g.add_argument("--data-plane-workers", type=int, default=4,
-                   help="saves, restores, registrations and invalidations running at once (lookups never wait)")
+                   help="saves, restores, registrations, invalidations and lookups that may read the SSD tier or "
+                        "peers, running at once (DRAM-only lookups, pings and stats never wait)")
     g.add_argument("--log-level", default="INFO", help="logging level")
     g = p.add_argument_group("ssd tier (omit --ssd-cache-path for DRAM only; see docs/ssd.md)")
     g.add_argument("--ssd-cache-path", action="append", default=[], metavar="PATH",

@@ -121,6 +121,14 @@ def test_incompatible_socket_type_is_dropped(server):
     s.close()
 
 
+def test_an_oversized_ready_command_is_dropped(server):
+    """Before the handshake ends a peer may send a READY of a few KiB, not a message-sized one."""
+    s = _raw(server)
+    s.sendall(dp._GREETING + b"\x06" + struct.pack(">Q", dp._MAX_READY + 1) + b"\x05READY")
+    assert _closed(s)
+    s.close()
+
+
 @pytest.mark.parametrize("frames", [
     b"\x08\x00",  # reserved flag bit
     b"\x02" + struct.pack(">Q", 1001),  # one frame over the limit
