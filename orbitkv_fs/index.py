@@ -85,6 +85,10 @@ class ObjectIndex:
     def __len__(self) -> int:
         return self._live
 
+    def _sub(self, slot: int) -> int:
+        """``layer * 3 + role`` of the object in ``slot`` (see :func:`_sub_of`)."""
+        return self.layer[slot] * _ROLES + self.role[slot]
+
     def add(self, key: bytes, offset: int, units: int, length: int, logical: int, rep: int) -> tuple[int, int]:
         """Publish ``key`` (absent) at ``offset``; returns ``(slot, generation)``."""
         sub = _sub_of(key)
@@ -106,7 +110,7 @@ class ObjectIndex:
             self.chunks[prefix] = 1
         elif type(have) is int:
             prefix = self._prefix[have]
-            other = self.layer[have] * _ROLES + self.role[have]
+            other = self._sub(have)
             assert other != sub, "add of a present key"
             base = min(other, sub)
             segs = array("i", [-1]) * (abs(other - sub) + 2)
@@ -131,7 +135,7 @@ class ObjectIndex:
         self.offset[slot], self.units[slot], self.length[slot] = offset, units, length
         self.logical[slot], self.generation[slot], self.leases[slot] = logical, gen, 0
         self.rep[slot], self.state[slot] = rep, LIVE
-        self.layer[slot], self.role[slot] = key[32] | key[33] << 8, key[34]
+        self.layer[slot], self.role[slot] = divmod(sub, _ROLES)
         self._live += 1
         return slot, gen
 
@@ -142,7 +146,7 @@ class ObjectIndex:
             return None
         sub = _sub_of(key)
         if type(have) is int:
-            return have if sub == self.layer[have] * _ROLES + self.role[have] else None
+            return have if sub == self._sub(have) else None
         i = sub - have[0] + 1
         if sub < 0 or i < 1 or i >= len(have):
             return None
@@ -164,7 +168,7 @@ class ObjectIndex:
             self.chunks[prefix] = n
             segs = self._segs[prefix]
             assert type(segs) is array
-            i = 1 + self.layer[slot] * _ROLES + self.role[slot] - segs[0]
+            i = 1 + self._sub(slot) - segs[0]
             segs[i] = -1
             if n == 1:  # back to the one-slot form
                 self._segs[prefix] = next(s for s in segs[1:] if s >= 0)

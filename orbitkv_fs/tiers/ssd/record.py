@@ -21,9 +21,8 @@ Primitives:
 * :func:`record_length` -- the aligned footprint of a segment of a given size.
 * :func:`pack_record_header` / :func:`parse_record_header` -- header bytes <-> :class:`RecordHeader`;
   :func:`pack_record_header_into` writes one straight into a staging buffer.
-* :func:`write_record` -- lay a whole record (header, segment, zero padding) into a buffer;
-  :func:`write_record_body` lays only the segment and padding (the header follows once its generation is
-  known).
+* :func:`write_record_body` -- lay a record's segment and zero padding into a buffer (the header follows,
+  with :func:`pack_record_header_into`, once its generation is known).
 * :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, full segment parse).
 * :func:`verify_record` -- the demand-read check: every CRC and the index's key/generation/length.
 * :func:`scan` -- walk a shard image (an mmap or any buffer) and classify every record; shared by
@@ -138,13 +137,6 @@ def write_record_body(dst: memoryview, segment: "bytes | memoryview") -> int:
         dst[RECORD_HEADER_SIZE:end] = segment
     # Padding is zeroed explicitly: staging buffers are reused and must not leak old bytes to disk.
     dst[end:rec_len] = _ZEROS[:rec_len - end]
-    return rec_len
-
-
-def write_record(dst: memoryview, key: ObjectKey, generation: int, segment: "bytes | memoryview") -> int:
-    """Lay the record for ``segment`` into ``dst`` (at least :func:`record_length` bytes); return its length."""
-    rec_len = write_record_body(dst, segment)
-    pack_record_header_into(dst, key.pack(), generation, len(segment), rec_len)
     return rec_len
 
 

@@ -345,6 +345,8 @@ class SsdTier:
             raise
         self._read_rings: list[IoRing] = []
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # A wake-up is written and not yet consumed: further kicks need no system call (see _kick).
+        self._wake_pending = False
         self._writer = threading.Thread(target=self._writeback, name="orbitkv-ssd-writeback", daemon=True)
         self._writer.start()
 
@@ -554,8 +556,12 @@ class SsdTier:
         return True
 
     def _kick(self) -> None:
-        """Wake the writeback thread (work queued by someone who does not drive the ring)."""
-        os.eventfd_write(self._wake, 1)
+        """Wake the writeback thread (work queued by someone who does not drive the ring). One system call
+        per wake-up, not per submit: the thread clears the flag before it pumps, so work queued while the
+        flag is still set is pumped by that round."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            os.eventfd_write(self._wake, 1)
 
     def _pump(self) -> None:
         """Drive the writeback ring: reap its completions, start queued writes in its free slots, submit
@@ -637,6 +643,7 @@ class SsdTier:
                     os.eventfd_read(fd)
                 except BlockingIOError:
                     pass
+            self._wake_pending = False
 
     def _fail_all(self, e: SsdIoError) -> None:
         """The ring itself failed to submit: every queued write fails (nothing was published)."""
