@@ -166,6 +166,22 @@ def test_manager_guard_turns_outages_into_misses_and_cools_down() -> None:
     assert g.call("restore", corrupt, -1) == -1 and isinstance(PayloadChecksumMismatch("x"), OrbitKVError)
 
 
+def test_a_failure_after_a_successful_probe_starts_a_fresh_cooldown() -> None:
+    """Only failed probes double the cool-down: a Manager that answers the probe but fails the call (e.g.
+    it restarted and does not know the engine yet) is retried after the base cool-down again."""
+    clock = _Clock()
+    g = ManagerGuard(cooldown_s=5.0, max_cooldown_s=60.0, probe=lambda: None, clock=clock)
+
+    def down() -> int:
+        raise ConnectionResetError("restarting")
+
+    for t in (0.0, 5.0, 10.0, 15.0):  # each round: the probe succeeds, the call fails
+        clock.t = t
+        assert g.call("lookup", down, 0) == 0
+        assert not g.healthy and g._open_until == t + 5.0, (t, g._open_until)
+    assert g.stats.failures == 4 and g.stats.probes_failed == 0
+
+
 def test_manager_guard_does_not_hide_bugs() -> None:
     g = ManagerGuard()
     with pytest.raises(TypeError):

@@ -221,6 +221,10 @@ class ManagerGuard:
             except self.CAUGHT as e:
                 self._trip(f"{what} (probe)", e, probe=True)
                 return fallback
+            else:  # the Manager answers: a failing call now starts a fresh cool-down, not a doubled one
+                with self._lock:
+                    self._current_cooldown = 0.0
+                    self._down = False
             finally:
                 with self._lock:
                     self._probing = False
@@ -229,10 +233,10 @@ class ManagerGuard:
         except self.CAUGHT as e:
             self._trip(what, e, probe=False)
             return fallback
-        if self._down:
+        if self._down or probe is not None:
             with self._lock:
-                recovered, self._down = self._down, False
-                self._current_cooldown = 0.0
+                recovered = self._down or probe is not None
+                self._down, self._current_cooldown = False, 0.0
             if recovered:
                 log.warning("OrbitKV-FS %s succeeded again; the Manager is back", what)
         return result

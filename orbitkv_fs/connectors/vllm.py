@@ -247,7 +247,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         keys = self._keys_for(request)
         sessions = self._scheduler_sessions()
-        hit = sessions[0].lookup(keys) if sessions else 0
+        # An engine the Manager does not know (restarted, the worker has not registered again yet) is a
+        # miss, not an outage that would cool the scheduler down.
+        hit = sessions[0].lookup(keys, if_unknown=0) if sessions else 0
         # Each pipeline stage stores its own layers: a block is loadable only where every stage has it. A
         # stage registered with another host's Manager is not known here; its worker reports what it misses.
         for session in sessions[1:]:
