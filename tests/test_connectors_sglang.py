@@ -243,6 +243,7 @@ def test_close_waits_for_a_transfer_in_flight(manager, op: str) -> None:
     closer = threading.Thread(target=backend.close)
     closer.start()
     closer.join(0.5)
+    assert closer.is_alive()  # close waits for the transfer in flight
     go.set()
     t.join(10)
     closer.join(10)

@@ -26,6 +26,7 @@ from orbitkv_fs.connectors.vllm import OrbitKVConnector, OrbitKVConnectorMetadat
 from orbitkv_fs.dataplane import DataPlaneServer  # noqa: E402
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig  # noqa: E402
 from orbitkv_fs.pages import HostPages, PageTensor  # noqa: E402
+from polling import wait_until
 
 BS = 16
 HEADS, HD, BLOCKS = 2, 32, 64
@@ -291,15 +292,6 @@ def _waiter(worker: OrbitKVConnector, name: str) -> tuple[threading.Thread, thre
     return t, done
 
 
-def _until(cond, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, tmp_path) -> None:
     client = GatedClient(manager)
     kv = VllmPages(range(2), str(tmp_path))
@@ -346,11 +338,11 @@ def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(
         worker.start_load_kv(SimpleNamespace())
         first, first_done = _waiter(worker, kv.names[0])
         second, second_done = _waiter(worker, kv.names[1])
-        assert _until(lambda: client.calls == [[0]])  # layer 0 first
+        assert wait_until(lambda: client.calls == [[0]])  # layer 0 first
         assert not first_done.wait(0.2)
         client.allow()  # layer 0 lands; layer 1's restore is now in flight
         assert first_done.wait(10)
-        assert _until(lambda: client.calls == [[0], [1]])
+        assert wait_until(lambda: client.calls == [[0], [1]])
         assert not second_done.wait(0.2) and client.returned == [[0]]
         client.allow(2)
         assert second_done.wait(10)
@@ -647,7 +639,7 @@ def test_shutdown_during_a_load_waits_for_it_then_unregisters(manager, tmp_path)
         _save_prefix(env, prompt, 2)
         worker.bind_connector_metadata(_plan_load(sched, Req("r", prompt), [5, 6, 7], 32))
         worker.start_load_kv(SimpleNamespace())
-        assert _until(lambda: client.calls == [None])
+        assert wait_until(lambda: client.calls == [None])
         t = threading.Thread(target=worker.shutdown)
         t.start()
         t.join(0.3)

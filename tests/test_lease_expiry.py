@@ -15,21 +15,13 @@ from orbitkv_fs.connectors.common import StagingPages
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import ChunkBlocks, LeaseError, Manager, ManagerConfig
 from server.metrics import build_registry
+from polling import wait_until
 
 
 def _engine(m: Manager):
     pages = StagingPages(num_layers=2, slots=16, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
     pages.key(0)[...] = 1
     return pages, m.register_engine(pages.registration(model="m", engine_kind="test"))
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_an_abandoned_lease_expires():
@@ -44,7 +36,7 @@ def test_an_abandoned_lease_expires():
             assert kept.count == abandoned.count == 4
             assert all(m.restore(e.engine_id, chunks, lease_id=kept.lease_id).restored)
             assert m.stats().leases_active > 0
-            assert _wait(lambda: m.stats().leases_expired == 1)
+            assert wait_until(lambda: m.stats().leases_expired == 1)
             st = m.stats()
             assert (st.leases_active, st.reserved_bytes) == (0, 0)
             assert b"orbitkv_leases_expired_total 1.0" in generate_latest(build_registry(m))

@@ -21,9 +21,6 @@ from orbitkv_fs.peers import FailureReason, transport_available
 pytestmark = pytest.mark.skipif(not transport_available(), reason="mooncake Transfer Engine not importable")
 
 
-
-
-
 def _names(prefix, n):
     return [f"{prefix}{i}" for i in range(n)]
 

@@ -14,6 +14,7 @@ import pytest
 from orbitkv_fs.manager import Manager, ManagerConfig
 from orbitkv_fs.tiers.ssd import RECORD_HEADER_SIZE, SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.record import record_length
+from polling import wait_until
 from test_manager import L, assert_reservations_zero, chunks_for, make_engine, snapshot, zero
 from test_ssd_common import direct_io_dir, flip, key, segment
 
@@ -42,11 +43,13 @@ class Sink:
             assert self.cond.wait_for(lambda: len(self.got) >= n, timeout), self.got.keys()
 
 
-def wait_until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def stored(t: SsdTier, n: int) -> list:
+    """Keys of ``n`` segments written to ``t`` (submitted and flushed)."""
+    keys = [key(i) for i in range(n)]
+    for i, k in enumerate(keys):
+        t.submit(k, segment(i))
+    t.flush()
+    return keys
 
 
 def test_lane_reads_validated_segments_into_the_sink(ssd_dir):
@@ -79,15 +82,12 @@ def test_lane_is_off_with_zero_bytes(ssd_dir):
 
 def test_corrupt_record_is_dropped_and_invalidated(ssd_dir):
     with make(ssd_dir) as t:
-        keys = [key(i) for i in range(3)]
-        for i, k in enumerate(keys):
-            t.submit(k, segment(i))
-        t.flush()
+        keys = stored(t, 3)
         victim = next(o for o in t.iter_records() if o.key == keys[1])
         flip(str(ssd_dir / "shard0.okv"), victim.offset + RECORD_HEADER_SIZE + 300)
         sink = Sink()
         assert t.prefetch(keys, sink) == 3
-        wait_until(lambda: t.snapshot().prefetch_read_total + t.snapshot().corrupt_records_total == 3)
+        assert wait_until(lambda: t.snapshot().prefetch_read_total + t.snapshot().corrupt_records_total == 3)
         assert set(sink.got) == {keys[0], keys[2]}
         assert not t.contains(keys[1])  # that generation is gone for every reader
         assert t.snapshot().corrupt_records_total == 1
@@ -96,10 +96,7 @@ def test_corrupt_record_is_dropped_and_invalidated(ssd_dir):
 
 def test_lane_starts_nothing_while_a_demand_read_runs(ssd_dir):
     with make(ssd_dir) as t:
-        keys = [key(i) for i in range(4)]
-        for i, k in enumerate(keys):
-            t.submit(k, segment(i))
-        t.flush()
+        keys = stored(t, 4)
         inside, release = threading.Event(), threading.Event()
 
         def slow_consumer(i: int, seg: bytes) -> None:  # holds the demand read open
@@ -122,10 +119,7 @@ def test_lane_starts_nothing_while_a_demand_read_runs(ssd_dir):
 
 def test_close_with_queued_prefetches(ssd_dir):
     t = make(ssd_dir)
-    keys = [key(i) for i in range(32)]
-    for i, k in enumerate(keys):
-        t.submit(k, segment(i))
-    t.flush()
+    keys = stored(t, 32)
     t.prefetch(keys, Sink())
     t.close()  # must not hang nor leave reads in flight
 
@@ -160,7 +154,7 @@ def test_restore_reads_ahead_along_the_prefix(tier, engine):
         _on_ssd_only(m, e.engine_id, ch)
         zero(pages)
         assert all(m.restore(e.engine_id, ch[:2]).restored)  # SSD hits: chunks 2 and 3 are read ahead
-        wait_until(lambda: m.stats().prefetch_segments == 2 * 2 * L)
+        assert wait_until(lambda: m.stats().prefetch_segments == 2 * 2 * L)
         st = m.stats()
         assert st.prefetch_bytes > 0 and st.prefetch_hits == 0
         assert m.lookup(e.engine_id, [c.key for c in ch[2:4]], lease=False).dram == 2
@@ -170,7 +164,7 @@ def test_restore_reads_ahead_along_the_prefix(tier, engine):
         st = m.stats()
         assert st.hits["lower"] == lower_hits and st.prefetch_hits == 2 * 2 * L
         # ... and the readahead went on to chunks 4 and 5.
-        wait_until(lambda: m.stats().prefetch_segments == 4 * 2 * L)
+        assert wait_until(lambda: m.stats().prefetch_segments == 4 * 2 * L)
         for name in pages.tensors:
             blocks = [b for c in ch[:4] for b in c.blocks]
             assert np.array_equal(pages.array(name)[blocks].view(np.uint16),
@@ -190,7 +184,7 @@ def test_lookup_hit_on_ssd_reads_the_next_chunks(tier, engine):
         _on_ssd_only(m, e.engine_id, ch)
         lk = m.lookup(e.engine_id, [ch[0].key], lease=False)
         assert (lk.count, lk.lower) == (1, 1)
-        wait_until(lambda: m.stats().prefetch_segments == 2 * L)  # chunk 1 only (one chunk ahead)
+        assert wait_until(lambda: m.stats().prefetch_segments == 2 * L)  # chunk 1 only (one chunk ahead)
         assert m.stats().lower["ssd_prefetch_requested_total"] == 2 * L
         assert m.lookup(e.engine_id, [ch[1].key], lease=False).dram == 1
         assert m.lookup(e.engine_id, [ch[2].key], lease=False).dram == 0
@@ -226,7 +220,7 @@ def test_a_corrupt_prefetched_record_is_a_miss_later(tier, ssd_dir, engine):
         victim = next(o for o in tier.iter_records() if o.key.chunk == ch[1].key)
         flip(str(ssd_dir / "shard0.okv"), victim.offset + RECORD_HEADER_SIZE + 200)
         assert all(m.restore(e.engine_id, ch[:1]).restored)
-        wait_until(lambda: m.stats().prefetch_segments == 2 * L - 1)  # all of chunk 1 but the bad one
+        assert wait_until(lambda: m.stats().prefetch_segments == 2 * L - 1)  # all of chunk 1 but the bad one
         time.sleep(0.1)
         assert m.stats().prefetch_segments == 2 * L - 1
         assert tier.snapshot().corrupt_records_total == 1
@@ -254,7 +248,7 @@ def test_cli_flags_and_metrics(tier, engine):
         ch = chunks_for(2)
         _on_ssd_only(m, e.engine_id, ch)
         assert all(m.restore(e.engine_id, ch[:1]).restored)
-        wait_until(lambda: m.stats().prefetch_segments == 2 * L)
+        assert wait_until(lambda: m.stats().prefetch_segments == 2 * L)
         m.restore(e.engine_id, ch[1:2])
         reg_ = CollectorRegistry()
         reg_.register(ManagerCollector(m))

@@ -112,9 +112,8 @@ def test_engine_without_pid_or_unidentified_process_is_never_reaped():
         reg = pages.registration(model="m", engine_kind="test")
         assert reg.pid == os.getpid() and reg.pid_start_time == process_start_time(os.getpid())
         fields = {f: getattr(reg, f) for f in reg.__struct_fields__}
-        start = None
-        while start is None:  # the child's /proc entry exists once it is forked
-            start = process_start_time(sleeper.pid)
+        start = process_start_time(sleeper.pid)  # the child's /proc entry exists once Popen returns
+        assert start is not None
         with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", engine_check_interval=INTERVAL)) as m:
             own = m.register_engine(reg)  # embedded: this process
             bare = m.register_engine(EngineRegistration(**{**fields, "pid": None, "pid_start_time": None,
@@ -216,9 +215,8 @@ def test_reaping_waits_for_the_dead_engines_requests_in_flight():
     tier = _StallingTier()
     try:
         reg = pages.registration(model="m", engine_kind="test")
-        start = None
-        while start is None:
-            start = process_start_time(sleeper.pid)
+        start = process_start_time(sleeper.pid)  # the child's /proc entry exists once Popen returns
+        assert start is not None
         reg = EngineRegistration(**{**{f: getattr(reg, f) for f in reg.__struct_fields__},
                                     "pid": sleeper.pid, "pid_start_time": start})
         with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", engine_check_interval=INTERVAL),

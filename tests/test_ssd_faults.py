@@ -4,9 +4,9 @@ Each time: the tier keeps serving, a corrupt record is a miss, nothing else is l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
-import time
 
 import pytest
 
@@ -14,6 +14,7 @@ from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
 from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE
 from orbitkv_fs.tiers.ssd.uring import SsdIoError, UringBackend
+from polling import wait_until
 from test_ssd_common import direct_io_dir, flip, key, segment
 
 N = 24
@@ -202,50 +203,46 @@ def test_close_waits_for_a_submitter_driving_the_writeback_ring(tmp_path):
     t._pump()  # the submitter's next round: nothing to drive, no error from the closed ring
 
 
-def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(tmp_path):
-    """The prefetch lane's io_uring_enter failing ends that lane: the keys it held are dropped (counted as
-    errors), their record leases are given back, and the next prefetch starts a new lane that serves them."""
+@contextlib.contextmanager
+def _stored_tier(tmp_path, backend, n: int = 4):
+    """A tier on ``backend`` holding ``n`` flushed segments: ``(tier, keys)``; closed after."""
     d = direct_io_dir(tmp_path)
-    backend = _FailOnceBackend()
     t = SsdTier(SsdConfig(paths=(str(d / "a.okv"),), capacity=32 << 20), backend=backend)
     try:
-        keys = [key(i) for i in range(4)]
+        keys = [key(i) for i in range(n)]
         for i, k in enumerate(keys):
             assert t.submit(k, segment(i), timeout=1.0)
         t.flush(timeout=5.0)
+        yield t, keys
+    finally:
+        t.close()
+
+
+def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(tmp_path):
+    """The prefetch lane's io_uring_enter failing ends that lane: the keys it held are dropped (counted as
+    errors), their record leases are given back, and the next prefetch starts a new lane that serves them."""
+    backend = _FailOnceBackend()
+    with _stored_tier(tmp_path, backend) as (t, keys):
         got: dict = {}
         backend.fail_next_ring = True  # the lane's ring (made by its first request)
         assert t.prefetch(keys, got.__setitem__) == 4
-        deadline = time.monotonic() + 10
-        while t.snapshot().prefetch_errors_total < 4:
-            assert time.monotonic() < deadline, t.snapshot()
-            time.sleep(0.01)
+        assert wait_until(lambda: t.snapshot().prefetch_errors_total >= 4), t.snapshot()
         assert got == {}
         assert t.prefetch(keys, got.__setitem__) == 4  # nothing left behind as "queued"
-        while len(got) < 4:
-            assert time.monotonic() < deadline, t.snapshot()
-            time.sleep(0.01)
+        assert wait_until(lambda: len(got) >= 4), t.snapshot()
         assert got == {k: segment(i) for i, k in enumerate(keys)}
         # No lease stays on the records: invalidated, every one has its header wiped.
         t.invalidate(keys=keys)
         t.flush(timeout=5.0)
         assert t.snapshot().wipes_total == 4
-    finally:
-        t.close()
 
 
 def test_demand_read_whose_submit_fails_raises_and_leaves_no_reads_in_the_ring(tmp_path):
     """io_uring_enter failing under a demand read: the read raises (no wait for reads the kernel never
     got), its leases are given back, and the ring with those prepped reads is not handed to the next
     reader (whose submit would send them, into buffers already dropped, under tags it reuses)."""
-    d = direct_io_dir(tmp_path)
     backend = _FailOnceBackend()
-    t = SsdTier(SsdConfig(paths=(str(d / "a.okv"),), capacity=32 << 20), backend=backend)
-    try:
-        keys = [key(i) for i in range(4)]
-        for i, k in enumerate(keys):
-            assert t.submit(k, segment(i), timeout=1.0)
-        t.flush(timeout=5.0)
+    with _stored_tier(tmp_path, backend) as (t, keys):
         backend.fail_next_ring = True  # the first read ring
         result: list = []
 
@@ -264,5 +261,3 @@ def test_demand_read_whose_submit_fails_raises_and_leaves_no_reads_in_the_ring(t
         t.invalidate(keys=keys)  # no lease stays on the records: every header gets wiped
         t.flush(timeout=5.0)
         assert t.snapshot().wipes_total == 4
-    finally:
-        t.close()
