@@ -116,11 +116,11 @@ def test_a_load_job_fails_every_block_from_a_transfer_s_first_miss() -> None:
 
     class Session:
         def __init__(self) -> None:
-            self.asked: list[tuple[list[bytes], list[int] | None]] = []
+            self.asked: list[tuple[list[bytes], list[int]]] = []
 
-        def restore(self, ks, blocks, *, layers=None):
+        def restore(self, ks, blocks, *, layers):
             self.asked.append((list(ks), layers))
-            return {None: [], 0: [keys[3]], 1: [keys[1]]}[None if layers is None else layers[0]]
+            return {0: [keys[3]], 1: [keys[1]]}[layers[0]]
 
     s = Session()
     job = LayerLoadJob(s, [Transfer("a", keys, [[10], [11], [12], [13]]), Transfer("b", keys[:1], [[20, 21]])],
@@ -128,7 +128,7 @@ def test_a_load_job_fails_every_block_from_a_transfer_s_first_miss() -> None:
     job.run()
     assert job.wait() == {11, 12, 13}
     assert s.asked == [(keys, [0]), (keys[:1], [0]), (keys[:3], [1]), (keys[:1], [1])]
-    unregistered = LayerLoadJob(None, [Transfer("a", keys[:2], [[1], [2]])], [None])
+    unregistered = LayerLoadJob(None, [Transfer("a", keys[:2], [[1], [2]])], [[0]])
     unregistered.run()
     assert unregistered.wait() == {1, 2}  # no session: everything is a miss
 
@@ -278,8 +278,6 @@ def test_a_load_job_that_hits_a_bug_wakes_its_waiters_and_reraises() -> None:
     from orbitkv_fs.connectors.common import LayerLoadJob, Transfer
 
     class Broken:
-        layered = True
-
         def restore(self, keys, blocks, *, layers=None):
             if layers == [1]:
                 raise TypeError("bug")

@@ -251,9 +251,8 @@ def test_worker_shutdown_unregisters_its_engine(env) -> None:
 
 class GatedClient(EmbeddedClient):
     """The real embedded client whose restores each wait for a permit (a slow tier, one restore at a
-    time), recording each call's ``layers``. With ``layered`` it takes ``layers=`` the way a Manager with
-    per-layer restore does; the restore underneath writes every layer (the Manager's filter is the
-    Manager's to test), so what this checks is the connector's order and its per-layer waits."""
+    time), recording each call's ``layers``. The restore underneath writes every layer (the Manager's
+    filter is the Manager's to test), so what this checks is the connector's order and its per-layer waits."""
 
     def __init__(self, manager: Manager) -> None:
         super().__init__(manager)
@@ -264,20 +263,12 @@ class GatedClient(EmbeddedClient):
     def allow(self, n: int = 1) -> None:
         self.permits.release(n)
 
-    def restore(self, engine_id, chunks, *, lease_id=0):  # type: ignore[override]
-        return self._restore(engine_id, chunks, None)
-
-    def _restore(self, engine_id, chunks, layers):
+    def restore(self, engine_id, chunks, *, lease_id=0, layers=None):  # type: ignore[override]
         self.calls.append(layers)
         assert self.permits.acquire(timeout=30)
         res = super().restore(engine_id, chunks)
         self.returned.append(layers)
         return res
-
-
-class LayeredGatedClient(GatedClient):
-    def restore(self, engine_id, chunks, *, lease_id=0, layers=None):  # type: ignore[override]
-        return self._restore(engine_id, chunks, layers)
 
 
 def _waiter(worker: OrbitKVConnector, name: str) -> tuple[threading.Thread, threading.Event]:
@@ -309,8 +300,8 @@ def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, tmp_p
         assert time.monotonic() - t0 < 1.0  # started, not done: the restore waits for its permit
         t, done = _waiter(worker, kv.names[0])
         assert not done.wait(0.3)  # a layer's wait blocks while its restore is in flight
-        assert client.calls == [None] and client.returned == []  # one restore of every layer (no per-layer API)
-        client.allow()
+        assert client.calls == [[0]] and client.returned == []  # layer 0's restore, waiting for its permit
+        client.allow(2)  # layer 0, then layer 1
         assert done.wait(10)
         t.join()
         assert kv.holds(30, 1.0) and kv.holds(32, 3.0)
@@ -322,14 +313,13 @@ def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, tmp_p
 
 
 def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(manager, tmp_path) -> None:
-    client = LayeredGatedClient(manager)
+    client = GatedClient(manager)
     kv = VllmPages(range(3), str(tmp_path))
     cfg = _config(layers=3)
     sched, worker = OrbitKVConnector(cfg, "scheduler", None), OrbitKVConnector(cfg, "worker", None)
     sched._client = worker._client = client
     worker.register_kv_caches(kv.kv)
     try:
-        assert worker._session.layered
         env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
         prompt = list(range(2000, 2033))
         _save_prefix(env, prompt, 2)
@@ -358,7 +348,7 @@ def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(
 
 
 def test_a_layered_load_stops_restoring_a_chunk_after_its_first_miss(manager, tmp_path) -> None:
-    client = LayeredGatedClient(manager)
+    client = GatedClient(manager)
     client.allow(100)
     kv = VllmPages(range(2), str(tmp_path))
     sched, worker = OrbitKVConnector(_config(), "scheduler", None), OrbitKVConnector(_config(), "worker", None)
@@ -639,12 +629,12 @@ def test_shutdown_during_a_load_waits_for_it_then_unregisters(manager, tmp_path)
         _save_prefix(env, prompt, 2)
         worker.bind_connector_metadata(_plan_load(sched, Req("r", prompt), [5, 6, 7], 32))
         worker.start_load_kv(SimpleNamespace())
-        assert wait_until(lambda: client.calls == [None])
+        assert wait_until(lambda: client.calls == [[0]])
         t = threading.Thread(target=worker.shutdown)
         t.start()
         t.join(0.3)
         assert t.is_alive() and [e.engine_id for e in manager.list_engines()] == [env.engine_id]
-        client.allow()
+        client.allow(2)  # layer 0, then layer 1
         t.join(10)
         assert not t.is_alive() and manager.list_engines() == []
         assert kv.holds(5, 1.0) and kv.holds(6, 2.0)

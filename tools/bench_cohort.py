@@ -528,12 +528,11 @@ class _Pages:
                                       layer_end=m.layers, block_size=recipe.block_size, num_heads=m.kv_heads,
                                       head_dim=m.head_dim, dtype="bfloat16", tensors=self.descs, codec=codec,
                                       engine_id=engine_id, engine_kind="bench")
-        from orbitkv_fs.connectors.common import packed_cuda_registration
+        from orbitkv_fs.connectors.common import packed_registration
 
         _torch().cuda.synchronize()
-        reg = packed_cuda_registration({f"L{i}": t for i, t in enumerate(self.tensors)}, model=f"random-{m.name}",
-                                       block_size=recipe.block_size, engine_kind="bench", engine_id=engine_id,
-                                       codec=codec)
+        reg = packed_registration({f"L{i}": t for i, t in enumerate(self.tensors)}, model=f"random-{m.name}",
+                                  block_size=recipe.block_size, engine_kind="bench", engine_id=engine_id, codec=codec)
         if reg is None:
             raise RuntimeError("the GPU pages are not CUDA tensors in the packed layout")
         return reg

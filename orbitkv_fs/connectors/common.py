@@ -371,16 +371,6 @@ def ping_probe(target: object, *, timeout_s: float = 1.0) -> Callable[[], object
     return ping
 
 
-def supports_layer_restore(client: object) -> bool:
-    """Whether ``client.restore`` takes ``layers=`` (restore only those layers' segments)."""
-    import inspect
-
-    try:
-        return "layers" in inspect.signature(client.restore).parameters  # type: ignore[attr-defined]
-    except (TypeError, ValueError, AttributeError):
-        return False
-
-
 class EngineSession:
     """One registered engine's view of the client API, with every failure turned into a miss.
 
@@ -398,7 +388,6 @@ class EngineSession:
         self.client = client
         self.engine_id = engine_id
         self.guard = guard or ManagerGuard()
-        self.layered = supports_layer_restore(client)
         self._reregister = reregister
         self._rereg_lock = threading.Lock()
         self.reregistrations = 0
@@ -452,8 +441,8 @@ class EngineSession:
 
     def restore(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]], *,
                 layers: Sequence[int] | None = None) -> list[bytes]:
-        """Restore each key into its blocks (only ``layers``' segments when given: needs
-        :attr:`layered`); the keys that missed (all of them when the call failed)."""
+        """Restore each key into its blocks (only ``layers``' segments when given); the keys that missed
+        (all of them when the call failed)."""
         if not keys:
             return []
         from ..manager import ChunkBlocks
@@ -471,8 +460,7 @@ class EngineSession:
 class LayerLoadJob:
     """One engine step's loads, restored layer group by layer group in order, on a loader thread.
 
-    ``groups`` are the layer groups in the order the forward pass reaches them; ``[None]`` is one
-    restore of every layer (a client without per-layer restore). Within a group each transfer is one
+    ``groups`` are the layer groups in the order the forward pass reaches them. Within a group each transfer is one
     restore call; a transfer stops at its first missed chunk (a prefix is usable only up to its first
     hole), so later groups restore only what can still be used. :meth:`wait_layer` returns once the
     layer's group is written (or the job ended); :meth:`wait` returns the engine block ids that failed:
@@ -483,11 +471,11 @@ class LayerLoadJob:
     """
 
     def __init__(self, session: "EngineSession | None", transfers: Sequence[Transfer],
-                 groups: Sequence[Sequence[int] | None]) -> None:
+                 groups: Sequence[Sequence[int]]) -> None:
         self.session = session
         self.transfers = list(transfers)
-        self.groups = [None if g is None else list(g) for g in groups]
-        self._group_of = {layer: gi for gi, g in enumerate(self.groups) if g is not None for layer in g}
+        self.groups = [list(g) for g in groups]
+        self._group_of = {layer: gi for gi, g in enumerate(self.groups) for layer in g}
         self._cond = threading.Condition()
         self._done = 0  # groups [0, _done) are written
         self._finished = False
@@ -768,10 +756,6 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
                               model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
                               tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,
                               pid=os.getpid(), pid_start_time=process_start_time(os.getpid()))
-
-
-#: The former name, for callers outside the adapters (tools/bench_cohort.py registers GPU pages through it).
-packed_cuda_registration = packed_registration
 
 
 # ------------------------------------------------------------------------------------- staging pages

@@ -327,11 +327,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
         return self._session
 
-    def _load_groups(self) -> list[list[int] | None]:
-        """Layer groups in forward order: one per layer when the Manager restores single layers, else one
-        restore of all layers."""
-        if self._session is None or not self._session.layered:
-            return [None]
+    def _load_groups(self) -> list[list[int]]:
+        """Layer groups in forward order: one per layer (each layer's wait needs only its own restore)."""
         return [[layer] for layer in sorted(set(self._layer_of.values()))]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -402,8 +399,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return
         if self._role_is_worker() and self._session is not None:
             # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
-            unregister = self._unregister or client.unregister
-            session = self._session
+            unregister, session = self._unregister, self._session  # both set when the session was made
             self._guard.call("unregister", lambda: unregister(session.engine_id), None)
         self._session = None
         self._stage_sessions = []
