@@ -343,6 +343,7 @@ class DataPlaneServer:
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._stop = False
+        self._full_logged = float("-inf")  # when the last "connection limit reached" line was logged
         self._thread = threading.Thread(target=self._accept, name="dataplane-accept", daemon=True)
         self._thread.start()
 
@@ -359,8 +360,13 @@ class DataPlaneServer:
                 time.sleep(_RECONNECT_S)
                 continue
             with self._lock:
-                if self._stop or len(self._conns) >= MAX_CONNECTIONS:
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if self._stop or full:
                     sock.close()
+                    if full and not self._stop and time.monotonic() >= self._full_logged + 10:
+                        self._full_logged = time.monotonic()  # at most one line per 10 s of refusals
+                        log.warning("data plane: %d connections open, refusing more (MAX_CONNECTIONS)",
+                                    MAX_CONNECTIONS)
                     continue
                 t = threading.Thread(target=self._serve, args=(sock,), name="dataplane-conn", daemon=True)
                 self._conns[sock] = t

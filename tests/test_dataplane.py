@@ -21,6 +21,7 @@ from orbitkv_fs import dataplane as dp
 from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
+from polling import wait_until
 
 
 @pytest.fixture
@@ -119,6 +120,17 @@ def test_incompatible_socket_type_is_dropped(server):
     s.sendall(dp._GREETING + dp._ready(b"PUB"))
     assert _closed(s)
     s.close()
+
+
+def test_connections_over_the_limit_are_refused_and_logged(server, monkeypatch, caplog):
+    monkeypatch.setattr(dp, "MAX_CONNECTIONS", 1)
+    first, _ = _handshaken(server)
+    with caplog.at_level("WARNING", logger=dp.__name__):
+        extra = _raw(server)
+        assert _closed(extra)
+        assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
+    extra.close()
+    first.close()
 
 
 def test_an_oversized_ready_command_is_dropped(server):

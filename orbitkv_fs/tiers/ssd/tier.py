@@ -474,7 +474,12 @@ class SsdTier:
         if cls >= HUGE_PAGE:
             return aligned_buffer(cls, huge=True)[:nbytes]
         # A class below the huge page: carve the page into views that each own their part (a ctypes
-        # array is the exporter ``_recycle`` finds in ``buf.obj``); the spare ones go to the pool.
+        # array is the exporter ``_recycle`` finds in ``buf.obj``); the spare ones go to the pool. A pool
+        # with no room for them would drop them: a 2 MiB page held for one small buffer, so no carving then.
+        with self._pool_lock:
+            room = self._pool_bytes + HUGE_PAGE - cls <= self.config.max_pending_bytes
+        if not room:
+            return aligned_buffer(cls)[:nbytes]
         page = aligned_buffer(HUGE_PAGE, huge=True)
         views = [memoryview((ctypes.c_char * cls).from_buffer(page, i * cls)).cast("B")
                  for i in range(HUGE_PAGE // cls)]
