@@ -319,14 +319,33 @@ class RestRegistrar:
         self._request("DELETE", f"/v1/engines/{quote(engine_id, safe='')}")
 
 
-def registration_calls(client: Any, reg: object, http: str | None, *,
-                       timeout_s: float = 30.0) -> tuple[Callable[[], str], Callable[[str], None]]:
+def registration_calls(client: Any, reg: object, http: str | None, *, timeout_s: float = 30.0,
+                       on_info: Callable[[Any], None] | None = None) -> tuple[Callable[[], str], Callable[[str], None]]:
     """``(register, unregister)`` of ``reg``: over the REST control plane at ``http`` when given, else over
-    ``client``. ``register()`` answers the engine id and may be called again (a restarted Manager)."""
+    ``client`` (which answers the whole EngineInfo: ``on_info`` gets it). ``register()`` answers the engine
+    id and may be called again (a restarted Manager)."""
     if http:
         rest = RestRegistrar(http, timeout_s=timeout_s)
         return (lambda: rest.register(reg)), rest.unregister
-    return (lambda: client.register(reg).engine_id), client.unregister
+
+    def register() -> str:
+        info = client.register(reg)
+        if on_info is not None:
+            on_info(info)
+        return info.engine_id
+
+    return register, client.unregister
+
+
+def register_session(client: Any, reg: object, http: str | None, guard: "ManagerGuard", *, timeout_s: float = 30.0,
+                     on_info: Callable[[Any], None] | None = None) -> tuple["EngineSession | None", Callable[[str], None]]:
+    """Register ``reg`` (see :func:`registration_calls`) under ``guard``: the engine's session, or None when
+    the Manager could not be reached, and the unregister call. The session registers the same pages again
+    when a restarted Manager no longer knows the engine."""
+    register, unregister = registration_calls(client, reg, http, timeout_s=timeout_s, on_info=on_info)
+    engine_id = guard.call("register", register, None)
+    session = None if engine_id is None else EngineSession(client, engine_id, guard=guard, reregister=register)
+    return session, unregister
 
 
 # ------------------------------------------------------------------------------------- Manager session

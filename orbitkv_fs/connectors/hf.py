@@ -31,11 +31,11 @@ from .common import (
     BlockMath,
     EngineSession,
     ManagerGuard,
-    RestRegistrar,
     StagingPages,
     packed_registration,
     ping_probe,
     prefix_chunk_keys,
+    register_session,
 )
 
 __all__ = ["HFPrefixStore", "model_geometry"]
@@ -104,19 +104,8 @@ class HFPrefixStore:
         self.engine_info = None
         self.session: EngineSession | None = None
         if reg is not None:
-            if http is None:
-                def register() -> str:
-                    self.engine_info = client.register(reg)
-                    return self.engine_info.engine_id
-                self._unregister = client.unregister
-            else:
-                rest = RestRegistrar(http)
-                register = lambda: rest.register(reg)  # noqa: E731
-                self._unregister = rest.unregister
-            engine_id = self.guard.call("register", register, None)
-            if engine_id is not None:
-                # A restarted Manager forgets the engine: the next call registers the same pages again.
-                self.session = EngineSession(client, engine_id, guard=self.guard, reregister=register)
+            self.session, self._unregister = register_session(client, reg, http, self.guard,
+                                                              on_info=lambda info: setattr(self, "engine_info", info))
         self.client = client
 
     @classmethod

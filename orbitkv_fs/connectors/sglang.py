@@ -45,7 +45,7 @@ from .common import (
     connect_client,
     engine_hash_keys,
     ping_probe,
-    registration_calls,
+    register_session,
 )
 
 try:  # SGLang is optional: without it the class still imports (and is checked against the wheel's source).
@@ -160,12 +160,8 @@ class OrbitKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
             if self._client is None:
                 return
         client = self._client
-        register, self._unregister = registration_calls(client, self._registration, self._http,
-                                                        timeout_s=self._timeout_s)
-        engine_id = self._guard.call("register", register, None)
-        if engine_id is not None:
-            # A restarted Manager forgets the engine; the staging file is still there to register again.
-            self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
+        self._session, self._unregister = register_session(client, self._registration, self._http, self._guard,
+                                                           timeout_s=self._timeout_s)
 
     # -- page copies --------------------------------------------------------------------------------
 

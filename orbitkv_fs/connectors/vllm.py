@@ -60,7 +60,7 @@ from .common import (
     packed_registration,
     ping_probe,
     prefix_chunk_keys,
-    registration_calls,
+    register_session,
 )
 
 try:  # vLLM is optional: without it the class still imports (and is checked against the wheel's source).
@@ -320,11 +320,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         client = self._get_client()
         if client is None:
             return None
-        register, self._unregister = registration_calls(client, self._registration, self._http,
-                                                        timeout_s=self._timeout_s)
-        engine_id = self._guard.call("register", register, None)
-        if engine_id is not None:
-            self._session = EngineSession(client, engine_id, guard=self._guard, reregister=register)
+        self._session, self._unregister = register_session(client, self._registration, self._http, self._guard,
+                                                           timeout_s=self._timeout_s)
         return self._session
 
     def _load_groups(self) -> list[list[int]]:
