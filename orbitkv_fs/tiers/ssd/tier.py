@@ -801,24 +801,17 @@ class SsdTier:
                     ring.submit()
                 for i, res, buf in landed:
                     # Validate as each read lands, so only the reads in flight hold buffers.
-                    s = slots[i]
-                    if res != s.length:
-                        verdicts[i] = _reason(res, "short_read")
+                    data, why = self._check_read(slots[i], res, buf)
+                    if data is None:
+                        verdicts[i] = why
+                        continue
+                    self._read_lat.append(time.perf_counter() - started[i])
+                    hits.add(i)
+                    if sink is None:
+                        out[i] = data
                     else:
-                        try:
-                            seg = verify_record(buf, s.key.pack(), s.generation, s.stored)
-                            data = bytes(seg)
-                            del seg
-                            self._read_lat.append(time.perf_counter() - started[i])
-                            hits.add(i)
-                            if sink is None:
-                                out[i] = data
-                            else:
-                                sink(i, data)
-                            del data
-                        except SegmentError:
-                            verdicts[i] = "corrupt"
-                    self._recycle(buf)
+                        sink(i, data)
+                    del data
         except SsdIoError:
             broken = True
             raise
@@ -846,20 +839,37 @@ class SsdTier:
                 for i, s in enumerate(slots):
                     if s is None:
                         continue
-                    s.leases -= 1
-                    v = verdicts.get(i)
                     if i in hits:
                         self._c["read_hits_total"] += 1
                         self._c["read_bytes_total"] += s.length
-                    elif v == "corrupt":
-                        self._c["corrupt_records_total"] += 1
-                        self._kill(s)
-                    elif v is not None:
-                        self._c["read_errors_total"] += 1
-                        self._errnos[v] += 1
-                    if s.wipe and not s.leases:
-                        self._queue_wipe(s)
+                    self._settle_read(s, verdicts.get(i, ""), "read_errors_total")
         return out
+
+    def _check_read(self, s: "_Slot", res: int, buf: memoryview) -> tuple[bytes | None, str]:
+        """A landed read of ``s``'s record (``res``: bytes read or -errno): its verified segment and "", or
+        None and why (the short read or errno, or "corrupt"). ``buf`` goes back to the pool."""
+        try:
+            if res != s.length:
+                return None, _reason(res, "short_read")
+            try:
+                return bytes(verify_record(buf, s.key.pack(), s.generation, s.stored)), ""
+            except SegmentError:
+                return None, "corrupt"
+        finally:
+            self._recycle(buf)
+
+    def _settle_read(self, s: "_Slot", why: str, errors_counter: str) -> None:
+        """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
+        record dies, an I/O error is counted under ``errors_counter``. Lock held."""
+        s.leases -= 1
+        if why == "corrupt":
+            self._c["corrupt_records_total"] += 1
+            self._kill(s)
+        elif why:
+            self._c[errors_counter] += 1
+            self._errnos[why] += 1
+        if s.wipe and not s.leases:
+            self._queue_wipe(s)
 
     # -------------------------------------------------------------------------------------- prefetch
 
@@ -944,31 +954,14 @@ class SsdTier:
                     ring.submit()
                 for t, res in ring.wait(0.05) if inflight else ():
                     k, length, sink, s, buf = inflight.pop(t)
-                    seg = None
-                    verdict = ""
-                    if res != s.length:
-                        verdict = _reason(res, "short_read")
-                    else:
-                        try:
-                            seg = bytes(verify_record(buf, k.pack(), s.generation, s.stored))
-                        except SegmentError:
-                            verdict = "corrupt"
-                    self._recycle(buf)
+                    seg, verdict = self._check_read(s, res, buf)
                     with self._lock:
-                        s.leases -= 1
                         self._pf_keys.discard(k)
                         self._pf_bytes -= length
                         if seg is not None:
                             self._c["prefetch_read_total"] += 1
                             self._c["prefetch_read_bytes_total"] += s.stored
-                        elif verdict == "corrupt":
-                            self._c["corrupt_records_total"] += 1
-                            self._kill(s)
-                        else:
-                            self._c["prefetch_errors_total"] += 1
-                            self._errnos[verdict] += 1
-                        if s.wipe and not s.leases:
-                            self._queue_wipe(s)
+                        self._settle_read(s, verdict, "prefetch_errors_total")
                     if seg is not None:
                         try:
                             sink(k, seg)
