@@ -107,21 +107,35 @@ def manager(tmp_path):
 
 
 @pytest.fixture
-def env(manager, tmp_path):
-    """A Manager, a scheduler connector and a worker connector whose 2 layers are registered through
-    register_kv_caches (asynchronous loads, the default)."""
-    client = connect(manager)
-    kv = VllmPages(range(2), str(tmp_path))
-    sched = OrbitKVConnector(_config(), "scheduler", None)
-    worker = OrbitKVConnector(_config(), "worker", None)
-    for c in (sched, worker):
-        c._client = client
-    worker.register_kv_caches(kv.kv)
-    assert worker._session is not None and worker._loader is not None
-    yield SimpleNamespace(manager=manager, client=client, kv=kv, sched=sched, worker=worker,
-                          engine_id=worker._session.engine_id)
-    worker.shutdown()
-    kv.close()
+def connectors(manager, tmp_path):
+    """``make(client=None, layers=2)``: a scheduler connector and a worker connector of ``layers`` layers
+    whose pages are registered through register_kv_caches, sharing ``client`` (default: embedded in the
+    ``manager`` fixture); every worker is shut down and its pages closed after the test."""
+    made: list[SimpleNamespace] = []
+
+    def make(client=None, *, layers: int = 2) -> SimpleNamespace:
+        client = client or connect(manager)
+        kv = VllmPages(range(layers), str(tmp_path))
+        sched, worker = (OrbitKVConnector(_config(layers=layers), role, None) for role in ("scheduler", "worker"))
+        sched._client = worker._client = client
+        worker.register_kv_caches(kv.kv)
+        assert worker._session is not None
+        made.append(SimpleNamespace(manager=manager, client=client, kv=kv, sched=sched, worker=worker,
+                                    engine_id=worker._session.engine_id))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.worker.shutdown()
+        e.kv.close()
+
+
+@pytest.fixture
+def env(connectors):
+    """:func:`connectors` ' pair of 2 layers (asynchronous loads, the default)."""
+    e = connectors()
+    assert e.worker._loader is not None
+    return e
 
 
 def _save_prefix(env, prompt: list[int], n_blocks: int) -> list[bytes]:
@@ -283,92 +297,70 @@ def _waiter(worker: OrbitKVConnector, name: str) -> tuple[threading.Thread, thre
     return t, done
 
 
-def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, tmp_path) -> None:
+def test_start_load_kv_returns_before_the_restore_and_layers_wait(manager, connectors) -> None:
     client = GatedClient(manager)
-    kv = VllmPages(range(2), str(tmp_path))
-    sched, worker = (OrbitKVConnector(_config(), role, None) for role in ("scheduler", "worker"))
-    sched._client = worker._client = client
-    worker.register_kv_caches(kv.kv)
-    try:
-        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
-        prompt = list(range(1000, 1049))
-        _save_prefix(env, prompt, 3)
-        meta = _plan_load(sched, Req("r", prompt), [30, 31, 32, 33], 48)
-        worker.bind_connector_metadata(meta)
-        t0 = time.monotonic()
-        worker.start_load_kv(SimpleNamespace())
-        assert time.monotonic() - t0 < 1.0  # started, not done: the restore waits for its permit
-        t, done = _waiter(worker, kv.names[0])
-        assert not done.wait(0.3)  # a layer's wait blocks while its restore is in flight
-        assert client.calls == [[0]] and client.returned == []  # layer 0's restore, waiting for its permit
-        client.allow(2)  # layer 0, then layer 1
-        assert done.wait(10)
-        t.join()
-        assert kv.holds(30, 1.0) and kv.holds(32, 3.0)
-        worker.wait_for_save()
-        assert worker.get_block_ids_with_load_errors() == set()
-    finally:
-        worker.shutdown()
-        kv.close()
+    env = connectors(client)
+    sched, worker, kv = env.sched, env.worker, env.kv
+    prompt = list(range(1000, 1049))
+    _save_prefix(env, prompt, 3)
+    meta = _plan_load(sched, Req("r", prompt), [30, 31, 32, 33], 48)
+    worker.bind_connector_metadata(meta)
+    t0 = time.monotonic()
+    worker.start_load_kv(SimpleNamespace())
+    assert time.monotonic() - t0 < 1.0  # started, not done: the restore waits for its permit
+    t, done = _waiter(worker, kv.names[0])
+    assert not done.wait(0.3)  # a layer's wait blocks while its restore is in flight
+    assert client.calls == [[0]] and client.returned == []  # layer 0's restore, waiting for its permit
+    client.allow(2)  # layer 0, then layer 1
+    assert done.wait(10)
+    t.join()
+    assert kv.holds(30, 1.0) and kv.holds(32, 3.0)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
 
 
-def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(manager, tmp_path) -> None:
+def test_layered_restores_run_in_layer_order_and_each_wait_needs_only_its_layer(manager, connectors) -> None:
     client = GatedClient(manager)
-    kv = VllmPages(range(3), str(tmp_path))
-    cfg = _config(layers=3)
-    sched, worker = OrbitKVConnector(cfg, "scheduler", None), OrbitKVConnector(cfg, "worker", None)
-    sched._client = worker._client = client
-    worker.register_kv_caches(kv.kv)
-    try:
-        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
-        prompt = list(range(2000, 2033))
-        _save_prefix(env, prompt, 2)
-        meta = _plan_load(sched, Req("r", prompt), [40, 41, 42], 32)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(SimpleNamespace())
-        first, first_done = _waiter(worker, kv.names[0])
-        second, second_done = _waiter(worker, kv.names[1])
-        assert wait_until(lambda: client.calls == [[0]])  # layer 0 first
-        assert not first_done.wait(0.2)
-        client.allow()  # layer 0 lands; layer 1's restore is now in flight
-        assert first_done.wait(10)
-        assert wait_until(lambda: client.calls == [[0], [1]])
-        assert not second_done.wait(0.2) and client.returned == [[0]]
-        client.allow(2)
-        assert second_done.wait(10)
-        first.join()
-        second.join()
-        worker.wait_for_save()
-        assert client.returned == [[0], [1], [2]]
-        assert worker.get_block_ids_with_load_errors() == set()
-        assert kv.holds(40, 1.0) and kv.holds(41, 2.0)
-    finally:
-        worker.shutdown()
-        kv.close()
+    env = connectors(client, layers=3)
+    sched, worker, kv = env.sched, env.worker, env.kv
+    prompt = list(range(2000, 2033))
+    _save_prefix(env, prompt, 2)
+    meta = _plan_load(sched, Req("r", prompt), [40, 41, 42], 32)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace())
+    first, first_done = _waiter(worker, kv.names[0])
+    second, second_done = _waiter(worker, kv.names[1])
+    assert wait_until(lambda: client.calls == [[0]])  # layer 0 first
+    assert not first_done.wait(0.2)
+    client.allow()  # layer 0 lands; layer 1's restore is now in flight
+    assert first_done.wait(10)
+    assert wait_until(lambda: client.calls == [[0], [1]])
+    assert not second_done.wait(0.2) and client.returned == [[0]]
+    client.allow(2)
+    assert second_done.wait(10)
+    first.join()
+    second.join()
+    worker.wait_for_save()
+    assert client.returned == [[0], [1], [2]]
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert kv.holds(40, 1.0) and kv.holds(41, 2.0)
 
 
-def test_a_layered_load_stops_restoring_a_chunk_after_its_first_miss(manager, tmp_path) -> None:
+def test_a_layered_load_stops_restoring_a_chunk_after_its_first_miss(manager, connectors) -> None:
     client = GatedClient(manager)
+    env = connectors(client)
     client.allow(100)
-    kv = VllmPages(range(2), str(tmp_path))
-    sched, worker = OrbitKVConnector(_config(), "scheduler", None), OrbitKVConnector(_config(), "worker", None)
-    sched._client = worker._client = client
-    worker.register_kv_caches(kv.kv)
-    try:
-        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
-        prompt = list(range(3000, 3049))
-        keys = _save_prefix(env, prompt, 3)
-        meta = _plan_load(sched, Req("r", prompt), [50, 51, 52, 53], 48)
-        client.invalidate(chunks=[keys[1]], engine_id=env.engine_id)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(SimpleNamespace())
-        worker.wait_for_save()
-        assert worker.get_block_ids_with_load_errors() == {51, 52}
-        assert client.calls == [[0], [1]]
-        assert kv.holds(50, 1.0)
-    finally:
-        worker.shutdown()
-        kv.close()
+    sched, worker, kv = env.sched, env.worker, env.kv
+    prompt = list(range(3000, 3049))
+    keys = _save_prefix(env, prompt, 3)
+    meta = _plan_load(sched, Req("r", prompt), [50, 51, 52, 53], 48)
+    client.invalidate(chunks=[keys[1]], engine_id=env.engine_id)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace())
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {51, 52}
+    assert client.calls == [[0], [1]]
+    assert kv.holds(50, 1.0)
 
 
 def test_async_load_off_loads_inside_start_load_kv_and_keeps_full_cuda_graphs(env, tmp_path) -> None:
@@ -615,31 +607,25 @@ def test_a_worker_started_before_its_manager_registers_once_the_manager_is_up(tm
         kv.close()
 
 
-def test_shutdown_during_a_load_waits_for_it_then_unregisters(manager, tmp_path) -> None:
+def test_shutdown_during_a_load_waits_for_it_then_unregisters(manager, connectors) -> None:
     """The Manager is writing into the worker's pages: shutdown must not unregister (and let the pages go)
     before that write ended."""
     client = GatedClient(manager)
-    kv = VllmPages(range(2), str(tmp_path))
-    sched, worker = OrbitKVConnector(_config(), "scheduler", None), OrbitKVConnector(_config(), "worker", None)
-    sched._client = worker._client = client
-    worker.register_kv_caches(kv.kv)
-    try:
-        env = SimpleNamespace(client=client, kv=kv, engine_id=worker._session.engine_id)
-        prompt = list(range(9000, 9033))
-        _save_prefix(env, prompt, 2)
-        worker.bind_connector_metadata(_plan_load(sched, Req("r", prompt), [5, 6, 7], 32))
-        worker.start_load_kv(SimpleNamespace())
-        assert wait_until(lambda: client.calls == [[0]])
-        t = threading.Thread(target=worker.shutdown)
-        t.start()
-        t.join(0.3)
-        assert t.is_alive() and [e.engine_id for e in manager.list_engines()] == [env.engine_id]
-        client.allow(2)  # layer 0, then layer 1
-        t.join(10)
-        assert not t.is_alive() and manager.list_engines() == []
-        assert kv.holds(5, 1.0) and kv.holds(6, 2.0)
-    finally:
-        kv.close()
+    env = connectors(client)
+    sched, worker, kv = env.sched, env.worker, env.kv
+    prompt = list(range(9000, 9033))
+    _save_prefix(env, prompt, 2)
+    worker.bind_connector_metadata(_plan_load(sched, Req("r", prompt), [5, 6, 7], 32))
+    worker.start_load_kv(SimpleNamespace())
+    assert wait_until(lambda: client.calls == [[0]])
+    t = threading.Thread(target=worker.shutdown)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and [e.engine_id for e in manager.list_engines()] == [env.engine_id]
+    client.allow(2)  # layer 0, then layer 1
+    t.join(10)
+    assert not t.is_alive() and manager.list_engines() == []
+    assert kv.holds(5, 1.0) and kv.holds(6, 2.0)
 
 
 def test_many_steps_of_loads_saves_and_misses_leave_no_reservations(tmp_path) -> None:
