@@ -6,6 +6,8 @@ Host-only (numpy), shared by the batched engine, :mod:`orbitkv_fs.gpu.ans` and t
 * :func:`pack` -- compressed chunks -> payload bytes (what ``okv_ans_pack`` writes on the GPU).
 * :func:`parse` -- payload -> (offsets, sizes) of the chunks, validated against the header's original
   length; every inconsistency is a typed :class:`~orbitkv_fs.errors.SegmentError`.
+* :func:`parse_table` -- the same from the chunk table and the payload length alone (a payload in device
+  memory: only its table comes to the host).
 * :func:`keep_capacity` -- the largest payload the keep-or-raw rule would keep for a source length.
 
 Layout (little-endian): ``u32 chunk_bytes`` (65536), ``u32 nchunks`` (ceil(original / 65536)),
@@ -61,21 +63,28 @@ def pack(chunks: "list[bytes | np.ndarray]") -> bytes:
 def parse(payload: "bytes | memoryview", original_length: int) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, sizes) of the chunks of ``payload``; raises UnknownFormat / LengthMismatch."""
     mv = memoryview(payload).cast("B")
-    if len(mv) < 8:
-        raise LengthMismatch(f"ans payload of {len(mv)} bytes has no chunk table")
+    return parse_table(mv, len(mv), original_length)
+
+
+def parse_table(head: "bytes | memoryview", payload_length: int, original_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`parse` from the payload's first bytes only (``head``: at least the chunk table) and its
+    length: a payload in device memory needs only its table on the host."""
+    mv = memoryview(head).cast("B")
+    if payload_length < 8 or len(mv) < 8:
+        raise LengthMismatch(f"ans payload of {payload_length} bytes has no chunk table")
     chunk, n = np.frombuffer(mv[:8], dtype="<u4")
     if int(chunk) != CHUNK_BYTES:
         raise UnknownFormat(f"ans chunk size {int(chunk)} (this build reads {CHUNK_BYTES})")
     if int(n) != chunk_count(original_length) or n == 0:
         raise LengthMismatch(f"ans payload has {int(n)} chunks; {original_length} bytes need {chunk_count(original_length)}")
     start = data_start(int(n))
-    if len(mv) < start:
+    if payload_length < start or len(mv) < 8 + 4 * int(n):
         raise LengthMismatch("ans chunk table is truncated")
     sizes = np.frombuffer(mv[8:8 + 4 * int(n)], dtype="<u4").astype(np.int64)
     if np.any(sizes == 0):
         raise LengthMismatch("ans chunk of zero bytes")
     padded = _al8(sizes)
     offsets = start + np.concatenate([[0], np.cumsum(padded)[:-1]])
-    if start + int(padded.sum()) != len(mv):
-        raise LengthMismatch(f"ans chunks end at {start + int(padded.sum())}, payload has {len(mv)} bytes")
+    if start + int(padded.sum()) != payload_length:
+        raise LengthMismatch(f"ans chunks end at {start + int(padded.sum())}, payload has {payload_length} bytes")
     return offsets, sizes

@@ -16,6 +16,10 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   -- statuses, raw CRCs, sizes and payloads together -- and one stream synchronisation. The host then
   finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
   payload, in place.
+* Direct SSD I/O (cuFile): ``encode_batch(device_sink=...)`` hands each GPU-encoded segment's device bytes
+  (headers copied up into their slots) to the caller before the workspace is reused; ``decode_batch``
+  takes segments in device memory (cupy uint8 arrays) besides host bytes: only their header (and an ANS
+  chunk table) comes to the host, the payload is CRC-checked and decoded where it lies.
 * Decode: one host-to-device copy (descriptors + payloads), CRC32C of every payload on the GPU, the
   decode kernels (which skip any segment whose CRC differs from its header: its destination is not
   touched), nvCOMP for ANS chunks into workspace scratch followed by a checked copy (every chunk's status
@@ -75,7 +79,7 @@ MAX_BATCH = 256
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096
-_H2D, _D2H = 1, 2  # cudaMemcpyKind
+_H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 
 
 def _up(n: int, a: int = SLOT_ALIGN) -> int:
@@ -148,6 +152,8 @@ class _Dec:
     chunk0: int = 0  # ANS: first chunk in the batch's chunk arrays
     offsets: Any = None  # ANS: chunk offsets and sizes in the payload (ans_format.parse)
     sizes: Any = None
+    dev: int = 0  # device address of the payload when the segment was handed in device memory
+    inplace: bool = False  # ... and the kernels read it where it is (else it is copied to ``staged``)
 
 
 class WorkspaceTooSmall(CodecError):
@@ -416,7 +422,8 @@ class GpuCodecEngine:
         return fixed + slots + tmp + self._ans_temp(ans)
 
     def encode_batch(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
-                     slot_align: int = SLOT_ALIGN) -> "list[memoryview | bytes]":
+                     slot_align: int = SLOT_ALIGN,
+                     device_sink: "Callable[[int, Any], None] | None" = None) -> "list[memoryview | bytes]":
         """Encode ``items`` (EncodeItem or (array, codec, role, layer[, dtype])) into complete segments.
 
         Returns, in order, one segment per item: a memoryview into a pinned host buffer (header followed
@@ -426,6 +433,13 @@ class GpuCodecEngine:
         ``out_region(nbytes)``, when given, supplies each batch's pinned host region (the Manager's arena:
         segments then land where they will be stored, with no host copy); None from it means "use a
         buffer of your own". Segments start at multiples of ``slot_align`` inside the region.
+
+        ``device_sink(i, segment)``, when given, also gets each segment the GPU encoded (not the host
+        fallbacks: CPU-encoded segments and raw fallbacks exist only on the host) as a 1-D cupy uint8 view
+        of the workspace, header and payload exactly as in the returned bytes (the headers are copied up
+        for it, one 64-byte copy each). It is called once the batch's stream work is complete, and the
+        view is reused by the next batch: the sink must be done with it when it returns (a synchronous
+        write, or a device-to-device copy it has synchronised).
         """
         plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
         out: "list[memoryview | bytes | None]" = [None] * len(plans)
@@ -445,13 +459,13 @@ class GpuCodecEngine:
                     continue
                 if (len(gpu) == MAX_BATCH
                         or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
-                    self._run_encode(gpu, out, out_region, slot_align)
+                    self._run_encode(gpu, out, out_region, slot_align, device_sink)
                     gpu, ans, slots = [], [], 0
                 gpu.append(p)
                 ans += pa
                 slots += slot
             if gpu:
-                self._run_encode(gpu, out, out_region, slot_align)
+                self._run_encode(gpu, out, out_region, slot_align, device_sink)
         return out  # type: ignore[return-value]
 
     def _host_source(self, p: _Enc) -> np.ndarray:
@@ -471,7 +485,7 @@ class GpuCodecEngine:
         return encode_segment(x, codec, role=p.role, layer=p.layer)
 
     def _run_encode(self, plans: list[_Enc], out: list, out_region: "Callable[[int], np.ndarray | None] | None",
-                    align: int) -> None:
+                    align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> None:
         w, k = self.save, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -594,6 +608,7 @@ class GpuCodecEngine:
         walked = [int(ans_sizes[ans_index[id(p)]]) if p.kind == "ans" else p.cap if p.kind in ("fp8", "tq") else p.n
                   for p in plans]
         crcs = finish_crc(meta["acc"], np.array(walked, dtype=np.int64))
+        sunk: list[tuple[_Enc, int]] = []  # GPU-encoded segments for device_sink, with their lengths
         for p in plans:
             m = meta[p.meta]
             status = int(m["status"])
@@ -623,9 +638,70 @@ class GpuCodecEngine:
                               raw_reason=reason if fmt == Format.RAW else RawReason.NONE)
             host[p.slot:p.slot + HEADER_SIZE] = np.frombuffer(pack_header(h), np.uint8)
             out[p.i] = memoryview(host[p.slot:p.slot + HEADER_SIZE + stored])
+            if device_sink is not None:
+                sunk.append((p, HEADER_SIZE + stored))
+        if sunk:
+            self._sink_device(sunk, host, region, region_len, device_sink)
+
+    def _sink_device(self, sunk: "list[tuple[_Enc, int]]", host: np.ndarray, region: int, region_len: int,
+                     sink: "Callable[[int, Any], None]") -> None:
+        """Hand the GPU-encoded segments of a finished batch to ``sink`` as device views: the headers
+        (built on the host) go up into their slots first, on the worker's stream, which is then drained."""
+        w = self.save
+        for p, _ in sunk:
+            cp.cuda.runtime.memcpyAsync(region + p.slot, host.ctypes.data + p.slot, HEADER_SIZE, _H2D, w.stream.ptr)
+            w.stats["h2d_copies"] += 1
+        w.sync()
+        mem = cp.cuda.UnownedMemory(region, region_len, self)
+        for p, n in sunk:
+            sink(p.i, cp.ndarray((n,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, p.slot)))
 
     # -- decode --------------------------------------------------------------------------------
-    def _dec_plan(self, i: int, seg: Any, dst: Any) -> "_Dec | OrbitKVError":
+    def _device_heads(self, segments: Sequence[Any]) -> "dict[int, tuple[bytes, bytes]]":
+        """For the segments handed in device memory: their 64-byte header and, for ANS, the payload's chunk
+        table, copied to the host (two rounds of small copies and one synchronisation each; the payloads
+        stay where they are). Segments too short for a header get empty bytes (``_dec_plan`` rejects them)."""
+        dev = [i for i, s in enumerate(segments) if isinstance(s, cp.ndarray)]
+        if not dev:
+            return {}
+        w = self.restore
+        heads: dict[int, tuple[bytes, bytes]] = {}
+
+        def fetch(want: "dict[int, tuple[int, int]]") -> dict[int, bytes]:
+            total = sum(n for _, n in want.values())
+            host = _pinned_array(total)
+            pos, where = 0, {}
+            for i, (ptr, n) in want.items():
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data + pos, ptr, n, _D2H, w.stream.ptr)
+                w.stats["d2h_copies"] += 1
+                where[i] = (pos, n)
+                pos += n
+            w.sync()
+            return {i: host[a:a + n].tobytes() for i, (a, n) in where.items()}
+
+        ok = {i: (int(segments[i].data.ptr), HEADER_SIZE) for i in dev
+              if segments[i].dtype == cp.uint8 and segments[i].ndim == 1 and segments[i].flags.c_contiguous
+              and segments[i].nbytes >= HEADER_SIZE}
+        got = fetch(ok) if ok else {}
+        tables: dict[int, tuple[int, int]] = {}
+        for i in dev:
+            hb = got.get(i, b"")
+            heads[i] = (hb, b"")
+            try:
+                h = parse_header(hb) if hb else None
+            except SegmentError:
+                continue
+            if h is not None and h.format == Format.ANS and segments[i].nbytes >= HEADER_SIZE + h.stored_length:
+                n = min(h.stored_length, ans_format.data_start(ans_format.chunk_count(h.original_length)))
+                if n:
+                    tables[i] = (int(segments[i].data.ptr) + HEADER_SIZE, n)
+        for i, t in (fetch(tables) if tables else {}).items():
+            heads[i] = (heads[i][0], t)
+        return heads
+
+    def _dec_plan(self, i: int, seg: Any, dst: Any, head: "tuple[bytes, bytes] | None" = None) -> "_Dec | OrbitKVError":
+        if head is not None:
+            return self._dec_plan_device(i, seg, dst, head)
         try:
             mv = memoryview(seg).cast("B")
             h = parse_header(mv)
@@ -648,6 +724,33 @@ class GpuCodecEngine:
                 return e
         return p
 
+    def _dec_plan_device(self, i: int, seg: Any, dst: Any, head: "tuple[bytes, bytes]") -> "_Dec | OrbitKVError":
+        """``_dec_plan`` of a segment in device memory (``head``: its header and ANS chunk table, from
+        :meth:`_device_heads`). The payload is used where it lies when 8-byte aligned (nvCOMP's input
+        alignment), else copied device to device into the batch's staging area; never through the host."""
+        hb, table = head
+        try:
+            if seg.dtype != cp.uint8 or seg.ndim != 1 or not seg.flags.c_contiguous:
+                raise SegmentError(f"device segment {i} must be a 1-D C-contiguous cupy uint8 array")
+            h = parse_header(hb)
+            if int(seg.nbytes) < HEADER_SIZE + h.stored_length:
+                raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {int(seg.nbytes) - HEADER_SIZE} present")
+        except SegmentError as e:
+            return e
+        if not isinstance(dst, cp.ndarray) or not dst.flags.c_contiguous:
+            return CodecError(f"destination {i} must be a C-contiguous cupy array")
+        if int(dst.nbytes) != h.original_length:
+            return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
+        kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
+        dev = int(seg.data.ptr) + HEADER_SIZE
+        p = _Dec(i, h, None, dst, kind, dev=dev, inplace=dev % 8 == 0)  # type: ignore[arg-type]
+        if kind == "ans":
+            try:
+                p.offsets, p.sizes = ans_format.parse_table(table, h.stored_length, h.original_length)
+            except SegmentError as e:
+                return e
+        return p
+
     def _dec_layout(self, plans: Sequence[_Dec]) -> tuple[dict[str, int], int, int]:
         """Offsets of one decode batch; (offsets, upload length, total workspace bytes)."""
         k = len(plans)
@@ -660,7 +763,8 @@ class GpuCodecEngine:
         off["chunk_status"] = lay.take(4 * max(chunks, 1), 4)
         off["down_end"] = lay.end
         for p in plans:
-            p.staged = lay.take(p.h.stored_length)
+            if not p.inplace:  # a device payload read in place needs no staging
+                p.staged = lay.take(p.h.stored_length)
         upload = lay.end
         for p in ans:
             p.scratch = lay.take(p.h.original_length)
@@ -696,6 +800,10 @@ class GpuCodecEngine:
         as it was. Never raises for bad segment bytes. ``pinned[i]`` says segment i lies in pinned host
         memory (the Manager's arena): its payload is then copied to the device from where it is, one copy
         per segment, instead of through the upload buffer.
+
+        A segment may also be a 1-D cupy uint8 array in device memory (header + payload, e.g. a record
+        the SSD tier read with cuFile): its header (and an ANS chunk table) comes to the host in one small
+        copy, its payload is CRC-checked and decoded on the device where it lies, with no host bounce.
         """
         if len(segments) != len(destinations):
             raise CodecError(f"{len(segments)} segments but {len(destinations)} destinations")
@@ -706,8 +814,9 @@ class GpuCodecEngine:
             gpu: list[_Dec] = []
             ans: list[_Dec] = []
             staged = 0
+            heads = self._device_heads(segments)
             for i, (seg, dst) in enumerate(zip(segments, destinations)):
-                p = self._dec_plan(i, seg, dst)
+                p = self._dec_plan(i, seg, dst, heads.get(i))
                 if isinstance(p, OrbitKVError):
                     results[i] = p
                     continue
@@ -731,6 +840,12 @@ class GpuCodecEngine:
 
         w = self.restore
         w.stats["cpu_fallbacks"] += 1
+        if p.payload is None:  # a device segment over the workspace budget: its payload comes down
+            host = np.empty(p.h.stored_length, dtype=np.uint8)
+            if host.nbytes:
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data, p.dev, host.nbytes, _D2H, w.stream.ptr)
+                w.sync()
+            p.payload = memoryview(host)
         try:
             if crc32c(p.payload) != p.h.payload_crc:
                 raise PayloadChecksumMismatch("payload CRC32C mismatch")
@@ -758,10 +873,13 @@ class GpuCodecEngine:
         meta_ptr = base + off["meta"]
         up = w.upload.get(upload_len)
         up[off["meta"]:off["down_end"]] = 0
-        direct = {p.i for p in plans if pinned is not None and pinned[p.i]}
+        direct = {p.i for p in plans if pinned is not None and pinned[p.i] and not p.dev}
         for p in plans:
-            if p.i not in direct:
+            if p.i not in direct and not p.dev:
                 up[p.staged:p.staged + p.h.stored_length] = np.frombuffer(p.payload, np.uint8)
+
+        def src(p: _Dec) -> int:  # where the kernels read the payload
+            return p.dev if p.inplace else base + p.staged
         crc_rows = plans
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
@@ -779,22 +897,22 @@ class GpuCodecEngine:
                 h = p.h
                 d = {"block0": block, "meta": p.meta, "expect_crc": int(expect[p.meta])}
                 if name == "okv_crc32c":
-                    d["src"], d["n"] = base + p.staged, h.stored_length
+                    d["src"], d["n"] = src(p), h.stored_length
                     d["nblocks"] = km.units_bytes(h.stored_length)
                 else:
                     d["dst"], d["n"] = int(p.dst.data.ptr), h.original_length
                     d["dtype"] = int(h.dtype == FP16)
                     if name == "okv_fp8_decode":
-                        d["src"], d["nblocks"] = base + p.staged, km.units_fp8(h.original_length)
+                        d["src"], d["nblocks"] = src(p), km.units_fp8(h.original_length)
                     elif name == "okv_tq_decode":
-                        d["src"] = base + p.staged
+                        d["src"] = src(p)
                         d["head_dim"], d["bits"], d["role"] = h.head_dim, h.bits, int(h.role)
                         d["signs"] = sign_words(h.head_dim, h.layer, h.rotation_seed)
                         d["nblocks"] = km.units_tq(h.original_length, h.head_dim)
                     else:
                         d["nblocks"] = km.units_bytes(h.original_length)
                         if p.kind == "raw":
-                            d["src"] = base + p.staged
+                            d["src"] = src(p)
                         else:
                             d["src"] = base + p.scratch
                             d["n_dev"] = base + off["chunk_actual"] + 8 * p.chunk0
@@ -809,17 +927,22 @@ class GpuCodecEngine:
         if ans:
             cb = ans_format.CHUNK_BYTES
             a = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
-            a[0] = np.concatenate([base + p.staged + p.offsets.astype(np.uint64) for p in ans])
+            a[0] = np.concatenate([src(p) + p.offsets.astype(np.uint64) for p in ans])
             a[1] = np.concatenate([p.sizes for p in ans])
             a[2] = np.concatenate([np.minimum(cb, p.h.original_length - cb * np.arange(p.sizes.size)) for p in ans])
             a[3] = np.concatenate([base + p.scratch + cb * np.arange(p.sizes.size, dtype=np.uint64) for p in ans])
         if direct:  # descriptors, then each payload from where it lies (the rest through the upload buffer)
             w.h2d(base, up[:off["down_end"]])
             for p in plans:
-                src = np.frombuffer(p.payload, np.uint8) if p.i in direct else up[p.staged:p.staged + p.h.stored_length]
-                w.h2d(base + p.staged, src)
+                if p.dev:
+                    continue
+                host = np.frombuffer(p.payload, np.uint8) if p.i in direct else up[p.staged:p.staged + p.h.stored_length]
+                w.h2d(base + p.staged, host)
         else:
             w.h2d(base, up)
+        for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy
+            if p.dev and not p.inplace and p.h.stored_length:
+                cp.cuda.runtime.memcpyAsync(base + p.staged, p.dev, p.h.stored_length, _D2D, w.stream.ptr)
         segs = base + off["desc"]
         size = km.SEG_DTYPE.itemsize
         first, count, blocks = firsts["okv_crc32c"]

@@ -36,6 +36,14 @@ Seams for the other parts:
   which in saves and lookups, and after a lookup or restore that the lower tier (or an earlier prefetch)
   served, asks for the next ``ssd_prefetch_chunks`` chunks of that prefix; what lands is admitted to DRAM
   as prefetched (counted as a hit when first served, as wasted when it leaves DRAM unserved).
+  A tier with ``device_io`` true (the SSD tier on the cuFile backend) also gets the direct path when the
+  GPU codec engine serves GPU pages: ``_save_batch`` hands each complete state group of a batch (every
+  (layer, role) segment of a chunk in that batch) to ``submit_device`` from the engine's ``device_sink``,
+  while DRAM still admits every segment (fragmented groups and host-coded segments reach the tier only
+  through DRAM's demotion, as before; a direct record is not written again when DRAM demotes the same
+  segment); a restore reads the segments only the tier holds with ``read_many_device`` (sizes from
+  ``describe``) and decodes them on the GPU from device memory, without readmitting them to DRAM (that
+  would bounce them through the host). Counted as ``ssd_direct_writes`` / ``ssd_direct_reads``.
 * **Peers** (:class:`PeerFetcher`): ``Manager(..., peer_fetcher=...)`` or :meth:`~Manager.set_peer_fetcher`.
   On a miss in DRAM and the lower tier, a fetcher with ``fetch_into(manager, keys)`` (the peer client)
   reads straight into the arena through :meth:`~Manager.reserve` / :meth:`~Manager.publish` (which
@@ -373,6 +381,11 @@ class ManagerStats(msgspec.Struct, frozen=True):
     #: Engines the Manager unregistered because their process had exited.
     engines_reaped: int = 0
     leases_expired: int = 0
+    #: The cuFile direct path (an SSD tier with ``--ssd-backend cufile`` under the GPU codec engine):
+    #: segments saves wrote from device memory straight to the SSD, and segments restores read from the
+    #: SSD into device memory and decoded there (the rest go through DRAM and io_uring writeback).
+    ssd_direct_writes: int = 0
+    ssd_direct_reads: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- seams
@@ -1198,16 +1211,17 @@ class Manager:
             regions.append((off, units_of(nbytes) * UNIT))
             return self.dram.view(off, nbytes)
 
+        sink, direct = self._ssd_direct_sink(eng, batch)
         try:
             t0 = time.perf_counter()
             if gpu is not None:
                 blobs = gpu.encode([(x, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, seg.dtype,
                                      seg.raw_reason) for x, (_, seg, _) in zip(srcs, batch)], eng.reg.rotation_seed,
-                                   out_region=arena_region if self.dram.arena.pinned else None)
+                                   out_region=arena_region if self.dram.arena.pinned else None, device_sink=sink)
             else:
                 blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
                          for x, (_, seg, _) in zip(srcs, batch)]
-            self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1)
+            self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1, ssd_direct_writes=len(direct))
         except BaseException:
             for off, n in regions:
                 self.dram.cancel(off, n)
@@ -1237,6 +1251,41 @@ class Manager:
                 acc.admit(kb, h.original_length, len(blob))
         for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
             self.dram.cancel(off, n)
+
+    def _ssd_direct(self, eng: _Engine) -> bool:
+        """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
+        device memory itself (an SSD tier on the cuFile backend)."""
+        return (self._gpu_codecs is not None and eng.info.device != "host"
+                and bool(getattr(self.lower, "device_io", False)))
+
+    def _ssd_direct_sink(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]):
+        """For :meth:`_save_batch`: a ``device_sink`` for the GPU engine that writes the complete state
+        groups of ``batch`` (chunks whose every (layer, role) segment is in this batch) from device
+        memory straight to the SSD tier (``submit_device``), and the set it fills with the batch indices
+        written that way; (None, empty set) when the direct path does not apply. Fragmented groups (a
+        chunk split over batches, or partly cached already) and segments the engine coded on the host
+        are not written here: DRAM demotes them through the tier's io_uring-style writeback as before.
+        A dropped or failed direct write is left to that writeback too. DRAM admits every segment as usual."""
+        written: set[int] = set()
+        if not self._ssd_direct(eng):
+            return None, written
+        count = collections.Counter(ch.key for ch, _, _ in batch)
+        nseg = len(eng.segs)
+        complete = {i for i, (ch, _, _) in enumerate(batch) if count[ch.key] == nseg}
+        if not complete:
+            return None, written
+        lower = self.lower
+
+        def sink(i: int, segment) -> None:
+            if i not in complete:
+                return
+            try:
+                if lower.submit_device(ObjectKey.unpack(batch[i][2]), segment):
+                    written.add(i)
+            except Exception as e:  # the writeback path still has the segment: never fail the save
+                log.warning("direct SSD write of %s failed: %s", ObjectKey.unpack(batch[i][2]), e)
+
+        return sink, written
 
     def _demote_direct(self, kb: bytes, blob: bytes, acc: "_SaveAcc") -> None:
         """DRAM is full of leased objects: hand the segment to the lower tier, or drop it."""
@@ -1282,7 +1331,9 @@ class Manager:
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
             fresh: set[bytes] = set()  # keys whose source bytes were just validated in full (private copies)
-            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh)
+            # SSD keys read into device memory and decoded there (the cuFile direct path), not sourced here.
+            device: set[bytes] | None = set() if self._ssd_direct(eng) else None
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: verify every source and check it against its destination; write nothing yet.
@@ -1293,9 +1344,13 @@ class Manager:
             gpu_checks = gpu is not None and on_device
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
+            from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
                 for seg, kb in zip(segs, ks):
                     src = sources.get(kb)
+                    if src is None and device and kb in device:
+                        from_ssd.append((ci, seg, ch, kb))
+                        continue
                     if src is None:
                         bad.setdefault(ci, reasons.get(kb, "missing"))
                         continue
@@ -1317,10 +1372,13 @@ class Manager:
             # Phase 2: decode and scatter. With the GPU codec engine, coded segments go through it in
             # batches, and raw segments bound for GPU blocks in one upload per batch; the rest segment by
             # segment on the host.
+            # The direct path's chunks first: one whose SSD record fails is marked bad before any other
+            # segment of it is written.
+            done_ssd, served_ssd = self._restore_ssd_device(eng, from_ssd, bad, reasons)
             segments = logical = stored = 0
             coded: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
             raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
-            done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = []
+            done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = done_ssd
             for item in plan:
                 ci, seg, ch, h, blob = item
                 if ci in bad:
@@ -1357,7 +1415,7 @@ class Manager:
                 logical += h.original_length
                 stored += HEADER_SIZE + h.stored_length
             misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
-            self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources))
+            self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources and k not in served_ssd))
             dt = time.perf_counter() - t0
             self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
                       restore_seconds=dt)
@@ -1387,14 +1445,22 @@ class Manager:
 
     def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
                  tally: dict[str, int] | None = None,
-                 fresh: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
+                 fresh: set[bytes] | None = None,
+                 device: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
-        the keys whose bytes the lower tier validated in full (every CRC)."""
+        the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
+        direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
+        (counted in ``tally["lower"]``): the caller reads them into device memory itself."""
         out: dict[bytes, memoryview | bytes] = {}
         missing = self._lease_dram(kbs, held, out)
         self._count(self._hits, "dram", len(kbs) - len(missing))
+        if missing and device is not None and self.lower is not None:
+            device.update(kb for kb in missing if self.lower.contains(ObjectKey.unpack(kb)))
+            missing = [kb for kb in missing if kb not in device]
+            if tally is not None:
+                tally["lower"] += len(device)
         if missing and self.lower is not None:
             still = []
             okeys = [ObjectKey.unpack(k) for k in missing]
@@ -1489,6 +1555,112 @@ class Manager:
                     self._add(decode_seconds=dt / len(batch))
                 out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
         return out
+
+    def _restore_ssd_device(self, eng: _Engine, items: list[tuple[int, _Seg, ChunkBlocks, bytes]],
+                            bad: dict[int, str], reasons: dict[bytes, str]) -> tuple[list, set[bytes]]:
+        """The cuFile direct path of a restore: ``(ci, seg, chunk, key)`` items whose segments only the SSD
+        tier holds and whose destinations are GPU pages. Their records are read into device memory
+        (``read_many_device``), the record headers checked on the host, and the GPU engine checks each
+        payload's CRC32C and decodes it from where it lies, into a device temporary; a chunk's temporaries
+        are scattered into its blocks only when every one of its segments decoded, so a chunk with a bad
+        record is a miss (``bad[ci]``, the lower tier's reason) with nothing written to its blocks. Chunks
+        already in ``bad`` are skipped. Works in windows of whole chunks within the codec budget (decoded
+        and record bytes). Raises :class:`RequestError`, before reading anything, when a record's size does
+        not fit its destination blocks.
+
+        These segments are not readmitted to DRAM: that would bring every one back to the host, the
+        bounce this path exists to avoid (a later lookup promotes them through the host path as usual).
+        Answers the ``done`` entries of the segments written (their copies into GPU blocks queued on the
+        current stream) and their keys."""
+        if not items:
+            return [], set()
+        import cupy
+
+        from .tiers.ssd.record import record_length
+
+        items = [it for it in items if it[0] not in bad]
+        info = self.lower.describe([ObjectKey.unpack(kb) for *_, kb in items])
+        by_chunk: dict[int, list[tuple[_Seg, ChunkBlocks, bytes, int, int]]] = {}
+        for (ci, seg, ch, kb), got in zip(items, info):
+            if got is None:  # evicted or invalidated since _acquire saw it
+                bad.setdefault(ci, reasons.get(kb, "missing"))
+                continue
+            original, seg_len = got
+            want = len(ch.blocks) * seg.block_bytes
+            if original != want:
+                raise RequestError(
+                    f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {original} bytes, the "
+                    f"{len(ch.blocks)} destination blocks take {want} bytes")
+            by_chunk.setdefault(ci, []).append((seg, ch, kb, original, seg_len))
+        budget = self._config.storage_codec_budget
+        windows: list[list[int]] = []
+        dec = rec = 0
+        for ci, group in by_chunk.items():
+            if ci in bad:
+                continue
+            d, r = sum(g[3] for g in group), sum(record_length(g[4]) for g in group)
+            if not windows or dec + d > budget or rec + r > budget:
+                windows.append([])
+                dec = rec = 0
+            windows[-1].append(ci)
+            dec, rec = dec + d, rec + r
+        seed = eng.reg.rotation_seed
+        done: list = []
+        served: set[bytes] = set()
+        for window in windows:
+            flat = [(ci, seg, ch, kb, original, seg_len) for ci in window
+                    for seg, ch, kb, original, seg_len in by_chunk[ci]]
+            tmps = [cupy.empty(f[4], dtype=cupy.uint8) for f in flat]
+            errors: dict[int, Exception] = {}
+            ws = sum(f[4] for f in flat)
+            self._workspace_delta(ws)
+
+            def sink(batch: list) -> list[int]:
+                t0 = time.perf_counter()
+                try:
+                    errs = self._gpu_codecs.decode_device([v for _, v in batch], [tmps[j] for j, _ in batch], seed)
+                except Exception as e:  # the engine failed as a whole: the window misses, nothing invalidated
+                    errs = [e] * len(batch)
+                dt = time.perf_counter() - t0
+                for _ in batch:
+                    self._add(decode_seconds=dt / len(batch))
+                rejected = []
+                for (j, _), err in zip(batch, errs):
+                    if err is None:
+                        continue
+                    errors[j] = err
+                    if isinstance(err, SegmentError):  # the payload (CRC32C) or its header: the record is corrupt
+                        rejected.append(j)
+                return rejected
+
+            try:
+                verdicts = self.lower.read_many_device([ObjectKey.unpack(f[3]) for f in flat], sink, max_bytes=budget)
+                failed: dict[int, str] = {}
+                for j, ((ci, seg, ch, kb, _, _), why) in enumerate(zip(flat, verdicts)):
+                    err = errors.get(j)
+                    if err is not None and not isinstance(err, SegmentError):  # a decode failure, not the record
+                        log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
+                        self._add(decode_failures=1)
+                        failed.setdefault(ci, f"decode: {type(err).__name__}: {err}")
+                    elif why == "absent":
+                        failed.setdefault(ci, reasons.get(kb, "missing"))
+                    elif why is not None or err is not None:
+                        failed.setdefault(ci, "lower tier: record failed validation or could not be read")
+                for j, (ci, seg, ch, kb, original, seg_len) in enumerate(flat):
+                    if ci in failed:
+                        continue
+                    src = tmps[j].view(cupy_dtype(seg.dtype)).reshape((len(ch.blocks),) + seg.block_shape)
+                    seg.scatter(ch.blocks, src)
+                    served.add(kb)
+                    # restore() counts sizes from the header; these two fields are what it reads.
+                    done.append((ci, seg, ch, _Sizes(original, seg_len - HEADER_SIZE), None))
+                for ci, why in failed.items():
+                    bad.setdefault(ci, why)
+            finally:
+                self._workspace_delta(-ws)
+        self._count(self._hits, "lower", len(served))
+        self._add(ssd_direct_reads=len(served))
+        return done, served
 
     def _arena_offset(self, blob) -> int | None:
         """The arena offset of ``blob`` when it is a view of the arena, else None."""
@@ -1674,7 +1846,8 @@ class Manager:
                 gpu_cpu_fallbacks=per_worker("cpu_fallbacks"),
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
-                leases_expired=int(c["leases_expired"]))
+                leases_expired=int(c["leases_expired"]), ssd_direct_writes=int(c["ssd_direct_writes"]),
+                ssd_direct_reads=int(c["ssd_direct_reads"]))
 
     def flush_dram(self) -> FlushResult:
         """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
@@ -1873,7 +2046,15 @@ _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seco
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
-             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "leases_expired")
+             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "leases_expired",
+             "ssd_direct_writes", "ssd_direct_reads")
+
+
+class _Sizes(msgspec.Struct, frozen=True):
+    """The sizes of a segment decoded on the direct path (its header stayed on the device)."""
+
+    original_length: int
+    stored_length: int
 
 
 def _housekeep(manager: "weakref.ref[Manager]", stop: threading.Event, interval: float) -> None:
@@ -1928,12 +2109,16 @@ class _GpuCodecs:
             return e
 
     def encode(self, items: list[tuple[object, str, Role, int, np.dtype, RawReason]], seed: int, *,
-               out_region=None) -> list:
+               out_region=None, device_sink=None) -> list:
         """Segments of ``items``; with ``out_region`` (see ``encode_batch``) they land in the arena, each at a
-        multiple of the arena's allocation unit."""
+        multiple of the arena's allocation unit; ``device_sink`` gets the GPU-encoded ones' device bytes."""
         return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d, raw_reason=why)
                                                 for a, c, r, l, d, why in items],
-                                               out_region=out_region, slot_align=UNIT)
+                                               out_region=out_region, slot_align=UNIT, device_sink=device_sink)
+
+    def decode_device(self, segments: list, destinations: list, seed: int) -> list:
+        """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
+        return self._engine(seed).decode_batch(segments, destinations)
 
     def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
                          pinned: Sequence[bool] | None = None) -> list:

@@ -160,6 +160,10 @@ class ManagerCollector(Collector):
         yield _counter("prefetch_bytes", "segment bytes speculatively read from the SSD into DRAM", s.prefetch_bytes)
         yield _counter("prefetch_hits", "prefetched objects later served", s.prefetch_hits)
         yield _counter("prefetch_wasted", "prefetched objects that left DRAM unserved", s.prefetch_wasted)
+        yield _counter("ssd_direct_writes", "segments saves wrote from GPU memory straight to the SSD (cuFile)",
+                       s.ssd_direct_writes)
+        yield _counter("ssd_direct_reads", "segments restores read from the SSD into GPU memory and decoded there "
+                       "(cuFile)", s.ssd_direct_reads)
 
     # -- the lower tier ---------------------------------------------------------------------------------
 

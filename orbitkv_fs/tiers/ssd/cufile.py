@@ -7,6 +7,11 @@ kvikio at submit, a waiter thread blocks on its future and posts ``(tag, result)
 so the writeback lane waits on kvikio exactly as on io_uring. Buffers may be host (memoryview, numpy) or
 device (CuPy) arrays; kvikio moves device buffers without a host bounce where GDS is present.
 
+The tier's direct path runs over this backend: ``SsdTier.submit_device`` queues block-aligned device
+staging buffers on the writeback ring, ``SsdTier.read_many_device`` reads records into device windows
+through a demand-read ring. In compatibility mode kvikio itself bounces through its own pinned buffers;
+the tier and the Manager never do.
+
 kvikio is imported lazily: the core package never needs it.
 """
 

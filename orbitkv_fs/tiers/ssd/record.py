@@ -23,8 +23,13 @@ Primitives:
   :func:`pack_record_header_into` writes one straight into a staging buffer.
 * :func:`write_record_body` -- lay a record's segment and zero padding into a buffer (the header follows,
   with :func:`pack_record_header_into`, once its generation is known).
+* :func:`record_header`, :func:`lay_record_body`, :func:`put_record_header`, :func:`lay_record` -- the same
+  layout into any 1-D uint8 array, numpy or CuPy (the cuFile direct path lays records out in device
+  memory; the tests compare the two layouts with numpy buffers).
 * :func:`check_record` -- validate a whole record in a buffer (header CRC, key, lengths, full segment parse).
 * :func:`verify_record` -- the demand-read check: every CRC and the index's key/generation/length.
+* :func:`verify_record_head` -- the same check without the payload CRC, over the first
+  :data:`RECORD_HEAD_BYTES` bytes only (device reads: the payload CRC32C is checked on the GPU).
 * :func:`scan` -- walk a shard image (an mmap or any buffer) and classify every record; shared by
   recovery and ``orbitkv-inspect``.
 
@@ -38,7 +43,7 @@ import ctypes
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import crc32c as _crc32c
 import numpy as np
@@ -52,14 +57,16 @@ from ...errors import (
     TruncatedSegment,
     UnsupportedVersion,
 )
-from ...keys import PACKED_SIZE, ObjectKey
-from ...segment import HEADER_SIZE, MAX_STORED_BYTES, SegmentHeader, crc32c, parse_segment
+from ...keys import PACKED_SIZE, ObjectKey, key_layer_role
+from ...segment import HEADER_SIZE, MAX_STORED_BYTES, SegmentHeader, crc32c, parse_header, parse_segment
 from ...segment import MAGIC as SEGMENT_MAGIC
 
 MAGIC = b"OKVR"
 VERSION = 1
 BLOCK = 4096
 RECORD_HEADER_SIZE = 128
+#: Record header and segment header: what a device read copies to the host to check a record.
+RECORD_HEAD_BYTES = RECORD_HEADER_SIZE + HEADER_SIZE
 #: The largest record a segment can need (header + biggest segment, aligned).
 MAX_RECORD = -(-(RECORD_HEADER_SIZE + HEADER_SIZE + MAX_STORED_BYTES) // BLOCK) * BLOCK
 
@@ -140,6 +147,45 @@ def write_record_body(dst: memoryview, segment: "bytes | memoryview") -> int:
     return rec_len
 
 
+def record_header(packed_key: bytes, generation: int, segment_length: int) -> bytes:
+    """The record header of a ``segment_length``-byte segment (CRC included)."""
+    buf = bytearray(RECORD_HEADER_SIZE)
+    pack_record_header_into(buf, packed_key, generation, segment_length, record_length(segment_length))
+    return bytes(buf)
+
+
+def lay_record_body(dst: Any, segment: Any) -> int:
+    """:func:`write_record_body` for 1-D uint8 arrays of one array module (numpy, or CuPy: then the copy
+    and the zeroing are device operations queued on the current stream). Returns the record length."""
+    seg_len = int(segment.nbytes)
+    rec_len = record_length(seg_len)
+    if int(dst.nbytes) < rec_len:
+        raise LengthMismatch(f"record of {rec_len} bytes does not fit a {int(dst.nbytes)}-byte buffer")
+    end = RECORD_HEADER_SIZE + seg_len
+    dst[RECORD_HEADER_SIZE:end] = segment.reshape(-1).view(dst.dtype)
+    # Zeroed explicitly for the same reason as write_record_body: staging buffers are reused.
+    dst[end:rec_len] = 0
+    return rec_len
+
+
+def put_record_header(dst: Any, header: bytes) -> None:
+    """Write ``header`` (:func:`record_header`) into the first bytes of a numpy or CuPy uint8 array."""
+    h = np.frombuffer(header, dtype=np.uint8)
+    if isinstance(dst, np.ndarray):
+        dst[:RECORD_HEADER_SIZE] = h
+    else:  # a device array: one small host-to-device copy
+        dst[:RECORD_HEADER_SIZE].set(h)
+
+
+def lay_record(dst: Any, segment: Any, header: bytes) -> int:
+    """A whole record (``header`` from :func:`record_header`, ``segment``, zero padding) into ``dst``;
+    byte for byte what :func:`write_record_body` and :func:`pack_record_header_into` lay into a staging
+    buffer. Returns the record length."""
+    rec_len = lay_record_body(dst, segment)
+    put_record_header(dst, header)
+    return rec_len
+
+
 def check_record(buf: "bytes | memoryview") -> tuple[RecordHeader, SegmentHeader, memoryview]:
     """Validate the record at the start of ``buf`` in full (record header, segment header fields, payload
     CRC); return its header, segment header and segment bytes. Used by recovery and inspection."""
@@ -158,6 +204,28 @@ def check_record(buf: "bytes | memoryview") -> tuple[RecordHeader, SegmentHeader
 _SEG_CRCS = struct.Struct("<4s16xII32xI")  # segment header (docs/format.md): magic, stored @20, crc @24, hcrc @60
 
 
+def _check_head(mv: memoryview, packed_key: bytes, generation: int, segment_length: int) -> int:
+    """Record header CRC and fields, segment header CRC and length of the record at the start of ``mv``
+    (at least :data:`RECORD_HEAD_BYTES`); returns the payload CRC the segment header names."""
+    # Fields are unpacked and CRC'd in place (no copies): this runs once per demand-read record.
+    magic, _, _, key, gen, seg_len, _, crc = _STRUCT.unpack_from(mv)
+    if magic != MAGIC:
+        raise BadMagic("not a record header")
+    if _crc32c.crc32c(mv[:_CRC_SPAN]) != crc:
+        raise HeaderChecksumMismatch("record header CRC32C mismatch")
+    if key != packed_key or gen != generation or seg_len != segment_length:
+        raise SegmentError("record header names another key, generation or length")
+    seg = mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES]
+    smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack_from(seg)
+    if smagic != SEGMENT_MAGIC:
+        raise BadMagic("not a segment header")
+    if _crc32c.crc32c(seg[:HEADER_SIZE - 4]) != hcrc:
+        raise HeaderChecksumMismatch("segment header CRC32C mismatch")
+    if HEADER_SIZE + stored != segment_length:
+        raise LengthMismatch("segment length disagrees with the record")
+    return pcrc
+
+
 def verify_record(buf: "bytes | memoryview", packed_key: bytes, generation: int, segment_length: int) -> memoryview:
     """The demand-read check of a record whose key, generation and length the index knows: record header
     CRC and fields, segment header CRC and length, payload CRC32C. Every byte read is covered by a CRC;
@@ -167,27 +235,28 @@ def verify_record(buf: "bytes | memoryview", packed_key: bytes, generation: int,
     end = RECORD_HEADER_SIZE + segment_length
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
-    # Fields are unpacked and CRC'd in place (no copies): this runs once per demand-read record.
-    magic, _, _, key, gen, seg_len, _, crc = _STRUCT.unpack_from(mv)
-    if magic != MAGIC:
-        raise BadMagic("not a record header")
-    if _crc32c.crc32c(mv[:_CRC_SPAN]) != crc:
-        raise HeaderChecksumMismatch("record header CRC32C mismatch")
-    if key != packed_key or gen != generation or seg_len != segment_length:
-        raise SegmentError("record header names another key, generation or length")
+    pcrc = _check_head(mv, packed_key, generation, segment_length)
     seg = mv[RECORD_HEADER_SIZE:end]
-    smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack_from(seg)
-    if smagic != SEGMENT_MAGIC:
-        raise BadMagic("not a segment header")
-    if _crc32c.crc32c(seg[:HEADER_SIZE - 4]) != hcrc:
-        raise HeaderChecksumMismatch("segment header CRC32C mismatch")
-    if HEADER_SIZE + stored != segment_length:
-        raise LengthMismatch("segment length disagrees with the record")
     # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
     # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
     if _crc32c.crc32c(seg[HEADER_SIZE:], gil_release_mode=0) != pcrc:
         raise PayloadChecksumMismatch("payload CRC32C mismatch")
     return seg
+
+
+def verify_record_head(head: "bytes | memoryview", packed_key: bytes, generation: int, segment_length: int) -> None:
+    """:func:`verify_record` without the payload CRC32C, over a record's first :data:`RECORD_HEAD_BYTES`
+    bytes: a device read copies only these to the host, and the GPU checks the payload CRC32C when it
+    decodes. Raises a ``SegmentError`` subclass."""
+    mv = memoryview(head)
+    if len(mv) < RECORD_HEAD_BYTES:
+        raise TruncatedSegment(f"record head needs {RECORD_HEAD_BYTES} bytes, {len(mv)} present")
+    _check_head(mv, packed_key, generation, segment_length)
+    # The consumer sees only this header before decoding: its fields must parse and name the record's key.
+    sh = parse_header(mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES])
+    layer, role = key_layer_role(packed_key)
+    if sh.layer != layer or sh.role != role:
+        raise SegmentError("segment header layer/role disagree with the record key")
 
 
 class Status(enum.Enum):

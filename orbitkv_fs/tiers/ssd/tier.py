@@ -12,6 +12,14 @@ Primitives (the Manager's :class:`~orbitkv_fs.manager.LowerTier` seam, plus a fe
   served from the bytes :meth:`SsdTier.submit` was handed (see invariant 7).
 * :meth:`SsdTier.prefetch` -- speculative reads on a background lane (own ring and thread), validated
   like demand reads and handed to the caller's sink; bounded in depth and bytes.
+* The cuFile direct path (:attr:`SsdTier.device_io`: the cuFile backend): :meth:`SsdTier.submit_device`
+  writes a segment held in device memory (the record laid out in a device staging buffer, byte for byte
+  the record :meth:`SsdTier.submit` writes, same slots, generations and two-phase publish);
+  :meth:`SsdTier.read_many_device` reads records into bounded device windows, checks their record and
+  segment headers on the host (only those bytes come down) and hands device views of the segments to a
+  consumer that checks the payload CRC32C on the GPU (the Manager's codec engine) and names the failures;
+  :meth:`SsdTier.describe` gives sizes before reading. The demand-read bookkeeping (leases, demand count,
+  settlement) is shared with :meth:`SsdTier.read_many`.
 * :meth:`SsdTier.contains`, :meth:`SsdTier.invalidate`, :meth:`SsdTier.flush`, :meth:`SsdTier.iter_objects`,
   :meth:`SsdTier.iter_records`, :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
   (flat mapping), :meth:`SsdTier.close`.
@@ -44,6 +52,11 @@ Invariants:
 8. The prefetch lane never delays demand reads: it starts no read while a demand read is in progress
    (reads it already started finish; at most ``prefetch_queue_depth``). A prefetched record is validated
    like a demand read; a corrupt one is invalidated and never reaches the sink.
+9. A record written from device memory is not readable from memory while its write is in flight (the
+   caller keeps its own copy meanwhile: the Manager's DRAM); once published, a :meth:`SsdTier.submit` of
+   the very same segment (DRAM evicting its copy) writes nothing. Device reads follow invariant 3: a bad
+   record header, or a payload the consumer finds corrupt, invalidates only that generation, and each
+   record stays leased until the consumer is done with its window.
 """
 
 from __future__ import annotations
@@ -62,13 +75,16 @@ import struct
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from ...errors import OrbitKVError, SegmentError
 from ...keys import ObjectKey
 from ...segment import HEADER_SIZE, MAGIC, Format, crc32c, parse_header
-from .record import (BLOCK, MAX_RECORD, Status, pack_record_header_into, record_length, scan, verify_record,
-                     write_record_body)
+from .record import (BLOCK, MAX_RECORD, RECORD_HEAD_BYTES, RECORD_HEADER_SIZE, Status, lay_record_body,
+                     pack_record_header_into, put_record_header, record_header, record_length, scan, verify_record,
+                     verify_record_head, write_record_body)
 from .uring import HUGE_PAGE, IoBackend, IoRing, SsdIoError, UringBackend, aligned_buffer
 
 if TYPE_CHECKING:
@@ -183,6 +199,14 @@ class SsdStats:
     write_latency_p50_seconds: float
     write_latency_p99_seconds: float
     errors_by_errno: dict[str, int] = field(default_factory=dict)
+    #: The cuFile direct path: records written from device memory (:meth:`SsdTier.submit_device`) and
+    #: their record bytes; submits of a segment a direct write already stored (not written again);
+    #: records read into device memory (:meth:`SsdTier.read_many_device`) and handed on, and their bytes.
+    write_device_total: int = 0
+    write_device_bytes_total: int = 0
+    write_already_stored_total: int = 0
+    read_device_total: int = 0
+    read_device_bytes_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,14 +229,17 @@ class _State(enum.Enum):
 
 class _Slot:
     __slots__ = ("shard", "offset", "length", "key", "generation", "state", "leases", "stored", "format",
-                 "original", "wipe", "zeroed")
+                 "original", "wipe", "zeroed", "crc", "direct")
 
     def __init__(self, shard: int, offset: int, length: int, key: ObjectKey, generation: int,
-                 stored: int, fmt: Format, original: int) -> None:
+                 stored: int, fmt: Format, original: int, crc: int = 0, direct: bool = False) -> None:
         self.shard, self.offset, self.length, self.key, self.generation = shard, offset, length, key, generation
         self.state = _State.WRITING
         self.leases = 0
         self.stored, self.format, self.original = stored, fmt, original
+        # Written from device memory (submit_device), with this payload CRC32C: a later submit of the same
+        # segment (DRAM evicting its copy) finds it on disk already and is not written again.
+        self.crc, self.direct = crc, direct
         self.wipe = False  # zero the header block once unleased (invalidated)
         self.zeroed = False  # the header block on disk is zero: recovery cannot revive this record
 
@@ -255,24 +282,25 @@ def _percentile(samples: "collections.deque[float]", q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-# Fields of the segment header a submit needs (docs/format.md): format @6, original and stored length @16.
-_SEG_FIELDS = struct.Struct("<4s2xB9xII")
+# Fields of the segment header a submit needs (docs/format.md): format @6, original and stored length @16,
+# payload CRC32C @24.
+_SEG_FIELDS = struct.Struct("<4s2xB9xIII")
 _FORMATS = {int(f): f for f in Format}
 
 
-def _peek_segment(segment: "bytes | memoryview") -> tuple[Format, int, int]:
+def _peek_segment(segment: "bytes | memoryview") -> tuple[Format, int, int, int]:
     """Format, original and stored length of a segment the caller vouches for (the Manager admits only
     CRC-valid segments). Checks the magic and the header CRC, so a wrong buffer is a typed error; the full
     validation, payload CRC included, happens on every read. A fraction of :func:`parse_header` 's cost,
-    which matters on the submit path of small records."""
+    which matters on the submit path of small records. Also answers the payload CRC32C the header names."""
     if len(segment) < HEADER_SIZE:
         raise SegmentError(f"{len(segment)} bytes cannot hold a segment header")
     head = bytes(segment[:HEADER_SIZE])
-    magic, fmt, original, stored = _SEG_FIELDS.unpack_from(head)
+    magic, fmt, original, stored, pcrc = _SEG_FIELDS.unpack_from(head)
     if magic != MAGIC or crc32c(head[:60]) != int.from_bytes(head[60:], "little") or fmt not in _FORMATS:
         parse_header(head)  # raises the precise typed error
         raise SegmentError("segment header does not validate")
-    return _FORMATS[fmt], original, stored
+    return _FORMATS[fmt], original, stored, pcrc
 
 
 def _reason(res: int, short: str) -> str:
@@ -280,9 +308,37 @@ def _reason(res: int, short: str) -> str:
     return errno.errorcode.get(-res, f"errno_{-res}") if res < 0 else short
 
 
+def _host_bytes(a: Any) -> bytes:
+    """The bytes of a small numpy or CuPy array (a device array is copied to the host)."""
+    return a.tobytes() if isinstance(a, np.ndarray) else a.get().tobytes()
+
+
+def _sync(a: Any) -> None:
+    """Wait for the device work queued on the current stream (a device ``a``); nothing for numpy."""
+    if not isinstance(a, np.ndarray):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _heads(arr: Any, offsets: list[int]) -> list[bytes]:
+    """The first RECORD_HEAD_BYTES of the records at ``offsets`` of a numpy or CuPy array; for a device
+    array, gathered by one kernel and copied to the host at once (not one small copy per record)."""
+    if not offsets:
+        return []
+    if isinstance(arr, np.ndarray):
+        return [arr[o:o + RECORD_HEAD_BYTES].tobytes() for o in offsets]
+    import cupy
+
+    idx = cupy.asarray(np.add.outer(np.asarray(offsets, dtype=np.int64), np.arange(RECORD_HEAD_BYTES)))
+    host = arr[idx].get()
+    return [row.tobytes() for row in host]
+
+
 def make_backend(name: str) -> IoBackend:
-    """The I/O backend for ``--ssd-backend``. ``auto`` is io_uring: the Manager hands the tier host bytes,
-    which io_uring moves best; cuFile (kvikio) only when asked, until GPU batches are written directly."""
+    """The I/O backend for ``--ssd-backend``. ``auto`` is io_uring: DRAM demotion hands the tier host bytes,
+    which io_uring moves best; cuFile (kvikio) only when asked (GPU machines): then the Manager also
+    writes complete GPU batches from device memory and restores GPU pages from device reads."""
     if name == "cufile":
         from .cufile import CuFileBackend, cufile_usable
 
@@ -315,6 +371,11 @@ class SsdTier:
         self._inflight_bytes = 0
         self._pool: dict[int, list[memoryview]] = {}
         self._pool_bytes = 0
+        # Device staging (the cuFile direct path): size class -> free block-aligned CuPy buffers, and the
+        # whole buffer behind each buffer handed out (by device address).
+        self._dpool: dict[int, list[Any]] = {}
+        self._dpool_bytes = 0
+        self._downers: dict[int, Any] = {}
         # Lock order: _ring_lock, then _lock, then _pool_lock.
         self._pool_lock = threading.Lock()
         self._ring_lock = threading.Lock()  # one driver of the writeback ring at a time
@@ -374,7 +435,7 @@ class SsdTier:
                             continue
                         rh, seg = e.header, e.segment
                         slot = _Slot(sh.index, e.offset, rh.record_length, rh.key, rh.generation,
-                                     rh.segment_length, seg.format, seg.original_length)
+                                     rh.segment_length, seg.format, seg.original_length, seg.payload_crc)
                         sh.insert(slot)
                         old = self._index.get(rh.key)
                         if old is None or old.generation < rh.generation:
@@ -487,7 +548,10 @@ class SsdTier:
             self._recycle(v)
         return views[0][:nbytes]
 
-    def _recycle(self, buf: memoryview) -> None:
+    def _recycle(self, buf: Any) -> None:
+        if not isinstance(buf, memoryview):  # a device staging buffer (submit_device, read_many_device)
+            self._recycle_device(buf)
+            return
         base = buf.obj
         if isinstance(base, mmap.mmap):
             view = memoryview(base)
@@ -506,13 +570,17 @@ class SsdTier:
         the tier is closed, the lane is full, or no ring space can be found. By default it never waits
         and leaves the submission to the lane's thread; with ``timeout`` (callers that demote in bulk,
         such as a DRAM flush) it waits up to that many seconds for room in the lane and submits the write
-        itself. Raises ``SegmentError`` when ``segment`` is not a segment."""
-        fmt, original, stored = _peek_segment(segment)
+        itself. A segment that :meth:`submit_device` already wrote for ``key`` (the key's published record,
+        same header) is not written again (True, ``write_already_stored_total``). Raises ``SegmentError``
+        when ``segment`` is not a segment."""
+        fmt, original, stored, pcrc = _peek_segment(segment)
         if not isinstance(segment, bytes):  # kept for readers until the write lands: must not change
             segment = bytes(segment)
         seg_len = HEADER_SIZE + stored
         if len(segment) != seg_len:
             raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
+        if self._stored_direct(key, seg_len, fmt, original, pcrc):
+            return True
         rec_len = record_length(seg_len)
         if timeout <= 0 and self._pending_bytes + rec_len > self.config.max_pending_bytes:
             # The lane is full (an unlocked peek, rechecked below): drop before paying for the copy.
@@ -522,34 +590,63 @@ class SsdTier:
         # The copy into the staging buffer runs before any lock; only the header waits for the generation.
         buf = self._staging(rec_len)
         write_record_body(buf, segment)
+        with self._lock:
+            slot = self._place(key, rec_len, seg_len, fmt, original, pcrc, buf, timeout)
+            if slot is None:
+                return False
+            pack_record_header_into(buf, key.pack(), slot.generation, seg_len, rec_len)
+            self._pending_segments[key] = (slot.generation, segment)
+            self._queue.append(_Write(slot.generation, slot, buf))
+            self._c["write_submitted_total"] += 1
+        self._start(timeout)
+        return True
+
+    def _stored_direct(self, key: ObjectKey, seg_len: int, fmt: Format, original: int, pcrc: int) -> bool:
+        """True (counted) when the key's published record was written by :meth:`submit_device` from a
+        segment with these header fields and no newer submit is pending: its bytes are on disk already."""
+        s = self._index.get(key)  # an unlocked peek first: the common case has no direct record
+        if s is None or not s.direct:
+            return False
+        with self._lock:
+            s = self._index.get(key)
+            same = (s is not None and s.direct and s.stored == seg_len and s.format == fmt and s.original == original
+                    and s.crc == pcrc and key not in self._pending_segments and not self._closed)
+            if same:
+                self._c["write_already_stored_total"] += 1
+            return same
+
+    def _place(self, key: ObjectKey, rec_len: int, seg_len: int, fmt: Format, original: int, pcrc: int,
+               buf: Any, timeout: float, *, direct: bool = False) -> "_Slot | None":
+        """Ring space and a generation for a record of ``rec_len`` bytes staged in ``buf``: a WRITING slot,
+        counted as writing and pending. Waits up to ``timeout`` for room; None (counted as dropped, ``buf``
+        recycled) when closed or no room. Lock held."""
         deadline = time.monotonic() + timeout
         sh = self._shard_of(key)
-        with self._lock:
-            while True:
-                if self._closed:
-                    self._recycle(buf)
-                    return False
-                offset = None
-                if self._pending_bytes + rec_len <= self.config.max_pending_bytes:
-                    offset = self._allocate(sh, rec_len)
-                if offset is not None:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0 or not (self._queue or self._inflight):  # nothing in flight will make room
-                    self._c["write_dropped_total"] += 1
-                    self._recycle(buf)
-                    return False
-                self._idle.wait(left)
-            gen = self._generation
-            self._generation += 1
-            slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, fmt, original)
-            sh.insert(slot)
-            self._writing += rec_len
-            self._pending_bytes += rec_len
-            pack_record_header_into(buf, key.pack(), gen, seg_len, rec_len)
-            self._pending_segments[key] = (gen, segment)
-            self._queue.append(_Write(gen, slot, buf))
-            self._c["write_submitted_total"] += 1
+        while True:
+            if self._closed:
+                self._recycle(buf)
+                return None
+            offset = None
+            if self._pending_bytes + rec_len <= self.config.max_pending_bytes:
+                offset = self._allocate(sh, rec_len)
+            if offset is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not (self._queue or self._inflight):  # nothing in flight will make room
+                self._c["write_dropped_total"] += 1
+                self._recycle(buf)
+                return None
+            self._idle.wait(left)
+        gen = self._generation
+        self._generation += 1
+        slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, fmt, original, pcrc, direct)
+        sh.insert(slot)
+        self._writing += rec_len
+        self._pending_bytes += rec_len
+        return slot
+
+    def _start(self, timeout: float) -> None:
+        """Get a queued write going (see :meth:`submit`)."""
         if timeout > 0:
             # A bulk submitter starts its own write: handing it to the lane's thread would wait for that
             # thread to win the GIL back, up to the interpreter's switch interval, while the disk idles.
@@ -558,7 +655,93 @@ class SsdTier:
             # The non-blocking path (DRAM eviction demotes under the DRAM lock): no system call that can
             # take a while (io_uring_enter of a write); the lane's thread submits it.
             self._kick()
+
+    # -------------------------------------------------------------------------------------- device memory
+
+    @property
+    def device_io(self) -> bool:
+        """The backend moves device memory itself (cuFile): :meth:`submit_device` and
+        :meth:`read_many_device` then never bounce through host memory."""
+        return getattr(self._io, "name", "") == "cufile"
+
+    def submit_device(self, key: ObjectKey, segment: Any, *, timeout: float = 0.0) -> bool:
+        """Queue a segment held in device memory (a 1-D CuPy uint8 array: 64-byte segment header, then the
+        payload) for writeback, with no host bounce: the record is laid out in a device staging buffer
+        (segment copied device to device, record header built on the host and copied up, zero padding)
+        and written by the cuFile backend from there. On disk it is byte for byte what :meth:`submit`
+        writes, under the same slot, generation and two-phase publish machinery. ``segment`` is not used
+        after this returns (the copy is synchronised), so the caller may reuse its memory.
+
+        Unlike :meth:`submit`, the key is not readable from memory while the write is in flight: the
+        caller keeps its own copy (the Manager's DRAM) until then. A numpy array works too (the record
+        is then staged in host memory: tests, backends without device I/O). False when dropped (closed,
+        lane full, no ring space). Raises ``SegmentError`` when the bytes are not a segment."""
+        seg_len = int(segment.nbytes)
+        head = _host_bytes(segment[:HEADER_SIZE]) if seg_len >= HEADER_SIZE else b""
+        fmt, original, stored, pcrc = _peek_segment(head)
+        if seg_len != HEADER_SIZE + stored:
+            raise SegmentError(f"segment of {seg_len} bytes, its header says {HEADER_SIZE + stored}")
+        rec_len = record_length(seg_len)
+        if timeout <= 0 and self._pending_bytes + rec_len > self.config.max_pending_bytes:
+            with self._lock:
+                self._c["write_dropped_total"] += 1
+            return False
+        buf, arr = self._record_buffer(rec_len, on_device=not isinstance(segment, np.ndarray))
+        lay_record_body(arr, segment)
+        _sync(arr)  # the body is in place before the write can start, and ``segment`` is free again
+        with self._lock:
+            slot = self._place(key, rec_len, seg_len, fmt, original, pcrc, buf, timeout, direct=True)
+            if slot is None:
+                return False
+            # Under the lock, like submit's header: the write may start as soon as it is queued. One
+            # 128-byte copy to the device.
+            put_record_header(arr, record_header(key.pack(), slot.generation, seg_len))
+            _sync(arr)
+            # A newer write of the key: its pending bytes must not answer for it any more.
+            p = self._pending_segments.get(key)
+            if p is not None:
+                del self._pending_segments[key]
+            self._queue.append(_Write(slot.generation, slot, buf))
+            self._c["write_submitted_total"] += 1
+            self._c["write_device_total"] += 1
+            self._c["write_device_bytes_total"] += rec_len
+        self._start(timeout)
         return True
+
+    def _record_buffer(self, nbytes: int, *, on_device: bool) -> tuple[Any, Any]:
+        """A staging buffer for a record of ``nbytes`` and a 1-D uint8 array over it: a block-aligned
+        device buffer from the device pool, or a host staging buffer (``_staging``) and a numpy view."""
+        if not on_device:
+            buf = self._staging(nbytes)
+            return buf, np.frombuffer(buf, dtype=np.uint8)
+        cls = 1 << max(12, (nbytes - 1).bit_length())
+        with self._pool_lock:
+            free = self._dpool.get(cls)
+            if free:
+                whole = free.pop()
+                self._dpool_bytes -= cls
+            else:
+                whole = None
+        if whole is None:
+            import cupy
+
+            raw = cupy.empty(cls + BLOCK, dtype=cupy.uint8)
+            skip = -raw.data.ptr % BLOCK  # GDS moves block-aligned device buffers without a bounce
+            whole = raw[skip:skip + cls]
+        buf = whole[:nbytes]
+        with self._pool_lock:
+            self._downers[buf.data.ptr] = whole
+        return buf, buf
+
+    def _recycle_device(self, buf: Any) -> None:
+        with self._pool_lock:
+            whole = self._downers.pop(buf.data.ptr, None)
+            if whole is None:
+                return
+            cls = int(whole.nbytes)
+            if self._dpool_bytes + cls <= self.config.max_pending_bytes:
+                self._dpool.setdefault(cls, []).append(whole)
+                self._dpool_bytes += cls
 
     def _kick(self) -> None:
         """Wake the writeback thread (work queued by someone who does not drive the ring). One system call
@@ -743,24 +926,10 @@ class SsdTier:
         With ``sink``, each segment is handed to ``sink(index, segment)`` as soon as it is validated and
         not kept in the returned list (which then holds None for it): a consumer that stores segments
         elsewhere (DRAM) never holds more than the reads in flight."""
-        with self._lock:
-            if self._closed:
-                return [None] * len(keys)
-            self._demand += 1
-            slots = []
-            staged: dict[int, bytes] = {}  # submitted, write not completed: served from memory
-            for i, k in enumerate(keys):
-                p = self._pending_segments.get(k)
-                if p is not None:
-                    staged[i] = p[1]
-                    slots.append(None)
-                    continue
-                s = self._index.get(k)
-                if s is not None:
-                    s.leases += 1
-                slots.append(s)
-            self._c["read_pending_hits_total"] += len(staged)
-            ring = self._read_rings.pop() if self._read_rings else None
+        begun = self._begin_reads(keys)
+        if begun is None:
+            return [None] * len(keys)
+        slots, staged, ring = begun
         out: list[bytes | None] = [None] * len(keys)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
@@ -816,34 +985,212 @@ class SsdTier:
             broken = True
             raise
         finally:
-            # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
-            # reads in flight, and their completions must not reach the ring's next user. A ring that
-            # failed to submit is closed instead (close waits for what the kernel got; reads it never got
-            # would never complete, and the next user's submit would send them): it is not reused.
-            if broken and ring is not None:
-                ring.close()
-                ring = None
-            while bufs and ring is not None:
-                for i, _ in ring.wait(1.0):
-                    bufs.pop(i, None)
-            with self._lock:
-                if ring is not None and self._closed:
-                    ring.close()
-                elif ring is not None:
-                    self._read_rings.append(ring)
-                self._c["read_total"] += len(keys)
-                self._demand -= 1
-                self._demand_until = time.perf_counter() + self.config.demand_holdoff
-                if not self._demand:
-                    self._pf_cond.notify_all()
-                for i, s in enumerate(slots):
-                    if s is None:
-                        continue
-                    if i in hits:
-                        self._c["read_hits_total"] += 1
-                        self._c["read_bytes_total"] += s.length
-                    self._settle_read(s, verdicts.get(i, ""), "read_errors_total")
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
         return out
+
+    def _begin_reads(self, keys: Sequence[ObjectKey]) -> "tuple[list[_Slot | None], dict[int, bytes], IoRing | None] | None":
+        """Start a demand read of ``keys``: the demand count goes up (writeback throttles, the prefetch
+        lane waits), each published record gets a read lease. Answers the slots (None: not published),
+        the bytes of keys submitted but not yet written (index -> segment) and a pooled read ring (None:
+        make one); None when the tier is closed. :meth:`_end_reads` undoes it all."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._demand += 1
+            slots: list[_Slot | None] = []
+            staged: dict[int, bytes] = {}  # submitted, write not completed: served from memory
+            for i, k in enumerate(keys):
+                p = self._pending_segments.get(k)
+                if p is not None:
+                    staged[i] = p[1]
+                    slots.append(None)
+                    continue
+                s = self._index.get(k)
+                if s is not None:
+                    s.leases += 1
+                slots.append(s)
+            self._c["read_pending_hits_total"] += len(staged)
+            ring = self._read_rings.pop() if self._read_rings else None
+        return slots, staged, ring
+
+    def _end_reads(self, ring: "IoRing | None", broken: bool, bufs: dict, nkeys: int,
+                   slots: "list[_Slot | None]", hits: set[int], verdicts: dict[int, str]) -> None:
+        """End a demand read begun by :meth:`_begin_reads`: wait for reads still in flight (``bufs``:
+        index -> buffer), give the ring back, count, and settle every leased slot (``hits``: served;
+        ``verdicts``: index -> why it missed)."""
+        # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
+        # reads in flight, and their completions must not reach the ring's next user. A ring that
+        # failed to submit is closed instead (close waits for what the kernel got; reads it never got
+        # would never complete, and the next user's submit would send them): it is not reused.
+        if broken and ring is not None:
+            ring.close()
+            ring = None
+        while bufs and ring is not None:
+            for i, _ in ring.wait(1.0):
+                bufs.pop(i, None)
+        with self._lock:
+            if ring is not None and self._closed:
+                ring.close()
+            elif ring is not None:
+                self._read_rings.append(ring)
+            self._c["read_total"] += nkeys
+            self._demand -= 1
+            self._demand_until = time.perf_counter() + self.config.demand_holdoff
+            if not self._demand:
+                self._pf_cond.notify_all()
+            for i, s in enumerate(slots):
+                if s is None:
+                    continue
+                if i in hits:
+                    self._c["read_hits_total"] += 1
+                    self._c["read_bytes_total"] += s.length
+                self._settle_read(s, verdicts.get(i, ""), "read_errors_total")
+
+    def describe(self, keys: Sequence[ObjectKey]) -> "list[tuple[int, int] | None]":
+        """``(original length, segment length)`` of each key's readable object (published or pending),
+        None when absent: what a caller needs to size destinations and bound a :meth:`read_many_device`
+        window before reading anything."""
+        out: list[tuple[int, int] | None] = []
+        with self._lock:
+            for k in keys:
+                p = self._pending_segments.get(k)
+                if p is not None:
+                    _, original, stored, _ = _peek_segment(p[1])
+                    out.append((original, HEADER_SIZE + stored))
+                    continue
+                s = self._index.get(k)
+                out.append(None if s is None else (s.original, s.stored))
+        return out
+
+    def read_many_device(self, keys: Sequence[ObjectKey],
+                         sink: "Callable[[list[tuple[int, Any]]], Iterable[int] | None]", *,
+                         max_bytes: int = 64 << 20) -> "list[str | None]":
+        """Demand-read ``keys`` into device memory (cuFile backend; host staging on other backends, for
+        tests) and hand their segments on without a host bounce.
+
+        Records are read in windows of at most ``max_bytes`` of record bytes (at least one record), into
+        one block-aligned buffer reused from window to window. Of each record only its first
+        :data:`~orbitkv_fs.tiers.ssd.record.RECORD_HEAD_BYTES` bytes go to the host, where the record
+        header (CRC, key, generation, length) and the segment header (CRC, length) are checked like a
+        demand read's. The segments that pass go to ``sink([(index, segment), ...])`` once per window, as
+        1-D uint8 views (64-byte segment header + payload) of that window's buffer: they are valid only
+        until the sink returns. The payload CRC32C is not checked here: the sink (the GPU codec engine's
+        decode) checks it, and returns the indices whose payload failed; those records are corrupt.
+        Keys submitted but not yet written are served from their submitted bytes, copied into the window.
+
+        The corruption rules are the demand read's: a record that fails any check (here or in the sink)
+        is a miss and only that generation is invalidated; an I/O error is a miss that invalidates
+        nothing. Each record stays leased until its window's sink returned. Answers, per key, None when
+        its segment went to the sink and was accepted, else why not: ``"absent"``, ``"corrupt"``, or the
+        I/O error (``EIO``, ``short_read``...)."""
+        begun = self._begin_reads(keys)
+        if begun is None:
+            return ["absent"] * len(keys)
+        slots, staged, ring = begun
+        on_device = self.device_io
+        result: list[str | None] = ["absent"] * len(keys)
+        verdicts: dict[int, str] = {}
+        hits: set[int] = set()
+        bufs: dict[int, Any] = {}  # reads in flight
+        broken = False
+        window_buf: Any = None
+        try:
+            todo = [(i, s.length if s is not None else record_length(len(staged[i])))
+                    for i, s in enumerate(slots) if s is not None or i in staged]
+            windows: list[list[tuple[int, int]]] = []
+            size = 0
+            for i, n in todo:
+                if not windows or size + n > max_bytes:
+                    windows.append([])
+                    size = 0
+                windows[-1].append((i, n))
+                size += n
+            if not windows:
+                return result
+            if ring is None:
+                ring = self._io.ring(self.config.read_queue_depth)
+            cap = max(sum(n for _, n in w) for w in windows)
+            window_buf, arr = self._record_buffer(cap, on_device=on_device)
+            for window in windows:
+                offs: dict[int, int] = {}
+                pos = 0
+                for i, n in window:
+                    offs[i] = pos
+                    pos += n
+                started = time.perf_counter()
+                # Submitted, not yet written: their bytes go where a record's segment would be.
+                for i, _ in window:
+                    if i in staged:
+                        seg = np.frombuffer(staged[i], dtype=np.uint8)
+                        dst = arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + seg.size]
+                        if on_device:
+                            dst.set(seg)
+                        else:
+                            dst[:] = seg
+                reads = [i for i, _ in window if slots[i] is not None]
+                landed: dict[int, int] = {}
+                k = 0
+                while k < len(reads) or bufs:
+                    while k < len(reads) and ring.space() > 0:
+                        i = reads[k]
+                        s = slots[i]
+                        view = arr[offs[i]:offs[i] + s.length]
+                        bufs[i] = view
+                        ring.prep_read(self._shards[s.shard].fid, view if on_device else window_buf[offs[i]:offs[i] + s.length],
+                                       s.offset, i)
+                        k += 1
+                    for i, res in ring.submit_and_wait():
+                        bufs.pop(i, None)
+                        landed[i] = res
+                ok = [i for i in reads if landed[i] == slots[i].length]
+                for i in reads:
+                    if landed[i] != slots[i].length:
+                        verdicts[i] = _reason(landed[i], "short_read")
+                heads = _heads(arr, [offs[i] for i in ok])
+                deliver: list[tuple[int, Any]] = []
+                for i, head in zip(ok, heads):
+                    s = slots[i]
+                    try:
+                        verify_record_head(head, s.key.pack(), s.generation, s.stored)
+                    except SegmentError:
+                        verdicts[i] = "corrupt"
+                        continue
+                    deliver.append((i, arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + s.stored]))
+                for i, _ in window:
+                    if i in staged:
+                        n = len(staged[i])
+                        deliver.append((i, arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + n]))
+                deliver.sort()
+                rejected = set(sink(deliver) or ()) if deliver else set()
+                now = time.perf_counter()
+                for i, _ in deliver:
+                    if i in rejected:
+                        verdicts[i] = "corrupt"
+                        continue
+                    hits.add(i)
+                    if slots[i] is not None:
+                        self._read_lat.append(now - started)
+        except SsdIoError:
+            broken = True
+            raise
+        finally:
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
+            if window_buf is not None and not bufs:  # a buffer still in the kernel's hands is left alone
+                self._recycle(window_buf)
+            with self._lock:
+                for i in hits:
+                    self._c["read_device_total"] += 1
+                    s = slots[i]
+                    self._c["read_device_bytes_total"] += s.length if s is not None else len(staged[i])
+                # Pending bytes that failed downstream are not a record: nothing to invalidate, but the
+                # tier's corruption count says so.
+                self._c["corrupt_records_total"] += sum(1 for i in staged if verdicts.get(i) == "corrupt")
+        for i in range(len(keys)):
+            if i in hits:
+                result[i] = None
+            elif i in verdicts:
+                result[i] = verdicts[i]
+        return result
 
     def _check_read(self, s: "_Slot", res: int, buf: memoryview) -> tuple[bytes | None, str]:
         """A landed read of ``s``'s record (``res``: bytes read or -errno): its verified segment and "", or
@@ -1057,7 +1404,9 @@ class SsdTier:
                     "read_errors_total", "read_pending_hits_total", "prefetch_requested_total",
                     "prefetch_read_total", "prefetch_read_bytes_total", "prefetch_dropped_total",
                     "prefetch_errors_total", "corrupt_records_total", "invalidated_total", "wipes_total",
-                    "recovered_records", "recovered_torn_total", "recovered_corrupt_total")},
+                    "recovered_records", "recovered_torn_total", "recovered_corrupt_total",
+                    "write_device_total", "write_device_bytes_total", "write_already_stored_total",
+                    "read_device_total", "read_device_bytes_total")},
                 read_latency_p50_seconds=_percentile(self._read_lat, 0.5),
                 read_latency_p99_seconds=_percentile(self._read_lat, 0.99),
                 write_latency_p50_seconds=_percentile(self._write_lat, 0.5),
