@@ -42,6 +42,10 @@ def _engine_process(cmd, reply) -> None:
             flat.fill(0)
             cupy.cuda.runtime.deviceSynchronize()
             reply.put(None)
+        elif c == "reset":  # back to the original KV (a lossy restore leaves its rounding in the pages)
+            flat.set(host)
+            cupy.cuda.runtime.deviceSynchronize()
+            reply.put(None)
         elif c == "read":
             cupy.cuda.runtime.deviceSynchronize()
             reply.put(flat.get().tobytes())
