@@ -8,6 +8,8 @@ restores, and the engine sends its KV back for a byte comparison (exact codecs) 
 
 from __future__ import annotations
 
+import contextlib
+
 import multiprocessing as mp
 
 import ml_dtypes
@@ -55,10 +57,10 @@ def _engine_process(cmd, reply) -> None:
             return
 
 
-@pytest.fixture
-def engine():
+@contextlib.contextmanager
+def engine_process():
     """The engine process (:func:`_engine_process`): ``(cmd, reply, IPC handle, its KV bytes)``; stopped
-    after the test."""
+    on exit."""
     ctx = mp.get_context("spawn")
     cmd, reply = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine_process, args=(cmd, reply))
@@ -69,6 +71,13 @@ def engine():
     finally:
         cmd.put("stop")
         proc.join(60)
+
+
+@pytest.fixture
+def engine():
+    """A fresh engine process per test (see :func:`engine_process`)."""
+    with engine_process() as e:
+        yield e
 
 
 @pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])

@@ -6,7 +6,6 @@ GPU machines only (the engine process and helpers come from test_manager_gpu.py)
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.segment import Role
-from test_manager_gpu import B, L, NBYTES, _engine_process, _registration
+from test_manager_gpu import B, L, NBYTES, _registration, engine_process
 from test_ssd_common import direct_io_dir, flip
 
 pytestmark = pytest.mark.gpu
@@ -26,17 +25,9 @@ CHUNKS = B // 2  # two blocks per chunk
 
 @pytest.fixture(scope="module")
 def engine():
-    """One engine process for the module (its KV never changes: tests zero it and restore it)."""
-    ctx = mp.get_context("spawn")
-    cmd, reply = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(cmd, reply))
-    proc.start()
-    try:
-        handle, original = reply.get(timeout=120)
-        yield cmd, reply, handle, original
-    finally:
-        cmd.put("stop")
-        proc.join(60)
+    """One engine process for the module (each test resets its KV to the original: ``_original_kv``)."""
+    with engine_process() as e:
+        yield e
 
 
 @pytest.fixture(autouse=True)
