@@ -62,6 +62,9 @@ class CuFileRing(EventfdRing):
     def space(self) -> int:
         return self._entries - self._inflight - len(self._prepped)
 
+    def unsent(self) -> int:
+        return len(self._prepped)
+
     def prep_write(self, fid: int, buf: Any, offset: int, tag: int) -> None:
         self._prepped.append((True, fid, buf, offset, tag))
 

@@ -83,6 +83,12 @@ class FaultyRing:
         except OSError:  # the ring closed meanwhile
             pass
 
+    def unsent(self) -> int:
+        return self._inner.unsent()
+
+    def submitted(self) -> int:
+        return self._inner.submitted()
+
     def submit(self) -> None:
         self._inner.submit()
 

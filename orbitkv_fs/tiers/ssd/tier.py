@@ -104,6 +104,8 @@ _HUGE_MIN = 64 << 10
 #: Seconds after a bulk submitter last drove the writeback ring during which the lane's thread leaves
 #: completions to it (see ``SsdTier._writeback``).
 _BULK_QUIET = 0.002
+#: Writes per io_uring_enter next to a bulk submitter once that many are in flight.
+_SUBMIT_BATCH = 4
 
 
 class SsdConfigError(OrbitKVError, ValueError):
@@ -783,7 +785,6 @@ class SsdTier:
                         if done:
                             self._idle.notify_all()
                         cap = self._write_cap()
-                        started = 0
                         while self._queue and ring.space() > 0:
                             w = self._queue[0]
                             if self._inflight and self._inflight_bytes + len(w.buf) > cap:
@@ -796,8 +797,14 @@ class SsdTier:
                             ring.prep_write(self._shards[w.slot.shard].fid, w.buf, w.slot.offset, w.tag)
                             self._inflight[w.tag] = w
                             self._inflight_bytes += len(w.buf)
-                            started += 1
-                    if started or self._submit_failed:
+                    unsent = ring.unsent()
+                    if (unsent and not self._submit_failed and unsent < _SUBMIT_BATCH
+                            and ring.submitted() >= _SUBMIT_BATCH and self._bulk_until > now):
+                        # Next to a bulk submitter with enough writes in flight to keep the disk busy,
+                        # writes go out _SUBMIT_BATCH per io_uring_enter: its next submit (or the lane's
+                        # thread once it is quiet) sends these.
+                        unsent = 0
+                    if unsent or self._submit_failed:
                         # After a failed io_uring_enter the writes it was to start are still prepped in
                         # the ring (in _inflight): only a later submit sends them, even when none is new.
                         try:

@@ -82,6 +82,10 @@ class IoRing(Protocol):
         """Submit what is prepped and wait for at least one completion (something must be in flight)."""
     def space(self) -> int:
         """Free submission slots."""
+    def unsent(self) -> int:
+        """Entries prepped and not yet submitted."""
+    def submitted(self) -> int:
+        """Entries submitted and not yet reaped."""
     def close(self) -> None: ...
 
 
@@ -116,11 +120,19 @@ class EventfdRing:
     eventfd: int
     _inflight: int
 
+    _unsubmitted: int
+
     def reap(self) -> list[tuple[int, int]]:
         raise NotImplementedError
 
     def submit(self) -> None:
         raise NotImplementedError
+
+    def unsent(self) -> int:
+        return self._unsubmitted
+
+    def submitted(self) -> int:
+        return self._inflight
 
     def wait(self, timeout: float | None) -> list[tuple[int, int]]:
         out = self.reap()
