@@ -122,7 +122,8 @@ def test_quick_cohort_report_and_invariants(tmp_path):
 def test_cohort_with_manager_process(tmp_path):
     """The remote path the GPU run takes: the Manager in its own process, over the data plane."""
     out = tmp_path / "res"
-    argv = SMALL + ["--codecs", "fp8", "--variants", "ssd", "--manager", "process", "--no-plots", "--out", str(out)]
+    argv = SMALL + ["--codecs", "fp8", "--variants", "ssd", "--manager", "process", "--no-plots", "--out", str(out),
+                    "--ssd-dir", str(tmp_path / "not-yet" / "ssd")]  # made by the benchmark
     assert bench_cohort.main(argv) == 0
     res = _load(out)
     assert res["manager_mode"] == "process"
@@ -159,3 +160,15 @@ def test_quick_cohort_on_gpu(tmp_path, codec):
     if codec == "ans":  # exact: restored requests generate what the exact `none` restore generates
         for a, b in zip(res["runs"][3]["records"], res["runs"][4]["records"]):
             assert a["tokens"] == b["tokens"]
+
+
+def test_ssd_dir_is_made_or_refused_before_any_run(tmp_path):
+    """An --ssd-dir that cannot be made is a usage error before the control runs (a missing one is made:
+    test_cohort_with_manager_process)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        bench_cohort.main(SMALL + ["--variants", "ssd", "--ssd-dir", str(blocker / "ssd"), "--no-plots",
+                                   "--out", str(tmp_path / "res")])
+    assert e.value.code == 2
+    assert not (tmp_path / "res").exists()

@@ -1318,6 +1318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ssd_dir = args.ssd_dir
     if ssd_dir is None:
         tmp = ssd_dir = tempfile.mkdtemp(prefix="orbitkv-cohort-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    elif "ssd" in variants:
+        # Made (or refused) now: a missing directory used to surface only when the first SSD run's
+        # Manager failed to start, after the recompute control had run.
+        try:
+            os.makedirs(ssd_dir, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--ssd-dir {ssd_dir}: {e.strerror}")
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     t0 = time.perf_counter()
     load_start = os.getloadavg()
