@@ -7,14 +7,13 @@ GPU machines only (the engine process and helpers come from test_manager_gpu.py)
 from __future__ import annotations
 
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.segment import Role
-from test_manager_gpu import B, L, NBYTES, _registration, engine_process
+from test_manager_gpu import B, L, NBYTES, _registration, assert_restored, engine_process
 from test_ssd_common import direct_io_dir, flip
 
 pytestmark = pytest.mark.gpu
@@ -56,12 +55,6 @@ def _blocks_of(kv: np.ndarray, chunk: int) -> np.ndarray:
     return t[:, 2 * chunk:2 * chunk + 2]
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> bool:
-    g = got.view(ml_dtypes.bfloat16).astype(np.float32)
-    w = want.view(ml_dtypes.bfloat16).astype(np.float32)
-    return bool(np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w))
-
-
 @pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])
 def test_save_direct_evict_restore_from_device(codec, engine, tmp_path):
     cmd, reply, handle, original = engine
@@ -97,11 +90,7 @@ def test_save_direct_evict_restore_from_device(codec, engine, tmp_path):
         assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
         cmd.put("read")
         got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
-    want = np.frombuffer(original, dtype=np.uint16)
-    if codec in ("none", "ans"):
-        assert np.array_equal(got, want)
-    else:
-        assert _close(got, want)
+    assert_restored(got, np.frombuffer(original, dtype=np.uint16), codec)
 
 
 def test_corrupt_record_is_a_miss_for_its_chunk_only(engine, tmp_path):
