@@ -40,10 +40,11 @@ class DurationCounter:
         self.buckets = [0] * (len(DURATION_BUCKETS_S) + 1)
         self.sum = 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, n: int = 1) -> None:
+        """``n`` observations of ``seconds`` each."""
         # bisect_left: a duration equal to a bound belongs to that bound's bucket (Prometheus' "le").
-        self.buckets[bisect.bisect_left(DURATION_BUCKETS_S, seconds)] += 1
-        self.sum += seconds
+        self.buckets[bisect.bisect_left(DURATION_BUCKETS_S, seconds)] += n
+        self.sum += seconds * n
 
     def snapshot(self) -> DurationHistogram:
         return DurationHistogram(list(self.buckets), self.sum, sum(self.buckets))

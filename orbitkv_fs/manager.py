@@ -696,6 +696,13 @@ class Manager:
                 if hist is not None:  # every *_seconds add is one observation of that duration
                     self._durations[hist].observe(v)
 
+    def _add_per_segment(self, key: str, seconds: float, n: int) -> None:
+        """A batch's ``seconds`` under the ``*_seconds`` counter ``key``, observed by its histogram as ``n``
+        segments of ``seconds / n`` each (one lock round, not one per segment)."""
+        with self._stat_lock:
+            self._c[key] += seconds
+            self._durations[_DURATIONS[key]].observe(seconds / n, n)
+
     def _count(self, table: dict[str, int], name: str, n: int = 1) -> None:
         with self._stat_lock:
             table[name] = table.get(name, 0) + n
@@ -1550,9 +1557,7 @@ class Manager:
                     errs = [e] * len(batch)
                 finally:
                     self._workspace_delta(-ws)
-                dt = time.perf_counter() - t0
-                for _ in batch:  # the decode histogram observes segments
-                    self._add(decode_seconds=dt / len(batch))
+                self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
                 out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
         return out
 
@@ -1621,9 +1626,7 @@ class Manager:
                     errs = self._gpu_codecs.decode_device([v for _, v in batch], [tmps[j] for j, _ in batch], seed)
                 except Exception as e:  # the engine failed as a whole: the window misses, nothing invalidated
                     errs = [e] * len(batch)
-                dt = time.perf_counter() - t0
-                for _ in batch:
-                    self._add(decode_seconds=dt / len(batch))
+                self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
                 rejected = []
                 for (j, _), err in zip(batch, errs):
                     if err is None:
