@@ -707,9 +707,7 @@ class SsdTier:
             put_record_header(arr, record_header(key.pack(), slot.generation, seg_len))
             _sync(arr)
             # A newer write of the key: its pending bytes must not answer for it any more.
-            p = self._pending_segments.get(key)
-            if p is not None:
-                del self._pending_segments[key]
+            self._pending_segments.pop(key, None)
             self._queue.append(_Write(slot.generation, slot, buf))
             self._c["write_submitted_total"] += 1
             self._c["write_device_total"] += 1
