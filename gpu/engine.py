@@ -230,6 +230,8 @@ class Worker:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.ws = Workspace(budget, self.stream)
         self.upload = _Pinned()
+        self.tables = _Pinned()  # block-copy tables: their own buffer, as an upload may still be reading it
+        self.tables_sent: "cp.cuda.Event | None" = None
         self.lock = threading.Lock()
         self.stats: Counter[str] = Counter()
 
@@ -255,6 +257,23 @@ class Worker:
 
     def launch(self, k: km.Kernels, name: str, segs: int, nsegs: int, total: int, meta: int, table=None) -> None:
         self.stats["launches"] += km.launch(k, name, segs, nsegs, total, meta, self.stream, table)
+
+    def copy_blocks(self, k: km.Kernels, table: np.ndarray) -> None:
+        """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows). The table goes up through
+        the head of the workspace, which the next batch's upload overwrites only after this kernel (same
+        stream), from a pinned buffer whose previous upload must have left it first."""
+        if not len(table):
+            return
+        if self.tables_sent is not None:
+            self.tables_sent.synchronize()
+        host = self.tables.get(table.nbytes)
+        host[:] = table.view(np.uint8)
+        dev = self.ws.reserve(table.nbytes)
+        self.h2d(dev, host)
+        self.tables_sent = cp.cuda.Event(disable_timing=True)
+        self.tables_sent.record(self.stream)
+        self.stats["launches"] += km.launch_copy_blocks(k, dev, len(table), self.stream)
+        self.stats["block_copies"] += len(table)
 
     def close(self) -> None:
         with self.lock:
@@ -322,6 +341,38 @@ class GpuCodecEngine:
 
             self._nvcomp = nvcomp.load()
         return self._nvcomp
+
+    # -- page blocks ---------------------------------------------------------------------------
+    def block_buffer(self, nbytes: int, *, restore: bool) -> Any:
+        """A cupy uint8 array for gathered (save) or to-be-scattered (restore) blocks, allocated on that
+        worker's stream: cupy's pool then hands its memory out again only to work on the same stream,
+        which is ordered after the copies still reading it."""
+        with (self.restore if restore else self.save).stream:
+            return cp.empty(nbytes, dtype=cp.uint8)
+
+    def gather_blocks(self, table: np.ndarray) -> None:
+        """Queue the page-block copies of ``table`` (:data:`~orbitkv_fs.gpu.tables.BLOCK_COPY_DTYPE` rows)
+        on the save worker's stream, after the caller's current stream: the next :meth:`encode_batch`
+        reads what they gather (same stream), one launch for every block of a batch."""
+        if table.dtype != km.BLOCK_COPY_DTYPE:
+            raise CodecError(f"block table must have dtype BLOCK_COPY_DTYPE, not {table.dtype}")
+        w = self.save
+        with w.lock:
+            w.wait_for_current()
+            w.copy_blocks(self._kernels, table)
+
+    def scatter_blocks(self, table: np.ndarray) -> None:
+        """Copy ``table`` 's blocks on the restore worker's stream, after the decodes that filled their
+        sources (same stream); the blocks are written when this returns (an engine may read its pages
+        as soon as the Manager answers, from any stream)."""
+        if table.dtype != km.BLOCK_COPY_DTYPE:
+            raise CodecError(f"block table must have dtype BLOCK_COPY_DTYPE, not {table.dtype}")
+        w = self.restore
+        with w.lock:
+            w.copy_blocks(self._kernels, table)
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(w.stream)
+        done.synchronize()  # outside the lock: another thread's batch may queue meanwhile
 
     # -- encode --------------------------------------------------------------------------------
     def _classify(self, i: int, it: EncodeItem) -> _Enc:

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the kernel's table rows)
+
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
 
-SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu")
+SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu", "blocks.cu")
 OPTIONS = ("--std=c++17", "--fmad=false")
 KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode", "okv_tq_decode",
-                "okv_ans_pack")
+                "okv_ans_pack", "okv_copy_blocks")
 
 ST_RANGE = 1
 ST_NONFINITE = 2
@@ -116,6 +118,15 @@ def _kernels(device_id: int, arith: bool) -> Kernels:
 def kernels(arith: bool = False) -> Kernels:
     """The kernels of the current device; ``arith`` builds the variant without FP8 instructions."""
     return _kernels(cp.cuda.Device().id, arith)
+
+
+def launch_copy_blocks(k: Kernels, table_ptr: int, n: int, stream: cp.cuda.Stream) -> int:
+    """Launch ``okv_copy_blocks`` over ``n`` table rows at device address ``table_ptr``; returns launches made."""
+    if n <= 0:
+        return 0
+    k.fn("okv_copy_blocks")((min(n, k.grids["okv_copy_blocks"]),), (THREADS,), (np.uint64(table_ptr), np.uint32(n)),
+                            stream=stream)
+    return 1
 
 
 def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_ptr: int, stream: cp.cuda.Stream,

@@ -75,6 +75,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -108,7 +109,7 @@ from .geometry import (
 from .histogram import DURATION_BUCKETS_S, DurationCounter, DurationHistogram
 from .keys import ObjectKey, key_layer_role, pack_key
 from .namespace import namespace_v2
-from .pages import HostPages, PagesError, cupy_dtype, import_cuda_tensor
+from .pages import BLOCK_COPY_DTYPE, HostPages, PagesError, cupy_dtype, import_cuda_tensor
 from .segment import (
     HEADER_SIZE,
     MAX_STORED_BYTES,
@@ -201,6 +202,11 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     device: str = "auto"
     #: Segments encoded per codec batch.
     batch_segments: int = 64
+    #: GPU codec lanes (``--codec-lanes``): the batches of one save or restore run on this many threads
+    #: at once, each lane with GPU codec engine workers of its own (streams and workspaces: up to
+    #: 2 x lanes x ``storage_codec_budget`` of device memory), so that one batch's host work overlaps
+    #: another's transfers. 1: one batch at a time. Host codecs ignore it.
+    codec_lanes: int = 2
     #: Speculative SSD prefetch (``--ssd-prefetch-chunks``, ``--ssd-prefetch-bytes``): after a lookup or
     #: restore hits SSD-resident chunks of a prefix, up to this many following chunks of the prefix (and
     #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.
@@ -447,7 +453,8 @@ class PeerFetcher(Protocol):
 class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
-    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view", "base")
+    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view", "base",
+                 "copy")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -479,6 +486,13 @@ class _Seg:
         assert any(r == role and w.shape == v.shape for r, w in block_views(reg, desc, array, 0))
         self.block_shape = tuple(v.shape)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        # GPU pages whose blocks the engine's block-copy kernel can move (a whole batch in one launch):
+        # (address of block 0, block stride, rows, row bytes, row stride) of a block as regular rows.
+        self.copy: tuple[int, int, int, int, int] | None = None
+        if self.base is not None and not isinstance(self.base, np.ndarray):
+            rows = _rows_of(self.block_shape, self.base.strides[1:], self.dtype.itemsize)
+            if rows is not None:
+                self.copy = (int(self.base.data.ptr), int(self.base.strides[0])) + rows
 
     def gather(self, blocks: Sequence[int]):
         """The blocks as one C-contiguous array ``[len(blocks), *block_shape]`` of the pages' kind (numpy
@@ -585,6 +599,8 @@ class _Lease:
 
 
 _REP_NAMES = {int(f): f.name.lower() for f in Format}
+# Offsets of a batch's gathered segments inside their one device buffer: aligned for the kernels' wide loads.
+_SLICE_ALIGN = 256
 
 
 def _check_keys(chunks: Sequence[bytes]) -> None:
@@ -647,6 +663,8 @@ class Manager:
             raise ValueError("engine_check_interval must be >= 0")
         if config.lease_ttl < 0:
             raise ValueError("lease_ttl must be >= 0")
+        if not 1 <= config.codec_lanes <= 16:
+            raise ValueError("codec_lanes must be within 1..16")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -654,6 +672,10 @@ class Manager:
                 self._gpu_codecs = _GpuCodecs(config.storage_codec_budget)
             except ImportError as e:  # a GPU without the gpu extra: pinned arena, host codecs
                 log.warning("GPU present but the GPU codec engine is unavailable (%s); using host codecs", e)
+        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
+        if self._gpu_codecs is not None and config.codec_lanes > 1:
+            self._lanes = concurrent.futures.ThreadPoolExecutor(
+                config.codec_lanes, thread_name_prefix="orbitkv-lane", initializer=self._gpu_codecs.take_lane)
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
@@ -1145,6 +1167,7 @@ class Manager:
             # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
             # device-to-host copy into the arena per batch) rather than a host copy per block.
             raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
+            batches: list[list[tuple[ChunkBlocks, _Seg, bytes]]] = []
             for item in todo:
                 if item[1].codec is None and raw_on_host:
                     self._save_raw(eng, item, acc)
@@ -1152,10 +1175,12 @@ class Manager:
                 batch.append(item)
                 batch_bytes += len(item[0].blocks) * item[1].block_bytes
                 if len(batch) >= self._config.batch_segments or batch_bytes >= budget:
-                    self._save_batch(eng, batch, acc)
+                    batches.append(batch)
                     batch, batch_bytes = [], 0
             if batch:
-                self._save_batch(eng, batch, acc)
+                batches.append(batch)
+            for part in self._on_lanes(lambda b: self._save_batch(eng, b), batches):
+                acc.merge(part)
             for ch, _, kb in todo:
                 if kb in acc.admitted:
                     saved_chunks.add(ch.key)
@@ -1200,11 +1225,24 @@ class Manager:
                 acc.raw[reason] = acc.raw.get(reason, 0) + 1
                 self._count(self._raw, reason)
 
-    def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]], acc: "_SaveAcc") -> None:
+    def _on_lanes(self, fn, batches: list) -> list:
+        """``fn(batch)`` of every batch, in order; on the codec lanes when there are several batches and
+        lanes (every batch has ended, failed or not, before this returns or raises)."""
+        if self._lanes is None or len(batches) < 2:
+            return [fn(b) for b in batches]
+        futures = [self._lanes.submit(fn, b) for b in batches]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+    def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveAcc":
+        acc = _SaveAcc()
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
         if on_device:
-            srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch])
+            seed = eng.reg.rotation_seed
+            engine = gpu.engine(seed)
+            srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
+                                 lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
         else:
             srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
         ws = sum(s.nbytes for s in srcs)
@@ -1258,6 +1296,7 @@ class Manager:
                 acc.admit(kb, h.original_length, len(blob))
         for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
             self.dram.cancel(off, n)
+        return acc
 
     def _ssd_direct(self, eng: _Engine) -> bool:
         """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
@@ -1545,20 +1584,25 @@ class Manager:
         by_seed: dict[int, list] = {}
         for it in items:
             by_seed.setdefault(it[3].rotation_seed, []).append(it)
-        for seed, group in by_seed.items():
-            for batch in self._restore_batches(group, lambda it: it[3].original_length):
-                ws = sum(h.original_length for _, _, _, h, _ in batch)
-                self._workspace_delta(ws)
-                t0 = time.perf_counter()
-                try:
-                    errs = self._gpu_codecs.decode_into_many([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch],
-                                                             seed, [self._pinned(blob) for *_, blob in batch])
-                except Exception as e:  # the engine failed as a whole: every segment of the batch misses
-                    errs = [e] * len(batch)
-                finally:
-                    self._workspace_delta(-ws)
-                self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
-                out += [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
+        def run(job: tuple[int, list]) -> list:
+            seed, batch = job
+            ws = sum(h.original_length for _, _, _, h, _ in batch)
+            self._workspace_delta(ws)
+            t0 = time.perf_counter()
+            try:
+                errs = self._gpu_codecs.decode_into_many([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch],
+                                                         seed, [self._pinned(blob) for *_, blob in batch])
+            except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+                errs = [e] * len(batch)
+            finally:
+                self._workspace_delta(-ws)
+            self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
+            return [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
+
+        jobs = [(seed, batch) for seed, group in by_seed.items()
+                for batch in self._restore_batches(group, lambda it: it[3].original_length)]
+        for part in self._on_lanes(run, jobs):
+            out += part
         return out
 
     def _restore_ssd_device(self, eng: _Engine, items: list[tuple[int, _Seg, ChunkBlocks, bytes]],
@@ -2030,6 +2074,8 @@ class Manager:
             self._leases.clear()
         for lease in leases:
             self._drop_lease(lease)
+        if self._lanes is not None:  # unregistering waited for every request, so no batch is running
+            self._lanes.shutdown(wait=True)
         if self.lower is not None:
             self.lower.close()
         if self._gpu_codecs is not None:
@@ -2089,6 +2135,15 @@ class _SaveAcc:
         self.logical += logical
         self.stored += stored
 
+    def merge(self, other: "_SaveAcc") -> None:
+        """Add a batch's tally (batches on codec lanes keep their own)."""
+        self.admitted |= other.admitted
+        self.logical += other.logical
+        self.stored += other.stored
+        self.dropped += other.dropped
+        for r, n in other.raw.items():
+            self.raw[r] = self.raw.get(r, 0) + n
+
 
 class _GpuCodecs:
     """The GPU codec engine (:mod:`orbitkv_fs.gpu`) behind the two calls the pipeline makes: encode a
@@ -2101,77 +2156,82 @@ class _GpuCodecs:
         self._item = EncodeItem
         self._cls = GpuCodecEngine
         self._budget = budget
-        self._engines: dict[int, object] = {}
+        self._engines: dict[tuple[int, int], object] = {}
         self._lock = threading.Lock()
+        self._lane = threading.local()
+        self._lane_ids = itertools.count(1)
 
-    def _engine(self, seed: int):
+    def take_lane(self) -> None:
+        """Give the calling thread (a codec lane of the Manager) engines of its own; other threads share lane 0."""
+        self._lane.id = next(self._lane_ids)
+
+    def engine(self, seed: int):
+        """The calling thread's lane's engine of rotation seed ``seed`` (made on first use). Lanes never wait
+        on each other's streams or workspaces; within a lane the engine serialises its batches."""
+        key = (seed, getattr(self._lane, "id", 0))
         with self._lock:
-            e = self._engines.get(seed)
+            e = self._engines.get(key)
             if e is None:
-                e = self._engines[seed] = self._cls(budget_bytes=self._budget, seed=seed)
+                e = self._engines[key] = self._cls(budget_bytes=self._budget, seed=seed)
             return e
 
     def encode(self, items: list[tuple[object, str, Role, int, np.dtype, RawReason]], seed: int, *,
                out_region=None, device_sink=None) -> list:
         """Segments of ``items``; with ``out_region`` (see ``encode_batch``) they land in the arena, each at a
         multiple of the arena's allocation unit; ``device_sink`` gets the GPU-encoded ones' device bytes."""
-        return self._engine(seed).encode_batch([self._item(a, c, r, l, dtype=d, raw_reason=why)
+        return self.engine(seed).encode_batch([self._item(a, c, r, l, dtype=d, raw_reason=why)
                                                 for a, c, r, l, d, why in items],
                                                out_region=out_region, slot_align=UNIT, device_sink=device_sink)
 
     def decode_device(self, segments: list, destinations: list, seed: int) -> list:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
-        return self._engine(seed).decode_batch(segments, destinations)
+        return self.engine(seed).decode_batch(segments, destinations)
 
     def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
                          pinned: Sequence[bool] | None = None) -> list:
         """Decode ``(seg, blocks, segment bytes)`` items with one ``decode_batch`` and scatter each into
-        its chunk's blocks; the error (or None) per item. Host blocks are written when this returns;
-        copies into GPU blocks are queued on the current stream. ``pinned[i]``: item i's bytes are in
-        pinned memory (the arena) and go to the GPU from there."""
-        import cupy
-
+        its chunk's blocks; the error (or None) per item. Blocks are written when this returns, except
+        those of irregular GPU layouts, copied by cupy on the current stream (the caller synchronises it).
+        ``pinned[i]``: item i's bytes are in pinned memory (the arena) and go to the GPU from there."""
         # A chunk whose blocks are one contiguous stretch of GPU pages is decoded straight into them (the
-        # engine leaves a destination untouched when its segment fails the CRC32C check). The other items
-        # of one segment kind (layer, role) land in slices of one temporary and go to their blocks with one
-        # scatter: a fancy-index copy costs ~30 us to launch, per segment it was the restore's largest cost.
+        # engine leaves a destination untouched when its segment fails the CRC32C check). The others land
+        # in slices of one temporary and go to their blocks with one block-copy launch for the batch
+        # (GPU pages), or a copy per segment kind (host pages, irregular layouts).
+        engine = self.engine(seed)
         dsts: list = [None] * len(items)
-        groups: dict[int, list[int]] = {}
+        staged: list[tuple[int, int]] = []  # (item, offset in the temporary)
+        size = 0
         for i, (seg, blocks, _) in enumerate(items):
             dsts[i] = _device_run(seg, blocks)
             if dsts[i] is None:
-                groups.setdefault(id(seg), []).append(i)
-        temps: dict[int, object] = {}
-        for gid, idx in groups.items():
-            seg = items[idx[0]][0]
-            whole = temps[gid] = cupy.empty((sum(len(items[i][1]) for i in idx),) + seg.block_shape,
-                                            dtype=cupy_dtype(seg.dtype))
-            pos = 0
-            for i in idx:
-                n = len(items[i][1])
-                dsts[i] = whole[pos:pos + n]
-                pos += n
-        errs: list = list(self._engine(seed).decode_batch([blob for _, _, blob in items], dsts, pinned=pinned))
-        scatters = []
-        for gid, idx in groups.items():
-            ok = [i for i in idx if errs[i] is None]
-            if ok:
-                scatters.append((items[idx[0]][0], ok, temps[gid] if len(ok) == len(idx) else
-                                 cupy.concatenate([dsts[i] for i in ok]), [b for i in ok for b in items[i][1]]))
-        # every group's block ids in one upload (a small cupy.asarray is a synchronous ~30 us copy)
-        device = [sc for sc in scatters if not isinstance(sc[0].base, (np.ndarray, type(None)))]
-        ids = _upload_indices([sc[3] for sc in device])
-        indices = {id(sc): ix for sc, ix in zip(device, ids)}
-        for sc in scatters:
-            seg, ok, src, blocks = sc
+                staged.append((i, size))
+                size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
+        addr = 0
+        if staged:
+            temp = engine.block_buffer(size, restore=True)
+            addr = int(temp.data.ptr)
+            for i, pos in staged:
+                seg, blocks, _ = items[i]
+                dsts[i] = temp[pos:pos + len(blocks) * seg.block_bytes].view(cupy_dtype(seg.dtype)).reshape(
+                    (len(blocks),) + seg.block_shape)
+        errs: list = list(engine.decode_batch([blob for _, _, blob in items], dsts, pinned=pinned))
+        kernel: list[tuple[_Seg, list[int], int]] = []
+        for i, pos in staged:
+            seg, blocks, _ = items[i]
+            if errs[i] is not None:
+                continue
+            if seg.copy is not None:
+                kernel.append((seg, blocks, addr + pos))
+                continue
             try:
                 if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
-                    seg.scatter(blocks, src.get().view(seg.dtype))
+                    seg.scatter(blocks, dsts[i].get().view(seg.dtype))
                 else:
-                    seg.scatter(blocks, src, indices.get(id(sc)))
+                    seg.scatter(blocks, dsts[i])
             except Exception as e:
-                for i in ok:
-                    errs[i] = e
+                errs[i] = e
+        if kernel:
+            engine.scatter_blocks(_block_table(kernel, gather=False))
         return errs
 
     def stats(self) -> dict[str, int]:
@@ -2207,52 +2267,70 @@ def _gather_device(seg: _Seg, blocks: list[int]):
     return x
 
 
-def _gather_batch(items: list[tuple[_Seg, list[int]]]) -> list:
-    """Each item's blocks as one contiguous device array, with one gather per tensor: the items of one
-    segment kind (layer, role) are gathered together and handed out as slices of the result."""
-    import cupy
-
-    by_seg: dict[int, list[int]] = {}
-    for i, (seg, _) in enumerate(items):
-        by_seg.setdefault(id(seg), []).append(i)
+def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) -> list:
+    """Each item's blocks as one contiguous device array. Consecutive blocks of a contiguous layout are
+    used where they lie; the others land in slices of one ``buffer(nbytes)``, all moved by
+    ``gather_blocks(table)`` (the GPU engine's block-copy kernel: one launch per batch)."""
     out: list = [None] * len(items)
-    takes: list[list[int]] = []
-    for idx in by_seg.values():
-        seg = items[idx[0]][0]
-        runs = [_device_run(seg, items[i][1]) for i in idx]
-        if all(r is not None for r in runs):  # the pages themselves are the sources: no gather at all
-            for i, r in zip(idx, runs):
-                out[i] = r
-            continue
-        if seg.base is None:
-            for i in idx:
-                out[i] = seg.gather(items[i][1])
-            continue
-        takes.append(idx)
-    # every gather's block ids in one upload (a small cupy.asarray is a synchronous ~30 us copy)
-    ids = _upload_indices([[b for i in idx for b in items[i][1]] for idx in takes])
-    for idx, blocks in zip(takes, ids):
-        whole = cupy.take(items[idx[0]][0].base, blocks, axis=0)
-        pos = 0
-        for i in idx:
-            n = len(items[i][1])
-            out[i] = whole[pos:pos + n]
-            pos += n
+    pending: list[tuple[int, int]] = []  # (item, offset in the buffer)
+    size = 0
+    for i, (seg, blocks) in enumerate(items):
+        run = _device_run(seg, blocks)
+        if run is not None:  # the pages themselves are the sources: no gather at all
+            out[i] = run
+        elif seg.copy is None:
+            out[i] = seg.gather(blocks)
+        else:
+            pending.append((i, size))
+            size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
+    if pending:
+        buf = buffer(size)
+        addr = int(buf.data.ptr)
+        for i, pos in pending:
+            seg, blocks = items[i]
+            n = len(blocks) * seg.block_bytes
+            out[i] = buf[pos:pos + n].view(cupy_dtype(seg.dtype)).reshape((len(blocks),) + seg.block_shape)
+        gather_blocks(_block_table([(items[i][0], items[i][1], addr + pos) for i, pos in pending], gather=True))
     return out
 
 
-def _upload_indices(lists: list[list[int]]) -> list:
-    """Each list of block ids as an int64 device array, all sent with one host-to-device copy."""
-    if not lists:
-        return []
-    import cupy
+def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) -> np.ndarray:
+    """Block-copy rows (``BLOCK_COPY_DTYPE``) between each item's page blocks and a contiguous device
+    buffer at the item's address: pages to buffer when ``gather``, else buffer to pages."""
+    parts = []
+    for seg, blocks, addr in items:
+        ptr0, stride, rows, row_bytes, row_stride = seg.copy  # type: ignore[misc]
+        ids = np.asarray(blocks, dtype=np.uint64)
+        t = np.empty(ids.size, dtype=BLOCK_COPY_DTYPE)
+        pages = np.uint64(ptr0) + ids * np.uint64(stride)
+        flat = np.uint64(addr) + np.arange(ids.size, dtype=np.uint64) * np.uint64(seg.block_bytes)
+        t["src"], t["dst"] = (pages, flat) if gather else (flat, pages)
+        t["src_stride"], t["dst_stride"] = (row_stride, row_bytes) if gather else (row_bytes, row_stride)
+        t["rows"], t["row_bytes"] = rows, row_bytes
+        parts.append(t)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=BLOCK_COPY_DTYPE)
 
-    flat = cupy.asarray(np.fromiter((b for ids in lists for b in ids), dtype=np.int64))
-    out, pos = [], 0
-    for ids in lists:
-        out.append(flat[pos:pos + len(ids)])
-        pos += len(ids)
-    return out
+
+def _rows_of(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int, int] | None:
+    """A block of ``shape`` / ``strides`` (bytes) as (rows, row bytes, row stride): its innermost
+    contiguous run of dimensions is a row, the outer dimensions must step by one regular stride.
+    None when they do not (the block then moves with cupy instead)."""
+    row, d = itemsize, len(shape)
+    while d and (shape[d - 1] == 1 or strides[d - 1] == row):
+        row *= shape[d - 1]
+        d -= 1
+    rows, step = 1, row
+    for k in range(d - 1, -1, -1):
+        if shape[k] == 1:
+            continue
+        if rows == 1:
+            step = strides[k]
+        elif strides[k] != step * rows:
+            return None
+        rows *= shape[k]
+    if step <= 0:
+        return None
+    return rows, row, step
 
 
 def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:

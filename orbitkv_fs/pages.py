@@ -32,6 +32,13 @@ import numpy as np
 from .errors import OrbitKVError
 from .geometry import HostPagesHandle, TensorDesc, parse_dtype
 
+#: One page block of a GPU gather or scatter (the codec engine's block-copy kernel, ``struct BlockCopy``
+#: of ``gpu/kernels/blocks.cu``, byte for byte): ``rows`` rows of ``row_bytes`` bytes, ``src_stride`` /
+#: ``dst_stride`` apart. Defined here, with the pages, so that the Manager builds tables without cupy.
+BLOCK_COPY_DTYPE = np.dtype({"names": ["src", "dst", "src_stride", "dst_stride", "rows", "row_bytes"],
+                             "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4"],
+                             "offsets": [0, 8, 16, 24, 32, 36], "itemsize": 40})
+
 MAGIC = b"OKVP"
 VERSION = 1
 HEADER_BYTES = 4096

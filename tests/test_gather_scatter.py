@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orbitkv_fs.geometry import EngineRegistration
-from orbitkv_fs.manager import Manager, ManagerConfig, _gaps
+from orbitkv_fs.manager import Manager, ManagerConfig, _block_table, _gaps, _rows_of
 from orbitkv_fs.pages import host_engine_pages
 
 L, B, T, H, D = 2, 12, 4, 2, 32
@@ -52,3 +52,74 @@ def test_gaps_partition_regions():
     assert sum(n for _, n in covered) == sum(n for _, n in regions)  # every unit freed or published once
     assert _gaps([(0, 4096)], []) == [(0, 4096)]
     assert _gaps([(0, 4096)], [(0, 4096)]) == []
+
+
+def _apply_block_table(table: np.ndarray, memory: np.ndarray) -> None:
+    """What ``okv_copy_blocks`` does, on a host byte array whose offsets stand for device addresses."""
+    for row in table:
+        rows, n = int(row["rows"]), int(row["row_bytes"])
+        for r in range(rows):
+            s = int(row["src"]) + r * int(row["src_stride"])
+            d = int(row["dst"]) + r * int(row["dst_stride"])
+            memory[d:d + n] = memory[s:s + n].copy()
+
+
+@pytest.mark.parametrize("layout", ["separate", "vllm_packed", "sglang_token_pool", "mla"])
+def test_block_tables_gather_and_scatter_like_the_block_views(layout):
+    """The block-copy tables of the GPU path (``_rows_of`` + ``_block_table``), applied by a model of the
+    kernel to the bytes of host pages: gathering equals ``seg.gather``, scattering writes exactly the blocks."""
+    pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D, layout=layout)
+    try:
+        rng = np.random.default_rng(2)
+        for name in pages.tensors:
+            a = pages.array(name)
+            a[...] = rng.standard_normal(a.shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        attention = "mla" if layout == "mla" else "gqa"
+        reg = EngineRegistration(model="gs", num_layers=L, layer_start=0, layer_end=L, block_size=T, num_heads=H,
+                                 head_dim=D, dtype="bfloat16", tensors=descs, attention=attention)
+        blocks = [7, 2, 11, 3]
+        with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
+            e = m.register_engine(reg)
+            for seg in m._engines[e.engine_id].segs:
+                base = seg.base
+                arr = base.base if base.base is not None else base
+                while arr.base is not None and isinstance(arr.base, np.ndarray):
+                    arr = arr.base
+                memory = np.frombuffer(arr, dtype=np.uint8) if not isinstance(arr, np.ndarray) else arr.view(np.uint8).reshape(-1)
+                origin = memory.ctypes.data
+                rows = _rows_of(seg.block_shape, base.strides[1:], seg.dtype.itemsize)
+                assert rows is not None, layout
+                assert rows[0] * rows[1] == seg.block_bytes
+                seg.copy = (base.ctypes.data - origin, base.strides[0]) + rows
+                want = seg.gather(blocks)
+                n = want.nbytes
+                scratch = np.zeros(memory.size + n, dtype=np.uint8)  # pages, then the gather buffer
+                scratch[:memory.size] = memory
+                _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=True), scratch)
+                assert np.array_equal(scratch[memory.size:], want.view(np.uint8).reshape(-1))
+                before = scratch[:memory.size].copy()
+                new = rng.integers(0, 256, n, dtype=np.uint8)
+                scratch[memory.size:] = new
+                _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=False), scratch)
+                memory[:] = scratch[:memory.size]  # the pages now hold what the scatter wrote
+                got = seg.gather(blocks)
+                assert np.array_equal(got.view(np.uint8).reshape(-1), new)
+                others = [b for b in range(B) if b not in blocks]
+                memory[:] = before
+                kept = seg.gather(others)
+                memory[:] = scratch[:memory.size]
+                assert np.array_equal(seg.gather(others), kept)  # no other block changed
+                seg.copy = None
+    finally:
+        pages.close()
+
+
+def test_rows_of_block_shapes():
+    # contiguous block: one row
+    assert _rows_of((4, 2, 32), (128, 64, 2), 2) == (1, 512, 512)
+    # vLLM packed K half: heads x tokens rows of head_dim elements, 2 * head_dim apart
+    assert _rows_of((2, 4, 32), (4 * 128, 128, 2), 2) == (8, 64, 128)
+    # singleton dimensions are skipped
+    assert _rows_of((1, 4, 1, 32), (999, 128, 7, 2), 2) == (4, 64, 128)
+    # outer dimensions that do not step regularly cannot be one row stride
+    assert _rows_of((2, 4, 32), (1000, 128, 2), 2) is None

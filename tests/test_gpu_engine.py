@@ -277,3 +277,36 @@ def test_one_batch_is_one_sync_and_one_copy_each_way(engine) -> None:
     after = engine.stats
     delta = {k: after[k] - before.get(k, 0) for k in ("save_syncs", "save_d2h_copies", "save_h2d_copies", "save_launches")}
     assert delta == {"save_syncs": 1, "save_d2h_copies": 1, "save_h2d_copies": 1, "save_launches": 1}
+
+
+@pytest.mark.parametrize("head_dim", [64, 6], ids=["16-byte rows", "byte rows"])
+def test_gather_and_scatter_blocks_of_packed_pages(engine, head_dim):
+    """The block-copy kernel moves the K half of vLLM packed blocks ([block, head, token, 2 x head_dim]) to
+    a contiguous buffer and back, exactly, touching no other block and not the V half."""
+    from orbitkv_fs.manager import _block_table, _rows_of
+
+    class Seg:  # the two fields _block_table reads of a Manager segment
+        pass
+
+    rng = np.random.default_rng(5)
+    pages = cp.asarray(rng.integers(0, 1 << 16, (8, 3, 4, 2 * head_dim), dtype=np.uint16))
+    base = pages[:, :, :, :head_dim]
+    seg = Seg()
+    seg.block_bytes = 3 * 4 * head_dim * 2
+    seg.copy = (int(base.data.ptr), base.strides[0]) + _rows_of(base.shape[1:], base.strides[1:], 2)
+    blocks = [5, 1, 6]
+    buf = engine.block_buffer(3 * seg.block_bytes, restore=False)
+    engine.gather_blocks(_block_table([(seg, blocks, int(buf.data.ptr))], gather=True))
+    engine.save.sync()
+    want = cp.ascontiguousarray(base[cp.asarray(blocks)])
+    assert cp.array_equal(buf.view(cp.uint16).reshape(want.shape), want)
+    before = pages.copy()
+    new = cp.asarray(rng.integers(0, 1 << 16, want.shape, dtype=np.uint16))
+    out = engine.block_buffer(3 * seg.block_bytes, restore=True)
+    out.view(cp.uint16)[:] = new.reshape(-1)
+    cp.cuda.get_current_stream().synchronize()  # scatters follow the restore stream's decodes, not this stream
+    engine.scatter_blocks(_block_table([(seg, blocks, int(out.data.ptr))], gather=False))
+    cp.cuda.get_current_stream().synchronize()  # scatter_blocks makes the current stream wait for the copies
+    expect = before.copy()
+    expect[cp.asarray(blocks), :, :, :head_dim] = new
+    assert cp.array_equal(pages, expect)
