@@ -322,9 +322,12 @@ class Engine:
         idx = torch.tensor(blocks, device=self.pages[0].device)
         d = self.recipe.model.head_dim
         for layer, pg in enumerate(self.pages):
-            x = pg.index_select(0, idx).to(self.model.dtype)  # [n, H, bs, 2D]
-            x = x.permute(1, 0, 2, 3).reshape(1, x.shape[1], -1, 2 * d)[:, :, :n_tokens]
-            cache.update(x[..., :d].contiguous(), x[..., d:].contiguous(), layer)
+            # Selecting along the blocks axis of the [H, blocks, bs, 2D] view lands the tokens of each head
+            # in order in one copy; K and V stay views of it, since ``update`` copies them into the cache
+            # (a cat) anyway.
+            x = pg.permute(1, 0, 2, 3).index_select(1, idx).to(self.model.dtype)  # [H, n, bs, 2D]
+            x = x.view(1, x.shape[0], -1, 2 * d)[:, :, :n_tokens]
+            cache.update(x[..., :d], x[..., d:], layer)
         return cache
 
     def _scatter(self, cache: Any, start_token: int, blocks: list[int]) -> None:
