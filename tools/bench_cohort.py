@@ -343,13 +343,22 @@ class Engine:
             pg.index_copy_(0, idx, kv.reshape(kv.shape[0], len(blocks), bs, kv.shape[-1]).permute(1, 0, 2, 3)
                            .to(pg.dtype))
 
-    def _sync(self) -> None:
-        if self.cuda:
-            _torch().cuda.synchronize()
-
     # -- a request -------------------------------------------------------------------------------------------
 
-    def serve(self, req: RequestSpec) -> RequestRecord:
+    def _drain(self) -> None:
+        """Wait for the work queued on the current stream, this request's own: a device-wide synchronize
+        would also wait for the other workers' kernels (a one-token prefill timed as long as their whole
+        prefills)."""
+        if self.cuda:
+            _torch().cuda.current_stream(self.pages[0].device).synchronize()
+
+    def serve(self, req: RequestSpec, stream: Any = None) -> RequestRecord:
+        """Serve ``req`` with all its GPU work (gather, forwards, scatter) queued on ``stream``, this
+        worker's own CUDA stream (None on the CPU)."""
+        with _torch().cuda.stream(stream):
+            return self._serve(req)
+
+    def _serve(self, req: RequestSpec) -> RequestRecord:
         torch = _torch()
         from orbitkv_fs.connectors.common import prefix_chunk_keys
         from orbitkv_fs.manager import ChunkBlocks
@@ -381,6 +390,8 @@ class Engine:
                 if look.count:
                     t1 = time.perf_counter()
                     chunks = [ChunkBlocks(k, own[i * cb:(i + 1) * cb]) for i, k in enumerate(keys[hbm:hbm + look.count])]
+                    # The Manager writes the blocks on its own streams and synchronises them before it
+                    # answers: the gather below, queued after the answer, reads them written.
                     res = self.client.restore(self.engine_id, chunks, lease_id=look.lease_id)
                     rec.restore_s = time.perf_counter() - t1
                     while restored < len(res.restored) and res.restored[restored]:
@@ -402,13 +413,14 @@ class Engine:
             with torch.inference_mode():
                 t1 = time.perf_counter()
                 cache = self._gather(hit_blocks, hit)
-                self._sync()
+                # Ends the gather's timing; it is also this request's last read of its pinned blocks, which
+                # another worker may evict and rewrite once released below.
+                self._drain()
                 rec.gather_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 ids = torch.as_tensor(req.tokens[hit:], device=self.pages[0].device).unsqueeze(0)
                 lp = self.forward(ids, cache)
-                tok = int(lp.argmax())
-                self._sync()
+                tok = int(lp.argmax())  # waits for this stream's forward: TTFT ends with the token on the host
                 now = time.perf_counter()
                 rec.prefill_s = now - t1
                 rec.ttft_s = now - t0
@@ -421,6 +433,10 @@ class Engine:
                 t1 = time.perf_counter()
                 if new_chunks:
                     self._scatter(cache, hit_chunks * r.chunk_tokens, new_blocks)
+                    # The Manager reads these pages on its own streams (on a GPU in its own process, beyond
+                    # any stream order) and other workers read them once they are HBM cache entries: they
+                    # must have landed. Also keeps the scatter's time out of decode_s.
+                    self._drain()
                 scatter_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 for _ in range(r.output_tokens - 1):
@@ -428,7 +444,6 @@ class Engine:
                     tok = int(lp.argmax())
                     rec.tokens.append(tok)
                     rec.token_logprobs.append(float(lp[tok]))
-                self._sync()
                 rec.decode_s = time.perf_counter() - t1
             if self.client is not None and new_chunks:
                 t1 = time.perf_counter()
@@ -437,11 +452,16 @@ class Engine:
                 rec.saved_chunks = res.chunks_saved
                 rec.save_s = time.perf_counter() - t1 + scatter_s
         except BaseException:
+            # The blocks go back to the pool, where another worker's stream may write them at once: what
+            # this request queued on them must have finished.
+            self._drain()
             with self._lock:
                 for k in pinned:
                     self._cache[k].pins -= 1
                 self._free.extend(own)
             raise
+        # Every page access of this request is complete here (its own, drained above; the Manager's save and
+        # restore, finished before they answered): other workers may take or read these blocks at once.
         with self._lock:
             for k in pinned:
                 self._cache[k].pins -= 1
@@ -460,16 +480,27 @@ class Engine:
             return sum(e.pins for e in self._cache.values())
 
 
-def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int) -> tuple[list[RequestRecord], float]:
-    """Serve ``cohort`` with ``concurrency`` worker threads (arrival order, reuse requests gated on their
-    prefix's first request). Answers the records (by index) and the wall time."""
+def request_streams(device: str, n: int) -> list[Any]:
+    """One CUDA stream per worker (None each on the CPU). Made once per benchmark and reused by every run:
+    no run pays for a stream's first use (its cuBLAS workspace)."""
+    if device == "cpu":
+        return [None] * n
+    torch = _torch()
+    return [torch.cuda.Stream(device=device) for _ in range(n)]
+
+
+def run_requests(engine: Engine, cohort: Sequence[RequestSpec],
+                 streams: Sequence[Any]) -> tuple[list[RequestRecord], float]:
+    """Serve ``cohort`` with one worker thread per stream of ``streams`` (:func:`request_streams`; arrival
+    order, reuse requests gated on their prefix's first request). Answers the records (by index) and the
+    wall time."""
     done = {spec.prefix: threading.Event() for spec in cohort if spec.first}
     queue = collections.deque(cohort)
     qlock = threading.Lock()
     records: dict[int, RequestRecord] = {}
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def worker(stream: Any) -> None:
         while not errors:
             with qlock:
                 if not queue:
@@ -478,7 +509,7 @@ def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int
             try:
                 if spec.prefix is not None and not spec.first:
                     done[spec.prefix].wait()
-                records[spec.index] = engine.serve(spec)
+                records[spec.index] = engine.serve(spec, stream)
             except BaseException as e:  # reported once all workers stopped
                 errors.append(e)
             finally:
@@ -486,7 +517,7 @@ def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int
                     done[spec.prefix].set()
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, name=f"cohort-{i}") for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(s,), name=f"cohort-{i}") for i, s in enumerate(streams)]
     for t in threads:
         t.start()
     for t in threads:
@@ -521,6 +552,8 @@ class _Pages:
         else:
             # one allocation per layer, like an engine's per-layer KV tensors
             self.tensors = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(m.layers)]
+            # zeroed on the default stream, which the requests' streams do not wait for
+            torch.cuda.synchronize(device)
 
     def registration(self, recipe: Recipe, codec: str, engine_id: str) -> Any:
         from orbitkv_fs.geometry import EngineRegistration
@@ -672,12 +705,14 @@ def _warm_manager(client: Any, engine_id: str, pages: "_Pages", recipe: Recipe) 
 
 
 def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages: "_Pages", *, codec: str | None,
-               variant: str, device: str, manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm") -> dict[str, Any]:
+               variant: str, device: str, manager_mode: str, ssd_dir: str, streams: Sequence[Any],
+               shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """One run: ``codec`` None is the no-cache recompute control (the engine's HBM prefix cache is off too,
     so every prompt is computed in full); otherwise a fresh Manager with that codec (``variant`` "ssd":
     ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD). ``pages`` are
     shared by the runs (their content before a run does not matter: a block is written before it is read)
-    and registered afresh with each run's Manager."""
+    and registered afresh with each run's Manager; so are ``streams``, one per worker
+    (``recipe.concurrency`` of them, :func:`request_streams`)."""
     import msgspec
 
     control = codec is None
@@ -703,7 +738,7 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages:
             base = _warm_manager(client, engine_id, pages, rcp)
         engine = Engine(model, rcp, pages.tensors, client=client, engine_id=engine_id,
                         salt=f"random-{recipe.model.name}-seed{recipe.seed}".encode())
-        records, wall = run_requests(engine, cohort, rcp.concurrency)
+        records, wall = run_requests(engine, cohort, streams)
         stats = None
         if client is not None:
             client.unregister(engine_id)
@@ -943,10 +978,19 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     cohort = build_cohort(recipe)
     model = build_model(recipe.model, device, recipe.seed)
     fwd = _Forward(model)
-    with torch.inference_mode():  # warm the kernels (cuBLAS handles, oneDNN primitives) outside any run
-        cache = _new_cache(model)
-        fwd(torch.as_tensor(cohort[0].tokens, device=device).unsqueeze(0), cache)
-        fwd(torch.tensor([[1]], device=device), cache)
+    streams = request_streams(device, recipe.concurrency)
+    if device != "cpu":
+        torch.cuda.synchronize(device)  # the weights were initialised on the default stream, which the workers' skip
+    # Warm the kernels (cuBLAS handles and per-stream workspaces, oneDNN primitives) outside any run, on every
+    # worker's stream.
+    with torch.inference_mode():
+        for stream in streams if device != "cpu" else streams[:1]:
+            with torch.cuda.stream(stream):
+                cache = _new_cache(model)
+                fwd(torch.as_tensor(cohort[0].tokens, device=device).unsqueeze(0), cache)
+                fwd(torch.tensor([[1]], device=device), cache)
+    if device != "cpu":
+        torch.cuda.synchronize(device)  # the first run must not time the warm-up's tail
     log(f"cohort: {recipe.requests} requests ({recipe.warm_requests} reuse {recipe.prefixes} prefixes), "
         f"{recipe.input_tokens} input tokens, model {recipe.model.name} on {device}")
     # One set of pages for every run: on a GPU, memory exported through CUDA IPC is best not freed and
@@ -954,7 +998,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     pages = _Pages(recipe, device)
     skipped: dict[str, str] = {}
     try:
-        kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
+        kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, streams=streams, shm_dir=shm_dir)
         control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
         log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
         runs = [control]
