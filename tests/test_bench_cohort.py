@@ -53,6 +53,11 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
     assert hit <= reuse
     assert run["requests_hit"]["none"] == recipe["requests"] - hit
     assert 0 <= run["reuse_short"] <= reuse
+    recs = run["records"]
+    assert run["forward_requests"] == {
+        "one_token_prefill": sum(1 for r in recs if r["computed_tokens"] == 1),
+        "full_prefill": sum(1 for r in recs if r["computed_tokens"] == r["input_tokens"])}
+    assert run["forward_p50_ms"]["full_prefill"] > 0 and run["forward_p50_ms"]["decode_step"] > 0
     if control:
         assert "manager" not in run
         return
@@ -109,7 +114,7 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     assert {"beats_recompute_ttft", "beats_recompute_throughput", "beats_none_ttft", "beats_none_throughput"} <= set(tq)
     assert any(n.startswith("lossy:") for n in tq["why"])
     md = (out / "cohort.md").read_text()
-    assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md
+    assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md and "| one-token prefill |" in md
     # separate invocations (one per codec on a time-limited device) merge into one report
     merged = tmp_path / "merged"
     js = str(out / "cohort.json")

@@ -759,6 +759,9 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
     full_hit = min(prefix_len // recipe.chunk_tokens * recipe.chunk_tokens, recipe.input_tokens - 1)
     total = sum(r.input_tokens for r in records)
     tiers = {t: sum(getattr(r, f"{t}_tokens") for r in records) for t in ("hbm", "dram", "lower", "computed")}
+    forwards = {"one_token_prefill": [r.prefill_s for r in records if r.computed_tokens == 1],
+                "full_prefill": [r.prefill_s for r in records if r.computed_tokens == r.input_tokens],
+                "decode_step": [r.decode_s / (len(r.tokens) - 1) for r in records if len(r.tokens) > 1]}
     out: dict[str, Any] = {
         "codec": codec or "recompute",
         "variant": "control" if codec is None else variant,
@@ -783,6 +786,11 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
                            and r.input_tokens - r.computed_tokens < full_hit),
         "phase_p50_ms": {p: _pct([getattr(r, f"{p}_s") for r in records if r.manager_tokens], 50) * 1e3
                          for p in ("lookup", "restore", "gather", "prefill")},
+        # Forward passes under the run's concurrency, over all its requests: the prefill of a prompt whose
+        # every other token came from a cache (``prefill_s`` of the records with ``computed_tokens`` 1), a
+        # prefill of a whole prompt, and a decode step; the first should cost about as much as the last.
+        "forward_p50_ms": {k: _pct(xs, 50) * 1e3 for k, xs in forwards.items()},
+        "forward_requests": {k: len(forwards[k]) for k in ("one_token_prefill", "full_prefill")},
         # lookup + restore per restored chunk: requests with any SSD-promoted chunk, and DRAM-only ones
         "restore_ms_per_chunk_p50": {
             "ssd": _pct([(r.lookup_s + r.restore_s) / r.manager_chunks for r in records
@@ -1072,10 +1080,17 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if served == 0:
             notes.append("no request was served from the Manager (everything recomputed or HBM hits)")
         elif not beats_rc_ttft:
-            notes.append(f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
-                         f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed: lookup "
-                         f"{r['phase_p50_ms']['lookup']:.1f} + restore {r['phase_p50_ms']['restore']:.1f} + gather "
-                         f"{r['phase_p50_ms']['gather']:.1f} ms (p50) cost more than the prefill they replace")
+            ph = r["phase_p50_ms"]
+            note = (f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
+                    f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed; their phases (p50): "
+                    f"lookup {ph['lookup']:.1f} + restore {ph['restore']:.1f} + gather {ph['gather']:.1f} + prefill "
+                    f"of the uncached tokens {ph['prefill']:.1f} ms")
+            fw, fn = r.get("forward_p50_ms"), r.get("forward_requests")
+            if fw and fn["one_token_prefill"]:  # absent from reports made before it was measured
+                note += (f"; a one-token prefill took {fw['one_token_prefill']:.1f} ms p50 ({fn['one_token_prefill']} "
+                         f"requests) against {fw['full_prefill']:.1f} ms for a whole prompt and "
+                         f"{fw['decode_step']:.1f} ms per decode step")
+            notes.append(note)
         if not beats_rc_tput:
             notes.append(f"throughput {r['requests_per_s']:.2f} req/s vs {control['requests_per_s']:.2f} recomputing; "
                          f"saves took {r['save_s_total']:.2f} s in total (encode {m['encode_s']:.2f} s)")
@@ -1154,6 +1169,23 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _forward_table(result: dict[str, Any]) -> list[str]:
+    """The forward passes' p50 per run (runs of reports made before they were measured are left out)."""
+    runs = [r for r in result["runs"] if "forward_p50_ms" in r]
+    if not runs:
+        return []
+    streams = " (each request's GPU work queued and timed on its own CUDA stream)" if result["device"] != "cpu" else ""
+    rows = [f"Forward passes, p50 ms over each run's requests (how many in brackets){streams}: the prefill of a "
+            "prompt whose other tokens all came from a cache, a prefill of a whole prompt, and a decode step.", "",
+            "| variant | codec | one-token prefill | whole-prompt prefill | decode step |", "|" + "---|" * 5]
+    for r in runs:
+        fw, fn = r["forward_p50_ms"], r["forward_requests"]
+        one = f"{fw['one_token_prefill']:.1f} ({fn['one_token_prefill']})" if fn["one_token_prefill"] else "-"
+        rows.append(f"| {r['variant']} | {r['codec']} | {one} | {fw['full_prefill']:.1f} ({fn['full_prefill']}) | "
+                    f"{fw['decode_step']:.1f} |")
+    return rows + [""]
+
+
 def _markdown(result: dict[str, Any]) -> str:
     rc = result["recipe"]
     lines = [f"# Cohort benchmark ({result['device']})", "",
@@ -1175,6 +1207,7 @@ def _markdown(result: dict[str, Any]) -> str:
              "chunk (p50), over requests served from DRAM only and over those with SSD-promoted chunks. Hit rates are fractions of prompt tokens. "
              "Token agreement and max |dlogprob| (first output token, whole vocabulary) are against the "
              "recompute control; `none` gives the noise floor of restoring versus recomputing.", ""]
+    lines += _forward_table(result)
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in result["skipped"].items()), ""]
     lines += ["## Verdicts", ""]
