@@ -53,6 +53,11 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
     assert hit <= reuse
     assert run["requests_hit"]["none"] == recipe["requests"] - hit
     assert 0 <= run["reuse_short"] <= reuse
+    recs = run["records"]
+    assert run["forward_requests"] == {
+        "one_token_prefill": sum(1 for r in recs if r["computed_tokens"] == 1),
+        "full_prefill": sum(1 for r in recs if r["computed_tokens"] == r["input_tokens"])}
+    assert run["forward_p50_ms"]["full_prefill"] > 0 and run["forward_p50_ms"]["decode_step"] > 0
     if control:
         assert "manager" not in run
         return
@@ -109,7 +114,7 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     assert {"beats_recompute_ttft", "beats_recompute_throughput", "beats_none_ttft", "beats_none_throughput"} <= set(tq)
     assert any(n.startswith("lossy:") for n in tq["why"])
     md = (out / "cohort.md").read_text()
-    assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md
+    assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md and "| one-token prefill |" in md
     # separate invocations (one per codec on a time-limited device) merge into one report
     merged = tmp_path / "merged"
     js = str(out / "cohort.json")
@@ -172,3 +177,26 @@ def test_ssd_dir_is_made_or_refused_before_any_run(tmp_path):
                                    "--out", str(tmp_path / "res")])
     assert e.value.code == 2
     assert not (tmp_path / "res").exists()
+
+
+def test_gather_lays_out_pages_in_token_order():
+    """The engine's page gather: per layer, K and V of token t are the halves of row t % block_size of block
+    blocks[t // block_size], for any block order and a prefix ending inside a block."""
+    torch = pytest.importorskip("torch")
+    recipe = bench_cohort.QUICK
+    m = recipe.model
+    model = bench_cohort.build_model(m, "cpu", 0)
+    gen = torch.Generator().manual_seed(1)
+    pages = [torch.randn((12, m.kv_heads, recipe.block_size, 2 * m.head_dim), generator=gen).to(torch.bfloat16)
+             for _ in range(m.layers)]
+    engine = bench_cohort.Engine(model, recipe, pages)
+    blocks = [7, 2, 11, 0]
+    n_tokens = len(blocks) * recipe.block_size - 3
+    cache = engine._gather(blocks, n_tokens)
+    bs, d = recipe.block_size, m.head_dim
+    for layer, pg in enumerate(pages):
+        want = torch.stack([pg[blocks[t // bs], :, t % bs] for t in range(n_tokens)], dim=1).float()  # [H, T, 2D]
+        lay = cache.layers[layer]
+        assert lay.keys.shape == (1, m.kv_heads, n_tokens, d) and lay.keys.dtype == model.dtype
+        assert torch.equal(lay.keys[0], want[..., :d]) and torch.equal(lay.values[0], want[..., d:])
+    assert engine._gather([], 0).get_seq_length() == 0

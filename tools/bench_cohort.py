@@ -322,9 +322,12 @@ class Engine:
         idx = torch.tensor(blocks, device=self.pages[0].device)
         d = self.recipe.model.head_dim
         for layer, pg in enumerate(self.pages):
-            x = pg.index_select(0, idx).to(self.model.dtype)  # [n, H, bs, 2D]
-            x = x.permute(1, 0, 2, 3).reshape(1, x.shape[1], -1, 2 * d)[:, :, :n_tokens]
-            cache.update(x[..., :d].contiguous(), x[..., d:].contiguous(), layer)
+            # Selecting along the blocks axis of the [H, blocks, bs, 2D] view lands the tokens of each head
+            # in order in one copy; K and V stay views of it, since ``update`` copies them into the cache
+            # (a cat) anyway.
+            x = pg.permute(1, 0, 2, 3).index_select(1, idx).to(self.model.dtype)  # [H, n, bs, 2D]
+            x = x.view(1, x.shape[0], -1, 2 * d)[:, :, :n_tokens]
+            cache.update(x[..., :d], x[..., d:], layer)
         return cache
 
     def _scatter(self, cache: Any, start_token: int, blocks: list[int]) -> None:
@@ -340,13 +343,22 @@ class Engine:
             pg.index_copy_(0, idx, kv.reshape(kv.shape[0], len(blocks), bs, kv.shape[-1]).permute(1, 0, 2, 3)
                            .to(pg.dtype))
 
-    def _sync(self) -> None:
-        if self.cuda:
-            _torch().cuda.synchronize()
-
     # -- a request -------------------------------------------------------------------------------------------
 
-    def serve(self, req: RequestSpec) -> RequestRecord:
+    def _drain(self) -> None:
+        """Wait for the work queued on the current stream, this request's own: a device-wide synchronize
+        would also wait for the other workers' kernels (a one-token prefill timed as long as their whole
+        prefills)."""
+        if self.cuda:
+            _torch().cuda.current_stream(self.pages[0].device).synchronize()
+
+    def serve(self, req: RequestSpec, stream: Any = None) -> RequestRecord:
+        """Serve ``req`` with all its GPU work (gather, forwards, scatter) queued on ``stream``, this
+        worker's own CUDA stream (None on the CPU)."""
+        with _torch().cuda.stream(stream):
+            return self._serve(req)
+
+    def _serve(self, req: RequestSpec) -> RequestRecord:
         torch = _torch()
         from orbitkv_fs.connectors.common import prefix_chunk_keys
         from orbitkv_fs.manager import ChunkBlocks
@@ -378,6 +390,8 @@ class Engine:
                 if look.count:
                     t1 = time.perf_counter()
                     chunks = [ChunkBlocks(k, own[i * cb:(i + 1) * cb]) for i, k in enumerate(keys[hbm:hbm + look.count])]
+                    # The Manager writes the blocks on its own streams and synchronises them before it
+                    # answers: the gather below, queued after the answer, reads them written.
                     res = self.client.restore(self.engine_id, chunks, lease_id=look.lease_id)
                     rec.restore_s = time.perf_counter() - t1
                     while restored < len(res.restored) and res.restored[restored]:
@@ -399,13 +413,14 @@ class Engine:
             with torch.inference_mode():
                 t1 = time.perf_counter()
                 cache = self._gather(hit_blocks, hit)
-                self._sync()
+                # Ends the gather's timing; it is also this request's last read of its pinned blocks, which
+                # another worker may evict and rewrite once released below.
+                self._drain()
                 rec.gather_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 ids = torch.as_tensor(req.tokens[hit:], device=self.pages[0].device).unsqueeze(0)
                 lp = self.forward(ids, cache)
-                tok = int(lp.argmax())
-                self._sync()
+                tok = int(lp.argmax())  # waits for this stream's forward: TTFT ends with the token on the host
                 now = time.perf_counter()
                 rec.prefill_s = now - t1
                 rec.ttft_s = now - t0
@@ -418,6 +433,10 @@ class Engine:
                 t1 = time.perf_counter()
                 if new_chunks:
                     self._scatter(cache, hit_chunks * r.chunk_tokens, new_blocks)
+                    # The Manager reads these pages on its own streams (on a GPU in its own process, beyond
+                    # any stream order) and other workers read them once they are HBM cache entries: they
+                    # must have landed. Also keeps the scatter's time out of decode_s.
+                    self._drain()
                 scatter_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
                 for _ in range(r.output_tokens - 1):
@@ -425,7 +444,6 @@ class Engine:
                     tok = int(lp.argmax())
                     rec.tokens.append(tok)
                     rec.token_logprobs.append(float(lp[tok]))
-                self._sync()
                 rec.decode_s = time.perf_counter() - t1
             if self.client is not None and new_chunks:
                 t1 = time.perf_counter()
@@ -434,11 +452,16 @@ class Engine:
                 rec.saved_chunks = res.chunks_saved
                 rec.save_s = time.perf_counter() - t1 + scatter_s
         except BaseException:
+            # The blocks go back to the pool, where another worker's stream may write them at once: what
+            # this request queued on them must have finished.
+            self._drain()
             with self._lock:
                 for k in pinned:
                     self._cache[k].pins -= 1
                 self._free.extend(own)
             raise
+        # Every page access of this request is complete here (its own, drained above; the Manager's save and
+        # restore, finished before they answered): other workers may take or read these blocks at once.
         with self._lock:
             for k in pinned:
                 self._cache[k].pins -= 1
@@ -457,16 +480,27 @@ class Engine:
             return sum(e.pins for e in self._cache.values())
 
 
-def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int) -> tuple[list[RequestRecord], float]:
-    """Serve ``cohort`` with ``concurrency`` worker threads (arrival order, reuse requests gated on their
-    prefix's first request). Answers the records (by index) and the wall time."""
+def request_streams(device: str, n: int) -> list[Any]:
+    """One CUDA stream per worker (None each on the CPU). Made once per benchmark and reused by every run:
+    no run pays for a stream's first use (its cuBLAS workspace)."""
+    if device == "cpu":
+        return [None] * n
+    torch = _torch()
+    return [torch.cuda.Stream(device=device) for _ in range(n)]
+
+
+def run_requests(engine: Engine, cohort: Sequence[RequestSpec],
+                 streams: Sequence[Any]) -> tuple[list[RequestRecord], float]:
+    """Serve ``cohort`` with one worker thread per stream of ``streams`` (:func:`request_streams`; arrival
+    order, reuse requests gated on their prefix's first request). Answers the records (by index) and the
+    wall time."""
     done = {spec.prefix: threading.Event() for spec in cohort if spec.first}
     queue = collections.deque(cohort)
     qlock = threading.Lock()
     records: dict[int, RequestRecord] = {}
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def worker(stream: Any) -> None:
         while not errors:
             with qlock:
                 if not queue:
@@ -475,7 +509,7 @@ def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int
             try:
                 if spec.prefix is not None and not spec.first:
                     done[spec.prefix].wait()
-                records[spec.index] = engine.serve(spec)
+                records[spec.index] = engine.serve(spec, stream)
             except BaseException as e:  # reported once all workers stopped
                 errors.append(e)
             finally:
@@ -483,7 +517,7 @@ def run_requests(engine: Engine, cohort: Sequence[RequestSpec], concurrency: int
                     done[spec.prefix].set()
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, name=f"cohort-{i}") for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(s,), name=f"cohort-{i}") for i, s in enumerate(streams)]
     for t in threads:
         t.start()
     for t in threads:
@@ -518,6 +552,8 @@ class _Pages:
         else:
             # one allocation per layer, like an engine's per-layer KV tensors
             self.tensors = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(m.layers)]
+            # zeroed on the default stream, which the requests' streams do not wait for
+            torch.cuda.synchronize(device)
 
     def registration(self, recipe: Recipe, codec: str, engine_id: str) -> Any:
         from orbitkv_fs.geometry import EngineRegistration
@@ -669,12 +705,14 @@ def _warm_manager(client: Any, engine_id: str, pages: "_Pages", recipe: Recipe) 
 
 
 def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages: "_Pages", *, codec: str | None,
-               variant: str, device: str, manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm") -> dict[str, Any]:
+               variant: str, device: str, manager_mode: str, ssd_dir: str, streams: Sequence[Any],
+               shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """One run: ``codec`` None is the no-cache recompute control (the engine's HBM prefix cache is off too,
     so every prompt is computed in full); otherwise a fresh Manager with that codec (``variant`` "ssd":
     ``dram_bytes`` DRAM + ``ssd_bytes`` SSD; "dram": ``dram_only_bytes`` DRAM, no SSD). ``pages`` are
     shared by the runs (their content before a run does not matter: a block is written before it is read)
-    and registered afresh with each run's Manager."""
+    and registered afresh with each run's Manager; so are ``streams``, one per worker
+    (``recipe.concurrency`` of them, :func:`request_streams`)."""
     import msgspec
 
     control = codec is None
@@ -700,7 +738,7 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages:
             base = _warm_manager(client, engine_id, pages, rcp)
         engine = Engine(model, rcp, pages.tensors, client=client, engine_id=engine_id,
                         salt=f"random-{recipe.model.name}-seed{recipe.seed}".encode())
-        records, wall = run_requests(engine, cohort, rcp.concurrency)
+        records, wall = run_requests(engine, cohort, streams)
         stats = None
         if client is not None:
             client.unregister(engine_id)
@@ -721,6 +759,9 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
     full_hit = min(prefix_len // recipe.chunk_tokens * recipe.chunk_tokens, recipe.input_tokens - 1)
     total = sum(r.input_tokens for r in records)
     tiers = {t: sum(getattr(r, f"{t}_tokens") for r in records) for t in ("hbm", "dram", "lower", "computed")}
+    forwards = {"one_token_prefill": [r.prefill_s for r in records if r.computed_tokens == 1],
+                "full_prefill": [r.prefill_s for r in records if r.computed_tokens == r.input_tokens],
+                "decode_step": [r.decode_s / (len(r.tokens) - 1) for r in records if len(r.tokens) > 1]}
     out: dict[str, Any] = {
         "codec": codec or "recompute",
         "variant": "control" if codec is None else variant,
@@ -745,6 +786,11 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
                            and r.input_tokens - r.computed_tokens < full_hit),
         "phase_p50_ms": {p: _pct([getattr(r, f"{p}_s") for r in records if r.manager_tokens], 50) * 1e3
                          for p in ("lookup", "restore", "gather", "prefill")},
+        # Forward passes under the run's concurrency, over all its requests: the prefill of a prompt whose
+        # every other token came from a cache (``prefill_s`` of the records with ``computed_tokens`` 1), a
+        # prefill of a whole prompt, and a decode step; the first should cost about as much as the last.
+        "forward_p50_ms": {k: _pct(xs, 50) * 1e3 for k, xs in forwards.items()},
+        "forward_requests": {k: len(forwards[k]) for k in ("one_token_prefill", "full_prefill")},
         # lookup + restore per restored chunk: requests with any SSD-promoted chunk, and DRAM-only ones
         "restore_ms_per_chunk_p50": {
             "ssd": _pct([(r.lookup_s + r.restore_s) / r.manager_chunks for r in records
@@ -940,10 +986,19 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     cohort = build_cohort(recipe)
     model = build_model(recipe.model, device, recipe.seed)
     fwd = _Forward(model)
-    with torch.inference_mode():  # warm the kernels (cuBLAS handles, oneDNN primitives) outside any run
-        cache = _new_cache(model)
-        fwd(torch.as_tensor(cohort[0].tokens, device=device).unsqueeze(0), cache)
-        fwd(torch.tensor([[1]], device=device), cache)
+    streams = request_streams(device, recipe.concurrency)
+    if device != "cpu":
+        torch.cuda.synchronize(device)  # the weights were initialised on the default stream, which the workers' skip
+    # Warm the kernels (cuBLAS handles and per-stream workspaces, oneDNN primitives) outside any run, on every
+    # worker's stream.
+    with torch.inference_mode():
+        for stream in streams if device != "cpu" else streams[:1]:
+            with torch.cuda.stream(stream):
+                cache = _new_cache(model)
+                fwd(torch.as_tensor(cohort[0].tokens, device=device).unsqueeze(0), cache)
+                fwd(torch.tensor([[1]], device=device), cache)
+    if device != "cpu":
+        torch.cuda.synchronize(device)  # the first run must not time the warm-up's tail
     log(f"cohort: {recipe.requests} requests ({recipe.warm_requests} reuse {recipe.prefixes} prefixes), "
         f"{recipe.input_tokens} input tokens, model {recipe.model.name} on {device}")
     # One set of pages for every run: on a GPU, memory exported through CUDA IPC is best not freed and
@@ -951,7 +1006,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     pages = _Pages(recipe, device)
     skipped: dict[str, str] = {}
     try:
-        kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, shm_dir=shm_dir)
+        kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, streams=streams, shm_dir=shm_dir)
         control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
         log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
         runs = [control]
@@ -1025,10 +1080,17 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if served == 0:
             notes.append("no request was served from the Manager (everything recomputed or HBM hits)")
         elif not beats_rc_ttft:
-            notes.append(f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
-                         f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed: lookup "
-                         f"{r['phase_p50_ms']['lookup']:.1f} + restore {r['phase_p50_ms']['restore']:.1f} + gather "
-                         f"{r['phase_p50_ms']['gather']:.1f} ms (p50) cost more than the prefill they replace")
+            ph = r["phase_p50_ms"]
+            note = (f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
+                    f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed; their phases (p50): "
+                    f"lookup {ph['lookup']:.1f} + restore {ph['restore']:.1f} + gather {ph['gather']:.1f} + prefill "
+                    f"of the uncached tokens {ph['prefill']:.1f} ms")
+            fw, fn = r.get("forward_p50_ms"), r.get("forward_requests")
+            if fw and fn["one_token_prefill"]:  # absent from reports made before it was measured
+                note += (f"; a one-token prefill took {fw['one_token_prefill']:.1f} ms p50 ({fn['one_token_prefill']} "
+                         f"requests) against {fw['full_prefill']:.1f} ms for a whole prompt and "
+                         f"{fw['decode_step']:.1f} ms per decode step")
+            notes.append(note)
         if not beats_rc_tput:
             notes.append(f"throughput {r['requests_per_s']:.2f} req/s vs {control['requests_per_s']:.2f} recomputing; "
                          f"saves took {r['save_s_total']:.2f} s in total (encode {m['encode_s']:.2f} s)")
@@ -1107,6 +1169,23 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _forward_table(result: dict[str, Any]) -> list[str]:
+    """The forward passes' p50 per run (runs of reports made before they were measured are left out)."""
+    runs = [r for r in result["runs"] if "forward_p50_ms" in r]
+    if not runs:
+        return []
+    streams = " (each request's GPU work queued and timed on its own CUDA stream)" if result["device"] != "cpu" else ""
+    rows = [f"Forward passes, p50 ms over each run's requests (how many in brackets){streams}: the prefill of a "
+            "prompt whose other tokens all came from a cache, a prefill of a whole prompt, and a decode step.", "",
+            "| variant | codec | one-token prefill | whole-prompt prefill | decode step |", "|" + "---|" * 5]
+    for r in runs:
+        fw, fn = r["forward_p50_ms"], r["forward_requests"]
+        one = f"{fw['one_token_prefill']:.1f} ({fn['one_token_prefill']})" if fn["one_token_prefill"] else "-"
+        rows.append(f"| {r['variant']} | {r['codec']} | {one} | {fw['full_prefill']:.1f} ({fn['full_prefill']}) | "
+                    f"{fw['decode_step']:.1f} |")
+    return rows + [""]
+
+
 def _markdown(result: dict[str, Any]) -> str:
     rc = result["recipe"]
     lines = [f"# Cohort benchmark ({result['device']})", "",
@@ -1128,6 +1207,7 @@ def _markdown(result: dict[str, Any]) -> str:
              "chunk (p50), over requests served from DRAM only and over those with SSD-promoted chunks. Hit rates are fractions of prompt tokens. "
              "Token agreement and max |dlogprob| (first output token, whole vocabulary) are against the "
              "recompute control; `none` gives the noise floor of restoring versus recomputing.", ""]
+    lines += _forward_table(result)
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in result["skipped"].items()), ""]
     lines += ["## Verdicts", ""]
