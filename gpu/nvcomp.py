@@ -147,27 +147,53 @@ class Nvcomp:
         if status != 0:
             raise NvcompError(f"nvCOMP {what} failed: {self.status_name(status)}")
 
+    # The option structs (passed by value, never modified) and the size queries are the same for the same
+    # arguments: they are built or asked once and memoised, so that a batch pays dictionary lookups, not
+    # ctypes calls (the engine's workspace estimate asks for every segment it adds to a batch).
     @staticmethod
+    @functools.cache
     def compress_opts(ans_type: AnsType) -> CompressOpts:
         return CompressOpts(0, NVCOMP_TYPES[AnsType(ans_type)], 0, b"")
 
     @staticmethod
+    @functools.cache
     def decompress_opts(ans_type: AnsType) -> DecompressOpts:
         return DecompressOpts(0, NVCOMP_TYPES[AnsType(ans_type)], 0, b"")
 
     def compress_temp_bytes(self, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
+        return self._memo("ct", num_chunks, max_chunk, total, ans_type)
+
+    def max_compressed_bytes(self, max_chunk: int, ans_type: AnsType) -> int:
+        return self._memo("mx", 0, max_chunk, 0, ans_type)
+
+    def decompress_temp_bytes(self, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
+        return self._memo("dt", num_chunks, max_chunk, total, ans_type)
+
+    def _memo(self, what: str, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
+        key = (what, int(num_chunks), int(max_chunk), int(total), int(ans_type))
+        memo = self.__dict__.setdefault("_sizes", {})
+        got = memo.get(key)
+        if got is None:
+            if len(memo) > 65536:
+                memo.clear()
+            fn = {"ct": self._compress_temp_bytes, "dt": self._decompress_temp_bytes}.get(what)
+            got = fn(*key[1:4], ans_type) if fn else self._max_compressed_bytes(max_chunk, ans_type)
+            memo[key] = got
+        return got
+
+    def _compress_temp_bytes(self, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
         out = _S()
         self._check(self.lib.nvcompBatchedANSCompressGetTempSizeAsync(num_chunks, max_chunk, self.compress_opts(ans_type),
                                                                        ctypes.byref(out), total), "compress temp size")
         return out.value
 
-    def max_compressed_bytes(self, max_chunk: int, ans_type: AnsType) -> int:
+    def _max_compressed_bytes(self, max_chunk: int, ans_type: AnsType) -> int:
         out = _S()
         self._check(self.lib.nvcompBatchedANSCompressGetMaxOutputChunkSize(max_chunk, self.compress_opts(ans_type),
                                                                             ctypes.byref(out)), "max output size")
         return out.value
 
-    def decompress_temp_bytes(self, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
+    def _decompress_temp_bytes(self, num_chunks: int, max_chunk: int, total: int, ans_type: AnsType) -> int:
         out = _S()
         self._check(self.lib.nvcompBatchedANSDecompressGetTempSizeAsync(num_chunks, max_chunk,
                                                                          self.decompress_opts(ans_type),
