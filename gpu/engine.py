@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import cupy as cp
@@ -156,6 +156,22 @@ class _Dec:
     inplace: bool = False  # ... and the kernels read it where it is (else it is copied to ``staged``)
 
 
+@dataclass
+class EncodeJob:
+    """An :meth:`GpuCodecEngine.encode_submit` in progress: its segments (filled as batches finish)."""
+
+    out: list
+    flights: list = field(default_factory=list)
+
+
+@dataclass
+class DecodeJob:
+    """A :meth:`GpuCodecEngine.decode_submit` in progress: its per-segment errors (filled as batches finish)."""
+
+    results: list
+    flights: list = field(default_factory=list)
+
+
 class WorkspaceTooSmall(CodecError):
     """A batch needs more device memory than the worker's budget allows."""
 
@@ -222,15 +238,31 @@ class _Layout:
         return off
 
 
+@dataclass(eq=False)
+class _Flight:
+    """A batch launched on a worker's stream and not yet finished: its workspace extent, the upload
+    buffer it was staged in, the event after its last copy, and the host work that completes it."""
+
+    start: int
+    end: int
+    upload: int
+    event: Any
+    finish: Callable[[], None]
+
+
 class Worker:
-    """A stream, a workspace, a pinned upload buffer and counters; one batch at a time."""
+    """A stream, a workspace, two pinned upload buffers and counters. Up to two batches are in flight:
+    the next one is launched (into the other part of the workspace, from the other upload buffer) before
+    the host finishes the previous one, so that the host's work overlaps the GPU's and the copies."""
 
     def __init__(self, name: str, budget: int) -> None:
         self.name = name
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.ws = Workspace(budget, self.stream)
-        self.upload = _Pinned()
-        self.tables = _Pinned()  # block-copy tables: their own buffer, as an upload may still be reading it
+        self.uploads = (_Pinned(), _Pinned())
+        self.inflight: list[_Flight] = []  # oldest first
+        self.tables = _Pinned()  # block-copy tables: their own buffers, not shared with a batch in flight
+        self.tables_dev: "cp.ndarray | None" = None
         self.tables_sent: "cp.cuda.Event | None" = None
         self.lock = threading.Lock()
         self.stats: Counter[str] = Counter()
@@ -258,26 +290,81 @@ class Worker:
     def launch(self, k: km.Kernels, name: str, segs: int, nsegs: int, total: int, meta: int, table=None) -> None:
         self.stats["launches"] += km.launch(k, name, segs, nsegs, total, meta, self.stream, table)
 
-    def copy_blocks(self, k: km.Kernels, table: np.ndarray) -> None:
-        """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows). The table goes up through
-        the head of the workspace, which the next batch's upload overwrites only after this kernel (same
-        stream), from a pinned buffer whose previous upload must have left it first."""
-        if not len(table):
+    # -- batches in flight (the caller holds the lock) -----------------------------------------------
+    def place(self, nbytes: int) -> "tuple[int, _Pinned]":
+        """Workspace address and pinned upload buffer (``_Pinned``) for a new batch of ``nbytes``: beside the
+        batch still in flight when both fit in the workspace, else after finishing it (the workspace may
+        then grow, which needs nothing in flight)."""
+        while len(self.inflight) > 1:
+            self.finish(self.inflight[0])
+        if self.inflight:
+            f = self.inflight[0]
+            if nbytes <= f.start:
+                return self.ws.ptr, self.uploads[1 - f.upload]
+            at = _up(f.end, 1 << 16)
+            if at + nbytes <= self.ws.size:
+                return self.ws.ptr + at, self.uploads[1 - f.upload]
+            self.finish(f)
+            if at + nbytes <= self.ws.budget:  # grow now so that the next pair fits side by side
+                return self.ws.reserve(at + nbytes), self.uploads[0]
+        return self.ws.reserve(nbytes), self.uploads[0]
+
+    def drop(self, flights: "Sequence[_Flight]") -> None:
+        """Drain the stream and forget these batches without their host part (a failed submit: nothing
+        of it, queued or half-queued, may still write into buffers the caller is about to give back)."""
+        self.sync()
+        for f in flights:
+            if f in self.inflight:
+                self.inflight.remove(f)
+
+    def launched(self, base: int, nbytes: int, upload: "_Pinned", finish: Callable[[], None]) -> _Flight:
+        """Record a batch just queued (at ``base``, staged in ``upload``) as in flight; returns it."""
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(self.stream)
+        start = base - self.ws.ptr
+        f = _Flight(start, start + nbytes, self.uploads.index(upload), ev, finish)
+        self.inflight.append(f)
+        return f
+
+    def finish(self, f: _Flight) -> None:
+        """Wait for a batch in flight and run its host part (idempotent)."""
+        if f not in self.inflight:
             return
+        f.event.synchronize()
+        self.stats["syncs"] += 1
+        self.inflight.remove(f)
+        f.finish()
+
+    def finish_all(self) -> None:
+        while self.inflight:
+            self.finish(self.inflight[0])
+
+    def copy_blocks(self, k: km.Kernels, table: np.ndarray) -> Any:
+        """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows); returns the event after it.
+        The table goes up into a device buffer of its own (batches in flight keep their workspace), from
+        a pinned buffer whose previous upload must have left it first."""
         if self.tables_sent is not None:
             self.tables_sent.synchronize()
         host = self.tables.get(table.nbytes)
         host[:] = table.view(np.uint8)
-        dev = self.ws.reserve(table.nbytes)
+        if self.tables_dev is None or self.tables_dev.nbytes < table.nbytes:
+            with self.stream:  # freed into this stream's pool: reused only after the kernels reading it
+                self.tables_dev = cp.empty(_up(table.nbytes, 1 << 16), dtype=cp.uint8)
+        dev = int(self.tables_dev.data.ptr)
         self.h2d(dev, host)
         self.tables_sent = cp.cuda.Event(disable_timing=True)
         self.tables_sent.record(self.stream)
         self.stats["launches"] += km.launch_copy_blocks(k, dev, len(table), self.stream)
         self.stats["block_copies"] += len(table)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return done
 
     def close(self) -> None:
         with self.lock:
+            self.finish_all()
             self.ws.release()
+            self.tables_dev = None
 
 
 def _descs(rows: list[dict]) -> np.ndarray:
@@ -361,18 +448,15 @@ class GpuCodecEngine:
             w.wait_for_current()
             w.copy_blocks(self._kernels, table)
 
-    def scatter_blocks(self, table: np.ndarray) -> None:
-        """Copy ``table`` 's blocks on the restore worker's stream, after the decodes that filled their
-        sources (same stream); the blocks are written when this returns (an engine may read its pages
-        as soon as the Manager answers, from any stream)."""
+    def scatter_blocks(self, table: np.ndarray) -> Any:
+        """Queue the copies of ``table`` 's blocks on the restore worker's stream, after the decodes that
+        filled their sources (same stream). Returns a CUDA event: the blocks are written once it has
+        completed (synchronise it before an engine may read its pages)."""
         if table.dtype != km.BLOCK_COPY_DTYPE:
             raise CodecError(f"block table must have dtype BLOCK_COPY_DTYPE, not {table.dtype}")
         w = self.restore
         with w.lock:
-            w.copy_blocks(self._kernels, table)
-            done = cp.cuda.Event(disable_timing=True)
-            done.record(w.stream)
-        done.synchronize()  # outside the lock: another thread's batch may queue meanwhile
+            return w.copy_blocks(self._kernels, table)
 
     # -- encode --------------------------------------------------------------------------------
     def _classify(self, i: int, it: EncodeItem) -> _Enc:
@@ -489,35 +573,58 @@ class GpuCodecEngine:
         fallbacks: CPU-encoded segments and raw fallbacks exist only on the host) as a 1-D cupy uint8 view
         of the workspace, header and payload exactly as in the returned bytes (the headers are copied up
         for it, one 64-byte copy each). It is called once the batch's stream work is complete, and the
-        view is reused by the next batch: the sink must be done with it when it returns (a synchronous
+        view is reused by a later batch: the sink must be done with it when it returns (a synchronous
         write, or a device-to-device copy it has synchronised).
+
+        Same as :meth:`encode_collect` of :meth:`encode_submit`.
         """
+        return self.encode_collect(self.encode_submit(items, out_region=out_region, slot_align=slot_align,
+                                                      device_sink=device_sink))
+
+    def encode_submit(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
+                      slot_align: int = SLOT_ALIGN,
+                      device_sink: "Callable[[int, Any], None] | None" = None) -> "EncodeJob":
+        """Start encoding ``items`` (arguments as :meth:`encode_batch`): the GPU batches are queued and the
+        last one is left running, so that the caller can prepare (gather, submit) the next request's
+        batch before :meth:`encode_collect` waits for this one. Sources must stay untouched until then."""
         plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
-        out: "list[memoryview | bytes | None]" = [None] * len(plans)
+        job = EncodeJob([None] * len(plans))
         w = self.save
         with w.lock:
             w.wait_for_current()
-            gpu: list[_Enc] = []
-            ans: list[_Enc] = []
-            slots = 0
-            for p in plans:
-                slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
-                pa = [p] if p.kind == "ans" else []
-                if p.kind == "host" or self._enc_estimate(1, slot, pa, slot_align) > self.budget_bytes:
-                    if p.kind != "host":
-                        w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
-                    out[p.i] = self._host_encode(p)
-                    continue
-                if (len(gpu) == MAX_BATCH
-                        or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
-                    self._run_encode(gpu, out, out_region, slot_align, device_sink)
-                    gpu, ans, slots = [], [], 0
-                gpu.append(p)
-                ans += pa
-                slots += slot
-            if gpu:
-                self._run_encode(gpu, out, out_region, slot_align, device_sink)
-        return out  # type: ignore[return-value]
+            try:
+                gpu: list[_Enc] = []
+                ans: list[_Enc] = []
+                slots = 0
+                for p in plans:
+                    slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
+                    pa = [p] if p.kind == "ans" else []
+                    if p.kind == "host" or self._enc_estimate(1, slot, pa, slot_align) > self.budget_bytes:
+                        if p.kind != "host":
+                            w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
+                        job.out[p.i] = self._host_encode(p)
+                        continue
+                    if (len(gpu) == MAX_BATCH
+                            or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
+                        job.flights.append(self._run_encode(gpu, job.out, out_region, slot_align, device_sink))
+                        gpu, ans, slots = [], [], 0
+                    gpu.append(p)
+                    ans += pa
+                    slots += slot
+                if gpu:
+                    job.flights.append(self._run_encode(gpu, job.out, out_region, slot_align, device_sink))
+            except BaseException:  # nothing of this call may run on into buffers the caller reclaims
+                w.drop(job.flights)
+                raise
+        return job
+
+    def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
+        """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
+        w = self.save
+        with w.lock:
+            for f in job.flights:
+                w.finish(f)
+        return job.out  # type: ignore[return-value]
 
     def _host_source(self, p: _Enc) -> np.ndarray:
         arr = p.item.array
@@ -536,7 +643,9 @@ class GpuCodecEngine:
         return encode_segment(x, codec, role=p.role, layer=p.layer)
 
     def _run_encode(self, plans: list[_Enc], out: list, out_region: "Callable[[int], np.ndarray | None] | None",
-                    align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> None:
+                    align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> _Flight:
+        """Queue one encode batch (upload, kernels, download into ``out_region``) into the workspace beside
+        the batch in flight; its host part runs when the flight is finished."""
         w, k = self.save, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -547,14 +656,14 @@ class GpuCodecEngine:
             chunk += p.nch
         temp = self._ans_temp(plans)
         off, total = self._enc_layout(plans, temp, align)
-        base = w.ws.reserve(total)
+        base, upload = w.place(total)
         region = base + off["meta"]
         # descriptors: fp8 | tq | crc (raw copies, tq outputs, ans outputs)
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
         crc = [p for p in plans if p.kind in ("raw", "tq", "ans")]
         rows_out: list[dict] = []
-        up = w.upload.get(off["pay_len"] + 8 * max(len(ans), 1))
+        up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
         row = 0
         groups: list[tuple[str, int, int]] = []  # kernel, first row, rows
@@ -650,9 +759,16 @@ class GpuCodecEngine:
         if host is None:
             host = _pinned_array(region_len)
         w.d2h(host, region)
-        w.sync()
         w.stats["batches"] += 1
         w.stats["segments"] += len(plans)
+        return w.launched(base, total, upload, lambda: self._finish_encode(plans, out, off, host, region, region_len,
+                                                                            ans, ans_index, device_sink))
+
+    def _finish_encode(self, plans: list[_Enc], out: list, off: dict[str, int], host: np.ndarray, region: int,
+                       region_len: int, ans: list[_Enc], ans_index: dict[int, int],
+                       device_sink: "Callable[[int, Any], None] | None") -> None:
+        """The host part of an encode batch whose stream work has completed: statuses, CRC32Cs, headers."""
+        w = self.save
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off = off["pay_len"] - off["meta"]
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
@@ -855,36 +971,58 @@ class GpuCodecEngine:
         A segment may also be a 1-D cupy uint8 array in device memory (header + payload, e.g. a record
         the SSD tier read with cuFile): its header (and an ANS chunk table) comes to the host in one small
         copy, its payload is CRC-checked and decoded on the device where it lies, with no host bounce.
+
+        Same as :meth:`decode_collect` of :meth:`decode_submit`.
         """
+        return self.decode_collect(self.decode_submit(segments, destinations, pinned=pinned))
+
+    def decode_submit(self, segments: Sequence[Any], destinations: Sequence[Any], *,
+                      pinned: "Sequence[bool] | None" = None) -> DecodeJob:
+        """Start decoding (arguments as :meth:`decode_batch`): the GPU batches are queued and the last one
+        is left running, so that the caller can submit its next batch before :meth:`decode_collect` waits
+        for this one. Segments (host bytes) and destinations must stay untouched until then."""
         if len(segments) != len(destinations):
             raise CodecError(f"{len(segments)} segments but {len(destinations)} destinations")
-        results: "list[OrbitKVError | None]" = [None] * len(segments)
+        job = DecodeJob([None] * len(segments))
+        results = job.results
         w = self.restore
         with w.lock:
             w.wait_for_current()
-            gpu: list[_Dec] = []
-            ans: list[_Dec] = []
-            staged = 0
-            heads = self._device_heads(segments)
-            for i, (seg, dst) in enumerate(zip(segments, destinations)):
-                p = self._dec_plan(i, seg, dst, heads.get(i))
-                if isinstance(p, OrbitKVError):
-                    results[i] = p
-                    continue
-                st = self._dec_staged(p)
-                pa = [p] if p.kind == "ans" else []
-                if self._dec_estimate(1, st, pa) > self.budget_bytes:
-                    results[i] = self._host_decode(p)
-                    continue
-                if len(gpu) == MAX_BATCH or self._dec_estimate(len(gpu) + 1, staged + st, ans + pa) > self.budget_bytes:
-                    self._run_decode(gpu, results, pinned)
-                    gpu, ans, staged = [], [], 0
-                gpu.append(p)
-                ans += pa
-                staged += st
-            if gpu:
-                self._run_decode(gpu, results, pinned)
-        return results
+            try:
+                gpu: list[_Dec] = []
+                ans: list[_Dec] = []
+                staged = 0
+                heads = self._device_heads(segments)
+                for i, (seg, dst) in enumerate(zip(segments, destinations)):
+                    p = self._dec_plan(i, seg, dst, heads.get(i))
+                    if isinstance(p, OrbitKVError):
+                        results[i] = p
+                        continue
+                    st = self._dec_staged(p)
+                    pa = [p] if p.kind == "ans" else []
+                    if self._dec_estimate(1, st, pa) > self.budget_bytes:
+                        results[i] = self._host_decode(p)
+                        continue
+                    if len(gpu) == MAX_BATCH or self._dec_estimate(len(gpu) + 1, staged + st, ans + pa) > self.budget_bytes:
+                        job.flights.append(self._run_decode(gpu, results, pinned))
+                        gpu, ans, staged = [], [], 0
+                    gpu.append(p)
+                    ans += pa
+                    staged += st
+                if gpu:
+                    job.flights.append(self._run_decode(gpu, results, pinned))
+            except BaseException:  # nothing of this call may run on into buffers the caller reclaims
+                w.drop(job.flights)
+                raise
+        return job
+
+    def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
+        """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""
+        w = self.restore
+        with w.lock:
+            for f in job.flights:
+                w.finish(f)
+        return job.results
 
     def _host_decode(self, p: _Dec) -> "OrbitKVError | None":
         from orbitkv_fs.segment import crc32c
@@ -910,7 +1048,9 @@ class GpuCodecEngine:
             w.sync()
         return None
 
-    def _run_decode(self, plans: list[_Dec], results: list, pinned: "Sequence[bool] | None") -> None:
+    def _run_decode(self, plans: list[_Dec], results: list, pinned: "Sequence[bool] | None") -> _Flight:
+        """Queue one decode batch (upload, CRC32C, decode kernels, status download) into the workspace
+        beside the batch in flight; its verdicts are made when the flight is finished."""
         w, k = self.restore, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -920,9 +1060,9 @@ class GpuCodecEngine:
             p.ans_index, p.chunk0 = j, chunks
             chunks += int(p.sizes.size)
         off, upload_len, total = self._dec_layout(plans)
-        base = w.ws.reserve(total)
+        base, upload = w.place(total)
         meta_ptr = base + off["meta"]
-        up = w.upload.get(upload_len)
+        up = upload.get(upload_len)
         up[off["meta"]:off["down_end"]] = 0
         direct = {p.i for p in plans if pinned is not None and pinned[p.i] and not p.dev}
         for p in plans:
@@ -1016,9 +1156,14 @@ class GpuCodecEngine:
             w.launch(k, "okv_copy_checked", segs + first * size, count, blocks, meta_ptr)
         host = _pinned_array(off["down_end"] - off["meta"])
         w.d2h(host, meta_ptr)
-        w.sync()
         w.stats["batches"] += 1
         w.stats["segments"] += len(plans)
+        return w.launched(base, total, upload,
+                          lambda: self._finish_decode(plans, results, off, host, expect, chunks))
+
+    def _finish_decode(self, plans: list[_Dec], results: list, off: dict[str, int], host: np.ndarray,
+                       expect: np.ndarray, chunks: int) -> None:
+        """The host part of a decode batch whose stream work has completed: a verdict per segment."""
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
         actual = host[a_off:a_off + 8 * chunks].view("<u8")

@@ -75,7 +75,6 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -202,11 +201,6 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     device: str = "auto"
     #: Segments encoded per codec batch.
     batch_segments: int = 64
-    #: GPU codec lanes (``--codec-lanes``): the batches of one save or restore run on this many threads
-    #: at once, each lane with GPU codec engine workers of its own (streams and workspaces: up to
-    #: 2 x lanes x ``storage_codec_budget`` of device memory), so that one batch's host work overlaps
-    #: another's transfers. 1: one batch at a time. Host codecs ignore it.
-    codec_lanes: int = 2
     #: Speculative SSD prefetch (``--ssd-prefetch-chunks``, ``--ssd-prefetch-bytes``): after a lookup or
     #: restore hits SSD-resident chunks of a prefix, up to this many following chunks of the prefix (and
     #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.
@@ -663,8 +657,6 @@ class Manager:
             raise ValueError("engine_check_interval must be >= 0")
         if config.lease_ttl < 0:
             raise ValueError("lease_ttl must be >= 0")
-        if not 1 <= config.codec_lanes <= 16:
-            raise ValueError("codec_lanes must be within 1..16")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -672,10 +664,6 @@ class Manager:
                 self._gpu_codecs = _GpuCodecs(config.storage_codec_budget)
             except ImportError as e:  # a GPU without the gpu extra: pinned arena, host codecs
                 log.warning("GPU present but the GPU codec engine is unavailable (%s); using host codecs", e)
-        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
-        if self._gpu_codecs is not None and config.codec_lanes > 1:
-            self._lanes = concurrent.futures.ThreadPoolExecutor(
-                config.codec_lanes, thread_name_prefix="orbitkv-lane", initializer=self._gpu_codecs.take_lane)
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
@@ -1161,7 +1149,7 @@ class Manager:
                     if not self.dram.contains(kb):
                         todo.append((ch, seg, kb))
             acc = _SaveAcc()
-            budget = self._config.storage_codec_budget
+            budget = self._batch_budget()
             batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
             batch_bytes = 0
             # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
@@ -1179,8 +1167,7 @@ class Manager:
                     batch, batch_bytes = [], 0
             if batch:
                 batches.append(batch)
-            for part in self._on_lanes(lambda b: self._save_batch(eng, b), batches):
-                acc.merge(part)
+            self._save_batches(eng, batches, acc)
             for ch, _, kb in todo:
                 if kb in acc.admitted:
                     saved_chunks.add(ch.key)
@@ -1225,57 +1212,103 @@ class Manager:
                 acc.raw[reason] = acc.raw.get(reason, 0) + 1
                 self._count(self._raw, reason)
 
-    def _on_lanes(self, fn, batches: list) -> list:
-        """``fn(batch)`` of every batch, in order; on the codec lanes when there are several batches and
-        lanes (every batch has ended, failed or not, before this returns or raises)."""
-        if self._lanes is None or len(batches) < 2:
-            return [fn(b) for b in batches]
-        futures = [self._lanes.submit(fn, b) for b in batches]
-        concurrent.futures.wait(futures)
-        return [f.result() for f in futures]
+    def _batch_budget(self) -> int:
+        """Source bytes of one codec batch. With the GPU engine two batches share its workspace (one
+        running while the host finishes the previous one), so each takes half of it."""
+        budget = self._config.storage_codec_budget
+        return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
-    def _save_batch(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveAcc":
-        acc = _SaveAcc()
+    def _save_batches(self, eng: _Engine, batches: list[list[tuple[ChunkBlocks, _Seg, bytes]]],
+                      acc: "_SaveAcc") -> None:
+        """Encode and admit ``batches`` in order, pipelined: batch i+1 is gathered and queued on the GPU
+        before the host waits for batch i and publishes its segments."""
+        pending: _SaveBatch | None = None
+        try:
+            for batch in batches:
+                started = self._save_submit(eng, batch)
+                if pending is not None:
+                    done, pending = pending, None
+                    self._save_finish(eng, done, acc)
+                pending = started
+            if pending is not None:
+                done, pending = pending, None
+                self._save_finish(eng, done, acc)
+        except BaseException:
+            if pending is not None:  # let its GPU work end before its arena extents go back to the pool
+                self._save_abort(pending)
+            raise
+
+    def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
+        """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
+        done here with the host codecs."""
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
+        sb = _SaveBatch(batch)
+        if gpu is not None:
+            sb.engine = engine = gpu.engine(eng.reg.rotation_seed)
         if on_device:
-            seed = eng.reg.rotation_seed
-            engine = gpu.engine(seed)
-            srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
-                                 lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
+            sb.srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
+                                    lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
         else:
-            srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
-        ws = sum(s.nbytes for s in srcs)
-        self._workspace_delta(ws)
-        regions: list[tuple[int, int]] = []  # arena extents the GPU engine wrote segments into
+            sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
+        sb.ws = sum(x.nbytes for x in sb.srcs)
+        self._workspace_delta(sb.ws)
 
         def arena_region(nbytes: int) -> np.ndarray | None:
             off = self.dram.reserve(nbytes)
             if off is None:
                 return None
-            regions.append((off, units_of(nbytes) * UNIT))
+            sb.regions.append((off, units_of(nbytes) * UNIT))
             return self.dram.view(off, nbytes)
 
-        sink, direct = self._ssd_direct_sink(eng, batch)
+        sink, sb.direct = self._ssd_direct_sink(eng, batch)
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             if gpu is not None:
-                blobs = gpu.encode([(x, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, seg.dtype,
-                                     seg.raw_reason) for x, (_, seg, _) in zip(srcs, batch)], eng.reg.rotation_seed,
-                                   out_region=arena_region if self.dram.arena.pinned else None, device_sink=sink)
+                sb.job = engine.encode_submit(
+                    [gpu.item(x, seg) for x, (_, seg, _) in zip(sb.srcs, batch)],
+                    out_region=arena_region if self.dram.arena.pinned else None, slot_align=UNIT, device_sink=sink)
             else:
-                blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
-                         for x, (_, seg, _) in zip(srcs, batch)]
-            self._add(encode_seconds=time.perf_counter() - t0, codec_batches=1, ssd_direct_writes=len(direct))
+                sb.blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
+                            for x, (_, seg, _) in zip(sb.srcs, batch)]
         except BaseException:
-            for off, n in regions:
-                self.dram.cancel(off, n)
+            self._save_abort(sb)
             raise
+        sb.seconds = time.perf_counter() - t0
+        return sb
+
+    def _save_abort(self, sb: "_SaveBatch") -> None:
+        """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
+        try:
+            if sb.job is not None:
+                sb.engine.encode_collect(sb.job)
+        except Exception:  # already failing: the first error is the one reported
+            pass
         finally:
-            self._workspace_delta(-ws)
-            del srcs
+            for off, n in sb.regions:
+                self.dram.cancel(off, n)
+            sb.regions.clear()
+            self._workspace_delta(-sb.ws)
+            sb.ws = 0
+            sb.srcs = []
+
+    def _save_finish(self, eng: _Engine, sb: "_SaveBatch", acc: "_SaveAcc") -> None:
+        """Wait for a submitted batch and admit its segments to DRAM (or hand them to the lower tier)."""
+        t0 = time.perf_counter()
+        try:
+            blobs = sb.blobs if sb.job is None else sb.engine.encode_collect(sb.job)
+        except BaseException:
+            sb.job = None
+            self._save_abort(sb)
+            raise
+        self._add(encode_seconds=sb.seconds + time.perf_counter() - t0, codec_batches=1,
+                  ssd_direct_writes=len(sb.direct))
+        self._workspace_delta(-sb.ws)
+        sb.ws = 0
+        sb.srcs = []
+        regions = sb.regions
         used: list[tuple[int, int]] = []  # arena extents published in place
-        for (ch, seg, kb), blob in zip(batch, blobs):
+        for (ch, seg, kb), blob in zip(sb.batch, blobs):
             h = parse_header(blob)
             rep = _REP_NAMES[int(h.format)]
             self._count(self._codec_segments, rep)
@@ -1296,7 +1329,7 @@ class Manager:
                 acc.admit(kb, h.original_length, len(blob))
         for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
             self.dram.cancel(off, n)
-        return acc
+        regions.clear()
 
     def _ssd_direct(self, eng: _Engine) -> bool:
         """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
@@ -1563,7 +1596,7 @@ class Manager:
 
     def _restore_batches(self, items: list, nbytes) -> Iterator[list]:
         """``items`` in batches of at most ``batch_segments`` and the codec budget (one item may exceed it)."""
-        budget = self._config.storage_codec_budget
+        budget = self._batch_budget()
         batch: list = []
         size = 0
         for it in items:
@@ -1577,33 +1610,72 @@ class Manager:
             yield batch
 
     def _decode_gpu(self, items: list) -> list:
-        """Coded segments through the GPU codec engine, one ``decode_batch`` per batch (and rotation
-        seed). Answers ``(ci, seg, ch, h, error or None)`` per item; copies into GPU blocks are queued on
-        the current stream (the caller synchronises it)."""
+        """Coded segments through the GPU codec engine, in batches (per rotation seed). Answers
+        ``(ci, seg, ch, h, error or None)`` per item; the GPU blocks are written when this returns, except
+        those of irregular layouts, queued on the current stream (the caller synchronises it)."""
         out = []
         by_seed: dict[int, list] = {}
         for it in items:
             by_seed.setdefault(it[3].rotation_seed, []).append(it)
-        def run(job: tuple[int, list]) -> list:
-            seed, batch = job
-            ws = sum(h.original_length for _, _, _, h, _ in batch)
-            self._workspace_delta(ws)
-            t0 = time.perf_counter()
-            try:
-                errs = self._gpu_codecs.decode_into_many([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch],
-                                                         seed, [self._pinned(blob) for *_, blob in batch])
-            except Exception as e:  # the engine failed as a whole: every segment of the batch misses
-                errs = [e] * len(batch)
-            finally:
-                self._workspace_delta(-ws)
-            self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
-            return [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)]
-
         jobs = [(seed, batch) for seed, group in by_seed.items()
                 for batch in self._restore_batches(group, lambda it: it[3].original_length)]
-        for part in self._on_lanes(run, jobs):
-            out += part
+        # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
+        # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
+        # to that stream's pool, so only later work on the stream reuses it.
+        pending: tuple | None = None
+        last = None
+        try:
+            for seed, batch in jobs:
+                started = self._decode_start(seed, batch)
+                if pending is not None:
+                    done, pending = pending, None
+                    part, ev = self._decode_end(*done)
+                    out += part
+                    last = ev or last
+                pending = started
+            if pending is not None:
+                done, pending = pending, None
+                part, ev = self._decode_end(*done)
+                out += part
+                last = ev or last
+        except BaseException:
+            if pending is not None:
+                try:
+                    self._decode_end(*pending)
+                except Exception:  # already failing: the first error is the one reported
+                    pass
+            raise
+        finally:
+            if last is not None:
+                last.synchronize()  # every block copy queued so far has run (one stream, in order)
         return out
+
+    def _decode_start(self, seed: int, batch: list) -> tuple:
+        ws = sum(h.original_length for _, _, _, h, _ in batch)
+        self._workspace_delta(ws)
+        t0 = time.perf_counter()
+        try:
+            db = self._gpu_codecs.decode_submit([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch], seed,
+                                                [self._pinned(blob) for *_, blob in batch])
+        except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+            db = e
+        return batch, db, ws, time.perf_counter() - t0
+
+    def _decode_end(self, batch: list, db, ws: int, seconds: float) -> tuple[list, object]:
+        t0 = time.perf_counter()
+        ev = None
+        try:
+            if isinstance(db, Exception):
+                errs = [db] * len(batch)
+            else:
+                try:
+                    errs, ev = self._gpu_codecs.decode_finish(db)
+                except Exception as e:
+                    errs = [e] * len(batch)
+        finally:
+            self._workspace_delta(-ws)
+        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(batch))
+        return [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)], ev
 
     def _restore_ssd_device(self, eng: _Engine, items: list[tuple[int, _Seg, ChunkBlocks, bytes]],
                             bad: dict[int, str], reasons: dict[bytes, str]) -> tuple[list, set[bytes]]:
@@ -2074,8 +2146,6 @@ class Manager:
             self._leases.clear()
         for lease in leases:
             self._drop_lease(lease)
-        if self._lanes is not None:  # unregistering waited for every request, so no batch is running
-            self._lanes.shutdown(wait=True)
         if self.lower is not None:
             self.lower.close()
         if self._gpu_codecs is not None:
@@ -2135,14 +2205,37 @@ class _SaveAcc:
         self.logical += logical
         self.stored += stored
 
-    def merge(self, other: "_SaveAcc") -> None:
-        """Add a batch's tally (batches on codec lanes keep their own)."""
-        self.admitted |= other.admitted
-        self.logical += other.logical
-        self.stored += other.stored
-        self.dropped += other.dropped
-        for r, n in other.raw.items():
-            self.raw[r] = self.raw.get(r, 0) + n
+
+
+class _DecodeBatch:
+    """One restore batch between :meth:`_GpuCodecs.decode_submit` and :meth:`_GpuCodecs.decode_finish`."""
+
+    __slots__ = ("engine", "items", "staged", "temp", "dsts", "job")
+
+    def __init__(self, engine, items: list) -> None:
+        self.engine = engine
+        self.items = items
+        self.staged: list[tuple[int, int]] = []  # (item, offset in temp): decoded there, then copied to blocks
+        self.temp = None  # device buffer on the restore stream: alive until the block copies have run
+        self.dsts: list = []
+        self.job = None
+
+
+class _SaveBatch:
+    """One save batch between :meth:`Manager._save_submit` and :meth:`Manager._save_finish`."""
+
+    __slots__ = ("batch", "srcs", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
+
+    def __init__(self, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> None:
+        self.batch = batch
+        self.srcs: list = []  # gathered sources: kept alive until the GPU has read them
+        self.ws = 0  # workspace bytes counted for it
+        self.regions: list[tuple[int, int]] = []  # arena extents the GPU engine writes segments into
+        self.direct: set[int] = set()  # batch indices written to the SSD from device memory
+        self.engine = None  # the GPU codec engine ...
+        self.job = None  # ... and its EncodeJob
+        self.blobs: list = []  # host codecs: the segments
+        self.seconds = 0.0
 
 
 class _GpuCodecs:
@@ -2156,68 +2249,65 @@ class _GpuCodecs:
         self._item = EncodeItem
         self._cls = GpuCodecEngine
         self._budget = budget
-        self._engines: dict[tuple[int, int], object] = {}
+        self._engines: dict[int, object] = {}
         self._lock = threading.Lock()
-        self._lane = threading.local()
-        self._lane_ids = itertools.count(1)
-
-    def take_lane(self) -> None:
-        """Give the calling thread (a codec lane of the Manager) engines of its own; other threads share lane 0."""
-        self._lane.id = next(self._lane_ids)
 
     def engine(self, seed: int):
-        """The calling thread's lane's engine of rotation seed ``seed`` (made on first use). Lanes never wait
-        on each other's streams or workspaces; within a lane the engine serialises its batches."""
-        key = (seed, getattr(self._lane, "id", 0))
+        """The engine of rotation seed ``seed`` (made on first use)."""
         with self._lock:
-            e = self._engines.get(key)
+            e = self._engines.get(seed)
             if e is None:
-                e = self._engines[key] = self._cls(budget_bytes=self._budget, seed=seed)
+                e = self._engines[seed] = self._cls(budget_bytes=self._budget, seed=seed)
             return e
 
-    def encode(self, items: list[tuple[object, str, Role, int, np.dtype, RawReason]], seed: int, *,
-               out_region=None, device_sink=None) -> list:
-        """Segments of ``items``; with ``out_region`` (see ``encode_batch``) they land in the arena, each at a
-        multiple of the arena's allocation unit; ``device_sink`` gets the GPU-encoded ones' device bytes."""
-        return self.engine(seed).encode_batch([self._item(a, c, r, l, dtype=d, raw_reason=why)
-                                                for a, c, r, l, d, why in items],
-                                               out_region=out_region, slot_align=UNIT, device_sink=device_sink)
+    def item(self, array, seg: _Seg):
+        """The engine's encode item for ``array`` (a gathered segment source) of ``seg``."""
+        return self._item(array, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, dtype=seg.dtype,
+                          raw_reason=seg.raw_reason)
+
 
     def decode_device(self, segments: list, destinations: list, seed: int) -> list:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
         return self.engine(seed).decode_batch(segments, destinations)
 
-    def decode_into_many(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
-                         pinned: Sequence[bool] | None = None) -> list:
-        """Decode ``(seg, blocks, segment bytes)`` items with one ``decode_batch`` and scatter each into
-        its chunk's blocks; the error (or None) per item. Blocks are written when this returns, except
-        those of irregular GPU layouts, copied by cupy on the current stream (the caller synchronises it).
-        ``pinned[i]``: item i's bytes are in pinned memory (the arena) and go to the GPU from there."""
+    def decode_submit(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
+                      pinned: Sequence[bool] | None = None) -> "_DecodeBatch":
+        """Start decoding ``(seg, blocks, segment bytes)`` items with one ``decode_submit``; :meth:`decode_finish`
+        then scatters them into their chunks' blocks. ``pinned[i]``: item i's bytes are in pinned memory
+        (the arena) and go to the GPU from there."""
         # A chunk whose blocks are one contiguous stretch of GPU pages is decoded straight into them (the
         # engine leaves a destination untouched when its segment fails the CRC32C check). The others land
         # in slices of one temporary and go to their blocks with one block-copy launch for the batch
-        # (GPU pages), or a copy per segment kind (host pages, irregular layouts).
+        # (GPU pages), or a copy per segment (host pages, irregular layouts).
         engine = self.engine(seed)
+        db = _DecodeBatch(engine, items)
         dsts: list = [None] * len(items)
-        staged: list[tuple[int, int]] = []  # (item, offset in the temporary)
         size = 0
         for i, (seg, blocks, _) in enumerate(items):
             dsts[i] = _device_run(seg, blocks)
             if dsts[i] is None:
-                staged.append((i, size))
+                db.staged.append((i, size))
                 size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
-        addr = 0
-        if staged:
-            temp = engine.block_buffer(size, restore=True)
-            addr = int(temp.data.ptr)
-            for i, pos in staged:
+        if db.staged:
+            db.temp = engine.block_buffer(size, restore=True)
+            for i, pos in db.staged:
                 seg, blocks, _ = items[i]
-                dsts[i] = temp[pos:pos + len(blocks) * seg.block_bytes].view(cupy_dtype(seg.dtype)).reshape(
+                dsts[i] = db.temp[pos:pos + len(blocks) * seg.block_bytes].view(cupy_dtype(seg.dtype)).reshape(
                     (len(blocks),) + seg.block_shape)
-        errs: list = list(engine.decode_batch([blob for _, _, blob in items], dsts, pinned=pinned))
+        db.dsts = dsts
+        db.job = engine.decode_submit([blob for _, _, blob in items], dsts, pinned=pinned)
+        return db
+
+    def decode_finish(self, db: "_DecodeBatch") -> tuple[list, object]:
+        """Wait for a submitted decode and queue each decoded item's copy into its blocks: the error (or None)
+        per item, and the CUDA event after the block copies (None when none were queued). Host pages and
+        irregular GPU layouts are written here (the latter by cupy on the current stream, which the caller
+        synchronises)."""
+        errs: list = list(db.engine.decode_collect(db.job))
         kernel: list[tuple[_Seg, list[int], int]] = []
-        for i, pos in staged:
-            seg, blocks, _ = items[i]
+        addr = int(db.temp.data.ptr) if db.temp is not None else 0
+        for i, pos in db.staged:
+            seg, blocks, _ = db.items[i]
             if errs[i] is not None:
                 continue
             if seg.copy is not None:
@@ -2225,14 +2315,12 @@ class _GpuCodecs:
                 continue
             try:
                 if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
-                    seg.scatter(blocks, dsts[i].get().view(seg.dtype))
+                    seg.scatter(blocks, db.dsts[i].get().view(seg.dtype))
                 else:
-                    seg.scatter(blocks, dsts[i])
+                    seg.scatter(blocks, db.dsts[i])
             except Exception as e:
                 errs[i] = e
-        if kernel:
-            engine.scatter_blocks(_block_table(kernel, gather=False))
-        return errs
+        return errs, (db.engine.scatter_blocks(_block_table(kernel, gather=False)) if kernel else None)
 
     def stats(self) -> dict[str, int]:
         """The engines' counters (``GpuCodecEngine.stats`` names), summed over rotation seeds."""

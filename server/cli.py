@@ -58,9 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
                    help="codec workspace per worker, e.g. 64mb: the GPU workspace arena and one batch's "
                         "source bytes (default 64 MiB, at least 1 MiB)")
-    g.add_argument("--codec-lanes", type=int, default=2, metavar="N",
-                   help="GPU codec lanes: batches of one save or restore run N at a time, each lane with its own "
-                        "streams and workspaces (device memory up to 2 x N x the budget); 1 to 16 (default 2)")
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
     g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",
@@ -106,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
-                         storage_codec_budget=args.storage_codec_budget, codec_lanes=args.codec_lanes,
-                         eviction=args.eviction,
+                         storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
                          shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
                          lease_ttl=args.lease_ttl,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)

@@ -139,8 +139,7 @@ def _reply(q, proc, timeout: float = 300.0):
                 raise
 
 
-def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous",
-                         lanes: int = ManagerConfig().codec_lanes) -> dict:
+def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous") -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -167,7 +166,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
             cmd.put("memcpy")
             return _reply(reply, proc)
 
-        return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline, block_order, lanes=lanes,
+        return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline, block_order,
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)")
@@ -177,12 +176,11 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
 
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
-                baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
-                lanes: int = ManagerConfig().codec_lanes) -> dict:
+                baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str) -> dict:
     out: dict = {"geometry": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
                               "logical_bytes_per_run": num_blocks * BLOCK_BYTES * LAYERS * 2,
-                              "block_order": block_order, "codec_lanes": lanes},
+                              "block_order": block_order},
                  "pages": pages, "baseline": baseline_name, "runs": []}
     # Engines hand out blocks from a free list: after a while a chunk's blocks are anywhere. "shuffled"
     # gives every chunk random block ids (the gather/scatter path); "contiguous" consecutive ones.
@@ -191,7 +189,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
         np.random.default_rng(1).shuffle(order)
     for codec in codecs:
         with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * LAYERS * 2 + (64 << 20),
-                                   storage_codec=codec, device=device, codec_lanes=lanes)) as m:
+                                   storage_codec=codec, device=device)) as m:
             e = m.register_engine(reg)
             for seg in SEGMENT_SIZES:
                 per = seg // BLOCK_BYTES
@@ -457,8 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
     p.add_argument("--block-order", choices=("contiguous", "shuffled"), default="contiguous",
                    help="block ids of a chunk: consecutive, or random (an engine's fragmented free list)")
-    p.add_argument("--codec-lanes", type=int, default=ManagerConfig().codec_lanes,
-                   help="the Manager's GPU codec lanes (default: the Manager's default)")
     p.add_argument("--profile", action="store_true",
                    help="profile the throughput part (cProfile, by own time) into <out>/profile-<device>.txt")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
@@ -480,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             prof.enable()
         res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order)
                              if args.device == "cpu" else
-                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.codec_lanes))
+                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order))
         if prof:
             prof.disable()
             os.makedirs(args.out, exist_ok=True)
