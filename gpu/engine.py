@@ -46,7 +46,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import cupy as cp
 import numpy as np
@@ -79,6 +79,9 @@ MAX_BATCH = 256
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096
+# Staging of pinned payloads mirrors their host layout across gaps up to this (a segment header and the
+# arena's allocation-unit padding), so that neighbours go up in one copy.
+_MIRROR_GAP = 1024
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
 
 
@@ -98,13 +101,31 @@ def ans_type_of(dtype: np.dtype) -> AnsType:
     return AnsType.BYTES
 
 
+class DeviceSpan(NamedTuple):
+    """A C-contiguous device region by address: an encode source or decode destination given without a
+    cupy array (a slice of a batch buffer costs a few microseconds per array operation)."""
+
+    ptr: int
+    nbytes: int
+    shape: tuple = ()  # the array shape it stands for (TurboQuant reads the head dim from shape[-1])
+
+
+def _span(a: Any) -> "DeviceSpan | None":
+    """``a`` as a DeviceSpan: itself, or a C-contiguous cupy array's; None for anything else."""
+    if isinstance(a, DeviceSpan):
+        return a
+    if isinstance(a, cp.ndarray) and a.flags.c_contiguous:
+        return DeviceSpan(int(a.data.ptr), int(a.nbytes), tuple(a.shape))
+    return None
+
+
 @dataclass(frozen=True)
 class EncodeItem:
     """One source region to encode into one segment.
 
-    ``array`` is a C-contiguous cupy array (a view of engine KV); its last axis is the head dim for
-    TurboQuant. ``dtype`` names the source dtype when the array's own is a stand-in (cupy has no
-    bfloat16: pass a uint16 view and ``dtype=ml_dtypes.bfloat16``).
+    ``array`` is a C-contiguous cupy array (a view of engine KV) or a :class:`DeviceSpan`; its last axis
+    is the head dim for TurboQuant. ``dtype`` names the source dtype when the array's own is a stand-in
+    (cupy has no bfloat16: pass a uint16 view and ``dtype=ml_dtypes.bfloat16``); a DeviceSpan needs it.
     """
 
     array: Any
@@ -127,6 +148,7 @@ class _Enc:
     layer: int
     kind: str  # raw | fp8 | tq | ans | host
     reason: RawReason = RawReason.NONE
+    shape: tuple = ()
     head_dim: int = 0
     bits: int = 0
     ans_type: AnsType = AnsType.NONE
@@ -162,6 +184,8 @@ class EncodeJob:
 
     out: list
     flights: list = field(default_factory=list)
+    #: The header of each GPU-encoded segment (None for host fallbacks): callers need not parse them again.
+    headers: list = field(default_factory=list)
 
 
 @dataclass
@@ -270,6 +294,12 @@ class Worker:
     def h2d(self, dst: int, src: np.ndarray) -> None:
         if src.nbytes:
             cp.cuda.runtime.memcpyAsync(dst, src.ctypes.data, src.nbytes, _H2D, self.stream.ptr)
+            self.stats["h2d_copies"] += 1
+
+    def h2d_raw(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from host address ``src`` (pinned memory that outlives the copy) to ``dst``."""
+        if nbytes:
+            cp.cuda.runtime.memcpyAsync(dst, src, nbytes, _H2D, self.stream.ptr)
             self.stats["h2d_copies"] += 1
 
     def d2h(self, dst: np.ndarray, src: int) -> None:
@@ -460,23 +490,25 @@ class GpuCodecEngine:
 
     # -- encode --------------------------------------------------------------------------------
     def _classify(self, i: int, it: EncodeItem) -> _Enc:
-        arr = it.array
-        if not isinstance(arr, cp.ndarray):
-            raise CodecError(f"item {i}: encode needs a cupy array, not {type(arr).__name__}")
-        if not arr.flags.c_contiguous:
-            raise CodecError(f"item {i}: source array is not C-contiguous")
+        arr = _span(it.array)
+        if arr is None:
+            if isinstance(it.array, cp.ndarray):
+                raise CodecError(f"item {i}: source array is not C-contiguous")
+            raise CodecError(f"item {i}: encode needs a cupy array or DeviceSpan, not {type(it.array).__name__}")
+        if it.dtype is None and isinstance(it.array, DeviceSpan):
+            raise CodecError(f"item {i}: a DeviceSpan source needs the item's dtype")
         if it.codec not in CODEC_NAMES:
             raise CodecError(f"item {i}: unknown codec {it.codec!r}; expected one of {', '.join(CODEC_NAMES)}")
         role = Role.parse(it.role)
         if not 0 <= it.layer <= 0xFFFF:
             raise CodecError(f"item {i}: layer {it.layer} outside 0..65535")
-        dtype = np.dtype(it.dtype) if it.dtype is not None else np.dtype(arr.dtype)
-        n = int(arr.nbytes)
+        dtype = np.dtype(it.dtype) if it.dtype is not None else np.dtype(it.array.dtype)
+        n = arr.nbytes
         if n % dtype.itemsize:
             raise CodecError(f"item {i}: {n} bytes are not whole {dtype} items")
         if n > MAX_STORED_BYTES:
             raise CodecError(f"item {i}: segment of {n} bytes exceeds the {MAX_STORED_BYTES}-byte segment bound")
-        e = _Enc(i, it, int(arr.data.ptr), n, dtype, role, it.layer, "raw")
+        e = _Enc(i, it, arr.ptr, n, dtype, role, it.layer, "raw", shape=arr.shape)
         c = it.codec
         if c == "none":
             e.reason = it.raw_reason
@@ -494,7 +526,7 @@ class GpuCodecEngine:
             return e
         if c.startswith("turboquant"):
             bits = int(c[-1])
-            d = int(arr.shape[-1]) if arr.ndim else 0
+            d = int(arr.shape[-1]) if arr.shape else 0
             if dtype not in (BF16, FP16) or role not in (Role.KEY, Role.VALUE) or d not in TURBOQUANT_HEAD_DIMS:
                 e.reason = RawReason.UNSUPPORTED
                 return e
@@ -588,7 +620,7 @@ class GpuCodecEngine:
         last one is left running, so that the caller can prepare (gather, submit) the next request's
         batch before :meth:`encode_collect` waits for this one. Sources must stay untouched until then."""
         plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
-        job = EncodeJob([None] * len(plans))
+        job = EncodeJob([None] * len(plans), headers=[None] * len(plans))
         w = self.save
         with w.lock:
             w.wait_for_current()
@@ -606,13 +638,13 @@ class GpuCodecEngine:
                         continue
                     if (len(gpu) == MAX_BATCH
                             or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
-                        job.flights.append(self._run_encode(gpu, job.out, out_region, slot_align, device_sink))
+                        job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
                         gpu, ans, slots = [], [], 0
                     gpu.append(p)
                     ans += pa
                     slots += slot
                 if gpu:
-                    job.flights.append(self._run_encode(gpu, job.out, out_region, slot_align, device_sink))
+                    job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
                 raise
@@ -627,12 +659,11 @@ class GpuCodecEngine:
         return job.out  # type: ignore[return-value]
 
     def _host_source(self, p: _Enc) -> np.ndarray:
-        arr = p.item.array
         host = np.empty(p.n, dtype=np.uint8)
         if p.n:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, p.ptr, p.n, _D2H, self.save.stream.ptr)
             self.save.sync()
-        return host.view(p.dtype).reshape(arr.shape)
+        return host.view(p.dtype).reshape(p.shape or (-1,))
 
     def _host_encode(self, p: _Enc) -> bytes:
         x = self._host_source(p)
@@ -642,7 +673,7 @@ class GpuCodecEngine:
         codec = get_codec(c, seed=self.seed) if c.startswith("turboquant") else c
         return encode_segment(x, codec, role=p.role, layer=p.layer)
 
-    def _run_encode(self, plans: list[_Enc], out: list, out_region: "Callable[[int], np.ndarray | None] | None",
+    def _run_encode(self, plans: list[_Enc], job: EncodeJob, out_region: "Callable[[int], np.ndarray | None] | None",
                     align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> _Flight:
         """Queue one encode batch (upload, kernels, download into ``out_region``) into the workspace beside
         the batch in flight; its host part runs when the flight is finished."""
@@ -761,14 +792,14 @@ class GpuCodecEngine:
         w.d2h(host, region)
         w.stats["batches"] += 1
         w.stats["segments"] += len(plans)
-        return w.launched(base, total, upload, lambda: self._finish_encode(plans, out, off, host, region, region_len,
+        return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
                                                                             ans, ans_index, device_sink))
 
-    def _finish_encode(self, plans: list[_Enc], out: list, off: dict[str, int], host: np.ndarray, region: int,
+    def _finish_encode(self, plans: list[_Enc], job: EncodeJob, off: dict[str, int], host: np.ndarray, region: int,
                        region_len: int, ans: list[_Enc], ans_index: dict[int, int],
                        device_sink: "Callable[[int, Any], None] | None") -> None:
         """The host part of an encode batch whose stream work has completed: statuses, CRC32Cs, headers."""
-        w = self.save
+        w, out = self.save, job.out
         meta = host[:16 * len(plans)].view(km.META_DTYPE)
         a_off = off["pay_len"] - off["meta"]
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
@@ -805,6 +836,7 @@ class GpuCodecEngine:
                               raw_reason=reason if fmt == Format.RAW else RawReason.NONE)
             host[p.slot:p.slot + HEADER_SIZE] = np.frombuffer(pack_header(h), np.uint8)
             out[p.i] = memoryview(host[p.slot:p.slot + HEADER_SIZE + stored])
+            job.headers[p.i] = h
             if device_sink is not None:
                 sunk.append((p, HEADER_SIZE + stored))
         if sunk:
@@ -866,21 +898,23 @@ class GpuCodecEngine:
             heads[i] = (heads[i][0], t)
         return heads
 
-    def _dec_plan(self, i: int, seg: Any, dst: Any, head: "tuple[bytes, bytes] | None" = None) -> "_Dec | OrbitKVError":
+    def _dec_plan(self, i: int, seg: Any, dst: Any, head: "tuple[bytes, bytes] | None" = None,
+                  h: "SegmentHeader | None" = None) -> "_Dec | OrbitKVError":
         if head is not None:
             return self._dec_plan_device(i, seg, dst, head)
         try:
             mv = memoryview(seg).cast("B")
-            h = parse_header(mv)
+            h = h or parse_header(mv)
             if len(mv) < HEADER_SIZE + h.stored_length:
                 raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {len(mv) - HEADER_SIZE} present")
         except SegmentError as e:
             return e
         except TypeError as e:
             return SegmentError(f"segment {i} is not a bytes-like object: {e}")
-        if not isinstance(dst, cp.ndarray) or not dst.flags.c_contiguous:
-            return CodecError(f"destination {i} must be a C-contiguous cupy array")
-        if int(dst.nbytes) != h.original_length:
+        dst = _span(dst)
+        if dst is None:
+            return CodecError(f"destination {i} must be a C-contiguous cupy array or a DeviceSpan")
+        if dst.nbytes != h.original_length:
             return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
         kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
         p = _Dec(i, h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, kind)
@@ -904,9 +938,10 @@ class GpuCodecEngine:
                 raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {int(seg.nbytes) - HEADER_SIZE} present")
         except SegmentError as e:
             return e
-        if not isinstance(dst, cp.ndarray) or not dst.flags.c_contiguous:
-            return CodecError(f"destination {i} must be a C-contiguous cupy array")
-        if int(dst.nbytes) != h.original_length:
+        dst = _span(dst)
+        if dst is None:
+            return CodecError(f"destination {i} must be a C-contiguous cupy array or a DeviceSpan")
+        if dst.nbytes != h.original_length:
             return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
         kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
         dev = int(seg.data.ptr) + HEADER_SIZE
@@ -918,8 +953,11 @@ class GpuCodecEngine:
                 return e
         return p
 
-    def _dec_layout(self, plans: Sequence[_Dec]) -> tuple[dict[str, int], int, int]:
-        """Offsets of one decode batch; (offsets, upload length, total workspace bytes)."""
+    def _dec_layout(self, plans: Sequence[_Dec], hosts: "dict[int, int]") -> tuple[dict[str, int], int, int]:
+        """Offsets of one decode batch; (offsets, upload length, total workspace bytes). Payloads uploaded
+        from pinned host memory (``hosts``: segment index -> payload address) that lie one after another
+        there, as a save batch leaves them in the arena, are staged at the same relative offsets, so that
+        a run of them goes up in one copy."""
         k = len(plans)
         ans = [p for p in plans if p.kind == "ans"]
         chunks = sum(int(p.sizes.size) for p in ans)
@@ -929,9 +967,18 @@ class GpuCodecEngine:
         off["chunk_actual"] = lay.take(8 * max(chunks, 1), 8)
         off["chunk_status"] = lay.take(4 * max(chunks, 1), 4)
         off["down_end"] = lay.end
+        prev: "tuple[_Dec, int] | None" = None  # the last staged pinned payload and its host address
         for p in plans:
-            if not p.inplace:  # a device payload read in place needs no staging
+            if p.inplace:  # a device payload read in place needs no staging
+                continue
+            a = hosts.get(p.i)
+            if (a is not None and prev is not None and (a - prev[1]) % SLOT_ALIGN == 0
+                    and 0 <= a - prev[1] - prev[0].h.stored_length <= _MIRROR_GAP):
+                p.staged = prev[0].staged + (a - prev[1])
+                lay.end = p.staged + p.h.stored_length
+            else:
                 p.staged = lay.take(p.h.stored_length)
+            prev = (p, a) if a is not None else None
         upload = lay.end
         for p in ans:
             p.scratch = lay.take(p.h.original_length)
@@ -956,7 +1003,7 @@ class GpuCodecEngine:
 
     @staticmethod
     def _dec_staged(p: _Dec) -> int:
-        return _up(p.h.stored_length) + (_up(p.h.original_length) if p.kind == "ans" else 0)
+        return _up(p.h.stored_length) + _MIRROR_GAP + (_up(p.h.original_length) if p.kind == "ans" else 0)
 
     def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any], *,
                      pinned: "Sequence[bool] | None" = None) -> "list[OrbitKVError | None]":
@@ -977,10 +1024,13 @@ class GpuCodecEngine:
         return self.decode_collect(self.decode_submit(segments, destinations, pinned=pinned))
 
     def decode_submit(self, segments: Sequence[Any], destinations: Sequence[Any], *,
-                      pinned: "Sequence[bool] | None" = None) -> DecodeJob:
+                      pinned: "Sequence[bool] | None" = None,
+                      headers: "Sequence[SegmentHeader | None] | None" = None) -> DecodeJob:
         """Start decoding (arguments as :meth:`decode_batch`): the GPU batches are queued and the last one
         is left running, so that the caller can submit its next batch before :meth:`decode_collect` waits
-        for this one. Segments (host bytes) and destinations must stay untouched until then."""
+        for this one. Segments (host bytes) and destinations must stay untouched until then.
+        ``headers[i]``, when given, is host segment i's header as the caller already parsed it (the payload
+        CRC32C is still checked here)."""
         if len(segments) != len(destinations):
             raise CodecError(f"{len(segments)} segments but {len(destinations)} destinations")
         job = DecodeJob([None] * len(segments))
@@ -994,7 +1044,7 @@ class GpuCodecEngine:
                 staged = 0
                 heads = self._device_heads(segments)
                 for i, (seg, dst) in enumerate(zip(segments, destinations)):
-                    p = self._dec_plan(i, seg, dst, heads.get(i))
+                    p = self._dec_plan(i, seg, dst, heads.get(i), headers[i] if headers is not None else None)
                     if isinstance(p, OrbitKVError):
                         results[i] = p
                         continue
@@ -1044,7 +1094,7 @@ class GpuCodecEngine:
         if x.nbytes != p.h.original_length:
             return LengthMismatch(f"decoded {x.nbytes} bytes, expected {p.h.original_length}")
         if x.nbytes:
-            cp.cuda.runtime.memcpyAsync(int(p.dst.data.ptr), x.ctypes.data, x.nbytes, _H2D, w.stream.ptr)
+            cp.cuda.runtime.memcpyAsync(p.dst.ptr, x.ctypes.data, x.nbytes, _H2D, w.stream.ptr)
             w.sync()
         return None
 
@@ -1059,12 +1109,13 @@ class GpuCodecEngine:
         for j, p in enumerate(ans):
             p.ans_index, p.chunk0 = j, chunks
             chunks += int(p.sizes.size)
-        off, upload_len, total = self._dec_layout(plans)
+        direct = {p.i for p in plans if pinned is not None and pinned[p.i] and not p.dev}
+        hosts = {p.i: np.frombuffer(p.payload, np.uint8).ctypes.data for p in plans if p.i in direct}
+        off, upload_len, total = self._dec_layout(plans, hosts)
         base, upload = w.place(total)
         meta_ptr = base + off["meta"]
         up = upload.get(upload_len)
         up[off["meta"]:off["down_end"]] = 0
-        direct = {p.i for p in plans if pinned is not None and pinned[p.i] and not p.dev}
         for p in plans:
             if p.i not in direct and not p.dev:
                 up[p.staged:p.staged + p.h.stored_length] = np.frombuffer(p.payload, np.uint8)
@@ -1091,7 +1142,7 @@ class GpuCodecEngine:
                     d["src"], d["n"] = src(p), h.stored_length
                     d["nblocks"] = km.units_bytes(h.stored_length)
                 else:
-                    d["dst"], d["n"] = int(p.dst.data.ptr), h.original_length
+                    d["dst"], d["n"] = p.dst.ptr, h.original_length
                     d["dtype"] = int(h.dtype == FP16)
                     if name == "okv_fp8_decode":
                         d["src"], d["nblocks"] = src(p), km.units_fp8(h.original_length)
@@ -1122,13 +1173,24 @@ class GpuCodecEngine:
             a[1] = np.concatenate([p.sizes for p in ans])
             a[2] = np.concatenate([np.minimum(cb, p.h.original_length - cb * np.arange(p.sizes.size)) for p in ans])
             a[3] = np.concatenate([base + p.scratch + cb * np.arange(p.sizes.size, dtype=np.uint64) for p in ans])
-        if direct:  # descriptors, then each payload from where it lies (the rest through the upload buffer)
+        if direct:  # descriptors, then the payloads from where they lie (the rest through the upload buffer)
             w.h2d(base, up[:off["down_end"]])
+            run: "tuple[int, int, int] | None" = None  # (staged offset, host address, bytes) of pinned payloads
             for p in plans:
                 if p.dev:
                     continue
-                host = np.frombuffer(p.payload, np.uint8) if p.i in direct else up[p.staged:p.staged + p.h.stored_length]
-                w.h2d(base + p.staged, host)
+                if p.i not in direct:
+                    w.h2d(base + p.staged, up[p.staged:p.staged + p.h.stored_length])
+                    continue
+                a = hosts[p.i]
+                if run is not None and p.staged - run[0] == a - run[1]:  # mirrored: extends the run
+                    run = (run[0], run[1], p.staged + p.h.stored_length - run[0])
+                    continue
+                if run is not None:
+                    w.h2d_raw(base + run[0], run[1], run[2])
+                run = (p.staged, a, p.h.stored_length)
+            if run is not None:
+                w.h2d_raw(base + run[0], run[1], run[2])
         else:
             w.h2d(base, up)
         for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy

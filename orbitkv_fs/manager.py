@@ -1251,7 +1251,7 @@ class Manager:
                                     lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
         else:
             sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
-        sb.ws = sum(x.nbytes for x in sb.srcs)
+        sb.ws = sum(x.nbytes for x in sb.srcs[:len(batch)])
         self._workspace_delta(sb.ws)
 
         def arena_region(nbytes: int) -> np.ndarray | None:
@@ -1307,15 +1307,15 @@ class Manager:
         sb.ws = 0
         sb.srcs = []
         regions = sb.regions
+        heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
         used: list[tuple[int, int]] = []  # arena extents published in place
-        for (ch, seg, kb), blob in zip(sb.batch, blobs):
-            h = parse_header(blob)
-            rep = _REP_NAMES[int(h.format)]
-            self._count(self._codec_segments, rep)
+        reps: collections.Counter[str] = collections.Counter()
+        raws: collections.Counter[str] = collections.Counter()
+        for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
+            h = h or parse_header(blob)
+            reps[_REP_NAMES[int(h.format)]] += 1
             if h.raw_reason != RawReason.NONE:
-                r = h.raw_reason.name.lower()
-                acc.raw[r] = acc.raw.get(r, 0) + 1
-                self._count(self._raw, r)
+                raws[h.raw_reason.name.lower()] += 1
             off = self._arena_offset(blob) if regions else None
             if off is not None and any(o <= off < o + n for o, n in regions):
                 used.append((off, units_of(len(blob)) * UNIT))
@@ -1330,6 +1330,13 @@ class Manager:
         for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
             self.dram.cancel(off, n)
         regions.clear()
+        with self._stat_lock:  # one lock round per batch, not two per segment
+            for name, n in reps.items():
+                self._codec_segments[name] = self._codec_segments.get(name, 0) + n
+            for name, n in raws.items():
+                self._raw[name] = self._raw.get(name, 0) + n
+        for name, n in raws.items():
+            acc.raw[name] = acc.raw.get(name, 0) + n
 
     def _ssd_direct(self, eng: _Engine) -> bool:
         """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
@@ -1655,7 +1662,7 @@ class Manager:
         self._workspace_delta(ws)
         t0 = time.perf_counter()
         try:
-            db = self._gpu_codecs.decode_submit([(seg, ch.blocks, blob) for _, seg, ch, _, blob in batch], seed,
+            db = self._gpu_codecs.decode_submit([(seg, ch.blocks, blob, h) for _, seg, ch, h, blob in batch], seed,
                                                 [self._pinned(blob) for *_, blob in batch])
         except Exception as e:  # the engine failed as a whole: every segment of the batch misses
             db = e
@@ -2270,32 +2277,37 @@ class _GpuCodecs:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
         return self.engine(seed).decode_batch(segments, destinations)
 
-    def decode_submit(self, items: list[tuple[_Seg, list[int], memoryview]], seed: int,
+    def decode_submit(self, items: list[tuple[_Seg, list[int], memoryview, SegmentHeader]], seed: int,
                       pinned: Sequence[bool] | None = None) -> "_DecodeBatch":
-        """Start decoding ``(seg, blocks, segment bytes)`` items with one ``decode_submit``; :meth:`decode_finish`
-        then scatters them into their chunks' blocks. ``pinned[i]``: item i's bytes are in pinned memory
-        (the arena) and go to the GPU from there."""
+        """Start decoding ``(seg, blocks, segment bytes, its verified header)`` items with one
+        ``decode_submit``; :meth:`decode_finish` then scatters them into their chunks' blocks. ``pinned[i]``:
+        item i's bytes are in pinned memory (the arena) and go to the GPU from there."""
+        from .gpu.engine import DeviceSpan
+
         # A chunk whose blocks are one contiguous stretch of GPU pages is decoded straight into them (the
         # engine leaves a destination untouched when its segment fails the CRC32C check). The others land
-        # in slices of one temporary and go to their blocks with one block-copy launch for the batch
-        # (GPU pages), or a copy per segment (host pages, irregular layouts).
+        # in one temporary and go to their blocks with one block-copy launch for the batch (GPU pages), or
+        # a copy per segment (host pages, irregular layouts: these get cupy views of the temporary).
         engine = self.engine(seed)
         db = _DecodeBatch(engine, items)
         dsts: list = [None] * len(items)
         size = 0
-        for i, (seg, blocks, _) in enumerate(items):
+        for i, (seg, blocks, _, _) in enumerate(items):
             dsts[i] = _device_run(seg, blocks)
             if dsts[i] is None:
                 db.staged.append((i, size))
                 size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
         if db.staged:
             db.temp = engine.block_buffer(size, restore=True)
+            addr = int(db.temp.data.ptr)
             for i, pos in db.staged:
-                seg, blocks, _ = items[i]
-                dsts[i] = db.temp[pos:pos + len(blocks) * seg.block_bytes].view(cupy_dtype(seg.dtype)).reshape(
-                    (len(blocks),) + seg.block_shape)
+                seg, blocks, _, _ = items[i]
+                n = len(blocks) * seg.block_bytes
+                dsts[i] = (DeviceSpan(addr + pos, n) if seg.copy is not None else
+                           db.temp[pos:pos + n].view(cupy_dtype(seg.dtype)).reshape((len(blocks),) + seg.block_shape))
         db.dsts = dsts
-        db.job = engine.decode_submit([blob for _, _, blob in items], dsts, pinned=pinned)
+        db.job = engine.decode_submit([blob for _, _, blob, _ in items], dsts, pinned=pinned,
+                                      headers=[h for *_, h in items])
         return db
 
     def decode_finish(self, db: "_DecodeBatch") -> tuple[list, object]:
@@ -2307,7 +2319,7 @@ class _GpuCodecs:
         kernel: list[tuple[_Seg, list[int], int]] = []
         addr = int(db.temp.data.ptr) if db.temp is not None else 0
         for i, pos in db.staged:
-            seg, blocks, _ = db.items[i]
+            seg, blocks, _, _ = db.items[i]
             if errs[i] is not None:
                 continue
             if seg.copy is not None:
@@ -2356,9 +2368,10 @@ def _gather_device(seg: _Seg, blocks: list[int]):
 
 
 def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) -> list:
-    """Each item's blocks as one contiguous device array. Consecutive blocks of a contiguous layout are
-    used where they lie; the others land in slices of one ``buffer(nbytes)``, all moved by
-    ``gather_blocks(table)`` (the GPU engine's block-copy kernel: one launch per batch)."""
+    """Each item's blocks as one contiguous device region (a cupy array or a ``DeviceSpan``), in order,
+    then (when any) the buffer holding the spans. Consecutive blocks of a contiguous layout are used where
+    they lie; the others land in one ``buffer(nbytes)``, all moved by ``gather_blocks(table)`` (the GPU
+    engine's block-copy kernel: one launch per batch)."""
     out: list = [None] * len(items)
     pending: list[tuple[int, int]] = []  # (item, offset in the buffer)
     size = 0
@@ -2372,31 +2385,38 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) ->
             pending.append((i, size))
             size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
     if pending:
+        from .gpu.engine import DeviceSpan
+
         buf = buffer(size)
         addr = int(buf.data.ptr)
         for i, pos in pending:
             seg, blocks = items[i]
-            n = len(blocks) * seg.block_bytes
-            out[i] = buf[pos:pos + n].view(cupy_dtype(seg.dtype)).reshape((len(blocks),) + seg.block_shape)
+            out[i] = DeviceSpan(addr + pos, len(blocks) * seg.block_bytes, (len(blocks),) + seg.block_shape)
         gather_blocks(_block_table([(items[i][0], items[i][1], addr + pos) for i, pos in pending], gather=True))
+        out.append(buf)  # the spans' memory: the caller keeps it until the GPU has read them
     return out
 
 
 def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) -> np.ndarray:
     """Block-copy rows (``BLOCK_COPY_DTYPE``) between each item's page blocks and a contiguous device
-    buffer at the item's address: pages to buffer when ``gather``, else buffer to pages."""
-    parts = []
-    for seg, blocks, addr in items:
-        ptr0, stride, rows, row_bytes, row_stride = seg.copy  # type: ignore[misc]
-        ids = np.asarray(blocks, dtype=np.uint64)
-        t = np.empty(ids.size, dtype=BLOCK_COPY_DTYPE)
-        pages = np.uint64(ptr0) + ids * np.uint64(stride)
-        flat = np.uint64(addr) + np.arange(ids.size, dtype=np.uint64) * np.uint64(seg.block_bytes)
-        t["src"], t["dst"] = (pages, flat) if gather else (flat, pages)
-        t["src_stride"], t["dst_stride"] = (row_stride, row_bytes) if gather else (row_bytes, row_stride)
-        t["rows"], t["row_bytes"] = rows, row_bytes
-        parts.append(t)
-    return np.concatenate(parts) if parts else np.empty(0, dtype=BLOCK_COPY_DTYPE)
+    buffer at the item's address: pages to buffer when ``gather``, else buffer to pages. Built for the
+    whole batch at once (a numpy pass per field, not per item)."""
+    counts = np.fromiter((len(b) for _, b, _ in items), dtype=np.int64, count=len(items))
+    total = int(counts.sum())
+    table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
+    if not total:
+        return table
+    ids = np.fromiter(itertools.chain.from_iterable(b for _, b, _ in items), dtype=np.uint64, count=total)
+    # per item: block 0, block stride, rows, row bytes, row stride (seg.copy), block bytes, buffer address
+    geo = np.repeat(np.array([seg.copy + (seg.block_bytes, addr) for seg, _, addr in items], dtype=np.uint64),
+                    counts, axis=0)
+    within = np.arange(total, dtype=np.uint64) - np.repeat((np.cumsum(counts) - counts).astype(np.uint64), counts)
+    pages = geo[:, 0] + ids * geo[:, 1]
+    flat = geo[:, 6] + within * geo[:, 5]
+    table["src"], table["dst"] = (pages, flat) if gather else (flat, pages)
+    table["src_stride"], table["dst_stride"] = (geo[:, 4], geo[:, 3]) if gather else (geo[:, 3], geo[:, 4])
+    table["rows"], table["row_bytes"] = geo[:, 2], geo[:, 3]
+    return table
 
 
 def _rows_of(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int, int] | None:
