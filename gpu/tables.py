@@ -6,8 +6,9 @@
   (``kernels/common.cuh``, ``okv_crc_unit``).
 * :func:`finish_crc` / :func:`zero_crc` -- the host's last step: a kernel's raw CRC XOR the CRC32C of
   as many zero bytes (memoised per length, so a batch costs microseconds).
-* :func:`crc32c_model` -- a model of exactly the kernels' decomposition (64-byte pieces shifted to the
-  segment's end), so the combine arithmetic is tested on machines without a GPU.
+* :func:`crc32c_model` -- a model of the older staged decomposition (64-byte pieces shifted to the
+  segment's end); :func:`crc32c_braid_model` -- a model of exactly the kernels' braided decomposition
+  (``okv_crc_braid_unit``), so the combine arithmetic is tested on machines without a GPU.
 * :func:`turboquant_tables` -- the float32 Lloyd-Max centroids and boundaries of
   :mod:`orbitkv_fs.codecs.turboquant`, in the layout of ``kernels/turboquant.cu``.
 * :func:`sign_words` -- TurboQuant's versioned random signs of a layer as 8 uint32 bit masks.
@@ -34,6 +35,14 @@ XC_COUNT = 2049  # units of 16 KiB in the largest stored segment (32 MiB), plus 
 SHIFT_OFFSET = XC_OFFSET + XC_COUNT
 SHIFT_BYTES = (64, 128, 256, 512, 1024, 2048)  # the fixed shifts of the in-unit combine tree
 X0 = 0x80000000  # x^0 in the reflected representation
+# Braided CRC (kernels/common.cuh, okv_crc_braid_unit): thread t of a unit folds the 8-byte words
+# t, t + 256, ..., t + 7 * 256 with tables that also shift by the 255 words in between, then multiplies
+# its register by x^(-64 t) (lane then warp nibble tables) so that the block's XOR is the unit's CRC.
+BRAID_OFFSET = SHIFT_OFFSET + 128 * len(SHIFT_BYTES)  # 8 x 256: slicing tables times x^(64 * 255)
+XN_OFFSET = BRAID_OFFSET + 8 * 256  # XN[z] = x^(-8z), z in 0..CHUNK
+LANE_OFFSET = XN_OFFSET + CHUNK + 1  # word (i * 16 + v) * 32 + l = (v << 4i) * x^(-64 l)
+WARP_OFFSET = LANE_OFFSET + 32 * 128  # word w * 128 + i * 16 + v = (v << 4i) * x^(-64 * 32 w)
+TABLES_SIZE = WARP_OFFSET + 8 * 128
 
 
 def gf_mul(a: int, b: int) -> int:
@@ -69,11 +78,25 @@ def crc_tables() -> np.ndarray:
         xc[j] = v
         v = gf_mul(v, step)
     # "times x^(8s)" for the fixed shifts s, as nibble tables: entry [i][v] = (v << 4i) * x^(8s)
-    shifts = [gf_mul_vec((np.arange(16, dtype=np.uint32)[None, :] << (4 * np.arange(8, dtype=np.uint32)[:, None])),
-                         np.uint32(int(xp[sb]))).reshape(-1) for sb in SHIFT_BYTES]
-    out = np.concatenate([np.concatenate(slices), xp, xc, np.concatenate(shifts)]).astype(np.uint32)
-    assert out.size == SHIFT_OFFSET + 128 * len(SHIFT_BYTES)
+    nib = np.arange(16, dtype=np.uint32)[None, :] << (4 * np.arange(8, dtype=np.uint32)[:, None])  # [i][v]
+    shifts = [gf_mul_vec(nib, np.uint32(int(xp[sb]))).reshape(-1) for sb in SHIFT_BYTES]
+    braid = gf_mul_vec(np.stack(slices), np.uint32(int(xp[8 * (THREADS - 1)]))).reshape(-1)
+    xn = np.empty(CHUNK + 1, dtype=np.uint32)
+    v = X0
+    for z in range(CHUNK + 1):
+        xn[z] = v
+        for _ in range(8):
+            v = x_inv(v)
+    lane = gf_mul_vec(nib[:, :, None], xn[8 * np.arange(32)][None, None, :]).reshape(-1)  # [i][v][l]
+    warp = gf_mul_vec(nib[None, :, :], xn[256 * np.arange(8)][:, None, None]).reshape(-1)  # [w][i][v]
+    out = np.concatenate([np.concatenate(slices), xp, xc, np.concatenate(shifts), braid, xn, lane, warp]).astype(np.uint32)
+    assert out.size == TABLES_SIZE
     return out
+
+
+def x_inv(v: int) -> int:
+    """v * x^-1 modulo the CRC32C polynomial (reflected): the inverse of one step of "times x"."""
+    return (((v ^ POLY) << 1) | 1) & 0xFFFFFFFF if v & 0x80000000 else (v << 1) & 0xFFFFFFFF
 
 
 def _raw_crc(data: bytes, t0: np.ndarray) -> int:
@@ -161,6 +184,68 @@ def crc32c_model(data: bytes) -> int:
                 u ^= gf_mul(raw, int(tab[XP_OFFSET + d])) if d else raw
         d = n - (us + m)
         acc ^= gf_mul(u, int(x8n(d))) if d else u
+    return int(finish_crc(acc, n))
+
+
+def _crc8_vec(d: np.ndarray, lo: np.ndarray, hi: np.ndarray, tab: np.ndarray) -> np.ndarray:
+    """okv_crc8 on arrays: the register after 8 more bytes through the 8 x 256 tables ``tab``."""
+    lo = lo ^ d
+    r = np.zeros_like(d)
+    for i in range(4):
+        r ^= tab[(7 - i) * 256 + ((lo >> np.uint32(8 * i)) & np.uint32(255))]
+        r ^= tab[(3 - i) * 256 + ((hi >> np.uint32(8 * i)) & np.uint32(255))]
+    return r
+
+
+def _mul_nib_vec(v: np.ndarray, tab: np.ndarray, row: int, stride: int, col: "np.ndarray | int") -> np.ndarray:
+    """v times a constant through nibble tables: entry (i, nibble) at tab[(i * 16 + nibble) * row + col]."""
+    r = np.zeros_like(v)
+    for i in range(8):
+        r ^= tab[(i * 16 + ((v >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)) * row + col]
+    return r
+
+
+def braid_unit_raw(unit: bytes) -> int:
+    """The block's XOR of okv_crc_braid_unit for one unit of at most CHUNK bytes (zero-padded at the tail
+    to CHUNK): the raw CRC of the unit followed by CHUNK - len(unit) zero bytes."""
+    tab = crc_tables()
+    words = np.zeros(CHUNK // 8, dtype="<u8")
+    raw = np.frombuffer(unit + bytes(-len(unit) % 8), dtype="<u8")
+    words[:raw.size] = raw
+    lo = (words & 0xFFFFFFFF).astype(np.uint32).reshape(8, THREADS)  # [k][t]: word t + 256 k
+    hi = (words >> 32).astype(np.uint32).reshape(8, THREADS)
+    braid = tab[BRAID_OFFSET:BRAID_OFFSET + 2048]
+    d = np.zeros(THREADS, dtype=np.uint32)
+    for k in range(8):
+        d = _crc8_vec(d, lo[k], hi[k], braid)
+    t = np.arange(THREADS)
+    v = _mul_nib_vec(d, tab[LANE_OFFSET:WARP_OFFSET], 32, 1, t % 32)  # lane tables: row stride 32 words
+    per_warp = np.bitwise_xor.reduce(v.reshape(8, 32), axis=1)
+    w = np.arange(8)
+    u = np.zeros(8, dtype=np.uint32)
+    for i in range(8):
+        u ^= tab[WARP_OFFSET + w * 128 + i * 16 + ((per_warp >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)]
+    return int(np.bitwise_xor.reduce(u))
+
+
+def braid_shift(n: int, unit_start: int) -> int:
+    """The multiplier thread 0 applies to a (padded) unit starting at ``unit_start`` in n bytes:
+    x^(8e) for e = n - (unit_start + CHUNK) >= 0, else XN[-e]."""
+    tab = crc_tables()
+    e = n - (unit_start + CHUNK)
+    if e >= 0:
+        return int(x8n(e))
+    return int(tab[XN_OFFSET - e])
+
+
+def crc32c_braid_model(data: bytes) -> int:
+    """CRC32C of ``data`` computed the way the braided kernels compute it (okv_crc_braid_unit)."""
+    n = len(data)
+    acc = 0
+    for us in range(0, n, CHUNK):
+        u = braid_unit_raw(data[us:us + CHUNK])
+        mult = braid_shift(n, us)
+        acc ^= gf_mul(u, mult) if mult != X0 else u
     return int(finish_crc(acc, n))
 
 

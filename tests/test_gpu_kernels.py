@@ -143,6 +143,32 @@ def test_crc32c_copy_writes_every_byte() -> None:
         assert int(finish_crc(meta[0]["acc"], n)) == crc32c.crc32c(host[off:off + n].tobytes())
 
 
+def test_crc32c_copy_alignments_and_device_length() -> None:
+    """The braided CRC kernel's paths: 8-byte aligned or not, source and destination separately; whole and
+    partial units; a device-side length (n_dev) shorter than n, with units past it contributing nothing."""
+    kern = km.kernels()
+    rng = np.random.default_rng(14)
+    n = 4 * 16384 + 13
+    host = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    src = cp.asarray(host)
+    for soff, doff in ((0, 0), (8, 3), (5, 0), (1, 7)):
+        dst = cp.full(n + 64, 0xA5, dtype=np.uint8)
+        meta = launch(kern, "okv_crc32c", [{"src": src.data.ptr + soff, "dst": dst.data.ptr + doff, "n": n,
+                                            "nblocks": km.units_bytes(n)}], kern.crc_tables)
+        got = dst.get()
+        assert np.array_equal(got[doff:doff + n], host[soff:soff + n]), (soff, doff)
+        assert bool((got[:doff] == 0xA5).all()) and bool((got[doff + n:] == 0xA5).all())
+        assert int(finish_crc(meta[0]["acc"], n)) == crc32c.crc32c(host[soff:soff + n].tobytes()), (soff, doff)
+    real = [1, 8, 16383, 16384, 16385, 2 * 16384 + 40, n]
+    lens = cp.asarray(np.array(real, dtype=np.uint64))
+    rows = [{"src": src.data.ptr + (8 * i) % 24, "n": n, "n_dev": lens.data.ptr + 8 * i, "nblocks": km.units_bytes(n)}
+            for i in range(len(real))]
+    meta = launch(kern, "okv_crc32c", rows, kern.crc_tables)
+    for i, r in enumerate(real):
+        o = (8 * i) % 24
+        assert int(finish_crc(meta[i]["acc"], r)) == crc32c.crc32c(host[o:o + r].tobytes()), r
+
+
 def test_crc32c_sixteen_mib_every_offset_class() -> None:
     kern = km.kernels()
     host = np.random.default_rng(13).integers(0, 256, (16 << 20) + 16, dtype=np.uint8)

@@ -21,11 +21,34 @@ def test_crc_model_equals_crc32c(n: int) -> None:
 
 def test_crc_tables_layout() -> None:
     t = tables.crc_tables()
-    assert t.dtype == np.uint32 and t.size == tables.SHIFT_OFFSET + 128 * len(tables.SHIFT_BYTES)
+    assert t.dtype == np.uint32 and t.size == tables.TABLES_SIZE
+    assert tables.BRAID_OFFSET == tables.SHIFT_OFFSET + 128 * len(tables.SHIFT_BYTES)
     xp, xc = t[tables.XP_OFFSET:tables.XC_OFFSET], t[tables.XC_OFFSET:tables.SHIFT_OFFSET]
     assert xp[0] == tables.X0 and xc[0] == tables.X0 and xc[1] == xp[tables.CHUNK]
     # x^(8a) * x^(8b) = x^(8(a+b))
     assert tables.gf_mul(int(xp[100]), int(xp[200])) == xp[300]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 63, 64, 65, 1000, 2047, 2048, 2049, 16383, 16384, 16385,
+                               2 * 16384 + 5, 3 * 16384, 5 * 16384 + 4099])
+def test_crc_braid_model_equals_crc32c(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert tables.crc32c_braid_model(data) == crc32c.crc32c(data)
+
+
+def test_crc_braid_tables_and_inverse_shifts() -> None:
+    t = tables.crc_tables()
+    xp, xn = t[tables.XP_OFFSET:], t[tables.XN_OFFSET:]
+    for d in (1, 8, 255, 4096, tables.CHUNK):  # x^(8d) * x^(-8d) = 1
+        assert tables.gf_mul(int(xp[d]), int(xn[d])) == tables.X0
+    # a region split anywhere: units at arbitrary starts, shifted to the region's end (okv_ans_pack)
+    data = np.random.default_rng(3).integers(0, 256, 50000, dtype=np.uint8).tobytes()
+    acc = 0
+    for a, b in ((0, 1032), (1032, 1032 + 16384), (1032 + 16384, 30000), (30000, 46384), (46384, 50000)):
+        u = tables.braid_unit_raw(data[a:b])
+        m = tables.braid_shift(len(data), a)
+        acc ^= tables.gf_mul(u, m) if m != tables.X0 else u
+    assert int(tables.finish_crc(acc, len(data))) == crc32c.crc32c(data)
 
 
 def test_sign_words_match_host_signs() -> None:

@@ -191,6 +191,106 @@ __device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64
   }
 }
 
+// ---- Braided CRC32C (okv_crc32c, okv_fp8_encode, okv_ans_pack) ------------------------------------
+// A work unit is CHUNK bytes = 2048 8-byte words (a shorter unit is zero-padded at its tail). Thread t
+// folds the words t, t + 256, ..., t + 7 * 256 -- one coalesced 8-byte access per warp lane and step, and
+// exactly the words an FP8 encode thread produces, so no shared-memory staging -- with "braid" tables:
+// the slicing-by-8 tables times x^(64 * 255), which also carry its register across the 255 words of the
+// other threads. Its register d_t then satisfies: raw CRC of the unit = XOR_t d_t * x^(-64 t). That
+// factor is x^(-64 lane) (per-lane nibble tables, one conflict-free bank per lane) times x^(-64 * 32 warp)
+// (per-warp nibble tables); then thread 0 shifts the unit to the end of its n-byte range: by x^(8e),
+// e = n - (unit start + CHUNK), or by x^(-8|e|) (table XN) when the zero padding reaches past the end.
+// Per thread and unit: 8 table steps + one 8-lookup multiply + 5 shuffles, where the staged version had
+// a 16-byte store and 8 loads of staging, 8 steps and a 5-level shift tree (5 multiplies of 8 lookups).
+// tables.crc32c_braid_model is the host model of exactly this decomposition.
+#define OKV_TAB_BRAID (OKV_TAB_SHIFT + 6 * 128)
+#define OKV_TAB_XN (OKV_TAB_BRAID + 8 * 256)
+#define OKV_TAB_LANE (OKV_TAB_XN + OKV_CHUNK + 1)
+#define OKV_TAB_WARP (OKV_TAB_LANE + 32 * 128)
+#define OKV_LANE_WORDS (32 * 128)
+#define OKV_WARP_WORDS (8 * 128)
+#define OKV_X0 0x80000000u  // x^0 (reflected): the identity multiplier
+
+// The kernel's shared tables: sB braid (8 x 256, 1024-byte aligned), sL lane tables (2048-byte aligned),
+// sW warp tables (512-byte aligned). Callers sync before use.
+__device__ __forceinline__ void okv_load_braid(u32* sB, u32* sL, u32* sW, const u32* tables) {
+  for (int i = threadIdx.x; i < OKV_SLICE_WORDS; i += blockDim.x) sB[i] = tables[OKV_TAB_BRAID + i];
+  for (int i = threadIdx.x; i < OKV_LANE_WORDS; i += blockDim.x) sL[i] = tables[OKV_TAB_LANE + i];
+  for (int i = threadIdx.x; i < OKV_WARP_WORDS; i += blockDim.x) sW[i] = tables[OKV_TAB_WARP + i];
+}
+
+// v * x^(-64 lane): L = shared-window address of the lane tables + 4 * lane (word (i*16 + nibble)*32 + lane).
+__device__ __forceinline__ u32 okv_mul_lane(u32 v, u32 L) {
+  return okv_lds(((v << 7) & 0x780u) | L) ^ okv_lds_off<2048>(((v << 3) & 0x780u) | L) ^
+         okv_lds_off<4096>(((v >> 1) & 0x780u) | L) ^ okv_lds_off<6144>(((v >> 5) & 0x780u) | L) ^
+         okv_lds_off<8192>(((v >> 9) & 0x780u) | L) ^ okv_lds_off<10240>(((v >> 13) & 0x780u) | L) ^
+         okv_lds_off<12288>(((v >> 17) & 0x780u) | L) ^ okv_lds_off<14336>(((v >> 21) & 0x780u) | L);
+}
+
+// v times a constant held as 8 rows of 16 nibble words at S (64-byte aligned; row i at S + 64 i).
+__device__ __forceinline__ u32 okv_mul_nib16(u32 v, u32 S) {
+  return okv_lds(((v << 2) & 0x3cu) | S) ^ okv_lds_off<64>(((v >> 2) & 0x3cu) | S) ^
+         okv_lds_off<128>(((v >> 6) & 0x3cu) | S) ^ okv_lds_off<192>(((v >> 10) & 0x3cu) | S) ^
+         okv_lds_off<256>(((v >> 14) & 0x3cu) | S) ^ okv_lds_off<320>(((v >> 18) & 0x3cu) | S) ^
+         okv_lds_off<384>(((v >> 22) & 0x3cu) | S) ^ okv_lds_off<448>(((v >> 26) & 0x3cu) | S);
+}
+
+// The multiplier that moves a (zero-padded) unit starting `unit_start` bytes into an n-byte range to the
+// range's end (n > unit_start). Thread 0 computes it at the start of the unit, off the critical path.
+__device__ __forceinline__ u32 okv_unit_mult(u64 unit_start, u64 n, const u32* tables) {
+  const long long e = (long long)(n - unit_start) - (long long)OKV_CHUNK;
+  if (e < 0) return tables[OKV_TAB_XN + (u32)(-e)];
+  if (e == 0) return OKV_X0;
+  const u32 q = (u32)((u64)e / OKV_CHUNK), r = (u32)((u64)e % OKV_CHUNK);
+  return q ? okv_gf_mul(tables[OKV_TAB_XC + q], tables[OKV_TAB_XP + r]) : tables[OKV_TAB_XP + r];
+}
+
+// 8 bytes p[o .. o+8) of a range of m > o bytes, little-endian, zero past m (any alignment).
+__device__ __forceinline__ uint2 okv_load_tail(const u8* p, u32 o, u32 m) {
+  u32 lo = 0, hi = 0;
+  const u32 c = min(8u, m - o);
+#pragma unroll 1
+  for (u32 i = 0; i < c; ++i) {
+    const u32 b = (u32)p[o + i] << (8 * (i & 3));
+    if (i < 4) lo |= b; else hi |= b;
+  }
+  return make_uint2(lo, hi);
+}
+
+// Stores the bytes of w that lie below m at p + o (any alignment; 8 at once when aligned and whole).
+__device__ __forceinline__ void okv_store_tail(u8* p, u32 o, u32 m, uint2 w) {
+  if (o >= m) return;
+  if (o + 8 <= m && (reinterpret_cast<u64>(p + o) & 7) == 0) {
+    *reinterpret_cast<uint2*>(p + o) = w;
+    return;
+  }
+  const u32 c = min(8u, m - o);
+#pragma unroll 1
+  for (u32 i = 0; i < c; ++i) p[o + i] = (u8)((i < 4 ? w.x : w.y) >> (8 * (i & 3)));
+}
+
+// Adds one unit to Meta.acc: d is this thread's braid register, mult (thread 0's) okv_unit_mult. `red`
+// holds 8 words; callers alternate between two such sets from one unit to the next (so that warp 0 has
+// read a set before any warp writes it again: one __syncthreads per unit).
+__device__ __forceinline__ void okv_crc_braid_unit(u32 d, u32 mult, Meta* meta, u32 sL, u32 sW, u32* red) {
+  const int t = threadIdx.x, lane = t & 31;
+  u32 v = okv_mul_lane(d, sL + 4u * (u32)lane);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v ^= __shfl_xor_sync(OKV_FULL, v, o);
+  if (lane == 0) red[t >> 5] = v;
+  __syncthreads();
+  if (t < 32) {
+    u32 u = lane < OKV_THREADS / 32 ? okv_mul_nib16(red[lane], sW + 512u * (u32)lane) : 0u;
+    u ^= __shfl_xor_sync(OKV_FULL, u, 4);
+    u ^= __shfl_xor_sync(OKV_FULL, u, 2);
+    u ^= __shfl_xor_sync(OKV_FULL, u, 1);
+    if (t == 0 && u) {
+      if (mult != OKV_X0) u = okv_gf_mul(u, mult);
+      atomicXor(&meta->acc, u);
+    }
+  }
+}
+
 // Float <-> half/bfloat16 without the CUDA headers (NVRTC builds these sources alone).
 __device__ __forceinline__ float okv_bf16_to_f32(u32 h) { return __uint_as_float(h << 16); }
 __device__ __forceinline__ float okv_f16_to_f32(u32 h) {

@@ -1,54 +1,56 @@
-// CRC32C of many byte ranges in one launch, optionally copying each range to a 64-byte aligned
-// destination on the way (raw segments: the copy lands in the batch's output slot).
-// Work unit: 16 KiB of one range. The unit is staged through shared memory with coalesced loads
-// (16-byte loads when the range's start is 16-byte aligned, byte loads otherwise), then thread t
-// folds bytes [64t, 64t+64) with slicing-by-8 tables and okv_crc_unit combines the pieces.
-extern "C" __global__ void __launch_bounds__(OKV_THREADS, 8)
+// CRC32C of many byte ranges in one launch, optionally copying each range to a destination on the way
+// (raw segments: the copy lands in the batch's output slot). Work unit: 16 KiB of one range; thread t
+// reads the 8-byte words t + 256 k (k = 0..7) straight from global memory -- coalesced, no shared-memory
+// staging -- copies them and folds them with the braided CRC (okv_crc_braid_unit). Ranges whose start is
+// not 8-byte aligned, and the tail word of a range, are read bytewise.
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
 okv_crc32c(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
            const u32* __restrict__ tables) {
-  __shared__ __align__(1024) u32 sN[OKV_SLICE_WORDS];
-  __shared__ __align__(1024) u32 sS[OKV_SHIFT_WORDS];
-  __shared__ u32 red[OKV_THREADS / 32];
-  __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
-  okv_load_tables(sN, sS, tables);
-  const u32 sT = okv_saddr(sN), sSa = okv_saddr(sS);
+  __shared__ __align__(1024) u32 sB[OKV_SLICE_WORDS];
+  __shared__ __align__(2048) u32 sL[OKV_LANE_WORDS];
+  __shared__ __align__(512) u32 sW[OKV_WARP_WORDS];
+  __shared__ u32 red[2 * OKV_THREADS / 32];
+  okv_load_braid(sB, sL, sW, tables);
+  const u32 aB = okv_saddr(sB), aL = okv_saddr(sL), aW = okv_saddr(sW);
   __syncthreads();
-  for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
-    __syncthreads();  // the previous unit's rows have been read
+  u32 par = 0;
+  for (u32 g = blockIdx.x; g < total; g += gridDim.x, par ^= OKV_THREADS / 32) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
-    u32 b = g - s.block0;
-    u64 n = s.n_dev ? *reinterpret_cast<const u64*>(s.n_dev) : s.n;
-    u64 start = (u64)b * OKV_CHUNK;
-    u32 m = start < n ? (u32)min((u64)OKV_CHUNK, n - start) : 0u;
+    const u32 b = g - s.block0;
+    const u64 n = s.n_dev ? *reinterpret_cast<const u64*>(s.n_dev) : s.n;
+    const u64 start = (u64)b * OKV_CHUNK;
+    // units past a device-side length (m == 0) read nothing and contribute nothing
+    const u32 m = start < n ? (u32)min((u64)OKV_CHUNK, n - start) : 0u;
     const u8* src = reinterpret_cast<const u8*>(s.src) + start;
     u8* dst = s.dst ? reinterpret_cast<u8*>(s.dst) + start : nullptr;
-    if ((reinterpret_cast<u64>(src) & 15) == 0) {
-      for (int k = 0; k < OKV_CHUNK / (16 * OKV_THREADS); ++k) {
-        int off = k * 16 * OKV_THREADS + threadIdx.x * 16;
-        if (off + 16 <= (int)m) {
-          uint4 v = __ldg(reinterpret_cast<const uint4*>(src + off));
-          *reinterpret_cast<uint4*>(buf + okv_pad(off)) = v;
-          if (dst) *reinterpret_cast<uint4*>(dst + off) = v;
-        } else if (off < (int)m) {
-          for (int i = off; i < (int)m; ++i) {
-            u8 c = src[i];
-            buf[okv_pad(i)] = c;
-            if (dst) dst[i] = c;
-          }
-        }
-      }
+    const bool al = (reinterpret_cast<u64>(src) & 7) == 0;
+    const u32 mult = (threadIdx.x == 0 && m) ? okv_unit_mult(start, n, tables) : OKV_X0;
+    const bool full = m == OKV_CHUNK;
+    uint2 w[8];
+    if (al && full) {  // the hot path: eight coalesced 8-byte loads in flight
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = __ldg(reinterpret_cast<const uint2*>(src + 8u * (threadIdx.x + OKV_THREADS * k)));
     } else {
-      for (int i = threadIdx.x; i < (int)m; i += OKV_THREADS) {
-        u8 c = src[i];
-        buf[okv_pad(i)] = c;
-        if (dst) dst[i] = c;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const u32 o = 8u * (threadIdx.x + OKV_THREADS * k);
+        if (al && o + 8 <= m) w[k] = __ldg(reinterpret_cast<const uint2*>(src + o));
+        else w[k] = o < m ? okv_load_tail(src, o, m) : make_uint2(0u, 0u);
       }
     }
-    __syncthreads();
-    int len = (int)m - (int)threadIdx.x * OKV_PIECE;
-    u32 raw = 0;
-    if (len > 0) raw = okv_crc_piece_smem(buf + threadIdx.x * OKV_ROW, min(len, OKV_PIECE), sT);
-    okv_crc_unit(raw, m, start, n, &meta[s.meta], tables, sSa, red);
+    if (dst) {
+      if ((reinterpret_cast<u64>(dst) & 7) == 0 && full) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) *reinterpret_cast<uint2*>(dst + 8u * (threadIdx.x + OKV_THREADS * k)) = w[k];
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) okv_store_tail(dst, 8u * (threadIdx.x + OKV_THREADS * k), m, w[k]);
+      }
+    }
+    u32 d = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) d = okv_crc8(d, w[k].x, w[k].y, aB);
+    okv_crc_braid_unit(d, mult, &meta[s.meta], aL, aW, red + par);
   }
 }
 
