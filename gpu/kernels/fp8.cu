@@ -1,7 +1,7 @@
 // FP8 E4M3FN encode (with range check and the payload's CRC32C fused) and decode.
 // Encode work unit: 16 KiB of output = 16384 source elements. Thread t converts 8 elements per step
-// (16-byte loads, coalesced across the block), stores the 8 codes to the payload and to shared
-// memory, and then folds its 64-byte row of codes into the CRC. Range rejection is per segment
+// (16-byte loads, coalesced across the block), stores the 8 codes to the payload and folds them, still
+// in registers, into the braided CRC (common.cuh): the source is read once, the codes never re-read. Range rejection is per segment
 // (OKV_ST_RANGE / OKV_ST_NONFINITE); the codes of a rejected segment are never used.
 // Conversion: Hopper (sm_89+) has cvt.rn.satfinite.e4m3x2.{f32,f16x2}; elsewhere, or with
 // OKV_FP8_ARITH, the same round-to-nearest-even result comes from integer/float arithmetic.
@@ -45,61 +45,58 @@ __device__ __forceinline__ u32 okv_fp8_flags(u32 h, u32 dtype) {
 extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
 okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
                const u32* __restrict__ tables) {
-  __shared__ __align__(1024) u32 sN[OKV_SLICE_WORDS];
-  __shared__ __align__(1024) u32 sS[OKV_SHIFT_WORDS];
-  __shared__ u32 red[OKV_THREADS / 32];
-  __shared__ __align__(16) u8 buf[OKV_THREADS * OKV_ROW];
-  okv_load_tables(sN, sS, tables);
-  const u32 sT = okv_saddr(sN), sSa = okv_saddr(sS);
+  __shared__ __align__(1024) u32 sB[OKV_SLICE_WORDS];
+  __shared__ __align__(2048) u32 sL[OKV_LANE_WORDS];
+  __shared__ __align__(512) u32 sW[OKV_WARP_WORDS];
+  __shared__ u32 red[2 * OKV_THREADS / 32];
+  okv_load_braid(sB, sL, sW, tables);
+  const u32 aB = okv_saddr(sB), aL = okv_saddr(sL), aW = okv_saddr(sW);
   __syncthreads();
-  for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
-    __syncthreads();  // the previous unit's rows have been read
+  u32 par = 0;
+  for (u32 g = blockIdx.x; g < total; g += gridDim.x, par ^= OKV_THREADS / 32) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
-    u32 b = g - s.block0;
-    u64 n_out = s.n >> 1;  // one code per 2-byte element
-    u64 e0 = (u64)b * OKV_CHUNK;
-    u32 m = (u32)min((u64)OKV_CHUNK, n_out - e0);  // elements (= output bytes) of this unit
+    const u32 b = g - s.block0;
+    const u64 n_out = s.n >> 1;  // one code per 2-byte element
+    const u64 e0 = (u64)b * OKV_CHUNK;
+    const u32 m = (u32)min((u64)OKV_CHUNK, n_out - e0);  // elements (= output bytes) of this unit
+    const u32 dtype = s.dtype;
     const u16* src = reinterpret_cast<const u16*>(s.src) + e0;
     u8* dst = reinterpret_cast<u8*>(s.dst) + e0;
-    u32 flags = 0;
-    bool vec = (reinterpret_cast<u64>(src) & 15) == 0;
+    const u32 mult = threadIdx.x == 0 ? okv_unit_mult(e0, n_out, tables) : OKV_X0;
+    const bool vec = (reinterpret_cast<u64>(src) & 15) == 0;
+    u32 flags = 0, d = 0;
+    // Step k: this thread's 8 codes are output word t + 256 k of the unit -- the braided CRC folds them
+    // from registers as they are made (words past the unit's end are zeros).
 #pragma unroll 2
     for (int k = 0; k < OKV_CHUNK / (8 * OKV_THREADS); ++k) {
-      int off = k * 8 * OKV_THREADS + threadIdx.x * 8;  // element (= output byte) offset in the unit
-      if (off >= (int)m) continue;
-      u32 w[4];
-      int cnt = min(8, (int)m - off);
-      if (vec && cnt == 8) {
-        uint4 v = __ldg(reinterpret_cast<const uint4*>(src + off));
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-      } else {
-        for (int i = 0; i < 4; ++i) {
-          u32 a = (2 * i < cnt) ? (u32)src[off + 2 * i] : 0u;
-          u32 c = (2 * i + 1 < cnt) ? (u32)src[off + 2 * i + 1] : 0u;
-          w[i] = a | (c << 16);
-        }
-      }
+      const u32 off = 8u * (threadIdx.x + OKV_THREADS * k);  // element (= output byte) offset in the unit
       u32 lo = 0, hi = 0;
+      if (off < m) {
+        const u32 cnt = min(8u, m - off);
+        u32 w[4];
+        if (vec && cnt == 8) {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + off));
+          w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+        } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        flags |= okv_fp8_flags(w[i] & 0xFFFFu, s.dtype) | okv_fp8_flags(w[i] >> 16, s.dtype);
-        u32 c = okv_e4m3x2(w[i], s.dtype);
-        if (i < 2) lo |= c << (16 * i); else hi |= c << (16 * (i - 2));
+          for (u32 i = 0; i < 4; ++i) {
+            const u32 a = (2 * i < cnt) ? (u32)src[off + 2 * i] : 0u;
+            const u32 c = (2 * i + 1 < cnt) ? (u32)src[off + 2 * i + 1] : 0u;
+            w[i] = a | (c << 16);  // missing elements are +0: code 0, as the zero padding of the CRC word
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          flags |= okv_fp8_flags(w[i] & 0xFFFFu, dtype) | okv_fp8_flags(w[i] >> 16, dtype);
+          const u32 c = okv_e4m3x2(w[i], dtype);
+          if (i < 2) lo |= c << (16 * i); else hi |= c << (16 * (i - 2));
+        }
+        okv_store_tail(dst, off, m, make_uint2(lo, hi));
       }
-      u8* sb = buf + okv_pad(off);
-      *reinterpret_cast<uint2*>(sb) = make_uint2(lo, hi);
-      if (cnt == 8) {
-        *reinterpret_cast<uint2*>(dst + off) = make_uint2(lo, hi);
-      } else {
-        for (int i = 0; i < cnt; ++i) dst[off + i] = sb[i];
-      }
+      d = okv_crc8(d, lo, hi, aB);
     }
     if (flags) atomicOr(&meta[s.meta].status, flags);
-    __syncthreads();
-    int len = (int)m - (int)threadIdx.x * OKV_PIECE;
-    u32 raw = 0;
-    if (len > 0) raw = okv_crc_piece_smem(buf + threadIdx.x * OKV_ROW, min(len, OKV_PIECE), sT);
-    okv_crc_unit(raw, m, e0, n_out, &meta[s.meta], tables, sSa, red);
+    okv_crc_braid_unit(d, mult, &meta[s.meta], aL, aW, red + par);
   }
 }
 
