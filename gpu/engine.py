@@ -11,8 +11,8 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
 * Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
   (FP8 encode with fused CRC32C; TurboQuant encode; nvCOMP ANS compression of the 64 KiB chunks, one
-  call per nvCOMP data type, then ``okv_ans_pack``; CRC32C -- with the copy for raw segments -- over raw,
-  TurboQuant and ANS payloads), one device-to-host copy of [meta | ANS payload lengths | segment slots]
+  call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads' CRC32C; CRC32C
+  -- with the copy for raw segments -- over raw and TurboQuant payloads), one device-to-host copy of [meta | ANS payload lengths | segment slots]
   -- statuses, raw CRCs, sizes and payloads together -- and one stream synchronisation. The host then
   finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
   payload, in place.
@@ -692,7 +692,7 @@ class GpuCodecEngine:
         # descriptors: fp8 | tq | crc (raw copies, tq outputs, ans outputs)
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
-        crc = [p for p in plans if p.kind in ("raw", "tq", "ans")]
+        crc = [p for p in plans if p.kind in ("raw", "tq")]  # okv_ans_pack computes the ANS payloads' CRC32C
         rows_out: list[dict] = []
         up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
@@ -739,10 +739,8 @@ class GpuCodecEngine:
             payload = region + p.slot + HEADER_SIZE
             if p.kind == "raw":
                 d["src"], d["dst"], d["n"] = p.ptr, payload, p.n
-            elif p.kind == "tq":
+            else:  # tq
                 d["src"], d["n"] = payload, p.cap
-            else:
-                d["src"], d["n"], d["n_dev"] = payload, p.cap, pay_len(p)
             d["nblocks"] = km.units_bytes(int(d["n"]))
 
         for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode", tq, tq_units),
@@ -780,7 +778,8 @@ class GpuCodecEngine:
                             base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
             first, blocks = rows["okv_ans_pack"]
-            w.launch(k, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, meta_ptr)
+            w.launch(k, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, meta_ptr,
+                     k.crc_tables)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
             w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,

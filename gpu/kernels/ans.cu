@@ -3,7 +3,7 @@
 // nvCOMP compressed chunk j of segment s into src + j * OKV_ANS_CAP (one buffer per chunk, sized for
 // the worst case); one block per chunk moves it to its packed offset (the sum of the earlier chunks'
 // 8-byte aligned sizes) in the payload slot, zero padding included, and block 0 writes the table and
-// the payload length. Nothing is written past the slot's capacity (Seg.bits: capacity in bytes): a
+// the payload length (and the CRC32C, below). Nothing is written past the slot's capacity (Seg.bits: capacity in bytes): a
 // payload that would not fit -- one that would not save enough to be kept anyway -- is flagged.
 #define OKV_ANS_CHUNK 65536u
 #define OKV_ST_ANS_FAILED 4u // nvCOMP reported an error for a chunk
@@ -14,10 +14,29 @@ __device__ __forceinline__ u64 okv_al8(u64 v) { return (v + 7) & ~7ull; }
 // Seg fields: src = first chunk buffer, dst = payload slot, n = source bytes, n_dev = u64 sizes of the
 // segment's chunks (from nvCOMP), st_dev = int statuses of its chunks, expect_crc = chunk buffer stride,
 // bits = slot capacity, signs[0..1] = address of the u64 that receives the payload length.
-extern "C" __global__ void __launch_bounds__(OKV_THREADS)
-okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta) {
-  __shared__ u64 red[OKV_THREADS / 32];
+// The payload's CRC32C is fused: each block folds the words it writes with the braided CRC
+// (common.cuh) in units of up to CHUNK bytes at their payload offsets, shifted to the payload's end,
+// into Meta.acc -- the raw CRC of the whole payload, as okv_crc32c over it would give, without
+// reading the payload again.
+__device__ __forceinline__ u32 okv_ans_table_word(u32 wi, u32 nch, const u64* sizes, bool hi) {
+  if (wi == 0) return hi ? nch : OKV_ANS_CHUNK;
+  const u32 i = 2 * wi - 2 + (hi ? 1u : 0u);
+  return i < nch ? (u32)sizes[i] : 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
+okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
+             const u32* __restrict__ tables) {
+  __shared__ __align__(1024) u32 sB[OKV_SLICE_WORDS];
+  __shared__ __align__(2048) u32 sL[OKV_LANE_WORDS];
+  __shared__ __align__(512) u32 sW[OKV_WARP_WORDS];
+  __shared__ u32 red[2 * OKV_THREADS / 32];
+  __shared__ u64 pre[OKV_THREADS / 32], pre2[OKV_THREADS / 32];
   __shared__ int bad_sh;
+  okv_load_braid(sB, sL, sW, tables);
+  const u32 aB = okv_saddr(sB), aL = okv_saddr(sL), aW = okv_saddr(sW);
+  __syncthreads();
+  u32 par = 0;
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {
     const Seg& s = segs[okv_find_seg(segs, nsegs, g)];
     const u32 j = g - s.block0;
@@ -35,6 +54,7 @@ okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restric
       all += a;
       if (st[i] != 0 || sizes[i] == 0 || sizes[i] > s.expect_crc) bad = 1;
     }
+    __syncthreads();  // the previous chunk's pre/pre2/bad_sh have been read
     if (threadIdx.x == 0) bad_sh = 0;
     __syncthreads();
     if (bad) bad_sh = 1;
@@ -42,41 +62,69 @@ okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restric
       part += __shfl_xor_sync(OKV_FULL, part, o);
       all += __shfl_xor_sync(OKV_FULL, all, o);
     }
-    __shared__ u64 red2[OKV_THREADS / 32];
-    if ((threadIdx.x & 31) == 0) { red[threadIdx.x >> 5] = part; red2[threadIdx.x >> 5] = all; }
+    if ((threadIdx.x & 31) == 0) { pre[threadIdx.x >> 5] = part; pre2[threadIdx.x >> 5] = all; }
     __syncthreads();
     u64 off = start, len = start;
-    for (int i = 0; i < OKV_THREADS / 32; ++i) { off += red[i]; len += red2[i]; }
+    for (int i = 0; i < OKV_THREADS / 32; ++i) { off += pre[i]; len += pre2[i]; }
     const bool failed = bad_sh != 0;
-    __syncthreads();
+    u64* plen = reinterpret_cast<u64*>((static_cast<u64>(s.signs[1]) << 32) | s.signs[0]);
     if (failed || len > cap) {
       if (threadIdx.x == 0 && j == 0) {
         atomicOr(&meta[s.meta].status, failed ? OKV_ST_ANS_FAILED : OKV_ST_ANS_LARGE);
-        *reinterpret_cast<u64*>((static_cast<u64>(s.signs[1]) << 32) | s.signs[0]) = 0;
+        *plen = 0;
       }
       continue;
     }
     u8* out = reinterpret_cast<u8*>(s.dst);
-    if (j == 0) {
-      u32* tab = reinterpret_cast<u32*>(out);
-      if (threadIdx.x == 0) {
-        tab[0] = OKV_ANS_CHUNK;
-        tab[1] = nch;
-        *reinterpret_cast<u64*>((static_cast<u64>(s.signs[1]) << 32) | s.signs[0]) = len;
+    Meta* mt = &meta[s.meta];
+    if (j == 0) {  // the chunk table: u32 chunk_bytes, u32 nchunks, u32 sizes[nch], zeros to 8
+      if (threadIdx.x == 0) *plen = len;
+      for (u64 us = 0; us < start; us += OKV_CHUNK) {
+        const u32 m = (u32)min((u64)OKV_CHUNK, start - us);
+        const u32 mult = threadIdx.x == 0 ? okv_unit_mult(us, len, tables) : OKV_X0;
+        u32 d = 0;
+#pragma unroll 2
+        for (int k = 0; k < 8; ++k) {
+          const u32 o = 8u * (threadIdx.x + OKV_THREADS * k);
+          uint2 v = make_uint2(0u, 0u);
+          if (o < m) {
+            const u32 wi = (u32)((us + o) >> 3);
+            v = make_uint2(okv_ans_table_word(wi, nch, sizes, false), okv_ans_table_word(wi, nch, sizes, true));
+            *reinterpret_cast<uint2*>(out + us + o) = v;
+          }
+          d = okv_crc8(d, v.x, v.y, aB);
+        }
+        okv_crc_braid_unit(d, mult, mt, aL, aW, red + par);
+        par ^= OKV_THREADS / 32;
       }
-      for (u32 i = threadIdx.x; i < nch; i += OKV_THREADS) tab[2 + i] = (u32)sizes[i];
-      for (u64 b = 8 + 4ull * nch + threadIdx.x; b < start; b += OKV_THREADS) out[b] = 0;
     }
-    // chunk j: 8-byte words, the last one zero-padded
+    // chunk j: 8-byte words, the last one zero-padded, at payload offset off
     const u64 size = sizes[j];
-    const u64 words = okv_al8(size) >> 3;
+    const u64 L = okv_al8(size);
     const u64* src = reinterpret_cast<const u64*>(s.src + (u64)j * s.expect_crc);
     u64* dst = reinterpret_cast<u64*>(out + off);
-    for (u64 w = threadIdx.x; w < words; w += OKV_THREADS) {
-      u64 v = src[w];
-      u64 valid = size - 8 * w;
-      if (valid < 8) v &= (1ull << (8 * valid)) - 1;
-      dst[w] = v;
+    for (u64 us = 0; us < L; us += OKV_CHUNK) {
+      const u32 m = (u32)min((u64)OKV_CHUNK, L - us);
+      const u32 mult = threadIdx.x == 0 ? okv_unit_mult(off + us, len, tables) : OKV_X0;
+      u64 w[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const u32 o = 8u * (threadIdx.x + OKV_THREADS * k);
+        w[k] = o < m ? src[(us + o) >> 3] : 0ull;
+      }
+      u32 d = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const u32 o = 8u * (threadIdx.x + OKV_THREADS * k);
+        if (o < m) {
+          const u64 valid = size - (us + o);
+          if (valid < 8) w[k] &= (1ull << (8 * valid)) - 1;
+          dst[(us + o) >> 3] = w[k];
+        }
+        d = okv_crc8(d, (u32)w[k], (u32)(w[k] >> 32), aB);
+      }
+      okv_crc_braid_unit(d, mult, mt, aL, aW, red + par);
+      par ^= OKV_THREADS / 32;
     }
   }
 }
