@@ -7,8 +7,10 @@
 * :func:`finish_crc` / :func:`zero_crc` -- the host's last step: a kernel's raw CRC XOR the CRC32C of
   as many zero bytes (memoised per length, so a batch costs microseconds).
 * :func:`crc32c_model` -- a model of the older staged decomposition (64-byte pieces shifted to the
-  segment's end); :func:`crc32c_braid_model` -- a model of exactly the kernels' braided decomposition
-  (``okv_crc_braid_unit``), so the combine arithmetic is tested on machines without a GPU.
+  segment's end); :func:`crc32c_braid_model` -- an emulation of the kernels' braided CRC (``okv_load_braid``,
+  ``okv_crc8``, ``okv_crc_braid_unit``): per thread, lane and warp, every table word read through the
+  kernels' shared-window addressing (OR-ed indexes, immediate offsets) at okv_load_braid's placement
+  (:func:`braid_smem_layout`, :class:`BraidSmem`), so table layout and alignment are tested without a GPU.
 * :func:`turboquant_tables` -- the float32 Lloyd-Max centroids and boundaries of
   :mod:`orbitkv_fs.codecs.turboquant`, in the layout of ``kernels/turboquant.cu``.
 * :func:`sign_words` -- TurboQuant's versioned random signs of a layer as 8 uint32 bit masks.
@@ -187,66 +189,164 @@ def crc32c_model(data: bytes) -> int:
     return int(finish_crc(acc, n))
 
 
-def _crc8_vec(d: np.ndarray, lo: np.ndarray, hi: np.ndarray, tab: np.ndarray) -> np.ndarray:
-    """okv_crc8 on arrays: the register after 8 more bytes through the 8 x 256 tables ``tab``."""
-    lo = lo ^ d
-    r = np.zeros_like(d)
-    for i in range(4):
-        r ^= tab[(7 - i) * 256 + ((lo >> np.uint32(8 * i)) & np.uint32(255))]
-        r ^= tab[(3 - i) * 256 + ((hi >> np.uint32(8 * i)) & np.uint32(255))]
-    return r
+# ---- Emulation of the braided kernels' shared memory (kernels/common.cuh, okv_load_braid) ---------------
+# The kernels address their shared tables by shared-window byte address and OR the index bits into it
+# ("(x & mask) | T", okv_lds_off<OFF> adding an immediate), which is only correct when T has zero bits where
+# the index goes. On sm_90 the first 1 KiB of a block's shared window is reserved: static __shared__ arrays
+# start at window address 0x400, so an __align__(N) array is only min(N, 1024)-aligned in the window. The
+# lane tables need 2048-byte alignment (index bits 2..10), so okv_load_braid aligns them at run time inside
+# one 1024-aligned array with slack. The model below reads every table word through that same addressing.
+SMEM_WINDOW_BASE = 0x400  # sm_90: window address of the first static __shared__ byte
+LANE_WORDS = 32 * 128
+SLICE_WORDS = 8 * 256
+WARP_WORDS = 8 * 128
+BRAID_SMEM_WORDS = LANE_WORDS + SLICE_WORDS + WARP_WORDS + 512  # OKV_BRAID_SMEM_WORDS: tables + alignment slack
 
 
-def _mul_nib_vec(v: np.ndarray, tab: np.ndarray, row: int, stride: int, col: "np.ndarray | int") -> np.ndarray:
-    """v times a constant through nibble tables: entry (i, nibble) at tab[(i * 16 + nibble) * row + col]."""
-    r = np.zeros_like(v)
-    for i in range(8):
-        r ^= tab[(i * 16 + ((v >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)) * row + col]
-    return r
+def braid_smem_layout(saddr: int) -> tuple[int, int, int]:
+    """(aB, aL, aW): the window addresses okv_load_braid gives the braid, lane and warp tables in an array
+    that starts at window address ``saddr`` (lane tables at the first 2048-aligned address, then braid, warp)."""
+    assert saddr % 4 == 0
+    a_l = saddr + ((-saddr) & 2047)
+    assert a_l + 4 * (LANE_WORDS + SLICE_WORDS + WARP_WORDS) <= saddr + 4 * BRAID_SMEM_WORDS
+    return a_l + 4 * LANE_WORDS, a_l, a_l + 4 * (LANE_WORDS + SLICE_WORDS)
 
 
-def braid_unit_raw(unit: bytes) -> int:
-    """The block's XOR of okv_crc_braid_unit for one unit of at most CHUNK bytes (zero-padded at the tail
-    to CHUNK): the raw CRC of the unit followed by CHUNK - len(unit) zero bytes."""
-    tab = crc_tables()
+class BraidSmem:
+    """A block's shared window holding the braided CRC tables at window addresses (aB, aL, aW), with the
+    kernels' lookups (okv_crc8, okv_mul_lane, okv_mul_nib16) emulated address for address."""
+
+    def __init__(self, a_b: int, a_l: int, a_w: int) -> None:
+        tab = crc_tables()
+        self.a_b, self.a_l, self.a_w = a_b, a_l, a_w
+        top = max(a_b + 4 * SLICE_WORDS, a_l + 4 * LANE_WORDS, a_w + 4 * WARP_WORDS)
+        self.mem = np.zeros(top // 4 + 1, dtype=np.uint32)
+        self.written = np.zeros(self.mem.size, dtype=bool)
+        for a, off, words in ((a_b, BRAID_OFFSET, SLICE_WORDS), (a_l, LANE_OFFSET, LANE_WORDS),
+                              (a_w, WARP_OFFSET, WARP_WORDS)):
+            assert a % 4 == 0 and not self.written[a // 4:a // 4 + words].any(), "tables overlap"
+            self.mem[a // 4:a // 4 + words] = tab[off:off + words]
+            self.written[a // 4:a // 4 + words] = True
+
+    def lds(self, addr: np.ndarray, off: int = 0) -> np.ndarray:
+        """ld.shared.u32 [addr + off]."""
+        a = np.asarray(addr, dtype=np.int64) + off
+        assert (a % 4 == 0).all() and (a >= 0).all() and (a // 4 < self.mem.size).all(), "shared access out of range"
+        assert self.written[a // 4].all(), "read of a shared word no table was loaded into"
+        return self.mem[a // 4]
+
+    def crc8(self, d: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """okv_crc8(d, lo, hi, aB)."""
+        u = np.uint32
+        lo = lo ^ d
+        T = u(self.a_b)
+        r = self.lds(((lo << u(2)) & u(0x3FC)) | T, 7168) ^ self.lds(((lo >> u(6)) & u(0x3FC)) | T, 6144)
+        r ^= self.lds(((lo >> u(14)) & u(0x3FC)) | T, 5120) ^ self.lds(((lo >> u(22)) & u(0x3FC)) | T, 4096)
+        r ^= self.lds(((hi << u(2)) & u(0x3FC)) | T, 3072) ^ self.lds(((hi >> u(6)) & u(0x3FC)) | T, 2048)
+        r ^= self.lds(((hi >> u(14)) & u(0x3FC)) | T, 1024) ^ self.lds(((hi >> u(22)) & u(0x3FC)) | T)
+        return r
+
+    def mul_lane(self, v: np.ndarray, lane: np.ndarray) -> np.ndarray:
+        """okv_mul_lane(v, aL + 4 * lane)."""
+        u = np.uint32
+        L = u(self.a_l) + u(4) * lane.astype(np.uint32)
+        r = self.lds(((v << u(7)) & u(0x780)) | L)
+        for i, sh in enumerate((3, -1, -5, -9, -13, -17, -21), start=1):
+            x = (v << u(sh)) if sh > 0 else (v >> u(-sh))
+            r ^= self.lds((x & u(0x780)) | L, 2048 * i)
+        return r
+
+    def mul_nib16(self, v: np.ndarray, S: np.ndarray) -> np.ndarray:
+        """okv_mul_nib16(v, S)."""
+        u = np.uint32
+        S = np.asarray(S, dtype=np.uint32)
+        r = self.lds(((v << u(2)) & u(0x3C)) | S)
+        for i in range(1, 8):
+            r ^= self.lds(((v >> u(4 * i - 2)) & u(0x3C)) | S, 64 * i)
+        return r
+
+    def braid_unit(self, lo: np.ndarray, hi: np.ndarray) -> int:
+        """Thread registers d (8 okv_crc8 steps over words t + 256 k: lo/hi [8][THREADS]) and
+        okv_crc_braid_unit's combine: the value thread 0 multiplies by the unit's shift and XORs in."""
+        t = np.arange(THREADS)
+        lane = t & 31
+        d = np.zeros(THREADS, dtype=np.uint32)
+        for k in range(8):
+            d = self.crc8(d, lo[k], hi[k])
+        v = self.mul_lane(d, lane)
+        for o in (16, 8, 4, 2, 1):  # __shfl_xor_sync(FULL, v, o): lane l reads lane l ^ o of its warp
+            v = v ^ v[(t & ~31) | (lane ^ o)]
+        red = v[::32].copy()  # lane 0 of each warp
+        l32 = np.arange(32)
+        uu = np.zeros(32, dtype=np.uint32)
+        live = l32 < THREADS // 32
+        uu[live] = self.mul_nib16(red[l32[live]], np.uint32(self.a_w) + np.uint32(512) * l32[live].astype(np.uint32))
+        for o in (4, 2, 1):
+            uu = uu ^ uu[l32 ^ o]
+        return int(uu[0])
+
+
+@functools.lru_cache(maxsize=16)
+def braid_smem(a_b: int, a_l: int, a_w: int) -> BraidSmem:
+    return BraidSmem(a_b, a_l, a_w)
+
+
+def _unit_words(unit: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """lo/hi [8][THREADS]: the little-endian 8-byte words t + 256 k of a unit, zero past its end."""
     words = np.zeros(CHUNK // 8, dtype="<u8")
     raw = np.frombuffer(unit + bytes(-len(unit) % 8), dtype="<u8")
     words[:raw.size] = raw
-    lo = (words & 0xFFFFFFFF).astype(np.uint32).reshape(8, THREADS)  # [k][t]: word t + 256 k
+    lo = (words & 0xFFFFFFFF).astype(np.uint32).reshape(8, THREADS)
     hi = (words >> 32).astype(np.uint32).reshape(8, THREADS)
-    braid = tab[BRAID_OFFSET:BRAID_OFFSET + 2048]
-    d = np.zeros(THREADS, dtype=np.uint32)
-    for k in range(8):
-        d = _crc8_vec(d, lo[k], hi[k], braid)
-    t = np.arange(THREADS)
-    v = _mul_nib_vec(d, tab[LANE_OFFSET:WARP_OFFSET], 32, 1, t % 32)  # lane tables: row stride 32 words
-    per_warp = np.bitwise_xor.reduce(v.reshape(8, 32), axis=1)
-    w = np.arange(8)
-    u = np.zeros(8, dtype=np.uint32)
-    for i in range(8):
-        u ^= tab[WARP_OFFSET + w * 128 + i * 16 + ((per_warp >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)]
-    return int(np.bitwise_xor.reduce(u))
+    return lo, hi
+
+
+def braid_unit_raw(unit: bytes, layout: "tuple[int, int, int] | None" = None) -> int:
+    """The block's XOR of okv_crc_braid_unit for one unit of at most CHUNK bytes (zero-padded at the tail
+    to CHUNK): the raw CRC of the unit followed by CHUNK - len(unit) zero bytes, computed through the
+    emulated shared tables at ``layout`` = (aB, aL, aW) (default: okv_load_braid's on sm_90)."""
+    sm = braid_smem(*(layout or braid_smem_layout(SMEM_WINDOW_BASE)))
+    return sm.braid_unit(*_unit_words(unit))
+
+
+def okv_unit_mult(unit_start: int, n: int) -> int:
+    """okv_unit_mult: the multiplier thread 0 applies to a (padded) unit starting at ``unit_start`` in n
+    bytes: x^(8e) for e = n - (unit_start + CHUNK) >= 0, else XN[-e]."""
+    tab = crc_tables()
+    e = n - unit_start - CHUNK
+    if e < 0:
+        return int(tab[XN_OFFSET - e])
+    if e == 0:
+        return X0
+    q, r = divmod(e, CHUNK)
+    return gf_mul(int(tab[XC_OFFSET + q]), int(tab[XP_OFFSET + r])) if q else int(tab[XP_OFFSET + r])
 
 
 def braid_shift(n: int, unit_start: int) -> int:
-    """The multiplier thread 0 applies to a (padded) unit starting at ``unit_start`` in n bytes:
-    x^(8e) for e = n - (unit_start + CHUNK) >= 0, else XN[-e]."""
-    tab = crc_tables()
-    e = n - (unit_start + CHUNK)
-    if e >= 0:
-        return int(x8n(e))
-    return int(tab[XN_OFFSET - e])
+    """:func:`okv_unit_mult` with the arguments in the older order (n, unit_start)."""
+    return okv_unit_mult(unit_start, n)
 
 
-def crc32c_braid_model(data: bytes) -> int:
-    """CRC32C of ``data`` computed the way the braided kernels compute it (okv_crc_braid_unit)."""
+def braid_pieces_acc(data: bytes, pieces: "list[tuple[int, int]]",
+                     layout: "tuple[int, int, int] | None" = None) -> int:
+    """Meta.acc after okv_crc_braid_unit for units (start, m) of ``data`` (m <= CHUNK; the kernels'
+    units: okv_crc32c and okv_fp8_encode at multiples of CHUNK, okv_ans_pack at payload offsets)."""
     n = len(data)
     acc = 0
-    for us in range(0, n, CHUNK):
-        u = braid_unit_raw(data[us:us + CHUNK])
-        mult = braid_shift(n, us)
-        acc ^= gf_mul(u, mult) if mult != X0 else u
-    return int(finish_crc(acc, n))
+    for us, m in pieces:
+        u = braid_unit_raw(data[us:us + m], layout)
+        mult = okv_unit_mult(us, n)
+        if u:  # thread 0: if (u) { if (mult != X0) u = gf_mul(u, mult); atomicXor }
+            acc ^= gf_mul(u, mult) if mult != X0 else u
+    return acc
+
+
+def crc32c_braid_model(data: bytes, layout: "tuple[int, int, int] | None" = None) -> int:
+    """CRC32C of ``data`` computed the way okv_crc32c computes it: 16 KiB units, each thread's braid register,
+    the lane/warp combine read from the emulated shared tables, the shift to the end, finish_crc."""
+    n = len(data)
+    pieces = [(us, min(CHUNK, n - us)) for us in range(0, n, CHUNK)]
+    return int(finish_crc(braid_pieces_acc(data, pieces, layout), n))
 
 
 TQ_TABLE_SIZE = 48

@@ -51,6 +51,61 @@ def test_crc_braid_tables_and_inverse_shifts() -> None:
     assert int(tables.finish_crc(acc, len(data))) == crc32c.crc32c(data)
 
 
+@pytest.mark.parametrize("saddr", [0x400, 0x800, 0x400 + 0x7000, 0x404, 0x10])
+@pytest.mark.parametrize("n", [1, 9, 100, 16383, 16384, 16385, 2 * 16384 + 7])
+def test_crc_braid_emulated_smem_any_array_address(saddr: int, n: int) -> None:
+    """okv_load_braid's run-time placement keeps the OR-ed table addressing exact wherever the compiler and
+    the hardware put the `sm` array (sm_90: window address 0x400 + its offset in the block's allocation)."""
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    assert tables.crc32c_braid_model(data, tables.braid_smem_layout(saddr)) == crc32c.crc32c(data)
+
+
+def test_crc_braid_emulation_catches_misaligned_lane_tables() -> None:
+    """The sm_90 placement of three separately declared __shared__ __align__(1024/2048/512) arrays (window
+    base 0x400, offsets 0, 0x2000, 0x6000): the lane tables at 0x2400 are not 2048-aligned, so OR-ing a nibble
+    >= 8 into their address reads the wrong row. The emulated kernel gives wrong CRCs there, as the H200 did."""
+    data = np.random.default_rng(5).integers(0, 256, 16384, dtype=np.uint8).tobytes()
+    assert tables.crc32c_braid_model(data, (0x400, 0x2400, 0x6400)) != crc32c.crc32c(data)
+    assert tables.crc32c_braid_model(data, (0x400, 0x2800, 0x6800)) == crc32c.crc32c(data)
+
+
+def test_braid_kernels_shared_declarations() -> None:
+    """Every braided kernel declares its tables as okv_load_braid expects, and no __shared__ array relies on
+    an alignment above 1024 bytes (sm_90 starts the static shared allocation at window address 0x400)."""
+    import re
+    from pathlib import Path
+
+    kdir = Path(tables.__file__).parent / "kernels"
+    common = (kdir / "common.cuh").read_text()
+    m = re.search(r"#define OKV_BRAID_SMEM_WORDS \(OKV_LANE_WORDS \+ OKV_SLICE_WORDS \+ OKV_WARP_WORDS \+ (\d+)\)", common)
+    assert m and tables.BRAID_SMEM_WORDS == tables.LANE_WORDS + tables.SLICE_WORDS + tables.WARP_WORDS + int(m.group(1))
+    for name in ("crc32c.cu", "fp8.cu", "ans.cu", "turboquant.cu", "common.cuh"):
+        src = (kdir / name).read_text()
+        for a in re.findall(r"__shared__\s+__align__\((\d+)\)", src):
+            assert int(a) <= 1024, (name, a)
+        if name in ("crc32c.cu", "fp8.cu", "ans.cu"):
+            assert "__shared__ __align__(1024) u32 sm[OKV_BRAID_SMEM_WORDS];" in src, name
+            assert "okv_load_braid(sm, tables)" in src, name
+
+
+def test_ans_pack_units_at_payload_offsets() -> None:
+    """okv_ans_pack's units: the chunk table in CHUNK-byte units from 0, then each chunk's 8-byte aligned
+    words in CHUNK-byte units from its payload offset, each shifted to the payload's end."""
+    rng = np.random.default_rng(9)
+    sizes = [65536 - 3, 40000, 17, 65536]
+    table = 8 + 4 * len(sizes)
+    start = table + (-table % 8)
+    pieces = [(us, min(tables.CHUNK, start - us)) for us in range(0, start, tables.CHUNK)]
+    off = start
+    for sz in sizes:
+        L = sz + (-sz % 8)
+        pieces += [(off + us, min(tables.CHUNK, L - us)) for us in range(0, L, tables.CHUNK)]
+        off += L
+    data = rng.integers(0, 256, off, dtype=np.uint8).tobytes()
+    acc = tables.braid_pieces_acc(data, pieces)
+    assert int(tables.finish_crc(acc, len(data))) == crc32c.crc32c(data)
+
+
 def test_sign_words_match_host_signs() -> None:
     from orbitkv_fs.codecs.turboquant import rotation_signs
 

@@ -27,14 +27,12 @@ __device__ __forceinline__ u32 okv_ans_table_word(u32 wi, u32 nch, const u64* si
 extern "C" __global__ void __launch_bounds__(OKV_THREADS, 6)
 okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
              const u32* __restrict__ tables) {
-  __shared__ __align__(1024) u32 sB[OKV_SLICE_WORDS];
-  __shared__ __align__(2048) u32 sL[OKV_LANE_WORDS];
-  __shared__ __align__(512) u32 sW[OKV_WARP_WORDS];
+  __shared__ __align__(1024) u32 sm[OKV_BRAID_SMEM_WORDS];  // tables placed by okv_load_braid
   __shared__ u32 red[2 * OKV_THREADS / 32];
   __shared__ u64 pre[OKV_THREADS / 32], pre2[OKV_THREADS / 32];
   __shared__ int bad_sh;
-  okv_load_braid(sB, sL, sW, tables);
-  const u32 aB = okv_saddr(sB), aL = okv_saddr(sL), aW = okv_saddr(sW);
+  const OkvBraid tb = okv_load_braid(sm, tables);
+  const u32 aB = tb.aB, aL = tb.aL, aW = tb.aW;
   __syncthreads();
   u32 par = 0;
   for (u32 g = blockIdx.x; g < total; g += gridDim.x) {

@@ -211,12 +211,31 @@ __device__ __forceinline__ void okv_crc_unit(u32 raw, u32 m, u64 unit_start, u64
 #define OKV_WARP_WORDS (8 * 128)
 #define OKV_X0 0x80000000u  // x^0 (reflected): the identity multiplier
 
-// The kernel's shared tables: sB braid (8 x 256, 1024-byte aligned), sL lane tables (2048-byte aligned),
-// sW warp tables (512-byte aligned). Callers sync before use.
-__device__ __forceinline__ void okv_load_braid(u32* sB, u32* sL, u32* sW, const u32* tables) {
+// The kernel's shared tables live in one array `sm` of OKV_BRAID_SMEM_WORDS words, declared
+// __shared__ __align__(1024): lane tables (32 x 128 words, which need a 2048-byte aligned window address:
+// their index bits 2..10 are OR-ed in), then braid (8 x 256, 1024-byte aligned) and warp tables (8 x 128,
+// 512-byte aligned). The lane tables' place is chosen at run time: __align__ on a __shared__ array
+// aligns its offset in the block's static allocation, not its window address, and on sm_90 that
+// allocation starts at window address 0x400 (the first 1 KiB is reserved), so __align__(2048) yields an
+// address that is only 1024-aligned. (Three separate __align__(1024/2048/512) arrays put the lane tables
+// at 0x2400 there and broke every lookup with nibble >= 8.) The 512-word slack covers any 4-byte aligned
+// start. Returns the window addresses; tables.braid_smem_layout models this. Callers sync before use.
+#define OKV_BRAID_SMEM_WORDS (OKV_LANE_WORDS + OKV_SLICE_WORDS + OKV_WARP_WORDS + 512)
+struct OkvBraid {
+  u32 aB, aL, aW;  // shared-window addresses of the braid, lane and warp tables
+};
+__device__ __forceinline__ OkvBraid okv_load_braid(u32* sm, const u32* tables) {
+  u32* sL = sm + (((0u - okv_saddr(sm)) & 2047u) >> 2);
+  u32* sB = sL + OKV_LANE_WORDS;
+  u32* sW = sB + OKV_SLICE_WORDS;
   for (int i = threadIdx.x; i < OKV_SLICE_WORDS; i += blockDim.x) sB[i] = tables[OKV_TAB_BRAID + i];
   for (int i = threadIdx.x; i < OKV_LANE_WORDS; i += blockDim.x) sL[i] = tables[OKV_TAB_LANE + i];
   for (int i = threadIdx.x; i < OKV_WARP_WORDS; i += blockDim.x) sW[i] = tables[OKV_TAB_WARP + i];
+  OkvBraid r;
+  r.aL = okv_saddr(sL);
+  r.aB = r.aL + 4u * OKV_LANE_WORDS;
+  r.aW = r.aB + 4u * OKV_SLICE_WORDS;
+  return r;
 }
 
 // v * x^(-64 lane): L = shared-window address of the lane tables + 4 * lane (word (i*16 + nibble)*32 + lane).
