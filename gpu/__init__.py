@@ -35,6 +35,12 @@ Batch API (for the Manager)::
   one launch per kernel kind, one D2H copy (meta + payloads), one synchronisation.
 * Memoryviews returned by ``encode_batch`` own their pinned buffer (shared by the batch); keep or copy
   them as needed.
+* Pipelining: ``job = engine.encode_submit(items, ...)`` queues the batch and returns;
+  ``engine.encode_collect(job)`` waits and answers the segments (``job.headers`` holds their parsed
+  headers). ``decode_submit`` / ``decode_collect`` likewise. Up to two batches per worker are in flight.
+* Page blocks: ``engine.gather_blocks(table)`` / ``engine.scatter_blocks(table)`` copy whole page blocks
+  (``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows: source, destination, strides, rows, row bytes) in one launch
+  on the save / restore stream; ``engine.block_buffer(nbytes, restore=...)`` allocates the contiguous side.
 """
 
 from __future__ import annotations

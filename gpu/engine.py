@@ -3,7 +3,16 @@
 Owns the batch pipeline between engine KV on the GPU and complete segments in pinned host memory:
 
 * :class:`GpuCodecEngine` -- two :class:`Worker` s (save = encode, restore = decode), each with its own
-  CUDA stream, workspace and pinned staging buffer, so saves and restores never wait on each other.
+  CUDA stream, workspace and two pinned staging buffers, so saves and restores never wait on each other.
+* Two batches in flight per worker: :meth:`GpuCodecEngine.encode_submit` / ``decode_submit`` queue a
+  batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
+  and return; ``encode_collect`` / ``decode_collect`` wait for it and run its host part (headers,
+  verdicts). ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that submits its next
+  batch before collecting the previous one overlaps its host work with the GPU's and the copies.
+* Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
+  between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
+  ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, uploaded from a pinned buffer of its own). Sources and
+  destinations may be :class:`DeviceSpan` s (address, length, shape) instead of cupy arrays.
 * :class:`Workspace` -- one device allocation per worker, bounded by the budget
   (``--storage-codec-budget``, default 64 MB), retained and reused across batches; growth drains the
   stream and frees the old allocation before allocating the new one; :meth:`Workspace.release`
@@ -36,9 +45,10 @@ Invariants:
   (CPU fallback, counted in ``stats["cpu_fallbacks"]``); ANS, which has no CPU codec, is then
   stored raw (reason ``UNSUPPORTED``) on encode and decoded by :mod:`orbitkv_fs.gpu.ans` (outside
   the arena) on restore.
-* Source arrays must be C-contiguous cupy arrays; the worker stream waits for the caller's current
-  stream before reading them. Destinations are complete when :meth:`GpuCodecEngine.decode_batch`
-  returns.
+* Sources must be C-contiguous cupy arrays or DeviceSpans, untouched until their encode is collected; the
+  worker stream waits for the caller's current stream before reading them. Destinations are complete when
+  :meth:`GpuCodecEngine.decode_batch` (or ``decode_collect``) returns; block scatters when the event
+  ``scatter_blocks`` returns has completed.
 """
 
 from __future__ import annotations

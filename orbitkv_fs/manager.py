@@ -37,7 +37,7 @@ Seams for the other parts:
   served, asks for the next ``ssd_prefetch_chunks`` chunks of that prefix; what lands is admitted to DRAM
   as prefetched (counted as a hit when first served, as wasted when it leaves DRAM unserved).
   A tier with ``device_io`` true (the SSD tier on the cuFile backend) also gets the direct path when the
-  GPU codec engine serves GPU pages: ``_save_batch`` hands each complete state group of a batch (every
+  GPU codec engine serves GPU pages: a save batch hands each complete state group of a batch (every
   (layer, role) segment of a chunk in that batch) to ``submit_device`` from the engine's ``device_sink``,
   while DRAM still admits every segment (fragmented groups and host-coded segments reach the tier only
   through DRAM's demotion, as before; a direct record is not written again when DRAM demotes the same
@@ -56,7 +56,11 @@ Seams for the other parts:
   (for the Transfer Engine to register), and :meth:`~Manager.reserve` / :meth:`~Manager.publish` /
   :meth:`~Manager.abort` let a transfer write verified segment bytes straight into the arena.
 * **GPU codec engine**: with a GPU (and ``orbitkv_fs.gpu`` importable), encode/decode batches go through a
-  small adapter over its batch API; without one the host codecs (:mod:`orbitkv_fs.codecs`) run.
+  small adapter over its batch API; without one the host codecs (:mod:`orbitkv_fs.codecs`) run. GPU pages
+  move in one block-copy launch per batch (the gather of a save, the scatter of a restore, from tables of
+  block addresses), and the batches of a save or restore are pipelined: batch i+1 is gathered and queued
+  on the GPU (``encode_submit`` / ``decode_submit``) before the host waits for batch i and publishes or
+  scatters it, each batch taking at most half the codec budget so that two share the engine's workspace.
 
 Invariants:
 
