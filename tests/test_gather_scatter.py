@@ -4,6 +4,8 @@ arena bookkeeping of segments the GPU engine writes in place (``_gaps``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,12 +17,12 @@ from orbitkv_fs.pages import host_engine_pages
 L, B, T, H, D = 2, 12, 4, 2, 32
 
 
-@pytest.mark.parametrize("blocks", [[7, 2, 11, 3], [4, 5, 6, 7], [9]], ids=["scattered", "run", "one"])
-@pytest.mark.parametrize("layout", ["separate", "vllm_packed", "sglang_token_pool", "mla"])
-def test_gather_and_scatter_match_block_views(layout, blocks):
+@contextlib.contextmanager
+def registered_segments(layout: str, seed: int):
+    """The Manager segments of a host engine of ``layout`` filled with random BF16, and the rng."""
     pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D, layout=layout)
     try:
-        rng = np.random.default_rng(1)
+        rng = np.random.default_rng(seed)
         for name in pages.tensors:
             a = pages.array(name)
             a[...] = rng.standard_normal(a.shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -29,18 +31,25 @@ def test_gather_and_scatter_match_block_views(layout, blocks):
                                  head_dim=D, dtype="bfloat16", tensors=descs, attention=attention)
         with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
             e = m.register_engine(reg)
-            for seg in m._engines[e.engine_id].segs:
-                before = {b: np.array(seg.view(b)) for b in range(B)}
-                got = seg.gather(blocks)
-                assert got.flags.c_contiguous and got.shape == (len(blocks),) + seg.block_shape
-                assert all(np.array_equal(got[j], before[b]) for j, b in enumerate(blocks))
-                new = np.asarray(rng.standard_normal(got.shape, dtype=np.float32)).astype(got.dtype)
-                seg.scatter(blocks, new)
-                for b in range(B):  # the named blocks take the new values, no other block changes
-                    want = new[blocks.index(b)] if b in blocks else before[b]
-                    assert np.array_equal(seg.view(b), want), (layout, seg.layer, seg.role, b)
+            yield m._engines[e.engine_id].segs, rng
     finally:
         pages.close()
+
+
+@pytest.mark.parametrize("blocks", [[7, 2, 11, 3], [4, 5, 6, 7], [9]], ids=["scattered", "run", "one"])
+@pytest.mark.parametrize("layout", ["separate", "vllm_packed", "sglang_token_pool", "mla"])
+def test_gather_and_scatter_match_block_views(layout, blocks):
+    with registered_segments(layout, 1) as (segs, rng):
+        for seg in segs:
+            before = {b: np.array(seg.view(b)) for b in range(B)}
+            got = seg.gather(blocks)
+            assert got.flags.c_contiguous and got.shape == (len(blocks),) + seg.block_shape
+            assert all(np.array_equal(got[j], before[b]) for j, b in enumerate(blocks))
+            new = np.asarray(rng.standard_normal(got.shape, dtype=np.float32)).astype(got.dtype)
+            seg.scatter(blocks, new)
+            for b in range(B):  # the named blocks take the new values, no other block changes
+                want = new[blocks.index(b)] if b in blocks else before[b]
+                assert np.array_equal(seg.view(b), want), (layout, seg.layer, seg.role, b)
 
 
 def test_gaps_partition_regions():
@@ -68,50 +77,38 @@ def _apply_block_table(table: np.ndarray, memory: np.ndarray) -> None:
 def test_block_tables_gather_and_scatter_like_the_block_views(layout):
     """The block-copy tables of the GPU path (``_rows_of`` + ``_block_table``), applied by a model of the
     kernel to the bytes of host pages: gathering equals ``seg.gather``, scattering writes exactly the blocks."""
-    pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D, layout=layout)
-    try:
-        rng = np.random.default_rng(2)
-        for name in pages.tensors:
-            a = pages.array(name)
-            a[...] = rng.standard_normal(a.shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
-        attention = "mla" if layout == "mla" else "gqa"
-        reg = EngineRegistration(model="gs", num_layers=L, layer_start=0, layer_end=L, block_size=T, num_heads=H,
-                                 head_dim=D, dtype="bfloat16", tensors=descs, attention=attention)
-        blocks = [7, 2, 11, 3]
-        with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
-            e = m.register_engine(reg)
-            for seg in m._engines[e.engine_id].segs:
-                base = seg.base
-                arr = base.base if base.base is not None else base
-                while arr.base is not None and isinstance(arr.base, np.ndarray):
-                    arr = arr.base
-                memory = np.frombuffer(arr, dtype=np.uint8) if not isinstance(arr, np.ndarray) else arr.view(np.uint8).reshape(-1)
-                origin = memory.ctypes.data
-                rows = _rows_of(seg.block_shape, base.strides[1:], seg.dtype.itemsize)
-                assert rows is not None, layout
-                assert rows[0] * rows[1] == seg.block_bytes
-                seg.copy = (base.ctypes.data - origin, base.strides[0]) + rows
-                want = seg.gather(blocks)
-                n = want.nbytes
-                scratch = np.zeros(memory.size + n, dtype=np.uint8)  # pages, then the gather buffer
-                scratch[:memory.size] = memory
-                _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=True), scratch)
-                assert np.array_equal(scratch[memory.size:], want.view(np.uint8).reshape(-1))
-                before = scratch[:memory.size].copy()
-                new = rng.integers(0, 256, n, dtype=np.uint8)
-                scratch[memory.size:] = new
-                _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=False), scratch)
-                memory[:] = scratch[:memory.size]  # the pages now hold what the scatter wrote
-                got = seg.gather(blocks)
-                assert np.array_equal(got.view(np.uint8).reshape(-1), new)
-                others = [b for b in range(B) if b not in blocks]
-                memory[:] = before
-                kept = seg.gather(others)
-                memory[:] = scratch[:memory.size]
-                assert np.array_equal(seg.gather(others), kept)  # no other block changed
-                seg.copy = None
-    finally:
-        pages.close()
+    blocks = [7, 2, 11, 3]
+    with registered_segments(layout, 2) as (segs, rng):
+        for seg in segs:
+            base = seg.base
+            arr = base.base if base.base is not None else base
+            while arr.base is not None and isinstance(arr.base, np.ndarray):
+                arr = arr.base
+            memory = np.frombuffer(arr, dtype=np.uint8) if not isinstance(arr, np.ndarray) else arr.view(np.uint8).reshape(-1)
+            origin = memory.ctypes.data
+            rows = _rows_of(seg.block_shape, base.strides[1:], seg.dtype.itemsize)
+            assert rows is not None, layout
+            assert rows[0] * rows[1] == seg.block_bytes
+            seg.copy = (base.ctypes.data - origin, base.strides[0]) + rows
+            want = seg.gather(blocks)
+            n = want.nbytes
+            scratch = np.zeros(memory.size + n, dtype=np.uint8)  # pages, then the gather buffer
+            scratch[:memory.size] = memory
+            _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=True), scratch)
+            assert np.array_equal(scratch[memory.size:], want.view(np.uint8).reshape(-1))
+            before = scratch[:memory.size].copy()
+            new = rng.integers(0, 256, n, dtype=np.uint8)
+            scratch[memory.size:] = new
+            _apply_block_table(_block_table([(seg, blocks, memory.size)], gather=False), scratch)
+            memory[:] = scratch[:memory.size]  # the pages now hold what the scatter wrote
+            got = seg.gather(blocks)
+            assert np.array_equal(got.view(np.uint8).reshape(-1), new)
+            others = [b for b in range(B) if b not in blocks]
+            memory[:] = before
+            kept = seg.gather(others)
+            memory[:] = scratch[:memory.size]
+            assert np.array_equal(seg.gather(others), kept)  # no other block changed
+            seg.copy = None
 
 
 def test_rows_of_block_shapes():
