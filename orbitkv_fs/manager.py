@@ -87,7 +87,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -410,8 +410,11 @@ class LowerTier(Protocol):
         """The segment bytes of ``key`` after CRC validation, or None (absent, or corrupt: then that
         record is invalidated)."""
 
-    def read_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
-        """:meth:`read` of several keys with their I/O in flight together (a restore's misses)."""
+    def read_many(self, keys: Sequence[ObjectKey],
+                  sink: Callable[[int, "bytes | memoryview"], None] | None = None) -> list[bytes | None]:
+        """:meth:`read` of several keys with their I/O in flight together (a restore's misses). With
+        ``sink``, each valid segment goes to ``sink(index, segment)`` as it lands instead of into the
+        list (a view valid during the call only: lookups admit it to DRAM while later reads are in flight)."""
 
     def contains(self, key: ObjectKey) -> bool:
         """True when ``key`` is readable (published)."""
@@ -1021,11 +1024,18 @@ class Manager:
                 self.dram.pin_chunks(ncs)
                 pin.chunks.extend(ncs)
             flat = [kb for _, m in window for kb in m]
-            got: dict[bytes, bytes] = {}
-            for kb, blob in zip(flat, self.lower.read_many([ObjectKey.unpack(kb) for kb in flat])):
-                blob = self._checked_lower(kb, blob)
-                if blob is not None:
-                    got[kb] = blob
+            got: set[bytes] = set()
+
+            def admit(i: int, blob: "bytes | memoryview") -> None:
+                # As each read lands, while the next ones are in flight: DRAM copies it (a segment of a
+                # chunk that then misses stays valid in DRAM, just not counted below).
+                kb = flat[i]
+                h = self._checked_header(kb, blob)
+                if h is not None:
+                    got.add(kb)
+                    self._admit(kb, blob, h)
+
+            self.lower.read_many([ObjectKey.unpack(kb) for kb in flat], sink=admit)
             if len(got) < len(flat):
                 self._add(misses=len(flat) - len(got))
             good = 0
@@ -1033,10 +1043,6 @@ class Manager:
                 if any(kb not in got for kb in m):
                     break
                 good += 1
-            for _, m in window[:good]:
-                for kb in m:
-                    self._admit(kb, got[kb])
-            del got
             if pin is not None and good < len(window):
                 bad = [eng.ns + c for c, _ in window[good:]]
                 self.dram.unpin_chunks(bad)
@@ -1107,10 +1113,16 @@ class Manager:
     def _checked_lower(self, kb: bytes, blob: bytes | None, reasons: dict[bytes, str] | None = None) -> bytes | None:
         """``blob`` as read from the lower tier for ``kb`` once verified; None when absent or bad (then
         ``reasons[kb]`` says why)."""
-        if blob is None:
+        if blob is None or self._checked_header(kb, blob, reasons) is None:
             return None
+        return blob
+
+    def _checked_header(self, kb: bytes, blob: "bytes | memoryview",
+                        reasons: dict[bytes, str] | None = None) -> SegmentHeader | None:
+        """The header of a segment the lower tier read for ``kb``, checked against the key (the tier checked
+        every CRC of the bytes); None when it is bad (then ``reasons[kb]`` says why). Counts the hit."""
         try:
-            _verify_header(kb, blob)  # the tier checked every CRC of these (private, immutable) bytes
+            h = _verify_header(kb, blob)
         except SegmentError as e:
             log.warning("lower tier returned a bad segment for %s: %s", ObjectKey.unpack(kb), e)
             self._add(decode_failures=1)
@@ -1118,7 +1130,7 @@ class Manager:
                 reasons[kb] = f"corrupt (lower tier): {type(e).__name__}: {e}"
             return None
         self._count(self._hits, "lower")
-        return blob
+        return h
 
     def _admit(self, kb: bytes, blob: bytes, h: SegmentHeader | None = None, *,
                prefetched: bool = False) -> tuple[int, int] | None:

@@ -185,7 +185,7 @@ class _StallingTier:
     def read(self, key):
         return None
 
-    def read_many(self, keys):
+    def read_many(self, keys, sink=None):
         self.reading.set()
         assert self.go.wait(30)
         return [None] * len(keys)

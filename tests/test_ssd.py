@@ -244,7 +244,8 @@ def test_read_many_sink_streams_and_survives_a_raising_sink(ssd_dir):
             t.submit(k, segment(i))
         t.flush()
         got = {}
-        out = t.read_many(keys + [key(999)], sink=lambda i, b: got.__setitem__(i, b))
+        # the sink gets a view of the read buffer, valid during the call: a consumer copies what it keeps
+        out = t.read_many(keys + [key(999)], sink=lambda i, b: got.__setitem__(i, bytes(b)))
         assert out == [None] * 41 and got == {i: segment(i) for i in range(40)}
 
         def bad_sink(i, b):

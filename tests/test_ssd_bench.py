@@ -19,7 +19,8 @@ def test_bench_smoke(tmp_path, capsys, fio):
         pytest.skip("fio not installed")
     d = direct_io_dir(tmp_path)
     argv = ["--dir", str(d), "--bs", "64k", "--qd", "8", "--size", "4m", "--latency-fill", "2m",
-            "--latency-saturate", "8m", "--latency-samples", "20", "--json", "--out", str(tmp_path / "r.json")]
+            "--latency-saturate", "8m", "--latency-samples", "20", "--promotion-size", "8m", "--json",
+            "--out", str(tmp_path / "r.json")]
     assert main(argv + ([] if fio else ["--no-fio"])) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == json.loads((tmp_path / "r.json").read_text())
@@ -30,6 +31,18 @@ def test_bench_smoke(tmp_path, capsys, fio):
     assert [r["throttled"] for r in lat["runs"]] == [False, True]
     assert all(r["saturated_samples"] > 0 and r["saturated_read_p99_us"] > 0 for r in lat["runs"])
     assert lat["unthrottled_saturated_read_p50_us"] > 0 and lat["throttled_saturated_read_p50_us"] > 0
+    pr = doc["promotion"]
+    assert pr["segments"] == 16 and pr["promotion_GBps"] > 0 and pr["tier_read_GBps"] > 0
+
+
+def test_bench_only_promotion(tmp_path, capsys):
+    d = direct_io_dir(tmp_path)
+    assert main(["--dir", str(d), "--only", "promotion", "--promotion-size", "16m", "--repeat", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "command" in doc and "throughput" not in doc and "latency" not in doc
+    pr = doc["promotion"]
+    assert pr["logical_bytes"] == 16 << 20 and len(pr["promotion_s"]) == len(pr["tier_read_s"]) == 2
+    assert list(d.iterdir()) == []  # scratch shard removed
 
 
 def test_bench_only_latency(tmp_path, capsys):

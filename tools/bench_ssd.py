@@ -15,6 +15,12 @@ For each record size (``--bs``, the on-disk record: record header + segment + pa
   (``write_bytes_while_reading=None``) and on (the default), alternating; fio's equivalent is a QD1
   ``randread`` job next to a QD32 ``write`` job on one prefilled file.
 
+* promotion (``--only promotion``): a Manager over host engine pages (8 layers, K and V, 512 KiB segments)
+  saves ``--promotion-size`` of chunks, moves them all to the SSD tier (``flush_dram``), then a lookup
+  promotes them back into DRAM (SSD read, record checks, DRAM admission, index); GB/s of segment bytes.
+  Baseline in the same run, alternating: the tier's own ``read_many`` of the same records into a consumer
+  that drops them.
+
 The scratch files live in ``--dir`` or in a fresh directory of the system temporary directory.
 
 Prints a table, or JSON with ``--json``; ``--out FILE`` also writes the JSON there.
@@ -236,6 +242,63 @@ def latency(d: str, fill: int, saturate: int, qd: int, samples: int, with_fio: b
     return out
 
 
+def promotion(d: str, size: int, repeat: int) -> dict[str, Any]:
+    """Lookup promotion of ``size`` logical bytes from the SSD tier into DRAM against the tier's raw reads
+    of the same records, alternating ``repeat`` times; medians."""
+    from orbitkv_fs.geometry import EngineRegistration
+    from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+    from orbitkv_fs.pages import host_engine_pages
+
+    layers, block_tokens, heads, head_dim, chunk_blocks = 8, 16, 8, 128, 16  # 512 KiB segments
+    seg_bytes = chunk_blocks * block_tokens * heads * head_dim * 2
+    nchunks = max(1, size // (seg_bytes * 2 * layers))
+    blocks = nchunks * chunk_blocks
+    pages, descs = host_engine_pages(num_layers=layers, num_blocks=blocks, block_size=block_tokens, num_heads=heads,
+                                     head_dim=head_dim, layout="separate")
+    rng = np.random.default_rng(0)
+    for name in pages.tensors:
+        a = pages.array(name).view(np.uint16)
+        a[...] = rng.integers(0, 1 << 16, a.shape, dtype=np.uint16)
+    reg = EngineRegistration(model="bench-ssd", num_layers=layers, layer_start=0, layer_end=layers,
+                             block_size=block_tokens, num_heads=heads, head_dim=head_dim, dtype="bfloat16",
+                             tensors=descs)
+    logical = nchunks * 2 * layers * seg_bytes
+    shard = os.path.join(d, "promotion.shard")
+    tier = SsdTier(SsdConfig(paths=(shard,), capacity=2 * logical + (64 << 20)))
+    row: dict[str, Any] = {"segments": nchunks * 2 * layers, "segment_bytes": seg_bytes, "logical_bytes": logical}
+    tier_s, promote_s = [], []
+    try:
+        with Manager(ManagerConfig(pool_size=logical + (64 << 20), device="cpu", ssd_prefetch_chunks=0),
+                     lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            chunks = [ChunkBlocks(chunk_key(f"promote-{i}"), list(range(i * chunk_blocks, (i + 1) * chunk_blocks)))
+                      for i in range(nchunks)]
+            m.save(e.engine_id, chunks)
+            m.flush_dram()
+            keys = [k for k, _ in tier.iter_objects()]
+            for _ in range(max(1, repeat)):
+                t0 = time.perf_counter()
+                tier.read_many(keys, sink=lambda i, seg: None)
+                tier_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                lk = m.lookup(e.engine_id, [c.key for c in chunks])
+                promote_s.append(time.perf_counter() - t0)
+                if lk.count != nchunks:
+                    raise RuntimeError(f"promotion found {lk.count} of {nchunks} chunks")
+                m.release(lk.lease_id)
+                m.flush_dram()  # back to SSD-only (the records are there: nothing is written again)
+    finally:
+        pages.close()
+        tier.close()
+        if os.path.exists(shard):
+            os.unlink(shard)
+    row["tier_read_GBps"] = logical / float(np.median(tier_s)) / 1e9
+    row["promotion_GBps"] = logical / float(np.median(promote_s)) / 1e9
+    row["promotion_vs_tier_read"] = row["promotion_GBps"] / row["tier_read_GBps"]
+    row["tier_read_s"], row["promotion_s"] = tier_s, promote_s
+    return row
+
+
 def _table(doc: dict[str, Any]) -> str:
     lines = ["record  QD  tier write  fio write  ratio   tier read  fio read  ratio   (GB/s)"]
     for r in doc.get("throughput", []):
@@ -254,6 +317,11 @@ def _table(doc: dict[str, Any]) -> str:
         if "fio_saturated_read_p50_us" in lat:
             lines.append(f"  fio reader next to fio writer: p50 {lat['fio_saturated_read_p50_us']:.0f} "
                          f"p99 {lat['fio_saturated_read_p99_us']:.0f} mean {lat['fio_saturated_read_mean_us']:.0f}")
+    pr = doc.get("promotion")
+    if pr:
+        lines.append(f"lookup promotion of {pr['logical_bytes'] >> 20} MiB ({pr['segments']} segments of "
+                     f"{pr['segment_bytes'] >> 10} KiB): {pr['promotion_GBps']:.3f} GB/s; the tier's reads of the "
+                     f"same records {pr['tier_read_GBps']:.3f} GB/s; ratio {pr['promotion_vs_tier_read']:.2f}")
     return "\n".join(lines)
 
 
@@ -269,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-samples", type=int, default=2000)
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--no-latency", action="store_true", help="same as --only throughput")
-    p.add_argument("--only", choices=("throughput", "latency"), help="run only this part")
+    p.add_argument("--only", choices=("throughput", "latency", "promotion"), help="run only this part")
+    p.add_argument("--promotion-size", default="256m", help="logical bytes the promotion part moves (default 256m)")
     p.add_argument("--latency-repeat", type=int, default=1,
                    help="run the saturated-latency test N times per setting, unthrottled and throttled alternating")
     p.add_argument("--repeat", type=int, default=1,
@@ -278,7 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
-    with_fio = not args.no_fio
+    run_throughput = args.only in (None, "throughput")
+    run_latency = args.only == "latency" or (args.only is None and not args.no_latency)
+    run_promotion = args.only in (None, "promotion")
+    with_fio = not args.no_fio and (run_throughput or run_latency)
     if with_fio and shutil.which("fio") is None:
         print("orbitkv-bench ssd: fio not found (apt-get install fio, or --no-fio)", file=sys.stderr)
         return 2
@@ -293,8 +365,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if with_fio else None,
         "filesystem": subprocess.run(["df", "-T", d], capture_output=True, text=True).stdout.splitlines()[-1].split()[1],
     }
-    run_throughput = args.only in (None, "throughput")
-    run_latency = args.only == "latency" or (args.only is None and not args.no_latency)
     try:
         if run_throughput:
             doc["throughput"] = []
@@ -305,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if run_latency:
             doc["latency"] = latency(d, _size(args.latency_fill), _size(args.latency_saturate), 32,
                                      args.latency_samples, with_fio, args.latency_repeat)
+        if run_promotion:
+            doc["promotion"] = promotion(d, _size(args.promotion_size), args.repeat)
     finally:
         if args.dir is None:
             shutil.rmtree(d, ignore_errors=True)

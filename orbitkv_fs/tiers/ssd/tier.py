@@ -944,7 +944,8 @@ class SsdTier:
 
         With ``sink``, each segment is handed to ``sink(index, segment)`` as soon as it is validated and
         not kept in the returned list (which then holds None for it): a consumer that stores segments
-        elsewhere (DRAM) never holds more than the reads in flight."""
+        elsewhere (DRAM) never holds more than the reads in flight. The segment is then a view valid
+        during the call only (of the read buffer itself, reused afterwards): copy what you keep."""
         begun = self._begin_reads(keys)
         if begun is None:
             return [None] * len(keys)
@@ -988,18 +989,23 @@ class SsdTier:
                 if fill():
                     ring.submit()
                 for i, res, buf in landed:
-                    # Validate as each read lands, so only the reads in flight hold buffers.
-                    data, why = self._check_read(slots[i], res, buf)
-                    if data is None:
-                        verdicts[i] = why
-                        continue
-                    self._read_lat.append(time.perf_counter() - started[i])
-                    hits.add(i)
-                    if sink is None:
-                        out[i] = data
-                    else:
-                        sink(i, data)
-                    del data
+                    # Validate as each read lands, so only the reads in flight hold buffers. A sink gets a
+                    # view of the read buffer itself (no copy), which goes back to the pool after it.
+                    data, why = self._check_read(slots[i], res, buf, keep=sink is not None)
+                    try:
+                        if data is None:
+                            verdicts[i] = why
+                            continue
+                        self._read_lat.append(time.perf_counter() - started[i])
+                        hits.add(i)
+                        if sink is None:
+                            out[i] = data
+                        else:
+                            sink(i, data)
+                    finally:
+                        del data
+                        if sink is not None:
+                            self._recycle(buf)
         except SsdIoError:
             broken = True
             raise
@@ -1211,18 +1217,22 @@ class SsdTier:
                 result[i] = verdicts[i]
         return result
 
-    def _check_read(self, s: "_Slot", res: int, buf: memoryview) -> tuple[bytes | None, str]:
+    def _check_read(self, s: "_Slot", res: int, buf: memoryview, *,
+                    keep: bool = False) -> "tuple[bytes | memoryview | None, str]":
         """A landed read of ``s``'s record (``res``: bytes read or -errno): its verified segment and "", or
-        None and why (the short read or errno, or "corrupt"). ``buf`` goes back to the pool."""
+        None and why (the short read or errno, or "corrupt"). ``buf`` goes back to the pool, unless
+        ``keep``: the segment is then a view of ``buf``, which the caller recycles once done with it."""
         try:
             if res != s.length:
                 return None, _reason(res, "short_read")
             try:
-                return bytes(verify_record(buf, s.key.pack(), s.generation, s.stored)), ""
+                seg = verify_record(buf, s.key.pack(), s.generation, s.stored)
+                return (seg if keep else bytes(seg)), ""
             except SegmentError:
                 return None, "corrupt"
         finally:
-            self._recycle(buf)
+            if not keep:
+                self._recycle(buf)
 
     def _settle_read(self, s: "_Slot", why: str, errors_counter: str) -> None:
         """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
