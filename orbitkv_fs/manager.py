@@ -1250,8 +1250,11 @@ class Manager:
                 done, pending = pending, None
                 self._save_finish(eng, done, acc)
         except BaseException:
-            if pending is not None:  # let its GPU work end before its arena extents go back to the pool
-                self._save_abort(pending)
+            if pending is not None:  # the next batch failed: this one is complete, publish it
+                try:
+                    self._save_finish(eng, pending, acc)
+                except BaseException:  # _save_finish gave its extents back; the first error is reported
+                    pass
             raise
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
@@ -1327,25 +1330,27 @@ class Manager:
         used: list[tuple[int, int]] = []  # arena extents published in place
         reps: collections.Counter[str] = collections.Counter()
         raws: collections.Counter[str] = collections.Counter()
-        for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
-            h = h or parse_header(blob)
-            reps[_REP_NAMES[int(h.format)]] += 1
-            if h.raw_reason != RawReason.NONE:
-                raws[h.raw_reason.name.lower()] += 1
-            off = self._arena_offset(blob) if regions else None
-            if off is not None and any(o <= off < o + n for o, n in regions):
-                used.append((off, units_of(len(blob)) * UNIT))
-            else:
-                off = self.dram.reserve(len(blob))
-                if off is None:
-                    self._demote_direct(kb, blob, acc)
-                    continue
-                self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
-            if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format)) is not None:
-                acc.admit(kb, h.original_length, len(blob))
-        for off, n in _gaps(regions, used):  # slot padding, batch metadata, fallback slots: back to the pool
-            self.dram.cancel(off, n)
-        regions.clear()
+        try:
+            for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
+                h = h or parse_header(blob)
+                reps[_REP_NAMES[int(h.format)]] += 1
+                if h.raw_reason != RawReason.NONE:
+                    raws[h.raw_reason.name.lower()] += 1
+                off = self._arena_offset(blob) if regions else None
+                if off is not None and any(o <= off < o + n for o, n in regions):
+                    used.append((off, units_of(len(blob)) * UNIT))
+                else:
+                    off = self.dram.reserve(len(blob))
+                    if off is None:
+                        self._demote_direct(kb, blob, acc)
+                        continue
+                    self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+                if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format)) is not None:
+                    acc.admit(kb, h.original_length, len(blob))
+        finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
+            for off, n in _gaps(regions, used):
+                self.dram.cancel(off, n)
+            regions.clear()
         with self._stat_lock:  # one lock round per batch, not two per segment
             for name, n in reps.items():
                 self._codec_segments[name] = self._codec_segments.get(name, 0) + n
@@ -1361,7 +1366,7 @@ class Manager:
                 and bool(getattr(self.lower, "device_io", False)))
 
     def _ssd_direct_sink(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]):
-        """For :meth:`_save_batch`: a ``device_sink`` for the GPU engine that writes the complete state
+        """For :meth:`_save_submit`: a ``device_sink`` for the GPU engine that writes the complete state
         groups of ``batch`` (chunks whose every (layer, role) segment is in this batch) from device
         memory straight to the SSD tier (``submit_device``), and the set it fills with the batch indices
         written that way; (None, empty set) when the direct path does not apply. Fragmented groups (a

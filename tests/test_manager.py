@@ -415,3 +415,32 @@ def test_restore_of_chosen_layers_writes_only_those(engine, tmp_path):
             remote.close()
             srv.close()
         assert_reservations_zero(m)
+
+
+def test_a_batch_failing_mid_save_leaves_no_reservation(engine, monkeypatch):
+    """A codec failure in the third of several batches: the save raises, the batches before it stay
+    published (complete and verified), and nothing of the failing batch holds arena bytes or workspace."""
+    import orbitkv_fs.manager as manager_mod
+
+    pages, reg = engine
+    real = manager_mod.encode_segment
+    calls = [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 2 * 2 * L + 3:  # the fourth segment of the third batch
+            raise RuntimeError("injected codec failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(manager_mod, "encode_segment", flaky)
+    with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="fp8", batch_segments=2 * L)) as m:
+        e = m.register_engine(reg)
+        chunks = chunks_for(4)
+        with pytest.raises(RuntimeError, match="injected"):
+            m.save(e.engine_id, chunks)
+        assert_reservations_zero(m)
+        look = m.lookup(e.engine_id, [c.key for c in chunks], lease=False)
+        assert look.count == 2  # the two batches (chunks) before the failure
+        monkeypatch.setattr(manager_mod, "encode_segment", real)
+        assert m.save(e.engine_id, chunks).chunks_saved == 2  # the rest, on a second try
+        assert_reservations_zero(m)
