@@ -12,6 +12,7 @@ Defaults run on a laptop without a GPU: 1 GiB of DRAM, codec ``none``, everythin
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 peers.close()
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
+        # Everything built so far (modules, cupy, the servers) lives as long as the process: keep it out of
+        # the collector's full passes, which otherwise rescan it while requests allocate their per-segment
+        # objects (a 4,096-segment lease: 4-5 us a segment, 3.3-3.5 us frozen, with torch's heap loaded).
+        gc.freeze()
         info = manager.arena_info()
         log.info("ready: data plane %s, http %s%s, arena %s (%d MiB%s), codec %s", dataplane.endpoint, http.url,
                  " (admin token required)" if token is not None else "", info.path, info.size >> 20,
