@@ -168,6 +168,34 @@ def test_promotion_admits_every_valid_record_of_its_window(tier):
         pages.close()
 
 
+def test_evicting_a_promoted_chunk_writes_nothing(tier):
+    """A chunk a lookup read back from the SSD is on disk already: when DRAM evicts it again (here a
+    flush), the tier writes nothing, and the chunk still restores from the SSD."""
+    pages, reg = make_engine()
+    try:
+        orig = snapshot(pages)
+        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            ch = chunks_for(2)
+            m.save(e.engine_id, ch)
+            m.flush_dram()
+            written = tier.snapshot().write_submitted_total
+            lk = m.lookup(e.engine_id, [c.key for c in ch], lease=False)
+            assert (lk.count, lk.lower) == (2, 2)
+            m.flush_dram()
+            st = tier.snapshot()
+            assert st.write_submitted_total == written
+            assert st.write_already_stored_total == len(ch) * 2 * L
+            zero(pages)
+            assert m.restore(e.engine_id, ch).restored == [True, True]
+            for name in pages.tensors:
+                blocks = [b for c in ch for b in c.blocks]
+                assert np.array_equal(pages.array(name)[blocks].view(np.uint16), orig[name][blocks].view(np.uint16))
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
+
+
 def test_lookup_counts_what_restore_serves_while_dram_is_full_of_pinned_chunks(tier):
     """DRAM full of pinned objects cannot take SSD chunks back; lookup (leased or not) still counts the
     chunks whose SSD records read back valid, because restore serves them from the SSD bytes."""

@@ -207,8 +207,9 @@ class SsdStats:
     write_latency_p99_seconds: float
     errors_by_errno: dict[str, int] = field(default_factory=dict)
     #: The cuFile direct path: records written from device memory (:meth:`SsdTier.submit_device`) and
-    #: their record bytes; submits of a segment a direct write already stored (not written again);
-    #: records read into device memory (:meth:`SsdTier.read_many_device`) and handed on, and their bytes.
+    #: their record bytes; submits of a segment already on disk as its key's record (DRAM evicting a copy
+    #: read back from here, or one a direct write stored: not written again); records read into device
+    #: memory (:meth:`SsdTier.read_many_device`) and handed on, and their bytes.
     write_device_total: int = 0
     write_device_bytes_total: int = 0
     write_already_stored_total: int = 0
@@ -236,17 +237,17 @@ class _State(enum.Enum):
 
 class _Slot:
     __slots__ = ("shard", "offset", "length", "key", "generation", "state", "leases", "stored", "format",
-                 "original", "wipe", "zeroed", "crc", "direct")
+                 "original", "wipe", "zeroed", "crc")
 
     def __init__(self, shard: int, offset: int, length: int, key: ObjectKey, generation: int,
-                 stored: int, fmt: Format, original: int, crc: int = 0, direct: bool = False) -> None:
+                 stored: int, fmt: Format, original: int, crc: int = 0) -> None:
         self.shard, self.offset, self.length, self.key, self.generation = shard, offset, length, key, generation
         self.state = _State.WRITING
         self.leases = 0
         self.stored, self.format, self.original = stored, fmt, original
-        # Written from device memory (submit_device), with this payload CRC32C: a later submit of the same
-        # segment (DRAM evicting its copy) finds it on disk already and is not written again.
-        self.crc, self.direct = crc, direct
+        # The payload CRC32C of the segment: a later submit of the same segment (DRAM evicting its copy)
+        # finds it on disk already and is not written again.
+        self.crc = crc
         self.wipe = False  # zero the header block once unleased (invalidated)
         self.zeroed = False  # the header block on disk is zero: recovery cannot revive this record
 
@@ -578,16 +579,17 @@ class SsdTier:
         the tier is closed, the lane is full, or no ring space can be found. By default it never waits
         and leaves the submission to the lane's thread; with ``timeout`` (callers that demote in bulk,
         such as a DRAM flush) it waits up to that many seconds for room in the lane and submits the write
-        itself. A segment that :meth:`submit_device` already wrote for ``key`` (the key's published record,
-        same header) is not written again (True, ``write_already_stored_total``). Raises ``SegmentError``
-        when ``segment`` is not a segment."""
+        itself. A segment already on disk as ``key``'s published record (same length, format and payload
+        CRC32C: DRAM evicting a copy it read back from here, or one :meth:`submit_device` wrote) is not
+        written again (True, ``write_already_stored_total``). Raises ``SegmentError`` when ``segment`` is
+        not a segment."""
         fmt, original, stored, pcrc = _peek_segment(segment)
         if not isinstance(segment, bytes):  # kept for readers until the write lands: must not change
             segment = bytes(segment)
         seg_len = HEADER_SIZE + stored
         if len(segment) != seg_len:
             raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
-        if self._stored_direct(key, seg_len, fmt, original, pcrc):
+        if self._already_stored(key, seg_len, fmt, original, pcrc):
             return True
         rec_len = record_length(seg_len)
         if timeout <= 0 and self._pending_bytes + rec_len > self.config.max_pending_bytes:
@@ -609,22 +611,24 @@ class SsdTier:
         self._start(timeout)
         return True
 
-    def _stored_direct(self, key: ObjectKey, seg_len: int, fmt: Format, original: int, pcrc: int) -> bool:
-        """True (counted) when the key's published record was written by :meth:`submit_device` from a
-        segment with these header fields and no newer submit is pending: its bytes are on disk already."""
-        s = self._index.get(key)  # an unlocked peek first: the common case has no direct record
-        if s is None or not s.direct:
+    def _already_stored(self, key: ObjectKey, seg_len: int, fmt: Format, original: int, pcrc: int) -> bool:
+        """True (counted) when the key's published record holds a segment with these header fields and no
+        newer submit is pending: its bytes are on disk already. Without this, every chunk a lookup
+        promoted from here was written again when DRAM evicted it (the H200 cohort's ``ssd/none`` run read
+        11.9 GB back and wrote 32.9 GB in its minute, beside its demand reads)."""
+        s = self._index.get(key)  # an unlocked peek first: the common case is a new key
+        if s is None:
             return False
         with self._lock:
             s = self._index.get(key)
-            same = (s is not None and s.direct and s.stored == seg_len and s.format == fmt and s.original == original
+            same = (s is not None and s.stored == seg_len and s.format == fmt and s.original == original
                     and s.crc == pcrc and key not in self._pending_segments and not self._closed)
             if same:
                 self._c["write_already_stored_total"] += 1
             return same
 
     def _place(self, key: ObjectKey, rec_len: int, seg_len: int, fmt: Format, original: int, pcrc: int,
-               buf: Any, timeout: float, *, direct: bool = False) -> "_Slot | None":
+               buf: Any, timeout: float) -> "_Slot | None":
         """Ring space and a generation for a record of ``rec_len`` bytes staged in ``buf``: a WRITING slot,
         counted as writing and pending. Waits up to ``timeout`` for room; None (counted as dropped, ``buf``
         recycled) when closed or no room. Lock held."""
@@ -647,7 +651,7 @@ class SsdTier:
             self._idle.wait(left)
         gen = self._generation
         self._generation += 1
-        slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, fmt, original, pcrc, direct)
+        slot = _Slot(sh.index, offset, rec_len, key, gen, seg_len, fmt, original, pcrc)
         sh.insert(slot)
         self._writing += rec_len
         self._pending_bytes += rec_len
@@ -699,7 +703,7 @@ class SsdTier:
         lay_record_body(arr, segment)
         _sync(arr)  # the body is in place before the write can start, and ``segment`` is free again
         with self._lock:
-            slot = self._place(key, rec_len, seg_len, fmt, original, pcrc, buf, timeout, direct=True)
+            slot = self._place(key, rec_len, seg_len, fmt, original, pcrc, buf, timeout)
             if slot is None:
                 return False
             # Under the lock, like submit's header: the write may start as soon as it is queued. One
