@@ -129,6 +129,19 @@ def _span(a: Any) -> "DeviceSpan | None":
     return None
 
 
+def _dec_target(i: int, dst: Any, h: SegmentHeader) -> "DeviceSpan | OrbitKVError":
+    """Decode destination ``i`` as a DeviceSpan of exactly the segment's original length, or why not."""
+    span = _span(dst)
+    if span is None:
+        return CodecError(f"destination {i} must be a C-contiguous cupy array or a DeviceSpan")
+    if span.nbytes != h.original_length:
+        return LengthMismatch(f"destination {i} holds {span.nbytes} bytes; the segment decodes to {h.original_length}")
+    return span
+
+
+_DEC_KINDS = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}
+
+
 @dataclass(frozen=True)
 class EncodeItem:
     """One source region to encode into one segment.
@@ -302,9 +315,7 @@ class Worker:
         self.stats: Counter[str] = Counter()
 
     def h2d(self, dst: int, src: np.ndarray) -> None:
-        if src.nbytes:
-            cp.cuda.runtime.memcpyAsync(dst, src.ctypes.data, src.nbytes, _H2D, self.stream.ptr)
-            self.stats["h2d_copies"] += 1
+        self.h2d_raw(dst, src.ctypes.data, src.nbytes)
 
     def h2d_raw(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` from host address ``src`` (pinned memory that outlives the copy) to ``dst``."""
@@ -920,12 +931,10 @@ class GpuCodecEngine:
             return e
         except TypeError as e:
             return SegmentError(f"segment {i} is not a bytes-like object: {e}")
-        dst = _span(dst)
-        if dst is None:
-            return CodecError(f"destination {i} must be a C-contiguous cupy array or a DeviceSpan")
-        if dst.nbytes != h.original_length:
-            return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
-        kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
+        dst = _dec_target(i, dst, h)
+        if isinstance(dst, OrbitKVError):
+            return dst
+        kind = _DEC_KINDS[h.format]
         p = _Dec(i, h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, kind)
         if kind == "ans":
             try:
@@ -947,12 +956,10 @@ class GpuCodecEngine:
                 raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {int(seg.nbytes) - HEADER_SIZE} present")
         except SegmentError as e:
             return e
-        dst = _span(dst)
-        if dst is None:
-            return CodecError(f"destination {i} must be a C-contiguous cupy array or a DeviceSpan")
-        if dst.nbytes != h.original_length:
-            return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to {h.original_length}")
-        kind = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}[h.format]
+        dst = _dec_target(i, dst, h)
+        if isinstance(dst, OrbitKVError):
+            return dst
+        kind = _DEC_KINDS[h.format]
         dev = int(seg.data.ptr) + HEADER_SIZE
         p = _Dec(i, h, None, dst, kind, dev=dev, inplace=dev % 8 == 0)  # type: ignore[arg-type]
         if kind == "ans":

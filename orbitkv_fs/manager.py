@@ -507,16 +507,15 @@ class _Seg:
         xp = _array_module(self.view(blocks[0]))
         return xp.stack([self.view(b) for b in blocks])
 
-    def scatter(self, blocks: Sequence[int], src, index=None) -> None:
-        """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks.
-        ``index``: ``blocks`` already as an int64 array of the pages' kind (uploaded with others)."""
+    def scatter(self, blocks: Sequence[int], src) -> None:
+        """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks."""
         if self.base is not None:
             run = _run_of(blocks)
             if run is not None:
                 self.base[run] = src
                 return
             xp = _array_module(self.base)
-            self.base[index if index is not None else xp.asarray(blocks, dtype=np.int64)] = src
+            self.base[xp.asarray(blocks, dtype=np.int64)] = src
             return
         for j, b in enumerate(blocks):
             self.view(b)[...] = src[j]
@@ -1238,24 +1237,7 @@ class Manager:
                       acc: "_SaveAcc") -> None:
         """Encode and admit ``batches`` in order, pipelined: batch i+1 is gathered and queued on the GPU
         before the host waits for batch i and publishes its segments."""
-        pending: _SaveBatch | None = None
-        try:
-            for batch in batches:
-                started = self._save_submit(eng, batch)
-                if pending is not None:
-                    done, pending = pending, None
-                    self._save_finish(eng, done, acc)
-                pending = started
-            if pending is not None:
-                done, pending = pending, None
-                self._save_finish(eng, done, acc)
-        except BaseException:
-            if pending is not None:  # the next batch failed: this one is complete, publish it
-                try:
-                    self._save_finish(eng, pending, acc)
-                except BaseException:  # _save_finish gave its extents back; the first error is reported
-                    pass
-            raise
+        _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
@@ -1266,11 +1248,11 @@ class Manager:
         if gpu is not None:
             sb.engine = engine = gpu.engine(eng.reg.rotation_seed)
         if on_device:
-            sb.srcs = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
-                                    lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
+            sb.srcs, sb.buffer = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
+                                               lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
         else:
             sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
-        sb.ws = sum(x.nbytes for x in sb.srcs[:len(batch)])
+        sb.ws = sum(x.nbytes for x in sb.srcs)
         self._workspace_delta(sb.ws)
 
         def arena_region(nbytes: int) -> np.ndarray | None:
@@ -1309,7 +1291,7 @@ class Manager:
             sb.regions.clear()
             self._workspace_delta(-sb.ws)
             sb.ws = 0
-            sb.srcs = []
+            sb.srcs, sb.buffer = [], None
 
     def _save_finish(self, eng: _Engine, sb: "_SaveBatch", acc: "_SaveAcc") -> None:
         """Wait for a submitted batch and admit its segments to DRAM (or hand them to the lower tier)."""
@@ -1324,7 +1306,7 @@ class Manager:
                   ssd_direct_writes=len(sb.direct))
         self._workspace_delta(-sb.ws)
         sb.ws = 0
-        sb.srcs = []
+        sb.srcs, sb.buffer = [], None
         regions = sb.regions
         heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
         used: list[tuple[int, int]] = []  # arena extents published in place
@@ -1650,32 +1632,20 @@ class Manager:
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
-        pending: tuple | None = None
-        last = None
+        copies: list = []  # the event after each batch's block copies
+
+        def end(started: tuple) -> list:
+            part, ev = self._decode_end(*started)
+            if ev is not None:
+                copies.append(ev)
+            return part
+
         try:
-            for seed, batch in jobs:
-                started = self._decode_start(seed, batch)
-                if pending is not None:
-                    done, pending = pending, None
-                    part, ev = self._decode_end(*done)
-                    out += part
-                    last = ev or last
-                pending = started
-            if pending is not None:
-                done, pending = pending, None
-                part, ev = self._decode_end(*done)
+            for part in _pipelined(jobs, lambda job: self._decode_start(*job), end):
                 out += part
-                last = ev or last
-        except BaseException:
-            if pending is not None:
-                try:
-                    self._decode_end(*pending)
-                except Exception:  # already failing: the first error is the one reported
-                    pass
-            raise
         finally:
-            if last is not None:
-                last.synchronize()  # every block copy queued so far has run (one stream, in order)
+            if copies:
+                copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
         return out
 
     def _decode_start(self, seed: int, batch: list) -> tuple:
@@ -2252,11 +2222,12 @@ class _DecodeBatch:
 class _SaveBatch:
     """One save batch between :meth:`Manager._save_submit` and :meth:`Manager._save_finish`."""
 
-    __slots__ = ("batch", "srcs", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
+    __slots__ = ("batch", "srcs", "buffer", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
 
     def __init__(self, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> None:
         self.batch = batch
-        self.srcs: list = []  # gathered sources: kept alive until the GPU has read them
+        self.srcs: list = []  # gathered sources ...
+        self.buffer = None  # ... and the device buffer behind the spans: alive until the GPU has read them
         self.ws = 0  # workspace bytes counted for it
         self.regions: list[tuple[int, int]] = []  # arena extents the GPU engine writes segments into
         self.direct: set[int] = set()  # batch indices written to the SSD from device memory
@@ -2388,11 +2359,37 @@ def _gather_device(seg: _Seg, blocks: list[int]):
     return x
 
 
-def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) -> list:
+def _pipelined(items: Sequence, start: Callable, end: Callable) -> list:
+    """``end(start(item))`` for each item, in order, two at a time: item i+1 is started before item i is
+    ended, so that one item's host work overlaps the other's device work. On an error every started item
+    is still ended (an error there is dropped: the first one is raised). Answers the ``end`` results."""
+    out: list = []
+    pending = None
+    try:
+        for item in items:
+            started = start(item)
+            if pending is not None:
+                done, pending = pending, None
+                out.append(end(done))
+            pending = started
+        if pending is not None:
+            done, pending = pending, None
+            out.append(end(done))
+    except BaseException:
+        if pending is not None:
+            try:
+                end(pending)
+            except Exception:
+                pass
+        raise
+    return out
+
+
+def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) -> tuple[list, object]:
     """Each item's blocks as one contiguous device region (a cupy array or a ``DeviceSpan``), in order,
-    then (when any) the buffer holding the spans. Consecutive blocks of a contiguous layout are used where
-    they lie; the others land in one ``buffer(nbytes)``, all moved by ``gather_blocks(table)`` (the GPU
-    engine's block-copy kernel: one launch per batch)."""
+    and the buffer holding the spans (None when there are none). Consecutive blocks of a contiguous layout
+    are used where they lie; the others land in one ``buffer(nbytes)``, all moved by
+    ``gather_blocks(table)`` (the GPU engine's block-copy kernel: one launch per batch)."""
     out: list = [None] * len(items)
     pending: list[tuple[int, int]] = []  # (item, offset in the buffer)
     size = 0
@@ -2405,17 +2402,17 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) ->
         else:
             pending.append((i, size))
             size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
-    if pending:
-        from .gpu.engine import DeviceSpan
+    if not pending:
+        return out, None
+    from .gpu.engine import DeviceSpan
 
-        buf = buffer(size)
-        addr = int(buf.data.ptr)
-        for i, pos in pending:
-            seg, blocks = items[i]
-            out[i] = DeviceSpan(addr + pos, len(blocks) * seg.block_bytes, (len(blocks),) + seg.block_shape)
-        gather_blocks(_block_table([(items[i][0], items[i][1], addr + pos) for i, pos in pending], gather=True))
-        out.append(buf)  # the spans' memory: the caller keeps it until the GPU has read them
-    return out
+    buf = buffer(size)
+    addr = int(buf.data.ptr)
+    for i, pos in pending:
+        seg, blocks = items[i]
+        out[i] = DeviceSpan(addr + pos, len(blocks) * seg.block_bytes, (len(blocks),) + seg.block_shape)
+    gather_blocks(_block_table([(items[i][0], items[i][1], addr + pos) for i, pos in pending], gather=True))
+    return out, buf
 
 
 def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) -> np.ndarray:

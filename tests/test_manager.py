@@ -444,3 +444,26 @@ def test_a_batch_failing_mid_save_leaves_no_reservation(engine, monkeypatch):
         monkeypatch.setattr(manager_mod, "encode_segment", real)
         assert m.save(e.engine_id, chunks).chunks_saved == 2  # the rest, on a second try
         assert_reservations_zero(m)
+
+
+def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_started_one():
+    from orbitkv_fs.manager import _pipelined
+
+    log = []
+
+    def start(i):
+        if i == 3:
+            raise RuntimeError("start 3")
+        log.append(f"s{i}")
+        return i
+
+    def end(i):
+        log.append(f"e{i}")
+        return 10 * i
+
+    assert _pipelined([0, 1, 2], start, end) == [0, 10, 20]
+    assert log == ["s0", "s1", "e0", "s2", "e1", "e2"]
+    log.clear()
+    with pytest.raises(RuntimeError, match="start 3"):
+        _pipelined([1, 2, 3, 4], start, end)
+    assert log == ["s1", "s2", "e1", "e2"]  # the started item 2 is ended, 4 never starts
