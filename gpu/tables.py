@@ -349,17 +349,57 @@ def crc32c_braid_model(data: bytes, layout: "tuple[int, int, int] | None" = None
     return int(finish_crc(braid_pieces_acc(data, pieces, layout), n))
 
 
-TQ_TABLE_SIZE = 48
+TQ_HEAD = 48  # centroids(4) at 0, boundaries(4) at 16, centroids(3) at 32, boundaries(3) at 40
+TQ_CELLS = 128  # bucketize cells per bit width: q in [-4 + c/16, -4 + (c+1)/16) is cell c
+TQ_CELL_SLACK = 1.0 / 64  # each cell answers for q up to this far outside it (its index is computed in float)
+TQ_TABLE_SIZE = TQ_HEAD + 2 * TQ_CELLS * 4
+
+
+def turboquant_cells(bits: int) -> np.ndarray:
+    """float32[TQ_CELLS, 4]: per cell (boundary, base index as uint32 bits, centroid[base], centroid[base + 1]).
+
+    The kernels' bucketize: cell = round(clamp(16 q + 63.5, 0, 127)), then idx = base + (q > boundary) and
+    the centroid of idx, one shared-memory load per element. It equals the host's count of boundaries
+    below q for every q whose computed cell is within TQ_CELL_SLACK of its true one, because a cell's
+    widened range holds at most one boundary (the base counts those below it; +inf: none inside)."""
+    bnd = lloyd_max_boundaries(bits).astype(np.float32)
+    cen = lloyd_max_centroids(bits).astype(np.float32)
+    out = np.zeros((TQ_CELLS, 4), dtype=np.float32)
+    width = 1.0 / 16
+    for c in range(TQ_CELLS):
+        lo = -np.inf if c == 0 else -4.0 + c * width - TQ_CELL_SLACK
+        hi = np.inf if c == TQ_CELLS - 1 else -4.0 + (c + 1) * width + TQ_CELL_SLACK
+        inside = np.flatnonzero((bnd >= lo) & (bnd <= hi))
+        if len(inside) > 1:
+            raise ValueError(f"cell {c} of the {bits}-bit bucketize holds {len(inside)} boundaries")
+        base = int(np.count_nonzero(bnd < lo))
+        out[c, 0] = bnd[inside[0]] if len(inside) else np.inf
+        out[c, 1] = np.array([base], dtype=np.uint32).view(np.float32)[0]
+        out[c, 2] = cen[base]
+        out[c, 3] = cen[min(base + 1, len(cen) - 1)]
+    return out
+
+
+def bucketize_by_cells(q: np.ndarray, bits: int) -> np.ndarray:
+    """The kernels' cell bucketize of float32 ``q`` (a model of okv_bucket_cell, for tests)."""
+    cells = turboquant_cells(bits)
+    x = np.clip(np.float32(16.0) * q.astype(np.float32) + np.float32(63.5), 0, TQ_CELLS - 1).astype(np.float32)
+    c = np.rint(x).astype(np.int64)  # the kernel adds 2^23: round half to even, as np.rint
+    e = cells[c]
+    return e[:, 1].view(np.uint32).astype(np.int64) + (q > e[:, 0])
 
 
 @functools.cache
 def turboquant_tables() -> np.ndarray:
-    """float32[48]: centroids(4 bits) at 0, boundaries(4) at 16, centroids(3) at 32, boundaries(3) at 40."""
+    """float32[TQ_TABLE_SIZE]: centroids(4) at 0, boundaries(4) at 16, centroids(3) at 32, boundaries(3) at
+    40, then the 4-bit and the 3-bit :func:`turboquant_cells`."""
     t = np.zeros(TQ_TABLE_SIZE, dtype=np.float32)
     t[0:16] = lloyd_max_centroids(4)
     t[16:31] = lloyd_max_boundaries(4)
     t[32:40] = lloyd_max_centroids(3)
     t[40:47] = lloyd_max_boundaries(3)
+    t[TQ_HEAD:TQ_HEAD + TQ_CELLS * 4] = turboquant_cells(4).reshape(-1)
+    t[TQ_HEAD + TQ_CELLS * 4:] = turboquant_cells(3).reshape(-1)
     return t
 
 

@@ -102,6 +102,28 @@ def test_turboquant_random_equals_host(engine, head_dim: int, dtype: np.dtype) -
     assert all(parse_segment(s)[0].format == Format.TURBOQUANT for s in segs)
 
 
+def test_turboquant_extreme_magnitudes_equal_host(engine) -> None:
+    """Inputs on both sides of the kernels' fast-division range (BF16 magnitudes in [2^-60, 2^30)): tiny
+    vectors, tiny elements beside normal ones, exact zeros, FP16 subnormals; both paths give the host's bytes."""
+    rng = np.random.default_rng(7)
+    xs, codecs, roles = [], [], []
+    for head_dim in (64, 128):
+        base = rng.standard_normal((64, head_dim)).astype(np.float32)
+        mixed = base.copy()
+        mixed[::3, 5] = 1e-30  # below 2^-60 beside normal elements
+        mixed[1::3, :7] = 0.0
+        sparse = np.zeros_like(base)
+        sparse[:, 3] = base[:, 3]  # one nonzero element per vector
+        for x, dt in ((base * 1e-25, BF16), (mixed, BF16), (base * 2.0 ** 29, BF16), (sparse, BF16),
+                      (base * 6e-8, FP16), (mixed, FP16)):
+            for bits in (3, 4):
+                for role in ("key", "value"):
+                    xs.append(x.astype(dt))
+                    codecs.append(f"turboquant-{bits}")
+                    roles.append(role)
+    check_round_trip(engine, xs, codecs, roles, [5] * len(xs))
+
+
 def test_turboquant_real_kv_equals_host(engine) -> None:
     k, v = real_kv()
     xs, codecs, roles, layers = [], [], [], []

@@ -167,3 +167,28 @@ def test_ans_keep_capacity_is_the_keep_boundary(n: int) -> None:
 
     cap = ans_format.keep_capacity(n)
     assert worth_keeping(n, cap) and not worth_keeping(n, cap + 1)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_turboquant_cell_bucketize_equals_host(bits: int) -> None:
+    """The kernels' one-load bucketize (a cell table) counts the boundaries below q exactly as the host,
+    at the boundaries themselves, one ulp either side, far outside the table and at +-0."""
+    from orbitkv_fs.codecs.turboquant import lloyd_max_boundaries
+
+    b = lloyd_max_boundaries(bits).astype(np.float32)
+    q = np.concatenate([np.random.default_rng(bits).standard_normal(200_000).astype(np.float32) * 3, b,
+                        np.nextafter(b, np.float32(np.inf)), np.nextafter(b, np.float32(-np.inf)),
+                        np.float32([0.0, -0.0, -4, 4, -3.99, 3.99, 1e30, -1e30, 17, -17])]).astype(np.float32)
+    assert np.array_equal(tables.bucketize_by_cells(q, bits), np.searchsorted(b, q, side="left"))
+    cells = tables.turboquant_cells(bits)
+    t = tables.turboquant_tables()
+    off = tables.TQ_HEAD + (0 if bits == 4 else tables.TQ_CELLS * 4)
+    assert np.array_equal(t[off:off + tables.TQ_CELLS * 4].view(np.uint32), cells.reshape(-1).view(np.uint32))
+
+
+def test_turboquant_cells_refuse_two_boundaries_in_a_cell(monkeypatch) -> None:
+    """A codebook whose boundaries are closer than a widened cell cannot use the one-load bucketize."""
+    close = np.float32([-0.5, -0.49, 0.0, 0.5])
+    monkeypatch.setattr(tables, "lloyd_max_boundaries", lambda bits: close)
+    with pytest.raises(ValueError, match="boundaries"):
+        tables.turboquant_cells(3)

@@ -36,9 +36,11 @@ __device__ __forceinline__ u32 okv_e4m3x2(u32 pair, u32 dtype) {
 #endif
 }
 
-__device__ __forceinline__ u32 okv_fp8_flags(u32 h, u32 dtype) {
-  u32 mag = h & 0x7FFFu;
-  u32 inf = dtype ? 0x7C00u : 0x7F80u, max = dtype ? 0x5F00u : 0x43E0u;  // 448
+// The status of a unit from the largest magnitude bit pattern of its elements (a NaN or infinity has the
+// largest patterns, so "non-finite" wins over "out of range", as the host's check).
+__device__ __forceinline__ u32 okv_fp8_flags(u32 mag2, u32 dtype) {
+  const u32 mag = __vmaxu2(mag2, mag2 >> 16) & 0xFFFFu;
+  const u32 inf = dtype ? 0x7C00u : 0x7F80u, max = dtype ? 0x5F00u : 0x43E0u;  // 448
   return (mag >= inf) ? OKV_ST_NONFINITE : (mag > max ? OKV_ST_RANGE : 0u);
 }
 
@@ -62,7 +64,7 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
     u8* dst = reinterpret_cast<u8*>(s.dst) + e0;
     const u32 mult = threadIdx.x == 0 ? okv_unit_mult(e0, n_out, tables) : OKV_X0;
     const bool vec = (reinterpret_cast<u64>(src) & 15) == 0;
-    u32 flags = 0, d = 0;
+    u32 mag2 = 0, d = 0;  // mag2: the largest |element| bit patterns, two halves at a time
     // Step k: this thread's 8 codes are output word t + 256 k of the unit -- the braided CRC folds them
     // from registers as they are made (words past the unit's end are zeros).
 #pragma unroll 2
@@ -84,8 +86,10 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
           }
         }
 #pragma unroll
+        mag2 = __vmaxu2(mag2, __vmaxu2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu));
+        mag2 = __vmaxu2(mag2, __vmaxu2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
-          flags |= okv_fp8_flags(w[i] & 0xFFFFu, dtype) | okv_fp8_flags(w[i] >> 16, dtype);
           const u32 c = okv_e4m3x2(w[i], dtype);
           if (i < 2) lo |= c << (16 * i); else hi |= c << (16 * (i - 2));
         }
@@ -93,6 +97,7 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
       }
       d = okv_crc8(d, lo, hi, aB);
     }
+    const u32 flags = okv_fp8_flags(mag2, dtype);
     if (flags) atomicOr(&meta[s.meta].status, flags);
     okv_crc_braid_unit(d, mult, &meta[s.meta], aL, aW, red + par);
   }
