@@ -9,11 +9,17 @@ reservations, leases, workspace and in-flight requests are back to zero; ``ans``
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import os
+import threading
+import time
 
+import numpy as np
 import pytest
+from polling import wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -46,7 +52,7 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
         assert r["hbm_tokens"] + r["dram_tokens"] + r["lower_tokens"] + r["computed_tokens"] == r["input_tokens"]
         assert r["computed_tokens"] >= 1  # the last prompt token is always computed
         assert len(r["tokens"]) == recipe["output_tokens"] == len(r["token_logprobs"])
-        assert r["ttft_s"] >= r["lookup_s"] + r["restore_s"] + r["prefill_s"]
+        assert r["ttft_s"] >= r["lookup_s"] + r["restore_s"] + r["gather_s"] + r["queue_s"] + r["prefill_s"]
         if control or r["prefix"] is None or r["first"]:
             assert r["hbm_tokens"] == r["dram_tokens"] == r["lower_tokens"] == 0, r
     hit = sum(1 for r in run["records"] if r["computed_tokens"] < r["input_tokens"])
@@ -58,6 +64,8 @@ def _check_run(run: dict, recipe: dict, *, control: bool) -> None:
         "one_token_prefill": sum(1 for r in recs if r["computed_tokens"] == 1),
         "full_prefill": sum(1 for r in recs if r["computed_tokens"] == r["input_tokens"])}
     assert run["forward_p50_ms"]["full_prefill"] > 0 and run["forward_p50_ms"]["decode_step"] > 0
+    assert run["step_queue_p50_ms"]["prefill"] > 0 and run["step_queue_p50_ms"]["decode_step"] > 0
+    assert set(run["phase_p50_ms"]) == {"lookup", "restore", "gather", "queue", "prefill"}
     if control:
         assert "manager" not in run
         return
@@ -115,6 +123,7 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     assert any(n.startswith("lossy:") for n in tq["why"])
     md = (out / "cohort.md").read_text()
     assert "| ssd | turboquant-4 |" in md and "## Verdicts" in md and "| one-token prefill |" in md
+    assert "| queue before prefill |" in md
     # separate invocations (one per codec on a time-limited device) merge into one report
     merged = tmp_path / "merged"
     js = str(out / "cohort.json")
@@ -200,3 +209,80 @@ def test_gather_lays_out_pages_in_token_order():
         assert lay.keys.shape == (1, m.kv_heads, n_tokens, d) and lay.keys.dtype == model.dtype
         assert torch.equal(lay.keys[0], want[..., :d]) and torch.equal(lay.values[0], want[..., d:])
     assert engine._gather([], 0).get_seq_length() == 0
+
+
+def test_step_lock_serves_in_arrival_order_one_holder_at_a_time():
+    """Waiters get the lock in the order they asked for it, and a holder that releases and asks again goes
+    behind them (a plain ``threading.Lock`` usually hands it straight back: a decoding request would keep
+    the GPU for all its steps)."""
+    lock = bench_cohort.StepLock()
+    order: list[object] = []
+    inside = [0]
+    overlaps: list[object] = []
+
+    def take(name: object) -> None:
+        with lock:
+            inside[0] += 1
+            if inside[0] > 1:
+                overlaps.append(name)
+            time.sleep(0.002)  # room for another thread to get in, were it let in
+            order.append(name)
+            inside[0] -= 1
+
+    lock.acquire()
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=take, args=(i,)))
+        threads[-1].start()
+        assert wait_until(lambda: lock.waiting == i + 1, interval=0.001)  # queued before the next one starts
+    lock.release()
+    lock.acquire()  # straight back: a fair lock queues this behind the four
+    if inside[0]:
+        overlaps.append("again")
+    order.append("again")
+    lock.release()
+    for t in threads:
+        t.join(10)
+    assert order == [0, 1, 2, 3, "again"]
+    assert not overlaps and lock.waiting == 0
+
+
+def test_engine_forwards_never_overlap_and_queue_wait_is_its_own_phase():
+    """Every forward of a run goes through the step lock, one at a time; the wait for it is ``queue_s``
+    (in TTFT, not in ``prefill_s``). Four cold requests start at once, then four reuse requests hit the HBM
+    cache (one-token prefills after a page gather); no Manager."""
+    torch = pytest.importorskip("torch")
+    recipe = dataclasses.replace(bench_cohort.QUICK, requests=8, concurrency=4, input_tokens=128, output_tokens=3,
+                                 warm_requests=8, prefixes=4, hbm_tokens=512)
+    m = recipe.model
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, m.vocab, recipe.input_tokens, dtype=np.int64) for _ in range(4)]
+    cohort = [bench_cohort.RequestSpec(i, i % 4, i < 4, prompts[i % 4]) for i in range(8)]
+    pages = [torch.zeros((bench_cohort.Engine.blocks_needed(recipe), m.kv_heads, recipe.block_size, 2 * m.head_dim),
+                         dtype=torch.bfloat16) for _ in range(m.layers)]
+    engine = bench_cohort.Engine(bench_cohort.build_model(m, "cpu", 0), recipe, pages)
+    real, calls, spans = engine.forward, itertools.count(), []
+
+    def forward(ids, cache):
+        t = time.perf_counter()
+        if next(calls) == 0:  # hold the first forward until the other three workers queue behind it
+            assert wait_until(lambda: engine._steps.waiting == recipe.concurrency - 1, interval=0.001)
+            time.sleep(0.01)
+        time.sleep(0.001)  # room for another worker's forward to start, were it let in
+        lp = real(ids, cache)
+        spans.append((t, time.perf_counter()))
+        return lp
+
+    engine.forward = forward
+    records, wall = bench_cohort.run_requests(engine, cohort, bench_cohort.request_streams("cpu", recipe.concurrency))
+    assert len(spans) == recipe.requests * recipe.output_tokens
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert [r.computed_tokens for r in records] == [recipe.input_tokens] * 4 + [1] * 4
+    assert sum(r.queue_s >= 0.01 for r in records[:4]) == recipe.concurrency - 1
+    for r in records:
+        assert r.ttft_s >= r.lookup_s + r.restore_s + r.gather_s + r.queue_s + r.prefill_s
+        assert r.prefill_s >= 0.001 and r.decode_s >= 0.001 * (recipe.output_tokens - 1) and r.decode_queue_s > 0
+    # the lock's holds are disjoint: forward times without the waits add up to at most the run's wall time
+    assert sum(r.prefill_s + r.decode_s for r in records) <= wall
+    assert engine.hbm_pins() == 0

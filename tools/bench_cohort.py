@@ -19,9 +19,17 @@ The engine (one per run, fresh caches):
 * A request: leading chunks found in the HBM cache; the next ones through ``lookup`` + ``restore`` into
   free pages; the remainder is prefilled by the real model on a ``DynamicCache`` built from the pages
   (at least the last prompt token is always computed, as engines do); then greedy decoding. TTFT is
-  lookup + restore + page gather + prefill, up to the first token's logits. Newly computed chunks are
-  written to pages, saved to the Manager (after generation, so not in TTFT, but in the throughput) and
-  become HBM cache entries.
+  lookup + restore + page gather + wait for the step lock + prefill, up to the first token on the host.
+  Newly computed chunks are written to pages, saved to the Manager (after generation, so not in TTFT, but
+  in the throughput) and become HBM cache entries.
+* Model steps: forward passes run one at a time, in arrival order, under an engine-wide FIFO lock
+  (:class:`StepLock`), as an engine's scheduler runs one model step at a time; there is no batching, so a
+  request's prefill and each of its decode steps is a forward of its own, and concurrent requests' decode
+  steps interleave round robin. Lookup, restore, page gather and scatter and the Manager save run outside
+  the lock, concurrently with other requests' forwards (on a GPU on each worker's own CUDA stream), as an
+  engine loads KV asynchronously. Forwards left to overlap on per-worker streams were interleaved by the GPU
+  kernel by kernel: a one-token forward waited behind other requests' prefill GEMMs and took as long as a
+  whole prefill, so a restored prefix could not shorten TTFT.
 * A reuse request waits until the first request of its prefix has finished, so the cohort's reuse is the
   same in every run; two requests never compute the same prefix at once.
 
@@ -229,6 +237,41 @@ def _new_cache(model: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- engine
 
 
+class StepLock:
+    """A ticket lock: holders are served strictly in the order they called :meth:`acquire`.
+    ``threading.Lock`` is not fair (a thread that releases and re-acquires it usually gets it back at once),
+    so a decoding request would hold the GPU for all its steps while others wait."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._issued = 0
+        self._serving = 0
+
+    @property
+    def waiting(self) -> int:
+        """Threads queued behind the holder."""
+        with self._cond:
+            return max(self._issued - self._serving - 1, 0)
+
+    def acquire(self) -> None:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def __enter__(self) -> StepLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass
 class RequestRecord:
     index: int
@@ -245,6 +288,10 @@ class RequestRecord:
     lookup_s: float = 0.0
     restore_s: float = 0.0
     gather_s: float = 0.0
+    #: Waits for the step lock: before the prefill (part of TTFT), and over all decode steps.
+    queue_s: float = 0.0
+    decode_queue_s: float = 0.0
+    #: Forward passes, each from taking the step lock until its token is on the host.
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
@@ -285,6 +332,7 @@ class Engine:
         self.num_blocks = int(pages[0].shape[0])
         self.hbm_chunks = recipe.hbm_tokens // recipe.chunk_tokens
         self._lock = threading.Lock()
+        self._steps = StepLock()
         self._cache: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._free = list(range(self.num_blocks))
         self.cuda = pages[0].is_cuda
@@ -347,14 +395,14 @@ class Engine:
 
     def _drain(self) -> None:
         """Wait for the work queued on the current stream, this request's own: a device-wide synchronize
-        would also wait for the other workers' kernels (a one-token prefill timed as long as their whole
-        prefills)."""
+        would also wait for the other workers' kernels (a gather timed as long as the forward running beside
+        it)."""
         if self.cuda:
             _torch().cuda.current_stream(self.pages[0].device).synchronize()
 
     def serve(self, req: RequestSpec, stream: Any = None) -> RequestRecord:
         """Serve ``req`` with all its GPU work (gather, forwards, scatter) queued on ``stream``, this
-        worker's own CUDA stream (None on the CPU)."""
+        worker's own CUDA stream (None on the CPU); its forwards wait for their turn at the step lock."""
         with _torch().cuda.stream(stream):
             return self._serve(req)
 
@@ -417,12 +465,17 @@ class Engine:
                 # another worker may evict and rewrite once released below.
                 self._drain()
                 rec.gather_s = time.perf_counter() - t1
-                t1 = time.perf_counter()
                 ids = torch.as_tensor(req.tokens[hit:], device=self.pages[0].device).unsqueeze(0)
-                lp = self.forward(ids, cache)
-                tok = int(lp.argmax())  # waits for this stream's forward: TTFT ends with the token on the host
-                now = time.perf_counter()
-                rec.prefill_s = now - t1
+                t1 = time.perf_counter()
+                with self._steps:
+                    t2 = time.perf_counter()
+                    lp = self.forward(ids, cache)
+                    # Waits for this stream's forward: TTFT ends with the token on the host, and the next
+                    # forward is launched only once this one has run.
+                    tok = int(lp.argmax())
+                    now = time.perf_counter()
+                rec.queue_s = t2 - t1
+                rec.prefill_s = now - t2
                 rec.ttft_s = now - t0
                 rec.first_logprobs = lp.cpu()
                 rec.tokens.append(tok)
@@ -438,13 +491,19 @@ class Engine:
                     # must have landed. Also keeps the scatter's time out of decode_s.
                     self._drain()
                 scatter_s = time.perf_counter() - t1
-                t1 = time.perf_counter()
                 for _ in range(r.output_tokens - 1):
-                    lp = self.forward(torch.tensor([[tok]], device=ids.device), cache)
-                    tok = int(lp.argmax())
+                    step = torch.tensor([[tok]], device=ids.device)
+                    # One lock per step: the other requests' steps queued meanwhile go first.
+                    t1 = time.perf_counter()
+                    with self._steps:
+                        t2 = time.perf_counter()
+                        lp = self.forward(step, cache)
+                        tok = int(lp.argmax())
+                        now = time.perf_counter()
+                    rec.decode_queue_s += t2 - t1
+                    rec.decode_s += now - t2
                     rec.tokens.append(tok)
                     rec.token_logprobs.append(float(lp[tok]))
-                rec.decode_s = time.perf_counter() - t1
             if self.client is not None and new_chunks:
                 t1 = time.perf_counter()
                 res = self.client.save(self.engine_id, [ChunkBlocks(keys[hit_chunks + i], new_blocks[i * cb:(i + 1) * cb])
@@ -785,12 +844,18 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
         "reuse_short": sum(1 for r in records if r.prefix is not None and not r.first
                            and r.input_tokens - r.computed_tokens < full_hit),
         "phase_p50_ms": {p: _pct([getattr(r, f"{p}_s") for r in records if r.manager_tokens], 50) * 1e3
-                         for p in ("lookup", "restore", "gather", "prefill")},
-        # Forward passes under the run's concurrency, over all its requests: the prefill of a prompt whose
+                         for p in ("lookup", "restore", "gather", "queue", "prefill")},
+        # Forward passes over all the run's requests, step-lock wait excluded: the prefill of a prompt whose
         # every other token came from a cache (``prefill_s`` of the records with ``computed_tokens`` 1), a
         # prefill of a whole prompt, and a decode step; the first should cost about as much as the last.
         "forward_p50_ms": {k: _pct(xs, 50) * 1e3 for k, xs in forwards.items()},
         "forward_requests": {k: len(forwards[k]) for k in ("one_token_prefill", "full_prefill")},
+        # The wait for the step lock, over all the run's requests: before the prefill, and per decode step.
+        "step_queue_p50_ms": {
+            "prefill": _pct([r.queue_s for r in records], 50) * 1e3,
+            "decode_step": _pct([r.decode_queue_s / (len(r.tokens) - 1) for r in records if len(r.tokens) > 1],
+                                50) * 1e3,
+        },
         # lookup + restore per restored chunk: requests with any SSD-promoted chunk, and DRAM-only ones
         "restore_ms_per_chunk_p50": {
             "ssd": _pct([(r.lookup_s + r.restore_s) / r.manager_chunks for r in records
@@ -1081,10 +1146,12 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             notes.append("no request was served from the Manager (everything recomputed or HBM hits)")
         elif not beats_rc_ttft:
             ph = r["phase_p50_ms"]
+            # absent from reports made before it was measured
+            queue = f" + wait for the step lock {ph['queue']:.1f}" if "queue" in ph else ""
             note = (f"on the {served} Manager-served requests TTFT p50 is {vs['manager_served_ttft_p50_ms']:.1f} ms "
                     f"against {vs['same_requests_recompute_ttft_p50_ms']:.1f} ms recomputed; their phases (p50): "
-                    f"lookup {ph['lookup']:.1f} + restore {ph['restore']:.1f} + gather {ph['gather']:.1f} + prefill "
-                    f"of the uncached tokens {ph['prefill']:.1f} ms")
+                    f"lookup {ph['lookup']:.1f} + restore {ph['restore']:.1f} + gather {ph['gather']:.1f}{queue} + "
+                    f"prefill of the uncached tokens {ph['prefill']:.1f} ms")
             fw, fn = r.get("forward_p50_ms"), r.get("forward_requests")
             if fw and fn["one_token_prefill"]:  # absent from reports made before it was measured
                 note += (f"; a one-token prefill took {fw['one_token_prefill']:.1f} ms p50 ({fn['one_token_prefill']} "
@@ -1174,15 +1241,20 @@ def _forward_table(result: dict[str, Any]) -> list[str]:
     runs = [r for r in result["runs"] if "forward_p50_ms" in r]
     if not runs:
         return []
-    streams = " (each request's GPU work queued and timed on its own CUDA stream)" if result["device"] != "cpu" else ""
-    rows = [f"Forward passes, p50 ms over each run's requests (how many in brackets){streams}: the prefill of a "
-            "prompt whose other tokens all came from a cache, a prefill of a whole prompt, and a decode step.", "",
-            "| variant | codec | one-token prefill | whole-prompt prefill | decode step |", "|" + "---|" * 5]
+    rows = ["Forward passes, p50 ms over each run's requests (how many in brackets): the prefill of a prompt whose "
+            "other tokens all came from a cache, a prefill of a whole prompt, and a decode step. Forwards run one "
+            "at a time in arrival order, like an engine's step loop without batching; each is timed from taking "
+            "the step lock until its token is on the host. The queue columns are the wait for the lock before a "
+            "request's prefill and before each decode step.", "",
+            "| variant | codec | one-token prefill | whole-prompt prefill | decode step | queue before prefill "
+            "| queue per decode step |", "|" + "---|" * 7]
     for r in runs:
         fw, fn = r["forward_p50_ms"], r["forward_requests"]
         one = f"{fw['one_token_prefill']:.1f} ({fn['one_token_prefill']})" if fn["one_token_prefill"] else "-"
+        q = r.get("step_queue_p50_ms")  # absent from reports made before the step lock
+        queue = f"{q['prefill']:.1f} | {q['decode_step']:.1f}" if q else "- | -"
         rows.append(f"| {r['variant']} | {r['codec']} | {one} | {fw['full_prefill']:.1f} ({fn['full_prefill']}) | "
-                    f"{fw['decode_step']:.1f} |")
+                    f"{fw['decode_step']:.1f} | {queue} |")
     return rows + [""]
 
 
@@ -1201,7 +1273,8 @@ def _markdown(result: dict[str, Any]) -> str:
                 f"{result.get('versions', {}).get('cpu_count')} CPUs." if (la := result.get("load_average_1m")) else ""),
              "",
              _table(result), "",
-             "TTFT = lookup + restore + page gather + prefill of the rest (or the full prefill on a miss). "
+             "TTFT = lookup + restore + page gather + wait for the step lock + prefill of the rest (or the full "
+             "prefill on a miss). "
              "'served TTFT' is the p50 over the requests this run served from the Manager, and in brackets the "
              "recompute control's p50 on the same requests. 'restore ms/chunk' is lookup + restore per restored "
              "chunk (p50), over requests served from DRAM only and over those with SSD-promoted chunks. Hit rates are fractions of prompt tokens. "
