@@ -47,6 +47,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import gc
 import inspect
 import json
 import os
@@ -704,6 +705,7 @@ def _serve_manager(spec_json: str, endpoint: str) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     server = DataPlaneServer(manager, endpoint, workers=8)
+    gc.freeze()  # as orbitkv-cache-manager does once it serves: full collections skip the start-up heap
     print("ready", flush=True)
     os.dup2(2, 1)  # nobody reads the pipe after "ready": later output must not fill it and block
     try:

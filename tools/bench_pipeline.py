@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from typing import Callable
+from typing import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -43,8 +43,8 @@ from orbitkv_fs.pages import host_engine_pages
 from orbitkv_fs.segment import Role
 from orbitkv_fs.tiers.eviction import make_policy
 
-# Geometry of the throughput runs: 8 layers (TurboQuant leaves the first and last two exact, as in
-# production), 8 KV heads x 128 x 16 tokens of BF16: one block of one layer and role is 32 KiB.
+# Geometry of the throughput runs: 8 layers by default (``--layers``; TurboQuant leaves the first and last
+# two exact, as in production), 8 KV heads x 128 x 16 tokens of BF16: one block of one layer and role is 32 KiB.
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16
 BLOCK_BYTES = HEADS * HEAD_DIM * BLOCK * 2
 SEGMENT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -81,12 +81,14 @@ def _host_baseline(pages, repeat: int) -> dict:
 
 
 def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str,
-                     block_order: str = "contiguous") -> dict:
+                     block_order: str = "contiguous", layers: int = LAYERS,
+                     segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
     """Host engine pages in shared memory; baseline ``numpy.copyto`` of the same pages."""
-    pages, reg = _engine(num_blocks)
+    pages, reg = _engine(num_blocks, layers)
     try:
         return _throughput(codecs, reg, num_blocks, repeat, device, lambda: _host_baseline(pages, repeat), block_order,
-                           pages="host pages in /dev/shm", baseline_name="numpy.copyto of the same pages")
+                           pages="host pages in /dev/shm", baseline_name="numpy.copyto of the same pages",
+                           segment_sizes=segment_sizes)
     finally:
         pages.close()
 
@@ -139,7 +141,8 @@ def _reply(q, proc, timeout: float = 300.0):
                 raise
 
 
-def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous") -> dict:
+def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous",
+                         layers: int = LAYERS, segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -147,7 +150,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
     from orbitkv_fs.geometry import CudaIpcHandle, TensorDesc
 
     tensor_bytes = num_blocks * BLOCK_BYTES
-    nbytes = 2 * LAYERS * tensor_bytes
+    nbytes = 2 * layers * tensor_bytes
     ctx = mp.get_context("spawn")
     cmd, reply = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_gpu_engine_process, args=(nbytes, tensor_bytes, repeat, cmd, reply), daemon=True)
@@ -158,8 +161,8 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
         descs = [TensorDesc(layer=l, role=role, layout="separate", shape=[num_blocks, BLOCK, HEADS, HEAD_DIM],
                             strides=strides, dtype="bfloat16",
                             handle=CudaIpcHandle(handle, (2 * l + r) * tensor_bytes, 0, nbytes))
-                 for l in range(LAYERS) for r, role in enumerate(("key", "value"))]
-        reg = EngineRegistration(model="bench", num_layers=LAYERS, layer_start=0, layer_end=LAYERS, block_size=BLOCK,
+                 for l in range(layers) for r, role in enumerate(("key", "value"))]
+        reg = EngineRegistration(model="bench", num_layers=layers, layer_start=0, layer_end=layers, block_size=BLOCK,
                                  num_heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16", tensors=descs)
 
         def baseline() -> dict:
@@ -169,17 +172,20 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
         return _throughput(codecs, reg, num_blocks, repeat, "auto", baseline, block_order,
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
-                                    "(device-to-host for save, host-to-device for restore)")
+                                    "(device-to-host for save, host-to-device for restore)",
+                           segment_sizes=segment_sizes)
     finally:
         cmd.put("stop")
         proc.join(30)
 
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
-                baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str) -> dict:
-    out: dict = {"geometry": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
+                baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
+                segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
+    layers = reg.num_layers
+    out: dict = {"geometry": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
-                              "logical_bytes_per_run": num_blocks * BLOCK_BYTES * LAYERS * 2,
+                              "logical_bytes_per_run": num_blocks * BLOCK_BYTES * layers * 2,
                               "block_order": block_order},
                  "pages": pages, "baseline": baseline_name, "runs": []}
     # Engines hand out blocks from a free list: after a while a chunk's blocks are anywhere. "shuffled"
@@ -188,10 +194,10 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
     if block_order == "shuffled":
         np.random.default_rng(1).shuffle(order)
     for codec in codecs:
-        with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * LAYERS * 2 + (64 << 20),
+        with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * layers * 2 + (64 << 20),
                                    storage_codec=codec, device=device)) as m:
             e = m.register_engine(reg)
-            for seg in SEGMENT_SIZES:
+            for seg in segment_sizes:
                 per = seg // BLOCK_BYTES
                 chunks = [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
                           for i in range(num_blocks // per)]
@@ -207,7 +213,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                     assert all(rr.restored), rr.misses
                     restore_s = min(restore_s, rr.seconds)
                 st = m.stats()
-                run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks) * LAYERS * 2,
+                run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks) * layers * 2,
                        "logical_bytes": logical, "stored_bytes": stored,
                        "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
                        "raw_segments": dict(st.raw_segments)}
@@ -403,7 +409,7 @@ def _markdown(res: dict, command: str) -> str:
                   f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role; {g.get('block_order', 'contiguous')} "
                   f"block ids per chunk); {g['logical_bytes_per_run'] >> 20} "
                   "MiB per figure, best of the repeats. TurboQuant keeps the first and last two layers exact "
-                  f"(policy), so half of its segments are raw here. Baseline: {t['baseline']}, measured right "
+                  f"(policy), so {4 / g['layers']:.0%} of its segments are raw here. Baseline: {t['baseline']}, measured right "
                   "before each row, best of the same number of repeats. 'vs none' compares logical GB/s with "
                   "codec none at the same segment size.", "",
                   "| codec | segment | save GB/s | restore GB/s | baseline save / restore GB/s | save / baseline | "
@@ -448,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="orbitkv-bench pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--codecs", default=None, help="comma list (default: none,fp8,turboquant-4,turboquant-3; +ans on gpu)")
-    p.add_argument("--blocks", type=int, default=128, help="engine blocks per figure (0.5 MiB each over all layers)")
+    p.add_argument("--blocks", type=int, default=128, help="engine blocks per figure (64 KiB per layer)")
+    p.add_argument("--segment-kib", default=",".join(str(x >> 10) for x in SEGMENT_SIZES),
+                   help="segment sizes of the throughput part, KiB, comma list (multiples of 32)")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="engine layers (TurboQuant keeps 4 exact: its share of raw segments is 4 / layers)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--latency-samples", type=int, default=3000)
     p.add_argument("--index-segments", type=int, default=1_000_000)
@@ -474,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         prof = cProfile.Profile() if args.profile else None
         if prof:
             prof.enable()
-        res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order)
-                             if args.device == "cpu" else
-                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order))
+        sizes = [int(x) << 10 for x in args.segment_kib.split(",")]
+        res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order, args.layers,
+                                              sizes) if args.device == "cpu" else
+                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.layers, sizes))
         if prof:
             prof.disable()
             os.makedirs(args.out, exist_ok=True)
