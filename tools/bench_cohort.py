@@ -401,6 +401,18 @@ class Engine:
         if self.cuda:
             _torch().cuda.current_stream(self.pages[0].device).synchronize()
 
+    def _step(self, ids: Any, cache: Any) -> tuple[Any, int, float, float, float]:
+        """One forward at the step lock: its log-probabilities, its argmax token, the seconds waited for the
+        lock, the seconds of the forward and the time it ended. The lock is held until the token is on the
+        host (which waits for this stream's forward), so the next forward launches only once this one ran."""
+        t0 = time.perf_counter()
+        with self._steps:
+            t1 = time.perf_counter()
+            lp = self.forward(ids, cache)
+            tok = int(lp.argmax())
+            t2 = time.perf_counter()
+        return lp, tok, t1 - t0, t2 - t1, t2
+
     def serve(self, req: RequestSpec, stream: Any = None) -> RequestRecord:
         """Serve ``req`` with all its GPU work (gather, forwards, scatter) queued on ``stream``, this
         worker's own CUDA stream (None on the CPU); its forwards wait for their turn at the step lock."""
@@ -467,17 +479,8 @@ class Engine:
                 self._drain()
                 rec.gather_s = time.perf_counter() - t1
                 ids = torch.as_tensor(req.tokens[hit:], device=self.pages[0].device).unsqueeze(0)
-                t1 = time.perf_counter()
-                with self._steps:
-                    t2 = time.perf_counter()
-                    lp = self.forward(ids, cache)
-                    # Waits for this stream's forward: TTFT ends with the token on the host, and the next
-                    # forward is launched only once this one has run.
-                    tok = int(lp.argmax())
-                    now = time.perf_counter()
-                rec.queue_s = t2 - t1
-                rec.prefill_s = now - t2
-                rec.ttft_s = now - t0
+                lp, tok, rec.queue_s, rec.prefill_s, now = self._step(ids, cache)
+                rec.ttft_s = now - t0  # TTFT ends with the first token on the host
                 rec.first_logprobs = lp.cpu()
                 rec.tokens.append(tok)
                 rec.token_logprobs.append(float(lp[tok]))
@@ -495,14 +498,9 @@ class Engine:
                 for _ in range(r.output_tokens - 1):
                     step = torch.tensor([[tok]], device=ids.device)
                     # One lock per step: the other requests' steps queued meanwhile go first.
-                    t1 = time.perf_counter()
-                    with self._steps:
-                        t2 = time.perf_counter()
-                        lp = self.forward(step, cache)
-                        tok = int(lp.argmax())
-                        now = time.perf_counter()
-                    rec.decode_queue_s += t2 - t1
-                    rec.decode_s += now - t2
+                    lp, tok, queue_s, forward_s, _ = self._step(step, cache)
+                    rec.decode_queue_s += queue_s
+                    rec.decode_s += forward_s
                     rec.tokens.append(tok)
                     rec.token_logprobs.append(float(lp[tok]))
             if self.client is not None and new_chunks:
