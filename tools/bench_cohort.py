@@ -874,6 +874,10 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
         encoded = sum(n for rep, n in stats["codec_segments"].items() if rep != "raw") if codec != "none" else 0
         out["manager"] = {
             "ssd_read_bytes": int(lower.get("ssd_read_bytes_total", 0)),
+            # lower-tier hits that read no disk bytes on demand: segments still in the write queue, and
+            # those the readahead lane had read
+            "ssd_read_pending_hits": int(lower.get("ssd_read_pending_hits_total", 0)),
+            "ssd_prefetch_read_bytes": int(lower.get("ssd_prefetch_read_bytes_total", 0)),
             "ssd_write_bytes": int(lower.get("ssd_write_bytes_total", 0)),
             "ssd_write_dropped": int(lower.get("ssd_write_dropped_total", 0)),
             "ssd_evicted": int(lower.get("ssd_evicted_total", 0)),
