@@ -322,11 +322,6 @@ def okv_unit_mult(unit_start: int, n: int) -> int:
     return gf_mul(int(tab[XC_OFFSET + q]), int(tab[XP_OFFSET + r])) if q else int(tab[XP_OFFSET + r])
 
 
-def braid_shift(n: int, unit_start: int) -> int:
-    """:func:`okv_unit_mult` with the arguments in the older order (n, unit_start)."""
-    return okv_unit_mult(unit_start, n)
-
-
 def braid_pieces_acc(data: bytes, pieces: "list[tuple[int, int]]",
                      layout: "tuple[int, int, int] | None" = None) -> int:
     """Meta.acc after okv_crc_braid_unit for units (start, m) of ``data`` (m <= CHUNK; the kernels'
@@ -349,7 +344,8 @@ def crc32c_braid_model(data: bytes, layout: "tuple[int, int, int] | None" = None
     return int(finish_crc(braid_pieces_acc(data, pieces, layout), n))
 
 
-TQ_HEAD = 48  # centroids(4) at 0, boundaries(4) at 16, centroids(3) at 32, boundaries(3) at 40
+TQ_C4, TQ_C3 = 0, 16  # the centroids of each bit width (the kernels' TQ_C4 / TQ_C3)
+TQ_HEAD = 24  # the 4-bit cells start here (TQ_CELLS4); the boundaries live in the cells only
 TQ_CELLS = 128  # bucketize cells per bit width: q in [-4 + c/16, -4 + (c+1)/16) is cell c
 TQ_CELL_SLACK = 1.0 / 64  # each cell answers for q up to this far outside it (its index is computed in float)
 TQ_TABLE_SIZE = TQ_HEAD + 2 * TQ_CELLS * 4
@@ -381,7 +377,7 @@ def turboquant_cells(bits: int) -> np.ndarray:
 
 
 def bucketize_by_cells(q: np.ndarray, bits: int) -> np.ndarray:
-    """The kernels' cell bucketize of float32 ``q`` (a model of okv_bucket_cell, for tests)."""
+    """The kernels' cell bucketize of float32 ``q`` (a model of okv_bucket, for tests)."""
     cells = turboquant_cells(bits)
     x = np.clip(np.float32(16.0) * q.astype(np.float32) + np.float32(63.5), 0, TQ_CELLS - 1).astype(np.float32)
     c = np.rint(x).astype(np.int64)  # the kernel adds 2^23: round half to even, as np.rint
@@ -391,13 +387,11 @@ def bucketize_by_cells(q: np.ndarray, bits: int) -> np.ndarray:
 
 @functools.cache
 def turboquant_tables() -> np.ndarray:
-    """float32[TQ_TABLE_SIZE]: centroids(4) at 0, boundaries(4) at 16, centroids(3) at 32, boundaries(3) at
-    40, then the 4-bit and the 3-bit :func:`turboquant_cells`."""
+    """float32[TQ_TABLE_SIZE]: centroids(4) at TQ_C4, centroids(3) at TQ_C3, then the 4-bit and the 3-bit
+    :func:`turboquant_cells` (16-byte aligned: TQ_HEAD is a multiple of 4)."""
     t = np.zeros(TQ_TABLE_SIZE, dtype=np.float32)
-    t[0:16] = lloyd_max_centroids(4)
-    t[16:31] = lloyd_max_boundaries(4)
-    t[32:40] = lloyd_max_centroids(3)
-    t[40:47] = lloyd_max_boundaries(3)
+    t[TQ_C4:TQ_C4 + 16] = lloyd_max_centroids(4)
+    t[TQ_C3:TQ_C3 + 8] = lloyd_max_centroids(3)
     t[TQ_HEAD:TQ_HEAD + TQ_CELLS * 4] = turboquant_cells(4).reshape(-1)
     t[TQ_HEAD + TQ_CELLS * 4:] = turboquant_cells(3).reshape(-1)
     return t

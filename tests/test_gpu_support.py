@@ -46,7 +46,7 @@ def test_crc_braid_tables_and_inverse_shifts() -> None:
     acc = 0
     for a, b in ((0, 1032), (1032, 1032 + 16384), (1032 + 16384, 30000), (30000, 46384), (46384, 50000)):
         u = tables.braid_unit_raw(data[a:b])
-        m = tables.braid_shift(len(data), a)
+        m = tables.okv_unit_mult(a, len(data))
         acc ^= tables.gf_mul(u, m) if m != tables.X0 else u
     assert int(tables.finish_crc(acc, len(data))) == crc32c.crc32c(data)
 
@@ -184,6 +184,24 @@ def test_turboquant_cell_bucketize_equals_host(bits: int) -> None:
     t = tables.turboquant_tables()
     off = tables.TQ_HEAD + (0 if bits == 4 else tables.TQ_CELLS * 4)
     assert np.array_equal(t[off:off + tables.TQ_CELLS * 4].view(np.uint32), cells.reshape(-1).view(np.uint32))
+
+
+def test_turboquant_table_offsets_are_the_kernels() -> None:
+    """turboquant.cu reads the table at its #define offsets: they are the ones turboquant_tables lays out."""
+    import re
+    from pathlib import Path
+
+    src = (Path(tables.__file__).parent / "kernels" / "turboquant.cu").read_text()
+    defs = dict(re.findall(r"#define (TQ_\w+) (\d+)", src))
+    assert {k: int(v) for k, v in defs.items()} == {"TQ_C4": tables.TQ_C4, "TQ_C3": tables.TQ_C3,
+                                                    "TQ_CELLS4": tables.TQ_HEAD}
+    assert "#define TQ_CELLS3 (TQ_CELLS4 + 512)" in src and 512 == tables.TQ_CELLS * 4
+    t = tables.turboquant_tables()
+    from orbitkv_fs.codecs.turboquant import lloyd_max_centroids
+
+    assert np.array_equal(t[tables.TQ_C4:tables.TQ_C4 + 16], lloyd_max_centroids(4).astype(np.float32))
+    assert np.array_equal(t[tables.TQ_C3:tables.TQ_C3 + 8], lloyd_max_centroids(3).astype(np.float32))
+    assert tables.TQ_HEAD % 4 == 0 and tables.TQ_HEAD >= tables.TQ_C3 + 8
 
 
 def test_turboquant_cells_refuse_two_boundaries_in_a_cell(monkeypatch) -> None:

@@ -9,11 +9,9 @@
 // Each (head dim, bits, role, dtype) has its own instantiation: with G, the record layout and the
 // conversions known at compile time the passes are straight-line code (measured on the H200 with ncu:
 // the generic kernel spent most of its issue slots on loop control, runtime branches and spills).
-#define TQ_C4 0
-#define TQ_B4 16
-#define TQ_C3 32
-#define TQ_B3 40
-#define TQ_CELLS4 48                 // orbitkv_fs.gpu.tables.turboquant_cells(4): 128 x float4
+#define TQ_C4 0                      // orbitkv_fs.gpu.tables.turboquant_tables(): centroids(4)
+#define TQ_C3 16                     // centroids(3)
+#define TQ_CELLS4 24                 // turboquant_cells(4): 128 x float4
 #define TQ_CELLS3 (TQ_CELLS4 + 512)  // turboquant_cells(3)
 #define TQ_TAB (TQ_CELLS3 + 512)
 
@@ -170,24 +168,18 @@ __device__ __forceinline__ u32 okv_tq_encode_unit(const Seg& s, u32 unit, const 
     u32 idx[8];
     u32 side;
 #pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-      const u32 two = nxt[k >> 1];
+    for (int k = 0; k < 8; k += 2) {  // K: the rotation's signs flipped in the source halves
+      const u32 two = nxt[k >> 1] ^ negs[k >> 1];
       mag = __vmaxu2(mag, two & 0x7FFF7FFFu);
       w[k] = okv_half_to_f32<F16>(two & 0xFFFFu);
       w[k + 1] = okv_half_to_f32<F16>(two >> 16);
     }
+    if (p + 1 < 8) load(p + 1 < npass);
     if (KEY) {
       float t[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) t[k] = __fmul_rn(w[k], w[k]);
+      for (int k = 0; k < 8; ++k) t[k] = __fmul_rn(w[k], w[k]);  // (-x)^2 == x^2: the signs cannot change the norm
       const float norm = __fsqrt_rn(okv_tree_sum8<G>(t));
-#pragma unroll
-      for (int k = 0; k < 8; k += 2) {  // the rotation's signs, flipped in the source halves
-        const u32 two = nxt[k >> 1] ^ negs[k >> 1];
-        w[k] = okv_half_to_f32<F16>(two & 0xFFFFu);
-        w[k + 1] = okv_half_to_f32<F16>(two >> 16);
-      }
-      if (p + 1 < 8) load(p + 1 < npass);
       okv_fwht8<G>(w, gl);
       float q[8];
       if (norm > 0.0f && fast) {
@@ -215,7 +207,6 @@ __device__ __forceinline__ u32 okv_tq_encode_unit(const Seg& s, u32 unit, const 
       if (!okv_f16_finite(g16)) flags |= OKV_ST_RANGE;
       side = g16;
     } else {
-      if (p + 1 < 8) load(p + 1 < npass);
       float lo = w[0], hi = w[0];
 #pragma unroll
       for (int k = 1; k < 8; ++k) { lo = fminf(lo, w[k]); hi = fmaxf(hi, w[k]); }
@@ -252,13 +243,12 @@ __device__ __forceinline__ u32 okv_tq_encode_unit(const Seg& s, u32 unit, const 
     const uint2 cv = *reinterpret_cast<const uint2*>(cg + 8 * gl);
     const u32 word = okv_pack_codes<BITS>(cv.x, cv.y);
     if (live) {
-      u8* const r = rp;
-      u8* const cp = r + SIDE + gl * BITS;
+      u8* const cp = rp + SIDE + gl * BITS;
       // records are 2-byte (K) or 4-byte (V) aligned in a 64-byte aligned payload
       if (KEY) {
-        if (gl == 0) *reinterpret_cast<u16*>(r) = (u16)side;
+        if (gl == 0) *reinterpret_cast<u16*>(rp) = (u16)side;
       } else {
-        if (gl == 0) *reinterpret_cast<u32*>(r) = side;
+        if (gl == 0) *reinterpret_cast<u32*>(rp) = side;
       }
       if (BITS == 4 && !KEY) {
         *reinterpret_cast<u32*>(cp) = word;
@@ -297,14 +287,13 @@ __device__ __forceinline__ void okv_tq_decode_unit(const Seg& s, u32 unit, const
 #pragma unroll 1
   for (int p = 0; p < 8; ++p, rp += NGRP * REC, yp += NGRP * D) {
     const bool live = p < npass;
-    const u8* const r = rp;
     u32 word = 0, side = 0;
     if (live) {
-      const u8* const cp = r + SIDE + gl * BITS;
+      const u8* const cp = rp + SIDE + gl * BITS;
       if (KEY) {
-        side = *reinterpret_cast<const u16*>(r);
+        side = *reinterpret_cast<const u16*>(rp);
       } else {
-        side = *reinterpret_cast<const u32*>(r);
+        side = *reinterpret_cast<const u32*>(rp);
       }
       if (BITS == 4 && !KEY) {
         word = *reinterpret_cast<const u32*>(cp);
