@@ -4,7 +4,7 @@ Importing this package is free; its submodules need cupy and a CUDA GPU (``orbit
 needs only numpy). Modules:
 
 * ``engine`` -- :class:`GpuCodecEngine`, the batch API below.
-* ``module`` -- compiles ``kernels/*.cu`` once per process (CuPy RawModule, ``-fmad=false``).
+* ``module`` -- compiles ``kernels/*.cu`` once per process (NVRTC, ``-fmad=false -ftz=false``).
 * ``tables`` -- CRC32C and TurboQuant constant tables, and a numpy model of the GPU CRC combine.
 * ``nvcomp`` -- ctypes binding of nvCOMP 5.x's batched ANS C API (``libnvcomp.so.5``).
 * ``ans`` -- ``encode_host_array`` / ``decode_host_payload`` for :mod:`orbitkv_fs.codecs.ans`.

@@ -142,7 +142,8 @@ def _kernel_figures(k: km.Kernels, src: cp.ndarray, srcv: cp.ndarray, repeat: in
                          "head_dim": d, "bits": bits, "role": int(role), "signs": sign_words(d, 3, 0),
                          "nblocks": km.units_tq(SEG, d)} for i in range(nseg)]
                 e = _Segs(rows)
-                te = _median_time(lambda: e.launch(k, "okv_tq_encode", k.tq_tables), repeat)
+                te = _median_time(lambda: e.launch(k, "okv_tq_encode_k" if role == Role.KEY else "okv_tq_encode_v",
+                                                  k.tq_tables), repeat)
                 outb = cp.empty_like(data)
                 drows = [dict(r, src=enc_buf.data.ptr + i * per_al, dst=outb.data.ptr + i * SEG) for i, r in enumerate(rows)]
                 dd = _Segs(drows)
@@ -241,12 +242,13 @@ def _ans_figures(budget: int, src: cp.ndarray, repeat: int) -> dict:
             b.update(slots=slots, plen=plen, slot_off=slot_off)
         return b
 
-    def compress(bs: list[dict]) -> None:
+    def compress(bs: list[dict], nvcomp_part: bool = True, pack_part: bool = True) -> None:
         for b in bs:
             a, c = b["arr"].data.ptr, b["c"]
-            nv.compress(a, a + 8 * c, cb, c, b["tb"].data.ptr, b["temp"], a + 16 * c, b["sizes"].data.ptr, t,
-                        b["st"].data.ptr, s.ptr)
-            if "pack" in b:
+            if nvcomp_part:
+                nv.compress(a, a + 8 * c, cb, c, b["tb"].data.ptr, b["temp"], a + 16 * c, b["sizes"].data.ptr, t,
+                            b["st"].data.ptr, s.ptr)
+            if pack_part and "pack" in b:
                 b["pack"].launch(k, "okv_ans_pack", k.crc_tables)
 
     # engine batches: <= 256 segments whose workspace needs fit the budget
@@ -270,6 +272,10 @@ def _ans_figures(budget: int, src: cp.ndarray, repeat: int) -> dict:
     s.synchronize()
     single = [build([(0, total)], False)] if total <= 16 << 20 else [build([(o, cb) for o in range(0, total, cb)], False)]
     t_single = _median_time(lambda: compress(single), repeat)
+    # the same batches, nvCOMP's calls alone; and the pack + CRC32C pass alone (which one call over the same
+    # bytes would need as well: the payloads are compacted from the chunk outputs and checksummed)
+    t_nv = _median_time(lambda: compress(ours, pack_part=False), repeat)
+    t_pack = _median_time(lambda: compress(ours, nvcomp_part=False), repeat)
     comp = sum(int(b["plen"].get().sum()) for b in ours)
     ok = all(int(b["st"].get().max()) == 0 for b in ours + single)
     import crc32c
@@ -284,7 +290,13 @@ def _ans_figures(budget: int, src: cp.ndarray, repeat: int) -> dict:
         "host_submit_ms": round(host_submit * 1e3, 3), "device_ms": round(t_ours * 1e3, 3),
         "engine_batches_compress_pack_crc32c_GBps": _gbps(total, t_ours),
         "single_call_64KiB_chunks_compress_GBps": _gbps(total, t_single),
+        "engine_batches_nvcomp_compress_GBps": _gbps(total, t_nv),
+        "pack_crc32c_ms": round(t_pack * 1e3, 3),
         "ratio_with_chunk_tables": round(total / comp, 3),
+        # the target's figure: nvCOMP's batched calls over the engine's batches against one call, same bytes
+        "compress_nvcomp_batches_vs_single_call": round(t_single / t_nv, 3),
+        # both sides with the pack + CRC32C pass
+        "compress_with_pack_vs_single_call_with_pack": round((t_single + t_pack) / t_ours, 3),
     }
 
     def decompressor(bs: list[dict], back: cp.ndarray) -> Callable[[], None]:
@@ -312,7 +324,7 @@ def _ans_figures(budget: int, src: cp.ndarray, repeat: int) -> dict:
     res["single_call_64KiB_chunks_decompress_GBps"] = _gbps(total, _median_time(decompressor(single, back), repeat))
     res["single_call_decompress_exact"] = bool(cp.array_equal(back, src.view(cp.uint8)[:total]))
     res["budget_bytes"] = budget
-    res["compress_batches_vs_single_call"] = round(t_single / t_ours, 3)
+    res["compress_batches_vs_single_call"] = round(t_single / t_ours, 3)  # ours with the pass, one call without
     res["decompress_batches_vs_single_call"] = round(res["engine_batches_decompress_GBps"]
                                                      / res["single_call_64KiB_chunks_decompress_GBps"], 3)
     return res
@@ -394,7 +406,10 @@ def run_codecs(args: Any) -> dict:
     try:
         out["ans"] = _ans_figures(budget, src, repeat)
         out["ans_budget_1GiB"] = _ans_figures(1 << 30, src, repeat)
-        out["ans_batch_vs_single_call"] = out["ans"]["compress_batches_vs_single_call"]
+        # met when nvCOMP over the engine's batches keeps 80% of one call's speed at the budget an operator
+        # would give ANS (1 GiB); the default 64 MB budget's batches are reported beside it
+        out["ans_batch_vs_single_call"] = out["ans_budget_1GiB"]["compress_nvcomp_batches_vs_single_call"]
+        out["ans_batch_vs_single_call_default_budget"] = out["ans"]["compress_nvcomp_batches_vs_single_call"]
         _batch_figures(engine, src, repeat, out)
     finally:
         engine.close()

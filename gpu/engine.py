@@ -19,7 +19,7 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   drains the stream before freeing.
 * Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
-  (FP8 encode with fused CRC32C; TurboQuant encode; nvCOMP ANS compression of the 64 KiB chunks, one
+  (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB chunks, one
   call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads' CRC32C; CRC32C
   -- with the copy for raw segments -- over raw and TurboQuant payloads), one device-to-host copy of [meta | ANS payload lengths | segment slots]
   -- statuses, raw CRCs, sizes and payloads together -- and one stream synchronisation. The host then
@@ -764,7 +764,10 @@ class GpuCodecEngine:
                 d["src"], d["n"] = payload, p.cap
             d["nblocks"] = km.units_bytes(int(d["n"]))
 
-        for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode", tq, tq_units),
+        tqk = [p for p in tq if p.role == Role.KEY]
+        tqv = [p for p in tq if p.role != Role.KEY]
+        for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode_k", tqk, tq_units),
+                                   ("okv_tq_encode_v", tqv, tq_units),
                                    ("okv_ans_pack", ans, pack_units), ("okv_crc32c", crc, crc_units)):
             if plist:
                 first, blocks = fill(plist, units)
@@ -779,11 +782,11 @@ class GpuCodecEngine:
             a[2] = np.concatenate([base + p.tmp + chunk_cap * np.arange(p.nch, dtype=np.uint64) for p in ans])
         w.h2d(base, up)
         rows = {name: (first, count) for name, first, count in groups}
-        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode": len(tq), "okv_ans_pack": len(ans),
-                  "okv_crc32c": len(crc)}
+        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode_k": len(tqk), "okv_tq_encode_v": len(tqv),
+                  "okv_ans_pack": len(ans), "okv_crc32c": len(crc)}
         segs = base + off["desc"]
         meta_ptr = region
-        for name in ("okv_fp8_encode", "okv_tq_encode"):
+        for name in ("okv_fp8_encode", "okv_tq_encode_k", "okv_tq_encode_v"):
             if name in rows:
                 first, blocks = rows[name]
                 table = k.crc_tables if name == "okv_fp8_encode" else k.tq_tables

@@ -1,19 +1,25 @@
 """The CUDA module of the codec kernels and the constants shared with it.
 
-Owns: compiling ``kernels/*.cu`` with CuPy's RawModule (once per process, device and variant), the
+Owns: compiling ``kernels/*.cu`` with NVRTC (once per process, device and variant; the image cached on
+disk), the
 device copies of the constant tables (:mod:`orbitkv_fs.gpu.tables`), the descriptor layouts
 (:data:`SEG_DTYPE`, :data:`META_DTYPE`) and :func:`launch`, which every launch goes through so that
 launches are counted.
 
 Invariants: the sources are built with ``-fmad=false`` (no fused multiply-add anywhere: the codecs'
-float32 operations are rounded one by one, as on the host); :data:`SEG_DTYPE` matches ``struct Seg``
+float32 operations are rounded one by one, as on the host) and ``-ftz=false`` (subnormal float32 results
+kept, as on the host: CuPy's ``RawModule(code=...)`` appends ``-ftz=true``, cupy#9576, so
+:func:`build_module` calls NVRTC itself); :data:`SEG_DTYPE` matches ``struct Seg``
 of ``kernels/common.cuh`` byte for byte (field offsets and the 128-byte size).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
+import os
+import tempfile
 from dataclasses import dataclass
 
 import cupy as cp
@@ -24,9 +30,14 @@ from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the k
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
 
 SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu", "blocks.cu")
-OPTIONS = ("--std=c++17", "--fmad=false")
-KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode", "okv_tq_decode",
+OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false")
+KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode_k", "okv_tq_encode_v",
+                "okv_tq_decode",
                 "okv_ans_pack", "okv_copy_blocks")
+
+# Dynamic shared memory of a kernel, bytes: okv_tq_encode_k's two pass buffers per warp (OKV_TQ_KDYN:
+# 8 warps x 2 x OKV_TQ_KBUF, OKV_TQ_KBUF = 64 * 64 + 512), above the 48 KiB a kernel may hold statically.
+DYNAMIC_SMEM = {"okv_tq_encode_k": 8 * 2 * (64 * 64 + 512)}
 
 ST_RANGE = 1
 ST_NONFINITE = 2
@@ -50,6 +61,37 @@ TQ_VECTORS_PER_UNIT = 16384  # divided by head_dim: 32 KiB of 16-bit source per 
 def source() -> str:
     root = importlib.resources.files("orbitkv_fs.gpu") / "kernels"
     return "\n".join((root / name).read_text() for name in SOURCES)
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    return os.path.join(root, "orbitkv_fs")
+
+
+def build_module(code: str, options: tuple[str, ...]) -> cp.RawModule:
+    """Compile ``code`` for the current device with NVRTC under exactly ``options`` and load it.
+
+    CuPy's ``RawModule(code=...)`` adds ``-ftz=true`` to every NVRTC build, which flushes subnormal float32
+    results (e.g. squares of BF16 keys below 2^-63) to zero where the host codecs keep them; this path adds
+    only the target architecture. The image is cached under CuPy's cache directory, keyed by the source,
+    options, device architecture and NVRTC and CuPy versions (a build takes seconds).
+    """
+    from cupy.cuda import compiler
+    from cupy_backends.cuda.libs import nvrtc
+
+    arch = "".join(map(str, cp.cuda.Device().compute_capability))
+    key = "\0".join([code, *options, arch, repr(nvrtc.getVersion()), cp.__version__])
+    path = os.path.join(_cache_dir(), hashlib.sha256(key.encode()).hexdigest() + ".bin")
+    if not os.path.isfile(path):
+        image, _ = compiler.compile_using_nvrtc(code, options, cache_in_memory=True)
+        if isinstance(image, str):  # PTX where NVRTC cannot target the device's architecture
+            image = image.encode()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(image)
+        os.replace(tmp, path)  # concurrent builders write the same bytes; the last rename wins
+    return cp.RawModule(path=path)
 
 
 def units_bytes(n: int) -> int:
@@ -81,7 +123,16 @@ class Kernels:
         return self.functions[name]
 
 
-def _resident_blocks(fn: cp.RawKernel, props: dict) -> int:
+def load_functions(mod: cp.RawModule, names: "tuple[str, ...]") -> dict[str, cp.RawKernel]:
+    """The module's functions, each allowed the dynamic shared memory it launches with."""
+    functions = {name: mod.get_function(name) for name in names}
+    for name, nbytes in DYNAMIC_SMEM.items():
+        if name in functions:
+            functions[name].max_dynamic_shared_size_bytes = nbytes
+    return functions
+
+
+def _resident_blocks(fn: cp.RawKernel, props: dict, dynamic: int = 0) -> int:
     """Blocks of ``fn`` (THREADS threads) one multiprocessor holds at once: the kernels loop over their
     work units, so the grid must be exactly what fits -- a larger one runs its last blocks after the
     first ones finished all their units, doubling the time."""
@@ -91,7 +142,7 @@ def _resident_blocks(fn: cp.RawKernel, props: dict) -> int:
     warps = THREADS // 32
     by_regs = int(props.get("regsPerMultiprocessor", 65536)) // (per_warp * warps)
     by_threads = int(props.get("maxThreadsPerMultiProcessor", 2048)) // THREADS
-    smem = int(attrs.get("shared_size_bytes", 0)) + int(props.get("reservedSharedMemPerBlock", 1024))
+    smem = int(attrs.get("shared_size_bytes", 0)) + dynamic + int(props.get("reservedSharedMemPerBlock", 1024))
     by_smem = int(props.get("sharedMemPerMultiprocessor", 233472)) // max(smem, 1)
     return max(1, min(by_regs, by_threads, by_smem, 32))
 
@@ -100,8 +151,8 @@ def _resident_blocks(fn: cp.RawKernel, props: dict) -> int:
 def _kernels(device_id: int, arith: bool) -> Kernels:
     with cp.cuda.Device(device_id):
         options = OPTIONS + (("-DOKV_FP8_ARITH",) if arith else ())
-        mod = cp.RawModule(code=source(), options=options)
-        functions = {name: mod.get_function(name) for name in KERNEL_NAMES}
+        mod = build_module(source(), options)
+        functions = load_functions(mod, KERNEL_NAMES)
         props = cp.cuda.runtime.getDeviceProperties(device_id)
         sms = int(props["multiProcessorCount"])
         major, minor = int(props["major"]), int(props["minor"])
@@ -110,7 +161,7 @@ def _kernels(device_id: int, arith: bool) -> Kernels:
             functions=functions,
             crc_tables=cp.asarray(crc_tables()),
             tq_tables=cp.asarray(turboquant_tables()),
-            grids={name: sms * _resident_blocks(fn, props) for name, fn in functions.items()},
+            grids={name: sms * _resident_blocks(fn, props, DYNAMIC_SMEM.get(name, 0)) for name, fn in functions.items()},
             hardware_fp8=(not arith) and (major, minor) >= (8, 9),
         )
 
@@ -138,5 +189,5 @@ def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_pt
     if table is not None:
         args.append(table)
     grid = min(total, k.grids[name])
-    k.fn(name)((grid,), (THREADS,), tuple(args), stream=stream)
+    k.fn(name)((grid,), (THREADS,), tuple(args), shared_mem=DYNAMIC_SMEM.get(name, 0), stream=stream)
     return 1

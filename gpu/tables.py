@@ -345,22 +345,26 @@ def crc32c_braid_model(data: bytes, layout: "tuple[int, int, int] | None" = None
 
 
 TQ_C4, TQ_C3 = 0, 16  # the centroids of each bit width (the kernels' TQ_C4 / TQ_C3)
-TQ_HEAD = 24  # the 4-bit cells start here (TQ_CELLS4); the boundaries live in the cells only
-TQ_CELLS = 128  # bucketize cells per bit width: q in [-4 + c/16, -4 + (c+1)/16) is cell c
+TQ_B4, TQ_B3 = 24, 40  # the boundary slots of each bit width: boundary j at j, then +inf (TQ_B4 / TQ_B3)
+TQ_CELLB4, TQ_CELLB3 = 48, 84  # the cell bytes (TQ_CELLS of them, in 36 words) of each bit width
+TQ_TABLE_SIZE = 120  # float32 words (TQ_TAB)
+TQ_CELLS = 129  # bucketize cells per bit width: q in [-4 + c/16, -4 + (c+1)/16) is cell c (128: q >= 4)
 TQ_CELL_SLACK = 1.0 / 64  # each cell answers for q up to this far outside it (its index is computed in float)
-TQ_TABLE_SIZE = TQ_HEAD + 2 * TQ_CELLS * 4
 
 
 def turboquant_cells(bits: int) -> np.ndarray:
-    """float32[TQ_CELLS, 4]: per cell (boundary, base index as uint32 bits, centroid[base], centroid[base + 1]).
+    """uint8[TQ_CELLS]: per cell, 4 * base, base being the count of boundaries below the cell.
 
-    The kernels' bucketize: cell = round(clamp(16 q + 63.5, 0, 127)), then idx = base + (q > boundary) and
-    the centroid of idx, one shared-memory load per element. It equals the host's count of boundaries
-    below q for every q whose computed cell is within TQ_CELL_SLACK of its true one, because a cell's
-    widened range holds at most one boundary (the base counts those below it; +inf: none inside)."""
+    The kernels' bucketize: cell = round(128 * sat(q/8 + 63.5/128)) (that is, round(16 q + 63.5) clamped
+    to 0..128, in two fma instructions), its byte w4, then idx = base + (q > slots[base]) and the centroid
+    of idx: three 32-bit shared-memory loads per element with few bank conflicts (a cell byte table of 33
+    words; 2^bits slots; 2^bits centroids), where a 16-byte cell per element took about four times the
+    load wavefronts. slots[base] is the first boundary not below the cell: inside it, or above it (then q
+    cannot exceed it), or +inf. This equals the host's count of boundaries below q for every q whose
+    computed cell is within TQ_CELL_SLACK of its true one, because a cell's widened range holds at most
+    one boundary."""
     bnd = lloyd_max_boundaries(bits).astype(np.float32)
-    cen = lloyd_max_centroids(bits).astype(np.float32)
-    out = np.zeros((TQ_CELLS, 4), dtype=np.float32)
+    out = np.zeros(TQ_CELLS, dtype=np.uint8)
     width = 1.0 / 16
     for c in range(TQ_CELLS):
         lo = -np.inf if c == 0 else -4.0 + c * width - TQ_CELL_SLACK
@@ -368,32 +372,40 @@ def turboquant_cells(bits: int) -> np.ndarray:
         inside = np.flatnonzero((bnd >= lo) & (bnd <= hi))
         if len(inside) > 1:
             raise ValueError(f"cell {c} of the {bits}-bit bucketize holds {len(inside)} boundaries")
-        base = int(np.count_nonzero(bnd < lo))
-        out[c, 0] = bnd[inside[0]] if len(inside) else np.inf
-        out[c, 1] = np.array([base], dtype=np.uint32).view(np.float32)[0]
-        out[c, 2] = cen[base]
-        out[c, 3] = cen[min(base + 1, len(cen) - 1)]
+        out[c] = 4 * int(np.count_nonzero(bnd < lo))
     return out
 
 
+def turboquant_boundary_slots(bits: int) -> np.ndarray:
+    """float32[2^bits]: the boundaries in order, then +inf."""
+    bnd = lloyd_max_boundaries(bits).astype(np.float32)
+    return np.append(bnd, np.float32(np.inf)).astype(np.float32)
+
+
 def bucketize_by_cells(q: np.ndarray, bits: int) -> np.ndarray:
-    """The kernels' cell bucketize of float32 ``q`` (a model of okv_bucket, for tests)."""
+    """The kernels' cell bucketize of float32 ``q`` (a model of okv_bucket4, for tests)."""
     cells = turboquant_cells(bits)
-    x = np.clip(np.float32(16.0) * q.astype(np.float32) + np.float32(63.5), 0, TQ_CELLS - 1).astype(np.float32)
-    c = np.rint(x).astype(np.int64)  # the kernel adds 2^23: round half to even, as np.rint
-    e = cells[c]
-    return e[:, 1].view(np.uint32).astype(np.int64) + (q > e[:, 0])
+    slots = turboquant_boundary_slots(bits)
+    # fma.rn.sat: q/8 + 63.5/128 rounded once (exact in float64, then rounded to float32), clamped to [0, 1]
+    y = np.clip((q.astype(np.float64) * 0.125 + 0.49609375).astype(np.float32), 0, 1)
+    y = np.nan_to_num(y, nan=0.0)  # the saturating fma answers 0 for NaN
+    c = np.rint(y.astype(np.float64) * 128).astype(np.int64)  # the kernel adds 2^23: round half to even
+    base = cells[c].astype(np.int64) // 4
+    return base + (q > slots[base])
 
 
 @functools.cache
 def turboquant_tables() -> np.ndarray:
-    """float32[TQ_TABLE_SIZE]: centroids(4) at TQ_C4, centroids(3) at TQ_C3, then the 4-bit and the 3-bit
-    :func:`turboquant_cells` (16-byte aligned: TQ_HEAD is a multiple of 4)."""
+    """float32[TQ_TABLE_SIZE]: centroids(4) at TQ_C4, centroids(3) at TQ_C3, the boundary slots of each
+    bit width at TQ_B4 / TQ_B3, then the cell bytes of each at TQ_CELLB4 / TQ_CELLB3 (4 per word)."""
     t = np.zeros(TQ_TABLE_SIZE, dtype=np.float32)
     t[TQ_C4:TQ_C4 + 16] = lloyd_max_centroids(4)
     t[TQ_C3:TQ_C3 + 8] = lloyd_max_centroids(3)
-    t[TQ_HEAD:TQ_HEAD + TQ_CELLS * 4] = turboquant_cells(4).reshape(-1)
-    t[TQ_HEAD + TQ_CELLS * 4:] = turboquant_cells(3).reshape(-1)
+    t[TQ_B4:TQ_B4 + 16] = turboquant_boundary_slots(4)
+    t[TQ_B3:TQ_B3 + 8] = turboquant_boundary_slots(3)
+    raw = t.view(np.uint8)
+    raw[4 * TQ_CELLB4:4 * TQ_CELLB4 + TQ_CELLS] = turboquant_cells(4)
+    raw[4 * TQ_CELLB3:4 * TQ_CELLB3 + TQ_CELLS] = turboquant_cells(3)
     return t
 
 

@@ -157,8 +157,7 @@ def test_bytes_match_a_scalar_reference_of_the_spec(d, bits, role):
 
 def test_key_bytes_match_the_reference_where_squares_are_subnormal():
     """BF16 keys below 2^-63 have subnormal float32 squares: the host keeps IEEE gradual underflow, as the
-    format specifies (the GPU kernels, compiled by CuPy with -ftz=true, do not yet: see
-    docs/results/2026-11-30-codecs-gpu-2)."""
+    format specifies (and the GPU kernels, built with -ftz=false: tests/test_gpu_engine.py)."""
     rng = np.random.default_rng(3)
     x = np.concatenate([rng.standard_normal((4, 64)).astype(np.float32) * np.float32(2.0 ** e)
                         for e in (-75, -70, -66, -64, -60)]).astype(BF16)

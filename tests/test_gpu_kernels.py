@@ -177,3 +177,33 @@ def test_crc32c_sixteen_mib_every_offset_class() -> None:
     meta = launch(kern, "okv_crc32c", rows, kern.crc_tables)
     for off, m in enumerate(meta):
         assert int(finish_crc(m["acc"], 16 << 20)) == crc32c.crc32c(memoryview(host)[off:off + (16 << 20)])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_turboquant_key_encode_any_alignment_and_length(head_dim: int, bits: int) -> None:
+    """The K encode stages sources and records per warp in 16-byte pieces: sources at 2-byte offsets take
+    the unaligned load, records at odd 2-byte offsets the byte copy, and segments that end inside a warp
+    pass or a work unit write their records and not one byte more (the poison around them survives)."""
+    from orbitkv_fs.codecs.turboquant import encode_key
+    from orbitkv_fs.gpu.tables import sign_words
+    from orbitkv_fs.segment import Role, turboquant_record_bytes
+
+    kern = km.kernels()
+    rng = np.random.default_rng(head_dim * 10 + bits)
+    rec = turboquant_record_bytes(head_dim, bits, Role.KEY)
+    for nvec, src_off, dst_off in ((1, 0, 0), (37, 2, 2), (300, 6, 0), (16384 // head_dim + 5, 8, 14), (2049, 0, 34)):
+        x = (rng.standard_normal((nvec, head_dim)) * 3).astype(np.float32).astype(BF16)
+        raw = np.zeros(x.nbytes + 64, dtype=np.uint8)
+        raw[src_off:src_off + x.nbytes] = x.view(np.uint8).reshape(-1)
+        src = cp.asarray(raw)
+        dst = cp.full(nvec * rec + 128, 0xA5, dtype=np.uint8)
+        meta = launch(kern, "okv_tq_encode_k", [{
+            "src": src.data.ptr + src_off, "dst": dst.data.ptr + 64 + dst_off, "n": x.nbytes, "dtype": 0,
+            "head_dim": head_dim, "bits": bits, "role": int(Role.KEY), "signs": sign_words(head_dim, 5, 0),
+            "nblocks": km.units_tq(x.nbytes, head_dim)}], table=kern.tq_tables)
+        assert int(meta["status"][0]) == 0
+        got = dst.get()
+        want = encode_key(x.astype(np.float32), bits, 5, 0)
+        assert np.array_equal(got[64 + dst_off:64 + dst_off + nvec * rec], want.reshape(-1)), (nvec, src_off, dst_off)
+        assert np.all(got[:64 + dst_off] == 0xA5) and np.all(got[64 + dst_off + nvec * rec:] == 0xA5)

@@ -172,36 +172,43 @@ def test_ans_keep_capacity_is_the_keep_boundary(n: int) -> None:
 @pytest.mark.parametrize("bits", [3, 4])
 def test_turboquant_cell_bucketize_equals_host(bits: int) -> None:
     """The kernels' one-load bucketize (a cell table) counts the boundaries below q exactly as the host,
-    at the boundaries themselves, one ulp either side, far outside the table and at +-0."""
+    at the boundaries themselves, at the cells' edges, one ulp either side of both, where the cell index
+    saturates, far outside the table and at +-0."""
     from orbitkv_fs.codecs.turboquant import lloyd_max_boundaries
 
     b = lloyd_max_boundaries(bits).astype(np.float32)
-    q = np.concatenate([np.random.default_rng(bits).standard_normal(200_000).astype(np.float32) * 3, b,
-                        np.nextafter(b, np.float32(np.inf)), np.nextafter(b, np.float32(-np.inf)),
-                        np.float32([0.0, -0.0, -4, 4, -3.99, 3.99, 1e30, -1e30, 17, -17])]).astype(np.float32)
+    edges = ((np.arange(tables.TQ_CELLS + 1) - 64) / 16).astype(np.float32)
+    marks = np.concatenate([b, edges])
+    q = np.concatenate([np.random.default_rng(bits).standard_normal(200_000).astype(np.float32) * 3, marks,
+                        np.nextafter(marks, np.float32(np.inf)), np.nextafter(marks, np.float32(-np.inf)),
+                        np.float32([0.0, -0.0, -4, 4, -3.99, 3.99, 4.02, 4.04, -4.04, 1e30, -1e30, 17, -17,
+                                    1e-30, -1e-30])]).astype(np.float32)
     assert np.array_equal(tables.bucketize_by_cells(q, bits), np.searchsorted(b, q, side="left"))
-    cells = tables.turboquant_cells(bits)
     t = tables.turboquant_tables()
-    off = tables.TQ_HEAD + (0 if bits == 4 else tables.TQ_CELLS * 4)
-    assert np.array_equal(t[off:off + tables.TQ_CELLS * 4].view(np.uint32), cells.reshape(-1).view(np.uint32))
+    cb, bt = (tables.TQ_CELLB4, tables.TQ_B4) if bits == 4 else (tables.TQ_CELLB3, tables.TQ_B3)
+    assert np.array_equal(t.view(np.uint8)[4 * cb:4 * cb + tables.TQ_CELLS], tables.turboquant_cells(bits))
+    assert np.array_equal(t[bt:bt + 2 ** bits], tables.turboquant_boundary_slots(bits))
 
 
 def test_turboquant_table_offsets_are_the_kernels() -> None:
-    """turboquant.cu reads the table at its #define offsets: they are the ones turboquant_tables lays out."""
+    """turboquant.cu reads the table at its #define offsets: they are the ones turboquant_tables lays out,
+    and the regions do not overlap."""
     import re
     from pathlib import Path
 
     src = (Path(tables.__file__).parent / "kernels" / "turboquant.cu").read_text()
-    defs = dict(re.findall(r"#define (TQ_\w+) (\d+)", src))
-    assert {k: int(v) for k, v in defs.items()} == {"TQ_C4": tables.TQ_C4, "TQ_C3": tables.TQ_C3,
-                                                    "TQ_CELLS4": tables.TQ_HEAD}
-    assert "#define TQ_CELLS3 (TQ_CELLS4 + 512)" in src and 512 == tables.TQ_CELLS * 4
+    defs = {k: int(v) for k, v in re.findall(r"#define (TQ_\w+) (\d+)", src)}
+    names = ("TQ_C4", "TQ_C3", "TQ_B4", "TQ_B3", "TQ_CELLB4", "TQ_CELLB3")
+    assert defs == {**{n: getattr(tables, n) for n in names}, "TQ_TAB": tables.TQ_TABLE_SIZE}
+    sizes = {"TQ_C4": 16, "TQ_C3": 8, "TQ_B4": 16, "TQ_B3": 8, "TQ_CELLB4": -(-tables.TQ_CELLS // 4),
+             "TQ_CELLB3": -(-tables.TQ_CELLS // 4)}
+    spans = sorted((defs[n], defs[n] + sizes[n]) for n in names)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= tables.TQ_TABLE_SIZE
     t = tables.turboquant_tables()
     from orbitkv_fs.codecs.turboquant import lloyd_max_centroids
 
     assert np.array_equal(t[tables.TQ_C4:tables.TQ_C4 + 16], lloyd_max_centroids(4).astype(np.float32))
     assert np.array_equal(t[tables.TQ_C3:tables.TQ_C3 + 8], lloyd_max_centroids(3).astype(np.float32))
-    assert tables.TQ_HEAD % 4 == 0 and tables.TQ_HEAD >= tables.TQ_C3 + 8
 
 
 def test_turboquant_cells_refuse_two_boundaries_in_a_cell(monkeypatch) -> None:
