@@ -142,7 +142,8 @@ def _reply(q, proc, timeout: float = 300.0):
 
 
 def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous",
-                         layers: int = LAYERS, segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
+                         layers: int = LAYERS, segment_sizes: Sequence[int] = SEGMENT_SIZES,
+                         codec_budget: int = 64 << 20) -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -173,7 +174,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)",
-                           segment_sizes=segment_sizes)
+                           segment_sizes=segment_sizes, codec_budget=codec_budget)
     finally:
         cmd.put("stop")
         proc.join(30)
@@ -181,12 +182,12 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
                 baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
-                segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
+                segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20) -> dict:
     layers = reg.num_layers
     out: dict = {"geometry": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
                               "logical_bytes_per_run": num_blocks * BLOCK_BYTES * layers * 2,
-                              "block_order": block_order},
+                              "block_order": block_order, "storage_codec_budget": codec_budget},
                  "pages": pages, "baseline": baseline_name, "runs": []}
     # Engines hand out blocks from a free list: after a while a chunk's blocks are anywhere. "shuffled"
     # gives every chunk random block ids (the gather/scatter path); "contiguous" consecutive ones.
@@ -195,7 +196,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
         np.random.default_rng(1).shuffle(order)
     for codec in codecs:
         with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * layers * 2 + (64 << 20),
-                                   storage_codec=codec, device=device)) as m:
+                                   storage_codec=codec, storage_codec_budget=codec_budget, device=device)) as m:
             e = m.register_engine(reg)
             for seg in segment_sizes:
                 per = seg // BLOCK_BYTES
@@ -408,7 +409,8 @@ def _markdown(res: dict, command: str) -> str:
                   f"Engine pages: {t['pages']}; {g['layers']} layers, {g['kv_heads']} KV heads x {g['head_dim']} x "
                   f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role; {g.get('block_order', 'contiguous')} "
                   f"block ids per chunk); {g['logical_bytes_per_run'] >> 20} "
-                  "MiB per figure, best of the repeats. TurboQuant keeps the first and last two layers exact "
+                  f"MiB per figure, best of the repeats; codec workspace (--storage-codec-budget) "
+                  f"{g.get('storage_codec_budget', 64 << 20) >> 20} MiB. TurboQuant keeps the first and last two layers exact "
                   f"(policy), so {4 / g['layers']:.0%} of its segments are raw here. Baseline: {t['baseline']}, measured right "
                   "before each row, best of the same number of repeats. 'vs none' compares logical GB/s with "
                   "codec none at the same segment size.", "",
@@ -460,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="engine layers (TurboQuant keeps 4 exact: its share of raw segments is 4 / layers)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--storage-codec-budget-mib", type=int, default=64,
+                   help="the Manager's --storage-codec-budget in MiB (one batch takes half of it on a GPU)")
     p.add_argument("--latency-samples", type=int, default=3000)
     p.add_argument("--index-segments", type=int, default=1_000_000)
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
@@ -487,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) << 10 for x in args.segment_kib.split(",")]
         res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order, args.layers,
                                               sizes) if args.device == "cpu" else
-                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.layers, sizes))
+                             bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.layers, sizes,
+                                                  args.storage_codec_budget_mib << 20))
         if prof:
             prof.disable()
             os.makedirs(args.out, exist_ok=True)
