@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from orbitkv_fs.errors import CodecUnavailable
 from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the kernel's table rows)
 
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
@@ -121,6 +122,23 @@ class Kernels:
 
     def fn(self, name: str) -> cp.RawKernel:
         return self.functions[name]
+
+
+MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, and okv_tq_encode_k's shared memory beyond 64 KiB per block
+
+
+def check_device(props: "dict | None" = None) -> None:
+    """Raise :class:`CodecUnavailable` when the current GPU (or ``props``, its cudaDeviceProp fields) cannot
+    run the kernels: compute capability below 8.0, or less opt-in shared memory per block than the K
+    encode's two pass buffers per warp and its tables."""
+    if props is None:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    cc = (int(props["major"]), int(props["minor"]))
+    need = DYNAMIC_SMEM["okv_tq_encode_k"] + (8 << 10)
+    optin = int(props.get("sharedMemPerBlockOptin", need))
+    if cc < MIN_COMPUTE_CAPABILITY or optin < need:
+        raise CodecUnavailable(f"the GPU codec kernels need compute capability 8.0 and {need} bytes of shared memory "
+                               f"per block; this GPU has {cc[0]}.{cc[1]} and {optin}")
 
 
 def load_functions(mod: cp.RawModule, names: "tuple[str, ...]") -> dict[str, cp.RawKernel]:

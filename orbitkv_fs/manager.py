@@ -93,7 +93,7 @@ import msgspec
 import numpy as np
 
 from .codecs import CODEC_NAMES, LOSSY_CODECS, Codec, decode_payload, encode_segment, get_codec, raw_segment
-from .errors import CodecError, OrbitKVError, SegmentError, UnknownFormat
+from .errors import CodecError, CodecUnavailable, OrbitKVError, SegmentError, UnknownFormat
 from .geometry import (
     AttentionKind,
     CudaIpcHandle,
@@ -668,7 +668,7 @@ class Manager:
         if self._gpu:
             try:
                 self._gpu_codecs = _GpuCodecs(config.storage_codec_budget)
-            except ImportError as e:  # a GPU without the gpu extra: pinned arena, host codecs
+            except (ImportError, CodecUnavailable) as e:  # no gpu extra, or a GPU older than the kernels
                 log.warning("GPU present but the GPU codec engine is unavailable (%s); using host codecs", e)
         self.lower = lower_tier
         self.peers = peer_fetcher
@@ -2244,7 +2244,9 @@ class _GpuCodecs:
 
     def __init__(self, budget: int) -> None:
         from .gpu import EncodeItem, GpuCodecEngine
+        from .gpu.module import check_device
 
+        check_device()
         self._item = EncodeItem
         self._cls = GpuCodecEngine
         self._budget = budget

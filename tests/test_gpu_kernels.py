@@ -207,3 +207,17 @@ def test_turboquant_key_encode_any_alignment_and_length(head_dim: int, bits: int
         want = encode_key(x.astype(np.float32), bits, 5, 0)
         assert np.array_equal(got[64 + dst_off:64 + dst_off + nvec * rec], want.reshape(-1)), (nvec, src_off, dst_off)
         assert np.all(got[:64 + dst_off] == 0xA5) and np.all(got[64 + dst_off + nvec * rec:] == 0xA5)
+
+
+def test_check_device_accepts_this_gpu_and_refuses_older_ones() -> None:
+    """The kernels need compute capability 8.0 (cp.async) and the K encode's shared memory: an older GPU is a
+    clear CodecUnavailable (the Manager then uses the host codecs), not a failed launch at the first save."""
+    from orbitkv_fs.errors import CodecUnavailable
+
+    km.check_device()
+    props = dict(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id))
+    assert int(props["sharedMemPerBlockOptin"]) >= km.DYNAMIC_SMEM["okv_tq_encode_k"]
+    with pytest.raises(CodecUnavailable, match="compute capability"):
+        km.check_device({**props, "major": 7, "minor": 5})
+    with pytest.raises(CodecUnavailable, match="shared memory"):
+        km.check_device({**props, "sharedMemPerBlockOptin": 64 << 10})
