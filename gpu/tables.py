@@ -12,7 +12,8 @@
   kernels' shared-window addressing (OR-ed indexes, immediate offsets) at okv_load_braid's placement
   (:func:`braid_smem_layout`, :class:`BraidSmem`), so table layout and alignment are tested without a GPU.
 * :func:`turboquant_tables` -- the float32 Lloyd-Max centroids and boundaries of
-  :mod:`orbitkv_fs.codecs.turboquant`, in the layout of ``kernels/turboquant.cu``.
+  :mod:`orbitkv_fs.codecs.turboquant` and the K encode's bucketize cells (:func:`turboquant_cells`), in
+  the layout of ``kernels/turboquant.cu``; :func:`bucketize_by_cells` models that bucketize for tests.
 * :func:`sign_words` -- TurboQuant's versioned random signs of a layer as 8 uint32 bit masks.
 
 Invariant: the layout constants here (``PIECE``, ``CHUNK``, ``XP_OFFSET``, ``XC_OFFSET``, ``XC_COUNT``)
