@@ -31,14 +31,17 @@ from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the k
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
 
 SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu", "blocks.cu")
-OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false")
+# One of okv_tq_encode_k's two pass buffers per warp (OKV_TQ_KBUF): 64 elements a lane x 32 lanes x 2 bytes,
+# plus 16 bytes per row of padding.
+TQ_K_BUFFER = 64 * 64 + 512
+OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", f"-DOKV_TQ_KBUF={TQ_K_BUFFER}")
 KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode_k", "okv_tq_encode_v",
                 "okv_tq_decode",
                 "okv_ans_pack", "okv_copy_blocks")
 
-# Dynamic shared memory of a kernel, bytes: okv_tq_encode_k's two pass buffers per warp (OKV_TQ_KDYN:
-# 8 warps x 2 x OKV_TQ_KBUF, OKV_TQ_KBUF = 64 * 64 + 512), above the 48 KiB a kernel may hold statically.
-DYNAMIC_SMEM = {"okv_tq_encode_k": 8 * 2 * (64 * 64 + 512)}
+# Dynamic shared memory of a kernel, bytes: okv_tq_encode_k's two pass buffers per warp, above the 48 KiB
+# a kernel may hold statically.
+DYNAMIC_SMEM = {"okv_tq_encode_k": THREADS // 32 * 2 * TQ_K_BUFFER}
 
 ST_RANGE = 1
 ST_NONFINITE = 2
@@ -80,7 +83,7 @@ def build_module(code: str, options: tuple[str, ...]) -> cp.RawModule:
     from cupy.cuda import compiler
     from cupy_backends.cuda.libs import nvrtc
 
-    arch = "".join(map(str, cp.cuda.Device().compute_capability))
+    arch = str(cp.cuda.Device().compute_capability)
     key = "\0".join([code, *options, arch, repr(nvrtc.getVersion()), cp.__version__])
     path = os.path.join(_cache_dir(), hashlib.sha256(key.encode()).hexdigest() + ".bin")
     if not os.path.isfile(path):
@@ -168,6 +171,7 @@ def _resident_blocks(fn: cp.RawKernel, props: dict, dynamic: int = 0) -> int:
 @functools.cache
 def _kernels(device_id: int, arith: bool) -> Kernels:
     with cp.cuda.Device(device_id):
+        check_device()
         options = OPTIONS + (("-DOKV_FP8_ARITH",) if arith else ())
         mod = build_module(source(), options)
         functions = load_functions(mod, KERNEL_NAMES)

@@ -379,8 +379,7 @@ def turboquant_cells(bits: int) -> np.ndarray:
 
 def turboquant_boundary_slots(bits: int) -> np.ndarray:
     """float32[2^bits]: the boundaries in order, then +inf."""
-    bnd = lloyd_max_boundaries(bits).astype(np.float32)
-    return np.append(bnd, np.float32(np.inf)).astype(np.float32)
+    return np.append(lloyd_max_boundaries(bits).astype(np.float32), np.float32(np.inf))
 
 
 def bucketize_by_cells(q: np.ndarray, bits: int) -> np.ndarray:

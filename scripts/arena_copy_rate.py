@@ -1,39 +1,24 @@
-"""Copy rate between the GPU and a cudaHostRegister'ed /dev/shm mapping (as the Manager's DRAM arena) against
-cudaMallocHost memory: 512 MiB of cudaMemcpyAsync in 256 KiB .. 32 MiB chunks, back to back on one stream, each
-direction, with and without MADV_HUGEPAGE on the mapping. Needs a GPU and cupy; prints one line per case.
+"""Copy rate between the GPU and the Manager's DRAM arena (:class:`orbitkv_fs.tiers.dram.Arena`: a /dev/shm
+mapping that registers itself with cudaHostRegister) against cudaMallocHost memory: 512 MiB of cudaMemcpyAsync
+in 256 KiB .. 32 MiB chunks, back to back on one stream, each direction. Needs a GPU and cupy; prints one line
+per case.
 
     python scripts/arena_copy_rate.py
+
+(docs/results/2026-11-30-pipeline-gpu-3/arena_copy_rate.txt also has a MADV_HUGEPAGE mapping: the script of
+commit 31f3105 built its own mapping for that; it changed nothing and is not measured any more.)
 """
 
-import mmap
-import os
 import time
 
 import cupy as cp
 import numpy as np
 
+from orbitkv_fs.tiers.dram import Arena
+
 HOST_BYTES = 1 << 30
 COPY_BYTES = HOST_BYTES // 2
 CHUNKS = (256 << 10, 1 << 20, 4 << 20, 32 << 20)
-
-
-def registered_shm(hugepages: bool) -> "tuple[mmap.mmap, np.ndarray, float]":
-    """A /dev/shm mapping, faulted in and registered with CUDA; answers it, its array and the register time."""
-    path = f"/dev/shm/arena_copy_rate_{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, HOST_BYTES)
-        mm = mmap.mmap(fd, HOST_BYTES)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    if hugepages:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    a = np.frombuffer(mm, dtype=np.uint8)
-    a[::4096] = 1
-    t = time.perf_counter()
-    cp.cuda.runtime.hostRegister(a.ctypes.data, HOST_BYTES, 0)
-    return mm, a, time.perf_counter() - t
 
 
 def copy_rate(dev: cp.ndarray, host_ptr: int, chunk: int, d2h: bool, stream: cp.cuda.Stream) -> float:
@@ -57,21 +42,19 @@ def main() -> None:
     dev = cp.full(COPY_BYTES, 7, dtype=np.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
     pinned = cp.cuda.alloc_pinned_memory(HOST_BYTES)
-    keep = []
-    cases = [("cudaMallocHost", pinned.ptr, 0.0)]
-    for hp in (False, True):
-        mm, a, reg = registered_shm(hp)
-        keep.append((mm, a))
-        cases.append((f"shm register{' +MADV_HUGEPAGE' if hp else ''}", a.ctypes.data, reg))
-    for name, ptr, reg in cases:
-        for chunk in CHUNKS:
-            print(f"{name:28s} register {reg:5.2f} s  chunk {chunk >> 10:6d} KiB  "
-                  f"D2H {copy_rate(dev, ptr, chunk, True, stream):5.1f} GB/s  "
-                  f"H2D {copy_rate(dev, ptr, chunk, False, stream):5.1f} GB/s", flush=True)
-    for _, a in keep:
-        cp.cuda.runtime.hostUnregister(a.ctypes.data)
-    with open("/proc/meminfo") as f:
-        print("".join(line for line in f if "Huge" in line), end="")
+    t = time.perf_counter()
+    arena = Arena(HOST_BYTES)
+    setup = time.perf_counter() - t
+    if not arena.pinned:
+        raise SystemExit("the arena could not be registered with CUDA")
+    try:
+        for name, ptr, secs in (("cudaMallocHost", pinned.ptr, 0.0), ("Manager arena", arena.base_address, setup)):
+            for chunk in CHUNKS:
+                print(f"{name:16s} setup {secs:5.2f} s  chunk {chunk >> 10:6d} KiB  "
+                      f"D2H {copy_rate(dev, ptr, chunk, True, stream):5.1f} GB/s  "
+                      f"H2D {copy_rate(dev, ptr, chunk, False, stream):5.1f} GB/s", flush=True)
+    finally:
+        arena.close()
 
 
 if __name__ == "__main__":

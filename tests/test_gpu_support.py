@@ -171,7 +171,7 @@ def test_ans_keep_capacity_is_the_keep_boundary(n: int) -> None:
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_turboquant_cell_bucketize_equals_host(bits: int) -> None:
-    """The kernels' one-load bucketize (a cell table) counts the boundaries below q exactly as the host,
+    """The kernels' cell bucketize (cell byte, boundary slot, centroid) counts the boundaries below q exactly as the host,
     at the boundaries themselves, at the cells' edges, one ulp either side of both, where the cell index
     saturates, far outside the table and at +-0."""
     from orbitkv_fs.codecs.turboquant import lloyd_max_boundaries
@@ -212,7 +212,7 @@ def test_turboquant_table_offsets_are_the_kernels() -> None:
 
 
 def test_turboquant_cells_refuse_two_boundaries_in_a_cell(monkeypatch) -> None:
-    """A codebook whose boundaries are closer than a widened cell cannot use the one-load bucketize."""
+    """A codebook whose boundaries are closer than a widened cell cannot use the cell bucketize."""
     close = np.float32([-0.5, -0.49, 0.0, 0.5])
     monkeypatch.setattr(tables, "lloyd_max_boundaries", lambda bits: close)
     with pytest.raises(ValueError, match="boundaries"):

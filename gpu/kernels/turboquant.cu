@@ -235,16 +235,15 @@ __device__ __forceinline__ u32 okv_tq_encode_value_unit(const Seg& s, u32 unit, 
   return flags;
 }
 
-#ifndef OKV_TQ_KE
+// Elements of a vector one lane of the K encode holds (one lane per vector up to head dim 64).
 #define OKV_TQ_KE 64
+// Bytes of one K encode buffer of a warp -- a pass's rows (32/G rows of 2D + 16 bytes: the 16 keep
+// LDS.128 free of bank conflicts), its records, or 128 bytes a lane for the slow division -- given by
+// module.py (TQ_K_BUFFER), which also sizes the launch's dynamic shared memory from it.
+#ifndef OKV_TQ_KBUF
+#error "OKV_TQ_KBUF: build through orbitkv_fs.gpu.module, which defines it"
 #endif
-// Bytes of one K encode buffer of a warp: a pass's rows (32/G rows of 2D + 16 bytes: the 16 keep LDS.128
-// free of bank conflicts), its records, or 128 bytes a lane for the slow division. module.py: TQ_K_DYNAMIC_SMEM.
-#define OKV_TQ_KBUF (64 * OKV_TQ_KE + 512 > 4096 ? 64 * OKV_TQ_KE + 512 : 4096)
-#define OKV_TQ_KDYN (OKV_THREADS / 32 * 2 * OKV_TQ_KBUF)
-#ifndef OKV_TQ_ENC_BLOCKS
-#define OKV_TQ_ENC_BLOCKS 2
-#endif
+static_assert(OKV_TQ_KBUF >= 64 * OKV_TQ_KE + 512 && OKV_TQ_KBUF >= 4096, "OKV_TQ_KBUF too small");
 
 // Leaves of the host's halving tree over E in-lane elements (first level k + E/2, ...) are visited in
 // bit-reversed order k = okv_brev<E>(t), each merged as soon as its sibling subtree is complete (stack
@@ -300,11 +299,8 @@ __device__ __forceinline__ float okv_group_sum(float v) {
 // bytes) before okv_tq_k_pass computes this one, so the loads' latency hides behind the arithmetic
 // (ncu: half the stall cycles were loads waited for). The records leave through the same buffer
 // (coalesced 16-byte stores). Only warp barriers.
-#if __CUDA_ARCH__ >= 800
+// cp.async needs compute capability 8.0, which module.check_device requires.
 #define okv_cp_async(INSN) asm volatile(INSN ::: "memory")
-#else  // no cp.async: okv_tq_k_issue copies with plain loads
-#define okv_cp_async(INSN)
-#endif
 __device__ __forceinline__ int okv_tq_k_e(int d) { return d < OKV_TQ_KE ? d : OKV_TQ_KE; }
 __device__ __forceinline__ int okv_tq_k_passes(int d) { return 64 / okv_tq_k_e(d); }  // per warp per unit
 
@@ -323,16 +319,12 @@ __device__ __forceinline__ void okv_tq_k_issue(const Seg& s, u32 unit, int p, u3
   const u32 nbytes = vp >= nv ? 0u : (u32)min((u64)(64 * e), (nv - vp) * (u64)(2 * d));
   const u8* const src = reinterpret_cast<const u8*>(s.src) + vp * (u64)(2 * d);
   const bool aligned = (s.src & 15u) == 0;
-  (void)aligned;
   for (u32 b = 16u * (threadIdx.x & 31u); b < (u32)(64 * e); b += 512u) {
     const u32 at = buf + (b >> lg) * (u32)(2 * d + 16) + (b & (2u * d - 1u));
-#if __CUDA_ARCH__ >= 800
     if (aligned) {
       const u32 take = b < nbytes ? 16u : 0u;  // 0: zero-fill
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(at), "l"(src + (take ? b : 0u)), "r"(take));
-    } else
-#endif
-    {
+    } else {
       u32 x[4] = {0u, 0u, 0u, 0u};
       if (b < nbytes) {
         const u16* h = reinterpret_cast<const u16*>(src + b);
@@ -353,7 +345,7 @@ __device__ __forceinline__ u32 okv_tq_k_pass(const Seg& s, u32 unit, int p, cons
   constexpr int E = D < OKV_TQ_KE ? D : OKV_TQ_KE, G = D / E, VPW = 32 / G;
   constexpr int ROW = 2 * D + 16, NW = D / 8, WORDS = E / 8;  // groups of 8 codes: all, a lane's to write
   constexpr u32 REC = 2 + D * BITS / 8;
-  static_assert(E >= 32 && G <= 4, "K encode: 32 or 64 elements per lane, at most 4 lanes per vector");
+  static_assert(G <= 4, "K encode: at most 4 lanes per vector");
   const int lane = threadIdx.x & 31, g = lane & (G - 1);
   const u64 nv = s.n / (u64)(2 * D), vp = okv_tq_k_first(unit, p, D);
   if (vp >= nv) return 0u;
@@ -625,7 +617,7 @@ __device__ __forceinline__ void okv_tq_decode_unit(const Seg& s, u32 unit, const
   }
 
 // The encodes of K and of V are separate kernels: the K encode holds 64 elements a lane (128 registers,
-// OKV_TQ_ENC_BLOCKS blocks per multiprocessor), the V encode 8 (4 blocks). A descriptor's role picks
+// 2 blocks per multiprocessor), the V encode 8 (4 blocks). A descriptor's role picks
 // the kernel on the host; these read only head_dim, bits and dtype.
 #define OKV_TQ_DISPATCH3(CALL)                                                     \
   {                                                                                \
@@ -644,10 +636,10 @@ __device__ __forceinline__ void okv_tq_decode_unit(const Seg& s, u32 unit, const
     if (f16) CALL(D, 3, true) else CALL(D, 3, false)                               \
   }
 
-extern "C" __global__ void __launch_bounds__(OKV_THREADS, OKV_TQ_ENC_BLOCKS)
+extern "C" __global__ void __launch_bounds__(OKV_THREADS, 2)
 okv_tq_encode_k(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restrict__ meta,
                 const float* __restrict__ tq) {
-  extern __shared__ __align__(16) u8 okv_dyn[];  // OKV_TQ_KDYN: two buffers of OKV_TQ_KBUF bytes a warp
+  extern __shared__ __align__(16) u8 okv_dyn[];  // two buffers of OKV_TQ_KBUF bytes a warp
   __shared__ __align__(16) float sq[TQ_TAB];
   __shared__ __align__(16) u32 negs[OKV_THREADS / 32][128];
   __shared__ u32 cbase[2];
