@@ -20,12 +20,15 @@ hundreds.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from orbitkv_fs.errors import LengthMismatch, UnknownFormat
 from orbitkv_fs.segment import ALIGNMENT, HEADER_SIZE, MIN_SAVING_DEN, MIN_SAVING_NUM, aligned
 
 CHUNK_BYTES = 65536
+_TABLE_HEAD = struct.Struct("<II")  # chunk bytes, chunk count
 
 
 def _al8(n: "int | np.ndarray") -> "int | np.ndarray":
@@ -72,19 +75,19 @@ def parse_table(head: "bytes | memoryview", payload_length: int, original_length
     mv = memoryview(head).cast("B")
     if payload_length < 8 or len(mv) < 8:
         raise LengthMismatch(f"ans payload of {payload_length} bytes has no chunk table")
-    chunk, n = np.frombuffer(mv[:8], dtype="<u4")
-    if int(chunk) != CHUNK_BYTES:
-        raise UnknownFormat(f"ans chunk size {int(chunk)} (this build reads {CHUNK_BYTES})")
-    if int(n) != chunk_count(original_length) or n == 0:
-        raise LengthMismatch(f"ans payload has {int(n)} chunks; {original_length} bytes need {chunk_count(original_length)}")
-    start = data_start(int(n))
-    if payload_length < start or len(mv) < 8 + 4 * int(n):
+    chunk, n = _TABLE_HEAD.unpack_from(mv)
+    if chunk != CHUNK_BYTES:
+        raise UnknownFormat(f"ans chunk size {chunk} (this build reads {CHUNK_BYTES})")
+    if n != chunk_count(original_length) or n == 0:
+        raise LengthMismatch(f"ans payload has {n} chunks; {original_length} bytes need {chunk_count(original_length)}")
+    start = data_start(n)
+    if payload_length < start or len(mv) < 8 + 4 * n:
         raise LengthMismatch("ans chunk table is truncated")
-    sizes = np.frombuffer(mv[8:8 + 4 * int(n)], dtype="<u4").astype(np.int64)
-    if np.any(sizes == 0):
+    sizes = np.frombuffer(mv[8:8 + 4 * n], dtype="<u4").astype(np.int64)
+    if not sizes.all():
         raise LengthMismatch("ans chunk of zero bytes")
     padded = _al8(sizes)
-    offsets = start + np.concatenate([[0], np.cumsum(padded)[:-1]])
-    if start + int(padded.sum()) != payload_length:
-        raise LengthMismatch(f"ans chunks end at {start + int(padded.sum())}, payload has {payload_length} bytes")
-    return offsets, sizes
+    ends = padded.cumsum()
+    if start + int(ends[-1]) != payload_length:
+        raise LengthMismatch(f"ans chunks end at {start + int(ends[-1])}, payload has {payload_length} bytes")
+    return ends - padded + start, sizes

@@ -6,7 +6,8 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   CUDA stream, workspace and two pinned staging buffers, so saves and restores never wait on each other.
 * Two batches in flight per worker: :meth:`GpuCodecEngine.encode_submit` / ``decode_submit`` queue a
   batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
-  and return; ``encode_collect`` / ``decode_collect`` wait for it and run its host part (headers,
+  and return; a batch takes at most half of the workspace (a segment that needs more runs alone), so
+  that the next one fits beside it instead of waiting for it; ``encode_collect`` / ``decode_collect`` wait for it and run its host part (headers,
   verdicts). ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that submits its next
   batch before collecting the previous one overlaps its host work with the GPU's and the copies.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
@@ -285,6 +286,30 @@ class _Layout:
         return off
 
 
+class _Fill(NamedTuple):
+    """Running totals of a batch being filled, so that each segment's fit check is O(1) rather than a
+    re-sum of the batch so far: segments, bytes (slots on encode, staging on decode), and the ANS
+    segments' chunks, source (encode) or decoded (decode) bytes and nvCOMP data types."""
+
+    k: int = 0
+    bytes: int = 0
+    ans: int = 0
+    chunks: int = 0
+    ans_bytes: int = 0
+    types: frozenset = frozenset()
+
+    def plus(self, nbytes: int, chunks: int = 0, ans_bytes: int = 0, ans_type: "AnsType | None" = None) -> "_Fill":
+        """These totals with one more segment (an ANS one when ``ans_type`` is given)."""
+        if ans_type is None:
+            return self._replace(k=self.k + 1, bytes=self.bytes + nbytes)
+        return _Fill(self.k + 1, self.bytes + nbytes, self.ans + 1, self.chunks + chunks, self.ans_bytes + ans_bytes,
+                     self.types | {AnsType(ans_type)})
+
+    def add(self, other: "_Fill") -> "_Fill":
+        return _Fill(self.k + other.k, self.bytes + other.bytes, self.ans + other.ans, self.chunks + other.chunks,
+                     self.ans_bytes + other.ans_bytes, self.types | other.types)
+
+
 @dataclass(eq=False)
 class _Flight:
     """A batch launched on a worker's stream and not yet finished: its workspace extent, the upload
@@ -416,6 +441,11 @@ class Worker:
             self.finish_all()
             self.ws.release()
             self.tables_dev = None
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """For consecutive runs of ``counts`` items: each item's index within its run (0, 1, .., 0, 1, ..)."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _descs(rows: list[dict]) -> np.ndarray:
@@ -592,22 +622,20 @@ class GpuCodecEngine:
         off["temp"] = lay.take(temp)
         return off, lay.end
 
-    def _ans_temp(self, plans: Sequence[_Enc]) -> int:
-        ans = [p for p in plans if p.kind == "ans"]
-        if not ans:
+    def _ans_temp(self, fill: "_Fill") -> int:
+        """nvCOMP's compression temp bytes for a batch's ANS segments (the largest over their data types)."""
+        if not fill.ans:
             return 0
         nv = self.nvcomp()
-        return max(nv.compress_temp_bytes(sum(p.nch for p in ans), ans_format.CHUNK_BYTES, sum(p.n for p in ans), t)
-                   for t in {p.ans_type for p in ans})
+        return max(nv.compress_temp_bytes(fill.chunks, ans_format.CHUNK_BYTES, fill.ans_bytes, t) for t in fill.types)
 
-    def _enc_estimate(self, k: int, slots: int, ans: Sequence[_Enc], align: int) -> int:
-        """Upper bound of :meth:`_enc_layout` 's total for k items whose slots sum to ``slots``."""
-        na = len(ans)
-        chunks = sum(p.nch for p in ans)
+    def _enc_estimate(self, fill: "_Fill", align: int) -> int:
+        """Upper bound of :meth:`_enc_layout` 's total for a batch of these totals (``fill.bytes``: slots)."""
+        k, na, chunks = fill.k, fill.ans, fill.chunks
         fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
         fixed += align - SLOT_ALIGN  # the region starts at a slot boundary
-        tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if ans else 0
-        return fixed + slots + tmp + self._ans_temp(ans)
+        tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if na else 0
+        return fixed + fill.bytes + tmp + self._ans_temp(fill)
 
     def encode_batch(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
                      slot_align: int = SLOT_ALIGN,
@@ -647,23 +675,21 @@ class GpuCodecEngine:
             w.wait_for_current()
             try:
                 gpu: list[_Enc] = []
-                ans: list[_Enc] = []
-                slots = 0
+                fill = _Fill()
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
-                    pa = [p] if p.kind == "ans" else []
-                    if p.kind == "host" or self._enc_estimate(1, slot, pa, slot_align) > self.budget_bytes:
+                    one = _Fill().plus(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else _Fill().plus(slot)
+                    if p.kind == "host" or self._enc_estimate(one, slot_align) > self.budget_bytes:
                         if p.kind != "host":
                             w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
                         job.out[p.i] = self._host_encode(p)
                         continue
-                    if (len(gpu) == MAX_BATCH
-                            or self._enc_estimate(len(gpu) + 1, slots + slot, ans + pa, slot_align) > self.budget_bytes):
+                    more = fill.add(one)
+                    if len(gpu) == MAX_BATCH or self._enc_estimate(more, slot_align) > self.budget_bytes // 2:
                         job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
-                        gpu, ans, slots = [], [], 0
+                        gpu, more = [], one
                     gpu.append(p)
-                    ans += pa
-                    slots += slot
+                    fill = more
                 if gpu:
                     job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
@@ -706,7 +732,10 @@ class GpuCodecEngine:
         for p in ans:
             p.chunk0 = chunk
             chunk += p.nch
-        temp = self._ans_temp(plans)
+        fill = _Fill()
+        for p in ans:
+            fill = fill.add(_Fill().plus(0, p.nch, p.n, p.ans_type))
+        temp = self._ans_temp(fill)
         off, total = self._enc_layout(plans, temp, align)
         base, upload = w.place(total)
         region = base + off["meta"]
@@ -774,12 +803,14 @@ class GpuCodecEngine:
                 groups.append((name, first, blocks))
         descs = _descs(rows_out)
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
-        if ans:
+        if ans:  # per chunk: source address, source bytes, output buffer (whole-batch numpy passes)
             a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
             cb = ans_format.CHUNK_BYTES
-            a[0] = np.concatenate([p.ptr + cb * np.arange(p.nch, dtype=np.uint64) for p in ans])
-            a[1] = np.concatenate([np.minimum(cb, p.n - cb * np.arange(p.nch, dtype=np.int64)) for p in ans])
-            a[2] = np.concatenate([base + p.tmp + chunk_cap * np.arange(p.nch, dtype=np.uint64) for p in ans])
+            nch = np.array([p.nch for p in ans], dtype=np.int64)
+            at = _within(nch)
+            a[0] = np.repeat(np.array([p.ptr for p in ans], dtype=np.int64), nch) + cb * at
+            a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
+            a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
         rows = {name: (first, count) for name, first, count in groups}
         counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode_k": len(tqk), "okv_tq_encode_v": len(tqv),
@@ -1001,28 +1032,35 @@ class GpuCodecEngine:
         upload = lay.end
         for p in ans:
             p.scratch = lay.take(p.h.original_length)
-        temp = self._dec_temp(ans)
+        fill = _Fill()
+        for p in ans:
+            fill = fill.add(self._dec_fill(p))
+        temp = self._dec_temp(fill)
         off["temp"] = lay.take(temp)
         off["temp_bytes"] = temp
         return off, upload, lay.end
 
-    def _dec_temp(self, ans: Sequence[_Dec]) -> int:
-        if not ans:
+    def _dec_temp(self, fill: _Fill) -> int:
+        """nvCOMP's decompression temp bytes for a batch's ANS segments (the largest over their data types)."""
+        if not fill.ans:
             return 0
         nv = self.nvcomp()
-        return max(nv.decompress_temp_bytes(sum(int(p.sizes.size) for p in ans), ans_format.CHUNK_BYTES,
-                                            sum(p.h.original_length for p in ans), t)
-                   for t in {p.h.ans_type for p in ans})
+        return max(nv.decompress_temp_bytes(fill.chunks, ans_format.CHUNK_BYTES, fill.ans_bytes, t) for t in fill.types)
 
-    def _dec_estimate(self, k: int, staged: int, ans: Sequence[_Dec]) -> int:
-        """Upper bound of :meth:`_dec_layout` 's total for k segments staging ``staged`` bytes."""
-        chunks = sum(int(p.sizes.size) for p in ans)
-        fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(44 * max(chunks, 1)) + 4 * 256
-        return fixed + staged + self._dec_temp(ans)
+    def _dec_estimate(self, fill: _Fill) -> int:
+        """Upper bound of :meth:`_dec_layout` 's total for a batch of these totals (``fill.bytes``: staging)."""
+        k = fill.k
+        fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(44 * max(fill.chunks, 1)) + 4 * 256
+        return fixed + fill.bytes + self._dec_temp(fill)
 
     @staticmethod
-    def _dec_staged(p: _Dec) -> int:
-        return _up(p.h.stored_length) + _MIRROR_GAP + (_up(p.h.original_length) if p.kind == "ans" else 0)
+    def _dec_fill(p: _Dec) -> _Fill:
+        """A batch of the one segment ``p``: its staging (payload, mirror gap, ANS scratch) and ANS chunks."""
+        staged = _up(p.h.stored_length) + _MIRROR_GAP
+        if p.kind != "ans":
+            return _Fill(1, staged)
+        return _Fill(1, staged + _up(p.h.original_length), 1, int(p.sizes.size), p.h.original_length,
+                     frozenset((p.h.ans_type,)))
 
     def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any], *,
                      pinned: "Sequence[bool] | None" = None) -> "list[OrbitKVError | None]":
@@ -1059,25 +1097,23 @@ class GpuCodecEngine:
             w.wait_for_current()
             try:
                 gpu: list[_Dec] = []
-                ans: list[_Dec] = []
-                staged = 0
+                fill = _Fill()
                 heads = self._device_heads(segments)
                 for i, (seg, dst) in enumerate(zip(segments, destinations)):
                     p = self._dec_plan(i, seg, dst, heads.get(i), headers[i] if headers is not None else None)
                     if isinstance(p, OrbitKVError):
                         results[i] = p
                         continue
-                    st = self._dec_staged(p)
-                    pa = [p] if p.kind == "ans" else []
-                    if self._dec_estimate(1, st, pa) > self.budget_bytes:
+                    one = self._dec_fill(p)
+                    if self._dec_estimate(one) > self.budget_bytes:
                         results[i] = self._host_decode(p)
                         continue
-                    if len(gpu) == MAX_BATCH or self._dec_estimate(len(gpu) + 1, staged + st, ans + pa) > self.budget_bytes:
+                    more = fill.add(one)
+                    if len(gpu) == MAX_BATCH or self._dec_estimate(more) > self.budget_bytes // 2:
                         job.flights.append(self._run_decode(gpu, results, pinned))
-                        gpu, ans, staged = [], [], 0
+                        gpu, more = [], one
                     gpu.append(p)
-                    ans += pa
-                    staged += st
+                    fill = more
                 if gpu:
                     job.flights.append(self._run_decode(gpu, results, pinned))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
@@ -1185,13 +1221,15 @@ class GpuCodecEngine:
             firsts[name] = (first, len(plist), block)
         descs = _descs(rows_out)
         up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
-        if ans:
+        if ans:  # per chunk: payload address, compressed bytes, decoded bytes, scratch address
             cb = ans_format.CHUNK_BYTES
             a = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
-            a[0] = np.concatenate([src(p) + p.offsets.astype(np.uint64) for p in ans])
+            nch = np.array([p.sizes.size for p in ans], dtype=np.int64)
+            at = _within(nch)
+            a[0] = np.repeat(np.array([src(p) for p in ans], dtype=np.int64), nch) + np.concatenate([p.offsets for p in ans])
             a[1] = np.concatenate([p.sizes for p in ans])
-            a[2] = np.concatenate([np.minimum(cb, p.h.original_length - cb * np.arange(p.sizes.size)) for p in ans])
-            a[3] = np.concatenate([base + p.scratch + cb * np.arange(p.sizes.size, dtype=np.uint64) for p in ans])
+            a[2] = np.minimum(cb, np.repeat(np.array([p.h.original_length for p in ans], dtype=np.int64), nch) - cb * at)
+            a[3] = np.repeat(np.array([base + p.scratch for p in ans], dtype=np.int64), nch) + cb * at
         if direct:  # descriptors, then the payloads from where they lie (the rest through the upload buffer)
             w.h2d(base, up[:off["down_end"]])
             run: "tuple[int, int, int] | None" = None  # (staged offset, host address, bytes) of pinned payloads
@@ -1249,15 +1287,20 @@ class GpuCodecEngine:
         a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
         actual = host[a_off:a_off + 8 * chunks].view("<u8")
         status = host[s_off:s_off + 4 * chunks].view("<i4")
+        ok = (meta["acc"] == expect).tolist()
+        if chunks:  # per ANS segment (in chunk order): decompressed bytes, and whether any chunk failed
+            firsts = [p.chunk0 for p in plans if p.kind == "ans"]
+            firsts.sort()
+            sums = dict(zip(firsts, np.add.reduceat(actual, firsts).tolist()))
+            fails = dict(zip(firsts, np.logical_or.reduceat(status != 0, firsts).tolist()))
         for p in plans:
-            if int(meta[p.meta]["acc"]) != int(expect[p.meta]):
+            if not ok[p.meta]:
                 results[p.i] = PayloadChecksumMismatch(f"segment {p.i}: payload CRC32C mismatch")
             elif p.kind == "ans":
-                sl = slice(p.chunk0, p.chunk0 + int(p.sizes.size))
-                bad = np.flatnonzero(status[sl])
-                got = int(actual[sl].sum())
-                if bad.size:
-                    st = int(status[sl][bad[0]])
+                got = sums[p.chunk0]
+                if fails[p.chunk0]:
+                    sl = status[p.chunk0:p.chunk0 + int(p.sizes.size)]
+                    st = int(sl[np.flatnonzero(sl)[0]])
                     results[p.i] = SegmentError(f"segment {p.i}: nvCOMP ANS decompression failed "
                                                 f"({self.nvcomp().status_name(st)})")
                 elif got != p.h.original_length:

@@ -140,9 +140,7 @@ def zero_crc(n: "int | np.ndarray") -> np.ndarray:
     length: a batch holds few distinct lengths, and the 32-step carry-less multiply costs ~150 us per
     call however few elements it has."""
     n = np.asarray(n, dtype=np.int64)
-    uniq, inv = np.unique(n, return_inverse=True)
-    vals = np.array([_zero_crc_of(int(u)) for u in uniq], dtype=np.uint32)
-    return vals[inv].reshape(n.shape)
+    return np.fromiter(map(_zero_crc_of, n.ravel().tolist()), dtype=np.uint32, count=n.size).reshape(n.shape)
 
 
 def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:

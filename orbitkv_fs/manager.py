@@ -1175,11 +1175,14 @@ class Manager:
                 if item[1].codec is None and raw_on_host:
                     self._save_raw(eng, item, acc)
                     continue
-                batch.append(item)
-                batch_bytes += len(item[0].blocks) * item[1].block_bytes
-                if len(batch) >= self._config.batch_segments or batch_bytes >= budget:
+                n = len(item[0].blocks) * item[1].block_bytes
+                # A batch closes before it would pass the budget: two of them must fit side by side in the
+                # GPU engine's workspace, or the next one waits for the previous one's copies to end.
+                if batch and (len(batch) >= self._config.batch_segments or batch_bytes + n > budget):
                     batches.append(batch)
                     batch, batch_bytes = [], 0
+                batch.append(item)
+                batch_bytes += n
             if batch:
                 batches.append(batch)
             self._save_batches(eng, batches, acc)
@@ -2266,7 +2269,6 @@ class _GpuCodecs:
         return self._item(array, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, dtype=seg.dtype,
                           raw_reason=seg.raw_reason)
 
-
     def decode_device(self, segments: list, destinations: list, seed: int) -> list:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
         return self.engine(seed).decode_batch(segments, destinations)
@@ -2426,7 +2428,12 @@ def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) 
     table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
     if not total:
         return table
-    ids = np.fromiter(itertools.chain.from_iterable(b for _, b, _ in items), dtype=np.uint64, count=total)
+    # All (layer, role) segments of a chunk share its block list: each list is converted once.
+    arrays: dict[int, np.ndarray] = {}
+    for _, b, _ in items:
+        if id(b) not in arrays:
+            arrays[id(b)] = np.array(b, dtype=np.uint64)
+    ids = np.concatenate([arrays[id(b)] for _, b, _ in items])
     # per item: block 0, block stride, rows, row bytes, row stride (seg.copy), block bytes, buffer address
     geo = np.repeat(np.array([seg.copy + (seg.block_bytes, addr) for seg, _, addr in items], dtype=np.uint64),
                     counts, axis=0)
