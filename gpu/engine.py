@@ -7,8 +7,8 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
 * Two batches in flight per worker: :meth:`GpuCodecEngine.encode_submit` / ``decode_submit`` queue a
   batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
   and return; a batch takes at most half of the workspace (a segment that needs more runs alone), so
-  that the next one fits beside it instead of waiting for it; ``encode_collect`` / ``decode_collect`` wait for it and run its host part (headers,
-  verdicts). ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that submits its next
+  that the next one fits beside it instead of waiting for it. ``encode_collect`` / ``decode_collect``
+  wait for a batch and run its host part (headers, verdicts). ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that submits its next
   batch before collecting the previous one overlaps its host work with the GPU's and the copies.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
@@ -298,12 +298,12 @@ class _Fill(NamedTuple):
     ans_bytes: int = 0
     types: frozenset = frozenset()
 
-    def plus(self, nbytes: int, chunks: int = 0, ans_bytes: int = 0, ans_type: "AnsType | None" = None) -> "_Fill":
-        """These totals with one more segment (an ANS one when ``ans_type`` is given)."""
+    @classmethod
+    def of(cls, nbytes: int, chunks: int = 0, ans_bytes: int = 0, ans_type: "AnsType | None" = None) -> "_Fill":
+        """The totals of one segment (an ANS one when ``ans_type`` is given)."""
         if ans_type is None:
-            return self._replace(k=self.k + 1, bytes=self.bytes + nbytes)
-        return _Fill(self.k + 1, self.bytes + nbytes, self.ans + 1, self.chunks + chunks, self.ans_bytes + ans_bytes,
-                     self.types | {AnsType(ans_type)})
+            return cls(1, nbytes)
+        return cls(1, nbytes, 1, chunks, ans_bytes, frozenset((AnsType(ans_type),)))
 
     def add(self, other: "_Fill") -> "_Fill":
         return _Fill(self.k + other.k, self.bytes + other.bytes, self.ans + other.ans, self.chunks + other.chunks,
@@ -678,7 +678,7 @@ class GpuCodecEngine:
                 fill = _Fill()
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
-                    one = _Fill().plus(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else _Fill().plus(slot)
+                    one = _Fill.of(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else _Fill.of(slot)
                     if p.kind == "host" or self._enc_estimate(one, slot_align) > self.budget_bytes:
                         if p.kind != "host":
                             w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
@@ -734,7 +734,7 @@ class GpuCodecEngine:
             chunk += p.nch
         fill = _Fill()
         for p in ans:
-            fill = fill.add(_Fill().plus(0, p.nch, p.n, p.ans_type))
+            fill = fill.add(_Fill.of(0, p.nch, p.n, p.ans_type))
         temp = self._ans_temp(fill)
         off, total = self._enc_layout(plans, temp, align)
         base, upload = w.place(total)
@@ -1058,9 +1058,8 @@ class GpuCodecEngine:
         """A batch of the one segment ``p``: its staging (payload, mirror gap, ANS scratch) and ANS chunks."""
         staged = _up(p.h.stored_length) + _MIRROR_GAP
         if p.kind != "ans":
-            return _Fill(1, staged)
-        return _Fill(1, staged + _up(p.h.original_length), 1, int(p.sizes.size), p.h.original_length,
-                     frozenset((p.h.ans_type,)))
+            return _Fill.of(staged)
+        return _Fill.of(staged + _up(p.h.original_length), int(p.sizes.size), p.h.original_length, p.h.ans_type)
 
     def decode_batch(self, segments: Sequence[Any], destinations: Sequence[Any], *,
                      pinned: "Sequence[bool] | None" = None) -> "list[OrbitKVError | None]":
