@@ -27,6 +27,7 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
+from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.segment import AnsType, Role, turboquant_record_bytes
 
 from . import module as km
@@ -433,6 +434,7 @@ def main(argv: "list[str] | None" = None) -> int:
     args = p.parse_args(argv)
     args.command_line = "python -m orbitkv_fs.gpu.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     res = run_codecs(args)
+    res["code"] = code_identity()
     text = json.dumps(res, indent=2)
     print(text)
     if args.json:

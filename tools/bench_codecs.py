@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from orbitkv_fs.provenance import code_identity
+
 BUFFER_BYTES = 16 << 20
 HEAD_DIM_SYNTHETIC = 64
 TARGET_VS_ML_DTYPES = 10.0
@@ -148,6 +150,7 @@ def run_cpu(repeat: int = 5, synthetic: bool = False) -> dict[str, Any]:
                  "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                  "numba": numba.__version__, "ml_dtypes": ml_dtypes.__version__,
                  "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
+        "code": code_identity(),
         "segment_formats": formats,
         "GBps": figures,
         "GBps_cpu_time": figures_cpu,

@@ -64,6 +64,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from orbitkv_fs.provenance import code_identity
+
 __all__ = ["FULL", "QUICK", "Engine", "Recipe", "RequestSpec", "benchmark", "build_cohort", "main", "merge",
            "run_cohort", "verdicts", "write_report"]
 
@@ -1031,9 +1033,7 @@ def _versions() -> dict[str, str]:
                 "nvidia-libnvcomp-cu13", "liburing", "msgspec", "pyzmq", "matplotlib"):
         with contextlib.suppress(md.PackageNotFoundError):
             out[pkg] = md.version(pkg)
-    with contextlib.suppress(Exception):
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+    out.update(code_identity())
     torch = _torch()
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)

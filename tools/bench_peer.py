@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from orbitkv_fs.keys import ObjectKey
+from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.segment import Format, Role, SegmentHeader, build_segment
 
 __all__ = ["ShmArena", "make_segments", "main", "start_server"]
@@ -328,6 +329,7 @@ def _bench(args: argparse.Namespace) -> dict:
         "transport": "mooncake TransferEngine, tcp, P2P handshake, 127.0.0.1 (two processes)",
         "source": args.source,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "code": code_identity(),
         "repeat": args.repeat, "latency_samples": args.latency_samples,
         # The figures are only as steady as the host: its 1-minute load average around the run.
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],

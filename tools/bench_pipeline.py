@@ -38,6 +38,7 @@ import numpy as np
 from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.index import ObjectIndex
 from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.pages import host_engine_pages
 from orbitkv_fs.segment import Role
@@ -402,6 +403,10 @@ def bench_index(n: int, segments_per_chunk: int) -> dict:
 def _markdown(res: dict, command: str) -> str:
     lines = [f"# orbitkv-bench pipeline --device {res['device']}", "", f"Command: `{command}`", "",
              f"Host: {res['host']}", ""]
+    if res.get("code"):
+        c = res["code"]
+        lines += [f"Code: git {c['git'] or '(none)'}{' with changes' if c['git_dirty'] == 'yes' else ''}, "
+                  f"sources sha256 {c['source_sha256'][:16]}", ""]
     if "throughput" in res:
         t = res["throughput"]
         g = t["geometry"]
@@ -483,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.only.split(","))
     res: dict = {"device": args.device,
                  "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-                         f"numpy {np.__version__}"}
+                         f"numpy {np.__version__}",
+                 "code": code_identity()}
     if "throughput" in parts:
         prof = cProfile.Profile() if args.profile else None
         if prof:

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.segment import HEADER_SIZE, Format, Role, SegmentHeader, build_segment
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.record import MAX_RECORD, RECORD_HEADER_SIZE
@@ -362,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "orbitkv-bench ssd " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count(),
                  "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+        "code": code_identity(),
         "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if with_fio else None,
         "filesystem": subprocess.run(["df", "-T", d], capture_output=True, text=True).stdout.splitlines()[-1].split()[1],
     }
