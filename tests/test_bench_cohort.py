@@ -133,6 +133,41 @@ def test_quick_cohort_report_and_invariants(tmp_path):
     m = _load(merged)
     assert len(m["runs"]) == 1 + 2 * (len(labels) - 1) and len(m["verdicts"]) == 2 * (len(labels) - 1)
     assert m["merged_commands"] == [res["command"]] * 2
+    # the second invocation is the second round: each run is compared with its own round's none
+    assert [r.get("round", 0) for r in m["runs"][1:]] == [0] * (len(labels) - 1) + [1] * (len(labels) - 1)
+    assert {(a["variant"], a["codec"], a["rounds"]) for a in m["across_rounds"]} == {(v, c, 2) for v, c in labels[1:]}
+    for a in m["across_rounds"]:
+        if a["codec"] == "none":
+            continue
+        assert a["throughput_vs_none"][0] == a["throughput_vs_none"][1]  # the same runs twice
+        assert a["beats_none_throughput"] in (0, 2)
+    assert "## Across rounds" in (merged / "cohort.md").read_text()
+
+
+def test_rounds_alternate_the_codec_order_and_compare_within_a_round(tmp_path):
+    """--rounds 2 runs A B then B A; each verdict compares against none of its own round and says which
+    of the two ran first there."""
+    out = tmp_path / "res"
+    argv = SMALL + ["--codecs", "none,fp8", "--variants", "dram", "--rounds", "2", "--no-plots", "--out", str(out)]
+    assert bench_cohort.main(argv) == 0
+    res = _load(out)
+    seq = [(r["codec"], r.get("round"), r.get("order")) for r in res["runs"]]
+    assert seq == [("recompute", None, None), ("none", 0, 0), ("fp8", 0, 1), ("fp8", 1, 0), ("none", 1, 1)]
+    for run in res["runs"]:
+        _check_run(run, res["recipe"], control=run["codec"] == "recompute")
+    fp8 = [v for v in res["verdicts"] if v["codec"] == "fp8"]
+    assert [(v["round"], v["ran_before_none"]) for v in fp8] == [(0, False), (1, True)]
+    runs = {(r["codec"], r.get("round")): r for r in res["runs"]}
+    for v in fp8:
+        assert v["throughput_vs_none"] == pytest.approx(
+            runs[("fp8", v["round"])]["requests_per_s"] / runs[("none", v["round"])]["requests_per_s"])
+    (summary,) = [a for a in res["across_rounds"] if a["codec"] == "fp8"]
+    assert summary["rounds"] == 2 and summary["ran_before_none"] == [False, True]
+    assert summary["beats_none_throughput"] == sum(v["beats_none_throughput"] for v in fp8)
+    md = (out / "cohort.md").read_text()
+    assert "| dram | fp8 (round 2) |" in md and "**dram/fp8**, 2 rounds" in md
+    with pytest.raises(SystemExit):
+        bench_cohort.main(SMALL + ["--rounds", "0"])
 
 
 def test_cohort_with_manager_process(tmp_path):

@@ -66,8 +66,8 @@ import numpy as np
 
 from orbitkv_fs.provenance import code_identity
 
-__all__ = ["FULL", "QUICK", "Engine", "Recipe", "RequestSpec", "benchmark", "build_cohort", "main", "merge",
-           "run_cohort", "verdicts", "write_report"]
+__all__ = ["FULL", "QUICK", "Engine", "Recipe", "RequestSpec", "across_rounds", "benchmark", "build_cohort", "main",
+           "merge", "run_cohort", "verdicts", "write_report"]
 
 CODECS = ("none", "ans", "fp8", "turboquant-4", "turboquant-3")
 LOSSY = ("fp8", "turboquant-4", "turboquant-3")
@@ -1045,8 +1045,11 @@ def _versions() -> dict[str, str]:
 
 def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
               manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm", smollm2: bool = True,
-              smollm2_kv: str | None = None, log=print, checkpoint=None) -> dict[str, Any]:
+              smollm2_kv: str | None = None, rounds: int = 1, log=print, checkpoint=None) -> dict[str, Any]:
     """The control, then every (variant, codec) run on the same cohort; differences and verdicts.
+    With ``rounds`` > 1 each variant's codecs run that many times, in reverse order every other round
+    (A B, B A, ...): a codec's position in the sequence (a disk the previous run has just filled, a warmer
+    machine) then favours each codec equally often, and the verdicts compare codecs within a round.
     ``checkpoint(partial result)`` is called after every run, so a run cut short by a time limit still
     leaves the runs it finished (mergeable with :func:`merge`)."""
     torch = _torch()
@@ -1091,20 +1094,24 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
         if checkpoint is not None:
             checkpoint(snapshot())
         for variant in variants:
-            for codec in codecs:
-                if codec == "ans":
-                    why = _ans_skip_reason(device)
-                    if why:
-                        skipped["ans"] = why
-                        continue
-                run = run_cohort(model, recipe, cohort, pages, codec=codec, variant=variant, **kw)
-                _compare(run, control)
-                runs.append(run)
-                if checkpoint is not None:
-                    checkpoint(snapshot())
-                log(f"  {variant}/{codec}: ttft p50 {run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
-                    f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
-                    f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
+            for rnd in range(rounds):
+                order = list(codecs) if rnd % 2 == 0 else list(reversed(codecs))
+                for pos, codec in enumerate(order):
+                    if codec == "ans":
+                        why = _ans_skip_reason(device)
+                        if why:
+                            skipped["ans"] = why
+                            continue
+                    run = run_cohort(model, recipe, cohort, pages, codec=codec, variant=variant, **kw)
+                    _compare(run, control)
+                    run.update(round=rnd, order=pos, control_requests_per_s=control["requests_per_s"])
+                    runs.append(run)
+                    if checkpoint is not None:
+                        checkpoint(snapshot())
+                    log(f"  {variant}/{codec}{f' (round {rnd + 1})' if rounds > 1 else ''}: ttft p50 "
+                        f"{run['ttft_p50_ms']:.1f} ms, {run['requests_per_s']:.2f} req/s, "
+                        f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
+                        f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
     finally:
         pages.close()
     for run in runs:
@@ -1121,6 +1128,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     if sm is not None:
         result["smollm2_kv"] = sm
     result["verdicts"] = verdicts(runs)
+    result["across_rounds"] = across_rounds(result["verdicts"])
     return result
 
 
@@ -1133,18 +1141,22 @@ def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
 
 
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per run: does it beat recompute and ``none`` (same variant), and the measured reasons where not."""
+    """Per run: does it beat recompute (its own invocation's control) and ``none`` (same variant, same round
+    when there are rounds), and the measured reasons where not."""
     control = next(r for r in runs if r["codec"] == "recompute")
     out = []
     for r in runs:
         if r is control:
             continue
-        none = next((x for x in runs if x["codec"] == "none" and x["variant"] == r["variant"]), None)
+        rnd = r.get("round", 0)  # absent from reports made before rounds
+        nones = [x for x in runs if x["codec"] == "none" and x["variant"] == r["variant"]]
+        none = next((x for x in nones if x.get("round", 0) == rnd), nones[0] if nones else None)
         vs = r["vs_control"]
         m = r["manager"]
         served = vs["manager_served_requests"]
+        control_rps = r.get("control_requests_per_s", control["requests_per_s"])
         beats_rc_ttft = served > 0 and vs["manager_served_ttft_p50_ms"] < vs["same_requests_recompute_ttft_p50_ms"]
-        beats_rc_tput = r["requests_per_s"] > control["requests_per_s"]
+        beats_rc_tput = r["requests_per_s"] > control_rps
         notes = []
         if served == 0:
             notes.append("no request was served from the Manager (everything recomputed or HBM hits)")
@@ -1163,14 +1175,17 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          f"{fw['decode_step']:.1f} ms per decode step")
             notes.append(note)
         if not beats_rc_tput:
-            notes.append(f"throughput {r['requests_per_s']:.2f} req/s vs {control['requests_per_s']:.2f} recomputing; "
+            notes.append(f"throughput {r['requests_per_s']:.2f} req/s vs {control_rps:.2f} recomputing; "
                          f"saves took {r['save_s_total']:.2f} s in total (encode {m['encode_s']:.2f} s)")
-        v: dict[str, Any] = {"variant": r["variant"], "codec": r["codec"],
+        v: dict[str, Any] = {"variant": r["variant"], "codec": r["codec"], "round": rnd,
                              "beats_recompute_ttft": beats_rc_ttft, "beats_recompute_throughput": beats_rc_tput}
         if none is not None and none is not r:
             nm = none["manager"]
             v["beats_none_ttft"] = r["ttft_p50_ms"] < none["ttft_p50_ms"]
             v["beats_none_throughput"] = r["requests_per_s"] > none["requests_per_s"]
+            v["throughput_vs_none"] = r["requests_per_s"] / none["requests_per_s"]
+            if "order" in r and none.get("round", 0) == rnd and "order" in none:
+                v["ran_before_none"] = r["order"] < none["order"]
             saved = nm["ssd_read_bytes"] - m["ssd_read_bytes"]
             mine, theirs = r["restore_ms_per_chunk_p50"]["ssd"], none["restore_ms_per_chunk_p50"]["ssd"]
             v["ssd_restore_speedup_vs_none"] = theirs / mine if mine and theirs else None
@@ -1195,24 +1210,68 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def across_rounds(verdicts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (variant, codec) that ran in more than one round: in how many rounds it beat recompute and
+    ``none``, its throughput relative to ``none`` in each, and whether it ran before ``none`` there. A
+    claim that holds in some rounds only is not a result: the report says so."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for v in verdicts:
+        groups.setdefault((v["variant"], v["codec"]), []).append(v)
+    out = []
+    for (variant, codec), vs in groups.items():
+        if len(vs) < 2:
+            continue
+        s: dict[str, Any] = {"variant": variant, "codec": codec, "rounds": len(vs),
+                             "beats_recompute_ttft": sum(v["beats_recompute_ttft"] for v in vs),
+                             "beats_recompute_throughput": sum(v["beats_recompute_throughput"] for v in vs)}
+        if codec != "none" and all("beats_none_throughput" in v for v in vs):
+            s["beats_none_ttft"] = sum(v["beats_none_ttft"] for v in vs)
+            s["beats_none_throughput"] = sum(v["beats_none_throughput"] for v in vs)
+            s["throughput_vs_none"] = [v["throughput_vs_none"] for v in vs]
+            s["ran_before_none"] = [v.get("ran_before_none") for v in vs]
+        out.append(s)
+    return out
+
+
 def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One report from several invocations of the same recipe on the same device (e.g. one codec per
-    invocation where a command's time is limited). The first invocation's control is kept; every run keeps
-    the output differences it measured against its own invocation's control (same cohort, same seed)."""
+    invocation where a command's time is limited). The first invocation's control is the report's; every
+    run keeps the output differences and the throughput it measured against its own invocation's control
+    (same cohort, same seed), and each invocation's rounds follow the previous one's."""
     first = results[0]
     for r in results[1:]:
         if r["recipe"] != first["recipe"] or r["device"] != first["device"]:
             raise ValueError("merged results must share the recipe and the device")
     out = dict(first)
-    out["runs"] = [first["runs"][0]] + [run for r in results for run in r["runs"] if run["codec"] != "recompute"]
+    runs, offset = [first["runs"][0]], 0
+    for r in results:
+        control_rps = r["runs"][0]["requests_per_s"]
+        mine = [dict(run) for run in r["runs"] if run["codec"] != "recompute"]
+        for run in mine:
+            run["round"] = run.get("round", 0) + offset
+            run.setdefault("control_requests_per_s", control_rps)
+        offset = max((run["round"] for run in mine), default=offset - 1) + 1
+        runs += mine
+    out["runs"] = runs
     out["skipped"] = {k: v for r in results for k, v in r["skipped"].items()}
     out["merged_commands"] = [r["command"] for r in results]
     out["elapsed_s"] = sum(r.get("elapsed_s", 0.0) for r in results)
     out["verdicts"] = verdicts(out["runs"])
+    out["across_rounds"] = across_rounds(out["verdicts"])
     return out
 
 
 # ---------------------------------------------------------------------------------------------- report
+
+
+def _rounds(result: dict[str, Any]) -> bool:
+    """The result holds more than one round (its runs are then named with their round)."""
+    return any(r.get("round", 0) for r in result["runs"])
+
+
+def _name(run: dict[str, Any], rounds: bool) -> str:
+    """A run's (or verdict's) codec, with its round when the report has several."""
+    return f"{run['codec']} (round {run.get('round', 0) + 1})" if rounds and run["codec"] != "recompute" else run["codec"]
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -1220,6 +1279,7 @@ def _table(result: dict[str, Any]) -> str:
             "| restore ms/chunk DRAM / SSD | req/s | SSD MiB read | hit HBM/DRAM/SSD/miss | ratio | encode s "
             "| decode s | batches | seg/batch | reservations 0 | token agree | max abs dlogprob |",
             "|" + "---|" * 17]
+    rounds = _rounds(result)
     for r in result["runs"]:
         m = r.get("manager")
         vs = r.get("vs_control")
@@ -1228,7 +1288,7 @@ def _table(result: dict[str, Any]) -> str:
                   if vs and vs["manager_served_requests"] else "-")
         pc = r["restore_ms_per_chunk_p50"]
         rows.append("| " + " | ".join([
-            r["variant"], r["codec"], f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p95_ms']:.1f}", served,
+            r["variant"], _name(r, rounds), f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p95_ms']:.1f}", served,
             f"{pc['dram']:.2f} / {pc['ssd']:.2f}" if m else "-",
             f"{r['requests_per_s']:.2f}", f"{m['ssd_read_bytes'] / 2**20:.1f}" if m else "-",
             f"{h['hbm']:.2f}/{h['dram']:.2f}/{h['lower']:.2f}/{h['miss']:.2f}",
@@ -1252,12 +1312,13 @@ def _forward_table(result: dict[str, Any]) -> list[str]:
             "request's prefill and before each decode step.", "",
             "| variant | codec | one-token prefill | whole-prompt prefill | decode step | queue before prefill "
             "| queue per decode step |", "|" + "---|" * 7]
+    rounds = _rounds(result)
     for r in runs:
         fw, fn = r["forward_p50_ms"], r["forward_requests"]
         one = f"{fw['one_token_prefill']:.1f} ({fn['one_token_prefill']})" if fn["one_token_prefill"] else "-"
         q = r.get("step_queue_p50_ms")  # absent from reports made before the step lock
         queue = f"{q['prefill']:.1f} | {q['decode_step']:.1f}" if q else "- | -"
-        rows.append(f"| {r['variant']} | {r['codec']} | {one} | {fw['full_prefill']:.1f} ({fn['full_prefill']}) | "
+        rows.append(f"| {r['variant']} | {_name(r, rounds)} | {one} | {fw['full_prefill']:.1f} ({fn['full_prefill']}) | "
                     f"{fw['decode_step']:.1f} | {queue} |")
     return rows + [""]
 
@@ -1288,6 +1349,7 @@ def _markdown(result: dict[str, Any]) -> str:
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in result["skipped"].items()), ""]
     lines += ["## Verdicts", ""]
+    rounds = _rounds(result)
     for v in result["verdicts"]:
         parts = [f"recompute: TTFT {'yes' if v['beats_recompute_ttft'] else 'no'}, throughput "
                  f"{'yes' if v['beats_recompute_throughput'] else 'no'}"]
@@ -1296,8 +1358,22 @@ def _markdown(result: dict[str, Any]) -> str:
                          f"{'yes' if v['beats_none_throughput'] else 'no'}")
         if v.get("ssd_restore_speedup_vs_none"):
             parts.append(f"restores from SSD {v['ssd_restore_speedup_vs_none']:.2f}x as fast as none per chunk")
-        lines.append(f"* **{v['variant']}/{v['codec']}** beats " + "; ".join(parts) + ".")
+        lines.append(f"* **{v['variant']}/{_name(v, rounds)}** beats " + "; ".join(parts) + ".")
         lines += [f"  * {n}" for n in v["why"]]
+    if result.get("across_rounds"):
+        lines += ["", "## Across rounds", "",
+                  "Codecs run in reverse order every other round; a verdict that holds in some rounds only is "
+                  "not a result.", ""]
+        for a in result["across_rounds"]:
+            n = a["rounds"]
+            text = (f"* **{a['variant']}/{a['codec']}**, {n} rounds: beats recompute on TTFT in "
+                    f"{a['beats_recompute_ttft']}, on throughput in {a['beats_recompute_throughput']}")
+            if "beats_none_throughput" in a:
+                ratios = ", ".join(f"{x:.2f}x" + ("" if b is None else " (ran first)" if b else " (ran second)")
+                                   for x, b in zip(a["throughput_vs_none"], a["ran_before_none"]))
+                text += (f"; beats none on TTFT in {a['beats_none_ttft']}, on throughput in "
+                         f"{a['beats_none_throughput']} (throughput vs none per round: {ratios})")
+            lines.append(text + ".")
     sm = result.get("smollm2_kv")
     if sm:
         lines += ["", "## Compression on real SmolLM2-135M KV", ""]
@@ -1324,7 +1400,8 @@ def _plots(result: dict[str, Any], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    labels = [r["codec"] if r["variant"] == "control" else f"{r['variant']}/{r['codec']}" for r in runs]
+    rounds = _rounds(result)
+    labels = [r["codec"] if r["variant"] == "control" else f"{r['variant']}/{_name(r, rounds)}" for r in runs]
     x = np.arange(len(runs))
     files = []
 
@@ -1400,6 +1477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--codecs", default=",".join(CODECS), help=f"comma list of {', '.join(CODECS)}")
     p.add_argument("--variants", default="ssd,dram", help="ssd (DRAM + SSD) and/or dram (DRAM only)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each variant's codecs this many times, in reverse order every other round")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--manager", choices=("auto", "embedded", "process"), default="auto",
                    help="Manager in this process or its own (auto: own process on a GPU, for CUDA IPC)")
@@ -1456,6 +1535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown codec(s) {bad}; expected {', '.join(CODECS)}")
     if bad := [v for v in variants if v not in ("ssd", "dram")]:
         ap.error(f"unknown variant(s) {bad}; expected ssd, dram")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     torch = _torch()
     device = args.device
     if device == "auto":
@@ -1499,7 +1580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
                            ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2,
-                           smollm2_kv=args.smollm2_kv, log=log, checkpoint=checkpoint)
+                           smollm2_kv=args.smollm2_kv, rounds=args.rounds, log=log, checkpoint=checkpoint)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1517,9 +1598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     else:
         print(_table(result))
+        rounds = _rounds(result)
         for v in result["verdicts"]:
-            print(f"{v['variant']}/{v['codec']}: " + "; ".join(v["why"]) if v["why"] else
-                  f"{v['variant']}/{v['codec']}: wins")
+            name = f"{v['variant']}/{_name(v, rounds)}"
+            print(f"{name}: " + "; ".join(v["why"]) if v["why"] else f"{name}: wins")
     log("wrote " + ", ".join(files))
     return 0
 
