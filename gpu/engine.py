@@ -8,8 +8,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
   and return; a batch takes at most half of the workspace (a segment that needs more runs alone), so
   that the next one fits beside it instead of waiting for it. ``encode_collect`` / ``decode_collect``
-  wait for a batch and run its host part (headers, verdicts). ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that submits its next
-  batch before collecting the previous one overlaps its host work with the GPU's and the copies.
+  wait for a batch and run its host part (headers, verdicts). ``encode_batch`` / ``decode_batch`` are
+  submit then collect. A caller that submits its next batch before collecting the previous one overlaps
+  its host work with the GPU's and the copies.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
   ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, uploaded from a pinned buffer of its own). Sources and
@@ -20,10 +21,11 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   drains the stream before freeing.
 * Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
-  (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB chunks, one
-  call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads' CRC32C; CRC32C
-  -- with the copy for raw segments -- over raw and TurboQuant payloads), one device-to-host copy of [meta | ANS payload lengths | segment slots]
-  -- statuses, raw CRCs, sizes and payloads together -- and one stream synchronisation. The host then
+  (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB
+  chunks, one call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads'
+  CRC32C; CRC32C -- with the copy for raw segments -- over raw and TurboQuant payloads), one
+  device-to-host copy of [meta | ANS payload lengths | segment slots] -- statuses, raw CRCs, sizes and
+  payloads together -- and one stream synchronisation. The host then
   finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
   payload, in place.
 * Direct SSD I/O (cuFile): ``encode_batch(device_sink=...)`` hands each GPU-encoded segment's device bytes

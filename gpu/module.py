@@ -1,16 +1,15 @@
 """The CUDA module of the codec kernels and the constants shared with it.
 
 Owns: compiling ``kernels/*.cu`` with NVRTC (once per process, device and variant; the image cached on
-disk), the
-device copies of the constant tables (:mod:`orbitkv_fs.gpu.tables`), the descriptor layouts
+disk), the device copies of the constant tables (:mod:`orbitkv_fs.gpu.tables`), the descriptor layouts
 (:data:`SEG_DTYPE`, :data:`META_DTYPE`) and :func:`launch`, which every launch goes through so that
 launches are counted.
 
 Invariants: the sources are built with ``-fmad=false`` (no fused multiply-add anywhere: the codecs'
 float32 operations are rounded one by one, as on the host) and ``-ftz=false`` (subnormal float32 results
 kept, as on the host: CuPy's ``RawModule(code=...)`` appends ``-ftz=true``, cupy#9576, so
-:func:`build_module` calls NVRTC itself); :data:`SEG_DTYPE` matches ``struct Seg``
-of ``kernels/common.cuh`` byte for byte (field offsets and the 128-byte size).
+:func:`build_module` calls NVRTC itself); :data:`SEG_DTYPE` matches ``struct Seg`` of
+``kernels/common.cuh`` byte for byte (field offsets and the 128-byte size).
 """
 
 from __future__ import annotations

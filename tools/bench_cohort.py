@@ -1247,10 +1247,11 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         control_rps = r["runs"][0]["requests_per_s"]
         mine = [dict(run) for run in r["runs"] if run["codec"] != "recompute"]
+        rounds = 1 + max((run.get("round", 0) for run in mine), default=-1)
         for run in mine:
             run["round"] = run.get("round", 0) + offset
             run.setdefault("control_requests_per_s", control_rps)
-        offset = max((run["round"] for run in mine), default=offset - 1) + 1
+        offset += rounds
         runs += mine
     out["runs"] = runs
     out["skipped"] = {k: v for r in results for k, v in r["skipped"].items()}
@@ -1271,7 +1272,9 @@ def _rounds(result: dict[str, Any]) -> bool:
 
 def _name(run: dict[str, Any], rounds: bool) -> str:
     """A run's (or verdict's) codec, with its round when the report has several."""
-    return f"{run['codec']} (round {run.get('round', 0) + 1})" if rounds and run["codec"] != "recompute" else run["codec"]
+    if not rounds or run["codec"] == "recompute":
+        return run["codec"]
+    return f"{run['codec']} (round {run.get('round', 0) + 1})"
 
 
 def _table(result: dict[str, Any]) -> str:
