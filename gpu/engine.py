@@ -3,7 +3,10 @@
 Owns the batch pipeline between engine KV on the GPU and complete segments in pinned host memory:
 
 * :class:`GpuCodecEngine` -- two :class:`Worker` s (save = encode, restore = decode), each with its own
-  CUDA stream, workspace and two pinned staging buffers, so saves and restores never wait on each other.
+  CUDA streams, workspace and two pinned staging buffers, so saves and restores never wait on each other.
+* Two streams per worker: kernels run on ``stream``, the bulk host copies of a batch (an encode's
+  device-to-host download, a decode's upload) on ``copies``, joined by events. One batch's kernels
+  then run while the other batch's bytes cross PCIe, instead of after them.
 * Two batches in flight per worker: :meth:`GpuCodecEngine.encode_submit` / ``decode_submit`` queue a
   batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
   and return; a batch takes at most half of the workspace (a segment that needs more runs alone), so
@@ -13,7 +16,7 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   its host work with the GPU's and the copies.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
-  ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, uploaded from a pinned buffer of its own). Sources and
+  ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, read by the kernel from a pinned buffer of its own). Sources and
   destinations may be :class:`DeviceSpan` s (address, length, shape) instead of cupy arrays.
 * :class:`Workspace` -- one device allocation per worker, bounded by the budget
   (``--storage-codec-budget``, default 64 MB), retained and reused across batches; growth drains the
@@ -227,11 +230,12 @@ class WorkspaceTooSmall(CodecError):
 
 
 class Workspace:
-    """One retained device allocation of at most ``budget`` bytes, used by one worker's stream."""
+    """One retained device allocation of at most ``budget`` bytes, used by one worker's streams;
+    ``drain`` waits for everything queued on them."""
 
-    def __init__(self, budget: int, stream: cp.cuda.Stream) -> None:
+    def __init__(self, budget: int, drain: Callable[[], None]) -> None:
         self.budget = budget
-        self.stream = stream
+        self.drain = drain
         self.ptr = 0
         self.size = 0
         self.grows = 0
@@ -249,9 +253,9 @@ class Workspace:
         return self.ptr
 
     def release(self) -> None:
-        """Drain the stream, then free the allocation."""
+        """Drain the streams, then free the allocation."""
         if self.ptr:
-            self.stream.synchronize()
+            self.drain()
             cp.cuda.runtime.free(self.ptr)
             self.ptr = 0
             self.size = 0
@@ -325,37 +329,53 @@ class _Flight:
 
 
 class Worker:
-    """A stream, a workspace, two pinned upload buffers and counters. Up to two batches are in flight:
-    the next one is launched (into the other part of the workspace, from the other upload buffer) before
-    the host finishes the previous one, so that the host's work overlaps the GPU's and the copies."""
+    """Two streams (kernels; bulk host copies), a workspace, two pinned upload buffers and counters. Up to
+    two batches are in flight: the next one is launched (into the other part of the workspace, from the
+    other upload buffer) before the host finishes the previous one, so that the host's work overlaps the
+    GPU's, and one batch's kernels overlap the other's copies.
+
+    Small copies (descriptors, statuses, tables) stay on ``stream``, in order with the kernels;
+    :meth:`handoff` orders one stream after the other where a batch's bytes change hands."""
 
     def __init__(self, name: str, budget: int) -> None:
         self.name = name
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.ws = Workspace(budget, self.stream)
+        self.copies = cp.cuda.Stream(non_blocking=True)
+        self.ws = Workspace(budget, self.sync)
         self.uploads = (_Pinned(), _Pinned())
         self.inflight: list[_Flight] = []  # oldest first
-        self.tables = _Pinned()  # block-copy tables: their own buffers, not shared with a batch in flight
-        self.tables_dev: "cp.ndarray | None" = None
-        self.tables_sent: "cp.cuda.Event | None" = None
+        # Block-copy tables: buffers of their own (not shared with a batch in flight), used in turn, each
+        # with the event after the launch that reads it.
+        self.tables = [_Pinned() for _ in range(3)]
+        self.tables_read: list = [None] * len(self.tables)
+        self.tables_next = 0
         self.lock = threading.Lock()
         self.stats: Counter[str] = Counter()
 
-    def h2d(self, dst: int, src: np.ndarray) -> None:
-        self.h2d_raw(dst, src.ctypes.data, src.nbytes)
+    def h2d(self, dst: int, src: np.ndarray, stream: "cp.cuda.Stream | None" = None) -> None:
+        self.h2d_raw(dst, src.ctypes.data, src.nbytes, stream)
 
-    def h2d_raw(self, dst: int, src: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from host address ``src`` (pinned memory that outlives the copy) to ``dst``."""
+    def h2d_raw(self, dst: int, src: int, nbytes: int, stream: "cp.cuda.Stream | None" = None) -> None:
+        """Copy ``nbytes`` from host address ``src`` (pinned memory that outlives the copy) to ``dst``, on
+        ``stream`` (default: the kernel stream)."""
         if nbytes:
-            cp.cuda.runtime.memcpyAsync(dst, src, nbytes, _H2D, self.stream.ptr)
+            cp.cuda.runtime.memcpyAsync(dst, src, nbytes, _H2D, (stream or self.stream).ptr)
             self.stats["h2d_copies"] += 1
 
-    def d2h(self, dst: np.ndarray, src: int) -> None:
+    def d2h(self, dst: np.ndarray, src: int, stream: "cp.cuda.Stream | None" = None) -> None:
         if dst.nbytes:
-            cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, _D2H, self.stream.ptr)
+            cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, _D2H, (stream or self.stream).ptr)
             self.stats["d2h_copies"] += 1
 
+    def handoff(self, after: cp.cuda.Stream, before: cp.cuda.Stream) -> None:
+        """Make work queued next on ``after`` wait for everything queued so far on ``before``."""
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(before)
+        after.wait_event(ev)
+
     def sync(self) -> None:
+        """Drain both streams."""
+        self.copies.synchronize()
         self.stream.synchronize()
         self.stats["syncs"] += 1
 
@@ -395,10 +415,12 @@ class Worker:
             if f in self.inflight:
                 self.inflight.remove(f)
 
-    def launched(self, base: int, nbytes: int, upload: "_Pinned", finish: Callable[[], None]) -> _Flight:
-        """Record a batch just queued (at ``base``, staged in ``upload``) as in flight; returns it."""
+    def launched(self, base: int, nbytes: int, upload: "_Pinned", finish: Callable[[], None],
+                 last: "cp.cuda.Stream | None" = None) -> _Flight:
+        """Record a batch just queued (at ``base``, staged in ``upload``) as in flight, its end marked on
+        ``last`` (default: the kernel stream), the stream that runs its final operation; returns it."""
         ev = cp.cuda.Event(disable_timing=True)
-        ev.record(self.stream)
+        ev.record(last or self.stream)
         start = base - self.ws.ptr
         f = _Flight(start, start + nbytes, self.uploads.index(upload), ev, finish)
         self.inflight.append(f)
@@ -419,30 +441,28 @@ class Worker:
 
     def copy_blocks(self, k: km.Kernels, table: np.ndarray) -> Any:
         """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows); returns the event after it.
-        The table goes up into a device buffer of its own (batches in flight keep their workspace), from
-        a pinned buffer whose previous upload must have left it first."""
-        if self.tables_sent is not None:
-            self.tables_sent.synchronize()
-        host = self.tables.get(table.nbytes)
+
+        The kernel reads the table where it lies, in pinned host memory (device-addressable under unified
+        addressing): an upload on this stream would queue on the copy engine behind the other stream's
+        bulk copies, and hold up the kernels after it. The pinned buffer is refilled only once the launch
+        that read it (three tables ago) has run."""
+        j = self.tables_next
+        self.tables_next = (j + 1) % len(self.tables)
+        if self.tables_read[j] is not None:
+            self.tables_read[j].synchronize()
+        host = self.tables[j].get(table.nbytes)
         host[:] = table.view(np.uint8)
-        if self.tables_dev is None or self.tables_dev.nbytes < table.nbytes:
-            with self.stream:  # freed into this stream's pool: reused only after the kernels reading it
-                self.tables_dev = cp.empty(_up(table.nbytes, 1 << 16), dtype=cp.uint8)
-        dev = int(self.tables_dev.data.ptr)
-        self.h2d(dev, host)
-        self.tables_sent = cp.cuda.Event(disable_timing=True)
-        self.tables_sent.record(self.stream)
-        self.stats["launches"] += km.launch_copy_blocks(k, dev, len(table), self.stream)
+        self.stats["launches"] += km.launch_copy_blocks(k, host.ctypes.data, len(table), self.stream)
         self.stats["block_copies"] += len(table)
         done = cp.cuda.Event(disable_timing=True)
         done.record(self.stream)
+        self.tables_read[j] = done
         return done
 
     def close(self) -> None:
         with self.lock:
             self.finish_all()
             self.ws.release()
-            self.tables_dev = None
 
 
 def _within(counts: np.ndarray) -> np.ndarray:
@@ -681,17 +701,21 @@ class GpuCodecEngine:
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
                     one = _Fill.of(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else _Fill.of(slot)
+                    more = fill.add(one)
+                    # One estimate per segment where it joins the batch (then it alone fits too).
+                    if p.kind != "host" and len(gpu) < MAX_BATCH and \
+                            self._enc_estimate(more, slot_align) <= self.budget_bytes // 2:
+                        gpu.append(p)
+                        fill = more
+                        continue
                     if p.kind == "host" or self._enc_estimate(one, slot_align) > self.budget_bytes:
                         if p.kind != "host":
                             w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
                         job.out[p.i] = self._host_encode(p)
                         continue
-                    more = fill.add(one)
-                    if len(gpu) == MAX_BATCH or self._enc_estimate(more, slot_align) > self.budget_bytes // 2:
+                    if gpu:
                         job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
-                        gpu, more = [], one
-                    gpu.append(p)
-                    fill = more
+                    gpu, fill = [p], one
                 if gpu:
                     job.flights.append(self._run_encode(gpu, job, out_region, slot_align, device_sink))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
@@ -845,11 +869,12 @@ class GpuCodecEngine:
         host = out_region(region_len) if out_region is not None else None
         if host is None:
             host = _pinned_array(region_len)
-        w.d2h(host, region)
+        w.handoff(w.copies, w.stream)  # the download runs beside the next batch's kernels
+        w.d2h(host, region, w.copies)
         w.stats["batches"] += 1
         w.stats["segments"] += len(plans)
         return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
-                                                                            ans, ans_index, device_sink))
+                                                                            ans, ans_index, device_sink), w.copies)
 
     def _finish_encode(self, plans: list[_Enc], job: EncodeJob, off: dict[str, int], host: np.ndarray, region: int,
                        region_len: int, ans: list[_Enc], ans_index: dict[int, int],
@@ -906,7 +931,8 @@ class GpuCodecEngine:
         for p, _ in sunk:
             cp.cuda.runtime.memcpyAsync(region + p.slot, host.ctypes.data + p.slot, HEADER_SIZE, _H2D, w.stream.ptr)
             w.stats["h2d_copies"] += 1
-        w.sync()
+        w.stream.synchronize()  # the header copies (the download that preceded them is complete)
+        w.stats["syncs"] += 1
         mem = cp.cuda.UnownedMemory(region, region_len, self)
         for p, n in sunk:
             sink(p.i, cp.ndarray((n,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, p.slot)))
@@ -1106,15 +1132,17 @@ class GpuCodecEngine:
                         results[i] = p
                         continue
                     one = self._dec_fill(p)
+                    more = fill.add(one)
+                    if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= self.budget_bytes // 2:
+                        gpu.append(p)  # (then it alone fits too)
+                        fill = more
+                        continue
                     if self._dec_estimate(one) > self.budget_bytes:
                         results[i] = self._host_decode(p)
                         continue
-                    more = fill.add(one)
-                    if len(gpu) == MAX_BATCH or self._dec_estimate(more) > self.budget_bytes // 2:
+                    if gpu:
                         job.flights.append(self._run_decode(gpu, results, pinned))
-                        gpu, more = [], one
-                    gpu.append(p)
-                    fill = more
+                    gpu, fill = [p], one
                 if gpu:
                     job.flights.append(self._run_decode(gpu, results, pinned))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
@@ -1231,26 +1259,30 @@ class GpuCodecEngine:
             a[1] = np.concatenate([p.sizes for p in ans])
             a[2] = np.minimum(cb, np.repeat(np.array([p.h.original_length for p in ans], dtype=np.int64), nch) - cb * at)
             a[3] = np.repeat(np.array([base + p.scratch for p in ans], dtype=np.int64), nch) + cb * at
+        # The upload runs on the copy stream, beside the previous batch's kernels; this batch's kernels
+        # wait for it.
+        cs = w.copies
         if direct:  # descriptors, then the payloads from where they lie (the rest through the upload buffer)
-            w.h2d(base, up[:off["down_end"]])
+            w.h2d(base, up[:off["down_end"]], cs)
             run: "tuple[int, int, int] | None" = None  # (staged offset, host address, bytes) of pinned payloads
             for p in plans:
                 if p.dev:
                     continue
                 if p.i not in direct:
-                    w.h2d(base + p.staged, up[p.staged:p.staged + p.h.stored_length])
+                    w.h2d(base + p.staged, up[p.staged:p.staged + p.h.stored_length], cs)
                     continue
                 a = hosts[p.i]
                 if run is not None and p.staged - run[0] == a - run[1]:  # mirrored: extends the run
                     run = (run[0], run[1], p.staged + p.h.stored_length - run[0])
                     continue
                 if run is not None:
-                    w.h2d_raw(base + run[0], run[1], run[2])
+                    w.h2d_raw(base + run[0], run[1], run[2], cs)
                 run = (p.staged, a, p.h.stored_length)
             if run is not None:
-                w.h2d_raw(base + run[0], run[1], run[2])
+                w.h2d_raw(base + run[0], run[1], run[2], cs)
         else:
-            w.h2d(base, up)
+            w.h2d(base, up, cs)
+        w.handoff(w.stream, cs)
         for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy
             if p.dev and not p.inplace and p.h.stored_length:
                 cp.cuda.runtime.memcpyAsync(base + p.staged, p.dev, p.h.stored_length, _D2D, w.stream.ptr)

@@ -124,6 +124,8 @@ from .segment import (
     pack_header,
     parse_header,
     parse_segment,
+    TURBOQUANT_HEAD_DIMS,
+    turboquant_record_bytes,
 )
 from .tiers.dram import UNIT, DramTier, units_of
 
@@ -196,7 +198,8 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: Default codec of engines that do not ask for one: none|ans|fp8|turboquant-4|turboquant-3.
     storage_codec: str = "none"
     #: Bytes of codec workspace per worker (``--storage-codec-budget``): bounds the GPU engine's retained
-    #: workspace arena and the source bytes of one codec batch.
+    #: workspace arena and, at half of it, the encoded bytes of one codec batch (whose source bytes are at
+    #: most ``BATCH_EXPANSION`` times that: a compressing codec's batch carries more source per batch).
     storage_codec_budget: int = 64 << 20
     eviction: str = "lru"  # lru | s3fifo
     #: Directory of the arena file (a tmpfs: /dev/shm where it exists).
@@ -1166,7 +1169,7 @@ class Manager:
             acc = _SaveAcc()
             budget = self._batch_budget()
             batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
-            batch_bytes = 0
+            batch_bytes = batch_coded = 0
             # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
             # device-to-host copy into the arena per batch) rather than a host copy per block.
             raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
@@ -1176,13 +1179,18 @@ class Manager:
                     self._save_raw(eng, item, acc)
                     continue
                 n = len(item[0].blocks) * item[1].block_bytes
-                # A batch closes before it would pass the budget: two of them must fit side by side in the
-                # GPU engine's workspace, or the next one waits for the previous one's copies to end.
-                if batch and (len(batch) >= self._config.batch_segments or batch_bytes + n > budget):
+                coded = _coded_bound(item[1], n)
+                # A batch closes before its encoded bytes would pass the budget: two of them must fit side by
+                # side in the GPU engine's workspace, or the next one waits for the previous one's copies to
+                # end. Sized by encoded bytes, a compressing codec's batch carries more source, so the
+                # per-batch host work is spread over more logical bytes.
+                if batch and (len(batch) >= self._config.batch_segments or batch_coded + coded > budget
+                              or batch_bytes + n > BATCH_EXPANSION * budget):
                     batches.append(batch)
-                    batch, batch_bytes = [], 0
+                    batch, batch_bytes, batch_coded = [], 0, 0
                 batch.append(item)
                 batch_bytes += n
+                batch_coded += coded
             if batch:
                 batches.append(batch)
             self._save_batches(eng, batches, acc)
@@ -1231,8 +1239,8 @@ class Manager:
                 self._count(self._raw, reason)
 
     def _batch_budget(self) -> int:
-        """Source bytes of one codec batch. With the GPU engine two batches share its workspace (one
-        running while the host finishes the previous one), so each takes half of it."""
+        """Encoded (workspace) bytes of one codec batch. With the GPU engine two batches share its workspace
+        (one running while the host finishes the previous one), so each takes half of it."""
         budget = self._config.storage_codec_budget
         return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
@@ -1607,18 +1615,22 @@ class Manager:
                 out[kb] = bytes(blob)
         return out
 
-    def _restore_batches(self, items: list, nbytes) -> Iterator[list]:
-        """``items`` in batches of at most ``batch_segments`` and the codec budget (one item may exceed it)."""
+    def _restore_batches(self, items: list, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
+        """``items`` in batches of at most ``batch_segments`` and the codec budget in ``nbytes`` (one item
+        may exceed it); with ``logical``, also at most ``BATCH_EXPANSION`` budgets of those bytes."""
         budget = self._batch_budget()
         batch: list = []
-        size = 0
+        size = total = 0
         for it in items:
             n = nbytes(it)
-            if batch and (len(batch) >= self._config.batch_segments or size + n > budget):
+            m = logical(it) if logical is not None else 0
+            if batch and (len(batch) >= self._config.batch_segments or size + n > budget
+                          or total + m > BATCH_EXPANSION * budget):
                 yield batch
-                batch, size = [], 0
+                batch, size, total = [], 0, 0
             batch.append(it)
             size += n
+            total += m
         if batch:
             yield batch
 
@@ -1631,7 +1643,8 @@ class Manager:
         for it in items:
             by_seed.setdefault(it[3].rotation_seed, []).append(it)
         jobs = [(seed, batch) for seed, group in by_seed.items()
-                for batch in self._restore_batches(group, lambda it: it[3].original_length)]
+                for batch in self._restore_batches(group, lambda it: _decode_bound(it[3]),
+                                                   lambda it: it[3].original_length)]
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
@@ -2361,6 +2374,32 @@ def _gather_device(seg: _Seg, blocks: list[int]):
     if isinstance(x, np.ndarray):
         return cupy.asarray(x.view(cupy_dtype(x.dtype)))
     return x
+
+
+#: A codec batch's source (save) or decoded (restore) bytes are at most this many times its workspace
+#: share: the gathered sources and decoded temporaries live outside the workspace, and stay bounded.
+BATCH_EXPANSION = 4
+
+
+def _coded_bound(seg: _Seg, n: int) -> int:
+    """Workspace bytes the GPU engine's encode of ``n`` source bytes of ``seg`` takes: its payload slot,
+    as :meth:`orbitkv_fs.gpu.engine.GpuCodecEngine._classify` sizes it (ANS and raw: the source size)."""
+    codec = seg.codec.codec_id if seg.codec is not None else "none"
+    d = seg.block_shape[-1] if seg.block_shape else 0
+    if codec == "fp8" and seg.dtype.itemsize == 2:
+        return n // 2
+    if (codec.startswith("turboquant") and seg.dtype.itemsize == 2 and seg.role in (Role.KEY, Role.VALUE)
+            and d in TURBOQUANT_HEAD_DIMS):
+        return n // (2 * d) * turboquant_record_bytes(d, int(codec[-1]), seg.role)
+    return n
+
+
+def _decode_bound(h: SegmentHeader) -> int:
+    """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
+    staged in); for ANS its decoded size, as before: the engine's workspace also holds nvCOMP's output, and
+    the engine splits such a batch into flights itself (batches sized by payload plus output restored
+    ANS 4 MiB segments 10-25% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
+    return h.original_length if h.format == Format.ANS else h.stored_length
 
 
 def _pipelined(items: Sequence, start: Callable, end: Callable) -> list:

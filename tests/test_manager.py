@@ -469,16 +469,21 @@ def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_st
     assert log == ["s1", "s2", "e1", "e2"]  # the started item 2 is ended, 4 never starts
 
 
-def test_a_codec_batch_never_passes_the_budget(engine):
-    """Save batches close before the next segment would pass the codec budget (on a GPU two batches must
-    fit side by side in the engine's workspace): 128 KiB segments under a budget one byte short of eight
-    of them make batches of seven."""
+@pytest.mark.parametrize("codec, expansion, per_batch", [("fp8", 4, 15), ("fp8", 1, 7)])
+def test_a_codec_batch_never_passes_the_budget(engine, monkeypatch, codec, expansion, per_batch):
+    """Save batches close before the next segment's encoded bytes would pass the codec budget (on a GPU two
+    batches must fit side by side in the engine's workspace): 128 KiB segments (64 KiB in FP8) under a budget
+    one byte short of eight of them make batches of fifteen, or of seven when the source cap
+    (BATCH_EXPANSION budgets of source bytes) is one budget."""
+    import orbitkv_fs.manager as manager
+
+    monkeypatch.setattr(manager, "BATCH_EXPANSION", expansion)
     pages, reg = engine
     per = 32  # blocks per chunk: 128 KiB per (layer, role) segment
     seg = per * BLOCK_BYTES
-    with Manager(ManagerConfig(pool_size=16 << 20, storage_codec="fp8", storage_codec_budget=8 * seg - 1)) as m:
+    with Manager(ManagerConfig(pool_size=16 << 20, storage_codec=codec, storage_codec_budget=8 * seg - 1)) as m:
         e = m.register_engine(reg)
         r = m.save(e.engine_id, chunks_for(2, per=per))
         assert r.segments == 2 * 2 * L
-        assert m.stats().codec_batches == -(-2 * 2 * L // 7)
+        assert m.stats().codec_batches == -(-2 * 2 * L // per_batch)
         assert_reservations_zero(m)
