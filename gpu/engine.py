@@ -20,22 +20,23 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   destinations may be :class:`DeviceSpan` s (address, length, shape) instead of cupy arrays.
 * :class:`Workspace` -- one device allocation per worker, bounded by the budget
   (``--storage-codec-budget``, default 64 MB), retained and reused across batches; growth drains the
-  stream and frees the old allocation before allocating the new one; :meth:`Workspace.release`
-  drains the stream before freeing.
+  worker's streams and frees the old allocation before allocating the new one; :meth:`Workspace.release`
+  drains them before freeing.
 * Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
   (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB
   chunks, one call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads'
   CRC32C; CRC32C -- with the copy for raw segments -- over raw and TurboQuant payloads), one
-  device-to-host copy of [meta | ANS payload lengths | segment slots] -- statuses, raw CRCs, sizes and
-  payloads together -- and one stream synchronisation. The host then
+  device-to-host copy of [meta | ANS payload lengths | segment slots] on the copy stream -- statuses,
+  raw CRCs, sizes and payloads together -- and one wait for the event after it. The host then
   finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
   payload, in place.
 * Direct SSD I/O (cuFile): ``encode_batch(device_sink=...)`` hands each GPU-encoded segment's device bytes
   (headers copied up into their slots) to the caller before the workspace is reused; ``decode_batch``
   takes segments in device memory (cupy uint8 arrays) besides host bytes: only their header (and an ANS
   chunk table) comes to the host, the payload is CRC-checked and decoded where it lies.
-* Decode: one host-to-device copy (descriptors + payloads), CRC32C of every payload on the GPU, the
+* Decode: one host-to-device copy on the copy stream (descriptors + payloads; pinned payloads from where they
+  lie, neighbours in one copy), CRC32C of every payload on the GPU, the
   decode kernels (which skip any segment whose CRC differs from its header: its destination is not
   touched), nvCOMP for ANS chunks into workspace scratch followed by a checked copy (every chunk's status
   and exact length), and one device-to-host copy of the meta. Failures are reported per segment, never
