@@ -469,6 +469,55 @@ def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_st
     assert log == ["s1", "s2", "e1", "e2"]  # the started item 2 is ended, 4 never starts
 
 
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4", "turboquant-3"])
+def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
+    """Codec batches are sized by the workspace a segment's encode takes: FP8 half its source, TurboQuant
+    its records (2 or 4 bytes of norm or range per vector plus head_dim x bits / 8 of codes), the policy's
+    exact layers and every `none` segment their source size."""
+    from orbitkv_fs.manager import _coded_bound, _decode_bound
+    from orbitkv_fs.segment import Format, SegmentHeader
+
+    pages, reg = engine
+    n = 4 * BLOCK_BYTES
+    vectors = n // (2 * D)
+    with Manager(ManagerConfig(pool_size=16 << 20, storage_codec=codec)) as m:
+        e = m.register_engine(reg)
+        segs = m._engines[e.engine_id].segs
+        for seg in segs:
+            if seg.codec is None:
+                want = n
+            elif codec == "fp8":
+                want = n // 2
+            else:
+                side = 2 if seg.role == Role.KEY else 4
+                want = vectors * (side + D * int(codec[-1]) // 8)
+            assert _coded_bound(seg, n) == want, (seg.layer, seg.role)
+        exact = [seg.layer for seg in segs if seg.codec is None]
+        assert exact == ([l for l in range(L) for _ in range(2)] if codec == "none" else
+                         [] if codec == "fp8" else [l for l in (0, 1, L - 2, L - 1) for _ in range(2)])
+    ans = SegmentHeader(Format.ANS, np.dtype(np.uint16), 4096, 2000, 0)
+    fp8 = SegmentHeader(Format.FP8, np.dtype(np.uint16), 4096, 2048, 0)
+    assert (_decode_bound(ans), _decode_bound(fp8)) == (4096, 2048)
+
+
+def test_restore_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
+    """``_restore_batches`` closes a batch before its counted bytes would pass the budget, and before its
+    logical bytes would pass BATCH_EXPANSION budgets; one item over the budget still makes a batch."""
+    import orbitkv_fs.manager as manager
+
+    with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=1 << 20, device="cpu")) as m:
+        budget = m._batch_budget()
+        items = [(budget // 4, budget) for _ in range(8)]
+        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0])]
+        assert sizes == [4, 4]
+        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0], lambda it: it[1])]
+        assert sizes == [4, 4]  # 4 budgets of logical bytes fit: the budget in counted bytes closes first
+        monkeypatch.setattr(manager, "BATCH_EXPANSION", 2)
+        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0], lambda it: it[1])]
+        assert sizes == [2, 2, 2, 2]
+        assert [len(b) for b in m._restore_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
+
+
 @pytest.mark.parametrize("codec, expansion, per_batch", [("fp8", 4, 15), ("fp8", 1, 7)])
 def test_a_codec_batch_never_passes_the_budget(engine, monkeypatch, codec, expansion, per_batch):
     """Save batches close before the next segment's encoded bytes would pass the codec budget (on a GPU two
