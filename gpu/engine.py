@@ -335,8 +335,8 @@ class Worker:
     other upload buffer) before the host finishes the previous one, so that the host's work overlaps the
     GPU's, and one batch's kernels overlap the other's copies.
 
-    Small copies (descriptors, statuses, tables) stay on ``stream``, in order with the kernels;
-    :meth:`handoff` orders one stream after the other where a batch's bytes change hands."""
+    Small copies (an encode's descriptors, a decode's statuses) stay on ``stream``, in order with the
+    kernels; :meth:`handoff` orders one stream after the other where a batch's bytes change hands."""
 
     def __init__(self, name: str, budget: int) -> None:
         self.name = name
