@@ -84,7 +84,7 @@ from orbitkv_fs.segment import (
     SegmentHeader,
     pack_header,
     parse_header,
-    turboquant_record_bytes,
+    turboquant_stored_bytes,
     worth_keeping,
 )
 
@@ -604,7 +604,7 @@ class GpuCodecEngine:
             if dtype not in (BF16, FP16) or role not in (Role.KEY, Role.VALUE) or d not in TURBOQUANT_HEAD_DIMS:
                 e.reason = RawReason.UNSUPPORTED
                 return e
-            stored = n // (2 * d) * turboquant_record_bytes(d, bits, role)
+            stored = turboquant_stored_bytes(n, d, bits, role)
             if not worth_keeping(n, stored):
                 e.kind = "host"
             else:

@@ -116,6 +116,7 @@ from .pages import BLOCK_COPY_DTYPE, HostPages, PagesError, cupy_dtype, import_c
 from .segment import (
     HEADER_SIZE,
     MAX_STORED_BYTES,
+    TURBOQUANT_HEAD_DIMS,
     Format,
     RawReason,
     Role,
@@ -124,8 +125,7 @@ from .segment import (
     pack_header,
     parse_header,
     parse_segment,
-    TURBOQUANT_HEAD_DIMS,
-    turboquant_record_bytes,
+    turboquant_stored_bytes,
 )
 from .tiers.dram import UNIT, DramTier, units_of
 
@@ -2390,7 +2390,7 @@ def _coded_bound(seg: _Seg, n: int) -> int:
         return n // 2
     if (codec.startswith("turboquant") and seg.dtype.itemsize == 2 and seg.role in (Role.KEY, Role.VALUE)
             and d in TURBOQUANT_HEAD_DIMS):
-        return n // (2 * d) * turboquant_record_bytes(d, int(codec[-1]), seg.role)
+        return turboquant_stored_bytes(n, d, int(codec[-1]), seg.role)
     return n
 
 
@@ -2398,7 +2398,7 @@ def _decode_bound(h: SegmentHeader) -> int:
     """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
     staged in); for ANS its decoded size, as before: the engine's workspace also holds nvCOMP's output, and
     the engine splits such a batch into flights itself (batches sized by payload plus output restored
-    ANS 4 MiB segments 10-25% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
+    ANS 4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
     return h.original_length if h.format == Format.ANS else h.stored_length
 
 

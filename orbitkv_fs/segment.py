@@ -179,6 +179,12 @@ def turboquant_record_bytes(head_dim: int, bits: int, role: Role) -> int:
     return side + head_dim * bits // 8
 
 
+def turboquant_stored_bytes(original_length: int, head_dim: int, bits: int, role: Role) -> int:
+    """Payload bytes of a TurboQuant segment of ``original_length`` bytes of 16-bit vectors: a record per
+    whole vector (the header check, the GPU engine's slots and the Manager's batch sizing use this)."""
+    return original_length // (2 * head_dim) * turboquant_record_bytes(head_dim, bits, role)
+
+
 TURBOQUANT_HEAD_DIMS = (32, 64, 128, 256)
 TURBOQUANT_BITS = (3, 4)
 
@@ -243,7 +249,7 @@ def _check_fields(h: SegmentHeader) -> None:
         vec_bytes = h.head_dim * 2
         if h.original_length % vec_bytes:
             raise LengthMismatch("turboquant segment: original length is not whole vectors")
-        expect = h.original_length // vec_bytes * turboquant_record_bytes(h.head_dim, h.bits, h.role)
+        expect = turboquant_stored_bytes(h.original_length, h.head_dim, h.bits, h.role)
         if h.stored_length != expect:
             raise LengthMismatch(f"turboquant segment: stored length {h.stored_length} != {expect}")
     elif h.format == Format.ANS:
