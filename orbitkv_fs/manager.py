@@ -87,7 +87,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -122,11 +122,14 @@ from .segment import (
     Role,
     SegmentHeader,
     crc32c,
-    pack_header,
+    dtype_code,
+    pack_header_into,
     parse_header,
     parse_segment,
+    peek_source,
     turboquant_stored_bytes,
 )
+from .hostmem import host_address
 from .tiers.dram import UNIT, DramTier, units_of
 
 log = logging.getLogger(__name__)
@@ -1227,7 +1230,7 @@ class Manager:
                 _to_host(seg.view(b), dst[j])
             h = SegmentHeader(Format.RAW, seg.dtype, n, n, crc32c(body), role=seg.role, layer=seg.layer,
                               raw_reason=seg.raw_reason)
-            self.dram.view(off, HEADER_SIZE)[:] = np.frombuffer(pack_header(h), dtype=np.uint8)
+            pack_header_into(h, self.dram.view(off, HEADER_SIZE))
         except BaseException:
             self.dram.cancel(off, total)
             raise
@@ -1436,14 +1439,20 @@ class Manager:
             sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
-            # Phase 1: verify every source and check it against its destination; write nothing yet.
-            # Segments bound for GPU pages through the GPU engine get their payload CRC32C checked there,
-            # before anything is written to their destination (a mismatch is a miss, as here).
+            # Phase 1: check every source against its destination; write nothing yet. Segments bound for
+            # GPU pages through the GPU engine get their payload CRC32C checked there, before anything is
+            # written to their destination (a mismatch is a miss, as here); their headers are verified in
+            # full batch by batch while the GPU works on the previous batch (_decode_gpu). Here only their
+            # size fields are read, so that a request its blocks cannot hold still fails before anything
+            # is written; a header whose fields disagree is verified at once, to tell corruption (a miss)
+            # from a wrong request (RequestError).
             gpu = self._gpu_codecs
             on_device = eng.info.device != "host"
             gpu_checks = gpu is not None and on_device
+            codes = {id(s): _dtype_code_or_none(s.dtype) for s in segs}
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
+            deferred: list[tuple[int, _Seg, ChunkBlocks, None, memoryview, bytes]] = []  # headers checked later
             from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
                 for seg, kb in zip(segs, ks):
@@ -1454,6 +1463,10 @@ class Manager:
                     if src is None:
                         bad.setdefault(ci, reasons.get(kb, "missing"))
                         continue
+                    want = len(ch.blocks) * seg.block_bytes
+                    if gpu_checks and peek_source(src) == (codes[id(seg)], want):
+                        deferred.append((ci, seg, ch, None, memoryview(src), kb))
+                        continue
                     try:
                         # Arena extents (shared memory) are checked in full; lower-tier bytes were
                         # validated by the tier a moment ago and need no second payload CRC pass.
@@ -1462,7 +1475,6 @@ class Manager:
                         self._add(decode_failures=1)
                         bad[ci] = f"corrupt: {type(e).__name__}: {e}"
                         continue
-                    want = len(ch.blocks) * seg.block_bytes
                     if h.original_length != want or h.dtype != seg.dtype:
                         raise RequestError(
                             f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {h.original_length} "
@@ -1476,7 +1488,7 @@ class Manager:
             # segment of it is written.
             done_ssd, served_ssd = self._restore_ssd_device(eng, from_ssd, bad, reasons)
             segments = logical = stored = 0
-            coded: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            coded: list[tuple[int, _Seg, ChunkBlocks, "SegmentHeader | None", memoryview, bytes]] = deferred
             raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
             done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = done_ssd
             for item in plan:
@@ -1484,7 +1496,7 @@ class Manager:
                 if ci in bad:
                     continue
                 if gpu is not None and (h.format != Format.RAW or on_device):
-                    coded.append(item)
+                    coded.append(item + (b"",))
                 elif on_device and h.format == Format.RAW:
                     raw_dev.append(item)
                 else:
@@ -1494,7 +1506,7 @@ class Manager:
                     except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
                         done.append((ci, seg, ch, h, e))
             if coded:
-                done += self._decode_gpu(coded)
+                done += self._decode_gpu(eng, coded, bad)
             uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
             if raw_dev:
                 done += self._upload_raw(raw_dev, uploads)
@@ -1615,7 +1627,7 @@ class Manager:
                 out[kb] = bytes(blob)
         return out
 
-    def _restore_batches(self, items: list, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
+    def _restore_batches(self, items: Iterable, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
         """``items`` in batches of at most ``batch_segments`` and the codec budget in ``nbytes`` (one item
         may exceed it); with ``logical``, also at most ``BATCH_EXPANSION`` budgets of those bytes."""
         budget = self._batch_budget()
@@ -1634,21 +1646,39 @@ class Manager:
         if batch:
             yield batch
 
-    def _decode_gpu(self, items: list) -> list:
-        """Coded segments through the GPU codec engine, in batches (per rotation seed). Answers
-        ``(ci, seg, ch, h, error or None)`` per item; the GPU blocks are written when this returns, except
-        those of irregular layouts, queued on the current stream (the caller synchronises it)."""
-        out = []
-        by_seed: dict[int, list] = {}
-        for it in items:
-            by_seed.setdefault(it[3].rotation_seed, []).append(it)
-        jobs = [(seed, batch) for seed, group in by_seed.items()
-                for batch in self._restore_batches(group, lambda it: _decode_bound(it[3]),
-                                                   lambda it: it[3].original_length)]
+    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str]) -> list:
+        """Segments through the GPU codec engine, in batches: ``(ci, seg, ch, h, blob, kb)`` items, ``h``
+        None where the header is still to be verified (against key ``kb``, just before the item's batch is
+        formed, so that this runs while the GPU works on the previous batch). A header that fails is a miss
+        for its chunk (``bad[ci]``), whose later segments are then skipped. Answers ``(ci, seg, ch, h, error
+        or None)`` per segment decoded; the GPU blocks are written when this returns, except those of
+        irregular layouts, queued on the current stream (the caller synchronises it)."""
+
+        def verified() -> Iterator[tuple]:
+            for ci, seg, ch, h, blob, kb in items:
+                if ci in bad:
+                    continue
+                if h is None:
+                    try:
+                        h = _verify_header(kb, blob)
+                        if h.original_length != len(ch.blocks) * seg.block_bytes or h.dtype != seg.dtype:
+                            # phase 1 read other size fields: the bytes changed under the lease
+                            raise SegmentError(f"header changed: {h.original_length} bytes of {h.dtype}")
+                    except SegmentError as e:
+                        self._add(decode_failures=1)
+                        bad[ci] = f"corrupt: {type(e).__name__}: {e}"
+                        continue
+                yield ci, seg, ch, h, blob
+
+        # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
+        # exact and TurboQuant segments share batches.
+        seed = eng.reg.rotation_seed
+        jobs = self._restore_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
         copies: list = []  # the event after each batch's block copies
+        out = []
 
         def end(started: tuple) -> list:
             part, ev = self._decode_end(*started)
@@ -1657,7 +1687,7 @@ class Manager:
             return part
 
         try:
-            for part in _pipelined(jobs, lambda job: self._decode_start(*job), end):
+            for part in _pipelined(jobs, lambda batch: self._decode_start(seed, batch), end):
                 out += part
         finally:
             if copies:
@@ -1799,7 +1829,7 @@ class Manager:
         """The arena offset of ``blob`` when it is a view of the arena, else None."""
         if not isinstance(blob, memoryview) or not len(blob):
             return None
-        off = np.frombuffer(blob, np.uint8).ctypes.data - self.dram.arena.base_address
+        off = host_address(blob) - self.dram.arena.base_address
         return off if 0 <= off and off + len(blob) <= self.dram.arena.size else None
 
     def _pinned(self, blob) -> bool:
@@ -2394,6 +2424,14 @@ def _coded_bound(seg: _Seg, n: int) -> int:
     return n
 
 
+def _dtype_code_or_none(dtype: np.dtype) -> int | None:
+    """The segment format's code of ``dtype``, None where the format has none (no header can match)."""
+    try:
+        return dtype_code(dtype)
+    except SegmentError:
+        return None
+
+
 def _decode_bound(h: SegmentHeader) -> int:
     """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
     staged in); for ANS its decoded size, as before: the engine's workspace also holds nvCOMP's output, and
@@ -2402,7 +2440,7 @@ def _decode_bound(h: SegmentHeader) -> int:
     return h.original_length if h.format == Format.ANS else h.stored_length
 
 
-def _pipelined(items: Sequence, start: Callable, end: Callable) -> list:
+def _pipelined(items: Iterable, start: Callable, end: Callable) -> list:
     """``end(start(item))`` for each item, in order, two at a time: item i+1 is started before item i is
     ended, so that one item's host work overlaps the other's device work. On an error every started item
     is still ended (an error there is dropped: the first one is raised). Answers the ``end`` results."""

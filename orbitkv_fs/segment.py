@@ -3,7 +3,8 @@
 A segment is a fixed 64-byte little-endian header followed by its payload. ``docs/format.md`` is the
 normative description; this module is its only implementation. Primitives:
 
-* :func:`pack_header` / :func:`parse_header` -- header bytes <-> :class:`SegmentHeader`, fully validated.
+* :func:`pack_header` (:func:`pack_header_into` a buffer) / :func:`parse_header` -- header bytes <->
+  :class:`SegmentHeader`, fully validated.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
 * :func:`parse_segment` -- validate a whole segment (header, lengths, payload CRC) and return a view
   of its payload.
@@ -259,30 +260,41 @@ def _check_fields(h: SegmentHeader) -> None:
             raise LengthMismatch("ans segment with an empty payload")
 
 
+_SIZES = struct.Struct("<15xBI")  # the source dtype code and original length, at their header offsets
+
+
+def peek_source(buf: "bytes | bytearray | memoryview | np.ndarray") -> "tuple[int, int] | None":
+    """``(dtype code, original length)`` as the header at the start of ``buf`` claims them, unverified;
+    None when ``buf`` is shorter than a header. A caller that must refuse a mismatched request before
+    anything is written reads these, and verifies the whole header (:func:`parse_header`) later."""
+    if len(buf) < HEADER_SIZE:
+        return None
+    return _SIZES.unpack_from(buf)
+
+
+def _fields(h: SegmentHeader) -> tuple:
+    """``_STRUCT``'s values of ``h`` (its CRC left 0). Validates ``h`` first."""
+    _check_fields(h)
+    return (MAGIC, HEADER_VERSION, int(h.format), h.flags, h.bits, int(h.role), h.head_dim, h.layer,
+            h.sign_version, dtype_code(h.dtype), h.original_length, h.stored_length, h.payload_crc,
+            h.rotation_seed, h.codec_version, int(h.ans_type), int(h.raw_reason), 0)
+
+
 def pack_header(h: SegmentHeader) -> bytes:
     """The 64 header bytes of ``h``, its own CRC32C included. Validates ``h`` first."""
-    _check_fields(h)
-    body = _STRUCT.pack(
-        MAGIC,
-        HEADER_VERSION,
-        int(h.format),
-        h.flags,
-        h.bits,
-        int(h.role),
-        h.head_dim,
-        h.layer,
-        h.sign_version,
-        dtype_code(h.dtype),
-        h.original_length,
-        h.stored_length,
-        h.payload_crc,
-        h.rotation_seed,
-        h.codec_version,
-        int(h.ans_type),
-        int(h.raw_reason),
-        0,
-    )
+    body = _STRUCT.pack(*_fields(h))
     return body[:_CRC_SPAN] + struct.pack("<I", _crc32c.crc32c(body[:_CRC_SPAN]))
+
+
+def pack_header_into(h: SegmentHeader, buf: "bytearray | memoryview | np.ndarray", offset: int = 0) -> None:
+    """Write :func:`pack_header`'s 64 bytes into writable ``buf`` at ``offset`` (a segment's slot), with
+    no intermediate bytes object."""
+    _STRUCT.pack_into(buf, offset, *_fields(h))
+    crc = _crc32c.crc32c(memoryview(buf)[offset:offset + _CRC_SPAN])
+    _CRC.pack_into(buf, offset + _CRC_SPAN, crc)
+
+
+_CRC = struct.Struct("<I")
 
 
 def parse_header(buf: "bytes | bytearray | memoryview") -> SegmentHeader:

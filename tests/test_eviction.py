@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import pytest
 
-from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy, make_policy
+from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy, _Lists, make_policy
 
 
 def test_lru_matches_an_ordered_dict():
@@ -84,3 +84,39 @@ def test_policy_columns_stay_small():
     per = lambda p, cols: sum(c.itemsize * c.buffer_info()[1] for c in cols) / 100_000  # noqa: E731
     assert per(lru, (lru._l.prev, lru._l.next, lru._l.queue, lru._l.size, lru._l.freq)) == 9
     assert per(s3, (s3._l.prev, s3._l.next, s3._l.queue, s3._l.size, s3._l.freq)) == 14
+
+
+def test_to_head_is_unlink_then_push_head():
+    """LRU's touch moves a slot to the head in one step; over random touches, unlinks and inserts it
+    leaves both link directions exactly as unlink + push_head does."""
+    def order(lists: _Lists) -> list[int]:
+        fwd, s = [], lists.head[0]
+        while s != -1:
+            fwd.append(s)
+            s = lists.next[s]
+        back, s = [], lists.tail[0]
+        while s != -1:
+            back.append(s)
+            s = lists.prev[s]
+        assert back[::-1] == fwd
+        return fwd
+
+    rng = random.Random(1)
+    a, b = _Lists(1, weighted=False), _Lists(1, weighted=False)
+    for s in range(50):
+        a.push_head(0, s, 0)
+        b.push_head(0, s, 0)
+    for _ in range(5000):
+        s, r = rng.randrange(50), rng.random()
+        if r < 0.1:
+            a.unlink(s)
+            b.unlink(s)
+        elif r < 0.2:
+            if a.queue[s] < 0:
+                a.push_head(0, s, 0)
+                b.push_head(0, s, 0)
+        elif a.queue[s] == 0:
+            a.to_head(0, s)
+            assert b.unlink(s) == 0
+            b.push_head(0, s, 0)
+        assert order(a) == order(b) and a.count == b.count

@@ -18,7 +18,7 @@ import pytest
 
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key, pack_key
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig, _run_of
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig, RequestError, _run_of
 from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu
@@ -192,6 +192,52 @@ def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec, engine):
                 elif codec == "none":
                     assert np.array_equal(got[:, b], want[:, b])
         assert m.stats().decode_failures >= 1
+
+
+@pytest.mark.parametrize("codec", ["none", "turboquant-4"])
+def test_corrupt_headers_are_misses_and_a_wrong_size_fails_on_gpu_pages(codec, engine):
+    """Headers of segments bound for GPU pages are verified batch by batch during the restore: a header
+    whose CRC32C fails (a flipped reserved byte, found only by the full check) and one whose length field
+    was changed (the up-front size check sees it and verifies at once) make their chunks misses, not
+    request errors; their destination blocks keep what they held, and the other chunks are restored over
+    many batches (turboquant-4 mixes its exact and quantised layers in them). A request whose blocks
+    cannot hold a segment is a RequestError with nothing written."""
+    cmd, reply, handle, original = engine
+    chunks = [ChunkBlocks(chunk_key(f"h{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
+                               batch_segments=8)) as m:
+        e = m.register_engine(_registration(handle))
+        m.save(e.engine_id, chunks)
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        ns = m._engines[e.engine_id].ns
+        for ci, layer, role, at in ((5, 3, Role.KEY, 40), (9, 1, Role.VALUE, 17)):
+            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
+            m.dram.unlease([(slot, gen)])
+            m.dram.view(off + at, 1)[0] ^= 0x10  # byte 40: reserved; byte 17: the original length
+        cmd.put("zero")
+        reply.get(timeout=60)
+        with pytest.raises(RequestError):
+            m.restore(e.engine_id, [ChunkBlocks(chunks[0].key, [0, 1, 2])])
+        cmd.put("read")
+        assert not np.frombuffer(reply.get(timeout=60), np.uint16).any()  # the refused request wrote nothing
+        before = m.stats().decode_failures
+        res = m.restore(e.engine_id, chunks)
+        assert res.restored == [i not in (5, 9) for i in range(len(chunks))]
+        assert {x.key for x in res.misses} == {chunks[5].key, chunks[9].key}
+        assert all(x.reason.startswith("corrupt") for x in res.misses), res.misses
+        assert m.stats().decode_failures == before + 2
+        assert m._gpu_codecs.stats()["restore_batches"] >= 8
+        cmd.put("read")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        for b in chunks[5].blocks:
+            assert not got[2 * 3, b].any()
+        for b in chunks[9].blocks:
+            assert not got[2 * 1 + 1, b].any()
+        keep = [b for i, ch in enumerate(chunks) if i not in (5, 9) for b in ch.blocks]
+        assert_restored(got[:, keep], saved[:, keep], codec)
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])

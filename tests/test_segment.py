@@ -31,8 +31,10 @@ from orbitkv_fs.segment import (
     aligned,
     build_segment,
     pack_header,
+    pack_header_into,
     parse_header,
     parse_segment,
+    peek_source,
     worth_keeping,
 )
 
@@ -214,6 +216,27 @@ def test_pack_header_refuses_invalid_fields():
         pack_header(SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 5, 0))
     with pytest.raises(errors.UnknownFormat):
         pack_header(SegmentHeader(Format.FP8, np.dtype(np.float32), 8, 4, 0, bits=8))
+
+
+def test_pack_header_into_writes_the_same_bytes_in_place():
+    h = SegmentHeader(Format.FP8, BF16, 4096, 2048, 0xDEADBEEF, bits=8, layer=7, role=Role.KEY)
+    buf = np.full(3 * HEADER_SIZE, 0xAB, dtype=np.uint8)
+    pack_header_into(h, buf, HEADER_SIZE)
+    assert bytes(buf[HEADER_SIZE:2 * HEADER_SIZE]) == pack_header(h)
+    assert (buf[:HEADER_SIZE] == 0xAB).all() and (buf[2 * HEADER_SIZE:] == 0xAB).all()  # nothing else touched
+    with pytest.raises(errors.LengthMismatch):  # validated like pack_header
+        pack_header_into(SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 5, 0), buf)
+
+
+def test_peek_source_reads_the_size_fields_unverified():
+    h = SegmentHeader(Format.RAW, BF16, 4096, 4096, 0, layer=3)
+    blob = bytearray(build_segment(h, bytes(4096)))
+    assert peek_source(blob) == (4, 4096)  # bfloat16's code, the original length
+    assert peek_source(memoryview(blob)[:HEADER_SIZE - 1]) is None
+    blob[17] ^= 0x10  # a corrupt length: peek reports it as is, parse_header refuses it
+    assert peek_source(blob) == (4, 4096 ^ 0x1000)
+    with pytest.raises(errors.HeaderChecksumMismatch):
+        parse_header(blob)
 
 
 def test_worth_keeping_is_the_aligned_one_eighth_rule():

@@ -70,6 +70,24 @@ class _Lists:
             self.size[slot] = nbytes
             self.bytes[q] += nbytes
 
+    def to_head(self, q: int, slot: int) -> None:
+        """Move ``slot``, linked in list ``q``, to that list's head: :meth:`unlink` then :meth:`push_head`
+        in one step (an LRU touch, once per segment a restore leases)."""
+        h = self.head[q]
+        if h == slot:
+            return
+        prev, nxt = self.prev, self.next
+        p, n = prev[slot], nxt[slot]  # p is linked: slot is not the head
+        nxt[p] = n
+        if n != _NIL:
+            prev[n] = p
+        else:
+            self.tail[q] = p
+        prev[slot] = _NIL
+        nxt[slot] = h
+        prev[h] = slot
+        self.head[q] = slot
+
     def unlink(self, slot: int) -> int:
         """Remove ``slot`` from its list; returns the list it was in (-1 when unlinked)."""
         if slot >= len(self.queue):
@@ -104,8 +122,8 @@ class LruPolicy:
 
     def touch(self, slot: int) -> None:
         l = self._l
-        if l.unlink(slot) == 0:
-            l.push_head(0, slot, 0)
+        if slot < len(l.queue) and l.queue[slot] == 0:
+            l.to_head(0, slot)
 
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)
