@@ -315,7 +315,7 @@ class _Fill(NamedTuple):
 
     def add(self, other: "_Fill") -> "_Fill":
         return _Fill(self.k + other.k, self.bytes + other.bytes, self.ans + other.ans, self.chunks + other.chunks,
-                     self.ans_bytes + other.ans_bytes, self.types | other.types)
+                     self.ans_bytes + other.ans_bytes, self.types | other.types if other.types else self.types)
 
 
 @dataclass(eq=False)

@@ -89,11 +89,20 @@ class ObjectIndex:
         """``layer * 3 + role`` of the object in ``slot`` (see :func:`_sub_of`)."""
         return self.layer[slot] * _ROLES + self.role[slot]
 
-    def add(self, key: bytes, offset: int, units: int, length: int, logical: int, rep: int) -> tuple[int, int]:
-        """Publish ``key`` (absent) at ``offset``; returns ``(slot, generation)``."""
+    def add(self, key: bytes, offset: int, units: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
+        """Publish ``key`` at ``offset``; returns ``(slot, generation)``, or None (and changes nothing) when
+        ``key`` is LIVE already."""
         sub = _sub_of(key)
         if sub < 0:
             raise ValueError(f"not a packed object key: {key!r}")
+        prefix = key[:_KEY_NS_CHUNK]
+        have = self._segs.get(prefix)
+        if have is not None:  # the presence test of get(), on the lookup add needs anyway
+            if type(have) is int:
+                if sub == self._sub(have):
+                    return None
+            elif 0 <= sub - have[0] < len(have) - 1 and have[1 + sub - have[0]] >= 0:
+                return None
         if self._free:
             slot = self._free.pop()
         else:
@@ -103,8 +112,6 @@ class ObjectIndex:
                 col.append(0)
             for col in (self.rep, self.state, self.layer, self.role):
                 col.append(0)
-        prefix = key[:_KEY_NS_CHUNK]
-        have = self._segs.get(prefix)
         if have is None:
             self._segs[prefix] = slot
             self.chunks[prefix] = 1

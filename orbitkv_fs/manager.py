@@ -1157,46 +1157,10 @@ class Manager:
         try:
             self._check_chunks(eng, chunks)
             self._remember_prefix(eng, [ch.key for ch in chunks])
-            nseg = len(eng.segs)
             todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
-            present = 0
-            saved_chunks = set()
-            for ch in chunks:
-                if self.dram.chunk_count(eng.ns + ch.key) >= nseg:
-                    present += 1
-                    continue
-                for seg in eng.segs:
-                    kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
-                    if not self.dram.contains(kb):
-                        todo.append((ch, seg, kb))
             acc = _SaveAcc()
-            budget = self._batch_budget()
-            batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
-            batch_bytes = batch_coded = 0
-            # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
-            # device-to-host copy into the arena per batch) rather than a host copy per block.
-            raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
-            batches: list[list[tuple[ChunkBlocks, _Seg, bytes]]] = []
-            for item in todo:
-                if item[1].codec is None and raw_on_host:
-                    self._save_raw(eng, item, acc)
-                    continue
-                n = len(item[0].blocks) * item[1].block_bytes
-                coded = _coded_bound(item[1], n)
-                # A batch closes before its encoded bytes would pass the budget: two of them must fit side by
-                # side in the GPU engine's workspace, or the next one waits for the previous one's copies to
-                # end. Sized by encoded bytes, a compressing codec's batch carries more source, so the
-                # per-batch host work is spread over more logical bytes.
-                if batch and (len(batch) >= self._config.batch_segments or batch_coded + coded > budget
-                              or batch_bytes + n > BATCH_EXPANSION * budget):
-                    batches.append(batch)
-                    batch, batch_bytes, batch_coded = [], 0, 0
-                batch.append(item)
-                batch_bytes += n
-                batch_coded += coded
-            if batch:
-                batches.append(batch)
-            self._save_batches(eng, batches, acc)
+            self._save_batches(eng, self._plan_save(eng, chunks, todo, acc), acc)
+            present, saved_chunks = acc.present, set()
             for ch, _, kb in todo:
                 if kb in acc.admitted:
                     saved_chunks.add(ch.key)
@@ -1208,6 +1172,47 @@ class Manager:
                               dropped_segments=acc.dropped, seconds=dt)
         finally:
             self._exit(eng)
+
+    def _plan_save(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list, acc: "_SaveAcc") -> Iterator:
+        """The codec batches of a save, formed as the pipeline asks for them (the first one goes to the GPU
+        before the later chunks are looked at): the ``(chunk, seg, key)`` segments not cached yet, also
+        appended to ``todo``. Exact segments of host pages are saved here, straight into the arena.
+        ``acc.present`` counts the chunks present in full already."""
+        nseg = len(eng.segs)
+        budget = self._batch_budget()
+        batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+        batch_bytes = batch_coded = 0
+        # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
+        # device-to-host copy into the arena per batch) rather than a host copy per block.
+        raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
+        for ch in chunks:
+            if self.dram.chunk_count(eng.ns + ch.key) >= nseg:
+                acc.present += 1
+                continue
+            for seg in eng.segs:
+                kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
+                if self.dram.contains(kb):
+                    continue
+                item = (ch, seg, kb)
+                todo.append(item)
+                if seg.codec is None and raw_on_host:
+                    self._save_raw(eng, item, acc)
+                    continue
+                n = len(ch.blocks) * seg.block_bytes
+                coded = _coded_bound(seg, n)
+                # A batch closes before its encoded bytes would pass the budget: two of them must fit side by
+                # side in the GPU engine's workspace, or the next one waits for the previous one's copies to
+                # end. Sized by encoded bytes, a compressing codec's batch carries more source, so the
+                # per-batch host work is spread over more logical bytes.
+                if batch and (len(batch) >= self._config.batch_segments or batch_coded + coded > budget
+                              or batch_bytes + n > BATCH_EXPANSION * budget):
+                    yield batch
+                    batch, batch_bytes, batch_coded = [], 0, 0
+                batch.append(item)
+                batch_bytes += n
+                batch_coded += coded
+        if batch:
+            yield batch
 
     def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
         """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
@@ -1247,10 +1252,10 @@ class Manager:
         budget = self._config.storage_codec_budget
         return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
-    def _save_batches(self, eng: _Engine, batches: list[list[tuple[ChunkBlocks, _Seg, bytes]]],
+    def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
                       acc: "_SaveAcc") -> None:
-        """Encode and admit ``batches`` in order, pipelined: batch i+1 is gathered and queued on the GPU
-        before the host waits for batch i and publishes its segments."""
+        """Encode and admit ``batches`` (:meth:`_plan_save`) in order, pipelined: batch i+1 is formed,
+        gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
         _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
@@ -1324,32 +1329,41 @@ class Manager:
         regions = sb.regions
         heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
         used: list[tuple[int, int]] = []  # arena extents published in place
-        reps: collections.Counter[str] = collections.Counter()
+        reps = [0] * (max(_REP_NAMES) + 1)  # segments per Format value
         raws: collections.Counter[str] = collections.Counter()
+        # The per-segment loop of every save: the region test and the publish are inlined, not calls
+        # (_arena_offset), since at 512 KiB segments the host's work per segment bounds the throughput.
+        arena, publish, admit = self.dram.arena, self.dram.publish, acc.admit
+        base = arena.base_address
+        lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
         try:
             for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
                 h = h or parse_header(blob)
-                reps[_REP_NAMES[int(h.format)]] += 1
-                if h.raw_reason != RawReason.NONE:
+                fmt = int(h.format)
+                reps[fmt] += 1
+                if h.raw_reason:
                     raws[h.raw_reason.name.lower()] += 1
-                off = self._arena_offset(blob) if regions else None
-                if off is not None and any(o <= off < o + n for o, n in regions):
-                    used.append((off, units_of(len(blob)) * UNIT))
+                n = len(blob)
+                off = host_address(blob) - base if regions and type(blob) is memoryview and n else -1
+                if lo <= off < hi and (len(regions) == 1 or any(o <= off < o + k for o, k in regions)):
+                    used.append((off, units_of(n) * UNIT))
                 else:
-                    off = self.dram.reserve(len(blob))
+                    off = self.dram.reserve(n)
                     if off is None:
                         self._demote_direct(kb, blob, acc)
                         continue
-                    self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
-                if self.dram.publish(kb, off, len(blob), h.original_length, int(h.format)) is not None:
-                    acc.admit(kb, h.original_length, len(blob))
+                    self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
+                if publish(kb, off, n, h.original_length, fmt) is not None:
+                    admit(kb, h.original_length, n)
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             for off, n in _gaps(regions, used):
                 self.dram.cancel(off, n)
             regions.clear()
         with self._stat_lock:  # one lock round per batch, not two per segment
-            for name, n in reps.items():
-                self._codec_segments[name] = self._codec_segments.get(name, 0) + n
+            for fmt, n in enumerate(reps):
+                if n:
+                    name = _REP_NAMES[fmt]
+                    self._codec_segments[name] = self._codec_segments.get(name, 0) + n
             for name, n in raws.items():
                 self._raw[name] = self._raw.get(name, 0) + n
         for name, n in raws.items():
@@ -2237,11 +2251,11 @@ def _housekeep(manager: "weakref.ref[Manager]", stop: threading.Event, interval:
 
 
 class _SaveAcc:
-    __slots__ = ("admitted", "logical", "stored", "raw", "dropped")
+    __slots__ = ("admitted", "logical", "stored", "raw", "dropped", "present")
 
     def __init__(self) -> None:
         self.admitted: set[bytes] = set()
-        self.logical = self.stored = self.dropped = 0
+        self.logical = self.stored = self.dropped = self.present = 0
         self.raw: dict[str, int] = {}
 
     def admit(self, kb: bytes, logical: int, stored: int) -> None:

@@ -54,3 +54,26 @@ def test_shuffled_blocks_and_profile(tmp_path):
     assert res["throughput"]["geometry"]["block_order"] == "shuffled"
     assert "shuffled block ids" in (out / "pipeline-cpu.md").read_text()
     assert "_throughput" in (out / "profile-cpu.txt").read_text()
+
+
+def test_round_robin_keeps_every_codec_and_the_row_order():
+    """The GPU path's round robin (a Manager per codec, each repeat running every codec once) on host
+    pages: the same rows, in codec-major order, each with its own stored bytes and ratio to none."""
+    pages, reg = bench_pipeline._engine(64, 4)
+    try:
+        out = bench_pipeline._throughput(["none", "fp8"], reg, 64, 2, "cpu",
+                                         lambda: bench_pipeline._host_baseline(pages, 1), "shuffled", pages="host",
+                                         baseline_name="copy", segment_sizes=(256 << 10, 1 << 20), round_robin=True)
+    finally:
+        pages.close()
+    assert out["round_robin"] is True
+    runs = out["runs"]
+    assert [(r["codec"], r["segment_bytes"]) for r in runs] == [(c, s) for c in ("none", "fp8")
+                                                                 for s in (256 << 10, 1 << 20)]
+    for r in runs:
+        ratio = r["stored_bytes"] / r["logical_bytes"]
+        assert (0.49 < ratio < 0.52) if r["codec"] == "fp8" else (1.0 <= ratio < 1.01)
+        none = next(x for x in runs if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"])
+        assert abs(r["save_vs_none"] - r["save_gbs"] / none["save_gbs"]) < 1e-9
+    md = bench_pipeline._markdown({"device": "cpu", "host": "h", "throughput": out}, "cmd")
+    assert "round robin" in md

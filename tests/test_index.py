@@ -1,6 +1,6 @@
-"""ObjectIndex against a plain dict model: random add / hide / free over a few chunks, layers and roles,
-checking get, chunk counts, keys, items and the compact per-chunk forms after every step; malformed keys;
-and its memory per segment (the benchmark's target, at a smaller count)."""
+"""ObjectIndex against a plain dict model: random add (also of live keys: refused) / hide / free over a few
+chunks, layers and roles, checking get, chunk counts, keys, items and the compact per-chunk forms after
+every step; malformed keys; and its memory per segment (the benchmark's target, at a smaller count)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,10 @@ def test_random_against_a_model():
         op = rnd.random()
         if op < 0.5:
             k = rnd.choice(universe)
-            if k in live:
+            if k in live:  # adding a live key changes nothing: no slot, no generation, no count
+                n, free = len(ix), len(ix._free)
+                assert ix.add(k, step, 1, 100, 200, 1) is None
+                assert (len(ix), len(ix._free), ix.get(k)) == (n, free, live[k])
                 continue
             slot, gen = ix.add(k, step, 1, 100, 200, 1)
             assert gen not in gens and slot not in live.values() and slot not in hidden

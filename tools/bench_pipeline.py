@@ -19,6 +19,7 @@ pinned device-to-host and host-to-device copies of the same pages.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
@@ -176,7 +177,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)",
-                           segment_sizes=segment_sizes, codec_budget=codec_budget)
+                           segment_sizes=segment_sizes, codec_budget=codec_budget, round_robin=True)
     finally:
         cmd.put("stop")
         proc.join(30)
@@ -184,7 +185,8 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
                 baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
-                segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20) -> dict:
+                segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20,
+                round_robin: bool = False) -> dict:
     layers = reg.num_layers
     out: dict = {"geometry": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
@@ -196,41 +198,55 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
     order = np.arange(num_blocks)
     if block_order == "shuffled":
         np.random.default_rng(1).shuffle(order)
-    for codec in codecs:
-        with Manager(ManagerConfig(pool_size=2 * num_blocks * BLOCK_BYTES * layers * 2 + (64 << 20),
-                                   storage_codec=codec, storage_codec_budget=codec_budget, device=device)) as m:
-            e = m.register_engine(reg)
+    # Round robin: each repeat runs every codec once, so that each codec's best-of figure samples the same
+    # stretches of a shared machine (its host's speed drifts for seconds at a time) and the 'vs none'
+    # ratios compare like with like. It keeps a Manager (and arena) per codec alive at once: the GPU path
+    # only; the host path keeps one Manager at a time (its arena lives in /dev/shm).
+    groups = [list(codecs)] if round_robin else [[c] for c in codecs]
+    runs: dict[tuple[str, int], dict] = {}
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            ms = {}
+            for codec in group:
+                m = stack.enter_context(Manager(ManagerConfig(
+                    pool_size=2 * num_blocks * BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=codec,
+                    storage_codec_budget=codec_budget, device=device)))
+                ms[codec] = (m, m.register_engine(reg))
             # As orbitkv-cache-manager does once it serves: full collections then skip the start-up heap
-            # (modules, cupy, the Manager), which they would otherwise rescan every few calls (35-40 ms).
+            # (modules, cupy, the Managers), which they would otherwise rescan every few calls (35-40 ms).
             gc.collect()
             gc.freeze()
             for seg in segment_sizes:
                 per = seg // BLOCK_BYTES
-                chunks = [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
-                          for i in range(num_blocks // per)]
-                base = baseline()  # right next to this figure
-                save_s = restore_s = float("inf")
-                stored = logical = 0
+                chunks = {codec: [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
+                                  for i in range(num_blocks // per)] for codec in group}
+                base = baseline()  # right next to these figures
+                best = {codec: [float("inf"), float("inf"), 0, 0] for codec in group}  # save s, restore s, bytes
                 for _ in range(repeat):
-                    m.invalidate(all=True)
-                    r = m.save(e.engine_id, chunks)
-                    save_s = min(save_s, r.seconds)
-                    stored, logical = r.stored_bytes, r.logical_bytes
-                    rr = m.restore(e.engine_id, chunks)
-                    assert all(rr.restored), rr.misses
-                    restore_s = min(restore_s, rr.seconds)
-                st = m.stats()
-                run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks) * layers * 2,
-                       "logical_bytes": logical, "stored_bytes": stored,
-                       "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
-                       "raw_segments": dict(st.raw_segments)}
-                run["save_vs_baseline"] = run["save_gbs"] / base["save_baseline_gbs"]
-                run["restore_vs_baseline"] = run["restore_gbs"] / base["restore_baseline_gbs"]
-                out["runs"].append(run)
-                print(f"  {codec:>13} {seg >> 10:>5} KiB  save {run['save_gbs']:.3f} GB/s  "
-                      f"restore {run['restore_gbs']:.3f} GB/s  (baseline {base['save_baseline_gbs']:.2f} / "
-                      f"{base['restore_baseline_gbs']:.2f})", file=sys.stderr)
-        gc.unfreeze()  # this Manager's cycles may be collected now
+                    for codec in group:
+                        m, e = ms[codec]
+                        b = best[codec]
+                        m.invalidate(all=True)
+                        r = m.save(e.engine_id, chunks[codec])
+                        b[0], b[2], b[3] = min(b[0], r.seconds), r.stored_bytes, r.logical_bytes
+                        rr = m.restore(e.engine_id, chunks[codec])
+                        assert all(rr.restored), rr.misses
+                        b[1] = min(b[1], rr.seconds)
+                for codec in group:
+                    save_s, restore_s, stored, logical = best[codec]
+                    run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks[codec]) * layers * 2,
+                           "logical_bytes": logical, "stored_bytes": stored,
+                           "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
+                           "raw_segments": dict(ms[codec][0].stats().raw_segments)}
+                    run["save_vs_baseline"] = run["save_gbs"] / base["save_baseline_gbs"]
+                    run["restore_vs_baseline"] = run["restore_gbs"] / base["restore_baseline_gbs"]
+                    runs[(codec, seg)] = run
+                    print(f"  {codec:>13} {seg >> 10:>5} KiB  save {run['save_gbs']:.3f} GB/s  "
+                          f"restore {run['restore_gbs']:.3f} GB/s  (baseline {base['save_baseline_gbs']:.2f} / "
+                          f"{base['restore_baseline_gbs']:.2f})", file=sys.stderr)
+            gc.unfreeze()  # these Managers' cycles may be collected now
+    out["runs"] = [runs[(codec, seg)] for codec in codecs for seg in segment_sizes]
+    out["round_robin"] = round_robin
     for r in out["runs"]:  # the codec targets are relative to none at the same segment size
         none = next((x for x in out["runs"] if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"]), None)
         if none:
@@ -423,9 +439,11 @@ def _markdown(res: dict, command: str) -> str:
                   f"MiB per figure, best of the repeats; codec workspace (--storage-codec-budget) "
                   f"{g.get('storage_codec_budget', 64 << 20) >> 20} MiB. TurboQuant keeps the first and last two layers exact "
                   f"(policy), so {4 / g['layers']:.0%} of its segments are raw here. Baseline: {t['baseline']}, measured right "
-                  "before each row, best of the same number of repeats. 'vs none' compares logical GB/s with "
-                  "codec none at the same segment size. The process freezes its start-up heap (gc.freeze) once the "
-                  "Manager has started, as orbitkv-cache-manager does.", "",
+                  "before the rows of each segment size, best of the same number of repeats. "
+                  + ("Codecs run round robin (each repeat runs every codec once), so their best-of figures sample the "
+                     "same stretches of the machine. " if t.get("round_robin") else "")
+                  + "'vs none' compares logical GB/s with codec none at the same segment size. The process freezes "
+                  "its start-up heap (gc.freeze) once the Managers have started, as orbitkv-cache-manager does.", "",
                   "| codec | segment | save GB/s | restore GB/s | baseline save / restore GB/s | save / baseline | "
                   "restore / baseline | save vs none | restore vs none | stored / logical |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

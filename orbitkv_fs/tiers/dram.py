@@ -226,10 +226,11 @@ class DramTier:
         n = units_of(length)
         with self.lock:
             self.reserved_bytes -= n * UNIT
-            if self.index.get(key) is not None:
+            added = self.index.add(key, offset // UNIT, n, length, logical, rep)
+            if added is None:  # present already
                 self.alloc.free(offset // UNIT, n)
                 return None
-            slot, gen = self.index.add(key, offset // UNIT, n, length, logical, rep)
+            slot, gen = added
             self.policy.insert(slot, n * UNIT, hash(key))
             self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
             self.resident_logical += logical
