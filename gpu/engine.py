@@ -343,6 +343,10 @@ class Worker:
         self.name = name
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copies = cp.cuda.Stream(non_blocking=True)
+        # Orders one stream after another (handoff, wait_for_current): recorded, then waited on at once.
+        # A wait takes the event's latest record when it is queued, so one event serves every ordering
+        # (callers hold the lock) instead of a new CUDA event per batch.
+        self._order = cp.cuda.Event(disable_timing=True)
         self.ws = Workspace(budget, self.sync)
         self.uploads = (_Pinned(), _Pinned())
         self.inflight: list[_Flight] = []  # oldest first
@@ -371,9 +375,8 @@ class Worker:
 
     def handoff(self, after: cp.cuda.Stream, before: cp.cuda.Stream) -> None:
         """Make work queued next on ``after`` wait for everything queued so far on ``before``."""
-        ev = cp.cuda.Event(disable_timing=True)
-        ev.record(before)
-        after.wait_event(ev)
+        self._order.record(before)
+        after.wait_event(self._order)
 
     def sync(self) -> None:
         """Drain both streams."""
@@ -383,9 +386,7 @@ class Worker:
 
     def wait_for_current(self) -> None:
         """Make this worker's stream wait for work already queued on the caller's current stream."""
-        ev = cp.cuda.Event(disable_timing=True)
-        ev.record(cp.cuda.get_current_stream())
-        self.stream.wait_event(ev)
+        self.handoff(self.stream, cp.cuda.get_current_stream())
 
     def launch(self, k: km.Kernels, name: str, segs: int, nsegs: int, total: int, meta: int, table=None) -> None:
         self.stats["launches"] += km.launch(k, name, segs, nsegs, total, meta, self.stream, table)
