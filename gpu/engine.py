@@ -476,17 +476,99 @@ def _within(counts: np.ndarray) -> np.ndarray:
 _NO_SIGNS = (0,) * 8
 
 
-def _descs(rows: list[dict]) -> np.ndarray:
-    """Descriptor rows (dicts of SEG_DTYPE fields, absent = 0) as one structured array, packed row by row
-    with one ``struct`` call each (a column-by-column numpy fill costs twice as much at 64 rows)."""
-    size, pack = km.SEG_STRUCT.size, km.SEG_STRUCT.pack_into
-    buf = bytearray(size * len(rows))
-    for i, r in enumerate(rows):
-        g = r.get
-        pack(buf, i * size, g("src", 0), g("dst", 0), g("n", 0), g("n_dev", 0), g("block0", 0), g("nblocks", 0),
-             g("meta", 0), g("dtype", 0), g("head_dim", 0), g("bits", 0), g("role", 0), g("expect_crc", 0),
-             *g("signs", _NO_SIGNS), g("st_dev", 0))
-    return np.frombuffer(buf, km.SEG_DTYPE)
+def _encode_rows(buf: np.ndarray, at: int, groups: Sequence[tuple[str, list]], payload0: int, seed: int,
+                 chunk_cap: int, base: int, off: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """An encode batch's descriptor rows (SEG_STRUCT), written into ``buf`` from offset ``at``, kernel by kernel
+    in the order of ``groups`` (kernel name, its segments). A segment's payload goes to ``payload0 + p.slot``
+    (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing rows the nvCOMP
+    chunk outputs (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base +
+    off[...]``. Answers, per kernel with segments, (first row, work units)."""
+    pack, size = km.SEG_STRUCT.pack_into, km.SEG_STRUCT.size
+    z8 = _NO_SIGNS
+    rows: dict[str, tuple[int, int]] = {}
+    row = 0
+    for name, plist in groups:
+        if not plist:
+            continue
+        first, block = row, 0
+        for j, p in enumerate(plist):
+            dst = payload0 + p.slot
+            if name == "okv_fp8_encode":
+                nb = km.units_fp8(p.n)
+                pack(buf, at + row * size, p.ptr, dst, p.n, 0, block, nb, p.meta, int(p.dtype == FP16), 0, 0, 0, 0,
+                     *z8, 0)
+            elif name == "okv_ans_pack":  # the j-th ANS segment: its payload length lands in pay_len[j]
+                nb = p.nch
+                pay = base + off["pay_len"] + 8 * j
+                pack(buf, at + row * size, base + p.tmp, dst, p.n, base + off["chunk_sizes"] + 8 * p.chunk0, block,
+                     nb, p.meta, 0, 0, p.cap, 0, chunk_cap, pay & 0xFFFFFFFF, pay >> 32, 0, 0, 0, 0, 0, 0,
+                     base + off["chunk_status"] + 4 * p.chunk0)
+            elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
+                src, out, n = (p.ptr, dst, p.n) if p.kind == "raw" else (dst, 0, p.cap)
+                nb = km.units_bytes(n)
+                pack(buf, at + row * size, src, out, n, 0, block, nb, p.meta, 0, 0, 0, 0, 0, *z8, 0)
+            else:  # okv_tq_encode_k / _v
+                nb = km.units_tq(p.n, p.head_dim)
+                pack(buf, at + row * size, p.ptr, dst, p.n, 0, block, nb, p.meta, int(p.dtype == FP16), p.head_dim,
+                     p.bits, int(p.role), 0, *sign_words(p.head_dim, p.layer, seed), 0)
+            row += 1
+            block += nb
+        rows[name] = (first, block)
+    return rows
+
+
+def _decode_rows(buf: np.ndarray, at: int, plans: list, fp8: list, tq: list, copy: list, src: Callable[[Any], int],
+                 expect: list, actual: int, status: int, base: int) -> dict[str, tuple[int, int, int]]:
+    """A decode batch's descriptor rows (SEG_STRUCT), written into ``buf`` from offset ``at``: the CRC32C
+    check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows. ``src(p)``: where
+    the kernels read p's payload; ``expect``: raw CRCs by ``p.meta``; ``actual`` / ``status``: device
+    addresses of the ANS chunks' decoded sizes and statuses; ``base``: the workspace. Answers, per kernel,
+    (first row, rows, work units)."""
+    pack, size = km.SEG_STRUCT.pack_into, km.SEG_STRUCT.size
+    z8 = _NO_SIGNS
+    firsts: dict[str, tuple[int, int, int]] = {}
+    row = 0
+    block = 0
+    for p in plans:
+        n = p.h.stored_length
+        nb = km.units_bytes(n)
+        pack(buf, at + row * size, src(p), 0, n, 0, block, nb, p.meta, 0, 0, 0, 0, expect[p.meta], *z8, 0)
+        row += 1
+        block += nb
+    firsts["okv_crc32c"] = (0, row, block)
+    first, block = row, 0
+    for p in fp8:
+        h = p.h
+        nb = km.units_fp8(h.original_length)
+        pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, int(h.dtype == FP16),
+             0, 0, 0, expect[p.meta], *z8, 0)
+        row += 1
+        block += nb
+    firsts["okv_fp8_decode"] = (first, row - first, block)
+    first, block = row, 0
+    for p in tq:
+        h = p.h
+        nb = km.units_tq(h.original_length, h.head_dim)
+        pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, int(h.dtype == FP16),
+             h.head_dim, h.bits, int(h.role), expect[p.meta], *sign_words(h.head_dim, h.layer, h.rotation_seed), 0)
+        row += 1
+        block += nb
+    firsts["okv_tq_decode"] = (first, row - first, block)
+    first, block = row, 0
+    for p in copy:
+        h = p.h
+        nb = km.units_bytes(h.original_length)
+        dtype = int(h.dtype == FP16)
+        if p.kind == "raw":
+            pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, dtype, 0, 0, 0,
+                 expect[p.meta], *z8, 0)
+        else:  # ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
+            pack(buf, at + row * size, base + p.scratch, p.dst.ptr, h.original_length, actual + 8 * p.chunk0, block,
+                 nb, p.meta, dtype, ans_format.CHUNK_BYTES, 0, 0, expect[p.meta], *z8, status + 4 * p.chunk0)
+        row += 1
+        block += nb
+    firsts["okv_copy_checked"] = (first, row - first, block)
+    return firsts
 
 
 def _item(obj: Any) -> EncodeItem:
@@ -774,70 +856,19 @@ class GpuCodecEngine:
         off, total = self._enc_layout(plans, temp, align)
         base, upload = w.place(total)
         region = base + off["meta"]
-        # descriptors: fp8 | tq | crc (raw copies, tq outputs, ans outputs)
+        # descriptors: fp8 | tq (K, V) | ANS packing | crc (raw copies, tq outputs)
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
-        crc = [p for p in plans if p.kind in ("raw", "tq")]  # okv_ans_pack computes the ANS payloads' CRC32C
-        rows_out: list[dict] = []
-        up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
-        up[off["meta"]:] = 0
-        row = 0
-        groups: list[tuple[str, int, int]] = []  # kernel, first row, rows
-
-        def fill(plist: list[_Enc], units) -> tuple[int, int]:
-            nonlocal row
-            first, block = row, 0
-            for p in plist:
-                d = {"block0": block, "meta": p.meta}
-                units(p, d)
-                rows_out.append(d)
-                block += int(d["nblocks"])
-                row += 1
-            return first, block
-
-        def fp8_units(p: _Enc, d) -> None:
-            d["src"], d["dst"], d["n"] = p.ptr, region + p.slot + HEADER_SIZE, p.n
-            d["dtype"] = int(p.dtype == FP16)
-            d["nblocks"] = km.units_fp8(p.n)
-
-        def tq_units(p: _Enc, d) -> None:
-            d["src"], d["dst"], d["n"] = p.ptr, region + p.slot + HEADER_SIZE, p.n
-            d["dtype"], d["head_dim"], d["bits"], d["role"] = int(p.dtype == FP16), p.head_dim, p.bits, int(p.role)
-            d["signs"] = sign_words(p.head_dim, p.layer, self.seed)
-            d["nblocks"] = km.units_tq(p.n, p.head_dim)
-
-        ans_index = {id(p): j for j, p in enumerate(ans)}
-        chunk_cap = self._chunk_cap() if ans else 0
-
-        def pay_len(p: _Enc) -> int:
-            return base + off["pay_len"] + 8 * ans_index[id(p)]
-
-        def pack_units(p: _Enc, d) -> None:
-            d["src"], d["dst"], d["n"] = base + p.tmp, region + p.slot + HEADER_SIZE, p.n
-            d["n_dev"] = base + off["chunk_sizes"] + 8 * p.chunk0
-            d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
-            d["expect_crc"], d["bits"] = chunk_cap, p.cap
-            d["signs"] = (pay_len(p) & 0xFFFFFFFF, pay_len(p) >> 32, 0, 0, 0, 0, 0, 0)
-            d["nblocks"] = p.nch
-
-        def crc_units(p: _Enc, d) -> None:
-            payload = region + p.slot + HEADER_SIZE
-            if p.kind == "raw":
-                d["src"], d["dst"], d["n"] = p.ptr, payload, p.n
-            else:  # tq
-                d["src"], d["n"] = payload, p.cap
-            d["nblocks"] = km.units_bytes(int(d["n"]))
-
         tqk = [p for p in tq if p.role == Role.KEY]
         tqv = [p for p in tq if p.role != Role.KEY]
-        for name, plist, units in (("okv_fp8_encode", fp8, fp8_units), ("okv_tq_encode_k", tqk, tq_units),
-                                   ("okv_tq_encode_v", tqv, tq_units),
-                                   ("okv_ans_pack", ans, pack_units), ("okv_crc32c", crc, crc_units)):
-            if plist:
-                first, blocks = fill(plist, units)
-                groups.append((name, first, blocks))
-        descs = _descs(rows_out)
-        up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
+        crc = [p for p in plans if p.kind in ("raw", "tq")]  # okv_ans_pack computes the ANS payloads' CRC32C
+        up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
+        up[off["meta"]:] = 0
+        ans_index = {id(p): j for j, p in enumerate(ans)}
+        chunk_cap = self._chunk_cap() if ans else 0
+        rows = _encode_rows(up, off["desc"], (("okv_fp8_encode", fp8), ("okv_tq_encode_k", tqk),
+                                              ("okv_tq_encode_v", tqv), ("okv_ans_pack", ans), ("okv_crc32c", crc)),
+                            region + HEADER_SIZE, self.seed, chunk_cap, base, off)
         if ans:  # per chunk: source address, source bytes, output buffer (whole-batch numpy passes)
             a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
             cb = ans_format.CHUNK_BYTES
@@ -847,7 +878,6 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        rows = {name: (first, count) for name, first, count in groups}
         counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode_k": len(tqk), "okv_tq_encode_v": len(tqv),
                   "okv_ans_pack": len(ans), "okv_crc32c": len(crc)}
         segs = base + off["desc"]
@@ -1216,50 +1246,14 @@ class GpuCodecEngine:
 
         def src(p: _Dec) -> int:  # where the kernels read the payload
             return p.dev if p.inplace else base + p.staged
-        crc_rows = plans
         fp8 = [p for p in plans if p.kind == "fp8"]
         tq = [p for p in plans if p.kind == "tq"]
         copy = [p for p in plans if p.kind in ("raw", "ans")]
-        rows_out: list[dict] = []
         # the kernels compare raw CRCs (Meta.acc): the header's CRC32C without its zero-byte part
         expect = np.array([p.h.payload_crc for p in plans], dtype=np.uint32) ^ zero_crc(
             np.array([p.h.stored_length for p in plans], dtype=np.int64))
-        row = 0
-        firsts: dict[str, tuple[int, int, int]] = {}
-        for name, plist in (("okv_crc32c", crc_rows), ("okv_fp8_decode", fp8), ("okv_tq_decode", tq),
-                            ("okv_copy_checked", copy)):
-            first, block = row, 0
-            for p in plist:
-                h = p.h
-                d = {"block0": block, "meta": p.meta, "expect_crc": int(expect[p.meta])}
-                if name == "okv_crc32c":
-                    d["src"], d["n"] = src(p), h.stored_length
-                    d["nblocks"] = km.units_bytes(h.stored_length)
-                else:
-                    d["dst"], d["n"] = p.dst.ptr, h.original_length
-                    d["dtype"] = int(h.dtype == FP16)
-                    if name == "okv_fp8_decode":
-                        d["src"], d["nblocks"] = src(p), km.units_fp8(h.original_length)
-                    elif name == "okv_tq_decode":
-                        d["src"] = src(p)
-                        d["head_dim"], d["bits"], d["role"] = h.head_dim, h.bits, int(h.role)
-                        d["signs"] = sign_words(h.head_dim, h.layer, h.rotation_seed)
-                        d["nblocks"] = km.units_tq(h.original_length, h.head_dim)
-                    else:
-                        d["nblocks"] = km.units_bytes(h.original_length)
-                        if p.kind == "raw":
-                            d["src"] = src(p)
-                        else:
-                            d["src"] = base + p.scratch
-                            d["n_dev"] = base + off["chunk_actual"] + 8 * p.chunk0
-                            d["st_dev"] = base + off["chunk_status"] + 4 * p.chunk0
-                            d["head_dim"] = ans_format.CHUNK_BYTES
-                rows_out.append(d)
-                block += int(d["nblocks"])
-                row += 1
-            firsts[name] = (first, len(plist), block)
-        descs = _descs(rows_out)
-        up[off["desc"]:off["desc"] + descs.nbytes] = descs.view(np.uint8)
+        firsts = _decode_rows(up, off["desc"], plans, fp8, tq, copy, src, expect.tolist(),
+                              base + off["chunk_actual"], base + off["chunk_status"], base)
         if ans:  # per chunk: payload address, compressed bytes, decoded bytes, scratch address
             cb = ans_format.CHUNK_BYTES
             a = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)

@@ -1,0 +1,150 @@
+"""The GPU engine's descriptor rows (packed with ``struct``, one call per row) against the kernels' row type
+built field by field with numpy (``SEG_DTYPE``), over random mixed batches of every codec: what each field
+must hold for each kernel is written out here once more, independently of the packing code. Needs cupy
+(the engine module imports it), not a GPU."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+from orbitkv_fs.gpu import ans_format  # noqa: E402
+from orbitkv_fs.gpu import engine as E  # noqa: E402
+from orbitkv_fs.gpu import module as km  # noqa: E402
+from orbitkv_fs.gpu.tables import sign_words  # noqa: E402
+from orbitkv_fs.segment import HEADER_SIZE, AnsType, Format, Role, SegmentHeader  # noqa: E402
+
+FP16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+
+
+def reference(rows: list[dict]) -> np.ndarray:
+    a = np.zeros(len(rows), km.SEG_DTYPE)
+    for i, r in enumerate(rows):
+        for k, v in r.items():
+            a[k][i] = v
+    return a
+
+
+def grouped(groups) -> tuple[list[dict], dict]:
+    """Rows of each (kernel, [(segment, fields)]) group, block0 running within the group."""
+    rows, firsts = [], {}
+    for name, items in groups:
+        first, block = len(rows), 0
+        for meta, fields in items:
+            rows.append({"block0": block, "meta": meta, **fields})
+            block += fields["nblocks"]
+        firsts[name] = (first, len(items), block)
+    return rows, firsts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_encode_rows(seed):
+    rng = random.Random(seed)
+    plans = [types.SimpleNamespace(
+        kind=rng.choice(["raw", "fp8", "tq", "ans"]), meta=i, ptr=rng.getrandbits(40), n=rng.randrange(1, 1000) * 4096,
+        dtype=rng.choice([FP16, BF16]), role=rng.choice([Role.KEY, Role.VALUE]), layer=rng.randrange(40),
+        head_dim=rng.choice([64, 128]), bits=rng.choice([3, 4]), cap=rng.randrange(1, 10**6), slot=rng.getrandbits(22),
+        nch=rng.randrange(1, 70), chunk0=rng.randrange(1000), tmp=rng.getrandbits(22)) for i in range(rng.randrange(1, 40))]
+    tseed, base = rng.getrandbits(32), rng.getrandbits(40)
+    region, chunk_cap = base + rng.getrandbits(20), rng.randrange(1, 100000)
+    off = {"pay_len": 1000, "chunk_sizes": 2000, "chunk_status": 3000}
+    by = {k: [p for p in plans if p.kind == k] for k in ("raw", "fp8", "tq", "ans")}
+    tqk = [p for p in by["tq"] if p.role == Role.KEY]
+    tqv = [p for p in by["tq"] if p.role != Role.KEY]
+    crc = [p for p in plans if p.kind in ("raw", "tq")]
+    out = {id(p): region + p.slot + HEADER_SIZE for p in plans}
+
+    def tq(p):
+        return {"src": p.ptr, "dst": out[id(p)], "n": p.n, "dtype": int(p.dtype == FP16), "head_dim": p.head_dim,
+                "bits": p.bits, "role": int(p.role), "signs": sign_words(p.head_dim, p.layer, tseed),
+                "nblocks": km.units_tq(p.n, p.head_dim)}
+
+    def ans(j, p):
+        pay = base + off["pay_len"] + 8 * j
+        return {"src": base + p.tmp, "dst": out[id(p)], "n": p.n, "n_dev": base + off["chunk_sizes"] + 8 * p.chunk0,
+                "st_dev": base + off["chunk_status"] + 4 * p.chunk0, "expect_crc": chunk_cap, "bits": p.cap,
+                "signs": (pay & 0xFFFFFFFF, pay >> 32, 0, 0, 0, 0, 0, 0), "nblocks": p.nch}
+
+    def check(p):
+        src, dst, n = (p.ptr, out[id(p)], p.n) if p.kind == "raw" else (out[id(p)], 0, p.cap)
+        return {"src": src, "dst": dst, "n": n, "nblocks": km.units_bytes(n)}
+
+    groups = [("okv_fp8_encode", [(p.meta, {"src": p.ptr, "dst": out[id(p)], "n": p.n, "dtype": int(p.dtype == FP16),
+                                             "nblocks": km.units_fp8(p.n)}) for p in by["fp8"]]),
+              ("okv_tq_encode_k", [(p.meta, tq(p)) for p in tqk]), ("okv_tq_encode_v", [(p.meta, tq(p)) for p in tqv]),
+              ("okv_ans_pack", [(p.meta, ans(j, p)) for j, p in enumerate(by["ans"])]),
+              ("okv_crc32c", [(p.meta, check(p)) for p in crc])]
+    rows, firsts = grouped([g for g in groups if g[1]])
+    buf = np.full(128 + 128 * len(rows) + 64, 0xEE, np.uint8)
+    got = E._encode_rows(buf, 128, (("okv_fp8_encode", by["fp8"]), ("okv_tq_encode_k", tqk), ("okv_tq_encode_v", tqv),
+                                    ("okv_ans_pack", by["ans"]), ("okv_crc32c", crc)),
+                         region + HEADER_SIZE, tseed, chunk_cap, base, off)
+    assert got == {k: (f, b) for k, (f, _, b) in firsts.items()}
+    assert np.array_equal(buf[128:128 + 128 * len(rows)], reference(rows).view(np.uint8))
+    assert (buf[:128] == 0xEE).all() and (buf[128 + 128 * len(rows):] == 0xEE).all()  # nothing outside the rows
+
+
+def _header(rng: random.Random, kind: str) -> SegmentHeader:
+    dt, orig = rng.choice([FP16, BF16]), rng.randrange(1, 1000) * 4096
+    role, layer, crc = rng.choice([Role.KEY, Role.VALUE]), rng.randrange(40), rng.getrandbits(32)
+    if kind == "raw":
+        return SegmentHeader(Format.RAW, dt, orig, orig, crc, role=role, layer=layer)
+    if kind == "fp8":
+        return SegmentHeader(Format.FP8, dt, orig, orig // 2, crc, role=role, layer=layer, bits=8)
+    if kind == "tq":
+        return SegmentHeader(Format.TURBOQUANT, dt, orig, 1234, crc, role=role, layer=layer, bits=rng.choice([3, 4]),
+                             head_dim=rng.choice([64, 128]), sign_version=1, rotation_seed=rng.getrandbits(32))
+    return SegmentHeader(Format.ANS, dt, orig, orig // 3, crc, role=role, layer=layer, ans_type=AnsType.FLOAT16)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_rows(seed):
+    rng = random.Random(seed)
+    plans = []
+    for i in range(rng.randrange(1, 40)):
+        kind = rng.choice(["raw", "fp8", "tq", "ans"])
+        plans.append(types.SimpleNamespace(kind=kind, h=_header(rng, kind), meta=i, staged=rng.getrandbits(20),
+                                           dst=types.SimpleNamespace(ptr=rng.getrandbits(40)),
+                                           scratch=rng.getrandbits(20), chunk0=rng.randrange(100)))
+    base = rng.getrandbits(40)
+    actual, status = base + 4096, base + 8192
+    expect = [rng.getrandbits(32) for _ in plans]
+    fp8 = [p for p in plans if p.kind == "fp8"]
+    tq = [p for p in plans if p.kind == "tq"]
+    copy = [p for p in plans if p.kind in ("raw", "ans")]
+
+    def src(p):
+        return base + p.staged
+
+    def common(p):
+        h = p.h
+        return {"dst": p.dst.ptr, "n": h.original_length, "dtype": int(h.dtype == FP16), "expect_crc": expect[p.meta]}
+
+    def copied(p):
+        h = p.h
+        f = {**common(p), "nblocks": km.units_bytes(h.original_length)}
+        if p.kind == "raw":
+            return {**f, "src": src(p)}
+        return {**f, "src": base + p.scratch, "n_dev": actual + 8 * p.chunk0, "st_dev": status + 4 * p.chunk0,
+                "head_dim": ans_format.CHUNK_BYTES}
+
+    groups = [("okv_crc32c", [(p.meta, {"src": src(p), "n": p.h.stored_length, "expect_crc": expect[p.meta],
+                                         "nblocks": km.units_bytes(p.h.stored_length)}) for p in plans]),
+              ("okv_fp8_decode", [(p.meta, {**common(p), "src": src(p), "nblocks": km.units_fp8(p.h.original_length)})
+                                  for p in fp8]),
+              ("okv_tq_decode", [(p.meta, {**common(p), "src": src(p), "head_dim": p.h.head_dim, "bits": p.h.bits,
+                                           "role": int(p.h.role),
+                                           "signs": sign_words(p.h.head_dim, p.h.layer, p.h.rotation_seed),
+                                           "nblocks": km.units_tq(p.h.original_length, p.h.head_dim)}) for p in tq]),
+              ("okv_copy_checked", [(p.meta, copied(p)) for p in copy])]
+    rows, firsts = grouped(groups)
+    buf = np.full(256 + 128 * len(rows), 0xEE, np.uint8)
+    assert E._decode_rows(buf, 256, plans, fp8, tq, copy, src, expect, actual, status, base) == firsts
+    assert np.array_equal(buf[256:], reference(rows).view(np.uint8))
+    assert (buf[:256] == 0xEE).all()
