@@ -6,7 +6,8 @@ CALLS = [("ab/call1", "new1 old1 new2 old2", "codecs one after another"),
          ("ab/call2", "new1 old1 new2 old2 new3 old3", "codecs one after another"),
          ("ab/call3", "new1 old1 new2 old2 new3 old3", "codecs round robin"),
          ("final", "new4 old4 new5 old5", "codecs round robin, final code"),
-         ("final", "ansnew1 ansold1 ansnew2 ansold2", "none and ans round robin, final code")]
+         ("final", "ansnew1 ansold1 ansnew2 ansold2", "none and ans round robin, final code"),
+         ("rows", "rows1 prev1 rows2 prev2", "codecs round robin, descriptor rows packed in place against b69424b")]
 
 
 def load(path: str) -> dict:
