@@ -1331,8 +1331,8 @@ class Manager:
         used: list[tuple[int, int]] = []  # arena extents published in place
         reps = [0] * (max(_REP_NAMES) + 1)  # segments per Format value
         raws: collections.Counter[str] = collections.Counter()
-        # The per-segment loop of every save: the region test and the publish are inlined, not calls
-        # (_arena_offset), since at 512 KiB segments the host's work per segment bounds the throughput.
+        # The per-segment loop of every save: the region test is inlined (not _arena_offset) and the calls
+        # are bound once, since at 512 KiB segments the host's work per segment bounds the throughput.
         arena, publish, admit = self.dram.arena, self.dram.publish, acc.admit
         base = arena.base_address
         lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
