@@ -1,8 +1,9 @@
 """Addresses of host buffers, for the copies the GPU engine queues from them.
 
-``numpy``'s ``.ctypes.data`` builds a ctypes object per call (about 3 us); the restore and save paths ask
-for an address per segment, so :func:`host_address` takes the buffer protocol's pointer through a one-byte
-ctypes view instead (about 0.3 us), falling back to numpy for buffers ctypes refuses (read-only, empty).
+``numpy``'s ``.ctypes.data`` builds a ctypes object per call; the restore and save paths ask for an address
+per segment, so :func:`host_address` takes the buffer protocol's pointer through a one-byte ctypes view
+instead (3.65 against 0.68 us a call, ``docs/results/2026-11-30-pipeline-gpu-7/micro.py``), falling back
+to numpy for buffers ctypes refuses (read-only, empty).
 """
 
 from __future__ import annotations

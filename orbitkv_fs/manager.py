@@ -460,8 +460,8 @@ class PeerFetcher(Protocol):
 class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
-    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "view", "base",
-                 "copy")
+    __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "dtype_code",
+                 "view", "base", "copy")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -471,6 +471,10 @@ class _Seg:
         self.codec = codec
         self.raw_reason = raw_reason
         self.dtype = np.dtype(parse_dtype(desc.dtype))
+        try:  # what a segment header of this tensor says (None: no header can match a dtype the format lacks)
+            self.dtype_code: int | None = dtype_code(self.dtype)
+        except SegmentError:
+            self.dtype_code = None
         # block -> view of that block, specialised per layout (the hot loop of save and restore). ``base``,
         # where the layout allows, is a block-major view (base[b] is block b): a whole chunk then moves
         # with one gather or scatter (:meth:`gather`, :meth:`scatter`) instead of a copy per block.
@@ -1159,7 +1163,13 @@ class Manager:
             self._remember_prefix(eng, [ch.key for ch in chunks])
             todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
             acc = _SaveAcc()
-            self._save_batches(eng, self._plan_save(eng, chunks, todo, acc), acc)
+            # A batch closes before its encoded bytes would pass the budget (two of them must fit side by
+            # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
+            # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
+            # is spread over more logical bytes.
+            batches = self._codec_batches(self._save_items(eng, chunks, todo, acc),
+                                          lambda it: _coded_bound(it[1], _source_bytes(it)), _source_bytes)
+            self._save_batches(eng, batches, acc)
             present, saved_chunks = acc.present, set()
             for ch, _, kb in todo:
                 if kb in acc.admitted:
@@ -1173,15 +1183,12 @@ class Manager:
         finally:
             self._exit(eng)
 
-    def _plan_save(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list, acc: "_SaveAcc") -> Iterator:
-        """The codec batches of a save, formed as the pipeline asks for them (the first one goes to the GPU
-        before the later chunks are looked at): the ``(chunk, seg, key)`` segments not cached yet, also
-        appended to ``todo``. Exact segments of host pages are saved here, straight into the arena.
-        ``acc.present`` counts the chunks present in full already."""
+    def _save_items(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list, acc: "_SaveAcc") -> Iterator:
+        """The ``(chunk, seg, key)`` segments of a save that go through the codecs, generated as the
+        pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are looked
+        at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages are
+        saved here, straight into the arena; ``acc.present`` counts the chunks present in full already."""
         nseg = len(eng.segs)
-        budget = self._batch_budget()
-        batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
-        batch_bytes = batch_coded = 0
         # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
         # device-to-host copy into the arena per batch) rather than a host copy per block.
         raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
@@ -1198,21 +1205,7 @@ class Manager:
                 if seg.codec is None and raw_on_host:
                     self._save_raw(eng, item, acc)
                     continue
-                n = len(ch.blocks) * seg.block_bytes
-                coded = _coded_bound(seg, n)
-                # A batch closes before its encoded bytes would pass the budget: two of them must fit side by
-                # side in the GPU engine's workspace, or the next one waits for the previous one's copies to
-                # end. Sized by encoded bytes, a compressing codec's batch carries more source, so the
-                # per-batch host work is spread over more logical bytes.
-                if batch and (len(batch) >= self._config.batch_segments or batch_coded + coded > budget
-                              or batch_bytes + n > BATCH_EXPANSION * budget):
-                    yield batch
-                    batch, batch_bytes, batch_coded = [], 0, 0
-                batch.append(item)
-                batch_bytes += n
-                batch_coded += coded
-        if batch:
-            yield batch
+                yield item
 
     def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
         """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
@@ -1254,7 +1247,7 @@ class Manager:
 
     def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
                       acc: "_SaveAcc") -> None:
-        """Encode and admit ``batches`` (:meth:`_plan_save`) in order, pipelined: batch i+1 is formed,
+        """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: batch i+1 is formed,
         gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
         _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
 
@@ -1463,7 +1456,6 @@ class Manager:
             gpu = self._gpu_codecs
             on_device = eng.info.device != "host"
             gpu_checks = gpu is not None and on_device
-            codes = {id(s): _dtype_code_or_none(s.dtype) for s in segs}
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
             deferred: list[tuple[int, _Seg, ChunkBlocks, None, memoryview, bytes]] = []  # headers checked later
@@ -1478,7 +1470,7 @@ class Manager:
                         bad.setdefault(ci, reasons.get(kb, "missing"))
                         continue
                     want = len(ch.blocks) * seg.block_bytes
-                    if gpu_checks and peek_source(src) == (codes[id(seg)], want):
+                    if gpu_checks and peek_source(src) == (seg.dtype_code, want):
                         deferred.append((ci, seg, ch, None, memoryview(src), kb))
                         continue
                     try:
@@ -1641,9 +1633,10 @@ class Manager:
                 out[kb] = bytes(blob)
         return out
 
-    def _restore_batches(self, items: Iterable, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
-        """``items`` in batches of at most ``batch_segments`` and the codec budget in ``nbytes`` (one item
-        may exceed it); with ``logical``, also at most ``BATCH_EXPANSION`` budgets of those bytes."""
+    def _codec_batches(self, items: Iterable, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
+        """``items`` in the batches of a save or a restore: at most ``batch_segments``, and the codec budget
+        in ``nbytes`` (one item may exceed it); with ``logical``, also at most ``BATCH_EXPANSION`` budgets of
+        those bytes."""
         budget = self._batch_budget()
         batch: list = []
         size = total = 0
@@ -1687,7 +1680,7 @@ class Manager:
         # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
-        jobs = self._restore_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
+        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
@@ -1857,7 +1850,7 @@ class Manager:
         import cupy
 
         out = []
-        for batch in self._restore_batches(items, lambda it: it[3].stored_length):
+        for batch in self._codec_batches(items, lambda it: it[3].stored_length):
             total = sum(h.stored_length for _, _, _, h, _ in batch)
             res: list = []
             self._workspace_delta(2 * total)
@@ -2425,6 +2418,11 @@ def _gather_device(seg: _Seg, blocks: list[int]):
 BATCH_EXPANSION = 4
 
 
+def _source_bytes(item: tuple[ChunkBlocks, _Seg, bytes]) -> int:
+    """Source bytes of a save's ``(chunk, seg, key)`` segment."""
+    return len(item[0].blocks) * item[1].block_bytes
+
+
 def _coded_bound(seg: _Seg, n: int) -> int:
     """Workspace bytes the GPU engine's encode of ``n`` source bytes of ``seg`` takes: its payload slot,
     as :meth:`orbitkv_fs.gpu.engine.GpuCodecEngine._classify` sizes it (ANS and raw: the source size)."""
@@ -2436,14 +2434,6 @@ def _coded_bound(seg: _Seg, n: int) -> int:
             and d in TURBOQUANT_HEAD_DIMS):
         return turboquant_stored_bytes(n, d, int(codec[-1]), seg.role)
     return n
-
-
-def _dtype_code_or_none(dtype: np.dtype) -> int | None:
-    """The segment format's code of ``dtype``, None where the format has none (no header can match)."""
-    try:
-        return dtype_code(dtype)
-    except SegmentError:
-        return None
 
 
 def _decode_bound(h: SegmentHeader) -> int:

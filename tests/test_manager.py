@@ -500,22 +500,22 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
     assert (_decode_bound(ans), _decode_bound(fp8)) == (4096, 2048)
 
 
-def test_restore_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
-    """``_restore_batches`` closes a batch before its counted bytes would pass the budget, and before its
+def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
+    """``_codec_batches`` closes a batch before its counted bytes would pass the budget, and before its
     logical bytes would pass BATCH_EXPANSION budgets; one item over the budget still makes a batch."""
     import orbitkv_fs.manager as manager
 
     with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=1 << 20, device="cpu")) as m:
         budget = m._batch_budget()
         items = [(budget // 4, budget) for _ in range(8)]
-        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0])]
+        sizes = [len(b) for b in m._codec_batches(items, lambda it: it[0])]
         assert sizes == [4, 4]
-        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0], lambda it: it[1])]
+        sizes = [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])]
         assert sizes == [4, 4]  # 4 budgets of logical bytes fit: the budget in counted bytes closes first
         monkeypatch.setattr(manager, "BATCH_EXPANSION", 2)
-        sizes = [len(b) for b in m._restore_batches(items, lambda it: it[0], lambda it: it[1])]
+        sizes = [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])]
         assert sizes == [2, 2, 2, 2]
-        assert [len(b) for b in m._restore_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
+        assert [len(b) for b in m._codec_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
 
 
 @pytest.mark.parametrize("codec, expansion, per_batch", [("fp8", 4, 15), ("fp8", 1, 7)])
