@@ -226,9 +226,16 @@ class ManagerConfig(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------------------------------------- requests / results
 
 
+#: A restore destination that is not written: that block's part of the chunk is read and dropped. An engine
+#: whose own prefix cache already holds the chunk's first blocks (or that needs only its first blocks) loads
+#: the rest of a multi-block chunk without touching the blocks it shares with other requests.
+SKIP_BLOCK = -1
+
+
 class ChunkBlocks(msgspec.Struct, frozen=True, array_like=True):
     """One chunk of a save/restore: its 16-byte chunk key (:func:`orbitkv_fs.keys.chunk_key`) and the
-    engine block ids (in token order) that hold it."""
+    engine block ids (in token order) that hold it. In a restore, :data:`SKIP_BLOCK` entries are positions
+    of the chunk left unwritten (the segment still spans every position)."""
 
     key: bytes
     blocks: list[int]
@@ -461,7 +468,7 @@ class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
     __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "dtype_code",
-                 "view", "base", "copy")
+                 "view", "base", "copy", "on_host")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -494,6 +501,7 @@ class _Seg:
             self.base = array
             self.view = array.__getitem__
         v = self.view(0)
+        self.on_host = isinstance(v, np.ndarray)
         assert any(r == role and w.shape == v.shape for r, w in block_views(reg, desc, array, 0))
         self.block_shape = tuple(v.shape)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
@@ -518,7 +526,12 @@ class _Seg:
         return xp.stack([self.view(b) for b in blocks])
 
     def scatter(self, blocks: Sequence[int], src) -> None:
-        """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks."""
+        """Write ``src`` (``[len(blocks), *block_shape]``, same array kind as the pages) into the blocks;
+        positions whose block is :data:`SKIP_BLOCK` are not written."""
+        if SKIP_BLOCK in blocks:
+            keep = [j for j, b in enumerate(blocks) if b != SKIP_BLOCK]
+            run = _run_of(keep)  # the usual case: leading and trailing skips, a plain slice of src
+            blocks, src = [blocks[j] for j in keep], src[run] if run is not None else src[keep]
         if self.base is not None:
             run = _run_of(blocks)
             if run is not None:
@@ -944,19 +957,27 @@ class Manager:
 
     # -- data path -----------------------------------------------------------------------------------
 
-    def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks]) -> None:
+    def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks], *, skips: bool = False) -> None:
+        """Keys and block ids of a request; ``skips``: :data:`SKIP_BLOCK` positions are allowed (a restore),
+        as long as each chunk writes at least one block."""
         seen: set[int] = set()
         for i, ch in enumerate(chunks):
             if not isinstance(ch.key, bytes) or len(ch.key) != 16:
                 raise RequestError(f"chunks[{i}].key: a chunk key is 16 bytes")
             if not ch.blocks:
                 raise RequestError(f"chunks[{i}].blocks: no blocks")
+            skipped = 0
             for b in ch.blocks:
+                if b == SKIP_BLOCK and skips:
+                    skipped += 1
+                    continue
                 if not 0 <= b < eng.num_blocks:
                     raise RequestError(f"chunks[{i}].blocks: unknown block {b} (engine has {eng.num_blocks})")
                 if b in seen:
                     raise RequestError(f"chunks[{i}].blocks: block {b} appears twice in one request")
                 seen.add(b)
+            if skipped == len(ch.blocks):
+                raise RequestError(f"chunks[{i}].blocks: every position is SKIP_BLOCK, nothing to restore")
 
     def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True) -> LookupResult:
         """Length of the leading run of ``chunks`` present in full. Lower-tier objects of that run are
@@ -1426,7 +1447,7 @@ class Manager:
                     raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
                 else:
                     consume = lease_id
-            self._check_chunks(eng, chunks)
+            self._check_chunks(eng, chunks, skips=True)
             segs = eng.segs
             if layers is not None:
                 wanted = set(layers)
@@ -1891,7 +1912,7 @@ class Manager:
             self._add(decode_seconds=time.perf_counter() - t0)
         try:
             src = flat.view(seg.dtype).reshape((len(blocks),) + seg.block_shape)
-            if not isinstance(seg.view(blocks[0]), np.ndarray):  # GPU pages without the GPU codec engine
+            if not seg.on_host:  # GPU pages without the GPU codec engine
                 import cupy
 
                 src = cupy.asarray(src.view(cupy_dtype(seg.dtype)))
@@ -2372,7 +2393,7 @@ class _GpuCodecs:
                 kernel.append((seg, blocks, addr + pos))
                 continue
             try:
-                if isinstance(seg.view(blocks[0]), np.ndarray):  # host pages (maybe strided: no get(out=))
+                if seg.on_host:  # host pages (maybe strided: no get(out=))
                     seg.scatter(blocks, db.dsts[i].get().view(seg.dtype))
                 else:
                     seg.scatter(blocks, db.dsts[i])
@@ -2502,8 +2523,9 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) ->
 
 def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) -> np.ndarray:
     """Block-copy rows (``BLOCK_COPY_DTYPE``) between each item's page blocks and a contiguous device
-    buffer at the item's address: pages to buffer when ``gather``, else buffer to pages. Built for the
-    whole batch at once (a numpy pass per field, not per item)."""
+    buffer at the item's address: pages to buffer when ``gather``, else buffer to pages (no row for a
+    :data:`SKIP_BLOCK` position, whose part of the buffer stays where it is). Built for the whole batch at
+    once (a numpy pass per field, not per item)."""
     counts = np.fromiter((len(b) for _, b, _ in items), dtype=np.int64, count=len(items))
     total = int(counts.sum())
     table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
@@ -2513,8 +2535,10 @@ def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) 
     arrays: dict[int, np.ndarray] = {}
     for _, b, _ in items:
         if id(b) not in arrays:
-            arrays[id(b)] = np.array(b, dtype=np.uint64)
+            arrays[id(b)] = np.array(b, dtype=np.int64)
     ids = np.concatenate([arrays[id(b)] for _, b, _ in items])
+    keep = None if gather or ids.min() >= 0 else ids != SKIP_BLOCK
+    ids = ids.astype(np.uint64)
     # per item: block 0, block stride, rows, row bytes, row stride (seg.copy), block bytes, buffer address
     geo = np.repeat(np.array([seg.copy + (seg.block_bytes, addr) for seg, _, addr in items], dtype=np.uint64),
                     counts, axis=0)
@@ -2524,7 +2548,7 @@ def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) 
     table["src"], table["dst"] = (pages, flat) if gather else (flat, pages)
     table["src_stride"], table["dst_stride"] = (geo[:, 4], geo[:, 3]) if gather else (geo[:, 3], geo[:, 4])
     table["rows"], table["row_bytes"] = geo[:, 2], geo[:, 3]
-    return table
+    return table if keep is None else table[keep]
 
 
 def _rows_of(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int, int] | None:
@@ -2580,9 +2604,9 @@ def _device_run(seg: _Seg, blocks: Sequence[int]):
 
 def _run_of(blocks: Sequence[int]) -> slice | None:
     """``blocks`` as a slice when they are consecutive ascending ids (engines often allocate a chunk's
-    blocks together), else None."""
+    blocks together), else None (also when one is :data:`SKIP_BLOCK`)."""
     first, n = blocks[0], len(blocks)
-    if blocks[-1] - first == n - 1 and (n < 3 or all(b == first + j for j, b in enumerate(blocks))):
+    if first >= 0 and blocks[-1] - first == n - 1 and (n < 3 or all(b == first + j for j, b in enumerate(blocks))):
         return slice(first, first + n)
     return None
 

@@ -24,12 +24,13 @@ from orbitkv_fs.client import EmbeddedClient, connect  # noqa: E402
 from orbitkv_fs.connectors.common import PrefixPlanner, Transfer, layer_index, prefix_chunk_keys  # noqa: E402
 from orbitkv_fs.connectors.vllm import OrbitKVConnector, OrbitKVConnectorMetadata  # noqa: E402
 from orbitkv_fs.dataplane import DataPlaneServer  # noqa: E402
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig  # noqa: E402
+from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig  # noqa: E402
 from orbitkv_fs.pages import HostPages, PageTensor  # noqa: E402
 from polling import wait_until
 
 BS = 16
 HEADS, HD, BLOCKS = 2, 32, 64
+BLOCK_KV_BYTES = 2 * HEADS * BS * 2 * HD * 2  # one block of every layer (2), K and V, bf16
 
 
 @dataclass
@@ -64,6 +65,10 @@ def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:  # SchedulerO
 
 def _config(*, rank: int = 0, tp: int = 1, pp: int = 1, layers: int = 2, policy: str = "recompute",
             **extra) -> SimpleNamespace:
+    """vLLM's config; ``extra`` are ``orbitkv.*`` settings (chunk_tokens: one block per chunk unless given,
+    None for the connector's default)."""
+    extra.setdefault("chunk_tokens", BS)
+    extra = {k: v for k, v in extra.items() if v is not None}
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={f"orbitkv.{k}": v for k, v in extra.items()},
                                            kv_load_failure_policy=policy),
@@ -108,15 +113,16 @@ def manager(tmp_path):
 
 @pytest.fixture
 def connectors(manager, tmp_path):
-    """``make(client=None, layers=2)``: a scheduler connector and a worker connector of ``layers`` layers
+    """``make(client=None, layers=2, **extra)``: a scheduler connector and a worker connector of ``layers`` layers
     whose pages are registered through register_kv_caches, sharing ``client`` (default: embedded in the
     ``manager`` fixture); every worker is shut down and its pages closed after the test."""
     made: list[SimpleNamespace] = []
 
-    def make(client=None, *, layers: int = 2) -> SimpleNamespace:
+    def make(client=None, *, layers: int = 2, **extra) -> SimpleNamespace:
         client = client or connect(manager)
         kv = VllmPages(range(layers), str(tmp_path))
-        sched, worker = (OrbitKVConnector(_config(layers=layers), role, None) for role in ("scheduler", "worker"))
+        sched, worker = (OrbitKVConnector(_config(layers=layers, **extra), role, None)
+                         for role in ("scheduler", "worker"))
         sched._client = worker._client = client
         worker.register_kv_caches(kv.kv)
         assert worker._session is not None
@@ -236,6 +242,112 @@ def test_block_hash_keys_option(env) -> None:
     assert len(sched._keys_for(r)) == 2
     with pytest.raises(ValueError, match="key_source"):
         OrbitKVConnector(_config(key_source="nope"), "scheduler", None)
+
+
+def _run_step(env, meta: OrbitKVConnectorMetadata) -> set[int]:
+    """The worker's part of one step: loads (every layer waited for), then saves; the failed blocks."""
+    env.worker.bind_connector_metadata(meta)
+    env.worker.start_load_kv(SimpleNamespace())
+    for name in env.kv.names:
+        env.worker.wait_for_layer_load(name)
+    env.worker.wait_for_save()
+    return env.worker.get_block_ids_with_load_errors()
+
+
+def test_chunks_of_several_blocks_load_around_the_engine_s_own_blocks(connectors) -> None:
+    """Four blocks per chunk (64 tokens). A prompt's full chunks are saved as they complete; a later
+    request whose vLLM prefix cache holds 5 blocks loads blocks 5-11 only: the chunk it holds in part is
+    restored with SKIP_BLOCK at its shared block, which keeps what it held. A prompt that ends on a chunk
+    boundary loads all but its last block; a chunk the engine holds in part and the store lacks is saved
+    once the request computed the rest, shared block included."""
+    env = connectors(chunk_tokens=4 * BS)
+    sched, kv, S = env.sched, env.kv, SKIP_BLOCK
+    assert sched._planner.chunk_blocks == 4
+    prompt = list(range(1000, 1200))  # 200 tokens: 12 full blocks, 3 full chunks
+    keys = prefix_chunk_keys(prompt, 4 * BS, salt=b"org/m@")
+    r1, own = Req("r1", prompt), list(range(13))
+    for b in own:
+        kv.fill(b, float(b + 1))
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    sched.update_state_after_alloc(r1, Blocks([]), 0)
+    meta = sched.build_connector_meta(_output(new=[_new(r1, own[:7], 0)], scheduled={"r1": 100}))
+    assert not meta.loads and [(t.keys, t.blocks) for t in meta.saves] == [(keys[:1], [own[0:4]])]
+    assert _run_step(env, meta) == set()
+    meta = sched.build_connector_meta(_output(cached=[("r1", own[7:], 100)], scheduled={"r1": 100}))
+    assert [(t.keys, t.blocks) for t in meta.saves] == [(keys[1:3], [own[4:8], own[8:12]])]
+    assert _run_step(env, meta) == set()
+    sched.request_finished(r1, own)
+
+    # r2: the same 200 tokens and more; vLLM's own cache has blocks 0-4 (shared with r1), 5-14 are new.
+    r2 = Req("r2", prompt + [5] * 40)
+    shared, new = own[:5], list(range(30, 40))
+    kv.fill(4, 99.0)  # a write into the shared block would show
+    assert sched.get_num_new_matched_tokens(r2, 80) == (112, False)  # 3 chunks hit: blocks 5-11
+    sched.update_state_after_alloc(r2, Blocks(shared + new), 112)
+    meta = sched.build_connector_meta(_output(new=[_new(r2, shared + new, 192)], scheduled={"r2": 48}))
+    assert [(t.keys, t.blocks) for t in meta.loads] == [(keys[1:3], [[S] + new[0:3], new[3:7]])]
+    assert not meta.saves  # chunk 3 is not full yet (prompt of 240 tokens: 3 full chunks)
+    assert _run_step(env, meta) == set()
+    assert kv.holds(4, 99.0)
+    assert all(kv.holds(b, float(p + 1)) for p, b in zip(range(5, 12), new))
+    sched.request_finished(r2, shared + new)
+
+    # r3: the first 192 tokens, nothing local: it must compute its last token, so the last position of
+    # chunk 2 is not loaded (block 51 is left for the engine).
+    r3, blocks3 = Req("r3", prompt[:192]), list(range(40, 52))
+    kv.fill(51, 7.0)
+    assert sched.get_num_new_matched_tokens(r3, 0) == (176, False)
+    sched.update_state_after_alloc(r3, Blocks(blocks3), 176)
+    meta = sched.build_connector_meta(_output(new=[_new(r3, blocks3, 176)], scheduled={"r3": 16}))
+    assert [t.blocks for t in meta.loads] == [[blocks3[0:4], blocks3[4:8], blocks3[8:11] + [S]]]
+    assert not meta.saves
+    assert _run_step(env, meta) == set()
+    assert all(kv.holds(b, float(p + 1)) for p, b in enumerate(blocks3[:11])) and kv.holds(51, 7.0)
+    sched.request_finished(r3, blocks3)
+
+    # r4: another prompt whose first chunk only is stored; vLLM holds 5 blocks of it: no load, and chunk 1
+    # (blocks 4-7: one shared, three computed now) is saved once complete. Without a load the planner does
+    # not know what the store holds: chunk 0 is offered again, and the Manager finds it present.
+    other = list(range(3000, 3140))  # 140 tokens: 2 full chunks
+    okeys = prefix_chunk_keys(other, 4 * BS, salt=b"org/m@")
+    env.client.save(env.engine_id, [ChunkBlocks(okeys[0], [20, 21, 22, 23])])
+    r4, blocks4 = Req("r4", other), [20, 21, 22, 23, 24, 25, 26, 27, 28]
+    assert sched.get_num_new_matched_tokens(r4, 80) == (0, False)
+    sched.update_state_after_alloc(r4, Blocks(blocks4), 0)
+    meta = sched.build_connector_meta(_output(new=[_new(r4, blocks4, 80)], scheduled={"r4": 60}))
+    assert not meta.loads and [(t.keys, t.blocks) for t in meta.saves] == [(okeys, [blocks4[0:4], blocks4[4:8]])]
+    saved = env.manager.stats().save_logical_bytes
+    assert _run_step(env, meta) == set()
+    assert env.manager.stats().save_logical_bytes - saved == 4 * BLOCK_KV_BYTES  # chunk 1 only
+    assert env.client.lookup(env.engine_id, okeys, lease=False).count == 2
+
+
+def test_a_multi_block_chunk_that_fails_to_load_reports_only_blocks_it_would_write(connectors) -> None:
+    env = connectors(chunk_tokens=4 * BS)
+    prompt = list(range(500, 700))
+    keys = prefix_chunk_keys(prompt, 4 * BS, salt=b"org/m@")
+    env.client.save(env.engine_id, [ChunkBlocks(k, list(range(4 * c, 4 * c + 4))) for c, k in enumerate(keys)])
+    r = Req("r", prompt + [1])
+    blocks = list(range(40, 53))
+    assert env.sched.get_num_new_matched_tokens(r, 32) == (160, False)  # vLLM holds blocks 0-1
+    env.sched.update_state_after_alloc(r, Blocks(blocks), 160)
+    meta = env.sched.build_connector_meta(_output(new=[_new(r, blocks, 192)], scheduled={"r": 9}))
+    env.client.invalidate(chunks=[keys[0]], engine_id=env.engine_id)
+    # chunk 0's positions 2-3 and everything after them; never the skipped (shared) blocks 40-41
+    assert _run_step(env, meta) == set(blocks[2:12])
+
+
+def test_chunk_tokens_default_and_validation() -> None:
+    assert OrbitKVConnector(_config(chunk_tokens=None), "scheduler", None)._planner.chunk_blocks == 256 // BS
+    assert OrbitKVConnector(_config(chunk_tokens=2 * BS), "scheduler", None)._planner.chunk_blocks == 2
+    for bad in (0, BS + 1, -BS):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            OrbitKVConnector(_config(chunk_tokens=bad), "scheduler", None)
+    sched = OrbitKVConnector(_config(chunk_tokens=2 * BS, key_source="block_hashes"), "scheduler", None)
+    hashes = [b"h%d" % i for i in range(5)]
+    one = OrbitKVConnector(_config(key_source="block_hashes"), "scheduler", None)
+    two = sched._keys_for(Req("r", list(range(80)), block_hashes=hashes))
+    assert len(two) == 2 and not set(two) & set(one._keys_for(Req("q", list(range(80)), block_hashes=hashes)))
 
 
 def test_planner_preemption_replaces_blocks() -> None:

@@ -15,6 +15,7 @@ from orbitkv_fs.manager import (
     LeaseError,
     Manager,
     ManagerConfig,
+    SKIP_BLOCK,
     RequestError,
     UnknownEngine,
 )
@@ -201,6 +202,59 @@ def test_restore_validation_writes_nothing(engine):
         for name in pages.tensors:
             assert not pages.array(name).view(np.uint16).any(), name
         assert_reservations_zero(m)
+
+
+@pytest.mark.parametrize("layout,codec", [("separate", "none"), ("vllm_packed", "none"), ("sglang_token_pool", "none"),
+                                          ("vllm_packed", "fp8")])
+def test_skip_block_positions_are_read_but_not_written(layout, codec, tmp_path):
+    """A restore may leave positions of a multi-block chunk unwritten (SKIP_BLOCK): an engine that holds a
+    chunk's first blocks already loads only the rest. The other positions get their own part of the
+    segment, embedded and over the data plane; a chunk of skips only, and a skip in a save, are refused."""
+    from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
+
+    pages, reg = make_engine(layout)
+    S = SKIP_BLOCK
+    try:
+        orig = snapshot(pages)
+        with Manager(ManagerConfig(pool_size=8 << 20, storage_codec=codec)) as m:
+            e = m.register_engine(reg)
+            saved = chunks_for(2, per=4)  # blocks 0-3 and 4-7
+            assert m.save(e.engine_id, saved).chunks_saved == 2
+            with pytest.raises(RequestError, match="unknown block"):
+                m.save(e.engine_id, [ChunkBlocks(chunk_key("s"), [S, 9])])
+            # position p of chunk c holds block 4c+p; written to the block named at that position
+            plan = [ChunkBlocks(saved[0].key, [S, S, 20, 21]), ChunkBlocks(saved[1].key, [30, S, 31, S])]
+            want = {20: 2, 21: 3, 30: 4, 31: 6}
+            srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock")
+            remote = RemoteClient(srv.endpoint, timeout=30)
+            try:
+                for restore in (m.restore, remote.restore):
+                    zero(pages)
+                    assert restore(e.engine_id, plan).restored == [True, True]
+                    for name in pages.tensors:
+                        got, ref = pages.array(name), orig[name]
+                        rows = (lambda b: slice(b * T, (b + 1) * T)) if layout == "sglang_token_pool" else (lambda b: b)
+                        layer = int(name.split(".")[0][1:])
+                        for dst, src in want.items():
+                            if codec == "none":
+                                assert np.array_equal(got[rows(dst)].view(np.uint16), ref[rows(src)].view(np.uint16))
+                            else:
+                                a, b = got[rows(dst)].astype(np.float32), ref[rows(src)].astype(np.float32)
+                                assert np.all(np.abs(a - b) <= np.abs(b) / 16 + 2.0 ** -9), (name, layer, dst)
+                        untouched = [b for b in range(B) if b not in want]
+                        assert not any(got[rows(b)].view(np.uint16).any() for b in untouched), name
+                    zero(pages)
+                    with pytest.raises(RequestError, match="SKIP_BLOCK"):
+                        restore(e.engine_id, [plan[0], ChunkBlocks(saved[1].key, [S] * 4)])
+                    with pytest.raises(RequestError, match="destination blocks take"):  # skips still count
+                        restore(e.engine_id, [ChunkBlocks(saved[0].key, [S, 20, 21])])
+                    assert not any(pages.array(n).view(np.uint16).any() for n in pages.tensors)
+            finally:
+                remote.close()
+                srv.close()
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
 
 
 def test_restore_with_another_engines_lease_is_refused(engine):

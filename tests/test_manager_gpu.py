@@ -18,7 +18,7 @@ import pytest
 
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key, pack_key
-from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig, RequestError, _run_of
+from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig, RequestError, _run_of
 from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu
@@ -266,3 +266,30 @@ def test_shuffled_blocks_over_pipelined_batches(codec, engine):
         moved = sum(len(c.blocks) for c in chunks if _run_of(c.blocks) is None) * 2 * L  # runs need no copy
         assert moved and counters["save_block_copies"] == counters["restore_block_copies"] == moved
     assert_restored(got, np.frombuffer(original, dtype=np.uint16), codec)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4"])
+def test_skip_positions_are_not_written_on_gpu_pages(codec, engine):
+    """SKIP_BLOCK positions of a restore on GPU pages: the chunk's other positions land in their blocks
+    (through the staged temporary and the block-copy kernel: a chunk with a skip is never a direct run),
+    and the skipped blocks, like every block not named, keep what they held."""
+    cmd, reply, handle, _ = engine
+    S = SKIP_BLOCK
+    chunks = [ChunkBlocks(chunk_key(f"k{i}"), list(range(4 * i, 4 * i + 4))) for i in range(3)]
+    plan = [ChunkBlocks(chunks[0].key, [S, S, 2, 3]), ChunkBlocks(chunks[1].key, [4, 5, 6, S]),
+            ChunkBlocks(chunks[2].key, [S, 20, S, 21])]
+    want = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 20: 9, 21: 11}  # written block: saved block of that position
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=8)) as m:
+        e = m.register_engine(_registration(handle))
+        assert m.save(e.engine_id, chunks).segments == 3 * 2 * L
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        cmd.put("zero")
+        reply.get(timeout=60)
+        assert m.restore(e.engine_id, plan).restored == [True] * 3
+        cmd.put("read_now")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        assert_restored(got[:, list(want)], saved[:, list(want.values())], codec)
+        assert not got[:, [b for b in range(B) if b not in want]].any()
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)

@@ -20,7 +20,9 @@ Primitives:
   :func:`registration_calls` picks it or the data-plane client for an adapter.
 * :class:`EngineSession` -- one registered engine's lookup/save/restore through the client API, guarded,
   registering again when the Manager no longer knows the engine (restarted).
-* :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save).
+* :class:`PrefixPlanner` -- scheduler bookkeeping of a paged engine (what to load, what to save), one
+  chunk per ``chunk_blocks`` engine blocks: a chunk the engine holds in part is loaded with
+  :data:`~orbitkv_fs.manager.SKIP_BLOCK` at the positions it holds already.
 * :func:`packed_registration` -- registration of per-layer paged torch tensors (global layer indices of
   one pipeline stage) through :func:`tensor_handle`: CUDA IPC, or a shared pages file for CPU tensors.
 * :func:`layer_index` -- the global layer number in an engine's layer name (vLLM's rule).
@@ -502,6 +504,8 @@ class LayerLoadJob:
         self._failed: set[int] = set()
 
     def run(self) -> None:
+        from ..manager import SKIP_BLOCK
+
         # Chunks [0, cut[i]) of transfer i have not missed in any group so far.
         cut = [len(t.keys) for t in self.transfers]
         try:
@@ -523,7 +527,8 @@ class LayerLoadJob:
             self._error = e
             cut = [0] * len(self.transfers)
         finally:
-            failed = {b for t, n in zip(self.transfers, cut) for blocks in t.blocks[n:] for b in blocks}
+            failed = {b for t, n in zip(self.transfers, cut) for blocks in t.blocks[n:] for b in blocks
+                      if b != SKIP_BLOCK}
             with self._cond:
                 self._failed = failed
                 self._finished = True
@@ -586,47 +591,67 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     n_computed_local: int = 0
     load_blocks: tuple[int, int] = (0, 0)  # [first, end) block positions to load
-    saved_upto: int = 0  # block positions [0, saved_upto) are stored or being stored
+    saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
 
 
 class PrefixPlanner:
-    """Scheduler-side state of a paged engine with one chunk per block (vLLM-style), engine-agnostic.
+    """Scheduler-side state of a paged engine (vLLM-style), engine-agnostic: one chunk key per
+    ``chunk_blocks`` consecutive blocks of a prompt (``keys[c]`` covers block positions
+    ``[c * chunk_blocks, (c + 1) * chunk_blocks)``).
 
-    Calls, in the engine's order: :meth:`matched` (lookup answer), :meth:`allocated` (blocks given),
-    :meth:`scheduled` (tokens computed this step), :meth:`take` (the step's loads and saves),
-    :meth:`finished`. Only full prompt blocks are saved, each at most once, and blocks that were loaded
-    from the store are not saved again.
+    Calls, in the engine's order: :meth:`matched` (lookup answer, in chunks), :meth:`allocated` (blocks
+    given), :meth:`scheduled` (tokens computed this step), :meth:`take` (the step's loads and saves),
+    :meth:`finished`. Only full prompt chunks are saved, each at most once, and chunks that were loaded
+    from the store are not saved again. A load covers exactly the blocks the engine takes from the store:
+    the positions of its first and last chunk outside them (the engine's own prefix-cache hit, blocks past
+    what it may load) are :data:`~orbitkv_fs.manager.SKIP_BLOCK`, so blocks shared with other requests
+    are never written.
+
+    Larger chunks make larger segments (one per chunk, layer and K/V): the Manager's per-segment work is
+    spread over more bytes (docs/engines.md has the figures), at the price of a prompt's last partial
+    chunk not being stored.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, chunk_blocks: int = 1) -> None:
+        if not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be a positive integer, got {chunk_blocks!r}")
         self.math = BlockMath(block_size)
+        self.chunk_blocks = chunk_blocks
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[Transfer] = []
         self._saves: list[Transfer] = []
 
-    def matched(self, request_id: str, keys: Sequence[bytes], n_prompt: int, n_computed: int, hit_blocks: int) -> int:
-        """Record a lookup; return the tokens the engine may load beyond its ``n_computed``."""
+    def matched(self, request_id: str, keys: Sequence[bytes], n_prompt: int, n_computed: int, hit_chunks: int) -> int:
+        """Record a lookup (``hit_chunks``: the leading run of ``keys`` the store holds); return the
+        tokens the engine may load beyond its ``n_computed``."""
         keys = keys if isinstance(keys, list) else list(keys)
         st = self._reqs.get(request_id)
         if st is None:
             st = self._reqs[request_id] = _RequestState(keys, n_prompt)
         st.keys, st.n_prompt, st.n_computed_local = keys, n_prompt, n_computed
-        return self.math.new_matched_tokens(n_prompt, hit_blocks, n_computed)
+        return self.math.new_matched_tokens(n_prompt, hit_chunks * self.chunk_blocks, n_computed)
 
     def allocated(self, request_id: str, block_ids: Sequence[int], n_external: int) -> None:
         """The engine gave the request ``block_ids`` (all of them, in token order) and will take
         ``n_external`` tokens from the store."""
+        from ..manager import SKIP_BLOCK
+
         st = self._reqs.get(request_id)
         if st is None:
             return
         st.block_ids = list(block_ids)
+        g = self.chunk_blocks
         first = st.n_computed_local // self.math.block_size
         end = first + n_external // self.math.block_size
         if end > first:
             st.load_blocks = (first, end)
-            self._loads.append(Transfer(request_id, st.keys[first:end], [[b] for b in st.block_ids[first:end]]))
-        # Whatever is already in the engine or comes from the store needs no save.
-        st.saved_upto = max(st.saved_upto, end)
+            c0, c1 = first // g, -(-end // g)
+            blocks = [[st.block_ids[p] if first <= p < end else SKIP_BLOCK for p in range(c * g, (c + 1) * g)]
+                      for c in range(c0, c1)]
+            self._loads.append(Transfer(request_id, st.keys[c0:c1], blocks))
+            # Every chunk the load touches is in the store (its last one may be loaded in part only); the
+            # chunks before it were hits too.
+            st.saved_upto = max(st.saved_upto, c1)
 
     def scheduled(self, request_id: str, n_done_after_step: int, new_block_ids: Sequence[int] = (),
                   *, replace_blocks: bool = False) -> None:
@@ -635,10 +660,12 @@ class PrefixPlanner:
         if st is None:
             return
         st.block_ids = list(new_block_ids) if replace_blocks else st.block_ids + list(new_block_ids)
-        done = min(self.math.full_blocks(min(n_done_after_step, st.n_prompt)), len(st.keys), len(st.block_ids))
+        g = self.chunk_blocks
+        blocks = min(self.math.full_blocks(min(n_done_after_step, st.n_prompt)), len(st.block_ids))
+        done = min(blocks // g, len(st.keys))
         if done > st.saved_upto:
             self._saves.append(Transfer(request_id, st.keys[st.saved_upto:done],
-                                        [[b] for b in st.block_ids[st.saved_upto:done]]))
+                                        [st.block_ids[c * g:(c + 1) * g] for c in range(st.saved_upto, done)]))
             st.saved_upto = done
 
     def take(self) -> tuple[list[Transfer], list[Transfer]]:

@@ -28,10 +28,19 @@ inside ``start_load_kv`` instead and lets vLLM keep full CUDA graphs (asynchrono
 :meth:`~OrbitKVConnector.requires_piecewise_for_cudagraph` true: a replayed full graph would skip the
 per-layer waits).
 
-Keys: one chunk per vLLM block; by default the chained token-prefix keys of
-:func:`~orbitkv_fs.connectors.common.prefix_chunk_keys` salted with the model name (stable across
-processes and restarts); ``"orbitkv.key_source": "block_hashes"`` uses vLLM's own ``Request.block_hashes``
-instead (stable across processes only with a fixed ``PYTHONHASHSEED``).
+Chunks: one per ``"orbitkv.chunk_tokens"`` tokens of a prompt (default 256: a multiple of the block size,
+:data:`DEFAULT_CHUNK_TOKENS` rounded down to whole blocks, at least one block). Each chunk is one segment
+per layer and K/V in the Manager, so a chunk of 16 blocks moves 16 times the bytes for the same
+per-segment work as a chunk of one block (docs/engines.md); the prompt's last partial chunk is not stored.
+vLLM's own prefix cache works in blocks: when it holds part of a chunk, that chunk is loaded with
+:data:`~orbitkv_fs.manager.SKIP_BLOCK` at the blocks it holds (they may be shared with running requests and
+are never written), and likewise past the last block vLLM may load.
+
+Keys: by default the chained token-prefix keys of :func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`
+over whole chunks, salted with the model name (stable across processes and restarts);
+``"orbitkv.key_source": "block_hashes"`` uses vLLM's own ``Request.block_hashes`` instead (the hash of a
+chunk's last block, which chains the whole prefix; stable across processes only with a fixed
+``PYTHONHASHSEED``).
 
 Invariants: importing this module never imports vllm or torch when they are absent (the base class is
 imported under a guard, so source-only tests can read the class); the storage tier never fails a request
@@ -103,6 +112,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXTRA_PREFIX = "orbitkv."
+#: Tokens per chunk unless ``orbitkv.chunk_tokens`` says otherwise (rounded down to whole blocks).
+DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -132,6 +143,18 @@ def _total_layers(model_config: Any) -> int | None:
         return int(get())
     n = getattr(getattr(model_config, "hf_config", None), "num_hidden_layers", None)
     return int(n) if n is not None else None
+
+
+def chunk_blocks_for(block_size: int, chunk_tokens: Any) -> int:
+    """Blocks per chunk: ``chunk_tokens`` (a multiple of ``block_size``), or when None the default's whole
+    blocks (at least one)."""
+    if chunk_tokens is None:
+        return max(1, DEFAULT_CHUNK_TOKENS // block_size)
+    n = int(chunk_tokens)
+    if n <= 0 or n % block_size:
+        raise ValueError(f"orbitkv.chunk_tokens must be a positive multiple of the block size {block_size}, "
+                         f"not {chunk_tokens!r}")
+    return n // block_size
 
 
 def _flag(value: Any) -> bool:
@@ -175,7 +198,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._client: Any = None
         self._scheduler_engine_ids = [engine_id_for(self._base_id, 0, r) for r in range(self._pp_size)]
         self._worker_engine_id = engine_id_for(self._base_id, self._tp_rank, self._pp_rank)
-        self._planner = PrefixPlanner(self._block_size)
+        self._chunk_blocks = chunk_blocks_for(self._block_size, _extra(vllm_config, "chunk_tokens", None))
+        self._planner = PrefixPlanner(self._block_size, self._chunk_blocks)
         self._session: EngineSession | None = None
         self._stage_sessions: list[EngineSession] = []
         self._load_errors: set[int] = set()
@@ -238,9 +262,13 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         known = self._planner.keys(request.request_id)
         if known is not None:
             return known
+        g = self._chunk_blocks
         if self._key_source == "block_hashes":
-            return engine_hash_keys(request.block_hashes, salt=self._salt)
-        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size, salt=self._salt)
+            # A chunk's key is its last block's hash; the chunk size in the salt keeps a one-block chunk
+            # and the chunk ending at that block apart (their segments differ in size).
+            salt = self._salt if g == 1 else self._salt + b"/chunk_blocks=%d" % g
+            return engine_hash_keys(list(request.block_hashes)[g - 1::g], salt=salt)
+        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size * g, salt=self._salt)
 
     # -- scheduler side -----------------------------------------------------------------------------
 
