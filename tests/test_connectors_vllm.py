@@ -350,6 +350,20 @@ def test_chunk_tokens_default_and_validation() -> None:
     assert len(two) == 2 and not set(two) & set(one._keys_for(Req("q", list(range(80)), block_hashes=hashes)))
 
 
+def test_planner_without_a_load_saves_only_chunks_the_engine_lacks() -> None:
+    """Told that the engine holds 5 blocks and loads nothing, a planner of 4-block chunks saves chunk 1 (held
+    in part) once complete, never chunk 0 (held in full)."""
+    p = PrefixPlanner(BS, 4)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    p.matched("r", keys, 200, 5 * BS, 0)
+    p.allocated("r", list(range(13)), 0)
+    p.scheduled("r", 120, replace_blocks=False)  # blocks 0-6 done: chunk 1 not complete yet
+    assert p.take() == ([], [])
+    p.scheduled("r", 200)
+    loads, saves = p.take()
+    assert not loads and [(s.keys, s.blocks) for s in saves] == [(keys[1:3], [[4, 5, 6, 7], [8, 9, 10, 11]])]
+
+
 def test_planner_preemption_replaces_blocks() -> None:
     p = PrefixPlanner(BS)
     keys = [bytes([i]) * 16 for i in range(3)]

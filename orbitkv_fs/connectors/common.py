@@ -590,7 +590,6 @@ class _RequestState:
     n_prompt: int
     block_ids: list[int] = field(default_factory=list)
     n_computed_local: int = 0
-    load_blocks: tuple[int, int] = (0, 0)  # [first, end) block positions to load
     saved_upto: int = 0  # chunks [0, saved_upto) are stored or being stored
 
 
@@ -644,7 +643,6 @@ class PrefixPlanner:
         first = st.n_computed_local // self.math.block_size
         end = first + n_external // self.math.block_size
         if end > first:
-            st.load_blocks = (first, end)
             c0, c1 = first // g, -(-end // g)
             blocks = [[st.block_ids[p] if first <= p < end else SKIP_BLOCK for p in range(c * g, (c + 1) * g)]
                       for c in range(c0, c1)]
@@ -652,6 +650,9 @@ class PrefixPlanner:
             # Every chunk the load touches is in the store (its last one may be loaded in part only); the
             # chunks before it were hits too.
             st.saved_upto = max(st.saved_upto, c1)
+        else:
+            # Chunks the engine holds in full need no save; one it holds in part is saved once complete.
+            st.saved_upto = max(st.saved_upto, first // g)
 
     def scheduled(self, request_id: str, n_done_after_step: int, new_block_ids: Sequence[int] = (),
                   *, replace_blocks: bool = False) -> None:
