@@ -5,6 +5,8 @@ fixture (conftest.py)."""
 
 from __future__ import annotations
 
+import time
+
 from json_child import JsonChild
 
 _CHILD = r'''
@@ -108,3 +110,13 @@ class Mgr(JsonChild):
         # back their arena reservations) within seconds, not the default 30 s.
         super().__init__(_CHILD, {"layers": 2, "slots": 16, "heads": 2, **cfg}, env={"MC_TRANSFER_TIMEOUT": "5"})
         self.address, self.namespace, self.pid = self.hello["address"], self.hello["namespace"], self.hello["pid"]
+
+    def settled_stats(self, timeout: float = 10.0) -> dict:
+        """``stats`` once every peer lease is released. A requester's release is one-way (it never waits for
+        the answer), so it may land after the requester's restore has returned."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self("stats")
+            if st["leases_active"] == 0 or time.monotonic() > deadline:
+                return st
+            time.sleep(0.02)
