@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import cupy as cp
+import msgspec
 import numpy as np
 
 from orbitkv_fs.codecs import CODEC_NAMES, decode_payload, encode_segment, get_codec, raw_segment
@@ -80,10 +81,10 @@ from orbitkv_fs.segment import (
     TURBOQUANT_HEAD_DIMS,
     AnsType,
     Format,
+    HeaderTemplates,
     RawReason,
     Role,
     SegmentHeader,
-    pack_header_into,
     parse_header,
     turboquant_stored_bytes,
     worth_keeping,
@@ -150,8 +151,7 @@ def _dec_target(i: int, dst: Any, h: SegmentHeader) -> "DeviceSpan | OrbitKVErro
 _DEC_KINDS = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}
 
 
-@dataclass(frozen=True)
-class EncodeItem:
+class EncodeItem(msgspec.Struct, frozen=True):
     """One source region to encode into one segment.
 
     ``array`` is a C-contiguous cupy array (a view of engine KV) or a :class:`DeviceSpan`; its last axis
@@ -168,8 +168,7 @@ class EncodeItem:
     raw_reason: RawReason = RawReason.NONE
 
 
-@dataclass
-class _Enc:
+class _Enc(msgspec.Struct, eq=False):
     i: int
     item: EncodeItem
     ptr: int
@@ -191,8 +190,7 @@ class _Enc:
     tmp: int = 0  # ANS: workspace offset of the chunks' nvCOMP output buffers
 
 
-@dataclass
-class _Dec:
+class _Dec(msgspec.Struct, eq=False):
     i: int
     h: SegmentHeader
     payload: memoryview
@@ -587,6 +585,7 @@ class GpuCodecEngine:
             raise CodecError(f"codec workspace budget {budget_bytes} is under 1 MiB")
         self.budget_bytes = budget_bytes
         self.seed = seed
+        self._headers = HeaderTemplates()
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
@@ -747,8 +746,9 @@ class GpuCodecEngine:
         k, na, chunks = fill.k, fill.ans, fill.chunks
         fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
         fixed += align - SLOT_ALIGN  # the region starts at a slot boundary
-        tmp = chunks * (self._chunk_cap() + 36) + 3 * 256 if na else 0
-        return fixed + fill.bytes + tmp + self._ans_temp(fill)
+        if not na:
+            return fixed + fill.bytes
+        return fixed + fill.bytes + chunks * (self._chunk_cap() + 36) + 3 * 256 + self._ans_temp(fill)
 
     def encode_batch(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
                      slot_align: int = SLOT_ALIGN,
@@ -789,16 +789,21 @@ class GpuCodecEngine:
             try:
                 gpu: list[_Enc] = []
                 fill = _Fill()
+                half = self.budget_bytes // 2
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
-                    one = _Fill.of(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else _Fill.of(slot)
-                    more = fill.add(one)
+                    if p.kind == "ans":
+                        one = _Fill.of(slot, p.nch, p.n, p.ans_type)
+                        more = fill.add(one)
+                    else:  # the common case, without the two tuples of _Fill.of and add
+                        one = None
+                        more = _Fill(fill.k + 1, fill.bytes + slot, fill.ans, fill.chunks, fill.ans_bytes, fill.types)
                     # One estimate per segment where it joins the batch (then it alone fits too).
-                    if p.kind != "host" and len(gpu) < MAX_BATCH and \
-                            self._enc_estimate(more, slot_align) <= self.budget_bytes // 2:
+                    if p.kind != "host" and len(gpu) < MAX_BATCH and self._enc_estimate(more, slot_align) <= half:
                         gpu.append(p)
                         fill = more
                         continue
+                    one = one or _Fill.of(slot)
                     if p.kind == "host" or self._enc_estimate(one, slot_align) > self.budget_bytes:
                         if p.kind != "host":
                             w.stats["cpu_fallbacks"] += 1  # the workspace cannot hold this segment
@@ -925,7 +930,8 @@ class GpuCodecEngine:
         ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
         walked = [int(ans_sizes[ans_index[id(p)]]) if p.kind == "ans" else p.cap if p.kind in ("fp8", "tq") else p.n
                   for p in plans]
-        crcs = finish_crc(meta["acc"], np.array(walked, dtype=np.int64))
+        crcs = finish_crc(meta["acc"], np.array(walked, dtype=np.int64)).tolist()
+        mv, templates = memoryview(host), self._headers
         sunk: list[tuple[_Enc, int]] = []  # GPU-encoded segments for device_sink, with their lengths
         for p in plans:
             m = meta[p.meta]
@@ -951,11 +957,10 @@ class GpuCodecEngine:
                     out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
                     continue
                 fmt, stored, ans_type = Format.ANS, size, p.ans_type
-            h = SegmentHeader(fmt, p.dtype, p.n, stored, int(crcs[p.meta]), role=p.role, layer=p.layer, bits=bits,
-                              head_dim=head_dim, sign_version=sign_version, rotation_seed=seed, ans_type=ans_type,
-                              raw_reason=reason if fmt == Format.RAW else RawReason.NONE)
-            pack_header_into(h, host, p.slot)
-            out[p.i] = memoryview(host[p.slot:p.slot + HEADER_SIZE + stored])
+            h = templates.pack_into((fmt, p.dtype, p.n, stored, p.role, p.layer, bits, head_dim, sign_version, seed,
+                                     ans_type, reason if fmt == Format.RAW else RawReason.NONE),
+                                    crcs[p.meta], mv, p.slot)
+            out[p.i] = mv[p.slot:p.slot + HEADER_SIZE + stored]
             job.headers[p.i] = h
             if device_sink is not None:
                 sunk.append((p, HEADER_SIZE + stored))
@@ -1117,7 +1122,7 @@ class GpuCodecEngine:
         """Upper bound of :meth:`_dec_layout` 's total for a batch of these totals (``fill.bytes``: staging)."""
         k = fill.k
         fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(44 * max(fill.chunks, 1)) + 4 * 256
-        return fixed + fill.bytes + self._dec_temp(fill)
+        return fixed + fill.bytes + (self._dec_temp(fill) if fill.ans else 0)
 
     @staticmethod
     def _dec_fill(p: _Dec) -> _Fill:
@@ -1163,18 +1168,25 @@ class GpuCodecEngine:
             try:
                 gpu: list[_Dec] = []
                 fill = _Fill()
+                half = self.budget_bytes // 2
                 heads = self._device_heads(segments)
                 for i, (seg, dst) in enumerate(zip(segments, destinations)):
                     p = self._dec_plan(i, seg, dst, heads.get(i), headers[i] if headers is not None else None)
                     if isinstance(p, OrbitKVError):
                         results[i] = p
                         continue
-                    one = self._dec_fill(p)
-                    more = fill.add(one)
-                    if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= self.budget_bytes // 2:
+                    if p.kind == "ans":
+                        one = self._dec_fill(p)
+                        more = fill.add(one)
+                    else:  # the common case, without the two tuples of _Fill.of and add
+                        one = None
+                        staged = _up(p.h.stored_length) + _MIRROR_GAP
+                        more = _Fill(fill.k + 1, fill.bytes + staged, fill.ans, fill.chunks, fill.ans_bytes, fill.types)
+                    if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= half:
                         gpu.append(p)  # (then it alone fits too)
                         fill = more
                         continue
+                    one = one or self._dec_fill(p)
                     if self._dec_estimate(one) > self.budget_bytes:
                         results[i] = self._host_decode(p)
                         continue

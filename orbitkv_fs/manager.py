@@ -118,6 +118,7 @@ from .segment import (
     MAX_STORED_BYTES,
     TURBOQUANT_HEAD_DIMS,
     Format,
+    HeaderTemplates,
     RawReason,
     Role,
     SegmentHeader,
@@ -468,7 +469,7 @@ class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
     __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "dtype_code",
-                 "view", "base", "copy", "on_host")
+                 "view", "base", "copy", "on_host", "codec_name", "_bounds")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -476,7 +477,9 @@ class _Seg:
         self.role = role
         self.desc = desc
         self.codec = codec
+        self.codec_name = codec.codec_id if codec is not None else "none"
         self.raw_reason = raw_reason
+        self._bounds: dict[int, int] = {}  # blocks in a chunk -> coded_bound
         self.dtype = np.dtype(parse_dtype(desc.dtype))
         try:  # what a segment header of this tensor says (None: no header can match a dtype the format lacks)
             self.dtype_code: int | None = dtype_code(self.dtype)
@@ -512,6 +515,13 @@ class _Seg:
             rows = _rows_of(self.block_shape, self.base.strides[1:], self.dtype.itemsize)
             if rows is not None:
                 self.copy = (int(self.base.data.ptr), int(self.base.strides[0])) + rows
+
+    def coded_bound(self, nblocks: int) -> int:
+        """:func:`_coded_bound` of a chunk of ``nblocks`` blocks (asked once per segment of every save)."""
+        b = self._bounds.get(nblocks)
+        if b is None:
+            b = self._bounds[nblocks] = _coded_bound(self, nblocks * self.block_bytes)
+        return b
 
     def gather(self, blocks: Sequence[int]):
         """The blocks as one C-contiguous array ``[len(blocks), *block_shape]`` of the pages' kind (numpy
@@ -650,13 +660,15 @@ def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
     """Header validation of a segment whose payload CRC a tier just checked (prefetched from the SSD tier,
     which verifies every record's CRCs): header CRC and fields, the key's layer/role, the length. Raises
     SegmentError. Spares a second CRC pass over the payload."""
-    h = parse_header(blob)
+    h = _HEADERS.parse(blob)
     _check_key(kb, h)
     if len(blob) != HEADER_SIZE + h.stored_length:
         raise SegmentError(f"segment of {len(blob)} bytes, its header says {HEADER_SIZE + h.stored_length}")
     return h
 
 
+#: The restore's header checks: a batch's headers differ only in their payload CRC.
+_HEADERS = HeaderTemplates()
 #: Expired lease ids remembered so that a late restore under one is served, not refused.
 _EXPIRED_IDS_KEPT = 4096
 #: Segments a lookup reads from the lower tier in one batch (all in flight together).
@@ -1189,7 +1201,7 @@ class Manager:
             # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
             # is spread over more logical bytes.
             batches = self._codec_batches(self._save_items(eng, chunks, todo, acc),
-                                          lambda it: _coded_bound(it[1], _source_bytes(it)), _source_bytes)
+                                          lambda it: it[1].coded_bound(len(it[0].blocks)), _source_bytes)
             self._save_batches(eng, batches, acc)
             present, saved_chunks = acc.present, set()
             for ch, _, kb in todo:
@@ -1214,12 +1226,13 @@ class Manager:
         # device-to-host copy into the arena per batch) rather than a host copy per block.
         raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
         for ch in chunks:
-            if self.dram.chunk_count(eng.ns + ch.key) >= nseg:
+            have = self.dram.chunk_count(eng.ns + ch.key)
+            if have >= nseg:
                 acc.present += 1
                 continue
             for seg in eng.segs:
                 kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
-                if self.dram.contains(kb):
+                if have and self.dram.contains(kb):  # a chunk with no segment cached needs no test per segment
                     continue
                 item = (ch, seg, kb)
                 todo.append(item)
@@ -1342,14 +1355,16 @@ class Manager:
         sb.srcs, sb.buffer = [], None
         regions = sb.regions
         heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
-        used: list[tuple[int, int]] = []  # arena extents published in place
+        used: list[tuple[int, int]] = []  # arena extents of the batch's regions, published in place
+        todo: list[tuple[bytes, int, int, int, int]] = []  # ... by one publish_many
         reps = [0] * (max(_REP_NAMES) + 1)  # segments per Format value
         raws: collections.Counter[str] = collections.Counter()
         # The per-segment loop of every save: the region test is inlined (not _arena_offset) and the calls
         # are bound once, since at 512 KiB segments the host's work per segment bounds the throughput.
-        arena, publish, admit = self.dram.arena, self.dram.publish, acc.admit
+        arena, admit = self.dram.arena, acc.admit
         base = arena.base_address
         lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
+        published = False
         try:
             for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
                 h = h or parse_header(blob)
@@ -1366,10 +1381,25 @@ class Manager:
                     if off is None:
                         self._demote_direct(kb, blob, acc)
                         continue
-                    self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
-                if publish(kb, off, n, h.original_length, fmt) is not None:
-                    admit(kb, h.original_length, n)
+                    try:
+                        self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
+                    except BaseException:
+                        self.dram.cancel(off, n)
+                        raise
+                    # Published at once: the next reservation may have to evict it (a pool smaller than a batch).
+                    if self.dram.publish(kb, off, n, h.original_length, fmt) is not None:
+                        admit(kb, h.original_length, n)
+                    continue
+                todo.append((kb, off, n, h.original_length, fmt))
+            # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
+            published = True
+            done = self.dram.publish_many(todo)  # one lock round for the batch
+            for (kb, _, n, logical, _), ok in zip(todo, done):
+                if ok:
+                    admit(kb, logical, n)
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
+            if not published:  # nothing of the regions was published
+                used.clear()
             for off, n in _gaps(regions, used):
                 self.dram.cancel(off, n)
             regions.clear()
@@ -2337,8 +2367,7 @@ class _GpuCodecs:
 
     def item(self, array, seg: _Seg):
         """The engine's encode item for ``array`` (a gathered segment source) of ``seg``."""
-        return self._item(array, seg.codec.codec_id if seg.codec else "none", seg.role, seg.layer, dtype=seg.dtype,
-                          raw_reason=seg.raw_reason)
+        return self._item(array, seg.codec_name, seg.role, seg.layer, seg.dtype, seg.raw_reason)
 
     def decode_device(self, segments: list, destinations: list, seed: int) -> list:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
@@ -2447,7 +2476,7 @@ def _source_bytes(item: tuple[ChunkBlocks, _Seg, bytes]) -> int:
 def _coded_bound(seg: _Seg, n: int) -> int:
     """Workspace bytes the GPU engine's encode of ``n`` source bytes of ``seg`` takes: its payload slot,
     as :meth:`orbitkv_fs.gpu.engine.GpuCodecEngine._classify` sizes it (ANS and raw: the source size)."""
-    codec = seg.codec.codec_id if seg.codec is not None else "none"
+    codec = seg.codec_name
     d = seg.block_shape[-1] if seg.block_shape else 0
     if codec == "fp8" and seg.dtype.itemsize == 2:
         return n // 2

@@ -4,7 +4,8 @@ A segment is a fixed 64-byte little-endian header followed by its payload. ``doc
 normative description; this module is its only implementation. Primitives:
 
 * :func:`pack_header` (:func:`pack_header_into` a buffer) / :func:`parse_header` -- header bytes <->
-  :class:`SegmentHeader`, fully validated.
+  :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` packs a batch's headers that differ
+  only in their payload CRC from one validated template each.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
 * :func:`parse_segment` -- validate a whole segment (header, lengths, payload CRC) and return a view
   of its payload.
@@ -295,6 +296,59 @@ def pack_header_into(h: SegmentHeader, buf: "bytearray | memoryview | np.ndarray
 
 
 _CRC = struct.Struct("<I")
+_PAYLOAD_CRC_AT = 24  # offset of payload_crc in _STRUCT
+
+
+class HeaderTemplates:
+    """Headers of segments that differ only in their payload CRC, packed and parsed through a validated
+    template.
+
+    A codec batch writes (and a restore reads) many segments of one geometry and codec: their headers
+    share every field but the payload CRC. :meth:`pack_into` validates and packs each distinct set of
+    fields once, then per segment copies the template, sets the CRC and recomputes the header's own CRC
+    (the bytes are exactly :func:`pack_header_into`'s). :meth:`parse` checks the header's CRC, then looks
+    its other 56 bytes up among the headers :func:`parse_header` validated before; anything else goes
+    through :func:`parse_header` (and its typed errors). At most ``limit`` templates of each kind are kept
+    (then that cache starts over). Thread-safe (single dict operations)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._made: dict[tuple, tuple[SegmentHeader, bytes]] = {}
+        self._seen: dict[bytes, SegmentHeader] = {}
+
+    def parse(self, buf: "bytes | bytearray | memoryview") -> SegmentHeader:
+        """:func:`parse_header` of ``buf``, the same header or the same error."""
+        raw = bytes(buf[:HEADER_SIZE])
+        if len(raw) == HEADER_SIZE and _crc32c.crc32c(raw[:_CRC_SPAN]) == _CRC.unpack_from(raw, _CRC_SPAN)[0]:
+            rest = raw[:_PAYLOAD_CRC_AT] + raw[_PAYLOAD_CRC_AT + 4:_CRC_SPAN]
+            h0 = self._seen.get(rest)
+            if h0 is not None:
+                return msgspec.structs.replace(h0, payload_crc=_CRC.unpack_from(raw, _PAYLOAD_CRC_AT)[0])
+            h = parse_header(raw)
+            if len(self._seen) >= self._limit:
+                self._seen.clear()
+            self._seen[rest] = h
+            return h
+        return parse_header(buf)
+
+    def pack_into(self, fields: tuple, payload_crc: int, buf: memoryview, offset: int) -> SegmentHeader:
+        """Write the header of ``SegmentHeader(*fields)`` with ``payload_crc`` into byte memoryview ``buf``
+        at ``offset``; answers that header. ``fields``: format, dtype, original_length, stored_length, role,
+        layer, bits, head_dim, sign_version, rotation_seed, ans_type, raw_reason. Raises as
+        :func:`pack_header` for fields that do not make a valid header."""
+        made = self._made.get(fields)
+        if made is None:
+            fmt, dtype, orig, stored, role, layer, bits, head_dim, sign_version, seed, ans_type, reason = fields
+            h0 = SegmentHeader(fmt, dtype, orig, stored, 0, role=role, layer=layer, bits=bits, head_dim=head_dim,
+                               sign_version=sign_version, rotation_seed=seed, ans_type=ans_type, raw_reason=reason)
+            if len(self._made) >= self._limit:
+                self._made.clear()
+            made = self._made[fields] = (h0, pack_header(h0)[:_CRC_SPAN])
+        h0, prefix = made
+        buf[offset:offset + _CRC_SPAN] = prefix
+        _CRC.pack_into(buf, offset + _PAYLOAD_CRC_AT, payload_crc)
+        _CRC.pack_into(buf, offset + _CRC_SPAN, _crc32c.crc32c(buf[offset:offset + _CRC_SPAN]))
+        return msgspec.structs.replace(h0, payload_crc=payload_crc)
 
 
 def parse_header(buf: "bytes | bytearray | memoryview") -> SegmentHeader:

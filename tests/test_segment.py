@@ -228,6 +228,30 @@ def test_pack_header_into_writes_the_same_bytes_in_place():
         pack_header_into(SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 5, 0), buf)
 
 
+def test_header_templates_write_pack_headers_bytes():
+    """Every format, several CRCs per template: the bytes and the header are pack_header's."""
+    from orbitkv_fs.segment import AnsType, HeaderTemplates, RawReason
+
+    kinds = [(Format.FP8, BF16, 4096, 2048, Role.KEY, 7, 8, 0, 0, 0, AnsType.NONE, RawReason.NONE),
+             (Format.TURBOQUANT, BF16, 4096, 1088, Role.VALUE, 3, 4, 128, 1, 99, AnsType.NONE, RawReason.NONE),
+             (Format.ANS, BF16, 65536, 40000, Role.KEY, 0, 0, 0, 0, 0, AnsType.FLOAT16, RawReason.NONE),
+             (Format.RAW, BF16, 4096, 4096, Role.VALUE, 35, 0, 0, 0, 0, AnsType.NONE, RawReason.POLICY)]
+    t = HeaderTemplates(limit=3)  # fewer than the kinds: the cache also starts over
+    buf = np.full(8 * HEADER_SIZE, 0xAB, dtype=np.uint8)
+    mv = memoryview(buf)
+    for crc in (0, 1, 0xDEADBEEF):
+        for fields in kinds:
+            fmt, dtype, orig, stored, role, layer, bits, hd, sv, seed, at, reason = fields
+            want = SegmentHeader(fmt, dtype, orig, stored, crc, role=role, layer=layer, bits=bits, head_dim=hd,
+                                 sign_version=sv, rotation_seed=seed, ans_type=at, raw_reason=reason)
+            assert t.pack_into(fields, crc, mv, 2 * HEADER_SIZE) == want
+            assert bytes(buf[2 * HEADER_SIZE:3 * HEADER_SIZE]) == pack_header(want)
+            assert (buf[:2 * HEADER_SIZE] == 0xAB).all() and (buf[3 * HEADER_SIZE:] == 0xAB).all()
+    with pytest.raises(errors.LengthMismatch):  # a template is validated like pack_header
+        t.pack_into((Format.RAW, np.dtype(np.uint8), 4, 5, Role.OPAQUE, 0, 0, 0, 0, 0, AnsType.NONE,
+                     RawReason.NONE), 0, mv, 0)
+
+
 def test_peek_source_reads_the_size_fields_unverified():
     h = SegmentHeader(Format.RAW, BF16, 4096, 4096, 0, layer=3)
     blob = bytearray(build_segment(h, bytes(4096)))
@@ -297,6 +321,43 @@ def test_mutated_segments_raise_only_segment_errors(blob, flips, resize):
     else:
         b += bytes(resize)
     _only_segment_errors(bytes(b))
+
+
+_PRIMED = None
+
+
+def _primed():
+    """A HeaderTemplates that has parsed every VALID header (so its cache answers their look-alikes)."""
+    global _PRIMED
+    if _PRIMED is None:
+        from orbitkv_fs.segment import HeaderTemplates
+
+        _PRIMED = HeaderTemplates()
+        for v in VALID:
+            _PRIMED.parse(v)
+    return _PRIMED
+
+
+def _outcome(parse, b: bytes):
+    try:
+        return parse(b)
+    except SegmentError as e:
+        return type(e)
+
+
+@PROPERTY
+@given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 63), st.integers(0, 255)), max_size=4),
+       st.booleans(), st.integers(-70, 0))
+def test_header_templates_parse_as_parse_header(blob, flips, fix_crc, cut):
+    """Mutated headers (the header CRC made right again or not, maybe truncated): the cached parse
+    answers exactly parse_header's header or error type."""
+    b = bytearray(blob[:HEADER_SIZE])
+    for pos, val in flips:
+        b[pos] = val
+    if fix_crc:
+        struct.pack_into("<I", b, 60, crc32c.crc32c(bytes(b[:60])))
+    b = bytes(b[:len(b) + cut] if cut else b)
+    assert _outcome(_primed().parse, b) == _outcome(parse_header, b)
 
 
 @st.composite

@@ -223,20 +223,29 @@ class DramTier:
         """Make the reserved extent at ``offset`` the object ``key``; ``(slot, generation)``. When ``key``
         is already present the reservation is freed and None returned. ``prefetched``: published by a
         speculative prefetch (counted as a hit when first served, as wasted when dropped unserved)."""
-        n = units_of(length)
         with self.lock:
-            self.reserved_bytes -= n * UNIT
-            added = self.index.add(key, offset // UNIT, n, length, logical, rep)
-            if added is None:  # present already
-                self.alloc.free(offset // UNIT, n)
-                return None
-            slot, gen = added
-            self.policy.insert(slot, n * UNIT, hash(key))
-            self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
-            self.resident_logical += logical
-            if prefetched:
-                self.prefetched.add(slot)
-            return slot, gen
+            added = self._publish(key, offset, length, logical, rep)
+            if added is not None and prefetched:
+                self.prefetched.add(added[0])
+            return added
+
+    def publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]]) -> list[bool]:
+        """:meth:`publish` of each ``(key, offset, length, logical, rep)`` under one lock round (a save
+        batch's segments); per item, whether it was published (False: present already, reservation freed)."""
+        with self.lock:
+            return [self._publish(*it) is not None for it in items]
+
+    def _publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
+        n = units_of(length)
+        self.reserved_bytes -= n * UNIT
+        added = self.index.add(key, offset // UNIT, n, length, logical, rep)
+        if added is None:  # present already
+            self.alloc.free(offset // UNIT, n)
+            return None
+        self.policy.insert(added[0], n * UNIT, hash(key))
+        self.resident_bytes[rep] = self.resident_bytes.get(rep, 0) + n * UNIT
+        self.resident_logical += logical
+        return added
 
     # -- leases --------------------------------------------------------------------------------------
 
