@@ -5,9 +5,8 @@ fixture (conftest.py)."""
 
 from __future__ import annotations
 
-import time
-
 from json_child import JsonChild
+from polling import wait_until
 
 _CHILD = r'''
 import hashlib, json, mmap, os, signal, sys, threading
@@ -112,11 +111,13 @@ class Mgr(JsonChild):
         self.address, self.namespace, self.pid = self.hello["address"], self.hello["namespace"], self.hello["pid"]
 
     def settled_stats(self, timeout: float = 10.0) -> dict:
-        """``stats`` once every peer lease is released. A requester's release is one-way (it never waits for
-        the answer), so it may land after the requester's restore has returned."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self("stats")
-            if st["leases_active"] == 0 or time.monotonic() > deadline:
-                return st
-            time.sleep(0.02)
+        """``stats`` once every peer lease is released (or ``timeout`` passed). A requester's release is
+        one-way (it never waits for the answer), so it may land after the requester's restore has returned."""
+        seen: dict = {}
+
+        def released() -> bool:
+            seen.update(self("stats"))
+            return seen["leases_active"] == 0
+
+        wait_until(released, timeout)
+        return seen

@@ -18,7 +18,8 @@ Invariants:
 
 * Nothing that did not verify is returned or published, nor anything from a reply for another namespace.
 * Memory a read was submitted into (staging or an arena reservation) is reused only after the Transfer
-  Engine reports that read terminal, even when the fetch stopped waiting for it (it is parked until then).
+  Engine reports that read terminal, even when the fetch stopped waiting for it (it is parked until then,
+  and a reaper thread gives it back within ``_REAP_INTERVAL_S`` of the engine ending it).
 * Every lease a peer granted is released (or left to the peer's TTL when the peer stopped answering,
   or answered after the fetch stopped listening).
 * A failure (timeout, unreachable, failed read, bad checksum, namespace, protocol, refusal) counts
@@ -48,6 +49,8 @@ __all__ = ["ArenaSink", "PeerClient", "PeerConfig", "PeerError", "UnknownPeer"]
 
 log = logging.getLogger(__name__)
 _ALIGN = 64
+#: How often the reaper thread asks the engine about parked reads.
+_REAP_INTERVAL_S = 0.2
 _MAX_EXTENT = HEADER_SIZE + MAX_STORED_BYTES + 4096
 
 
@@ -275,7 +278,8 @@ class PeerClient:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._ids = itertools.count(1)
-        self._abandoned: list[_Read] = []
+        self._abandoned: list[_Read] = []  # parked reads (see _park)
+        self._reaper: threading.Thread | None = None
         self.counters = ClientCounters()
         self._closed = False
 
@@ -541,11 +545,11 @@ class PeerClient:
         self._wait(reads, deadline, landed)
         for peer, lease_id in leases:
             self._send_release(peer, lease_id)
-        for r in reads:
-            if r.state == READ_PENDING:
-                with self._lock:
-                    self._abandoned.append(r)
-                failed.setdefault(id(r.peer), (r.peer, FailureReason.TIMEOUT))
+        pending = [r for r in reads if r.state == READ_PENDING]
+        for r in pending:
+            failed.setdefault(id(r.peer), (r.peer, FailureReason.TIMEOUT))
+        if pending:
+            self._park(pending)
         for peer, reason in failed.values():
             self._fail(peer, reason)
         for rid in replies:
@@ -602,7 +606,27 @@ class PeerClient:
                     # on a busy host and loses the transfer's pace (the engine's own sync calls spin too).
                     time.sleep(0)
 
+    def _park(self, reads: list[_Read]) -> None:
+        """Keep ``reads`` (still pending when their fetch stopped waiting) until the engine ends them, with
+        a reaper thread running while any is parked: their memory comes back without waiting for another
+        fetch (a Manager whose peer died mid-read may fetch nothing for a long time)."""
+        with self._lock:
+            self._abandoned.extend(reads)
+            if self._reaper is None and not self._closed:
+                self._reaper = threading.Thread(target=self._reap_parked, name="orbitkv-peer-reaper", daemon=True)
+                self._reaper.start()
+
+    def _reap_parked(self) -> None:
+        while True:
+            time.sleep(_REAP_INTERVAL_S)
+            self._reap()
+            with self._lock:
+                if not self._abandoned or self._closed:
+                    self._reaper = None
+                    return
+
     def _reap(self) -> None:
+        """Free the parked reads the engine has ended (done or failed)."""
         with self._lock:
             parked, self._abandoned = self._abandoned, []
         keep = []
@@ -612,8 +636,7 @@ class PeerClient:
             else:
                 r.dest.discard(r)
         if keep:
-            with self._lock:
-                self._abandoned.extend(keep)
+            self._park(keep)
 
     # -- prefix lookups ------------------------------------------------------------------------------
 
