@@ -681,6 +681,9 @@ class PeerClient:
         with self._lock:
             self._closed = True
             peers = list(self._peers.values())
+            reaper = self._reaper
+        if reaper is not None:  # it stops after its current round: nothing may reap once staging is unmapped
+            reaper.join()
         for p in peers:
             for s in p.idle:
                 s.close(0)
