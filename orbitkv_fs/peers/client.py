@@ -280,6 +280,7 @@ class PeerClient:
         self._ids = itertools.count(1)
         self._abandoned: list[_Read] = []  # parked reads (see _park)
         self._reaper: threading.Thread | None = None
+        self._reaping = threading.Lock()  # serialises _reap
         self.counters = ClientCounters()
         self._closed = False
 
@@ -626,17 +627,18 @@ class PeerClient:
                     return
 
     def _reap(self) -> None:
-        """Free the parked reads the engine has ended (done or failed)."""
-        with self._lock:
-            parked, self._abandoned = self._abandoned, []
-        keep = []
-        for r in parked:
-            if self.transport.poll(r.handle) == READ_PENDING:
-                keep.append(r)
-            else:
+        """Free the parked reads the engine has ended (done or failed). One reap at a time (the reaper, a
+        fetch, close), so that no read is freed twice; a read stays counted as parked until it is freed."""
+        with self._reaping:
+            with self._lock:
+                parked = list(self._abandoned)
+            ended = [r for r in parked if self.transport.poll(r.handle) != READ_PENDING]
+            for r in ended:
                 r.dest.discard(r)
-        if keep:
-            self._park(keep)
+            if ended:
+                gone = {id(r) for r in ended}
+                with self._lock:
+                    self._abandoned = [r for r in self._abandoned if id(r) not in gone]
 
     # -- prefix lookups ------------------------------------------------------------------------------
 
