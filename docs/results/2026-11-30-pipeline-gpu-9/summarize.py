@@ -2,7 +2,8 @@
 the median over the 8 neighbouring (prev, new) pairs of new / prev, the range of those ratios, and each
 code's median GB/s and median ratio to ``none`` of the same round. Then each code's best over its 8 rounds
 (the device's drift only ever slows a figure down, so the best of many rounds estimates what the code does
-on a quiet host), with the ratios of those bests to ``none``'s best and to the pinned copy's."""
+on a quiet host), with the ratios of those bests to ``none``'s best and to the pinned copy measured in the
+same round as the best figure."""
 import pathlib
 import re
 import statistics
@@ -54,7 +55,8 @@ def main() -> None:
     for k in keys:
         best = {c: max(f[k] for code, f in rs if code == c) for c in ("prev", "new")}
         none = {c: max(f[("none", k[1], k[2])] for code, f in rs if code == c) for c in ("prev", "new")}
-        copy = min(f[("copy", k[1], k[2])] for _, f in rs)
+        at = max((f for code, f in rs if code == "new"), key=lambda f: f[k])  # the round of the new best
+        copy = at[("copy", k[1], k[2])]
         print(f"| {k[0]} | {k[1]} KiB | {k[2]} | {best['prev']:.1f} | {best['new']:.1f} | {best['new'] / best['prev']:.2f} "
               f"| {best['prev'] / none['prev']:.2f} | {best['new'] / none['new']:.2f} | {best['new'] / copy:.2f} |")
 
