@@ -311,6 +311,11 @@ class _Fill(NamedTuple):
             return cls(1, nbytes)
         return cls(1, nbytes, 1, chunks, ans_bytes, frozenset((AnsType(ans_type),)))
 
+    def plus(self, nbytes: int) -> "_Fill":
+        """These totals and one more non-ANS segment of ``nbytes`` (``add(_Fill.of(nbytes))`` with one tuple,
+        not three: the fit check runs once per segment)."""
+        return _Fill(self.k + 1, self.bytes + nbytes, self.ans, self.chunks, self.ans_bytes, self.types)
+
     def add(self, other: "_Fill") -> "_Fill":
         return _Fill(self.k + other.k, self.bytes + other.bytes, self.ans + other.ans, self.chunks + other.chunks,
                      self.ans_bytes + other.ans_bytes, self.types | other.types if other.types else self.types)
@@ -464,6 +469,11 @@ class Worker:
         with self.lock:
             self.finish_all()
             self.ws.release()
+
+
+def _dec_staging(p: _Dec) -> int:
+    """Staging bytes a decode batch counts for ``p`` 's payload: its slot and the mirror gap."""
+    return _up(p.h.stored_length) + _MIRROR_GAP
 
 
 def _within(counts: np.ndarray) -> np.ndarray:
@@ -792,12 +802,8 @@ class GpuCodecEngine:
                 half = self.budget_bytes // 2
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
-                    if p.kind == "ans":
-                        one = _Fill.of(slot, p.nch, p.n, p.ans_type)
-                        more = fill.add(one)
-                    else:  # the common case, without the two tuples of _Fill.of and add
-                        one = None
-                        more = _Fill(fill.k + 1, fill.bytes + slot, fill.ans, fill.chunks, fill.ans_bytes, fill.types)
+                    one = _Fill.of(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else None
+                    more = fill.add(one) if one is not None else fill.plus(slot)
                     # One estimate per segment where it joins the batch (then it alone fits too).
                     if p.kind != "host" and len(gpu) < MAX_BATCH and self._enc_estimate(more, slot_align) <= half:
                         gpu.append(p)
@@ -1122,12 +1128,12 @@ class GpuCodecEngine:
         """Upper bound of :meth:`_dec_layout` 's total for a batch of these totals (``fill.bytes``: staging)."""
         k = fill.k
         fixed = _up(2 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(44 * max(fill.chunks, 1)) + 4 * 256
-        return fixed + fill.bytes + (self._dec_temp(fill) if fill.ans else 0)
+        return fixed + fill.bytes + self._dec_temp(fill)
 
     @staticmethod
     def _dec_fill(p: _Dec) -> _Fill:
         """A batch of the one segment ``p``: its staging (payload, mirror gap, ANS scratch) and ANS chunks."""
-        staged = _up(p.h.stored_length) + _MIRROR_GAP
+        staged = _dec_staging(p)
         if p.kind != "ans":
             return _Fill.of(staged)
         return _Fill.of(staged + _up(p.h.original_length), int(p.sizes.size), p.h.original_length, p.h.ans_type)
@@ -1175,13 +1181,8 @@ class GpuCodecEngine:
                     if isinstance(p, OrbitKVError):
                         results[i] = p
                         continue
-                    if p.kind == "ans":
-                        one = self._dec_fill(p)
-                        more = fill.add(one)
-                    else:  # the common case, without the two tuples of _Fill.of and add
-                        one = None
-                        staged = _up(p.h.stored_length) + _MIRROR_GAP
-                        more = _Fill(fill.k + 1, fill.bytes + staged, fill.ans, fill.chunks, fill.ans_bytes, fill.types)
+                    one = self._dec_fill(p) if p.kind == "ans" else None
+                    more = fill.add(one) if one is not None else fill.plus(_dec_staging(p))
                     if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= half:
                         gpu.append(p)  # (then it alone fits too)
                         fill = more

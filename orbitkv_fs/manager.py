@@ -1361,8 +1361,7 @@ class Manager:
         raws: collections.Counter[str] = collections.Counter()
         # The per-segment loop of every save: the region test is inlined (not _arena_offset) and the calls
         # are bound once, since at 512 KiB segments the host's work per segment bounds the throughput.
-        arena, admit = self.dram.arena, acc.admit
-        base = arena.base_address
+        base, admit = self.dram.arena.base_address, acc.admit
         lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
         published = False
         try:

@@ -148,3 +148,18 @@ def test_decode_rows(seed):
     assert E._decode_rows(buf, 256, plans, fp8, tq, copy, src, expect, actual, status, base) == firsts
     assert np.array_equal(buf[256:], reference(rows).view(np.uint8))
     assert (buf[:256] == 0xEE).all()
+
+
+def test_fill_plus_is_add_of_one_plain_segment():
+    """The fit checks' one-tuple step: the same totals as adding a non-ANS segment's own, after ANS ones."""
+    rng = random.Random(3)
+    fill = E._Fill()
+    for _ in range(200):
+        n = rng.randrange(1, 1 << 24)
+        if rng.random() < 0.3:
+            one = E._Fill.of(n, rng.randrange(1, 64), n, rng.choice([AnsType.BYTES, AnsType.FLOAT16]))
+            fill = fill.add(one)
+            continue
+        assert fill.plus(n) == fill.add(E._Fill.of(n))
+        fill = fill.plus(n)
+    assert fill.k == 200 and fill.ans > 0

@@ -7,6 +7,7 @@ bytes: only :class:`SegmentError` subclasses may escape the parsers.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import crc32c
@@ -323,19 +324,15 @@ def test_mutated_segments_raise_only_segment_errors(blob, flips, resize):
     _only_segment_errors(bytes(b))
 
 
-_PRIMED = None
-
-
+@functools.cache
 def _primed():
     """A HeaderTemplates that has parsed every VALID header (so its cache answers their look-alikes)."""
-    global _PRIMED
-    if _PRIMED is None:
-        from orbitkv_fs.segment import HeaderTemplates
+    from orbitkv_fs.segment import HeaderTemplates
 
-        _PRIMED = HeaderTemplates()
-        for v in VALID:
-            _PRIMED.parse(v)
-    return _PRIMED
+    t = HeaderTemplates()
+    for v in VALID:
+        t.parse(v)
+    return t
 
 
 def _outcome(parse, b: bytes):
