@@ -7,6 +7,7 @@ import json
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from orbitkv_fs.tools import bench_cohort, bench_pipeline
 
@@ -75,5 +76,8 @@ def test_round_robin_keeps_every_codec_and_the_row_order():
         assert (0.49 < ratio < 0.52) if r["codec"] == "fp8" else (1.0 <= ratio < 1.01)
         none = next(x for x in runs if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"])
         assert abs(r["save_vs_none"] - r["save_gbs"] / none["save_gbs"]) < 1e-9
+        # the bound: the stored bytes at the baseline's rate, against none
+        assert r["restore_bound_gbs"] == pytest.approx(r["restore_baseline_gbs"] / ratio)
+        assert r["save_bound_vs_none"] == pytest.approx(r["save_baseline_gbs"] / ratio / none["save_gbs"])
     md = bench_pipeline._markdown({"device": "cpu", "host": "h", "throughput": out}, "cmd")
-    assert "round robin" in md
+    assert "round robin" in md and "bound vs none save / restore" in md
