@@ -520,6 +520,20 @@ def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_st
     with pytest.raises(RuntimeError, match="start 3"):
         _pipelined([1, 2, 3, 4], start, end)
     assert log == ["s1", "s2", "e1", "e2"]  # the started item 2 is ended, 4 never starts
+    log.clear()
+    assert _pipelined([0, 1, 2, 4], start, end, depth=3) == [0, 10, 20, 40]  # the GPU engine's three flights
+    assert log == ["s0", "s1", "s2", "e0", "s4", "e1", "e2", "e4"]
+    log.clear()
+
+    def failing_end(i):
+        log.append(f"e{i}")
+        if i == 1:
+            raise RuntimeError("end 1")
+        return i
+
+    with pytest.raises(RuntimeError, match="end 1"):
+        _pipelined([0, 1, 2, 4, 5], start, failing_end, depth=3)
+    assert log == ["s0", "s1", "s2", "e0", "s4", "e1", "e2", "e4"]  # 2 and 4 were started: both ended
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4", "turboquant-3"])
