@@ -37,8 +37,7 @@ Batch API (for the Manager)::
   them as needed.
 * Pipelining: ``job = engine.encode_submit(items, ...)`` queues the batch and returns;
   ``engine.encode_collect(job)`` waits and answers the segments (``job.headers`` holds their parsed
-  headers). ``decode_submit`` / ``decode_collect`` likewise. Up to three batches per worker are in
-  flight (``engine.FLIGHTS``), each in at most a third of the workspace.
+  headers). ``decode_submit`` / ``decode_collect`` likewise. Up to two batches per worker are in flight.
 * Page blocks: ``engine.gather_blocks(table)`` / ``engine.scatter_blocks(table)`` copy whole page blocks
   (``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows: source, destination, strides, rows, row bytes) in one launch
   on the save / restore stream; ``engine.block_buffer(nbytes, restore=...)`` allocates the contiguous side.

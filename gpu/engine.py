@@ -7,13 +7,13 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
 * Two streams per worker: kernels run on ``stream``, the bulk host copies of a batch (an encode's
   device-to-host download, a decode's upload) on ``copies``, joined by events. One batch's kernels
   then run while the other batch's bytes cross PCIe, instead of after them.
-* Three batches in flight per worker (:data:`FLIGHTS`): :meth:`GpuCodecEngine.encode_submit` /
-  ``decode_submit`` queue a batch (into the part of the workspace the batches in flight leave free, from a
-  staging buffer of its own) and return; a batch takes at most a third of the workspace (a segment that
-  needs more runs alone), so that the next ones fit beside it instead of waiting for it.
-  ``encode_collect`` / ``decode_collect`` wait for a batch and run its host part (headers, verdicts).
-  ``encode_batch`` / ``decode_batch`` are submit then collect. A caller that keeps its next batches
-  submitted while it collects one overlaps its host work with the GPU's and the copies.
+* Two batches in flight per worker: :meth:`GpuCodecEngine.encode_submit` / ``decode_submit`` queue a
+  batch (into the part of the workspace the batch in flight leaves free, from the other staging buffer)
+  and return; a batch takes at most half of the workspace (a segment that needs more runs alone), so
+  that the next one fits beside it instead of waiting for it. ``encode_collect`` / ``decode_collect``
+  wait for a batch and run its host part (headers, verdicts). ``encode_batch`` / ``decode_batch`` are
+  submit then collect. A caller that submits its next batch before collecting the previous one overlaps
+  its host work with the GPU's and the copies.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
   ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, read by the kernel from a pinned buffer of its own). Sources and
@@ -95,10 +95,6 @@ from . import module as km
 from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 256
-#: Batches in flight per worker. With two, the next batch's kernels could start only once the host had
-#: finished the previous batch and submitted it, while the batch between them crossed PCIe: the kernels sat
-#: on the link's critical path. With three, a batch is queued (and its kernels have run) a whole batch ahead.
-FLIGHTS = 3
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096
@@ -338,14 +334,16 @@ class _Flight:
 
 
 class Worker:
-    """Two streams (kernels; bulk host copies), a workspace, :data:`FLIGHTS` pinned upload buffers and
-    counters. Up to :data:`FLIGHTS` batches are in flight, side by side in the workspace (a ring: a batch
-    goes after the newest one, or wraps to the start before the oldest), each from an upload buffer of its
-    own: the next ones are launched before the host finishes the previous one, so that the host's work
-    overlaps the GPU's, and one batch's kernels overlap another's copies.
+    """Two streams (kernels; bulk host copies), a workspace, two pinned upload buffers and counters. Up to
+    two batches are in flight: the next one is launched (into the other part of the workspace, from the
+    other upload buffer) before the host finishes the previous one, so that the host's work overlaps the
+    GPU's, and one batch's kernels overlap the other's copies.
 
     Small copies (an encode's descriptors, a decode's statuses) stay on ``stream``, in order with the
-    kernels; :meth:`handoff` orders one stream after the other where a batch's bytes change hands."""
+    kernels; :meth:`handoff` orders one stream after the other where a batch's bytes change hands.
+
+    Two, not three: three batches of a third of the workspace each saved 9-16% slower at 4 MiB segments
+    (docs/results/2026-11-30-pipeline-gpu-11)."""
 
     def __init__(self, name: str, budget: int) -> None:
         self.name = name
@@ -356,11 +354,11 @@ class Worker:
         # (callers hold the lock) instead of a new CUDA event per batch.
         self._order = cp.cuda.Event(disable_timing=True)
         self.ws = Workspace(budget, self.sync)
-        self.uploads = tuple(_Pinned() for _ in range(FLIGHTS))
+        self.uploads = (_Pinned(), _Pinned())
         self.inflight: list[_Flight] = []  # oldest first
         # Block-copy tables: buffers of their own (not shared with a batch in flight), used in turn, each
         # with the event after the launch that reads it.
-        self.tables = [_Pinned() for _ in range(FLIGHTS + 1)]
+        self.tables = [_Pinned() for _ in range(3)]
         self.tables_read: list = [None] * len(self.tables)
         self.tables_next = 0
         self.lock = threading.Lock()
@@ -402,37 +400,21 @@ class Worker:
     # -- batches in flight (the caller holds the lock) -----------------------------------------------
     def place(self, nbytes: int) -> "tuple[int, _Pinned]":
         """Workspace address and pinned upload buffer (``_Pinned``) for a new batch of ``nbytes``: beside the
-        batches still in flight where it fits (after the newest, or wrapped to the start before the oldest),
-        else after finishing the oldest ones, or all of them where a larger workspace (within the budget)
-        would take it: growing needs nothing in flight.
-
-        The live batches lie in launch order around the ring, so their extent is the stretch from the
-        oldest's start to the newest's end (wrapped or not); one finished out of order (a job collected
-        before an older one) leaves a hole that is not reused until the batches around it finish."""
-        while len(self.inflight) >= FLIGHTS:
+        batch still in flight when both fit in the workspace, else after finishing it (the workspace may
+        then grow, which needs nothing in flight)."""
+        while len(self.inflight) > 1:
             self.finish(self.inflight[0])
-        while self.inflight:
-            first, last = self.inflight[0], self.inflight[-1]
-            at = _up(last.end, 1 << 16)
-            if first.start <= last.start:  # one stretch [first.start, last.end): room after it, or before it
-                if at + nbytes <= self.ws.size:
-                    return self.ws.ptr + at, self._free_upload()
-                if nbytes <= first.start:
-                    return self.ws.ptr, self._free_upload()
-            elif at + nbytes <= first.start:  # wrapped: the room lies between the newest and the oldest
-                return self.ws.ptr + at, self._free_upload()
-            if self.ws.size < at + nbytes <= self.ws.budget:
-                # A larger workspace takes it beside the newest: grow now (nothing may be in flight), so
-                # that the batches after it fit side by side. At most a few times, while it warms up.
-                self.finish_all()
+        if self.inflight:
+            f = self.inflight[0]
+            if nbytes <= f.start:
+                return self.ws.ptr, self.uploads[1 - f.upload]
+            at = _up(f.end, 1 << 16)
+            if at + nbytes <= self.ws.size:
+                return self.ws.ptr + at, self.uploads[1 - f.upload]
+            self.finish(f)
+            if at + nbytes <= self.ws.budget:  # grow now so that the next pair fits side by side
                 return self.ws.reserve(at + nbytes), self.uploads[0]
-            self.finish(first)
         return self.ws.reserve(nbytes), self.uploads[0]
-
-    def _free_upload(self) -> _Pinned:
-        """An upload buffer no batch in flight was staged in (fewer than FLIGHTS are)."""
-        used = {f.upload for f in self.inflight}
-        return next(u for j, u in enumerate(self.uploads) if j not in used)
 
     def drop(self, flights: "Sequence[_Flight]") -> None:
         """Drain the stream and forget these batches without their host part (a failed submit: nothing
@@ -820,13 +802,13 @@ class GpuCodecEngine:
             try:
                 gpu: list[_Enc] = []
                 fill = _Fill()
-                share = self.budget_bytes // FLIGHTS
+                half = self.budget_bytes // 2
                 for p in plans:
                     slot = _up(HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), slot_align)
                     one = _Fill.of(slot, p.nch, p.n, p.ans_type) if p.kind == "ans" else None
                     more = fill.add(one) if one is not None else fill.plus(slot)
                     # One estimate per segment where it joins the batch (then it alone fits too).
-                    if p.kind != "host" and len(gpu) < MAX_BATCH and self._enc_estimate(more, slot_align) <= share:
+                    if p.kind != "host" and len(gpu) < MAX_BATCH and self._enc_estimate(more, slot_align) <= half:
                         gpu.append(p)
                         fill = more
                         continue
@@ -872,7 +854,7 @@ class GpuCodecEngine:
     def _run_encode(self, plans: list[_Enc], job: EncodeJob, out_region: "Callable[[int], np.ndarray | None] | None",
                     align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> _Flight:
         """Queue one encode batch (upload, kernels, download into ``out_region``) into the workspace beside
-        the batches in flight; its host part runs when the flight is finished."""
+        the batch in flight; its host part runs when the flight is finished."""
         w, k = self.save, self._kernels
         for j, p in enumerate(plans):
             p.meta = j
@@ -1195,7 +1177,7 @@ class GpuCodecEngine:
             try:
                 gpu: list[_Dec] = []
                 fill = _Fill()
-                share = self.budget_bytes // FLIGHTS
+                half = self.budget_bytes // 2
                 heads = self._device_heads(segments)
                 for i, (seg, dst) in enumerate(zip(segments, destinations)):
                     p = self._dec_plan(i, seg, dst, heads.get(i), headers[i] if headers is not None else None)
@@ -1204,7 +1186,7 @@ class GpuCodecEngine:
                         continue
                     one = self._dec_fill(p) if p.kind == "ans" else None
                     more = fill.add(one) if one is not None else fill.plus(_dec_staging(p))
-                    if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= share:
+                    if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= half:
                         gpu.append(p)  # (then it alone fits too)
                         fill = more
                         continue
@@ -1256,7 +1238,7 @@ class GpuCodecEngine:
 
     def _run_decode(self, plans: list[_Dec], results: list, pinned: "Sequence[bool] | None") -> _Flight:
         """Queue one decode batch (upload, CRC32C, decode kernels, status download) into the workspace
-        beside the batches in flight; its verdicts are made when the flight is finished."""
+        beside the batch in flight; its verdicts are made when the flight is finished."""
         w, k = self.restore, self._kernels
         for j, p in enumerate(plans):
             p.meta = j

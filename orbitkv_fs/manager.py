@@ -58,10 +58,9 @@ Seams for the other parts:
 * **GPU codec engine**: with a GPU (and ``orbitkv_fs.gpu`` importable), encode/decode batches go through a
   small adapter over its batch API; without one the host codecs (:mod:`orbitkv_fs.codecs`) run. GPU pages
   move in one block-copy launch per batch (the gather of a save, the scatter of a restore, from tables of
-  block addresses), and the batches of a save or restore are pipelined: batches i+1 and i+2 are gathered
-  and queued on the GPU (``encode_submit`` / ``decode_submit``) before the host waits for batch i and
-  publishes or scatters it, each batch taking at most a third of the codec budget so that three share the
-  engine's workspace.
+  block addresses), and the batches of a save or restore are pipelined: batch i+1 is gathered and queued
+  on the GPU (``encode_submit`` / ``decode_submit``) before the host waits for batch i and publishes or
+  scatters it, each batch taking at most half the codec budget so that two share the engine's workspace.
 
 Invariants:
 
@@ -203,9 +202,8 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: Default codec of engines that do not ask for one: none|ans|fp8|turboquant-4|turboquant-3.
     storage_codec: str = "none"
     #: Bytes of codec workspace per worker (``--storage-codec-budget``): bounds the GPU engine's retained
-    #: workspace arena and, at a third of it (the engine keeps three batches in flight), the encoded bytes
-    #: of one codec batch (whose source bytes are at most ``BATCH_EXPANSION`` times that: a compressing
-    #: codec's batch carries more source per batch).
+    #: workspace arena and, at half of it, the encoded bytes of one codec batch (whose source bytes are at
+    #: most ``BATCH_EXPANSION`` times that: a compressing codec's batch carries more source per batch).
     storage_codec_budget: int = 64 << 20
     eviction: str = "lru"  # lru | s3fifo
     #: Directory of the arena file (a tmpfs: /dev/shm where it exists).
@@ -1276,22 +1274,16 @@ class Manager:
                 self._count(self._raw, reason)
 
     def _batch_budget(self) -> int:
-        """Encoded (workspace) bytes of one codec batch. With the GPU engine its batches in flight share its
-        workspace (the next ones running while the host finishes one), so each takes their share of it."""
+        """Encoded (workspace) bytes of one codec batch. With the GPU engine two batches share its workspace
+        (one running while the host finishes the previous one), so each takes half of it."""
         budget = self._config.storage_codec_budget
-        gpu = self._gpu_codecs
-        return max(budget // gpu.flights - (1 << 20), 1 << 20) if gpu is not None else budget
-
-    def _depth(self) -> int:
-        """Batches a save or restore keeps started at once (:func:`_pipelined`): the GPU engine's flights."""
-        return self._gpu_codecs.flights if self._gpu_codecs is not None else 2
+        return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
     def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
                       acc: "_SaveAcc") -> None:
-        """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: the next batches are
-        formed, gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
-        _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc),
-                   self._depth())
+        """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: batch i+1 is formed,
+        gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
+        _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
@@ -1739,8 +1731,8 @@ class Manager:
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
         jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
-        # Pipelined: the next batches are uploaded and decoding on the GPU while the host takes batch i's
-        # verdicts and queues its block copies (one stream: they run after them). A temporary freed meanwhile goes back
+        # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
+        # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
         copies: list = []  # the event after each batch's block copies
         out = []
@@ -1752,7 +1744,7 @@ class Manager:
             return part
 
         try:
-            for part in _pipelined(jobs, lambda batch: self._decode_start(seed, batch), end, self._depth()):
+            for part in _pipelined(jobs, lambda batch: self._decode_start(seed, batch), end):
                 out += part
         finally:
             if copies:
@@ -2355,14 +2347,11 @@ class _GpuCodecs:
 
     def __init__(self, budget: int) -> None:
         from .gpu import EncodeItem, GpuCodecEngine
-        from .gpu.engine import FLIGHTS
         from .gpu.module import check_device
 
         check_device()
         self._item = EncodeItem
         self._cls = GpuCodecEngine
-        #: Batches each engine worker keeps in flight: the pipeline keeps as many started.
-        self.flights = FLIGHTS
         self._budget = budget
         self._engines: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -2504,24 +2493,25 @@ def _decode_bound(h: SegmentHeader) -> int:
     return h.original_length if h.format == Format.ANS else h.stored_length
 
 
-def _pipelined(items: Iterable, start: Callable, end: Callable, depth: int = 2) -> list:
-    """``end(start(item))`` for each item, in order, ``depth`` at a time: items i+1 .. i+depth-1 are
-    started before item i is ended, so that one item's host work overlaps the others' device work. On an
-    error every started item is still ended (an error there is dropped: the first one is raised). Answers
-    the ``end`` results."""
+def _pipelined(items: Iterable, start: Callable, end: Callable) -> list:
+    """``end(start(item))`` for each item, in order, two at a time: item i+1 is started before item i is
+    ended, so that one item's host work overlaps the other's device work. On an error every started item
+    is still ended (an error there is dropped: the first one is raised). Answers the ``end`` results."""
     out: list = []
-    pending: collections.deque = collections.deque()
+    pending = None
     try:
         for item in items:
-            pending.append(start(item))
-            if len(pending) >= depth:
-                out.append(end(pending.popleft()))
-        while pending:
-            out.append(end(pending.popleft()))
+            # The new item is pending before the previous one ends: should that end fail, it is ended too.
+            done, pending = pending, start(item)
+            if done is not None:
+                out.append(end(done))
+        if pending is not None:
+            done, pending = pending, None
+            out.append(end(done))
     except BaseException:
-        while pending:
+        if pending is not None:
             try:
-                end(pending.popleft())
+                end(pending)
             except Exception:
                 pass
         raise

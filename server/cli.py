@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default codec of registered engines (default none; fp8/turboquant-* are lossy)")
     g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
                    help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; one batch's encoded "
-                        "bytes take a third of it (default 64 MiB, at least 1 MiB)")
+                        "bytes take half of it (default 64 MiB, at least 1 MiB)")
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
     g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",

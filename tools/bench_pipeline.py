@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine layers (TurboQuant keeps 4 exact: its share of raw segments is 4 / layers)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--storage-codec-budget-mib", type=int, default=64,
-                   help="the Manager's --storage-codec-budget in MiB (one batch takes a third of it on a GPU)")
+                   help="the Manager's --storage-codec-budget in MiB (one batch takes half of it on a GPU)")
     p.add_argument("--latency-samples", type=int, default=3000)
     p.add_argument("--index-segments", type=int, default=1_000_000)
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
