@@ -51,6 +51,7 @@ from orbitkv_fs.tiers.eviction import make_policy
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 8, 128, 16
 BLOCK_BYTES = HEADS * HEAD_DIM * BLOCK * 2
 SEGMENT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+BATCH_SEGMENTS = ManagerConfig().batch_segments
 
 
 def _engine(num_blocks: int, num_layers: int = LAYERS, seed: int = 0):
@@ -85,13 +86,13 @@ def _host_baseline(pages, repeat: int) -> dict:
 
 def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str,
                      block_order: str = "contiguous", layers: int = LAYERS,
-                     segment_sizes: Sequence[int] = SEGMENT_SIZES) -> dict:
+                     segment_sizes: Sequence[int] = SEGMENT_SIZES, batch_segments: int = BATCH_SEGMENTS) -> dict:
     """Host engine pages in shared memory; baseline ``numpy.copyto`` of the same pages."""
     pages, reg = _engine(num_blocks, layers)
     try:
         return _throughput(codecs, reg, num_blocks, repeat, device, lambda: _host_baseline(pages, repeat), block_order,
                            pages="host pages in /dev/shm", baseline_name="numpy.copyto of the same pages",
-                           segment_sizes=segment_sizes)
+                           segment_sizes=segment_sizes, batch_segments=batch_segments)
     finally:
         pages.close()
 
@@ -146,7 +147,7 @@ def _reply(q, proc, timeout: float = 300.0):
 
 def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous",
                          layers: int = LAYERS, segment_sizes: Sequence[int] = SEGMENT_SIZES,
-                         codec_budget: int = 64 << 20) -> dict:
+                         codec_budget: int = 64 << 20, batch_segments: int = BATCH_SEGMENTS) -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -177,7 +178,8 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
                            pages="GPU pages of an engine process, imported through CUDA IPC",
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)",
-                           segment_sizes=segment_sizes, codec_budget=codec_budget, round_robin=True)
+                           segment_sizes=segment_sizes, codec_budget=codec_budget, round_robin=True,
+                           batch_segments=batch_segments)
     finally:
         cmd.put("stop")
         proc.join(30)
@@ -186,12 +188,13 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
                 baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
                 segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20,
-                round_robin: bool = False) -> dict:
+                round_robin: bool = False, batch_segments: int = BATCH_SEGMENTS) -> dict:
     layers = reg.num_layers
     out: dict = {"geometry": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
                               "logical_bytes_per_run": num_blocks * BLOCK_BYTES * layers * 2,
-                              "block_order": block_order, "storage_codec_budget": codec_budget},
+                              "block_order": block_order, "storage_codec_budget": codec_budget,
+                              "batch_segments": batch_segments},
                  "pages": pages, "baseline": baseline_name, "runs": []}
     # Engines hand out blocks from a free list: after a while a chunk's blocks are anywhere. "shuffled"
     # gives every chunk random block ids (the gather/scatter path); "contiguous" consecutive ones.
@@ -210,7 +213,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
             for codec in group:
                 m = stack.enter_context(Manager(ManagerConfig(
                     pool_size=2 * num_blocks * BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=codec,
-                    storage_codec_budget=codec_budget, device=device)))
+                    storage_codec_budget=codec_budget, device=device, batch_segments=batch_segments)))
                 ms[codec] = (m, m.register_engine(reg))
             # As orbitkv-cache-manager does once it serves: full collections then skip the start-up heap
             # (modules, cupy, the Managers), which they would otherwise rescan every few calls (35-40 ms).
@@ -443,7 +446,8 @@ def _markdown(res: dict, command: str) -> str:
                   f"{g['block_tokens']} tokens BF16 (32 KiB per block, layer and role; {g.get('block_order', 'contiguous')} "
                   f"block ids per chunk); {g['logical_bytes_per_run'] >> 20} "
                   f"MiB per figure, best of the repeats; codec workspace (--storage-codec-budget) "
-                  f"{g.get('storage_codec_budget', 64 << 20) >> 20} MiB. TurboQuant keeps the first and last two layers exact "
+                  f"{g.get('storage_codec_budget', 64 << 20) >> 20} MiB, at most {g.get('batch_segments', BATCH_SEGMENTS)} segments per "
+                  f"codec batch. TurboQuant keeps the first and last two layers exact "
                   f"(policy), so {4 / g['layers']:.0%} of its segments are raw here. Baseline: {t['baseline']}, measured right "
                   "before the rows of each segment size, best of the same number of repeats. "
                   + ("Codecs run round robin (each repeat runs every codec once), so their best-of figures sample the "
@@ -503,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--storage-codec-budget-mib", type=int, default=64,
                    help="the Manager's --storage-codec-budget in MiB (one batch takes half of it on a GPU)")
+    p.add_argument("--batch-segments", type=int, default=BATCH_SEGMENTS,
+                   help=f"the Manager's segments per codec batch, at most (default {BATCH_SEGMENTS})")
     p.add_argument("--latency-samples", type=int, default=3000)
     p.add_argument("--index-segments", type=int, default=1_000_000)
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
@@ -530,9 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             prof.enable()
         sizes = [int(x) << 10 for x in args.segment_kib.split(",")]
         res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order, args.layers,
-                                              sizes) if args.device == "cpu" else
+                                              sizes, args.batch_segments) if args.device == "cpu" else
                              bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.layers, sizes,
-                                                  args.storage_codec_budget_mib << 20))
+                                                  args.storage_codec_budget_mib << 20, args.batch_segments))
         if prof:
             prof.disable()
             os.makedirs(args.out, exist_ok=True)
