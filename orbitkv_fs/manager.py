@@ -210,8 +210,11 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     shm_dir: str = "/dev/shm"
     #: "auto": pin with cudaHostRegister and use the GPU codec engine when a GPU is present; "cpu": never.
     device: str = "auto"
-    #: Segments encoded per codec batch.
-    batch_segments: int = 64
+    #: Segments encoded per codec batch, at most (the GPU engine's MAX_BATCH; the codec budget closes a
+    #: batch earlier where segments are large). At 64, 512 KiB segments of fp8 and turboquant-4 ran in 2-4x
+    #: as many batches as the workspace allowed, and saved 1.13-1.22x slower
+    #: (docs/results/2026-11-30-batch-segments).
+    batch_segments: int = 256
     #: Speculative SSD prefetch (``--ssd-prefetch-chunks``, ``--ssd-prefetch-bytes``): after a lookup or
     #: restore hits SSD-resident chunks of a prefix, up to this many following chunks of the prefix (and
     #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.
