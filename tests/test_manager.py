@@ -470,22 +470,27 @@ def test_restore_of_chosen_layers_writes_only_those(engine, tmp_path):
         assert_reservations_zero(m)
 
 
+def _fail_at(monkeypatch, owner, name: str, at: int, what: str) -> None:
+    """Make ``owner.name`` raise ``RuntimeError(what)`` on its ``at``-th call (1-based): an injected fault."""
+    real = getattr(owner, name)
+    calls = [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError(what)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, flaky)
+
+
 def test_a_batch_failing_mid_save_leaves_no_reservation(engine, monkeypatch):
     """A codec failure in the third of several batches: the save raises, the batches before it stay
     published (complete and verified), and nothing of the failing batch holds arena bytes or workspace."""
     import orbitkv_fs.manager as manager_mod
 
     pages, reg = engine
-    real = manager_mod.encode_segment
-    calls = [0]
-
-    def flaky(*a, **kw):
-        calls[0] += 1
-        if calls[0] == 2 * 2 * L + 3:  # the fourth segment of the third batch
-            raise RuntimeError("injected codec failure")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(manager_mod, "encode_segment", flaky)
+    _fail_at(monkeypatch, manager_mod, "encode_segment", 2 * 2 * L + 3, "injected codec failure")  # 3rd batch
     with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="fp8", batch_segments=2 * L)) as m:
         e = m.register_engine(reg)
         chunks = chunks_for(4)
@@ -494,7 +499,7 @@ def test_a_batch_failing_mid_save_leaves_no_reservation(engine, monkeypatch):
         assert_reservations_zero(m)
         look = m.lookup(e.engine_id, [c.key for c in chunks], lease=False)
         assert look.count == 2  # the two batches (chunks) before the failure
-        monkeypatch.setattr(manager_mod, "encode_segment", real)
+        monkeypatch.undo()
         assert m.save(e.engine_id, chunks).chunks_saved == 2  # the rest, on a second try
         assert_reservations_zero(m)
 
@@ -506,16 +511,7 @@ def test_a_batch_failing_to_publish_leaves_no_reservation(engine, monkeypatch):
     from orbitkv_fs.tiers.dram import DramTier
 
     pages, reg = engine
-    real = DramTier.publish_many
-    calls = [0]
-
-    def flaky(self, items):
-        calls[0] += 1
-        if calls[0] == 1:
-            raise RuntimeError("injected publish failure")
-        return real(self, items)
-
-    monkeypatch.setattr(DramTier, "publish_many", flaky)
+    _fail_at(monkeypatch, DramTier, "publish_many", 1, "injected publish failure")
     with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="fp8", batch_segments=2 * L)) as m:
         e = m.register_engine(reg)
         chunks = chunks_for(4)
