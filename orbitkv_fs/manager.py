@@ -712,6 +712,9 @@ class Manager:
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
                              demote=lower_tier.submit if lower_tier is not None else None)
+        if self.dram.reclaimed[0]:
+            log.warning("removed %d arena files (%.1f MB) of Managers that were killed, from %s",
+                        self.dram.reclaimed[0], self.dram.reclaimed[1] / 1e6, config.shm_dir)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._engines: dict[str, _Engine] = {}

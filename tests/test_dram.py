@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.segment import Role
-from orbitkv_fs.tiers.dram import UNIT, Allocator, DramTier
+from orbitkv_fs.tiers.dram import UNIT, Allocator, DramTier, reclaim_stale_arenas
 from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy, make_policy
 
 
@@ -139,3 +142,61 @@ def test_tier_publish_of_present_key_frees_the_reservation():
         assert t.used_bytes == 2 * UNIT and t.reserved_bytes == 0
     finally:
         t.close()
+
+
+_ARENA_CHILD = """
+import os, sys, time
+from orbitkv_fs.tiers.dram import DramTier
+t = DramTier(1 << 20, shm_dir=sys.argv[1], pin=False)
+print(t.arena.path, flush=True)
+time.sleep(600)
+"""
+
+
+def _arena_child(shm_dir) -> "tuple[subprocess.Popen, str]":
+    p = subprocess.Popen([sys.executable, "-c", _ARENA_CHILD, str(shm_dir)], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().strip()
+
+
+def _dead_pid() -> int:
+    """A pid no process has here now."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_killed_managers_arena_is_reclaimed_and_live_ones_are_kept(tmp_path):
+    """A Manager killed with SIGKILL leaves its arena file (tmpfs memory, until removed): the next tier made
+    in that directory removes it. A live arena, in this process or another, is never touched; nor is an
+    arena whose owner holds its lock under a pid this process cannot see (another PID namespace), nor any
+    file not named like an arena."""
+    killed, killed_path = _arena_child(tmp_path)
+    live, live_path = _arena_child(tmp_path)
+    try:
+        killed.kill()
+        killed.wait()
+        assert os.path.exists(killed_path) and os.path.getsize(killed_path) == 1 << 20
+        # another namespace's live Manager: a pid not alive here, its lock held
+        foreign = tmp_path / f"orbitkv-arena-{_dead_pid()}-0123abcd"
+        foreign.write_bytes(b"x" * 4096)
+        held = os.open(foreign, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        others = [tmp_path / "orbitkv-pages-0123456789ab", tmp_path / f"orbitkv-arena-{_dead_pid()}-notours"]
+        for f in others:
+            f.write_bytes(b"y")
+        t = DramTier(1 << 20, shm_dir=str(tmp_path), pin=False)
+        try:
+            assert t.reclaimed == (1, 1 << 20)
+            assert not os.path.exists(killed_path)
+            assert os.path.exists(live_path) and foreign.exists() and all(f.exists() for f in others)
+            assert reclaim_stale_arenas(str(tmp_path)) == (0, 0)  # this tier's own arena is live too
+            os.close(held)  # its owner gone: now it is stale
+            assert reclaim_stale_arenas(str(tmp_path)) == (1, 4096) and not foreign.exists()
+            assert os.path.exists(t.arena.path) and os.path.exists(live_path)
+        finally:
+            t.close()
+    finally:
+        live.kill()
+        live.wait()
+    assert reclaim_stale_arenas(str(tmp_path)) == (1, 1 << 20)  # the second child's, once killed
+    assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in others)

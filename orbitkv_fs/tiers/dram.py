@@ -5,7 +5,11 @@ Primitives:
 * :class:`Allocator` -- first-fit over 512-byte units with size-class bins and coalescing on free.
 * :class:`Arena` -- the file under ``/dev/shm`` (``orbitkv-arena-<pid>-<id>``), mapped once; pinned with
   ``cudaHostRegister`` when a GPU is present (cupy imported lazily). Connectors and peers may map the same
-  file: an object is the extent ``(offset, length)`` of it, valid while its ``generation`` is leased.
+  file: an object is the extent ``(offset, length)`` of it, valid while its ``generation`` is leased. Its
+  owner holds an exclusive ``flock`` on it for as long as the arena is open.
+* :func:`reclaim_stale_arenas` -- unlink the arena files of Managers that were killed before they could
+  (SIGKILL, the OOM killer): a tmpfs file holds its memory until it is removed. :class:`DramTier` runs it
+  on its directory before it makes its own arena.
 * :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
   to the lower tier through a callback.
 
@@ -23,8 +27,10 @@ Invariants (all under :attr:`DramTier.lock`):
 from __future__ import annotations
 
 import collections
+import fcntl
 import mmap
 import os
+import re
 import threading
 import uuid
 from typing import Callable, Iterable, Sequence
@@ -110,17 +116,19 @@ class Arena:
         if size < UNIT:
             raise ValueError(f"pool size {size} is smaller than one {UNIT}-byte unit")
         size = units_of(size) * UNIT
-        d = shm_dir if os.path.isdir(shm_dir) else "/tmp"
-        self.path = os.path.join(d, f"orbitkv-arena-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.path = os.path.join(arena_dir(shm_dir), f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held until close (or this process's death): what tells reclaim_stale_arenas a live arena,
+            # whatever PID namespace its owner is in.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd = fd
         self.size = size
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.base_address = int(self.buf.ctypes.data)
@@ -141,6 +149,65 @@ class Arena:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._fd >= 0:
+            os.close(self._fd)  # the lock goes with it, after the file
+            self._fd = -1
+
+
+ARENA_PREFIX = "orbitkv-arena-"
+_ARENA_NAME = re.compile(re.escape(ARENA_PREFIX) + r"(\d+)-[0-9a-f]{8}")
+
+
+def arena_dir(shm_dir: str) -> str:
+    """Where arenas of ``shm_dir`` live: it, or /tmp where it does not exist (no /dev/shm)."""
+    return shm_dir if os.path.isdir(shm_dir) else "/tmp"
+
+
+def reclaim_stale_arenas(shm_dir: str = "/dev/shm") -> tuple[int, int]:
+    """Unlink the arena files in ``shm_dir`` whose Manager is gone; answers (files, bytes) reclaimed.
+
+    A file is stale when its exclusive flock can be taken (a live arena's owner holds it) and the pid in
+    its name is not a live process here (an arena made before the lock existed). Either test alone keeps a
+    live arena: a Manager in another PID namespace sharing the directory holds its lock, and one of an
+    older version is a live pid. Other files are never touched."""
+    d = arena_dir(shm_dir)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return 0, 0
+    files = freed = 0
+    for name in names:
+        m = _ARENA_NAME.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(d, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size = os.fstat(fd).st_size
+            os.unlink(path)
+        except OSError:  # BlockingIOError: its owner lives; else gone meanwhile
+            continue
+        finally:
+            os.close(fd)
+        files += 1
+        freed += size
+    return files, freed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _host_register(address: int, size: int) -> bool:
@@ -163,6 +230,8 @@ class DramTier:
     def __init__(self, size: int, *, shm_dir: str = "/dev/shm", policy: str = "lru", pin: bool = True,
                  demote: Demote | None = None) -> None:
         self.policy = make_policy(policy)
+        #: (files, bytes) of dead Managers' arenas this tier removed from its directory when it started.
+        self.reclaimed = reclaim_stale_arenas(shm_dir)
         self.arena = Arena(size, shm_dir=shm_dir, pin=pin)
         self.alloc = Allocator(self.arena.size // UNIT)
         self.index = ObjectIndex()
