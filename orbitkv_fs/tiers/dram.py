@@ -199,8 +199,6 @@ def reclaim_stale_arenas(shm_dir: str = "/dev/shm") -> tuple[int, int]:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
