@@ -14,17 +14,16 @@ import os
 import subprocess
 import sys
 
-import ml_dtypes
+import golden_segments
 import numpy as np
 import pytest
+from golden_segments import BF16, HEAD_DIMS, golden_input
 
 from orbitkv_fs.codecs import decode_segment, encode_segment
 from orbitkv_fs.codecs.turboquant import lloyd_max_boundaries, lloyd_max_centroids, rotation_signs
 from orbitkv_fs.segment import Format, Role, parse_header, turboquant_record_bytes
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 K_TARGET = {3: 0.0345, 4: 0.0095}
-HEAD_DIMS = (32, 64, 128, 256)
 
 
 def rel_mse(x: np.ndarray, y: np.ndarray) -> float:
@@ -33,41 +32,8 @@ def rel_mse(x: np.ndarray, y: np.ndarray) -> float:
     return float(((xf - yf) ** 2).sum() / (xf**2).sum())
 
 
-def golden_input(d: int) -> np.ndarray:
-    return np.random.default_rng(2026).standard_normal((256, d)).astype(BF16)
-
-
 def all_digests() -> dict[str, str]:
-    out = {}
-    for d in HEAD_DIMS:
-        x = golden_input(d)
-        for bits in (3, 4):
-            for role in ("key", "value"):
-                blob = encode_segment(x, f"turboquant-{bits}", role=role, layer=3)
-                out[f"{d}/{bits}/{role}"] = hashlib.sha256(blob).hexdigest()[:16]
-    return out
-
-
-# sha256 prefixes of the segments of golden_input(D) at layer 3, seed 0. They pin the byte format:
-# a change here is a format change (and the GPU kernels must follow it).
-GOLDEN = {
-    "32/3/key": "0fde08d3520dfcc5",
-    "32/3/value": "691c1638c03cdcce",
-    "32/4/key": "14714ba9d3eab305",
-    "32/4/value": "cb740dfce77f97a4",
-    "64/3/key": "8f79b295a6956062",
-    "64/3/value": "54727001d17b1e03",
-    "64/4/key": "17ed7c9425bbc773",
-    "64/4/value": "4b3671dcd9027dba",
-    "128/3/key": "756f9aa64f71a951",
-    "128/3/value": "b2e682ac9283957d",
-    "128/4/key": "89084ed2f2626c07",
-    "128/4/value": "aa78a4c37d2b6fbc",
-    "256/3/key": "99749344c134860b",
-    "256/3/value": "122887df65b22c40",
-    "256/4/key": "1fcd657acfa0349f",
-    "256/4/value": "a475d181eef11af2",
-}
+    return golden_segments.turboquant_digests()
 
 
 @pytest.mark.parametrize("bits,role,size", [(4, "key", 66), (4, "value", 68), (3, "key", 50), (3, "value", 52)])
@@ -92,7 +58,8 @@ def test_deterministic_across_processes():
 
 
 def test_pinned_bytes():
-    assert all_digests() == GOLDEN
+    assert golden_segments.input_digests() == golden_segments.INPUTS, "the golden inputs changed, not the codec"
+    assert all_digests() == golden_segments.TURBOQUANT
 
 
 F32 = np.float32

@@ -102,6 +102,26 @@ def test_turboquant_random_equals_host(engine, head_dim: int, dtype: np.dtype) -
     assert all(parse_segment(s)[0].format == Format.TURBOQUANT for s in segs)
 
 
+def test_golden_segments_equal_the_pinned_digests() -> None:
+    """The GPU writes the format's test vectors (tests/golden_segments.py) byte for byte, the same digests
+    the host gives under every CPU dispatch level (tests/test_bytes_every_cpu.py)."""
+    import hashlib
+
+    import golden_segments as g
+
+    e = GpuCodecEngine(64 << 20, seed=0)
+    try:
+        tq_keys = [(d, bits, role) for d in g.HEAD_DIMS for bits in (3, 4) for role in ("key", "value")]
+        fp8_keys = [(d, t) for d in (64, 128) for t in (g.BF16, g.FP16)]
+        items = [EncodeItem(dev(g.golden_input(d)), f"turboquant-{bits}", role, 3, g.BF16) for d, bits, role in tq_keys]
+        items += [EncodeItem(dev(g.golden_input(d, t)), "fp8", "key", 3, t) for d, t in fp8_keys]
+        segs = [hashlib.sha256(bytes(s)).hexdigest()[:16] for s in e.encode_batch(items)]
+    finally:
+        e.close()
+    assert dict(zip([f"{d}/{b}/{r}" for d, b, r in tq_keys], segs)) == g.TURBOQUANT
+    assert dict(zip([f"{d}/{np.dtype(t).name}" for d, t in fp8_keys], segs[len(tq_keys):])) == g.FP8
+
+
 def test_turboquant_extreme_magnitudes_equal_host(engine) -> None:
     """Inputs on both sides of the kernels' fast-division range (BF16 magnitudes in [2^-60, 2^30)): tiny
     vectors, tiny elements beside normal ones, exact zeros, FP16 subnormals; both paths give the host's bytes."""
