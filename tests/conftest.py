@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import warnings
 
 import pytest
 
@@ -71,8 +72,10 @@ def _in_use(paths: set[str]) -> set[str]:
 @pytest.fixture(autouse=True)
 def _no_shm_leftovers():
     """A file named orbitkv-* that appeared in /dev/shm during a test and that no process uses once the
-    test ended was left behind by it (tmpfs memory, held until someone removes it): the test fails at
-    teardown, naming the files. Files in use (a module's Manager, another run's) are not counted."""
+    test ended was left behind by it (tmpfs memory, held until someone removes it). Files in use (a
+    module's Manager, another run's) are not counted. In CI (``CI`` set, one run alone on its machine) or
+    with ``ORBITKV_SHM_CHECK=1`` the test fails at teardown, naming the files; elsewhere it is a warning,
+    since on a machine shared with other runs a file another run leaked may appear during this test."""
     before = _orbitkv_shm_files()
     yield
     new = _orbitkv_shm_files() - before
@@ -82,5 +85,8 @@ def _no_shm_leftovers():
     left = {os.path.join(SHM, n) for n in _orbitkv_shm_files() & new}
     left -= _in_use(left)
     if left:
-        pytest.fail(f"the test left {sorted(left)} in {SHM} ({sum(os.path.getsize(p) for p in left if os.path.exists(p))}"
-                    " bytes); remove what it (or a process it killed) made", pytrace=False)
+        size = sum(os.path.getsize(p) for p in left if os.path.exists(p))
+        what = f"the test left {sorted(left)} in {SHM} ({size} bytes); remove what it (or a process it killed) made"
+        if os.environ.get("CI") or os.environ.get("ORBITKV_SHM_CHECK") == "1":
+            pytest.fail(what, pytrace=False)
+        warnings.warn(what, stacklevel=1)
