@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def test_readme_curl_walk_replays_as_printed(tmp_path):
         script.append(f"printf '\\n{MARK}{i}\\n'")  # after output with or without a final newline
         script.append(run)
         if cmd.startswith("orbitkv-cache-manager "):
+            script.append(f"echo $! > {work / 'manager.pid'}")
             script.append(f"for _ in $(seq 600); do curl -sf http://127.0.0.1:{http}/healthz >/dev/null && break; "
                           "sleep 0.1; done")
     env = {**os.environ, "PATH": _bin() + os.pathsep + os.environ.get("PATH", "")}
@@ -104,8 +106,13 @@ def test_readme_curl_walk_replays_as_printed(tmp_path):
     try:
         p = subprocess.run(["bash", "-c", "\n".join(script)], cwd=work, env=env, capture_output=True, text=True,
                            timeout=300)
-    finally:
-        subprocess.run(["pkill", "-TERM", "-f", f"--http-addr 127.0.0.1:{http} "], capture_output=True)
+    finally:  # a walk that stopped early leaves its manager running: stop it (SIGTERM removes its arena)
+        pid_file = work / "manager.pid"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     outputs = re.split(rf"\n{MARK}(\d+)\n", "\n" + p.stdout)
     got = {int(outputs[j]): outputs[j + 1] for j in range(1, len(outputs), 2)}
     log = (work / "manager.log").read_text() if (work / "manager.log").exists() else ""
