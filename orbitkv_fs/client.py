@@ -108,10 +108,11 @@ class EmbeddedClient(Client):
         """The embedded client does not own the Manager; closing it is the caller's business."""
 
 
-def connect(target: "Manager | str") -> Client:
-    """Embedded client for a Manager object; remote client for a data-plane endpoint string."""
+def connect(target: "Manager | str", *, timeout: float | None = None) -> Client:
+    """Embedded client for a Manager object; remote client for a data-plane endpoint string, whose calls
+    give up after ``timeout`` seconds without an answer (default: the remote client's own, 300 s)."""
     if isinstance(target, Manager):
         return EmbeddedClient(target)
     from .dataplane import RemoteClient
 
-    return RemoteClient(target)
+    return RemoteClient(target) if timeout is None else RemoteClient(target, timeout=timeout)

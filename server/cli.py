@@ -21,9 +21,12 @@ import sys
 import threading
 
 from orbitkv_fs.codecs import CODEC_NAMES
+from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.manager import Manager, ManagerConfig
 
 log = logging.getLogger("orbitkv.cache_manager")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -50,7 +53,8 @@ def _codec_budget(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``orbitkv-cache-manager``. Other parts (HTTP, SSD, peers) add theirs here."""
     p = argparse.ArgumentParser(prog="orbitkv-cache-manager",
-                                description="OrbitKV-FS cache manager: DRAM arena, codecs, data plane.")
+                                description="OrbitKV-FS cache manager: DRAM arena, codecs, data plane.",
+                                formatter_class=HelpFormatter)
     g = p.add_argument_group("manager")
     g.add_argument("--pool-size", type=parse_size, default=1 << 30,
                    help="DRAM arena size (shared-memory file), e.g. 8gb (default 1gb)")
@@ -60,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; one batch's encoded "
                         "bytes take half of it (default 64 MiB, at least 1 MiB)")
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
-    g.add_argument("--shm-dir", default="/dev/shm", help="directory of the arena file (a tmpfs)")
+    g.add_argument("--shm-dir", default="/dev/shm",
+                   help="directory of the arena file (a tmpfs); engines' host pages files must lie in it too")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",
                    help="auto: pin the arena and use the GPU codec engine when a GPU is present")
     g.add_argument("--engine-check-interval", type=float, default=1.0, metavar="SECONDS",
@@ -73,12 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-plane-workers", type=int, default=4,
                    help="saves, restores, registrations, invalidations and lookups that may read the SSD tier or "
                         "peers, running at once (DRAM-only lookups, pings and stats never wait)")
-    g.add_argument("--log-level", default="INFO", help="logging level")
+    g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
+                   help=f"logging level: {', '.join(LOG_LEVELS)} (warning: errors and warnings only, no access log)")
     g = p.add_argument_group("ssd tier (omit --ssd-cache-path for DRAM only; see docs/ssd.md)")
     g.add_argument("--ssd-cache-path", action="append", default=[], metavar="PATH",
-                   help="shard file of the SSD tier, preallocated, O_DIRECT; repeat for one shard per path")
+                   help="shard file of the SSD tier, preallocated, O_DIRECT; repeat for one shard per path "
+                        "(default: none, DRAM only)")
     g.add_argument("--ssd-cache-capacity", type=parse_size, default=None,
-                   help="total SSD tier bytes over all shards, e.g. 100gb (required with --ssd-cache-path)")
+                   help="total SSD tier bytes over all shards, e.g. 100gb (no default: required with "
+                        "--ssd-cache-path)")
     g.add_argument("--ssd-backend", choices=("auto", "uring", "cufile"), default="auto",
                    help="auto: io_uring; cufile: kvikio (GPU machines)")
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
@@ -140,6 +148,7 @@ def _http_settings(args: argparse.Namespace):
     return host, port, token
 
 
+@entry_point("orbitkv-cache-manager")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -92,6 +92,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_field
 
 
+def _missing_body(request: Request, exc: RequestValidationError) -> str | None:
+    """The message for a request that sent no body where the route takes one (pydantic says only
+    "Field required", naming no field), or None."""
+    errors = exc.errors()
+    if len(errors) != 1 or errors[0].get("type") != "missing" or tuple(errors[0].get("loc", ())) != ("body",):
+        return None
+    body = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    name = getattr(model, "__name__", "JSON object")
+    return (f"request body missing: {request.method} {request.url.path} takes a JSON {name} "
+            "(its schema is in /openapi.json; send it with Content-Type: application/json)")
+
+
 def _field_path(loc: tuple | list) -> str | None:
     """``("body", "tensors", 0, "handle", "host", "name")`` -> ``tensors[0].handle.name``: the field as the
     client wrote it (pydantic adds the union member's tag, which is not in the request)."""
@@ -117,7 +130,10 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status, exc.code, exc.message, field=exc.field, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        missing = _missing_body(request, exc)
+        if missing is not None:
+            return error_response(422, "invalid_request", missing, field="body")
         message, field = _validation_message(exc)
         return error_response(422, "invalid_request", message, field=field)
 

@@ -1,11 +1,17 @@
 """Shared test configuration: ``gpu`` tests skip cleanly where no CUDA device is usable; the ``managers``
-fixture starts Manager processes that share through peers (peer_manager_child.py)."""
+fixture starts Manager processes that share through peers (peer_manager_child.py); every test must leave
+no OrbitKV-FS file behind in /dev/shm (``_no_shm_leftovers``)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import time
+import warnings
 
 import pytest
+
+SHM = "/dev/shm"
 
 
 @functools.cache
@@ -35,3 +41,52 @@ def managers():
 
     with spawner(Mgr) as make:
         yield make
+
+
+def _orbitkv_shm_files() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("orbitkv-")}
+    except OSError:  # no /dev/shm here: arenas and pages live elsewhere
+        return set()
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """Those of ``paths`` some live process maps or holds open (a running Manager's arena, an engine's
+    pages): not left behind, only not finished yet."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            used.update(p for p in paths if p in maps)
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                target = os.readlink(os.path.join(fd_dir, fd))
+                if target in paths:
+                    used.add(target)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return used
+
+
+@pytest.fixture(autouse=True)
+def _no_shm_leftovers():
+    """A file named orbitkv-* that appeared in /dev/shm during a test and that no process uses once the
+    test ended was left behind by it (tmpfs memory, held until someone removes it). Files in use (a
+    module's Manager, another run's) are not counted. In CI (``CI`` set, one run alone on its machine) or
+    with ``ORBITKV_SHM_CHECK=1`` the test fails at teardown, naming the files; elsewhere it is a warning,
+    since on a machine shared with other runs a file another run leaked may appear during this test."""
+    before = _orbitkv_shm_files()
+    yield
+    new = _orbitkv_shm_files() - before
+    if not new:
+        return
+    time.sleep(0.2)  # a process that is ending may still be removing its files
+    left = {os.path.join(SHM, n) for n in _orbitkv_shm_files() & new}
+    left -= _in_use(left)
+    if left:
+        size = sum(os.path.getsize(p) for p in left if os.path.exists(p))
+        what = f"the test left {sorted(left)} in {SHM} ({size} bytes); remove what it (or a process it killed) made"
+        if os.environ.get("CI") or os.environ.get("ORBITKV_SHM_CHECK") == "1":
+            pytest.fail(what, pytrace=False)
+        warnings.warn(what, stacklevel=1)

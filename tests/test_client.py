@@ -89,8 +89,12 @@ def server(tmp_path):
     c.close()
     yield endpoint, proc
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.terminate()  # SIGTERM: the manager removes its arena (SIGKILL would leave it in /dev/shm)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_two_engine_processes_against_one_manager_process(server):

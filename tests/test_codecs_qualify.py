@@ -82,3 +82,34 @@ def test_table_output_and_bad_input(dumps, tmp_path, capsys):
         assert main([str(tmp_path / bad), "--codec", "fp8", "--role", "key"]) == 2
         assert capsys.readouterr().err.startswith(f"orbitkv-qualify: {tmp_path / bad}")
     assert main([str(paths["k"]), "--codec", "fp8", "--role", "key", "--layer", "70000"]) == 2
+
+
+def test_float32_dumps_read_as_the_16_bit_type_they_hold(tmp_path):
+    """``--dtype auto``: a float32 file of BF16 values (``orbitkv-inspect dump``, ``tensor.float()``) is
+    read back as exactly that BF16, one of FP16 values as exactly that FP16; other float32 is rounded to
+    BF16; an explicit ``--dtype`` rounds to what it names."""
+    rng = np.random.default_rng(9)
+    bf = rng.standard_normal((64, 64)).astype(BF16)
+    fp = (rng.standard_normal((64, 64)) * 3).astype(np.float16)
+    raw = rng.standard_normal((64, 64)).astype(np.float32)
+    for name, arr in (("bf", bf), ("fp", fp), ("raw", raw)):
+        np.save(tmp_path / f"{name}.npy", arr.astype(np.float32))
+    got = load_kv(tmp_path / "bf.npy")
+    assert got.dtype == BF16 and got.tobytes() == bf.tobytes()
+    got = load_kv(tmp_path / "fp.npy")
+    assert got.dtype == np.float16 and got.tobytes() == fp.tobytes()
+    got = load_kv(tmp_path / "raw.npy")
+    assert got.dtype == BF16 and np.array_equal(got, raw.astype(BF16))
+    assert load_kv(tmp_path / "bf.npy", "fp16").dtype == np.float16
+
+
+def test_progress_bar_on_stderr_only_when_asked(dumps, capsys, monkeypatch):
+    paths, _, _ = dumps
+    monkeypatch.setenv("ORBITKV_PROGRESS", "1")
+    assert main([str(paths["k"]), "--codec", "fp8", "--role", "key", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"]["segments"] == 1
+    assert "k.npy (fp8)" in err and "100%" in err and "64.0k/64.0k" in err
+    monkeypatch.setenv("ORBITKV_PROGRESS", "0")
+    assert main([str(paths["k"]), "--codec", "fp8", "--role", "key", "--json"]) == 0
+    assert capsys.readouterr().err == ""

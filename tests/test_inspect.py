@@ -105,12 +105,56 @@ def test_console_entry_point_never_tracebacks(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr and "not a shard file" in p.stderr
 
 
-def test_progress_bar_on_large_files(shard, capsys):
+def test_progress_bar_when_asked_and_never_in_a_pipe(shard, capsys, monkeypatch):
+    """The scan reports its progress on stderr where a person watches (ORBITKV_PROGRESS=1 stands in for a
+    terminal here); captured output (not a terminal) gets no bar; stdout holds the answer alone."""
     path, _ = shard
-    os.truncate(path, (1 << 30) + (64 << 20))  # sparse: cheap to create, scanned like any file
+    os.truncate(path, 256 << 20)  # sparse: cheap to create, scanned like any file
+    monkeypatch.setenv("ORBITKV_PROGRESS", "1")
     rc, out, err = run(capsys, "summary", path, "--json")
     assert rc == 0 and json.loads(out)["valid"] == 8
-    assert "scanning [" in err and "100.0%" in err
+    assert "scanning s.okv" in err and "100%" in err and "256M/256M" in err
+    monkeypatch.delenv("ORBITKV_PROGRESS")
+    rc, out, err = run(capsys, "summary", path, "--json")
+    assert rc == 0 and json.loads(out)["valid"] == 8 and err == ""
+
+
+def test_dump_of_bf16_loads_as_numbers_and_qualifies_as_bf16(tmp_path, capsys):
+    """numpy cannot load bfloat16 (``|V2``): dump saves it as float32, exactly, and orbitkv-qualify reads
+    that file back as the BF16 segment it was (its figures equal those of the BF16 array itself)."""
+    import ml_dtypes
+
+    from orbitkv_fs.tools import qualify
+
+    path = str(direct_io_dir(tmp_path) / "bf16.okv")
+    x = np.random.default_rng(5).standard_normal((64, 2, 64)).astype(ml_dtypes.bfloat16)
+    with SsdTier(SsdConfig(paths=(path,), capacity=4 << 20)) as t:
+        t.submit(key(0), encode_segment(x, "none", role="key"))
+        t.flush()
+    npy = str(tmp_path / "k.npy")
+    rc, out, _ = run(capsys, "dump", path, "--record", "0", "--out", npy)
+    assert rc == 0 and "8192 x bfloat16" in out and "saved as float32, exactly" in out
+    back = np.load(npy)
+    assert back.dtype == np.float32 and np.array_equal(back, x.reshape(-1).astype(np.float32))
+    loaded = qualify.load_kv(npy)
+    assert loaded.dtype == np.dtype(ml_dtypes.bfloat16) and loaded.tobytes() == x.tobytes()
+    rc, out, _ = run(capsys, "dump", path, "--record", "0", "--out", npy, "--json")
+    assert json.loads(out)["dtype"] == "bfloat16" and json.loads(out)["saved_dtype"] == "float32"
+
+
+def test_output_cut_short_by_head_ends_quietly(tmp_path):
+    """``orbitkv-inspect list ... | head`` as a shell runs it: no Broken pipe message, no traceback (the
+    listing is larger than a pipe's buffer, so the writer does meet the closed pipe)."""
+    path = str(direct_io_dir(tmp_path) / "many.okv")
+    with SsdTier(SsdConfig(paths=(path,), capacity=16 << 20)) as t:
+        for i in range(2000):
+            t.submit(key(i), segment(i, n=256))
+        t.flush()
+    p = subprocess.run(f"{sys.executable} -m orbitkv_fs.tools.inspect list {path} | head -2; "
+                       "echo status ${PIPESTATUS[0]} >&2", shell=True, executable="/bin/bash",
+                       capture_output=True, text=True, timeout=120)
+    assert len(p.stdout.splitlines()) == 2, p.stdout
+    assert p.stderr.strip() in ("status 0", "status 141"), p.stderr
 
 
 def _blocks():

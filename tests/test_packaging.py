@@ -126,3 +126,22 @@ def test_ans_without_gpu_stack_raises_codec_unavailable():
         print("ok")
     """)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# Every optional stack (the server, e2e, gpu, peer and ssd extras, torch), as a machine without them has it.
+OPTIONAL = BLOCKED + ("prometheus_client", "pydantic", "pydantic_core", "gguf", "accelerate", "safetensors",
+                      "mooncake", "liburing")
+
+
+def test_suite_collects_without_the_optional_stacks():
+    """Each test file imports without the optional extras: what needs a missing stack skips
+    (``pytest.importorskip``), no file is a collection error (the GPU machine runs without the server extra)."""
+    blocker = BLOCKER.replace(repr(BLOCKED), repr(OPTIONAL)).replace("raise ImportError", "raise ModuleNotFoundError")
+    code = blocker + textwrap.dedent("""
+        import pytest
+        sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"]))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    tail = p.stdout.strip().splitlines()[-1]
+    assert p.returncode == 0 and "error" not in tail, p.stdout[-4000:]
+    assert "collected" in tail

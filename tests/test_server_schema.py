@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+pytest.importorskip("fastapi")  # the server extra; schemathesis (test extra) alone is not enough
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.config import (  # noqa: E402

@@ -3,8 +3,9 @@
 ``orbitkv-bench NAME [ARGS...]`` imports :mod:`orbitkv_fs.tools.bench_NAME` lazily and calls its
 ``main(argv) -> int`` with the remaining arguments, so a benchmark's heavy dependencies (torch, cupy, a
 Mooncake engine) load only when that benchmark runs. Subcommands: codecs, pipeline, ssd, peer, cohort.
-A subcommand whose module is missing, or fails to import for lack of a dependency, exits with status 2 and
-says which.
+A subcommand that lacks an optional dependency (at import or while it runs), or whose machine cannot run
+what it asks (an OrbitKV-FS error such as a codec without its GPU), exits with status 2 and one line
+saying what is missing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import importlib
 import sys
 from typing import Sequence
+
+from orbitkv_fs.console import entry_point, missing_dependency
+from orbitkv_fs.errors import OrbitKVError
 
 SUBCOMMANDS = {
     "codecs": "GB/s of each codec direction on the CPU or the GPU, next to baselines in the same run",
@@ -29,6 +33,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@entry_point("orbitkv-bench")
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -40,15 +45,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module_name = f"orbitkv_fs.tools.bench_{name}"
     try:
-        module = importlib.import_module(module_name)
+        return int(importlib.import_module(module_name).main(rest) or 0)
     except ModuleNotFoundError as e:
         if e.name == module_name:
             print(f"orbitkv-bench: subcommand {name!r} is not available in this build ({module_name} missing)",
                   file=sys.stderr)
-        else:
-            print(f"orbitkv-bench {name}: needs {e.name!r}, which is not installed ({e})", file=sys.stderr)
+            return 2
+        line = missing_dependency(f"orbitkv-bench {name}", e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    except OrbitKVError as e:
+        print(f"orbitkv-bench {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from orbitkv_fs.console import HelpFormatter
+from orbitkv_fs.progress import progress
 from orbitkv_fs.provenance import code_identity
 
 BUFFER_BYTES = 16 << 20
@@ -78,16 +80,19 @@ def load_data(synthetic: bool = False) -> tuple[np.ndarray, np.ndarray, int, str
 def _measure(ops: dict[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall and thread-CPU seconds of each op. The ops run round robin (one warm-up each, then
     ``repeat`` rounds of every op), so a change in the machine's load hits baselines and codecs alike."""
-    for fn in ops.values():
-        fn()
     wall: dict[str, list[float]] = {name: [] for name in ops}
     cpu: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeat):
-        for name, fn in ops.items():
-            c0, t0 = time.thread_time(), time.perf_counter()
+    with progress(len(ops) * (repeat + 1), "codecs", "op") as bar:
+        for fn in ops.values():
             fn()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.thread_time() - c0)
+            bar.update()
+        for _ in range(repeat):
+            for name, fn in ops.items():
+                c0, t0 = time.thread_time(), time.perf_counter()
+                fn()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
+                bar.update()
     return ({k: statistics.median(v) for k, v in wall.items()}, {k: statistics.median(v) for k, v in cpu.items()})
 
 
@@ -199,17 +204,22 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="orbitkv-bench codecs", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p = argparse.ArgumentParser(prog="orbitkv-bench codecs", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where the codecs run")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", type=Path, help="also write codecs-<device>.json and .md into this folder")
-    p.add_argument("--repeat", type=int, default=None, help="timed runs per figure (cpu 5, gpu 20)")
+    p.add_argument("--out", type=Path, help="also write codecs-<device>.json and .md into this folder "
+                   "(default: print only)")
+    p.add_argument("--repeat", type=int, default=None, help="timed runs per figure (default: cpu 5, gpu 20)")
     p.add_argument("--synthetic", action="store_true", help="cpu: use the synthetic data even if SmolLM2 is there")
     p.add_argument("--size-mb", type=int, default=None, help="gpu: buffer size (default 1024)")
-    p.add_argument("--kv", default=None, help="gpu: .npz of real K/V (uint16 BF16 bits 'k', 'v'); see --save-kv")
-    p.add_argument("--storage-codec-budget", type=int, default=None, help="gpu: engine workspace bytes")
+    p.add_argument("--kv", default=None, help="gpu: .npz of real K/V (uint16 BF16 bits 'k', 'v'); see --save-kv "
+                   "(default: $ORBITKV_REAL_KV, else synthetic data)")
+    p.add_argument("--storage-codec-budget", type=int, default=None,
+                   help="gpu: engine workspace bytes (default 64 MiB)")
     p.add_argument("--save-kv", type=Path, default=None,
-                   help="write SmolLM2's K/V as the .npz --kv reads, then exit (run where the model is installed)")
+                   help="write SmolLM2's K/V as the .npz --kv reads, then exit (run where the model is installed; "
+                        "default: benchmark)")
     return p
 
 
@@ -226,7 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["NUMBA_NUM_THREADS"] = "1"  # before numba loads, here and in anything this run starts
     args.command_line = "orbitkv-bench codecs " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.save_kv:
-        save_kv(args.save_kv)
+        from .models import ModelUnavailable
+
+        try:
+            save_kv(args.save_kv)
+        except ModelUnavailable as e:
+            print(f"orbitkv-bench codecs --save-kv: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {args.save_kv}")
         return 0
     if args.device == "gpu":

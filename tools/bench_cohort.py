@@ -64,6 +64,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from orbitkv_fs.console import HelpFormatter
+from orbitkv_fs.progress import progress
 from orbitkv_fs.provenance import code_identity
 
 __all__ = ["FULL", "QUICK", "Engine", "Recipe", "RequestSpec", "across_rounds", "benchmark", "build_cohort", "main",
@@ -890,6 +892,8 @@ def _summarise(recipe: Recipe, codec: str | None, variant: str, records: list[Re
             "compression_ratio": stats["save_logical_bytes"] / max(stats["save_stored_bytes"], 1),
             "restore_logical_bytes": stats["restore_logical_bytes"],
             "restore_stored_bytes": stats["restore_stored_bytes"],
+            # the Manager's time in codec batches: on GPU pages exact segments go through them too (gather,
+            # CRC32C, copy out), so `none` has some there; on host pages it has none
             "encode_s": stats["encode_seconds"],
             "decode_s": stats["decode_seconds"],
             "codec_batches": batches,
@@ -1077,9 +1081,11 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     # reallocated run after run.
     pages = _Pages(recipe, device)
     skipped: dict[str, str] = {}
+    bar = progress(1 + len(variants) * rounds * len(codecs), "cohort", "run")
     try:
         kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, streams=streams, shm_dir=shm_dir)
         control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
+        bar.update()
         log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
         runs = [control]
 
@@ -1101,8 +1107,10 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
                         why = _ans_skip_reason(device)
                         if why:
                             skipped["ans"] = why
+                            bar.update()
                             continue
                     run = run_cohort(model, recipe, cohort, pages, codec=codec, variant=variant, **kw)
+                    bar.update()
                     _compare(run, control)
                     run.update(round=rnd, order=pos, control_requests_per_s=control["requests_per_s"])
                     runs.append(run)
@@ -1113,6 +1121,7 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
                         f"ssd read {run['manager']['ssd_read_bytes'] / 2**20:.1f} MiB, "
                         f"hits dram {run['hit_rate']['dram']:.2f} ssd {run['hit_rate']['lower']:.2f}")
     finally:
+        bar.close()
         pages.close()
     for run in runs:
         run.pop("_records")
@@ -1461,23 +1470,25 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv-bench cohort",
                                 description="Serving benchmark under memory pressure: TTFT and throughput per "
-                                            "codec against a no-cache recompute control, with a real model.")
+                                            "codec against a no-cache recompute control, with a real model.",
+                                formatter_class=HelpFormatter)
+    recipe = " (default: the recipe's: Qwen3-8B shape, or --quick's)"
     p.add_argument("--quick", action="store_true", help="CPU/CI scale (tiny random Qwen3, 16 requests)")
-    p.add_argument("--requests", type=int)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--input-tokens", type=int)
-    p.add_argument("--output-tokens", type=int)
-    p.add_argument("--warm-requests", type=int, help="requests reusing a shared prefix")
-    p.add_argument("--prefixes", type=int)
-    p.add_argument("--suffix-tokens", type=int, help="unique tokens after the shared prefix")
-    p.add_argument("--chunk-tokens", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--hbm-tokens", type=int, help="engine HBM prefix-cache budget in tokens")
-    p.add_argument("--dram", type=_size, help="Manager DRAM with SSD (e.g. 1gib)")
-    p.add_argument("--ssd", type=_size, help="SSD capacity (e.g. 8gib)")
-    p.add_argument("--dram-only", type=_size, help="DRAM of the DRAM-only variant (e.g. 8gib)")
-    p.add_argument("--model", choices=sorted(SHAPES), help="model shape (random weights)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--requests", type=int, help="requests in the cohort" + recipe)
+    p.add_argument("--concurrency", type=int, help="requests in flight at once" + recipe)
+    p.add_argument("--input-tokens", type=int, help="prompt tokens per request" + recipe)
+    p.add_argument("--output-tokens", type=int, help="tokens generated per request" + recipe)
+    p.add_argument("--warm-requests", type=int, help="requests reusing a shared prefix" + recipe)
+    p.add_argument("--prefixes", type=int, help="distinct shared prefixes" + recipe)
+    p.add_argument("--suffix-tokens", type=int, help="unique tokens after the shared prefix" + recipe)
+    p.add_argument("--chunk-tokens", type=int, help="tokens per cached chunk" + recipe)
+    p.add_argument("--block-size", type=int, help="tokens per engine block" + recipe)
+    p.add_argument("--hbm-tokens", type=int, help="engine HBM prefix-cache budget in tokens" + recipe)
+    p.add_argument("--dram", type=_size, help="Manager DRAM with SSD (e.g. 1gib)" + recipe)
+    p.add_argument("--ssd", type=_size, help="SSD capacity (e.g. 8gib)" + recipe)
+    p.add_argument("--dram-only", type=_size, help="DRAM of the DRAM-only variant (e.g. 8gib)" + recipe)
+    p.add_argument("--model", choices=sorted(SHAPES), help="model shape (random weights)" + recipe)
+    p.add_argument("--seed", type=int, help="seed of the cohort and the weights" + recipe)
     p.add_argument("--codecs", default=",".join(CODECS), help=f"comma list of {', '.join(CODECS)}")
     p.add_argument("--variants", default="ssd,dram", help="ssd (DRAM + SSD) and/or dram (DRAM only)")
     p.add_argument("--rounds", type=int, default=1,
@@ -1488,12 +1499,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-dir", default=None, help="directory of the SSD log file (default: a temp dir)")
     p.add_argument("--shm-dir", default="/dev/shm", help="directory of the Manager's DRAM arena file (a tmpfs)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="merge cohort.json files of separate invocations (same recipe) into one report under --out")
+                   help="merge cohort.json files of separate invocations (same recipe) into one report under "
+                        "--out (default: run a benchmark)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --quick)")
     p.add_argument("--no-smollm2", action="store_true", help="skip compression ratios on real SmolLM2 KV")
     p.add_argument("--smollm2-kv", default=None, metavar="NPZ",
-                   help="SmolLM2 K/V saved by `orbitkv-bench codecs --save-kv` instead of running the model")
-    p.add_argument("--no-plots", action="store_true")
+                   help="SmolLM2 K/V saved by `orbitkv-bench codecs --save-kv` instead of running the model "
+                        "(default: run it)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (matplotlib)")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-cohort[-cpu])")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     return p

@@ -32,7 +32,9 @@ from typing import Sequence
 
 import numpy as np
 
+from orbitkv_fs.console import HelpFormatter
 from orbitkv_fs.keys import ObjectKey
+from orbitkv_fs.progress import progress
 from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.segment import Format, Role, SegmentHeader, build_segment
 
@@ -60,6 +62,9 @@ class ShmArena:
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+            # Peers reach the arena by address, never by name: without its name the memory goes back to
+            # the system when the process ends however it ends (the fault tests SIGKILL servers).
+            os.unlink(self.path)
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base_address = ctypes.addressof(self._anchor)
         self.size = size
@@ -109,6 +114,7 @@ class ShmArena:
             return len(self._leases)
 
     def arena_info(self) -> SimpleNamespace:
+        """Where the arena lies (``path`` names the file it was made as, already removed)."""
         return SimpleNamespace(path=self.path, size=self.size, base_address=self.base_address, pinned=False)
 
     def list_engines(self) -> list[SimpleNamespace]:
@@ -120,7 +126,6 @@ class ShmArena:
     def close(self) -> None:
         del self._anchor
         self._mm.close()
-        os.unlink(self.path)
 
 
 def make_segments(namespace: bytes, count: int, size: int, seed: int, *, layers: int = 1
@@ -231,7 +236,13 @@ def _gbps(nbytes: int, t: float) -> float:
 
 def _bench(args: argparse.Namespace) -> dict:
     from orbitkv_fs.manager import Manager, ManagerConfig
-    from orbitkv_fs.peers import PeerConfig, PeerNode
+    from orbitkv_fs.errors import OrbitKVError
+    from orbitkv_fs.peers import PeerConfig, PeerNode, transport_available
+
+    if not transport_available():  # one clear error here, not a dead server process
+        raise OrbitKVError("needs the mooncake Transfer Engine: install the peer extra, pip install "
+                           "'orbitkv-fs[peer]' (CPU hosts; Debian's libibverbs1 and libfabric1 too), or "
+                           "mooncake-transfer-engine on CUDA hosts")
 
     ns = bytes(range(16))
     sizes = [int(s) for s in args.sizes]
@@ -248,6 +259,7 @@ def _bench(args: argparse.Namespace) -> dict:
     raw_anchor = ctypes.c_char.from_buffer(raw_mm)
     raw_addr = ctypes.addressof(raw_anchor)
     transport.register(raw_addr, len(raw_mm))
+    bar = progress(len(sizes) * (args.repeat + args.latency_samples), "peer", "fetch")
     try:
         results = []
         extents = hello["extents"]
@@ -291,6 +303,7 @@ def _bench(args: argparse.Namespace) -> dict:
                 if n != count:
                     raise RuntimeError(f"peer fetch_into missed {count - n} of {count} segments")
                 sink.invalidate(keys=keys)
+                bar.update()
             lat = []
             for j in range(args.latency_samples):
                 k = keys[j % count]
@@ -299,6 +312,7 @@ def _bench(args: argparse.Namespace) -> dict:
                 lat.append(time.perf_counter() - t)
                 assert ok == [k]
                 sink.invalidate(keys=[k])
+                bar.update()
             raw, copy, into = (np.array(x) for x in (raw_t, copy_t, into_t))
             results.append({
                 "segment_bytes": s, "segments": count, "bytes": nbytes,
@@ -315,8 +329,9 @@ def _bench(args: argparse.Namespace) -> dict:
                 "remote_hit_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
                 "remote_hit_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
             })
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            bar.write(json.dumps(results[-1]))
     finally:
+        bar.close()
         transport.unregister(raw_addr)
         del raw_anchor
         raw_mm.close()
@@ -337,13 +352,12 @@ def _bench(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["peer"]:
-        argv = argv[1:]
-    ap = argparse.ArgumentParser(prog="orbitkv-bench peer", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd")
-    sv = sub.add_parser("serve", help="run a peer server over a shm arena of generated segments")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="orbitkv-bench peer", description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", title="subcommands (default: run the benchmark)")
+    sv = sub.add_parser("serve", help="run a peer server over a shm arena of generated segments",
+                        formatter_class=HelpFormatter)
     sv.add_argument("--namespace", required=True, help="hex namespace of the generated segments")
     sv.add_argument("--serve-namespace", action="append", help="namespaces served (default: --namespace)")
     sv.add_argument("--segments", action="append", default=[], help="count:size:seed (repeatable)")
@@ -351,20 +365,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="what serves: a standalone shm arena, or a real Manager")
     sv.add_argument("--corrupt", action="append", type=int, default=[],
                     help="index of a segment to corrupt (shm source)")
-    sv.add_argument("--die-after-lease-ms", type=float, default=-1, help="fault: SIGKILL itself after a lease")
-    sv.add_argument("--stop-after-lease-ms", type=float, default=-1, help="fault: SIGSTOP itself after a lease")
-    sv.add_argument("--lease-ttl", type=float, default=60.0)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=0)
-    sv.add_argument("--peer", action="append", default=[])
+    sv.add_argument("--die-after-lease-ms", type=float, default=-1,
+                    help="fault: SIGKILL itself this long after a lease (default -1: never)")
+    sv.add_argument("--stop-after-lease-ms", type=float, default=-1,
+                    help="fault: SIGSTOP itself this long after a lease (default -1: never)")
+    sv.add_argument("--lease-ttl", type=float, default=60.0, help="seconds a lease lives unreleased")
+    sv.add_argument("--host", default="127.0.0.1", help="address the server binds")
+    sv.add_argument("--port", type=int, default=0, help="control port (default 0: a free one)")
+    sv.add_argument("--peer", action="append", default=[], help="a peer's host:port (repeatable)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--source", choices=("manager", "shm"), default="manager",
-                    help="serving side: a real Manager (default) or the standalone shm arena")
-    ap.add_argument("--sizes", nargs="+", default=[str(64 << 10), str(256 << 10), str(1 << 20), str(4 << 20)])
+                    help="serving side: a real Manager or the standalone shm arena")
+    ap.add_argument("--sizes", nargs="+", default=[str(64 << 10), str(256 << 10), str(1 << 20), str(4 << 20)],
+                    help="segment sizes in bytes")
     ap.add_argument("--bytes-per-size", type=int, default=32 << 20, help="bytes fetched per timed pass")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--latency-samples", type=int, default=200)
-    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--repeat", type=int, default=5, help="timed passes per size")
+    ap.add_argument("--latency-samples", type=int, default=200, help="single-key fetches per size for latency")
+    ap.add_argument("--out", help="also write the JSON here (default: print only)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["peer"]:
+        argv = argv[1:]
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd == "serve":
         return _serve(args)

@@ -37,12 +37,14 @@ from typing import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from orbitkv_fs.console import HelpFormatter
 from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.index import ObjectIndex
 from orbitkv_fs.keys import ObjectKey, chunk_key
 from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.pages import host_engine_pages
+from orbitkv_fs.progress import progress
 from orbitkv_fs.segment import Role
 from orbitkv_fs.tiers.eviction import make_policy
 
@@ -207,6 +209,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
     # only; the host path keeps one Manager at a time (its arena lives in /dev/shm).
     groups = [list(codecs)] if round_robin else [[c] for c in codecs]
     runs: dict[tuple[str, int], dict] = {}
+    bar = progress(len(codecs) * len(segment_sizes) * repeat, "pipeline throughput", "run")
     for group in groups:
         with contextlib.ExitStack() as stack:
             ms = {}
@@ -235,6 +238,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                         rr = m.restore(e.engine_id, chunks[codec])
                         assert all(rr.restored), rr.misses
                         b[1] = min(b[1], rr.seconds)
+                        bar.update()
                 for codec in group:
                     save_s, restore_s, stored, logical = best[codec]
                     run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks[codec]) * layers * 2,
@@ -244,10 +248,11 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                     run["save_vs_baseline"] = run["save_gbs"] / base["save_baseline_gbs"]
                     run["restore_vs_baseline"] = run["restore_gbs"] / base["restore_baseline_gbs"]
                     runs[(codec, seg)] = run
-                    print(f"  {codec:>13} {seg >> 10:>5} KiB  save {run['save_gbs']:.3f} GB/s  "
-                          f"restore {run['restore_gbs']:.3f} GB/s  (baseline {base['save_baseline_gbs']:.2f} / "
-                          f"{base['restore_baseline_gbs']:.2f})  stored/logical {stored / logical:.3f}", file=sys.stderr)
+                    bar.write(f"  {codec:>13} {seg >> 10:>5} KiB  save {run['save_gbs']:.3f} GB/s  "
+                              f"restore {run['restore_gbs']:.3f} GB/s  (baseline {base['save_baseline_gbs']:.2f} / "
+                              f"{base['restore_baseline_gbs']:.2f})  stored/logical {stored / logical:.3f}")
             gc.unfreeze()  # these Managers' cycles may be collected now
+    bar.close()
     out["runs"] = [runs[(codec, seg)] for codec in codecs for seg in segment_sizes]
     out["round_robin"] = round_robin
     for r in out["runs"]:  # the codec targets are relative to none at the same segment size
@@ -270,12 +275,14 @@ def _pcts(samples: list[float]) -> dict:
             "n": len(s)}
 
 
-def _time_calls(fn, n: int) -> list[float]:
+def _time_calls(fn, n: int, desc: str = "calls") -> list[float]:
     out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
+    with progress(n, desc, "call") as bar:
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+            bar.update()
     return out
 
 
@@ -346,11 +353,12 @@ def bench_dataplane(n: int) -> dict:
         c.save(se.engine_id, [ChunkBlocks(k, [i]) for i, k in enumerate(keys)])
         _time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), 200)  # warm up
         out["libzmq_echo"] = _libzmq_echo(f"ipc://{tmp}/echo.sock", n)
-        out["ping"] = _pcts(_time_calls(c.ping, n))
-        out["empty_lookup"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, [], lease=False), n))
-        out["lookup_64"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), n))
+        out["ping"] = _pcts(_time_calls(c.ping, n, "ping"))
+        out["empty_lookup"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, [], lease=False), n, "empty lookups"))
+        out["lookup_64"] = _pcts(_time_calls(lambda: c.lookup(se.engine_id, keys, lease=False), n, "64-key lookups"))
         leases: list[int] = []
-        out["lookup_64_leased"] = _pcts(_time_calls(lambda: leases.append(c.lookup(se.engine_id, keys).lease_id), n))
+        out["lookup_64_leased"] = _pcts(_time_calls(lambda: leases.append(c.lookup(se.engine_id, keys).lease_id), n,
+                                                    "leased lookups"))
         for lid in leases:
             c.release(lid)
         assert c.lookup(se.engine_id, keys, lease=False).count == 64
@@ -495,29 +503,36 @@ def _markdown(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="orbitkv-bench pipeline", description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbitkv-bench pipeline", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: host pages and host codecs; gpu: CUDA IPC pages and the GPU codec engine")
     p.add_argument("--codecs", default=None, help="comma list (default: none,fp8,turboquant-4,turboquant-3; +ans on gpu)")
     p.add_argument("--blocks", type=int, default=128, help="engine blocks per figure (64 KiB per layer)")
     p.add_argument("--segment-kib", default=",".join(str(x >> 10) for x in SEGMENT_SIZES),
                    help="segment sizes of the throughput part, KiB, comma list (multiples of 32)")
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="engine layers (TurboQuant keeps 4 exact: its share of raw segments is 4 / layers)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best is reported)")
     p.add_argument("--storage-codec-budget-mib", type=int, default=64,
                    help="the Manager's --storage-codec-budget in MiB (one batch takes half of it on a GPU)")
     p.add_argument("--batch-segments", type=int, default=BATCH_SEGMENTS,
                    help=f"the Manager's segments per codec batch, at most (default {BATCH_SEGMENTS})")
-    p.add_argument("--latency-samples", type=int, default=3000)
-    p.add_argument("--index-segments", type=int, default=1_000_000)
+    p.add_argument("--latency-samples", type=int, default=3000, help="calls per data-plane latency figure")
+    p.add_argument("--index-segments", type=int, default=1_000_000, help="segments in the index-memory part")
     p.add_argument("--only", default="throughput,dataplane,index", help="which parts to run")
     p.add_argument("--block-order", choices=("contiguous", "shuffled"), default="contiguous",
                    help="block ids of a chunk: consecutive, or random (an engine's fragmented free list)")
     p.add_argument("--profile", action="store_true",
                    help="profile the throughput part (cProfile, by own time) into <out>/profile-<device>.txt")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    p.add_argument("--out", default=None, help="directory for pipeline-<device>.json and .md")
+    p.add_argument("--out", default=None, help="directory for pipeline-<device>.json and .md (default: print only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.profile and not args.out:
         p.error("--profile needs --out")

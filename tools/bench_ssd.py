@@ -44,7 +44,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from orbitkv_fs.console import HelpFormatter
 from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.progress import progress
 from orbitkv_fs.provenance import code_identity
 from orbitkv_fs.segment import HEADER_SIZE, Format, Role, SegmentHeader, build_segment
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
@@ -326,19 +328,21 @@ def _table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="orbitkv-bench ssd", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbitkv-bench ssd", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--dir", default=None, help="directory on the file system to measure (default: a fresh "
                    "directory in the system temporary directory, removed at the end)")
     p.add_argument("--bs", nargs="+", default=["1m", "64k"], help="record sizes (default 1m 64k)")
     p.add_argument("--qd", nargs="+", type=int, default=[8, 32], help="queue depths (default 8 32)")
     p.add_argument("--size", default="1g", help="bytes written per throughput point (default 1g)")
-    p.add_argument("--latency-fill", default="256m", help="64 KiB records read in the latency test")
-    p.add_argument("--latency-saturate", default="2g", help="1 MiB records written while sampling")
-    p.add_argument("--latency-samples", type=int, default=2000)
+    p.add_argument("--latency-fill", default="256m", help="bytes of 64 KiB records read in the latency test")
+    p.add_argument("--latency-saturate", default="2g", help="bytes of 1 MiB records written while sampling")
+    p.add_argument("--latency-samples", type=int, default=2000, help="QD1 reads sampled per latency figure")
     p.add_argument("--no-fio", action="store_true", help="skip the fio baseline")
     p.add_argument("--no-latency", action="store_true", help="same as --only throughput")
-    p.add_argument("--only", choices=("throughput", "latency", "promotion"), help="run only this part")
+    p.add_argument("--only", choices=("throughput", "latency", "promotion"),
+                   help="run only this part (default: all three)")
     p.add_argument("--promotion-size", default="256m", help="logical bytes the promotion part moves (default 256m)")
     p.add_argument("--latency-repeat", type=int, default=1,
                    help="run the saturated-latency test N times per setting, unthrottled and throttled alternating")
@@ -346,8 +350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run each throughput point N times, tier and fio alternating; report medians "
                         "(for noisy hosts)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--out", help="also write the JSON here")
-    args = p.parse_args(argv)
+    p.add_argument("--out", help="also write the JSON here (default: print only)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     run_throughput = args.only in (None, "throughput")
     run_latency = args.only == "latency" or (args.only is None and not args.no_latency)
     run_promotion = args.only in (None, "promotion")
@@ -367,19 +375,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fio": subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip() if with_fio else None,
         "filesystem": subprocess.run(["df", "-T", d], capture_output=True, text=True).stdout.splitlines()[-1].split()[1],
     }
+    points = len(args.bs) * len(args.qd) * max(1, args.repeat) if run_throughput else 0
+    bar = progress(points + run_latency + run_promotion, "ssd", "part")
     try:
         if run_throughput:
             doc["throughput"] = []
             for bs in map(_size, args.bs):
                 for qd in args.qd:
-                    runs = [throughput(d, bs, qd, _size(args.size), with_fio) for _ in range(max(1, args.repeat))]
+                    runs = []
+                    for _ in range(max(1, args.repeat)):
+                        runs.append(throughput(d, bs, qd, _size(args.size), with_fio))
+                        bar.update()
                     doc["throughput"].append(_median_row(runs))
         if run_latency:
             doc["latency"] = latency(d, _size(args.latency_fill), _size(args.latency_saturate), 32,
                                      args.latency_samples, with_fio, args.latency_repeat)
+            bar.update()
         if run_promotion:
             doc["promotion"] = promotion(d, _size(args.promotion_size), args.repeat)
+            bar.update()
     finally:
+        bar.close()
         if args.dir is None:
             shutil.rmtree(d, ignore_errors=True)
     doc["host"]["loadavg_end"] = os.getloadavg()

@@ -7,12 +7,16 @@ Commands (``--json`` on each prints one JSON document instead of text):
   status (valid, corrupt, torn), generation, live or dead.
 * ``verify FILE`` -- exit status 1, listing the bad records, when anything is corrupt or torn.
 * ``dump FILE --record N --out x.npy`` -- decode record N (its number in ``list``) with
-  :func:`orbitkv_fs.codecs.decode_segment` and save the array.
+  :func:`orbitkv_fs.codecs.decode_segment` and save the array. numpy has no bfloat16 or FP8 of its own
+  (``np.load`` would return those as opaque ``|V2`` / ``|V1`` items), so they are saved as float32, which
+  holds every such value exactly; float16 and integer segments keep their dtype. The source dtype is
+  printed (and in ``--json``); ``orbitkv-qualify`` reads the float32 file back as the BF16 it was.
 
 "Live" is the newest valid generation of each key, what ``--ssd-recover`` would serve; older valid
 generations are "dead". Exit status: 0 fine, 1 ``verify`` found bad records or ``dump`` could not decode,
 2 the file cannot be read as a shard file (missing, empty, garbage): always a one-line error, never a
-traceback. Files over 1 GiB show a progress bar on stderr while scanned.
+traceback. A scan that takes more than a moment shows a progress bar on stderr when stderr is a terminal
+(:mod:`orbitkv_fs.progress`); output cut short by ``| head`` ends quietly.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.progress import progress
 from orbitkv_fs.tiers.ssd.record import BLOCK, MAGIC, ScanEntry, Status, check_record, scan
-
-PROGRESS_THRESHOLD = 1 << 30
 
 
 class InspectError(OrbitKVError):
@@ -62,20 +66,6 @@ class Record:
         }
 
 
-class _Progress:
-    def __init__(self, total: int) -> None:
-        self.total = max(total, 1)
-
-    def __call__(self, done: int) -> None:
-        width = 40
-        frac = min(done / self.total, 1.0)
-        bar = "#" * int(frac * width)
-        sys.stderr.write(f"\rscanning [{bar:<{width}}] {frac * 100:5.1f}% of {self.total / 2**30:.1f} GiB")
-        if done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def load(path: str) -> list[Record]:
     """Scan ``path``; raise :class:`InspectError` when it is not a readable shard file."""
     if os.path.isdir(path):
@@ -94,8 +84,8 @@ def load(path: str) -> list[Record]:
             raise InspectError(f"{path}: cannot map: {e}") from None
         with image:
             image.madvise(mmap.MADV_SEQUENTIAL)
-            progress = _Progress(size - size % BLOCK) if size > PROGRESS_THRESHOLD else None
-            entries = list(scan(memoryview(image), progress=progress))
+            with progress(size - size % BLOCK, f"scanning {os.path.basename(path)}", "B") as bar:
+                entries = list(scan(memoryview(image), progress=bar.update_to))
             if not entries and any(image[o:o + 4] != b"\0\0\0\0" for o in range(0, size - size % BLOCK, BLOCK)):
                 raise InspectError(f"{path}: no OrbitKV-FS records ({MAGIC!r} blocks) found: not a shard file")
     newest: dict[Any, int] = {}
@@ -166,23 +156,33 @@ def _dump(path: str, records: list[Record], number: int, out: str) -> dict[str, 
         raw = image[e.offset:e.offset + e.header.record_length]  # a copy: no view outlives the map
     _, _, seg = check_record(raw)
     arr = decode_segment(seg)
+    source = arr.dtype
+    if source.type.__module__ == "ml_dtypes":  # bfloat16, float8_*: np.load knows none of them
+        arr = arr.astype(np.float32)  # exact: float32 holds every value of these narrower formats
     np.save(out, arr)
-    return {"record": number, "key": str(e.header.key), "out": out, "dtype": str(arr.dtype), "elements": int(arr.size)}
+    return {"record": number, "key": str(e.header.key), "out": out, "dtype": str(source),
+            "saved_dtype": str(arr.dtype), "elements": int(arr.size)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="orbitkv-inspect", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbitkv-inspect", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("summary", "records, live/dead bytes, formats, ratios, generations"),
                         ("list", "one row per record"), ("verify", "exit 1 listing bad records"),
-                        ("dump", "decode one record into a .npy file")):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("file")
+                        ("dump", "decode one record into a .npy file (BF16/FP8 saved as float32, exactly)")):
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
+        sp.add_argument("file", help="an SSD tier shard file (--ssd-cache-path of orbitkv-cache-manager)")
         sp.add_argument("--json", action="store_true", help="print JSON")
         if name == "dump":
             sp.add_argument("--record", type=int, required=True, help="record number (as in `list`)")
             sp.add_argument("--out", required=True, help="output .npy path")
-    args = p.parse_args(argv)
+    return p
+
+
+@entry_point("orbitkv-inspect")
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         records = load(args.file)
         if args.cmd == "summary":
@@ -211,10 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"orbitkv-inspect: error: {e}", file=sys.stderr)
                 return 1
             if not args.json:
-                print(f"record {doc['record']} ({doc['key']}): {doc['elements']} x {doc['dtype']} -> {doc['out']}")
+                saved = "" if doc["saved_dtype"] == doc["dtype"] else f" (saved as {doc['saved_dtype']}, exactly)"
+                print(f"record {doc['record']} ({doc['key']}): {doc['elements']} x {doc['dtype']} -> {doc['out']}{saved}")
         if args.json:
             print(json.dumps(doc))
         return 0
+    except BrokenPipeError:
+        raise  # stdout's reader went away: entry_point ends quietly
     except (InspectError, OSError) as e:
         print(f"orbitkv-inspect: error: {e}", file=sys.stderr)
         return 2

@@ -137,9 +137,9 @@ def prefill_kv(text: str = SAMPLE_TEXT, *, max_tokens: int | None = None) -> lis
     layers, 3 KV heads, head_dim 64), C-contiguous. The values are the model's float32 KV rounded to
     BF16, as a BF16 engine would hold them.
     """
+    model, tokenizer = load_smollm2()  # first: it turns a missing torch into ModelUnavailable
     import torch
 
-    model, tokenizer = load_smollm2()
     ids = tokenizer(text, return_tensors="pt").input_ids
     if max_tokens is not None:
         ids = ids[:, :max_tokens]

@@ -11,8 +11,12 @@ keep-or-raw policy included) over ``.npy`` dumps and reports, per file and in to
 
 Inputs: float16 or bfloat16 arrays, any shape whose last axis is head_dim (e.g. ``[tokens, kv_heads,
 head_dim]``). ``np.save`` writes bfloat16 as the opaque ``|V2`` dtype; it is read back as bfloat16.
-float32 dumps (what ``tensor.float().numpy()`` gives) are rounded to ``--dtype`` first (default bf16).
-Rows are cut into segments of at most ``--segment-bytes`` (default 16 MiB, the encodable maximum).
+float32 dumps (what ``tensor.float().numpy()`` and ``orbitkv-inspect dump`` give) are read as the
+16-bit type they hold exactly with ``--dtype auto`` (the default): bfloat16 when every value is a
+bfloat16 value, else float16 when every value is a float16 value, else rounded to bfloat16;
+``--dtype bf16|fp16`` rounds to that type. Rows are cut into segments of at most ``--segment-bytes``
+(default 16 MiB, the encodable maximum). Files whose work takes more than a moment show a progress bar
+on a terminal (:mod:`orbitkv_fs.progress`).
 
 Primitives: :func:`load_kv` (file -> array), :func:`qualify_array` (array -> :class:`Quality`),
 :func:`main` (the CLI). Core imports only; no torch, no GPU (except for ``--codec ans``).
@@ -26,12 +30,15 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
 from orbitkv_fs.codecs import CODEC_NAMES, decode_segment, encode_segment
+from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.progress import progress
 from orbitkv_fs.segment import MAX_SOURCE_BYTES, Format, RawReason, parse_header
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -89,8 +96,19 @@ class Quality:
         return out
 
 
-def load_kv(path: "str | Path", dtype: str = "bf16") -> np.ndarray:
-    """The array in ``path`` as float16/bfloat16 (``|V2`` read as bfloat16, float32/64 rounded to ``dtype``)."""
+def _exact_16bit(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32/64) as the 16-bit type that holds every value exactly; else rounded to bfloat16."""
+    for dt in (BF16, FP16):
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = x.astype(dt)
+        if np.array_equal(y.astype(x.dtype), x, equal_nan=True):
+            return y
+    return x.astype(BF16)
+
+
+def load_kv(path: "str | Path", dtype: str = "auto") -> np.ndarray:
+    """The array in ``path`` as float16/bfloat16 (``|V2`` read as bfloat16; float32/64 as the 16-bit type
+    that holds it exactly with ``dtype="auto"``, else rounded to ``dtype``)."""
     try:
         x = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -98,7 +116,7 @@ def load_kv(path: "str | Path", dtype: str = "bf16") -> np.ndarray:
     if x.dtype == np.dtype("V2"):
         x = x.view(BF16)
     elif x.dtype in (np.float32, np.float64):
-        x = x.astype(DTYPES[dtype])
+        x = _exact_16bit(x) if dtype == "auto" else x.astype(DTYPES[dtype])
     elif x.dtype not in (BF16, FP16):
         raise QualifyInputError(f"{path}: dtype {x.dtype} is not float16, bfloat16 or float32")
     if x.ndim == 0 or x.size == 0:
@@ -107,8 +125,9 @@ def load_kv(path: "str | Path", dtype: str = "bf16") -> np.ndarray:
 
 
 def qualify_array(x: np.ndarray, codec: str, role: str, *, layer: int = 0,
-                  segment_bytes: int = MAX_SOURCE_BYTES) -> Quality:
-    """Encode and decode ``x`` segment by segment exactly as the cache would, and measure the damage."""
+                  segment_bytes: int = MAX_SOURCE_BYTES, on_segment: Callable[[int], None] | None = None) -> Quality:
+    """Encode and decode ``x`` segment by segment exactly as the cache would, and measure the damage.
+    ``on_segment`` gets each segment's source bytes once it is measured (a progress bar's ``update``)."""
     d = x.shape[-1] if x.ndim > 1 else x.size
     rows = np.ascontiguousarray(x).reshape(-1, d)
     per_segment = max(1, segment_bytes // (d * x.dtype.itemsize))
@@ -142,19 +161,25 @@ def qualify_array(x: np.ndarray, codec: str, role: str, *, layer: int = 0,
             q.min_cosine = min(q.min_cosine, float(cos.min()))
         if ((nx == 0) != (ny == 0)).any():
             q.min_cosine = min(q.min_cosine, 0.0)
+        if on_segment is not None:
+            on_segment(part.nbytes)
     return q
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="orbitkv-qualify",
         description="Measure a codec's error on your own KV dumps (.npy, last axis = head_dim).",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE.npy")
-    p.add_argument("--codec", required=True, choices=CODEC_NAMES)
-    p.add_argument("--role", required=True, choices=("key", "value"))
-    p.add_argument("--layer", type=int, default=0, help="layer index (seeds TurboQuant's signs); default 0")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="rounding for float32 dumps")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE.npy",
+                   help="K or V dumps: bfloat16, float16, or float32 (see --dtype)")
+    p.add_argument("--codec", required=True, choices=CODEC_NAMES, help="the codec to measure")
+    p.add_argument("--role", required=True, choices=("key", "value"), help="what the files hold")
+    p.add_argument("--layer", type=int, default=0, help="layer index (seeds TurboQuant's signs)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="what float32 dumps hold: auto: the 16-bit type that holds every value exactly "
+                        "(bf16, else fp16, else rounded to bf16); bf16/fp16: round to it (default auto)")
     p.add_argument("--segment-bytes", type=int, default=MAX_SOURCE_BYTES,
                    help="source bytes per segment (default and maximum 16 MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -167,8 +192,9 @@ def _fmt_row(name: str, q: Quality) -> str:
             f"{q.max_abs_error:>10.4g} {q.logical_bytes:>12} {q.stored_bytes:>12} {q.ratio:>6.2f}x  {raw}")
 
 
+@entry_point("orbitkv-qualify")
 def main(argv: "list[str] | None" = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not 0 < args.segment_bytes <= MAX_SOURCE_BYTES:
         print(f"orbitkv-qualify: --segment-bytes must be in 1..{MAX_SOURCE_BYTES}", file=sys.stderr)
         return 2
@@ -177,7 +203,9 @@ def main(argv: "list[str] | None" = None) -> int:
     try:
         for path in args.files:
             x = load_kv(path, args.dtype)
-            q = qualify_array(x, args.codec, args.role, layer=args.layer, segment_bytes=args.segment_bytes)
+            with progress(x.nbytes, f"{path.name} ({args.codec})", "B") as bar:
+                q = qualify_array(x, args.codec, args.role, layer=args.layer, segment_bytes=args.segment_bytes,
+                                  on_segment=bar.update)
             results[str(path)] = q
             total.merge(q)
     except OrbitKVError as e:  # bad file, unsupported codec on this machine (ans without GPU), bad layer

@@ -2,9 +2,7 @@
 # The /v1/peers part of docs/control-plane.md: two managers on one host, peer sharing on
 # (needs curl, jq, the mooncake wheel, ports 9091-9094 and 9300-9301 free).
 set -u
-HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=${WORK:-$(mktemp -d)}
-cp "$HERE/mkpages.py" "$HERE/work.py" "$WORK/"
 cd "$WORK"
 echo "transcripts in $WORK" >&2
 export ORBITKV_ADMIN_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(24))')

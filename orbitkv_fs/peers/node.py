@@ -83,7 +83,8 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-host", default="127.0.0.1",
                    help="address peers reach this host at (Transfer Engine and peer port bind there)")
     g.add_argument("--peer-protocol", default="tcp", help="Transfer Engine protocol: tcp, rdma, efa")
-    g.add_argument("--peer-device", default="", help="Transfer Engine devices (RDMA NICs), comma-separated")
+    g.add_argument("--peer-device", default="",
+                   help="Transfer Engine devices (RDMA NICs), comma-separated (default: none, for tcp)")
     g.add_argument("--peer-budget-ms", type=float, default=500.0, help="time budget of one peer fetch")
     g.add_argument("--peer-fanout", type=int, default=4, help="peers asked in parallel per fetch")
     g.add_argument("--peer-staging-size", type=int, default=256 << 20,

@@ -1,0 +1,53 @@
+"""``orbitkv-sample-engine``: its refusals (the README walk and the fresh-venv
+test run it against a real manager)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from orbitkv_fs.pages import HostPages
+from orbitkv_fs.tools.sample_engine import main
+
+
+def test_pages_are_deterministic_and_other_geometry_is_refused(tmp_path, capsys):
+    shm = str(tmp_path)
+    assert main(["pages", "--shm-dir", shm, "--codec", "fp8"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["engine_id"] == "sample-tp0" and body["codec"] == "fp8" and len(body["tensors"]) == 8
+    path = os.path.join(shm, "orbitkv-pages-sample-tp0")
+    with HostPages.open(path) as p:
+        first = p.array("L0.key").copy()
+    os.unlink(path)
+    assert main(["pages", "--shm-dir", shm]) == 0
+    capsys.readouterr()
+    with HostPages.open(path) as p:
+        assert np.array_equal(p.array("L0.key").view(np.uint16), first.view(np.uint16))  # seeded
+    assert main(["save", "--shm-dir", shm, "--heads", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "holds other tensors" in err and "clean" in err and len(err.splitlines()) == 1
+    os.unlink(path)
+
+
+def test_no_manager_is_one_line_within_the_timeout(tmp_path, capsys):
+    t = time.monotonic()
+    rc = main(["save", "--shm-dir", str(tmp_path), "--data-plane", f"ipc://{tmp_path}/none.sock", "--timeout", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t < 30
+    assert err.startswith("orbitkv-sample-engine save: ") and len(err.splitlines()) == 1, err
+    assert os.path.exists(tmp_path / "orbitkv-pages-sample-tp0")  # made before the manager was asked
+    assert main(["clean", "--shm-dir", str(tmp_path), "--data-plane", f"ipc://{tmp_path}/none.sock",
+                 "--timeout", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "not unregistered" in err and "removed" in out and not os.listdir(tmp_path)
+
+
+def test_chunks_must_fit_the_blocks(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["save", "--shm-dir", str(tmp_path), "--chunks", "40", "--blocks-per-chunk", "2"])
+    assert e.value.code == 2 and "exceeds --blocks" in capsys.readouterr().err
