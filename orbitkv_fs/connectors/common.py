@@ -502,12 +502,14 @@ class LayerLoadJob:
         self._finished = False
         self._error: BaseException | None = None
         self._failed: set[int] = set()
+        self.started = self.ended = 0.0  # perf_counter() when run() began and ended
 
     def run(self) -> None:
         from ..manager import SKIP_BLOCK
 
         # Chunks [0, cut[i]) of transfer i have not missed in any group so far.
         cut = [len(t.keys) for t in self.transfers]
+        self.started = time.perf_counter()
         try:
             for gi, group in enumerate(self.groups):
                 for i, t in enumerate(self.transfers):
@@ -531,6 +533,7 @@ class LayerLoadJob:
                       if b != SKIP_BLOCK}
             with self._cond:
                 self._failed = failed
+                self.ended = time.perf_counter()
                 self._finished = True
                 self._cond.notify_all()
 
@@ -819,31 +822,40 @@ class StagingPages:
     """
 
     def __init__(self, *, num_layers: int, slots: int, block_size: int, num_heads: int, head_dim: int,
-                 dtype: str, directory: str = "/dev/shm") -> None:
+                 dtype: str, directory: str = "/dev/shm", layer_start: int = 0,
+                 total_layers: int | None = None) -> None:
         from ..pages import HostPages
 
         self.num_layers, self.slots, self.block_size = num_layers, slots, block_size
         self.num_heads, self.head_dim, self.dtype = num_heads, head_dim, dtype
-        specs = [(f"L{layer}", [slots, num_heads, block_size, 2 * head_dim], dtype, "kv")
-                 for layer in range(num_layers)]
+        # A pipeline stage stages its own layers [layer_start, layer_start + num_layers) of total_layers.
+        self.layer_start = layer_start
+        self.total_layers = layer_start + num_layers if total_layers is None else total_layers
+        self.layers = range(layer_start, layer_start + num_layers)
+        specs = [(f"L{layer}", [slots, num_heads, block_size, 2 * head_dim], dtype, "kv") for layer in self.layers]
         self.pages = HostPages.create(specs, directory=directory)
-        self._kv = [self.pages.array(f"L{i}") for i in range(num_layers)]
+        self._kv = [self.pages.array(f"L{layer}") for layer in self.layers]
 
     def key(self, layer: int) -> "object":
-        return self._kv[layer][..., : self.head_dim]
+        """Slots of global layer ``layer``'s keys, ``[slots, num_heads, block_size, head_dim]``."""
+        return self._kv[layer - self.layer_start][..., : self.head_dim]
 
     def value(self, layer: int) -> "object":
-        return self._kv[layer][..., self.head_dim :]
+        return self._kv[layer - self.layer_start][..., self.head_dim :]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one slot of every layer (K and V)."""
+        return sum(a[0].nbytes for a in self._kv)
 
     def registration(self, *, model: str, engine_kind: str, codec: str | None = None, engine_id: str | None = None,
                      tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                      model_revision: str = "") -> object:
         from ..geometry import EngineRegistration, process_start_time
 
-        tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed")
-                   for layer in range(self.num_layers)]
+        tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed") for layer in self.layers]
         return EngineRegistration(
-            model=model, num_layers=self.num_layers, layer_start=0, layer_end=self.num_layers,
+            model=model, num_layers=self.total_layers, layer_start=self.layer_start, layer_end=self.layers.stop,
             block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
             tensors=tensors, model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
             tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,

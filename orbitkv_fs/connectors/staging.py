@@ -1,0 +1,248 @@
+"""Engine KV the Manager cannot import: K/V views of engine tensors and a bounded, pipelined staging area.
+
+Most engines keep KV where the Manager can read and write it in place (CUDA IPC handles, shared-memory
+pages files). The rest -- vLLM's CPU backend (every layer's KV one anonymous ``torch.zeros`` buffer), a GPU
+whose allocations CUDA IPC cannot share (torch expandable segments, IPC unavailable) -- go through a
+staging area: a :class:`~orbitkv_fs.connectors.common.StagingPages` file the adapter registers like any
+host pages, and engine-side copies between the engine's blocks and its slots. This module owns both the
+K/V geometry of engine tensors and those copies.
+
+Primitives:
+
+* :class:`KVSplit` and :func:`vllm_backend_split` -- where K and V sit in one layer's paged tensor, per
+  vLLM attention backend: ``content`` (vLLM's logical ``[blocks, heads, block_size, 2 * head_dim]`` view,
+  ``K = x[..., :D]``, what the GPU backends read: FlashAttention, FlashInfer, Triton, FlexAttention, in every
+  physical stride order, the cross-layer ``BLHNC`` allocation included) and ``token`` (vLLM's ``CPU_ATTN``
+  views a block ``[heads, 2 * block_size, head_dim]`` and splits on the token axis: ``K = x.view(B, H, 2T,
+  D)[:, :, :T]``).
+* :func:`key_value_views` -- ``(K, V)`` torch views ``[blocks, heads, block_size, head_dim]`` of a tensor.
+* :func:`staging_slots` -- slots of a staging area within a byte budget (at least two chunks).
+* :class:`StagedSession` -- an :class:`~orbitkv_fs.connectors.common.EngineSession` look-alike (``lookup``,
+  ``save``, ``restore`` taking ENGINE block ids) that moves blocks through the staging area in rounds: the
+  area is split in two halves, and while the Manager encodes (save) or decodes (restore) one round in one
+  half, the engine gathers the next round into (or scatters the previous round out of) the other.
+
+Invariants: a staged save or restore never touches an engine block it was not given (``SKIP_BLOCK``
+positions are neither read nor written); a half is reused only after the Manager's call on it returned and
+its copies ended; a restore stops at its first missed chunk and reports it and every later chunk missed
+(what cannot be used as a prefix is not copied into the engine); one staged call runs at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .common import EngineSession, StagingPages
+
+log = logging.getLogger(__name__)
+
+#: Default staging budget (``orbitkv.staging_mib``): 64 MiB, raised to two chunks when one chunk is larger.
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+class KVSplit(str, enum.Enum):
+    """Where K and V sit inside one layer's ``[blocks, heads, block_size, 2 * head_dim]`` paged tensor."""
+
+    CONTENT = "content"  # K = x[..., :D], V = x[..., D:]
+    TOKEN = "token"  # x.view(B, H, 2T, D): K = [:, :, :T], V = [:, :, T:]
+
+
+# vLLM 0.32 / 0.33 attention backends (``AttentionBackend.get_name()``) whose K/V split was read in their
+# source: the GPU ones split the content axis (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``),
+# CPU_ATTN the token axis (``kv_cache.view(B, H, 2 * T, -1).chunk(2, dim=2)``). Any other backend (MLA,
+# recurrent state, NVFP4 head groups, backends not checked) leaves the connector off rather than guess.
+_VLLM_SPLITS = {
+    "FLASH_ATTN": KVSplit.CONTENT,
+    "FLASHINFER": KVSplit.CONTENT,
+    "TRITON_ATTN": KVSplit.CONTENT,
+    "FLEX_ATTENTION": KVSplit.CONTENT,
+    "CPU_ATTN": KVSplit.TOKEN,
+}
+
+
+def vllm_backend_split(backend_name: str | None) -> KVSplit | None:
+    """The K/V split of a vLLM attention backend, None for a backend this adapter does not know."""
+    return _VLLM_SPLITS.get(str(backend_name or "").upper())
+
+
+def key_value_views(t: Any, split: KVSplit) -> tuple[Any, Any]:
+    """``(K, V)`` views ``[blocks, heads, block_size, head_dim]`` of a ``[blocks, heads, block_size,
+    2 * head_dim]`` torch tensor (any strides for ``content``; ``token`` needs each block-head's
+    ``[block_size, 2 * head_dim]`` contiguous, as vLLM's CPU backend allocates it)."""
+    b, h, t_, d2 = (int(x) for x in t.shape)
+    d = d2 // 2
+    if split == KVSplit.CONTENT:
+        return t[..., :d], t[..., d:]
+    if t.stride(3) != 1 or t.stride(2) != d2:
+        raise ValueError(f"token-split KV needs contiguous [block_size, 2*head_dim] rows, strides {t.stride()}")
+    v = t.view(b, h, 2 * t_, d)
+    return v[:, :, :t_], v[:, :, t_:]
+
+
+def staging_slots(budget_bytes: int, block_bytes: int, chunk_blocks: int) -> int:
+    """Slots (engine blocks) of a staging area of about ``budget_bytes`` when one block of every layer is
+    ``block_bytes``: a whole number of chunks per half, at least one chunk per half."""
+    per_half = max(1, budget_bytes // max(block_bytes, 1) // 2 // chunk_blocks)
+    return 2 * per_half * chunk_blocks
+
+
+class StagedSession:
+    """An engine's KV moved through a staging area (see the module docstring).
+
+    ``engine_kv`` maps a global layer index to that layer's ``(K, V)`` views ``[blocks, heads, block_size,
+    head_dim]`` of engine memory (:func:`key_value_views`; any device). ``session`` is registered for
+    ``staging``; ``chunk_blocks`` engine blocks make one chunk (one key).
+    """
+
+    def __init__(self, session: EngineSession, staging: StagingPages, engine_kv: dict[int, tuple[Any, Any]],
+                 *, chunk_blocks: int, torch_dtype: Any) -> None:
+        import torch
+
+        from .hf import _as_torch
+
+        if staging.slots < 2 * chunk_blocks or staging.slots % (2 * chunk_blocks):
+            raise ValueError(f"{staging.slots} staging slots do not hold two halves of whole {chunk_blocks}-block chunks")
+        self.session = session
+        self.staging = staging
+        self.chunk_blocks = chunk_blocks
+        self._half = staging.slots // 2
+        self._round = self._half // chunk_blocks  # chunks per round
+        self._kv = engine_kv
+        self._stage = {layer: (_as_torch(staging.key(layer), torch_dtype), _as_torch(staging.value(layer), torch_dtype))
+                       for layer in engine_kv}
+        self._torch = torch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-staging")
+        self._lock = threading.Lock()
+        #: Seconds the caller spent copying (gather + scatter) and waiting on the Manager, for benchmarks.
+        self.copy_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    @property
+    def engine_id(self) -> str:
+        return self.session.engine_id
+
+    @property
+    def guard(self) -> Any:
+        return self.session.guard
+
+    def lookup(self, keys: Sequence[bytes], *, if_unknown: int | None = None) -> int:
+        return self.session.lookup(keys, if_unknown=if_unknown)
+
+    # -- copies -------------------------------------------------------------------------------------
+
+    def _pairs(self, blocks: Sequence[Sequence[int]], half: int) -> tuple[Any, Any, list[list[int]]]:
+        """Engine block ids, their slots (``SKIP_BLOCK`` positions left out), and the slot lists the
+        Manager gets (``SKIP_BLOCK`` kept, so it neither reads nor writes those positions)."""
+        from ..manager import SKIP_BLOCK
+
+        src, dst, slots = [], [], []
+        base = half * self._half
+        for c, chunk in enumerate(blocks):
+            row = []
+            for p, b in enumerate(chunk):
+                s = base + c * self.chunk_blocks + p
+                if b == SKIP_BLOCK:
+                    row.append(SKIP_BLOCK)
+                    continue
+                row.append(s)
+                src.append(int(b))
+                dst.append(s)
+            slots.append(row)
+        torch = self._torch
+        return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long), slots
+
+    def _gather(self, eng: Any, slot_idx: Any, layers: Sequence[int]) -> None:
+        for layer in layers:
+            (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
+            idx = eng.to(ek.device)
+            sk[slot_idx] = ek[idx].to(sk.device)
+            sv[slot_idx] = ev[idx].to(sv.device)
+
+    def _scatter(self, eng: Any, slot_idx: Any, layers: Sequence[int]) -> None:
+        for layer in layers:
+            (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
+            idx = eng.to(ek.device)
+            ek[idx] = sk[slot_idx].to(ek.device)
+            ev[idx] = sv[slot_idx].to(ev.device)
+
+    def _timed(self, fut: Future) -> Any:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    # -- save / restore -----------------------------------------------------------------------------
+
+    def save(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]]) -> object | None:
+        """Save each key's engine blocks; the last round's SaveResult, None when a round could not reach
+        the Manager (later rounds are not sent)."""
+        import time
+
+        if not keys:
+            return None
+        r = self._round
+        layers = sorted(self._kv)
+        with self._lock:
+            pending: Future | None = None
+            result: object | None = None
+            for i, first in enumerate(range(0, len(keys), r)):
+                half = i % 2
+                eng, slot_idx, slots = self._pairs(blocks[first:first + r], half)
+                t0 = time.perf_counter()
+                self._gather(eng, slot_idx, layers)  # the other half may be in the Manager's hands meanwhile
+                self.copy_seconds += time.perf_counter() - t0
+                if pending is not None:
+                    result = self._timed(pending)
+                    if result is None:
+                        return None
+                part = list(keys[first:first + r])
+                pending = self._pool.submit(self.session.save, part, slots)
+            assert pending is not None
+            return self._timed(pending)
+
+    def restore(self, keys: Sequence[bytes], blocks: Sequence[Sequence[int]], *,
+                layers: Sequence[int] | None = None) -> list[bytes]:
+        """Restore each key into its engine blocks (only ``layers`` when given); the keys that missed: the
+        first missed chunk and every chunk after it."""
+        import time
+
+        if not keys:
+            return []
+        todo = sorted(self._kv) if layers is None else [int(x) for x in layers]
+        r = self._round
+        starts = list(range(0, len(keys), r))
+        plans = [self._pairs(blocks[s:s + r], i % 2) for i, s in enumerate(starts)]
+        with self._lock:
+            def submit(i: int) -> Future:
+                return self._pool.submit(self.session.restore, list(keys[starts[i]:starts[i] + r]), plans[i][2],
+                                         layers=layers)
+
+            pending = submit(0)
+            for i, first in enumerate(starts):
+                missed = set(self._timed(pending))
+                part = keys[first:first + r]
+                ok = next((j for j, k in enumerate(part) if k in missed), len(part))
+                if ok == len(part) and i + 1 < len(starts):
+                    pending = submit(i + 1)  # into the other half, while this one is copied out
+                eng, slot_idx, _ = plans[i]
+                if ok < len(part):  # copy out only the chunks before the first miss
+                    n = sum(1 for chunk in blocks[first:first + ok] for b in chunk if b >= 0)
+                    eng, slot_idx = eng[:n], slot_idx[:n]
+                t0 = time.perf_counter()
+                self._scatter(eng, slot_idx, todo)
+                self.copy_seconds += time.perf_counter() - t0
+                if ok < len(part):
+                    return list(keys[first + ok:])
+            return []
+
+    def close(self) -> None:
+        """Wait for a round in flight, then stop the Manager thread."""
+        self._pool.shutdown(wait=True)
