@@ -14,7 +14,11 @@ this step) to the workers, :meth:`~OrbitKVConnector.request_finished` forgets th
 :meth:`~OrbitKVConnector.register_kv_caches` registers every layer's paged tensor (``[blocks, kv_heads,
 block_size, 2 * head_dim]``, the ``vllm_packed`` layout) under the model's global layer index parsed from
 vLLM's layer name (``model.layers.N.self_attn.attn``; a pipeline stage registers its own contiguous range)
-through CUDA IPC handles; :meth:`~OrbitKVConnector.start_load_kv` hands the step's loads to a loader
+through CUDA IPC handles, or, for KV the Manager cannot import (vLLM's CPU backend, a GPU without CUDA IPC,
+a backend that splits K and V on the token axis), through a bounded staging area
+(:class:`~orbitkv_fs.connectors.staging.StagedSession`; ``orbitkv.staging``: ``auto`` / ``always`` /
+``never``, ``orbitkv.staging_mib``, default 64); K and V are located from each layer's attention backend
+(:func:`~orbitkv_fs.connectors.staging.vllm_backend_split`); :meth:`~OrbitKVConnector.start_load_kv` hands the step's loads to a loader
 thread, which restores them layer group by layer group in forward order (the Manager writes into the pages
 itself); :meth:`~OrbitKVConnector.wait_for_layer_load` blocks only until that layer's group is written;
 :meth:`~OrbitKVConnector.wait_for_save` waits for the loads, then saves the step's blocks;
@@ -37,7 +41,9 @@ vLLM's own prefix cache works in blocks: when it holds part of a chunk, that chu
 are never written), and likewise past the last block vLLM may load.
 
 Keys: by default the chained token-prefix keys of :func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`
-over whole chunks, salted with the model name (stable across processes and restarts);
+over whole chunks, salted with the model name and mixing in what vLLM's own block hashes mix in (the LoRA
+adapter, the request's ``cache_salt``, multimodal input hashes: :func:`request_inputs`), stable across
+processes and restarts; a request with prompt embeddings gets no keys (never stored, never a hit);
 ``"orbitkv.key_source": "block_hashes"`` uses vLLM's own ``Request.block_hashes`` instead (the hash of a
 chunk's last block, which chains the whole prefix; stable across processes only with a fixed
 ``PYTHONHASHSEED``).
@@ -59,7 +65,9 @@ from typing import TYPE_CHECKING, Any
 
 from .common import (
     EngineSession,
+    KVInputs,
     LayerLoadJob,
+    MMInput,
     LayerLoader,
     ManagerGuard,
     PrefixPlanner,
@@ -158,6 +166,20 @@ def chunk_blocks_for(block_size: int, chunk_tokens: Any) -> int:
         raise ValueError(f"orbitkv.chunk_tokens must be a positive multiple of the block size {block_size}, "
                          f"not {chunk_tokens!r}")
     return n // block_size
+
+
+def request_inputs(request: "Request") -> KVInputs | None:
+    """What besides its tokens changes a vLLM request's KV, read where vLLM's own block hashes read it
+    (``kv_cache_utils.generate_block_hash_extra_keys``): the LoRA adapter's name and path, the
+    ``cache_salt``, and each multimodal input's hash and placeholder range. None when there is nothing."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    mm = tuple(MMInput(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+               for f in (getattr(request, "mm_features", None) or []))
+    if not lora and not salt and not mm:
+        return None
+    lora_id = f"{lora.lora_name}\0{getattr(lora, 'lora_path', '')}" if lora else None
+    return KVInputs(lora=lora_id, cache_salt=salt or None, mm=mm)
 
 
 def _flag(value: Any) -> bool:
@@ -278,12 +300,15 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if known is not None:
             return known
         g = self._chunk_blocks
+        if getattr(request, "prompt_embeds", None) is not None:
+            return []  # KV of prompt embeddings, not of token ids: never stored, never looked up
         if self._key_source == "block_hashes":
             # A chunk's key is its last block's hash; the chunk size in the salt keeps a one-block chunk
             # and the chunk ending at that block apart (their segments differ in size).
             salt = self._salt if g == 1 else self._salt + b"/chunk_blocks=%d" % g
             return engine_hash_keys(list(request.block_hashes)[g - 1::g], salt=salt)
-        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size * g, salt=self._salt)
+        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size * g, salt=self._salt,
+                                 inputs=request_inputs(request))
 
     # -- scheduler side -----------------------------------------------------------------------------
 
