@@ -797,6 +797,10 @@ def tensor_handle(t: "object") -> object | None:
     from ..geometry import CudaIpcHandle
 
     if not t.is_cuda:  # type: ignore[attr-defined]
+        # A pages file holds C-contiguous tensors only: a strided view into one (vLLM's NHD or cross-layer
+        # layouts) is not a tensor the Manager can import.
+        if not t.is_contiguous():  # type: ignore[attr-defined]
+            return None
         return _shared_file_handle(int(t.data_ptr()))  # type: ignore[attr-defined]
     # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
     # block, and the storage sits at an offset inside it.
@@ -845,7 +849,7 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
         geom = g
         handle = tensor_handle(t)
         if handle is None:
-            log.warning("OrbitKV-FS: layer %s (%s) is in memory the Manager cannot map", name, t.device)  # type: ignore[attr-defined]
+            log.info("OrbitKV-FS: layer %s (%s) is in memory the Manager cannot map", name, t.device)  # type: ignore[attr-defined]
             return None
         tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),  # type: ignore[attr-defined]
                                   strides=list(t.stride()), dtype=g[2], handle=handle, name=name))  # type: ignore[attr-defined]
