@@ -223,3 +223,21 @@ def test_staging_budget_and_views() -> None:
     assert torch.equal(k, t[..., :3]) and torch.equal(v, t[..., 3:])
     with pytest.raises(ValueError):
         key_value_views(t.transpose(1, 2), KVSplit.TOKEN)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_kv_is_staged_bit_for_bit(manager, dtype: str) -> None:
+    tdtype = getattr(torch, dtype)
+    raw = torch.randn(L * B * H * T * 2 * D, generator=torch.Generator().manual_seed(3)).to(tdtype)
+    kv = vllm_kv_caches("LBHNC", raw)
+    sched, worker = _worker(manager, kv, "CPU_ATTN")
+    try:
+        s = worker._session
+        assert isinstance(s, StagedSession)
+        keys = prefix_chunk_keys(list(range(3 * T)), T, salt=b"16bit")
+        assert s.save(keys, [[0], [1], [2]]) is not None
+        assert s.restore(keys, [[5], [6], [7]]) == []
+        for t in kv.values():
+            assert torch.equal(t[5:8].view(torch.int16), t[0:3].view(torch.int16))
+    finally:
+        worker.shutdown()

@@ -21,7 +21,7 @@ from typing import Any
 
 def make_llm(model: str, *, connector: dict[str, Any] | None = None, module_path: str = "orbitkv_fs.connectors.vllm",
              connector_name: str = "OrbitKVConnector", max_model_len: int = 2048, block_size: int | None = None,
-             dtype: str = "float32", seed: int = 0, max_num_seqs: int = 4) -> Any:
+             dtype: str = "float32", seed: int = 0, max_num_seqs: int = 4, kv_cache_dtype: str = "auto") -> Any:
     """A vLLM ``LLM`` of ``model`` (greedy-ready, prefix caching on), with OrbitKV-FS's connector when
     ``connector`` (its ``kv_connector_extra_config``) is given."""
     from vllm import LLM
@@ -37,7 +37,7 @@ def make_llm(model: str, *, connector: dict[str, Any] | None = None, module_path
         kw["block_size"] = block_size
     # enforce_eager: the CPU build's torch.compile warm-up costs over a minute per process on 2 cores.
     return LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-               max_num_seqs=max_num_seqs, enforce_eager=True, **kw)
+               max_num_seqs=max_num_seqs, enforce_eager=True, kv_cache_dtype=kv_cache_dtype, **kw)
 
 
 class Engine:

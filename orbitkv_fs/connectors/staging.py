@@ -20,7 +20,8 @@ Primitives:
 * :class:`StagedSession` -- an :class:`~orbitkv_fs.connectors.common.EngineSession` look-alike (``lookup``,
   ``save``, ``restore`` taking ENGINE block ids) that moves blocks through the staging area in rounds: the
   area is split in two halves, and while the Manager encodes (save) or decodes (restore) one round in one
-  half, the engine gathers the next round into (or scatters the previous round out of) the other.
+  half, the engine gathers the next round into (or scatters the previous round out of) the other. Host
+  KV is copied with numpy (single-threaded, off the GIL), GPU KV with torch.
 
 Invariants: a staged save or restore never touches an engine block it was not given (``SKIP_BLOCK``
 positions are neither read nor written); a half is reused only after the Manager's call on it returned and
@@ -91,6 +92,11 @@ def staging_slots(budget_bytes: int, block_bytes: int, chunk_blocks: int) -> int
     return 2 * per_half * chunk_blocks
 
 
+def _torch_copy(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` across devices (a GPU engine's blocks and host staging slots)."""
+    dst.copy_(src)
+
+
 class StagedSession:
     """An engine's KV moved through a staging area (see the module docstring).
 
@@ -110,9 +116,28 @@ class StagedSession:
         self.chunk_blocks = chunk_blocks
         self._half = staging.slots // 2
         self._round = self._half // chunk_blocks  # chunks per round
-        self._kv = engine_kv
-        self._stage = {layer: (_as_torch(staging.key(layer), torch_dtype), _as_torch(staging.value(layer), torch_dtype))
-                       for layer in engine_kv}
+        if all(not k.is_cuda and not v.is_cuda for k, v in engine_kv.values()):
+            # Host KV: copy with numpy, as same-width integers (no dtype conversion, bf16 included). numpy's
+            # copies are single-threaded and release the GIL; torch's run on its intra-op pool, which the
+            # engine's forward uses too (oversubscribed, its barriers made a 45 MiB round trip 20-40x
+            # slower on this 2-core machine: docs/results/2026-12-01-vllm-staging).
+            import numpy as np
+
+            width = {2: (np.int16, "int16"), 4: (np.int32, "int32"), 1: (np.int8, "int8")}
+            item = staging.key(next(iter(engine_kv)))
+            np_int, torch_int = width[item.dtype.itemsize]
+            import torch
+
+            tint = getattr(torch, torch_int)
+            self._kv = {layer: (k.view(tint).numpy(), v.view(tint).numpy()) for layer, (k, v) in engine_kv.items()}
+            self._stage = {layer: (staging.key(layer).view(np_int), staging.value(layer).view(np_int))
+                           for layer in engine_kv}
+            self._copy = np.copyto
+        else:
+            self._kv = engine_kv
+            self._stage = {layer: (_as_torch(staging.key(layer), torch_dtype), _as_torch(staging.value(layer), torch_dtype))
+                           for layer in engine_kv}
+            self._copy = _torch_copy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-staging")
         self._lock = threading.Lock()
         #: Seconds the caller spent copying (gather + scatter) and waiting on the Manager, for benchmarks.
@@ -160,18 +185,20 @@ class StagedSession:
     # One slice copy per run of consecutive blocks: indexed copies (index_put_) of these strided views run
     # several times slower than copy_ of slices.
     def _gather(self, runs: Sequence[tuple[int, int, int]], layers: Sequence[int]) -> None:
+        copy = self._copy
         for layer in layers:
             (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
             for b, s, n in runs:
-                sk[s:s + n].copy_(ek[b:b + n])
-                sv[s:s + n].copy_(ev[b:b + n])
+                copy(sk[s:s + n], ek[b:b + n])
+                copy(sv[s:s + n], ev[b:b + n])
 
     def _scatter(self, runs: Sequence[tuple[int, int, int]], layers: Sequence[int]) -> None:
+        copy = self._copy
         for layer in layers:
             (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
             for b, s, n in runs:
-                ek[b:b + n].copy_(sk[s:s + n])
-                ev[b:b + n].copy_(sv[s:s + n])
+                copy(ek[b:b + n], sk[s:s + n])
+                copy(ev[b:b + n], sv[s:s + n])
 
     def _timed(self, fut: Future) -> Any:
         import time
