@@ -241,3 +241,25 @@ def test_16_bit_kv_is_staged_bit_for_bit(manager, dtype: str) -> None:
             assert torch.equal(t[5:8].view(torch.int16), t[0:3].view(torch.int16))
     finally:
         worker.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_gpu_kv_without_cuda_ipc_is_staged_through_host_pages(manager, layout: str) -> None:
+    """A GPU whose KV the Manager cannot import (here forced with ``staging: always``; in the field torch
+    expandable segments or no CUDA IPC): blocks go through the host staging area with torch copies."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    raw = torch.randn(L * B * H * T * 2 * D, generator=torch.Generator().manual_seed(5)).cuda()
+    kv = vllm_kv_caches(layout, raw)
+    sched, worker = _worker(manager, kv, "FLASH_ATTN", staging="always")
+    try:
+        s = worker._session
+        assert isinstance(s, StagedSession)
+        keys = prefix_chunk_keys(list(range(4 * T)), T, salt=b"gpu")
+        assert s.save(keys, [[0], [1], [2], [3]]) is not None
+        assert s.restore(keys, [[8], [9], [10], [11]]) == []
+        for t in kv.values():
+            assert torch.equal(t[8:12], t[0:4])
+    finally:
+        worker.shutdown()

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from .common import EngineSession, StagingPages
 
 log = logging.getLogger(__name__)
@@ -121,14 +123,10 @@ class StagedSession:
             # copies are single-threaded and release the GIL; torch's run on its intra-op pool, which the
             # engine's forward uses too (oversubscribed, its barriers made a 45 MiB round trip 20-40x
             # slower on this 2-core machine: docs/results/2026-12-01-vllm-staging).
-            import numpy as np
-
-            width = {2: (np.int16, "int16"), 4: (np.int32, "int32"), 1: (np.int8, "int8")}
-            item = staging.key(next(iter(engine_kv)))
-            np_int, torch_int = width[item.dtype.itemsize]
             import torch
 
-            tint = getattr(torch, torch_int)
+            np_int, tint = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}[staging.key(
+                next(iter(engine_kv))).dtype.itemsize]
             self._kv = {layer: (k.view(tint).numpy(), v.view(tint).numpy()) for layer, (k, v) in engine_kv.items()}
             self._stage = {layer: (staging.key(layer).view(np_int), staging.value(layer).view(np_int))
                            for layer in engine_kv}
