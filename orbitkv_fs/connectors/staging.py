@@ -182,21 +182,17 @@ class StagedSession:
 
     # One slice copy per run of consecutive blocks: indexed copies (index_put_) of these strided views run
     # several times slower than copy_ of slices.
-    def _gather(self, runs: Sequence[tuple[int, int, int]], layers: Sequence[int]) -> None:
+    def _move(self, runs: Sequence[tuple[int, int, int]], layers: Sequence[int], *, to_stage: bool) -> None:
+        """Copy each run's blocks engine -> slots (``to_stage``, a save's gather) or back (a restore's scatter)."""
         copy = self._copy
         for layer in layers:
             (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
             for b, s, n in runs:
-                copy(sk[s:s + n], ek[b:b + n])
-                copy(sv[s:s + n], ev[b:b + n])
-
-    def _scatter(self, runs: Sequence[tuple[int, int, int]], layers: Sequence[int]) -> None:
-        copy = self._copy
-        for layer in layers:
-            (ek, ev), (sk, sv) = self._kv[layer], self._stage[layer]
-            for b, s, n in runs:
-                copy(ek[b:b + n], sk[s:s + n])
-                copy(ev[b:b + n], sv[s:s + n])
+                for eng, stage in ((ek, sk), (ev, sv)):
+                    if to_stage:
+                        copy(stage[s:s + n], eng[b:b + n])
+                    else:
+                        copy(eng[b:b + n], stage[s:s + n])
 
     def _timed(self, fut: Future) -> Any:
         import time
@@ -225,7 +221,7 @@ class StagedSession:
                 half = i % 2
                 runs, slots = self._pairs(blocks[first:first + r], half)
                 t0 = time.perf_counter()
-                self._gather(runs, layers)  # the other half may be in the Manager's hands meanwhile
+                self._move(runs, layers, to_stage=True)  # the other half may be in the Manager's hands meanwhile
                 self.copy_seconds += time.perf_counter() - t0
                 if pending is not None:
                     result = self._timed(pending)
@@ -264,7 +260,7 @@ class StagedSession:
                 if ok < len(part):  # copy out only the chunks before the first miss
                     runs = self._pairs(blocks[first:first + ok], i % 2)[0]
                 t0 = time.perf_counter()
-                self._scatter(runs, todo)
+                self._move(runs, todo, to_stage=False)
                 self.copy_seconds += time.perf_counter() - t0
                 if ok < len(part):
                     return list(keys[first + ok:])
