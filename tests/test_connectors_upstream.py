@@ -295,6 +295,43 @@ def test_sglang_host_pool_layouts_we_read(sglang_wheel: zipfile.ZipFile) -> None
     assert "2, self.page_num, self.head_num, self.page_size, self.layer_num, self.head_dim," in flat
 
 
+def test_what_changes_kv_is_read_where_vllm_reads_it(vllm_wheel: zipfile.ZipFile) -> None:
+    """The request fields :func:`request_inputs` reads are the ones vLLM's block hashes mix in, and the K/V
+    split of every backend :func:`vllm_backend_split` knows is the one its source uses."""
+    utils = " ".join((_source(vllm_wheel, "vllm.v1.core.kv_cache_utils") or "").split())
+    for needle in ('[("lora", lora_request.lora_name, lora_request.lora_path)]',
+                   '("cache_salt", request.cache_salt)', "request.mm_features", "mm_feature.identifier",
+                   "mm_feature.mm_position.offset", "request.prompt_embeds is None"):
+        assert needle in utils, needle
+    req = _source(vllm_wheel, "vllm.v1.request") or ""
+    for attr in ("self.lora_request =", "self.cache_salt", "self.mm_features =", "self.prompt_embeds ="):
+        assert attr in req, attr
+    from orbitkv_fs.connectors.staging import KVSplit, _VLLM_SPLITS
+
+    split_of = {KVSplit.CONTENT: "split(self.head_size, dim=-1)", KVSplit.TOKEN: "kv_cache.chunk(2, dim=2)"}
+    modules = {"FLASH_ATTN": "flash_attn", "FLASHINFER": "flashinfer", "TRITON_ATTN": "triton_attn",
+               "FLEX_ATTENTION": "flex_attention", "CPU_ATTN": "cpu_attn"}
+    assert set(modules) == set(_VLLM_SPLITS)
+    for name, module in modules.items():
+        src = _source(vllm_wheel, f"vllm.v1.attention.backends.{module}") or ""
+        assert f'return "{name}"' in src, name
+        want = split_of[_VLLM_SPLITS[name]]
+        assert want in src or want.replace("self.head_size", "hs") in src, (name, want)
+    cpu = " ".join((_source(vllm_wheel, "vllm.v1.attention.backends.cpu_attn") or "").split())
+    assert "kv_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in cpu
+
+
+def test_sglang_storage_hashes_carry_lora_and_cache_salt(sglang_wheel: zipfile.ZipFile) -> None:
+    """The page hashes SGLang hands its storage backend are seeded with the request's ``extra_key`` (which
+    holds the LoRA id) and ``cache_salt``: our backend keys those hashes, so namespaces stay apart."""
+    utils = " ".join((_source(sglang_wheel, "sglang.srt.mem_cache.utils") or "").split())
+    assert 'storage_namespace_seed( getattr(key, "extra_key", None), getattr(key, "cache_salt", None) )' in utils
+    batch = " ".join((_source(sglang_wheel, "sglang.srt.managers.schedule_batch") or "").split())
+    assert "extra_key = ( extra_key or \"\" ) + lora_id" in batch
+    ctl = _source(sglang_wheel, "sglang.srt.managers.cache_controller") or ""
+    assert "get_storage_hash_str(" in ctl
+
+
 # ------------------------------------------------------------------------------------- the checker itself
 
 

@@ -63,13 +63,19 @@ def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:  # SchedulerO
         num_scheduled_tokens=dict(scheduled or {}))
 
 
+def _backend(name: str) -> SimpleNamespace:  # an attention layer of vLLM's static forward context
+    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: name))
+
+
 def _config(*, rank: int = 0, tp: int = 1, pp: int = 1, layers: int = 2, policy: str = "recompute",
-            **extra) -> SimpleNamespace:
+            backend: str = "FLASH_ATTN", **extra) -> SimpleNamespace:
     """vLLM's config; ``extra`` are ``orbitkv.*`` settings (chunk_tokens: one block per chunk unless given,
-    None for the connector's default)."""
+    None for the connector's default); every layer ``model.layers.N.self_attn.attn`` uses ``backend``."""
     extra.setdefault("chunk_tokens", BS)
     extra = {k: v for k, v in extra.items() if v is not None}
+    ctx = {f"model.layers.{i}.self_attn.attn": _backend(backend) for i in range(max(layers, 64))}
     return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=ctx),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={f"orbitkv.{k}": v for k, v in extra.items()},
                                            kv_load_failure_policy=policy),
         cache_config=SimpleNamespace(block_size=BS),
@@ -692,9 +698,11 @@ def test_without_pipeline_stages_unnumbered_layers_are_numbered_in_order(manager
     """One stage needs no global numbering: names without one index (an encoder-decoder's two attentions
     per layer) are registered in the model's order."""
     kv = VllmPages(range(2), str(tmp_path))
-    worker = OrbitKVConnector(_config(), "worker", None)
-    worker._client = connect(manager)
+    config = _config()
     names = ["model.layers.0.self_attn.attn", "model.layers.0.cross_attn.attn"]
+    config.compilation_config.static_forward_context[names[1]] = _backend("FLASH_ATTN")
+    worker = OrbitKVConnector(config, "worker", None)
+    worker._client = connect(manager)
     try:
         worker.register_kv_caches(dict(zip(names, kv.kv.values())))
         assert worker._layer_of == {names[0]: 0, names[1]: 1}

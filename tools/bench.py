@@ -2,7 +2,8 @@
 
 ``orbitkv-bench NAME [ARGS...]`` imports :mod:`orbitkv_fs.tools.bench_NAME` lazily and calls its
 ``main(argv) -> int`` with the remaining arguments, so a benchmark's heavy dependencies (torch, cupy, a
-Mooncake engine) load only when that benchmark runs. Subcommands: codecs, pipeline, ssd, peer, cohort.
+Mooncake engine) load only when that benchmark runs. Subcommands: codecs, pipeline, ssd, peer, cohort,
+vllm.
 A subcommand that lacks an optional dependency (at import or while it runs), or whose machine cannot run
 what it asks (an OrbitKV-FS error such as a codec without its GPU), exits with status 2 and one line
 saying what is missing.
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "ssd": "SSD log throughput and latency, next to fio",
     "peer": "segment transfer between cache managers",
     "cohort": "request cohorts through an engine with and without the cache",
+    "vllm": "real vLLM (CPU build): TTFT restored vs recomputed; staged vs direct KV paths",
 }
 
 

@@ -779,7 +779,9 @@ def run_cohort(model: Any, recipe: Recipe, cohort: Sequence[RequestSpec], pages:
     import msgspec
 
     control = codec is None
-    rcp = dataclasses.replace(recipe, hbm_tokens=0) if control else recipe
+    # The recompute control computes every prompt in full; the "prefix-cache" control keeps the engine's own
+    # prefix cache (no Manager): a cached prefix then reaches the model exactly as a restored one does.
+    rcp = dataclasses.replace(recipe, hbm_tokens=0) if control and variant != "prefix-cache" else recipe
     mgr = proc = None
     client = None
     engine_id = f"cohort-{codec or 'control'}-{variant}"
@@ -939,8 +941,15 @@ def _compare(run: dict[str, Any], control: dict[str, Any]) -> None:
                 break
             max_tok = max(max_tok, abs(a.token_logprobs[i] - b.token_logprobs[i]))
     served = [(a.ttft_s, b.ttft_s) for a, b in zip(run["_records"], control["_records"]) if a.manager_tokens]
+    cached = [(a, b) for a, b in zip(run["_records"], control["_records"]) if a.manager_tokens or a.hbm_tokens]
+    c_agree = sum(x == y for a, b in cached for x, y in zip(a.tokens, b.tokens))
+    c_total = sum(min(len(a.tokens), len(b.tokens)) for a, b in cached)
     run["vs_control"] = {
         "token_agreement": agree / total if total else 1.0,
+        # Over the requests whose prompt came in part from a cache (the engine's or the Manager's): the ones
+        # a restore can change.
+        "cached_requests": len(cached),
+        "cached_token_agreement": c_agree / c_total if c_total else None,
         "first_token_max_abs_logprob_diff": max_first,
         "generated_max_abs_logprob_diff": max_tok,
         "requests_identical": sum(a.tokens == b.tokens for a, b in zip(run["_records"], control["_records"])),
@@ -1049,7 +1058,8 @@ def _versions() -> dict[str, str]:
 
 def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str], device: str,
               manager_mode: str, ssd_dir: str, shm_dir: str = "/dev/shm", smollm2: bool = True,
-              smollm2_kv: str | None = None, rounds: int = 1, log=print, checkpoint=None) -> dict[str, Any]:
+              smollm2_kv: str | None = None, rounds: int = 1, log=print, checkpoint=None,
+              noise_floors: bool = True) -> dict[str, Any]:
     """The control, then every (variant, codec) run on the same cohort; differences and verdicts.
     With ``rounds`` > 1 each variant's codecs run that many times, in reverse order every other round
     (A B, B A, ...): a codec's position in the sequence (a disk the previous run has just filled, a warmer
@@ -1081,17 +1091,30 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
     # reallocated run after run.
     pages = _Pages(recipe, device)
     skipped: dict[str, str] = {}
-    bar = progress(1 + len(variants) * rounds * len(codecs), "cohort", "run")
+    bar = progress(1 + 2 * noise_floors + len(variants) * rounds * len(codecs), "cohort", "run")
     try:
         kw = dict(device=device, manager_mode=manager_mode, ssd_dir=ssd_dir, streams=streams, shm_dir=shm_dir)
         control = run_cohort(model, recipe, cohort, pages, codec=None, variant="control", **kw)
         bar.update()
         log(f"  recompute: ttft p50 {control['ttft_p50_ms']:.1f} ms, {control['requests_per_s']:.2f} req/s")
         runs = [control]
+        floors: dict[str, Any] = {}
+        if noise_floors:
+            # Token agreement means nothing without the engine's own: a recompute against a second recompute
+            # (run-to-run nondeterminism), and the engine's own prefix cache against recompute (what serving a
+            # prefix from any cache does to the output when the cached KV is exact: another computation order).
+            for name, variant_name in (("recompute_vs_recompute", "control"), ("prefix_cache_vs_recompute", "prefix-cache")):
+                extra = run_cohort(model, recipe, cohort, pages, codec=None, variant=variant_name, **kw)
+                _compare(extra, control)
+                floors[name] = {k: extra["vs_control"][k] for k in (
+                    "token_agreement", "cached_requests", "cached_token_agreement", "first_token_max_abs_logprob_diff",
+                    "generated_max_abs_logprob_diff", "requests_identical")}
+                bar.update()
+                log(f"  noise floor {name}: token agreement {floors[name]['token_agreement']:.3f}")
 
         def snapshot() -> dict[str, Any]:
             snap = {"benchmark": "cohort", "recipe": _recipe_dict(recipe), "device": device,
-                    "manager_mode": manager_mode, "skipped": dict(skipped), "partial": True,
+                    "manager_mode": manager_mode, "skipped": dict(skipped), "partial": True, "noise_floors": floors,
                     "runs": [{k: v for k, v in r.items() if k != "_records"} for r in runs]}
             if sm is not None:
                 snap["smollm2_kv"] = sm
@@ -1131,12 +1154,13 @@ def benchmark(recipe: Recipe, *, codecs: Sequence[str], variants: Sequence[str],
         "device": device,
         "manager_mode": manager_mode,
         "skipped": skipped,
+        "noise_floors": floors,
         "runs": runs,
     }
     del model
     if sm is not None:
         result["smollm2_kv"] = sm
-    result["verdicts"] = verdicts(runs)
+    result["verdicts"] = verdicts(runs, floors)
     result["across_rounds"] = across_rounds(result["verdicts"])
     return result
 
@@ -1149,9 +1173,10 @@ def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
                                          * (recipe.input_tokens - recipe.suffix_tokens)}
 
 
-def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def verdicts(runs: list[dict[str, Any]], floors: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per run: does it beat recompute (its own invocation's control) and ``none`` (same variant, same round
-    when there are rounds), and the measured reasons where not."""
+    when there are rounds), and the measured reasons where not; ``floors`` are the noise floors of the
+    run's invocation (:func:`benchmark`)."""
     control = next(r for r in runs if r["codec"] == "recompute")
     out = []
     for r in runs:
@@ -1211,9 +1236,17 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             notes.append(f"{r['reuse_short']} of {reuse} reuse requests got less than their whole prefix back "
                          f"(restore misses {r['restore_misses']}; the rest were not found by lookup: evicted from "
                          f"DRAM and not yet published by the SSD writeback, or no DRAM room to promote into)")
-        if r["codec"] in LOSSY:
-            notes.append(f"lossy: {vs['token_agreement']:.3f} of generated tokens agree with recompute, first-token "
-                         f"max |dlogprob| {vs['first_token_max_abs_logprob_diff']:.3g}")
+        if r["codec"] in LOSSY or r["codec"] == "none":
+            floor = (floors or {}).get("prefix_cache_vs_recompute")
+            ca = vs.get("cached_token_agreement")
+            notes.append(f"{'lossy' if r['codec'] in LOSSY else 'exact'}: {vs['token_agreement']:.3f} of generated "
+                         f"tokens agree with recompute"
+                         + (f" ({ca:.3f} over the {vs['cached_requests']} requests served in part from a cache)"
+                            if ca is not None else "")
+                         + f", first-token max |dlogprob| {vs['first_token_max_abs_logprob_diff']:.3g}"
+                         + (f"; noise floor: the engine's own prefix cache {floor['cached_token_agreement']:.3f} over "
+                            f"its {floor['cached_requests']} cached requests" if floor and floor.get("cached_token_agreement")
+                            is not None else ""))
         v["why"] = notes
         out.append(v)
     return out
@@ -1266,7 +1299,8 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["skipped"] = {k: v for r in results for k, v in r["skipped"].items()}
     out["merged_commands"] = [r["command"] for r in results]
     out["elapsed_s"] = sum(r.get("elapsed_s", 0.0) for r in results)
-    out["verdicts"] = verdicts(out["runs"])
+    out["noise_floors_by_invocation"] = [r.get("noise_floors") or {} for r in results]
+    out["verdicts"] = verdicts(out["runs"], first.get("noise_floors"))
     out["across_rounds"] = across_rounds(out["verdicts"])
     return out
 
@@ -1356,7 +1390,22 @@ def _markdown(result: dict[str, Any]) -> str:
              "recompute control's p50 on the same requests. 'restore ms/chunk' is lookup + restore per restored "
              "chunk (p50), over requests served from DRAM only and over those with SSD-promoted chunks. Hit rates are fractions of prompt tokens. "
              "Token agreement and max |dlogprob| (first output token, whole vocabulary) are against the "
-             "recompute control; `none` gives the noise floor of restoring versus recomputing.", ""]
+             "recompute control.", ""]
+    floors = result.get("noise_floors") or {}
+    if floors:
+        rr, pc = floors.get("recompute_vs_recompute"), floors.get("prefix_cache_vs_recompute")
+        text = "Noise floors, measured in the same run: "
+        if rr:
+            text += (f"a recompute against a second recompute agrees on {rr['token_agreement']:.3f} of generated "
+                     f"tokens (first-token max |dlogprob| {rr['first_token_max_abs_logprob_diff']:.3g}); ")
+        if pc:
+            ca = pc.get("cached_token_agreement")
+            text += (f"the engine's own prefix cache (no Manager; cached KV never leaves the engine) against "
+                     f"recompute agrees on {pc['token_agreement']:.3f}"
+                     + (f", {ca:.3f} over the {pc['cached_requests']} requests it served from its cache" if ca is not None
+                        else "") + f" (first-token max |dlogprob| {pc['first_token_max_abs_logprob_diff']:.3g}). ")
+        lines += [text + "An exact codec's agreement at the prefix-cache floor is the computation order "
+                  "(a prefill of the rest over cached KV against a whole-prompt prefill), not the restore.", ""]
     lines += _forward_table(result)
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in result["skipped"].items()), ""]
@@ -1506,6 +1555,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smollm2-kv", default=None, metavar="NPZ",
                    help="SmolLM2 K/V saved by `orbitkv-bench codecs --save-kv` instead of running the model "
                         "(default: run it)")
+    p.add_argument("--no-floors", action="store_true",
+                   help="skip the two noise-floor runs (a second recompute; the engine's own prefix cache)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (matplotlib)")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-cohort[-cpu])")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
@@ -1596,7 +1647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = benchmark(recipe, codecs=codecs, variants=variants, device=device, manager_mode=manager_mode,
                            ssd_dir=ssd_dir, shm_dir=args.shm_dir, smollm2=not args.no_smollm2,
-                           smollm2_kv=args.smollm2_kv, rounds=args.rounds, log=log, checkpoint=checkpoint)
+                           smollm2_kv=args.smollm2_kv, rounds=args.rounds, log=log, checkpoint=checkpoint,
+                           noise_floors=not args.no_floors)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -8,7 +8,8 @@ engine nor torch.
 Primitives:
 
 * :func:`prefix_chunk_keys` -- chained keys of full token blocks: key ``i`` identifies the whole prefix
-  ``tokens[: (i + 1) * block_size]`` together with a salt (model identity, adapter, LoRA, ...).
+  ``tokens[: (i + 1) * block_size]`` together with a salt (model identity) and the request's
+  :class:`KVInputs` (LoRA adapter, ``cache_salt``, multimodal input hashes: what vLLM's block hashes mix in).
 * :func:`engine_hash_keys` -- chunk keys of an engine's own (already chained) block hashes.
 * :class:`BlockMath` -- full blocks of a token count, the loadable part of a hit (an engine must still
   compute at least one prompt token), slot ranges.
@@ -29,11 +30,12 @@ Primitives:
 * :class:`LayerLoadJob`, :class:`LayerLoader` -- a step's restores on a loader thread, layer group by
   layer group in order, with per-layer waits and the failed blocks collected at the end.
 * :class:`StagingPages` -- host pages (``vllm_packed`` layout, one ``[slots, heads, block, 2 * head_dim]``
-  tensor per layer) in a shared-memory file, for engines whose KV is not paged memory the Manager can
-  import (transformers ``DynamicCache``, SGLang's pinned host pool): the adapter copies KV in and out.
+  tensor per layer) in a shared-memory file, for engines whose KV is not memory the Manager can import
+  (transformers ``DynamicCache``, SGLang's pinned host pool, vLLM's CPU backend and GPUs without CUDA IPC
+  through :mod:`.staging`): the adapter copies KV in and out.
 
-Invariants: keys depend only on token ids, block size and salt (never on process state such as Python's
-hash seed), so a new engine process finds what an earlier one saved; a chunk key covers only full
+Invariants: keys depend only on token ids, block size, salt and :class:`KVInputs` (never on process state
+such as Python's hash seed), so a new engine process finds what an earlier one saved; a chunk key covers only full
 blocks; a failure of the storage tier never fails the engine's request -- it becomes a miss and the
 engine recomputes.
 """
@@ -73,17 +75,62 @@ def _check_block_size(block_size: int) -> None:
         raise KeyDerivationError(f"block_size must be a positive integer, got {block_size!r}")
 
 
+@dataclass(frozen=True)
+class MMInput:
+    """A multimodal input of a prompt: its content hash and the placeholder tokens it fills."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class KVInputs:
+    """What besides the token ids changes a prompt's KV, as vLLM's block hashes mix it in
+    (``generate_block_hash_extra_keys``): the LoRA adapter (vLLM: its name and path), the request's
+    ``cache_salt`` (per-tenant isolation) and the multimodal inputs (the same placeholder tokens stand for
+    different images). Each is part of the chunk keys, so two values never share KV."""
+
+    lora: str | None = None
+    cache_salt: str | None = None
+    mm: tuple[MMInput, ...] = ()
+
+    def root(self) -> bytes:
+        """Bytes mixed into the chain's root: every chunk depends on them (vLLM mixes the LoRA into every
+        block and the salt into the first; chaining makes that the same)."""
+        out = b""
+        for tag, value in ((b"lora", self.lora), (b"cache_salt", self.cache_salt)):
+            if value is not None:
+                raw = value.encode()
+                out += b"\0" + tag + struct.pack("<Q", len(raw)) + raw
+        return out
+
+    def chunk_extras(self, start: int, end: int) -> bytes:
+        """Bytes mixed into the chunk of tokens ``[start, end)``: every multimodal input it overlaps, with
+        its offset relative to the chunk (vLLM's ``("mm", identifier, offset - start)``)."""
+        out = b""
+        for m in self.mm:
+            if m.offset < end and start < m.offset + m.length:
+                raw = m.identifier.encode()
+                out += b"mm" + struct.pack("<Qq", len(raw), m.offset - start) + raw
+        return out
+
+
 def prefix_chunk_keys(
-    token_ids: Sequence[int], block_size: int, *, salt: bytes = b"", parent: bytes | None = None
+    token_ids: Sequence[int], block_size: int, *, salt: bytes = b"", parent: bytes | None = None,
+    inputs: KVInputs | None = None,
 ) -> list[bytes]:
     """One 16-byte key per full block of ``token_ids``; key ``i`` covers the prefix up to block ``i``.
 
     ``parent`` continues a chain (the key of the block before ``token_ids[0]``); ``salt`` separates
-    models, adapters and anything else that makes the same tokens produce different KV.
+    models and anything else that makes the same tokens produce different KV; ``inputs`` are the request's
+    own such inputs (LoRA, ``cache_salt``, multimodal hashes). Without ``inputs`` (or with empty ones) the
+    keys are those of the tokens alone.
     """
     _check_block_size(block_size)
     n_full = len(token_ids) // block_size
-    prev = parent if parent is not None else chunk_key(KEY_SCHEME_VERSION + b"\0" + salt)
+    root = inputs.root() if inputs is not None else b""
+    prev = parent if parent is not None else chunk_key(KEY_SCHEME_VERSION + b"\0" + salt + root)
     # One vectorised packing of the whole prompt: a scheduler derives the keys of every waiting prompt on
     # every step it cannot schedule it, and long prompts are tens of thousands of tokens.
     try:
@@ -95,9 +142,12 @@ def prefix_chunk_keys(
         raise KeyDerivationError(f"token id outside 0..2**32-1 in block {b}")
     packed = ids.astype("<u4").tobytes()
     step = block_size * _TOKEN.size
+    mm = inputs.mm if inputs is not None else ()
     keys: list[bytes] = []
     for b in range(n_full):
-        prev = chunk_key(prev + packed[b * step : (b + 1) * step])
+        # Token bytes have a fixed length per block, so the extras that follow can never alias tokens.
+        extra = inputs.chunk_extras(b * block_size, (b + 1) * block_size) if mm else b""  # type: ignore[union-attr]
+        prev = chunk_key(prev + packed[b * step : (b + 1) * step] + extra)
         keys.append(prev)
     return keys
 
@@ -502,12 +552,14 @@ class LayerLoadJob:
         self._finished = False
         self._error: BaseException | None = None
         self._failed: set[int] = set()
+        self.started = self.ended = 0.0  # perf_counter() when run() began and ended
 
     def run(self) -> None:
         from ..manager import SKIP_BLOCK
 
         # Chunks [0, cut[i]) of transfer i have not missed in any group so far.
         cut = [len(t.keys) for t in self.transfers]
+        self.started = time.perf_counter()
         try:
             for gi, group in enumerate(self.groups):
                 for i, t in enumerate(self.transfers):
@@ -531,6 +583,7 @@ class LayerLoadJob:
                       if b != SKIP_BLOCK}
             with self._cond:
                 self._failed = failed
+                self.ended = time.perf_counter()
                 self._finished = True
                 self._cond.notify_all()
 
@@ -744,6 +797,10 @@ def tensor_handle(t: "object") -> object | None:
     from ..geometry import CudaIpcHandle
 
     if not t.is_cuda:  # type: ignore[attr-defined]
+        # A pages file holds C-contiguous tensors only: a strided view into one (vLLM's NHD or cross-layer
+        # layouts) is not a tensor the Manager can import.
+        if not t.is_contiguous():  # type: ignore[attr-defined]
+            return None
         return _shared_file_handle(int(t.data_ptr()))  # type: ignore[attr-defined]
     # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
     # block, and the storage sits at an offset inside it.
@@ -792,7 +849,7 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
         geom = g
         handle = tensor_handle(t)
         if handle is None:
-            log.warning("OrbitKV-FS: layer %s (%s) is in memory the Manager cannot map", name, t.device)  # type: ignore[attr-defined]
+            log.info("OrbitKV-FS: layer %s (%s) is in memory the Manager cannot map", name, t.device)  # type: ignore[attr-defined]
             return None
         tensors.append(TensorDesc(layer=layer, role="kv", layout="vllm_packed", shape=list(t.shape),  # type: ignore[attr-defined]
                                   strides=list(t.stride()), dtype=g[2], handle=handle, name=name))  # type: ignore[attr-defined]
@@ -819,31 +876,40 @@ class StagingPages:
     """
 
     def __init__(self, *, num_layers: int, slots: int, block_size: int, num_heads: int, head_dim: int,
-                 dtype: str, directory: str = "/dev/shm") -> None:
+                 dtype: str, directory: str = "/dev/shm", layer_start: int = 0,
+                 total_layers: int | None = None) -> None:
         from ..pages import HostPages
 
         self.num_layers, self.slots, self.block_size = num_layers, slots, block_size
         self.num_heads, self.head_dim, self.dtype = num_heads, head_dim, dtype
-        specs = [(f"L{layer}", [slots, num_heads, block_size, 2 * head_dim], dtype, "kv")
-                 for layer in range(num_layers)]
+        # A pipeline stage stages its own layers [layer_start, layer_start + num_layers) of total_layers.
+        self.layer_start = layer_start
+        self.total_layers = layer_start + num_layers if total_layers is None else total_layers
+        self.layers = range(layer_start, layer_start + num_layers)
+        specs = [(f"L{layer}", [slots, num_heads, block_size, 2 * head_dim], dtype, "kv") for layer in self.layers]
         self.pages = HostPages.create(specs, directory=directory)
-        self._kv = [self.pages.array(f"L{i}") for i in range(num_layers)]
+        self._kv = [self.pages.array(f"L{layer}") for layer in self.layers]
 
     def key(self, layer: int) -> "object":
-        return self._kv[layer][..., : self.head_dim]
+        """Slots of global layer ``layer``'s keys, ``[slots, num_heads, block_size, head_dim]``."""
+        return self._kv[layer - self.layer_start][..., : self.head_dim]
 
     def value(self, layer: int) -> "object":
-        return self._kv[layer][..., self.head_dim :]
+        return self._kv[layer - self.layer_start][..., self.head_dim :]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one slot of every layer (K and V)."""
+        return sum(a[0].nbytes for a in self._kv)
 
     def registration(self, *, model: str, engine_kind: str, codec: str | None = None, engine_id: str | None = None,
                      tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                      model_revision: str = "") -> object:
         from ..geometry import EngineRegistration, process_start_time
 
-        tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed")
-                   for layer in range(self.num_layers)]
+        tensors = [self.pages.descriptor(f"L{layer}", layer=layer, layout="vllm_packed") for layer in self.layers]
         return EngineRegistration(
-            model=model, num_layers=self.num_layers, layer_start=0, layer_end=self.num_layers,
+            model=model, num_layers=self.total_layers, layer_start=self.layer_start, layer_end=self.layers.stop,
             block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim, dtype=self.dtype,
             tensors=tensors, model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
             tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,

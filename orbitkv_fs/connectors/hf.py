@@ -9,7 +9,8 @@ For offline batch inference and for the project's own end-to-end tests::
 
 A prompt is cut into blocks of ``block_size`` tokens; block ``i`` is stored under the chained key of
 ``tokens[: (i + 1) * block_size]`` (:func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`, salted with
-the model's identity), per layer as K and V segments. transformers keeps KV in ordinary tensors the Manager
+the model's identity and, given ``inputs=KVInputs(...)``, the LoRA adapter, ``cache_salt`` and multimodal
+inputs of the request), per layer as K and V segments. transformers keeps KV in ordinary tensors the Manager
 cannot import, so the adapter stages blocks in a shared-memory pages file it registers with the Manager
 (:class:`~orbitkv_fs.connectors.common.StagingPages`, ``vllm_packed`` layout ``[slot, head, token,
 2 * head_dim]``) and copies KV in before a save and out after a restore.
@@ -30,6 +31,7 @@ import numpy as np
 from .common import (
     BlockMath,
     EngineSession,
+    KVInputs,
     ManagerGuard,
     StagingPages,
     packed_registration,
@@ -130,20 +132,22 @@ class HFPrefixStore:
 
     # -- keys ---------------------------------------------------------------------------------------
 
-    def keys(self, input_ids: Any) -> list[bytes]:
-        return prefix_chunk_keys(_token_list(input_ids), self.block_size, salt=self._salt)
+    def keys(self, input_ids: Any, inputs: KVInputs | None = None) -> list[bytes]:
+        """Chunk keys of ``input_ids``; ``inputs`` are what else changes its KV (a LoRA adapter loaded into
+        the model, a tenant's ``cache_salt``, multimodal inputs behind placeholder tokens)."""
+        return prefix_chunk_keys(_token_list(input_ids), self.block_size, salt=self._salt, inputs=inputs)
 
-    def cached_tokens(self, input_ids: Any) -> int:
+    def cached_tokens(self, input_ids: Any, inputs: KVInputs | None = None) -> int:
         """Prompt tokens a :meth:`restore` would return now (leading hit, leaving one token to compute)."""
         if self.session is None:
             return 0
         ids = _token_list(input_ids)
-        keys = self.keys(ids)[: self.math.loadable_blocks(len(ids), len(ids))]
+        keys = self.keys(ids, inputs)[: self.math.loadable_blocks(len(ids), len(ids))]
         return self.math.loadable_blocks(len(ids), self.session.lookup(keys)) * self.block_size
 
     # -- save / restore -----------------------------------------------------------------------------
 
-    def save(self, input_ids: Any, cache: Any) -> int:
+    def save(self, input_ids: Any, cache: Any, inputs: KVInputs | None = None) -> int:
         """Store the full blocks of ``input_ids`` that ``cache`` holds and the Manager lacks.
 
         Returns the number of prompt tokens now stored (leading blocks), 0 when the Manager is away.
@@ -155,7 +159,7 @@ class HFPrefixStore:
         ids = _token_list(input_ids)
         layers = _cache_layers(cache)
         have = min(len(ids), int(layers[0][0].shape[-2]))
-        keys = self.keys(ids[:have])
+        keys = self.keys(ids[:have], inputs)
         start = self.session.lookup(keys)
         slots = self.slots
         for first in range(start, len(keys), slots):
@@ -175,7 +179,7 @@ class HFPrefixStore:
                 return first * self.block_size
         return len(keys) * self.block_size
 
-    def restore(self, input_ids: Any) -> tuple[Any, int]:
+    def restore(self, input_ids: Any, inputs: KVInputs | None = None) -> tuple[Any, int]:
         """A fresh ``DynamicCache`` holding the longest stored prefix of ``input_ids``, and its length.
 
         ``(None, 0)`` when nothing usable is stored. The prefix ends at the first block that missed.
@@ -185,7 +189,7 @@ class HFPrefixStore:
         if self.session is None:
             return None, 0
         ids = _token_list(input_ids)
-        keys = self.keys(ids)[: self.math.loadable_blocks(len(ids), len(ids))]
+        keys = self.keys(ids, inputs)[: self.math.loadable_blocks(len(ids), len(ids))]
         hit = self.session.lookup(keys)
         keys = keys[:hit]
         if not keys:

@@ -14,7 +14,11 @@ this step) to the workers, :meth:`~OrbitKVConnector.request_finished` forgets th
 :meth:`~OrbitKVConnector.register_kv_caches` registers every layer's paged tensor (``[blocks, kv_heads,
 block_size, 2 * head_dim]``, the ``vllm_packed`` layout) under the model's global layer index parsed from
 vLLM's layer name (``model.layers.N.self_attn.attn``; a pipeline stage registers its own contiguous range)
-through CUDA IPC handles; :meth:`~OrbitKVConnector.start_load_kv` hands the step's loads to a loader
+through CUDA IPC handles, or, for KV the Manager cannot import (vLLM's CPU backend, a GPU without CUDA IPC,
+a backend that splits K and V on the token axis), through a bounded staging area
+(:class:`~orbitkv_fs.connectors.staging.StagedSession`; ``orbitkv.staging``: ``auto`` / ``always`` /
+``never``, ``orbitkv.staging_mib``, default 64); K and V are located from each layer's attention backend
+(:func:`~orbitkv_fs.connectors.staging.vllm_backend_split`); :meth:`~OrbitKVConnector.start_load_kv` hands the step's loads to a loader
 thread, which restores them layer group by layer group in forward order (the Manager writes into the pages
 itself); :meth:`~OrbitKVConnector.wait_for_layer_load` blocks only until that layer's group is written;
 :meth:`~OrbitKVConnector.wait_for_save` waits for the loads, then saves the step's blocks;
@@ -37,7 +41,9 @@ vLLM's own prefix cache works in blocks: when it holds part of a chunk, that chu
 are never written), and likewise past the last block vLLM may load.
 
 Keys: by default the chained token-prefix keys of :func:`~orbitkv_fs.connectors.common.prefix_chunk_keys`
-over whole chunks, salted with the model name (stable across processes and restarts);
+over whole chunks, salted with the model name and mixing in what vLLM's own block hashes mix in (the LoRA
+adapter, the request's ``cache_salt``, multimodal input hashes: :func:`request_inputs`), stable across
+processes and restarts; a request with prompt embeddings gets no keys (never stored, never a hit);
 ``"orbitkv.key_source": "block_hashes"`` uses vLLM's own ``Request.block_hashes`` instead (the hash of a
 chunk's last block, which chains the whole prefix; stable across processes only with a fixed
 ``PYTHONHASHSEED``).
@@ -53,12 +59,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .common import (
     EngineSession,
+    KVInputs,
     LayerLoadJob,
+    MMInput,
     LayerLoader,
     ManagerGuard,
     PrefixPlanner,
@@ -70,7 +79,9 @@ from .common import (
     ping_probe,
     prefix_chunk_keys,
     register_session,
+    StagingPages,
 )
+from .staging import DEFAULT_STAGING_BYTES, KVSplit, StagedSession, key_value_views, staging_slots, vllm_backend_split
 
 try:  # vLLM is optional: without it the class still imports (and is checked against the wheel's source).
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -157,6 +168,20 @@ def chunk_blocks_for(block_size: int, chunk_tokens: Any) -> int:
     return n // block_size
 
 
+def request_inputs(request: "Request") -> KVInputs | None:
+    """What besides its tokens changes a vLLM request's KV, read where vLLM's own block hashes read it
+    (``kv_cache_utils.generate_block_hash_extra_keys``): the LoRA adapter's name and path, the
+    ``cache_salt``, and each multimodal input's hash and placeholder range. None when there is nothing."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    mm = tuple(MMInput(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+               for f in (getattr(request, "mm_features", None) or []))
+    if not lora and not salt and not mm:
+        return None
+    lora_id = f"{lora.lora_name}\0{getattr(lora, 'lora_path', '')}" if lora else None
+    return KVInputs(lora=lora_id, cache_salt=salt or None, mm=mm)
+
+
 def _flag(value: Any) -> bool:
     """A boolean extra-config value (JSON gives bools; a CLI string "false"/"0" must not read as True)."""
     if isinstance(value, str):
@@ -200,7 +225,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._worker_engine_id = engine_id_for(self._base_id, self._tp_rank, self._pp_rank)
         self._chunk_blocks = chunk_blocks_for(self._block_size, _extra(vllm_config, "chunk_tokens", None))
         self._planner = PrefixPlanner(self._block_size, self._chunk_blocks)
-        self._session: EngineSession | None = None
+        self._session: EngineSession | StagedSession | None = None
         self._stage_sessions: list[EngineSession] = []
         self._load_errors: set[int] = set()
         self._kv_caches: dict[str, Any] = {}
@@ -209,6 +234,18 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._load_job: LayerLoadJob | None = None
         self._registration: Any = None
         self._unregister: Any = None
+        self._staging_mode = str(_extra(vllm_config, "staging", "auto")).lower()
+        if self._staging_mode not in ("auto", "always", "never"):
+            raise ValueError(f"orbitkv.staging must be 'auto', 'always' or 'never', not {self._staging_mode!r}")
+        self._staging_bytes = int(float(_extra(vllm_config, "staging_mib", DEFAULT_STAGING_BYTES / 2**20)) * 2**20)
+        self._shm_dir = str(_extra(vllm_config, "shm_dir", "/dev/shm"))
+        self._staging: StagingPages | None = None
+        self._staged_views: dict[int, Any] = {}
+        self._staged_dtype: Any = None
+        #: Worker-side counters (benchmarks read them): load jobs and their seconds from start to end, save
+        #: steps and the seconds wait_for_save spent saving, chunks of each.
+        self.timings: dict[str, float] = dict.fromkeys(
+            ("loads", "load_seconds", "load_chunks", "saves", "save_seconds", "save_chunks"), 0)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         # Block ids are per KV cache group; a flat block list fits one group only (vLLM disables its hybrid
         # allocator for connectors without SupportsHMA, so this holds unless a model needs several).
@@ -263,12 +300,15 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if known is not None:
             return known
         g = self._chunk_blocks
+        if getattr(request, "prompt_embeds", None) is not None:
+            return []  # KV of prompt embeddings, not of token ids: never stored, never looked up
         if self._key_source == "block_hashes":
             # A chunk's key is its last block's hash; the chunk size in the salt keeps a one-block chunk
             # and the chunk ending at that block apart (their segments differ in size).
             salt = self._salt if g == 1 else self._salt + b"/chunk_blocks=%d" % g
             return engine_hash_keys(list(request.block_hashes)[g - 1::g], salt=salt)
-        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size * g, salt=self._salt)
+        return prefix_chunk_keys(list(request.prompt_token_ids or []), self._block_size * g, salt=self._salt,
+                                 inputs=request_inputs(request))
 
     # -- scheduler side -----------------------------------------------------------------------------
 
@@ -323,15 +363,25 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._layer_of = dict(zip(kv_caches, layers))  # type: ignore[arg-type]
         if not self._enabled:
             return
-        reg = packed_registration(
-            kv_caches, layers=layers, num_layers=self._num_layers if self._pp_size > 1 else None,  # type: ignore[arg-type]
-            model=self._model_name, model_revision=self._revision, block_size=self._block_size, engine_kind="vllm",
-            engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
-            pp_size=self._pp_size, codec=self._codec)
-        if reg is None:
-            log.warning("OrbitKV-FS disabled for this worker: its KV caches are not in a layout or memory the "
-                        "Manager can import")
+        split = self._kv_split(kv_caches)
+        if split is None:
             return
+        reg = None
+        if split == KVSplit.CONTENT and self._staging_mode != "always":
+            # The Manager's vllm_packed layout is vLLM's logical content-split view: import it in place.
+            reg = packed_registration(
+                kv_caches, layers=layers, num_layers=self._num_layers if self._pp_size > 1 else None,  # type: ignore[arg-type]
+                model=self._model_name, model_revision=self._revision, block_size=self._block_size,
+                engine_kind="vllm", engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size,
+                pp_rank=self._pp_rank, pp_size=self._pp_size, codec=self._codec)
+        if reg is None:
+            if self._staging_mode == "never":
+                log.warning("OrbitKV-FS disabled for this worker: its KV caches are not in a layout or memory the "
+                            "Manager can import, and orbitkv.staging is 'never'")
+                return
+            reg = self._staged_registration(kv_caches, layers, split)  # type: ignore[arg-type]
+            if reg is None:
+                return
         self._registration = reg
         if self._async_load:
             self._loader = LayerLoader(f"orbitkv-load-tp{self._tp_rank}-pp{self._pp_rank}")
@@ -340,7 +390,59 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                         "An engine id still registered by a crashed worker is freed with DELETE /v1/engines/{id}",
                         self._worker_engine_id, self._address, self._guard.stats.last_error)
 
-    def _worker_session(self) -> EngineSession | None:
+    def _kv_split(self, kv_caches: dict[str, "torch.Tensor"]) -> KVSplit | None:
+        """The K/V split every layer's attention backend reads (vLLM's static forward context names each
+        layer's backend); None, with a warning, when a backend is not known or layers disagree."""
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        splits = set()
+        for name in kv_caches:
+            layer = ctx.get(name)
+            backend = getattr(layer, "attn_backend", None)
+            backend_name = backend.get_name() if backend is not None else None
+            split = vllm_backend_split(backend_name)
+            if split is None:
+                log.warning("OrbitKV-FS disabled for this worker: layer %s uses attention backend %s, whose K/V "
+                            "layout this connector does not know", name, backend_name)
+                return None
+            splits.add(split)
+        if len(splits) != 1:
+            log.warning("OrbitKV-FS disabled for this worker: layers split K and V differently (%s)", splits)
+            return None
+        return splits.pop()
+
+    def _staged_registration(self, kv_caches: dict[str, "torch.Tensor"], layers: list[int], split: KVSplit) -> Any:
+        """Register a staging area for KV the Manager cannot import (module docstring of :mod:`.staging`);
+        None, with a warning, when the tensors are not paged ``[blocks, heads, block_size, 2 * head_dim]``."""
+        tensors = list(kv_caches.values())
+        shapes = {tuple(t.shape) for t in tensors}
+        dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors}
+        shape = next(iter(shapes))
+        if len(shapes) != 1 or len(dtypes) != 1 or len(shape) != 4 or shape[2] != self._block_size or shape[3] % 2 \
+                or not dtypes <= {"float16", "bfloat16", "float32"}:
+            log.warning("OrbitKV-FS disabled for this worker: KV caches %s %s are not paged [blocks, heads, %d, "
+                        "2*head_dim] float tensors", sorted(shapes), sorted(dtypes), self._block_size)
+            return None
+        heads, head_dim, dtype = int(shape[1]), int(shape[3]) // 2, dtypes.pop()
+        block_bytes = len(tensors) * heads * self._block_size * 2 * head_dim * tensors[0].element_size()
+        slots = staging_slots(self._staging_bytes, block_bytes, self._chunk_blocks)
+        try:
+            views = {layer: key_value_views(t, split) for layer, t in zip(layers, tensors)}
+            self._staging = StagingPages(num_layers=len(tensors), slots=slots, block_size=self._block_size,
+                                         num_heads=heads, head_dim=head_dim, dtype=dtype, directory=self._shm_dir,
+                                         layer_start=min(layers),
+                                         total_layers=self._num_layers if self._pp_size > 1 else None)
+        except (ValueError, OSError) as e:
+            log.warning("OrbitKV-FS disabled for this worker: cannot stage its KV caches: %s", e)
+            return None
+        self._staged_views, self._staged_dtype = views, tensors[0].dtype
+        log.info("OrbitKV-FS: staging %s KV (%s split) through %d slots (%.1f MiB) in %s", tensors[0].device,
+                 split.value, slots, slots * block_bytes / 2**20, self._staging.pages.path)
+        return self._staging.registration(
+            model=self._model_name, model_revision=self._revision, engine_kind="vllm",
+            engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
+            pp_size=self._pp_size, codec=self._codec)
+
+    def _worker_session(self) -> "EngineSession | StagedSession | None":
         """This worker's registered session; registers first when that has not succeeded yet (a Manager
         started after vLLM, or down at start), at most once per guard cool-down."""
         if self._session is not None or self._registration is None:
@@ -348,8 +450,12 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         client = self._get_client()
         if client is None:
             return None
-        self._session, self._unregister = register_session(client, self._registration, self._http, self._guard,
-                                                           timeout_s=self._timeout_s)
+        session, self._unregister = register_session(client, self._registration, self._http, self._guard,
+                                                     timeout_s=self._timeout_s)
+        if session is not None and self._staging is not None:
+            session = StagedSession(session, self._staging, self._staged_views, chunk_blocks=self._chunk_blocks,
+                                    torch_dtype=self._staged_dtype)
+        self._session = session
         return self._session
 
     def _load_groups(self) -> list[list[int]]:
@@ -384,6 +490,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         job, self._load_job = self._load_job, None
         if job is not None:
             self._load_errors |= job.wait()
+            self.timings["loads"] += 1
+            self.timings["load_seconds"] += job.ended - job.started
+            self.timings["load_chunks"] += sum(len(t.keys) for t in job.transfers)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -399,8 +508,12 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         if session is None:
             return
         _sync_device()
+        t0 = time.perf_counter()
         for t in meta.saves:
             session.save(t.keys, t.blocks)
+        self.timings["saves"] += 1
+        self.timings["save_seconds"] += time.perf_counter() - t0
+        self.timings["save_chunks"] += sum(len(t.keys) for t in meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -419,16 +532,21 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             self._finish_load()
         except Exception:  # a load bug surfaces in the step; at shutdown only the cleanup matters
             log.exception("OrbitKV-FS: load failed during shutdown")
+        if isinstance(self._session, StagedSession):
+            self._session.close()
         client, self._client = self._client, None
-        if client is None:
-            return
-        if self._role_is_worker() and self._session is not None:
-            # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
-            unregister, session = self._unregister, self._session  # both set when the session was made
-            self._guard.call("unregister", lambda: unregister(session.engine_id), None)
+        if client is not None:
+            if self._role_is_worker() and self._session is not None:
+                # Frees the engine id for the next worker process; the cached objects stay (namespace-owned).
+                unregister, session = self._unregister, self._session  # both set when the session was made
+                self._guard.call("unregister", lambda: unregister(session.engine_id), None)
+            self._guard.call("close", client.close, None)
         self._session = None
         self._stage_sessions = []
-        self._guard.call("close", client.close, None)
+        staging, self._staging = self._staging, None
+        if staging is not None:  # after unregistering: the Manager no longer maps it
+            self._staged_views = {}
+            staging.close()
 
     def _role_is_worker(self) -> bool:
         return getattr(self._role, "name", self._role) in ("WORKER", "worker")

