@@ -20,7 +20,9 @@ import zmq
 from orbitkv_fs import dataplane as dp
 from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
 from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
+from orbitkv_fs.pages import host_engine_pages
 from polling import wait_until
 
 
@@ -122,15 +124,49 @@ def test_incompatible_socket_type_is_dropped(server):
     s.close()
 
 
-def test_connections_over_the_limit_are_refused_and_logged(server, monkeypatch, caplog):
-    monkeypatch.setattr(dp, "MAX_CONNECTIONS", 1)
-    first, _ = _handshaken(server)
-    with caplog.at_level("WARNING", logger=dp.__name__):
-        extra = _raw(server)
-        assert _closed(extra)
-        assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
-    extra.close()
-    first.close()
+def test_a_full_server_displaces_idle_anonymous_connections_and_refuses_readably(manager, tmp_path, caplog):
+    """At the connection limit a new connection displaces the anonymous one idle longest; the connections
+    an engine acted on are never displaced, and when every slot is one a new connection is refused with a
+    ZMTP ERROR the client reads (DataPlaneBusy), not a bare EOF. Each is counted."""
+    pages, descs = host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+    reg = EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16, num_heads=1,
+                             head_dim=64, dtype="bfloat16", tensors=descs)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=2))
+    try:
+        idle, _ = _handshaken(srv)
+        engine = RemoteClient(srv.endpoint, timeout=10)
+        eid = engine.register(reg).engine_id  # this connection acts for the engine from now on
+        idle.settimeout(0.3)
+        assert _closed(idle) is False  # two slots, two connections
+        idle.settimeout(10)
+        newcomer = RemoteClient(srv.endpoint, timeout=10)
+        newcomer.ping()  # displaced the idle anonymous one
+        assert _closed(idle)
+        assert engine.lookup(eid, [bytes(16)]).count == 0  # the engine's connection was kept
+        # Both slots an engine's: a newcomer is told why, and the engine goes on being served.
+        # A second engine thread (its connection lives as long as the thread): it displaces the anonymous
+        # newcomer, then acts for the engine.
+        looked, done = threading.Event(), threading.Event()
+        second = threading.Thread(target=lambda: (engine.lookup(eid, [bytes(16)]), looked.set(), done.wait(30)))
+        second.start()
+        assert looked.wait(10)
+        with caplog.at_level("WARNING", logger=dp.__name__):
+            late = RemoteClient(srv.endpoint, timeout=10)
+            with pytest.raises(dp.DataPlaneBusy, match="2 connections open"):
+                late.ping()
+            assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
+        assert engine.lookup(eid, [bytes(16)]).count == 0
+        done.set()
+        second.join(10)
+        st = srv.stats()
+        assert (st.connections, st.engine_connections) == (2, 2)
+        assert (st.connections_displaced_total, st.connections_refused_total) == (2, 1)
+        engine.unregister(eid)
+        engine.close(); newcomer.close(); late.close()
+        idle.close()
+    finally:
+        srv.close()
+        pages.close()
 
 
 def test_an_oversized_ready_command_is_dropped(server):

@@ -156,6 +156,8 @@ def test_register_list_get_delete(stack):
     r = stack.http.post("/v1/engines", json=reg_body(descs, engine_id="vllm-0", codec="fp8"))
     assert r.status_code == 201, r.text
     e = r.json()
+    credential = e.pop("credential")  # the registration's answer alone carries it
+    assert len(credential) == 64 and credential not in stack.http.get("/v1/engines").text
     assert r.headers["location"] == "/v1/engines/vllm-0"
     assert e["engine_id"] == "vllm-0" and len(e["namespace"]) == 32 and e["codec"] == "fp8"
     assert (e["num_blocks"], e["tensors"], e["segments_per_chunk"], e["device"]) == (B, 2 * L, 2 * L, "host")

@@ -327,7 +327,7 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             kv_caches, layers=layers, num_layers=self._num_layers if self._pp_size > 1 else None,  # type: ignore[arg-type]
             model=self._model_name, model_revision=self._revision, block_size=self._block_size, engine_kind="vllm",
             engine_id=self._worker_engine_id, tp_rank=self._tp_rank, tp_size=self._tp_size, pp_rank=self._pp_rank,
-            pp_size=self._pp_size, codec=self._codec)
+            pp_size=self._pp_size, codec=self._codec, lookup_by_user=True)  # the scheduler looks up in its name
         if reg is None:
             log.warning("OrbitKV-FS disabled for this worker: its KV caches are not in a layout or memory the "
                         "Manager can import")
