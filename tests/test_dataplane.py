@@ -156,11 +156,11 @@ def test_a_full_server_displaces_idle_anonymous_connections_and_refuses_readably
                 late.ping()
             assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
         assert engine.lookup(eid, [bytes(16)]).count == 0
-        done.set()
-        second.join(10)
         st = srv.stats()
         assert (st.connections, st.engine_connections) == (2, 2)
         assert (st.connections_displaced_total, st.connections_refused_total) == (2, 1)
+        done.set()
+        second.join(10)
         engine.unregister(eid)
         engine.close(); newcomer.close(); late.close()
         idle.close()
@@ -217,6 +217,22 @@ def test_undecodable_or_invalid_requests_get_typed_errors(server, body, error):
     s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Ping())))
     assert dp._read_message(rfile) == [b"", b"\x00\xc0"]
     s.close()
+
+
+def test_a_short_packed_key_is_a_request_error_not_an_internal_one(server, caplog):
+    """A data-plane Invalidate whose key is 10 bytes: a typed request error naming the key, no traceback."""
+    s, rfile = _handshaken(server, b"REQ")
+    with caplog.at_level("DEBUG", logger=dp.__name__):
+        s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Invalidate(keys=[b"k" * 10]))))
+        frames = dp._read_message(rfile)
+    err = msgspec.msgpack.decode(frames[1][1:], type=dp.WireError)
+    assert (err.type, err.message) == ("RequestError", "keys[0]: a packed object key is 36 bytes, not 10")
+    assert not [r for r in caplog.records if r.exc_info]
+    s.close()
+    c = RemoteClient(server.endpoint, timeout=10)
+    with pytest.raises(RequestError, match="keys\\[0\\]"):
+        c._call(dp.Invalidate(keys=[b"k" * 40]), dp.InvalidateResult)
+    c.close()
 
 
 def test_request_errors_reraise_as_the_embedded_classes(server):

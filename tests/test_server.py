@@ -679,3 +679,68 @@ def test_cli_serves_with_a_token_on_a_public_address():
     text = "".join(lines)
     assert "POST /v1/invalidate" in text  # the access log is on at info ...
     assert TOKEN not in text  # ... and never shows the token
+
+
+# ---------------------------------------------------------------------------------------------- browsers, logs
+
+
+def test_cross_site_requests_cannot_change_anything_without_a_token(stack):
+    """With no token (the default) a web page must not drive the API: a "simple" cross-site request (a
+    foreign Origin, no body or text/plain, no preflight) to any mutating endpoint is refused, and so is a
+    request naming a host that is not loopback (a DNS-rebound page). curl and the connectors, which send
+    no Origin, go on as before."""
+    _, descs = stack.engine_pages()
+    simple = {"Content-Type": "text/plain"}
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:1"):
+        for method, path, content in (("POST", "/v1/admin/flush-dram", None),
+                                      ("POST", "/v1/invalidate", b'{"all": true}'),
+                                      ("DELETE", "/v1/engines/anything", None),
+                                      ("POST", "/v1/engines", b"{}")):
+            r = stack.anon.request(method, path, content=content, headers={**simple, "Origin": origin})
+            assert_error(r, 403, "cross_origin")
+    r = stack.anon.post("/v1/admin/flush-dram", headers={"Sec-Fetch-Site": "cross-site"})
+    assert_error(r, 403, "cross_origin")
+    r = stack.anon.get("/v1/engines", headers={"Host": "attacker.example:9091"})
+    assert_error(r, 403, "bad_host")
+    assert stack.manager.stats().engines == 0
+    # Same origin, or no Origin at all (curl, connectors): served.
+    own = stack.server.url
+    assert stack.anon.post("/v1/admin/flush-dram", headers={"Origin": own}).status_code == 200
+    assert stack.anon.post("/v1/admin/flush-dram").status_code == 200
+    assert stack.anon.post("/v1/engines", json=reg_body(descs)).status_code == 201
+    assert stack.anon.get("/v1/engines", headers={"Origin": "http://evil.example"}).status_code == 200  # reads
+
+
+def test_the_access_log_never_writes_query_strings(secured, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "query-secret-0123456789"
+    assert secured.http.get(f"/v1/stats?token={secret}").status_code == 200
+    assert secured.anon.get(f"/healthz?token={secret}&x=1").status_code == 200
+    access = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any("/v1/stats" in m for m in access) and any("/healthz" in m for m in access), access
+    assert not any(secret in r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
+
+
+def test_cli_starts_at_log_level_trace():
+    import re
+    import signal
+
+    p = _cli(["--http-addr", "127.0.0.1:0", "--log-level", "trace"])
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"http (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(lines)
+        assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, "".join(lines) + out
+    assert "TRACE" in "".join(lines) + out  # uvicorn's trace lines come through
