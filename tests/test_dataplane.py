@@ -128,10 +128,10 @@ def test_a_full_server_displaces_idle_anonymous_connections_and_refuses_readably
     """At the connection limit a new connection displaces the anonymous one idle longest; the connections
     an engine acted on are never displaced, and when every slot is one a new connection is refused with a
     ZMTP ERROR the client reads (DataPlaneBusy), not a bare EOF. Each is counted."""
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=2))
     pages, descs = host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
     reg = EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16, num_heads=1,
                              head_dim=64, dtype="bfloat16", tensors=descs)
-    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=2))
     try:
         idle, _ = _handshaken(srv)
         engine = RemoteClient(srv.endpoint, timeout=10)

@@ -381,9 +381,13 @@ def test_peer_requests_without_the_secret_are_never_answered_nor_acted_on():
     from orbitkv_fs.peers import PeerServer
 
     arena = ShmArena(1 << 20, [NS])
-    key, seg = make_segments(NS, 1, 65536, 21)[0]
-    arena.put(key, seg)
-    server = PeerServer(arena, "127.0.0.1:1", secret=SECRET)
+    try:
+        key, seg = make_segments(NS, 1, 65536, 21)[0]
+        arena.put(key, seg)
+        server = PeerServer(arena, "127.0.0.1:1", secret=SECRET)
+    except BaseException:
+        arena.close()
+        raise
     ctx = zmq.Context.instance()
 
     def dealer():
