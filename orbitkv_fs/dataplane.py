@@ -34,7 +34,7 @@ Limits (:class:`DataPlaneLimits`, flags of ``orbitkv-cache-manager``), each coun
   first :data:`_FREE_BYTES` of each message do not count, so small requests are never refused. A message
   that does not fit is read and dropped, and answered :class:`DataPlaneBusy`;
 * connections (``max_connections``): at the limit a new connection displaces the connection that has
-  gone longest without completing a request among those that never acted for a registered engine (the
+  gone longest without starting a request among those that never acted for a registered engine (the
   engines' own connections are the reserved path: nothing anonymous displaces them). When every slot is
   an engine's or is answering a request, the new connection is refused with a ZMTP ``ERROR`` command
   the client reads (:class:`DataPlaneBusy`), not a bare EOF;
@@ -462,7 +462,7 @@ class _Link:
         self.sock = sock
         self.caller = Caller(uid_of=lambda: socket_uid(sock))
         self.engine: str | None = None  # the engine it acted for: never displaced
-        self.since = now  # accepted, or its last request answered: the displacement order
+        self.since = now  # accepted, or its last request began: the displacement order
         self.started = now  # when the handshake or the message being read began; 0.0 between messages
         self.busy = False  # a request decoded and being answered
         self.held = 0  # bytes of the current message counted in the buffer bound
@@ -562,8 +562,8 @@ class DataPlaneServer:
             t.start()
 
     def _displaceable(self) -> _Link | None:
-        """The anonymous connection longest without a completed request, not answering one now. Called
-        with ``_lock`` held."""
+        """The anonymous connection that began its last request (or connected) longest ago, not answering
+        one now. Called with ``_lock`` held."""
         best = None
         for link in self._conns.values():
             if link.engine is None and not link.busy and (best is None or link.since < best.since):
@@ -638,7 +638,7 @@ class DataPlaneServer:
                 sock.settimeout(None)  # idle between requests: no limit
                 if not rfile.peek(1):
                     break
-                link.started = time.monotonic()
+                link.started = link.since = time.monotonic()
                 sock.settimeout(STALL_TIMEOUT_S)  # a message begun must arrive, and its reply go out
                 try:
                     frames = _read_message(rfile, link.take)
@@ -656,7 +656,6 @@ class DataPlaneServer:
                 # The envelope goes back as it came (REQ: one empty delimiter), MORE on all but the last.
                 sock.sendall(b"".join(_frame(f, _MORE) for f in frames[:-1]) + _frame(reply))
                 link.busy = False
-                link.since = time.monotonic()
                 if link.held:
                     self._give(link)
         except EOFError:
@@ -699,9 +698,10 @@ class DataPlaneServer:
         except Exception as e:  # a bug: report it, keep serving
             log.exception("data plane request %s failed", type(req).__name__)
             return _ERR + _ENC.encode(WireError("OrbitKVError", f"internal error: {type(e).__name__}: {e}"))
-        engine_id = getattr(req, "engine_id", None) or (out.engine_id if type(req) is Register else None)
-        if engine_id and link.engine is None and type(req) is not Unregister:
-            self._mark(link, engine_id)
+        if link.engine is None and type(req) is not Unregister:
+            engine_id = out.engine_id if type(req) is Register else getattr(req, "engine_id", None)
+            if engine_id:
+                self._mark(link, engine_id)
         return _OK + _ENC.encode(out)
 
     def _dispatch(self, req: Any, link: _Link) -> Any:

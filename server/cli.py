@@ -20,6 +20,7 @@ import resource
 import signal
 import sys
 import threading
+from typing import Callable
 
 from orbitkv_fs.codecs import CODEC_NAMES
 from orbitkv_fs.manager import Manager, ManagerConfig
@@ -62,24 +63,18 @@ def parse_log_level(text: str) -> str:
     return name
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad number of seconds {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError("must be > 0 seconds")
-    return v
+def _positive(cast: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)``, which must be > 0."""
+    def parse(text: str) -> float:
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad number {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError("must be > 0")
+        return v
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad integer {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return v
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-plane-workers", type=int, default=4,
                    help="saves, restores, registrations, invalidations and lookups that may read the SSD tier or "
                         "peers, running at once (DRAM-only lookups, pings and stats never wait)")
-    g.add_argument("--data-plane-max-connections", type=_positive_int, default=1024, metavar="N",
+    g.add_argument("--data-plane-max-connections", type=_positive(int), default=1024, metavar="N",
                    help="data-plane connections open at once; at the limit a new one displaces the anonymous "
                         "connection idle longest (an engine's own connections are never displaced), else is "
                         "refused with an error it reads (default 1024)")
@@ -116,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of data-plane requests held at once, all connections together (each message's "
                         "first 64 KiB excepted); a message over it is dropped and answered DataPlaneBusy "
                         "(default 256mb)")
-    g.add_argument("--data-plane-message-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+    g.add_argument("--data-plane-message-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
                    help="longest a data-plane handshake, or a message from its first byte to its last, may take "
                         "(default 30)")
     g.add_argument("--log-level", type=parse_log_level, default="info",

@@ -81,3 +81,16 @@ def run_python(program: str, *args: str, timeout: float = 120.0) -> str:
     if p.returncode != 0:
         raise AssertionError(f"child failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p.stdout
+
+
+def peer_closed(s) -> bool:
+    """True when the other end closed socket ``s`` (after reading whatever it had sent before); False when
+    it is open (``s``'s timeout, or non-blocking with nothing to read)."""
+    try:
+        while True:
+            if not s.recv(1 << 16):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except (TimeoutError, BlockingIOError):
+        return False

@@ -23,6 +23,7 @@ from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
 from orbitkv_fs.pages import host_engine_pages
+from manager_process import peer_closed as _closed
 from polling import wait_until
 
 
@@ -51,18 +52,6 @@ def _handshaken(srv: DataPlaneServer, socket_type: bytes = b"DEALER") -> tuple[s
     rfile = s.makefile("rb")
     dp._handshake(s, rfile, socket_type, (b"ROUTER",))
     return s, rfile
-
-
-def _closed(s: socket.socket) -> bool:
-    """True when the server closed ``s`` (after reading whatever it had sent before)."""
-    try:
-        while True:
-            if not s.recv(1 << 16):
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_tcp_endpoint_resolves_its_port_and_serves(manager):

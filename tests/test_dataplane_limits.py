@@ -16,7 +16,7 @@ import time
 import msgspec
 import pytest
 
-from manager_process import ManagerProcess
+from manager_process import ManagerProcess, peer_closed
 from orbitkv_fs import dataplane as dp
 from orbitkv_fs.dataplane import RemoteClient
 from orbitkv_fs.geometry import EngineRegistration
@@ -37,17 +37,6 @@ def _handshaken(endpoint: str) -> socket.socket:
     s = _connect(endpoint)
     dp._handshake(s, s.makefile("rb"), b"REQ", (b"ROUTER",))
     return s
-
-
-def _closed(s: socket.socket) -> bool:
-    try:
-        while True:
-            if not s.recv(1 << 16):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except (TimeoutError, BlockingIOError):
-        return False
 
 
 def _engine(shm: str):
@@ -151,8 +140,8 @@ def test_a_server_full_of_idle_connections_still_serves_an_engine_and_a_newcomer
         assert mgr.metric("orbitkv_dataplane_connections_refused_total") == 0
         for s in idle:
             s.setblocking(False)
-        assert sum(_closed(s) for s in idle) >= 2  # the displaced ones, oldest first
-        assert _closed(idle[-1]) is False
+        assert sum(peer_closed(s) for s in idle) >= 2  # the displaced ones, oldest first
+        assert peer_closed(idle[-1]) is False
         done.set()
         second.join(30)
         engine.unregister(eid)

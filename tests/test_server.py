@@ -640,6 +640,22 @@ def _cli(args, env_token=None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _await_line(p, pattern: str, lines: list[str], timeout: float = 60.0) -> str:
+    """The first group of ``pattern`` in the CLI's output (every line read kept in ``lines``)."""
+    import re
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m.group(1)
+    raise AssertionError("".join(lines))
+
+
 def test_cli_refuses_a_public_address_without_a_token():
     p = _cli(["--http-addr", "0.0.0.0:0"])
     out, _ = p.communicate(timeout=60)
@@ -648,23 +664,13 @@ def test_cli_refuses_a_public_address_without_a_token():
 
 
 def test_cli_serves_with_a_token_on_a_public_address():
-    import re
     import signal
 
     p = _cli(["--http-addr", "0.0.0.0:0", "--log-level", "info"], env_token=TOKEN)
-    lines = []
+    lines: list[str] = []
     try:
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"http http://0\.0\.0\.0:(\d+) \(admin token required\)", line)
-            if m:
-                url = f"http://127.0.0.1:{m.group(1)}"
-        assert url, "".join(lines)
+        port = _await_line(p, r"http http://0\.0\.0\.0:(\d+) \(admin token required\)", lines)
+        url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/readyz").json()["status"] == "ready"
             assert_error(http.post("/v1/invalidate", json={"all": True}), 401, "unauthorized")
@@ -722,22 +728,12 @@ def test_the_access_log_never_writes_query_strings(secured, caplog):
 
 
 def test_cli_starts_at_log_level_trace():
-    import re
     import signal
 
     p = _cli(["--http-addr", "127.0.0.1:0", "--log-level", "trace"])
-    lines = []
+    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        url = None
-        while url is None and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"http (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
-        assert url, "".join(lines)
+        url = _await_line(p, r"http (http://127\.0\.0\.1:\d+)", lines)
         assert httpx.get(url + "/healthz", timeout=30).status_code == 200
     finally:
         p.send_signal(signal.SIGTERM)
