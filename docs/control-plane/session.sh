@@ -26,7 +26,8 @@ run "jq '.engine_id = \"other\" | .tensors[0].handle = {\"type\": \"host\", \"pa
 run "jq '.engine_id = \"other\" | .tensors[1].handle.name = \"no-such-object\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run "jq '.engine_id = \"other\" | .tensors[0].shape[2] = 3' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run "jq '.block_size = \"16\" | .turbo = true' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-run 'curl -s -X POST http://127.0.0.1:9091/v1/engines -H "$AUTH" -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n" | jq -c .'
+# The answer's credential is the engine's secret: kept for work.py, shown shortened.
+run 'curl -s -X POST http://127.0.0.1:9091/v1/engines -H "$AUTH" -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n" | tee registered.json | jq -c "if type == \"object\" then .credential |= .[:8] + \"...\" else . end"'
 run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n"'
 run "jq '.engine_id = \"vllm-tp1\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run 'curl -s http://127.0.0.1:9091/v1/engines | jq -c ".engines[] | {engine_id, namespace, codec, num_blocks, segments_per_chunk, device}"'
@@ -62,3 +63,4 @@ run 'curl -s http://127.0.0.1:9091/v1/engines/vllm-tp0 -w "\n%{http_code}\n"'
 kill -TERM $MGR; wait $MGR
 rm -f "/dev/shm/$PAGES"
 echo "admin token occurrences in logs and transcript: $(cat manager.log transcript.txt | grep -c "$ORBITKV_ADMIN_TOKEN")" >&3
+echo "engine credential occurrences in logs and transcript: $(cat manager.log transcript.txt | grep -c "$(head -1 registered.json | jq -r .credential)")" >&3
