@@ -35,9 +35,10 @@ Limits (:class:`DataPlaneLimits`, flags of ``orbitkv-cache-manager``), each coun
   that does not fit is read and dropped, and answered :class:`DataPlaneBusy`;
 * connections (``max_connections``): at the limit a new connection displaces the connection that has
   gone longest without starting a request among those that never acted for a registered engine (the
-  engines' own connections are the reserved path: nothing anonymous displaces them). When every slot is
-  an engine's or is answering a request, the new connection is refused with a ZMTP ``ERROR`` command
-  the client reads (:class:`DataPlaneBusy`), not a bare EOF;
+  engines' own connections are the reserved path: nothing anonymous displaces them; at most
+  :data:`MAX_ENGINE_CONNECTIONS` per engine and a quarter of the limit per OS user count so). When every
+  slot is an engine's or is answering a request, the new connection is refused with a ZMTP ``ERROR``
+  command the client reads (:class:`DataPlaneBusy`), not a bare EOF;
 * a deadline per message (``message_timeout_s``): a handshake, or a message from its first byte to its
   last, that takes longer is cut off, however slowly its bytes keep coming.
 
@@ -97,7 +98,8 @@ MAX_MESSAGE = 64 << 20  # bytes of one message; a save of 10^6 chunks of a few b
 MAX_FRAMES = 16  # frames of one message: a REQ sends 2, a DEALER client its own envelope
 MAX_CONNECTIONS = 1024
 #: Connections one engine's credential marks as the engine's own (never displaced); more are served as
-#: anonymous ones: an engine cannot take every slot.
+#: anonymous ones: an engine cannot take every slot. Nor can one OS user with many engines: its engines'
+#: connections count so up to a quarter of the connection limit (or this many, whichever is more).
 MAX_ENGINE_CONNECTIONS = 64
 # Longest wait without progress in a handshake, a message once its first byte came, or a reply's send
 # (libzmq's ZMQ_HANDSHAKE_IVL default). Waiting between messages is not limited -- an engine thread's
@@ -456,12 +458,13 @@ def _keepalive(sock: socket.socket) -> None:
 class _Link:
     """The server's side of one connection."""
 
-    __slots__ = ("sock", "caller", "engine", "since", "started", "busy", "held", "take")
+    __slots__ = ("sock", "caller", "engine", "user", "since", "started", "busy", "held", "take")
 
     def __init__(self, sock: socket.socket, now: float) -> None:
         self.sock = sock
         self.caller = Caller(uid_of=lambda: socket_uid(sock))
         self.engine: str | None = None  # the engine it acted for: never displaced
+        self.user: int | None = None  # that connection's OS user, once it is an engine's
         self.since = now  # accepted, or its last request began: the displacement order
         self.started = now  # when the handshake or the message being read began; 0.0 between messages
         self.busy = False  # a request decoded and being answered
@@ -503,6 +506,7 @@ class DataPlaneServer:
         self._conns: dict[socket.socket, _Link] = {}
         self._threads: dict[socket.socket, threading.Thread] = {}
         self._engine_links: collections.Counter[str] = collections.Counter()
+        self._user_links: collections.Counter[int | None] = collections.Counter()
         self._lock = threading.Lock()
         self._buffered = 0
         self._counts = collections.Counter()  # the *_total fields of DataPlaneStats
@@ -576,24 +580,30 @@ class DataPlaneServer:
             return
         self._threads.pop(link.sock, None)
         if link.engine is not None:
-            self._engine_links[link.engine] -= 1
-            if self._engine_links[link.engine] <= 0:
-                del self._engine_links[link.engine]
+            for table, key in ((self._engine_links, link.engine), (self._user_links, link.user)):
+                table[key] -= 1
+                if table[key] <= 0:
+                    del table[key]
         if link.held:
             self._buffered -= link.held
             link.held = 0
 
     def _mark(self, link: _Link, engine_id: str) -> None:
-        """``link`` acted for ``engine_id``: from now on it is that engine's (within its quota)."""
+        """``link`` acted for ``engine_id``: from now on it is that engine's (within its quotas)."""
+        user = link.caller.uid()
         with self._lock:
             if link.engine is None and link.sock in self._conns and \
-                    self._engine_links[engine_id] < MAX_ENGINE_CONNECTIONS:
-                link.engine = engine_id
+                    self._engine_links[engine_id] < MAX_ENGINE_CONNECTIONS and \
+                    self._user_links[user] < max(self.limits.max_connections // 4, MAX_ENGINE_CONNECTIONS):
+                link.engine, link.user = engine_id, user
                 self._engine_links[engine_id] += 1
+                self._user_links[user] += 1
 
     def _take(self, link: _Link, n: int) -> bool:
         with self._lock:
-            if self._buffered + n > self.limits.max_buffered_bytes or link.sock not in self._conns:
+            if link.sock not in self._conns:  # displaced meanwhile: its thread is about to end
+                return False
+            if self._buffered + n > self.limits.max_buffered_bytes:
                 self._counts["buffer"] += 1
                 return False
             self._buffered += n

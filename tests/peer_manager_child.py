@@ -5,6 +5,8 @@ fixture (conftest.py)."""
 
 from __future__ import annotations
 
+import os
+
 from json_child import JsonChild
 from polling import wait_until
 
@@ -54,7 +56,8 @@ def digest(blocks):
 def chunks(names, blocks):
     return [ChunkBlocks(chunk_key(n), [b]) for n, b in zip(names, blocks)]
 
-print(json.dumps({"address": node.address, "namespace": info.namespace, "pid": os.getpid()}), flush=True)
+print(json.dumps({"address": node.address, "namespace": info.namespace, "pid": os.getpid(),
+                  "pages": pages.pages.path}), flush=True)
 for line in sys.stdin:
     c = json.loads(line)
     op = c["op"]
@@ -109,6 +112,11 @@ class Mgr(JsonChild):
         # back their arena reservations) within seconds, not the default 30 s.
         super().__init__(_CHILD, {"layers": 2, "slots": 16, "heads": 2, **cfg}, env={"MC_TRANSFER_TIMEOUT": "5"})
         self.address, self.namespace, self.pid = self.hello["address"], self.hello["namespace"], self.hello["pid"]
+
+    def close(self) -> None:
+        super().close()
+        if os.path.exists(self.hello["pages"]):  # a child that was killed could not remove its pages
+            os.unlink(self.hello["pages"])
 
     def settled_stats(self, timeout: float = 10.0) -> dict:
         """``stats`` once every peer lease is released (or ``timeout`` passed). A requester's release is

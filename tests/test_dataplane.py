@@ -158,6 +158,31 @@ def test_a_full_server_displaces_idle_anonymous_connections_and_refuses_readably
         pages.close()
 
 
+def test_one_user_with_many_engines_cannot_hold_every_slot(manager, tmp_path, monkeypatch):
+    """Engines' connections are kept from displacement only within quotas: per engine, and per OS user (a
+    quarter of the limit), so registering engine after engine does not buy every slot."""
+    monkeypatch.setattr(dp, "MAX_ENGINE_CONNECTIONS", 1)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=8))
+    made = [host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+            for _ in range(3)]
+    clients = [RemoteClient(srv.endpoint, timeout=10) for _ in made]
+    try:
+        for c, (_, descs) in zip(clients, made):
+            c.register(EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16,
+                                          num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs))
+        st = srv.stats()
+        assert (st.connections, st.engine_connections) == (3, 2)  # this user's quota: 8 // 4
+        ids = [e.engine_id for e in manager.list_engines()]
+        for c, eid in zip(clients, ids):
+            c.unregister(eid)
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()
+        for pages, _ in made:
+            pages.close()
+
+
 def test_an_oversized_ready_command_is_dropped(server):
     """Before the handshake ends a peer may send a READY of a few KiB, not a message-sized one."""
     s = _raw(server)

@@ -8,6 +8,7 @@ injected through that server's command line; nothing else is faked.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -46,6 +47,8 @@ def servers():
             except ProcessLookupError:
                 pass
         stop_server(p)
+        for path in glob.glob(f"/dev/shm/orbitkv-peer-arena-{p.pid}-*"):  # a killed server's arena stays
+            os.unlink(path)
 
 
 @pytest.fixture
