@@ -254,8 +254,8 @@ class RestRegistrar:
     Host-pages handles are sent as shared-memory object names (the file must lie in the Manager's
     ``--shm-dir``), CUDA IPC handles as base64. ``token`` is the Manager's admin token (needed off
     loopback; ``$ORBITKV_ADMIN_TOKEN`` by default). Failures raise :class:`~orbitkv_fs.errors.OrbitKVError`
-    with the Manager's error code and message. Standard library only (urllib). :meth:`register` answers
-    the engine id and the credential every data-plane call for the engine must carry (hand it to the
+    with the Manager's error code and message. Standard library only (urllib). :meth:`register` keeps the
+    credential every data-plane call for the engine must carry in :attr:`credentials` (hand it to the
     client: ``client.set_credential``; :func:`registration_calls` does).
     """
 
@@ -267,6 +267,7 @@ class RestRegistrar:
         self.base_url = base_url.rstrip("/")
         self.token = token if token is not None else os.environ.get("ORBITKV_ADMIN_TOKEN")
         self.timeout_s = timeout_s
+        self.credentials: dict[str, str] = {}  # engine id -> the credential its registration answered
 
     @staticmethod
     def body(reg: object) -> dict:
@@ -312,10 +313,12 @@ class RestRegistrar:
             raise OrbitKVError(f"{method} {path}: control plane at {self.base_url} unreachable: {e.reason}") from None
         return json.loads(raw) if raw else None
 
-    def register(self, reg: object) -> tuple[str, str]:
-        """Register ``reg``; the Manager's engine id and the engine's credential."""
+    def register(self, reg: object) -> str:
+        """Register ``reg``; the Manager's engine id (its credential goes to :attr:`credentials`)."""
         out = self._request("POST", "/v1/engines", self.body(reg))
-        return str(out["engine_id"]), str(out["credential"])  # type: ignore[index]
+        engine_id = str(out["engine_id"])  # type: ignore[index]
+        self.credentials[engine_id] = str(out["credential"])  # type: ignore[index]
+        return engine_id
 
     def unregister(self, engine_id: str) -> None:
         from urllib.parse import quote
@@ -333,8 +336,8 @@ def registration_calls(client: Any, reg: object, http: str | None, *, timeout_s:
         rest = RestRegistrar(http, timeout_s=timeout_s)
 
         def register_rest() -> str:
-            engine_id, credential = rest.register(reg)
-            client.set_credential(engine_id, credential)
+            engine_id = rest.register(reg)
+            client.set_credential(engine_id, rest.credentials[engine_id])
             return engine_id
 
         return register_rest, rest.unregister
