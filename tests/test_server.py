@@ -162,9 +162,19 @@ def test_register_list_get_delete(stack):
     assert e["engine_id"] == "vllm-0" and len(e["namespace"]) == 32 and e["codec"] == "fp8"
     assert (e["num_blocks"], e["tensors"], e["segments_per_chunk"], e["device"]) == (B, 2 * L, 2 * L, "host")
     assert "handle" not in r.text and SHM not in r.text  # handles are not echoed
-    # Nobody registers over an engine's pages, whatever id they ask for.
+    # Nobody registers over an engine's pages, whatever id they ask for, nor through another name for them.
     body = assert_error(stack.http.post("/v1/engines", json=reg_body(descs)), 409, "handle_in_use")
     assert body["field"] == "tensors[0].handle" and "vllm-0" in body["message"]
+    link = os.path.join(SHM, f"orbitkv-test-hardlink-{os.getpid()}")
+    os.link(descs[0].handle.path, link)
+    try:
+        linked = reg_body(descs)
+        for t in linked["tensors"]:
+            t["handle"]["name"] = os.path.basename(link)
+        body = assert_error(stack.http.post("/v1/engines", json=linked), 409, "handle_in_use")
+        assert "vllm-0" in body["message"]
+    finally:
+        os.unlink(link)
     _, descs2 = stack.engine_pages(seed=8)
     r2 = stack.http.post("/v1/engines", json=reg_body(descs2))
     assert r2.status_code == 201
