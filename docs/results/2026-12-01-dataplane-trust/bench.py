@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -123,6 +124,7 @@ def main() -> int:
             for p in (client, server):
                 p.stdin.close()
                 p.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
     out = {"command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "host": platform.node(),
            "cpus": os.cpu_count(), "python": platform.python_version(), "rounds": args.rounds,
            "calls_per_round": args.calls, "chunks_per_lookup": args.chunks, "per_round": rounds}
