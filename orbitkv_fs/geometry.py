@@ -158,6 +158,10 @@ class EngineRegistration(msgspec.Struct, frozen=True):
     #: process it sees under ``pid`` started then (another PID namespace, or a reused pid, would not).
     #: ``None``: the Manager reads it itself at registration.
     pid_start_time: int | None = None
+    #: Let other processes of the registering OS user look this engine up (lease-free lookups only)
+    #: without its credential: an engine whose scheduler is another process than the worker that
+    #: registered (vLLM). Everything else still needs the credential (docs/security.md).
+    lookup_by_user: bool = False
 
 
 def process_start_time(pid: int) -> int | None:

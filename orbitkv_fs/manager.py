@@ -14,6 +14,13 @@ the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
   else ``kill(pid, 0)`` plus the start time in ``/proc/PID/stat``, so a reused pid is not taken for the
   engine) and unregisters a dead engine's registration itself, through :meth:`~Manager.unregister_engine`'s
   path (counted as ``engines_reaped``).
+* access: every engine call (lookup, save, restore, release, unregister, an engine's invalidation) takes a
+  ``caller`` (:class:`~orbitkv_fs.access.Caller`): the data plane passes the credential the call carried
+  (and the connection's OS user), and the call runs only with the credential the engine's registration
+  answered (:attr:`EngineInfo.credential`). ``caller=None`` is a trusted in-process call. A registration
+  maps only regular files -- from a caller, only files directly inside ``shm_dir`` that belong to the
+  caller's OS user -- and memory no other engine holds (by identity, not by name:
+  :class:`~orbitkv_fs.access.HandleClaims`).
 * data path: :meth:`~Manager.lookup` (leading run of present chunks, under a lease),
   :meth:`~Manager.save`, :meth:`~Manager.restore`, :meth:`~Manager.release`. A lease that neither a
   restore nor a release ends within ``lease_ttl`` seconds (its engine timed out and never came back for it)
@@ -74,6 +81,10 @@ Invariants:
 5. Bytes are never served across storage namespaces (:func:`orbitkv_fs.namespace.namespace_v2`).
 6. An engine is reaped only when the very process it registered (pid and start time) is gone; an engine
    whose process the Manager cannot identify (another PID namespace, no ``/proc``) is never reaped.
+7. An engine acts only as itself: a caller restores into, saves from, looks up, releases leases of and
+   unregisters only the engine whose credential it holds, and invalidates only that engine's namespace
+   (anything wider is :class:`~orbitkv_fs.access.AdminRequired`); one piece of memory is held by at most
+   one engine.
 """
 
 from __future__ import annotations
@@ -92,6 +103,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Protocol, Sequence, ru
 import msgspec
 import numpy as np
 
+from .access import AdminRequired, Caller, HandleClaims, authorize, file_identity, issue_credential, open_pages_file
 from .codecs import CODEC_NAMES, LOSSY_CODECS, Codec, decode_payload, encode_segment, get_codec, raw_segment
 from .errors import CodecError, CodecUnavailable, OrbitKVError, SegmentError, UnknownFormat
 from .geometry import (
@@ -131,7 +143,7 @@ from .segment import (
     turboquant_stored_bytes,
 )
 from .hostmem import host_address
-from .tiers.dram import UNIT, DramTier, units_of
+from .tiers.dram import UNIT, DramTier, arena_dir, units_of
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +272,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     registration: EngineRegistration
     #: True when the Manager watches the registration's ``pid`` and unregisters the engine when it exits.
     watched: bool = False
+    #: The engine's secret: every engine call must carry it. Set only in the answer to the registration
+    #: (which goes to the registrant alone); empty in every other EngineInfo.
+    credential: str = ""
 
 
 class LookupResult(msgspec.Struct, frozen=True):
@@ -559,8 +574,11 @@ class _Seg:
 
 class _Engine:
     def __init__(self, info: EngineInfo, reg: EngineRegistration, ns: bytes, segs: list[_Seg],
-                 num_blocks: int, imports: list, watch: "_ProcessWatch | None") -> None:
+                 num_blocks: int, imports: list, watch: "_ProcessWatch | None", secret: bytes,
+                 owner_uid: int | None) -> None:
         self.info = info
+        self.secret = secret  # the credential, as bytes
+        self.owner_uid = owner_uid  # the registering OS user, when known
         self.reg = reg
         self.ns = ns
         self.segs = segs
@@ -718,6 +736,9 @@ class Manager:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._engines: dict[str, _Engine] = {}
+        self._claims = HandleClaims()  # memory identities registered engines hold
+        _st = os.stat(self.dram.arena.path)
+        self._arena_identity = ("file", _st.st_dev, _st.st_ino)
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
         self._reservations: dict[int, tuple[int, int]] = {}  # id -> (offset, nbytes)
@@ -768,11 +789,13 @@ class Manager:
         with self._stat_lock:
             self._workspace += n
 
-    def _enter(self, engine_id: str) -> _Engine:
+    def _enter(self, engine_id: str, caller: Caller | None = None, *, lookup: bool = False) -> _Engine:
         with self._lock:
             eng = self._engines.get(engine_id)
             if eng is None or eng.closing:
                 raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            if caller is not None:
+                authorize(engine_id, eng.secret, eng.owner_uid, eng.reg.lookup_by_user, caller, lookup=lookup)
             eng.inflight += 1
             self._inflight += 1
             return eng
@@ -786,9 +809,13 @@ class Manager:
 
     # -- engines -------------------------------------------------------------------------------------
 
-    def register_engine(self, reg: EngineRegistration) -> EngineInfo:
+    def register_engine(self, reg: EngineRegistration, *, caller: Caller | None = None) -> EngineInfo:
         """Validate ``reg`` against the tensors its handles import, then register it. Raises
-        :class:`GeometryError` (naming the field) and registers nothing on any mismatch."""
+        :class:`GeometryError` (naming the field), :class:`~orbitkv_fs.access.HandleInUse` or
+        :class:`EngineBusy` and registers nothing on any of them. A host-pages handle must name a regular
+        file; with a ``caller``, directly inside ``shm_dir`` and owned by the caller's OS user. The answer carries
+        the engine's credential (:attr:`EngineInfo.credential`), which every later call for the engine
+        must present."""
         validate_registration(reg)
         codec_name = reg.codec or self._config.storage_codec
         if codec_name not in CODEC_NAMES:
@@ -808,7 +835,12 @@ class Manager:
                                 "namespace, or it exited): it will not be unregistered when it dies", reg.pid)
                 else:
                     imports.append(watch)
-            arrays, device = self._import_tensors(reg, imports)
+            owner_uid = caller.uid() if caller is not None else os.getuid()
+            if caller is not None and owner_uid is None and any(isinstance(d.handle, HostPagesHandle)
+                                                                for d in reg.tensors):
+                raise GeometryError("tensors", "cannot tell which OS user sent this registration (a remote "
+                                               "TCP peer?): host pages are registered over ipc:// or loopback")
+            arrays, device, handles = self._import_tensors(reg, imports, caller is not None, owner_uid)
             segs: list[_Seg] = []
             exact_layers: set[int] = set()
             for desc, arr in zip(reg.tensors, arrays):
@@ -826,22 +858,30 @@ class Manager:
                 engine_id = reg.engine_id or f"{reg.engine_kind}-{uuid.uuid4().hex[:12]}"
                 if engine_id in self._engines:
                     raise EngineBusy(f"engine id {engine_id!r} is already registered")
+                self._claims.claim(engine_id, handles)
                 info = EngineInfo(engine_id=engine_id, namespace=ns.hex(), codec=codec_name, model=reg.model,
                                   layer_start=reg.layer_start, layer_end=reg.layer_end, num_blocks=blocks,
                                   segments_per_chunk=len(segs), exact_layers=sorted(exact_layers), device=device,
                                   registration=reg, watched=watch is not None)
-                self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports, watch)
+                credential = issue_credential()
+                self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports, watch, credential.encode(),
+                                                   owner_uid)
                 if watch is not None:
                     self._start_housekeeping()
-            return info
+            return msgspec.structs.replace(info, credential=credential)
         except BaseException:
             _close_imports(imports)
             raise
 
-    def _import_tensors(self, reg: EngineRegistration, imports: list) -> tuple[list, str]:
-        """Map every tensor's handle; check it against its descriptor. Host pages files are opened once."""
+    def _import_tensors(self, reg: EngineRegistration, imports: list, untrusted: bool,
+                        owner_uid: int | None) -> tuple[list, str, list[tuple[str, tuple]]]:
+        """Map every tensor's handle; check it against its descriptor. Host pages files are opened once,
+        through :func:`~orbitkv_fs.access.open_pages_file`: a regular file and, for an ``untrusted``
+        registrant, inside ``shm_dir`` and of ``owner_uid``. Answers the arrays, the device and each
+        handle's memory identity."""
         files: dict[str, HostPages] = {}
         arrays = []
+        handles: list[tuple[str, tuple]] = []
         kinds = {type(d.handle) for d in reg.tensors}
         if len(kinds) > 1:
             raise GeometryError("tensors", "host pages and CUDA IPC handles cannot be mixed in one engine")
@@ -852,12 +892,20 @@ class Manager:
             if isinstance(h, HostPagesHandle):
                 pages = files.get(h.path)
                 if pages is None:
+                    fd = open_pages_file(h.path, arena_dir(self._config.shm_dir) if untrusted else None,
+                                         owner_uid if untrusted else None, f"{at}.handle.path")
+                    ident = file_identity(fd)
+                    if ident == self._arena_identity:
+                        os.close(fd)
+                        raise GeometryError(f"{at}.handle.path", "names the Manager's own arena file")
                     try:
-                        pages = HostPages.open(h.path)
+                        pages = HostPages.open(h.path, fd=fd)
                     except PagesError as e:
                         raise GeometryError(f"{at}.handle.path", str(e)) from None
+                    pages.identity = ident
                     files[h.path] = pages
                     imports.append(pages)
+                handles.append((f"{at}.handle", pages.identity))
                 try:
                     t, arr = pages.at(h.offset)
                 except PagesError as e:
@@ -874,8 +922,9 @@ class Manager:
                 arr, owner = import_cuda_tensor(desc, at)
                 imports.append(owner)
                 device = f"cuda:{h.device}"
+                handles.append((f"{at}.handle", ("cuda_ipc", h.handle, h.device)))
             arrays.append(arr)
-        return arrays, device
+        return arrays, device, handles
 
     def list_engines(self) -> list[EngineInfo]:
         with self._lock:
@@ -889,24 +938,28 @@ class Manager:
                 raise UnknownEngine(f"no engine {engine_id!r} is registered")
             return eng.info
 
-    def unregister_engine(self, engine_id: str, *, timeout: float | None = 60.0) -> None:
+    def unregister_engine(self, engine_id: str, *, timeout: float | None = 60.0, caller: Caller | None = None) -> None:
         """Refuse new requests for the engine, wait for its outstanding ones, release its leases, codec
         resources and imported tensors. Cached objects stay (they belong to the namespace)."""
-        self._unregister(engine_id, timeout)
+        self._unregister(engine_id, timeout, caller=caller)
 
-    def _unregister(self, engine_id: str, timeout: float | None, only: _Engine | None = None) -> None:
+    def _unregister(self, engine_id: str, timeout: float | None, only: _Engine | None = None,
+                    caller: Caller | None = None) -> None:
         """:meth:`unregister_engine`; with ``only``, only that registration (not a later one that took
         the same id while the reaper looked)."""
         with self._lock:
             eng = self._engines.get(engine_id)
             if eng is None or eng.closing or (only is not None and eng is not only):
                 raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            if caller is not None:
+                authorize(engine_id, eng.secret, eng.owner_uid, False, caller)
             eng.closing = True
             if not self._cond.wait_for(lambda: eng.inflight == 0, timeout):
                 eng.closing = False
                 raise EngineBusy(f"engine {engine_id!r} still has {eng.inflight} requests after {timeout}s")
             leases = [self._leases.pop(i) for i in list(eng.leases) if i in self._leases]
             del self._engines[engine_id]
+            self._claims.release(engine_id)
         for lease in leases:
             self._drop_lease(lease)
         # The segment views are the last references into the imported memory: dropped first, the
@@ -997,11 +1050,12 @@ class Manager:
             if skipped == len(ch.blocks):
                 raise RequestError(f"chunks[{i}].blocks: every position is SKIP_BLOCK, nothing to restore")
 
-    def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True) -> LookupResult:
+    def lookup(self, engine_id: str, chunks: Sequence[bytes], *, lease: bool = True,
+               caller: Caller | None = None) -> LookupResult:
         """Length of the leading run of ``chunks`` present in full. Lower-tier objects of that run are
         promoted to DRAM; with ``lease`` the run's extents stay leased until :meth:`restore` (given the
         lease id) or :meth:`release`."""
-        eng = self._enter(engine_id)
+        eng = self._enter(engine_id, caller, lookup=not lease)
         try:
             for c in chunks:
                 if type(c) is not bytes or len(c) != 16:
@@ -1191,12 +1245,12 @@ class Manager:
         self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
         return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), prefetched=prefetched)
 
-    def save(self, engine_id: str, chunks: Sequence[ChunkBlocks]) -> SaveResult:
+    def save(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, caller: Caller | None = None) -> SaveResult:
         """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
         to DRAM (evicting, and demoting to the lower tier, as needed). Chunks already present are skipped.
         Raises :class:`RequestError` before doing anything when a block id or key is bad."""
         t0 = time.perf_counter()
-        eng = self._enter(engine_id)
+        eng = self._enter(engine_id, caller)
         try:
             self._check_chunks(eng, chunks)
             self._remember_prefix(eng, [ch.key for ch in chunks])
@@ -1461,14 +1515,14 @@ class Manager:
             acc.dropped += 1
 
     def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
-                layers: Sequence[int] | None = None) -> RestoreResult:
+                layers: Sequence[int] | None = None, caller: Caller | None = None) -> RestoreResult:
         """Write the chunks' cached KV into the given blocks. Every destination is validated first
         (:class:`RequestError`, nothing written); a missing or corrupt segment is a miss for its chunk.
         ``lease_id`` (from :meth:`lookup`, of this engine) is released when the restore ends, whether it
         succeeded or failed. ``layers`` restores only those layers' segments (an engine loading layer by
         layer); ``restored[i]`` then says whether every segment of those layers was written."""
         t0 = time.perf_counter()
-        eng = self._enter(engine_id)
+        eng = self._enter(engine_id, caller)
         held = _Lease(engine_id)
         consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
         try:
@@ -1956,9 +2010,18 @@ class Manager:
             if h.format != Format.RAW:
                 self._workspace_delta(-flat.nbytes)
 
-    def release(self, lease_id: int) -> None:
-        """Drop a lease from :meth:`lookup` or :meth:`lease_objects`. Raises :class:`LeaseError`."""
+    def release(self, lease_id: int, *, engine_id: str | None = None, caller: Caller | None = None) -> None:
+        """Drop a lease from :meth:`lookup` or :meth:`lease_objects`. With ``caller``, only a lease of
+        ``engine_id`` that the caller may act for (never a peer's). Raises :class:`LeaseError`."""
         with self._lock:
+            if caller is not None:
+                eng = self._engines.get(engine_id or "")
+                if eng is None or eng.closing:
+                    raise UnknownEngine(f"no engine {engine_id!r} is registered")
+                authorize(engine_id, eng.secret, eng.owner_uid, False, caller)
+                mine = self._leases.get(lease_id)
+                if (mine.engine_id if mine is not None else self._expired.get(lease_id)) != engine_id:
+                    raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 if lease_id in self._expired:  # expired already: nothing left to drop
@@ -1981,26 +2044,34 @@ class Manager:
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, chunks: Sequence[bytes] | None = None,
                    namespace: bytes | None = None, engine_id: str | None = None,
-                   all: bool = False) -> InvalidateResult:
+                   all: bool = False, caller: Caller | None = None) -> InvalidateResult:
         """Drop objects from every tier: exact ``keys``; ``chunks`` of ``engine_id`` or ``namespace``;
         everything of a namespace or an engine's namespace; or ``all``. Leased objects are hidden at once
-        and freed when their leases drain. Answers per-tier object counts and stored bytes."""
+        and freed when their leases drain. Answers per-tier object counts and stored bytes. With
+        ``caller`` (an engine, not the operator) only ``engine_id`` (optionally narrowed to ``chunks``) of an
+        engine the caller may act for: any other selector raises
+        :class:`~orbitkv_fs.access.AdminRequired`."""
         if sum(x is not None for x in (keys, namespace, engine_id)) + bool(all) != 1:
             raise RequestError("invalidate needs exactly one of keys, namespace, engine_id or all")
+        if namespace is not None and len(namespace) != 16:
+            raise RequestError("a namespace is 16 bytes")
+        if chunks is not None and namespace is None and engine_id is None:
+            raise RequestError("chunks go with namespace or engine_id")
+        if caller is not None and engine_id is None:
+            raise AdminRequired("invalidating keys, a namespace or everything is an admin act (the admin "
+                                "token); an engine invalidates its own namespace by its engine_id")
         if engine_id is not None:
             with self._lock:
                 eng = self._engines.get(engine_id)
                 if eng is None:
                     raise UnknownEngine(f"no engine {engine_id!r} is registered")
+                if caller is not None:
+                    authorize(engine_id, eng.secret, eng.owner_uid, False, caller)
                 namespace = eng.ns
-        if namespace is not None and len(namespace) != 16:
-            raise RequestError("a namespace is 16 bytes")
         with self._stat_lock:
             self._inval_epoch += 1  # before DRAM is swept: see _prefetched()
         lower = TierCounts()
         if keys is not None:
-            if chunks is not None:
-                raise RequestError("chunks go with namespace or engine_id, not keys")
             packed = {k.pack() for k in keys}
             d = self.dram.invalidate(packed.__contains__)
             if self.lower is not None:
@@ -2016,8 +2087,6 @@ class Manager:
             if self.lower is not None:
                 lower = self.lower.invalidate(namespace=namespace)
         else:
-            if chunks is not None:
-                raise RequestError("chunks go with namespace or engine_id")
             d = self.dram.invalidate(lambda k: True)
             if self.lower is not None:
                 lower = self.lower.invalidate(all=True)

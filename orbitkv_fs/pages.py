@@ -71,6 +71,7 @@ class HostPages:
         self.tensors = {t.name: t for t in table}
         self._by_offset = {t.offset: t for t in table}
         self._owner = owner
+        self.identity: tuple = ()  # the memory's identity once a Manager checked it (orbitkv_fs.access)
 
     @classmethod
     def create(cls, specs: Sequence[tuple[str, Sequence[int], str, str]] | Sequence[PageTensor],
@@ -108,14 +109,16 @@ class HostPages:
         return cls(path, mm, table, owner=True)
 
     @classmethod
-    def open(cls, path: str) -> "HostPages":
-        """Map an existing file read-write, validating its table."""
-        try:
-            # O_NOFOLLOW: the HTTP plane lstat()s the path first; a symlink swapped in after that
-            # check must not redirect the Manager to another file.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError as e:
-            raise PagesError(f"cannot open engine pages file {path!r}: {e.strerror}") from None
+    def open(cls, path: str, *, fd: int | None = None) -> "HostPages":
+        """Map an existing file read-write, validating its table. ``fd`` (closed here) is the file already
+        opened and checked by the caller (:func:`orbitkv_fs.access.open_pages_file`): what is mapped is
+        then exactly what was checked, whatever ``path`` names by now."""
+        if fd is None:
+            try:
+                # O_NOFOLLOW: a symlink swapped in after the caller's checks must not redirect the mapping.
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError as e:
+                raise PagesError(f"cannot open engine pages file {path!r}: {e.strerror}") from None
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:

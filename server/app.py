@@ -26,10 +26,12 @@ configured (:mod:`.auth`):
 Invariants: every error is ``{code, message[, field]}`` (:mod:`.errors`); request bodies are bounded
 (:data:`DEFAULT_MAX_BODY_BYTES`) and strictly validated (:mod:`.models`); no endpoint takes a file-system
 path -- a host-pages handle names a regular file directly inside the Manager's ``--shm-dir`` (no
-symlinks, FIFOs or devices), and the Manager maps a registration's handles for that engine alone, closing
-them when it unregisters; memory a registered engine holds cannot be registered again (409
-``handle_in_use``: REST cannot tell which process sent a handle, so nobody registers over an engine's
-pages); blocking Manager calls run in the threadpool, never on the event loop.
+symlinks, FIFOs or devices) that belongs to the OS user of the requesting connection (root excepted), and
+the Manager maps a registration's handles for that engine alone, closing them when it unregisters; memory a
+registered engine holds cannot be registered again under any name (409 ``handle_in_use``, decided by the
+Manager from the file's identity); the registration's answer alone carries the engine's credential;
+browsers cannot drive it (:class:`~.auth.SameOrigin`); the access log never writes a query string; blocking
+Manager calls run in the threadpool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from orbitkv_fs.access import Caller, tcp_peer_uid
 from orbitkv_fs.errors import OrbitKVError
-from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, GeometryError, HostPagesHandle
+from orbitkv_fs.geometry import GeometryError
 from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.manager import EngineInfo, Manager, ManagerStats
 from orbitkv_fs.peers.stats import PeerStats
 from orbitkv_fs.segment import Role
 
 from . import errors
-from .auth import AdminToken, bearer, check_bind, require_admin
+from .auth import AdminToken, SameOrigin, bearer, check_bind, is_loopback, require_admin
 from .errors import ApiError, responses
 from .metrics import build_registry
 from .models import (
@@ -73,6 +76,7 @@ from .models import (
     InvalidateRequest,
     ObjectPageOut,
     ReadyOut,
+    RegisteredOut,
     RegisterRequest,
     TierCountsOut,
     model_of_struct,
@@ -169,27 +173,25 @@ def _shm_resolver(shm_dir: str):
     return resolve
 
 
-def _handle_id(h: HostPagesHandle | CudaIpcHandle) -> tuple:
-    if isinstance(h, HostPagesHandle):
-        return ("host", os.path.realpath(h.path))
-    return ("cuda_ipc", h.handle, h.device)
+def _requester(request: Request) -> Caller:
+    """The registrant of a REST registration: the OS user of the requesting loopback connection (the
+    Manager maps only that user's pages files), looked up when the Manager asks."""
+    client, server = request.scope.get("client"), request.scope.get("server")
+
+    def uid() -> int | None:
+        if not client or not server:
+            return None
+        return tcp_peer_uid((server[0], server[1]), (client[0], client[1]))
+
+    return Caller(uid_of=uid)
 
 
-def _check_handles_free(manager: Manager, reg: EngineRegistration) -> None:
-    """Refuse a registration naming memory a registered engine holds: the pages (or GPU allocation) are
-    mapped for the engine that sent them, never handed to a second registrant. An id already taken is
-    left to the Manager (409 ``engine_busy``)."""
-    held: dict[tuple, str] = {}
-    for e in manager.list_engines():
-        if e.engine_id == reg.engine_id:
-            return
-        for t in e.registration.tensors:
-            held[_handle_id(t.handle)] = e.engine_id
-    for i, t in enumerate(reg.tensors):
-        owner = held.get(_handle_id(t.handle))
-        if owner is not None:
-            raise ApiError(409, "handle_in_use", f"tensors[{i}].handle names memory engine {owner!r} registered",
-                           field=f"tensors[{i}].handle")
+def _no_query(record: logging.LogRecord) -> bool:
+    """uvicorn.access filter: the path without its query string (a ``?token=`` must not reach the log)."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+        record.args = (*args[:2], args[2].split("?", 1)[0], *args[3:])
+    return True
 
 
 def _key(text: str, field: str) -> ObjectKey:
@@ -205,10 +207,12 @@ def _key(text: str, field: str) -> ObjectKey:
 
 
 def create_app(manager: Manager, *, admin_token: AdminToken | None = None, address: str = "127.0.0.1:9091",
-               peer_node: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               peer_node: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               dataplane: Any = None) -> FastAPI:
     """The control plane of ``manager``. ``address`` is what the server binds (checked here too: a
     non-loopback address without ``admin_token`` raises :class:`~.auth.InsecureBind`). ``peer_node`` is the
-    process's :class:`~orbitkv_fs.peers.PeerNode` or None."""
+    process's :class:`~orbitkv_fs.peers.PeerNode` or None; ``dataplane`` its
+    :class:`~orbitkv_fs.dataplane.DataPlaneServer` (its limits and counters go to ``/metrics``) or None."""
     host, _ = parse_http_addr(address)
     check_bind(host, admin_token)
     app = FastAPI(title="OrbitKV-FS cache manager", version="1",
@@ -220,11 +224,12 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     app.state.admin_token = admin_token
     app.state.peer_node = peer_node
     app.state.ready = True
-    registry = build_registry(manager, (lambda: peer_node.stats()) if peer_node is not None else None)
+    registry = build_registry(manager, (lambda: peer_node.stats()) if peer_node is not None else None,
+                              dataplane.stats if dataplane is not None else None)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(SameOrigin, loopback=is_loopback(host))
     resolve = _shm_resolver(manager.config().shm_dir)
-    register_lock = threading.Lock()
     admin = [Depends(require_admin)]
     cache: dict = {}
     StatsOut = model_of_struct(ManagerStats, cache, name="StatsOut",
@@ -232,21 +237,19 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
 
     # -- engines ---------------------------------------------------------------------------------------
 
-    @app.post("/v1/engines", status_code=201, response_model=EngineOut, dependencies=admin, tags=["engines"],
-              responses=responses(400, 401, 409, 413, 422))
-    def register_engine(body: RegisterRequest, request: Request, response: Response) -> EngineOut:
+    @app.post("/v1/engines", status_code=201, response_model=RegisteredOut, dependencies=admin, tags=["engines"],
+              responses=responses(400, 401, 403, 409, 413, 422))
+    def register_engine(body: RegisterRequest, request: Request, response: Response) -> RegisteredOut:
         """Register an engine's tensor geometry and handles. The Manager maps the handles (host pages by
-        shared-memory object name, or CUDA IPC) for this engine only and checks every tensor against its
-        descriptor: 422 ``invalid_registration`` naming the field on any mismatch, nothing registered. A
-        handle another registered engine holds is refused (409 ``handle_in_use``): nobody registers
-        over an engine's pages."""
+        shared-memory object name -- a file of the requesting user --, or CUDA IPC) for this engine only and
+        checks every tensor against its descriptor: 422 ``invalid_registration`` naming the field on any
+        mismatch, nothing registered. Memory another registered engine holds, under any name, is refused
+        (409 ``handle_in_use``). The answer carries the engine's ``credential``: every data-plane call for
+        the engine must present it, and no other answer shows it."""
         reg = body.to_registration(resolve)
-        m = _manager(request)
-        with register_lock:  # the in-use check and the registration are one step
-            _check_handles_free(m, reg)
-            info = m.register_engine(reg)
+        info = _manager(request).register_engine(reg, caller=_requester(request))
         response.headers["Location"] = f"/v1/engines/{info.engine_id}"
-        return _engine_out(info)
+        return RegisteredOut(**_engine_out(info).model_dump(), credential=info.credential)
 
     @app.get("/v1/engines", response_model=EngineList, tags=["engines"])
     def list_engines(request: Request) -> EngineList:
@@ -433,7 +436,10 @@ class HttpServer:
                                                      timeout_graceful_shutdown=graceful_s,
                                                      server_header=False))
         if access_log:  # uvicorn cuts the access logger off for servers without one; undo it for this one
-            logging.getLogger("uvicorn.access").propagate = True
+            access = logging.getLogger("uvicorn.access")
+            access.propagate = True
+            if _no_query not in access.filters:
+                access.addFilter(_no_query)
         self._thread = threading.Thread(target=self._run, name="orbitkv-http", daemon=True)
         self._error: BaseException | None = None
 

@@ -1,8 +1,9 @@
 """Bearer-token protection of the mutating and admin endpoints, and the bind-address policy.
 
-Owns :class:`AdminToken` (holds the secret; its ``repr`` never shows it), :func:`is_loopback` (is an
-address loopback-only), :func:`check_bind` (the start-up rule) and :func:`require_admin` (the FastAPI
-dependency mutating and admin routes declare).
+Owns :func:`check_bind` (the start-up rule), :func:`require_admin` (the FastAPI dependency mutating and
+admin routes declare) and :class:`SameOrigin` (the browser guard). :class:`AdminToken` (holds the secret;
+its ``repr`` never shows it) and :func:`is_loopback` live in :mod:`orbitkv_fs.access`: the data plane and
+the peer port apply the same rules.
 
 Policy (safe by default):
 
@@ -11,6 +12,11 @@ Policy (safe by default):
   needs ``Authorization: Bearer <token>``, whatever the bind address.
 * A non-loopback bind needs a token: :func:`check_bind` raises :class:`InsecureBind` and the Manager does
   not start.
+* Browsers: a mutating request (any method but GET, HEAD, OPTIONS) carrying a foreign ``Origin`` (or
+  ``Sec-Fetch-Site: cross-site``/``same-site``) is refused 403 ``cross_origin``, token or not: without a
+  token a web page could otherwise drive the API with a "simple" cross-site request that needs no
+  preflight. On a loopback bind every request must name a loopback host (``Host: 127.0.0.1:9091``,
+  ``localhost``, ``[::1]``), or it is refused 403 ``bad_host``: a DNS-rebound page names its own.
 
 Invariants: tokens are compared with :func:`hmac.compare_digest` over equal-length digests (no early exit,
 no length oracle); a token never appears in a log line, a ``repr`` or an error body.
@@ -18,59 +24,18 @@ no length oracle); a token never appears in a log line, a ``repr`` or an error b
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
-import socket
+from typing import Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.access import MIN_TOKEN_LENGTH, AdminToken, InsecureBind, is_loopback
 
-from .errors import ApiError
+from .errors import ApiError, error_response
 
-__all__ = ["AdminToken", "InsecureBind", "bearer", "check_bind", "is_loopback", "require_admin"]
-
-#: Shorter tokens are refused: a guessable admin token is no protection.
-MIN_TOKEN_LENGTH = 16
-
-
-class InsecureBind(OrbitKVError, ValueError):
-    """A non-loopback bind address without an admin token, or a token too weak to use."""
-
-
-class AdminToken:
-    """The configured admin token. Only :meth:`matches` reads it."""
-
-    __slots__ = ("_digest",)
-
-    def __init__(self, token: str) -> None:
-        if len(token) < MIN_TOKEN_LENGTH or not token.isprintable() or token != token.strip():
-            raise InsecureBind(f"the admin token must be at least {MIN_TOKEN_LENGTH} printable characters "
-                               "without surrounding spaces")
-        self._digest = hashlib.sha256(token.encode()).digest()
-
-    def matches(self, presented: str) -> bool:
-        """Constant-time comparison (of SHA-256 digests, so lengths leak nothing either)."""
-        return hmac.compare_digest(self._digest, hashlib.sha256(presented.encode()).digest())
-
-    def __repr__(self) -> str:
-        return "AdminToken(***)"
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (an IP literal or a name) resolves only to loopback addresses."""
-    name = host.strip("[]")
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(name, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+__all__ = ["AdminToken", "InsecureBind", "MIN_TOKEN_LENGTH", "SameOrigin", "bearer", "check_bind", "is_loopback",
+           "require_admin"]
 
 
 def check_bind(host: str, token: AdminToken | None) -> None:
@@ -96,3 +61,50 @@ async def require_admin(request: Request,
                        headers=challenge)
     if not token.matches(credentials.credentials):
         raise ApiError(401, "unauthorized", "the bearer token is not the admin token", headers=challenge)
+
+
+_SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
+
+
+class SameOrigin:
+    """ASGI middleware: the browser rules of the module docstring. ``loopback``: the server binds a
+    loopback address (then the Host header must name one too)."""
+
+    def __init__(self, app: Any, loopback: bool) -> None:
+        self.app = app
+        self.loopback = loopback
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.loopback and not _loopback_host(host):
+            await error_response(403, "bad_host", "this control plane answers only requests to a loopback host "
+                                 "name (127.0.0.1, localhost, [::1])")(scope, receive, send)
+            return
+        if scope["method"].encode() not in _SAFE_METHODS:
+            origin = headers.get(b"origin")
+            site = headers.get(b"sec-fetch-site", b"")
+            foreign = origin is not None and origin.decode("latin-1") != f"{scope.get('scheme', 'http')}://{host}"
+            if foreign or site in (b"cross-site", b"same-site"):
+                await error_response(403, "cross_origin", "a cross-origin (browser) request may not change "
+                                     "anything here")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _loopback_host(host: str) -> bool:
+    """``host`` (a Host header: name or address, optional port) names this machine's loopback."""
+    if host.startswith("["):  # an IPv6 literal, as a Host header writes it
+        name = host[1:host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0]
+    name = name.lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -16,17 +16,17 @@ import gc
 import logging
 import os
 import re
+import resource
 import signal
 import sys
 import threading
+from typing import Callable
 
 from orbitkv_fs.codecs import CODEC_NAMES
 from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.manager import Manager, ManagerConfig
 
 log = logging.getLogger("orbitkv.cache_manager")
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -48,6 +48,34 @@ def _codec_budget(text: str) -> int:
     if n < 1 << 20:
         raise argparse.ArgumentTypeError("the codec budget must be at least 1mb")
     return n
+
+
+#: uvicorn's TRACE level (below DEBUG), which ``--log-level trace`` asks for.
+TRACE = 5
+_LOG_LEVELS = {"trace": TRACE, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+def parse_log_level(text: str) -> str:
+    """A log level name (any case): trace, debug, info, warning, error, critical."""
+    name = text.strip().lower()
+    if name not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"bad log level {text!r}; use one of {', '.join(_LOG_LEVELS)}")
+    return name
+
+
+def _positive(cast: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)``, which must be > 0."""
+    def parse(text: str) -> float:
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad number {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError("must be > 0")
+        return v
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-plane-workers", type=int, default=4,
                    help="saves, restores, registrations, invalidations and lookups that may read the SSD tier or "
                         "peers, running at once (DRAM-only lookups, pings and stats never wait)")
-    g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
-                   help=f"logging level: {', '.join(LOG_LEVELS)} (warning: errors and warnings only, no access log)")
+    g.add_argument("--data-plane-max-connections", type=_positive(int), default=1024, metavar="N",
+                   help="data-plane connections open at once; at the limit a new one displaces the anonymous "
+                        "connection idle longest (an engine's own connections are never displaced), else is "
+                        "refused with an error it reads (default 1024)")
+    g.add_argument("--data-plane-max-buffered", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="bytes of data-plane requests held at once, all connections together (each message's "
+                        "first 64 KiB excepted); a message over it is dropped and answered DataPlaneBusy "
+                        "(default 256mb)")
+    g.add_argument("--data-plane-message-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+                   help="longest a data-plane handshake, or a message from its first byte to its last, may take "
+                        "(default 30)")
+    g.add_argument("--log-level", type=parse_log_level, default="info", metavar="LEVEL",
+                   help="trace, debug, info (default), warning, error or critical (warning: errors and warnings "
+                        "only, no access log)")
     g = p.add_argument_group("ssd tier (omit --ssd-cache-path for DRAM only; see docs/ssd.md)")
     g.add_argument("--ssd-cache-path", action="append", default=[], metavar="PATH",
                    help="shard file of the SSD tier, preallocated, O_DIRECT; repeat for one shard per path "
@@ -148,11 +188,28 @@ def _http_settings(args: argparse.Namespace):
     return host, port, token
 
 
+def _raise_fd_limit(connections: int) -> None:
+    """Every data-plane connection is a descriptor: lift the soft limit toward the hard one so that the
+    connection limit, not EMFILE, is what bites (1024 is a common soft default)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 1024  # arena, SSD shards, HTTP, peers, the Python runtime
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
+        if new < want:
+            log.warning("descriptor limit %d: fewer than --data-plane-max-connections %d plus room; raise "
+                        "`ulimit -n`", new, connections)
+
+
 @entry_point("orbitkv-cache-manager")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from orbitkv_fs.dataplane import DataPlaneServer
+    logging.addLevelName(TRACE, "TRACE")
+    logging.basicConfig(level=_LOG_LEVELS[args.log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from orbitkv_fs.dataplane import DataPlaneLimits, DataPlaneServer
     from orbitkv_fs.errors import OrbitKVError
 
     stop = threading.Event()
@@ -183,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         except (OrbitKVError, ValueError) as e:
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
+        _raise_fd_limit(args.data_plane_max_connections)
+        limits = DataPlaneLimits(max_connections=args.data_plane_max_connections,
+                                 max_buffered_bytes=args.data_plane_max_buffered,
+                                 message_timeout_s=args.data_plane_message_timeout)
         try:
-            dataplane = DataPlaneServer(manager, args.data_plane, workers=args.data_plane_workers)
+            dataplane = DataPlaneServer(manager, args.data_plane, workers=args.data_plane_workers, limits=limits,
+                                        admin_token=token)
         except (OrbitKVError, ValueError) as e:
             if peers is not None:
                 peers.close()
@@ -193,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         from orbitkv_fs.server.app import HttpServer, create_app
 
         try:
-            app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers)
+            app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers, dataplane=dataplane)
             http = HttpServer(app, http_host, http_port, log_level=args.log_level,
                               access_log=log.isEnabledFor(logging.INFO)).start()
         except (OrbitKVError, ValueError) as e:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orbitkv_fs.access import AccessDenied, HandleInUse
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import GeometryError
 from orbitkv_fs.manager import EngineBusy, LeaseError, PoolExhausted, RequestError, UnknownEngine
@@ -56,6 +57,8 @@ class ApiError(Exception):
 #: Manager error class -> (HTTP status, code). Checked in order: subclasses first.
 MANAGER_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
     (GeometryError, 422, "invalid_registration"),
+    (HandleInUse, 409, "handle_in_use"),
+    (AccessDenied, 403, "forbidden"),
     (UnknownEngine, 404, "unknown_engine"),
     (EngineBusy, 409, "engine_busy"),
     (LeaseError, 409, "unknown_lease"),

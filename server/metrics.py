@@ -10,6 +10,8 @@ Tier labels: ``dram``, the lower tier's name (``ssd``), ``peer``. A *miss in a t
 then the lower tier, then peers); the misses of the last tier present are the segments no tier had. SSD residency is
 ``orbitkv_ssd_objects`` / ``orbitkv_ssd_live_bytes`` (the SSD index does not split it by representation). The lower tier's own flat stats (``ssd_*``) are exported as
 ``orbitkv_ssd_*``: names ending in ``_total`` as counters, others as gauges, the backend as an info label.
+The data plane's limits and the times they bit (:class:`~orbitkv_fs.dataplane.DataPlaneStats`) are
+``orbitkv_dataplane_*``.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ class ManagerCollector(Collector):
     """Collects a Manager's metrics at scrape time. ``peer_stats`` returns the peer layer's snapshot
     (or None when peer sharing is off)."""
 
-    def __init__(self, manager: Any, peer_stats: Callable[[], Any | None] | None = None) -> None:
+    def __init__(self, manager: Any, peer_stats: Callable[[], Any | None] | None = None,
+                 dataplane_stats: Callable[[], Any] | None = None) -> None:
         self._manager = manager
         self._peer_stats = peer_stats
+        self._dataplane_stats = dataplane_stats
 
     def describe(self) -> list[Metric]:
         # Families depend on the snapshot (tiers, reasons); an empty describe keeps registration cheap.
@@ -82,6 +86,8 @@ class ManagerCollector(Collector):
         yield from self._lower_families(s.lower)
         if peers is not None:
             yield from self._peer_families(peers)
+        if self._dataplane_stats is not None:
+            yield from self._dataplane_families(self._dataplane_stats())
 
     # -- the Manager ------------------------------------------------------------------------------------
 
@@ -181,6 +187,28 @@ class ManagerCollector(Collector):
             else:
                 yield _gauge(name, doc, stats[name])
 
+    # -- the data plane -----------------------------------------------------------------------------------
+
+    def _dataplane_families(self, d: Any) -> Iterator[Metric]:
+        yield _gauge("dataplane_connections", "data-plane connections open", d.connections)
+        yield _gauge("dataplane_engine_connections", "data-plane connections that acted for a registered engine "
+                     "(never displaced)", d.engine_connections)
+        yield _gauge("dataplane_buffered_bytes", "bytes of data-plane messages held (received or being answered)",
+                     d.buffered_bytes)
+        yield _gauge("dataplane_max_connections", "--data-plane-max-connections", d.max_connections)
+        yield _gauge("dataplane_max_buffered_bytes", "--data-plane-max-buffered", d.max_buffered_bytes)
+        yield _gauge("dataplane_message_timeout_seconds", "--data-plane-message-timeout", d.message_timeout_s)
+        yield _counter("dataplane_connections_refused", "connections refused with a ZMTP ERROR: every slot an "
+                       "engine's or answering a request", d.connections_refused_total)
+        yield _counter("dataplane_connections_displaced", "anonymous connections closed to make room for a new one",
+                       d.connections_displaced_total)
+        yield _counter("dataplane_message_timeouts", "handshakes and messages cut off at the message deadline",
+                       d.message_timeouts_total)
+        yield _counter("dataplane_buffer_refusals", "messages dropped and answered DataPlaneBusy for the buffer "
+                       "bound", d.buffer_refusals_total)
+        yield _counter("dataplane_auth_failures", "engine calls without their engine's credential, admin acts "
+                       "without the admin token", d.auth_failures_total)
+
     # -- peers --------------------------------------------------------------------------------------------
 
     def _peer_families(self, p: Any) -> Iterator[Metric]:
@@ -208,8 +236,9 @@ def _valid_name(name: str) -> bool:
     return bool(name) and (name[0].isalpha() or name[0] == "_") and all(c.isalnum() or c == "_" for c in name)
 
 
-def build_registry(manager: Any, peer_stats: Callable[[], Any | None] | None = None) -> CollectorRegistry:
+def build_registry(manager: Any, peer_stats: Callable[[], Any | None] | None = None,
+                   dataplane_stats: Callable[[], Any] | None = None) -> CollectorRegistry:
     """A registry of its own (never the process-global one) holding the Manager's collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ManagerCollector(manager, peer_stats))
+    registry.register(ManagerCollector(manager, peer_stats, dataplane_stats))
     return registry

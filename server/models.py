@@ -25,7 +25,7 @@ from orbitkv_fs.geometry import AttentionKind, CudaIpcHandle, EngineRegistration
 
 __all__ = [
     "ConfigOut", "CudaIpcHandleIn", "EngineList", "EngineOut", "FlushOut", "HealthOut", "HostHandleIn",
-    "InvalidateOut", "InvalidateRequest", "ObjectOut", "ObjectPageOut", "ReadyOut", "RegisterRequest",
+    "InvalidateOut", "InvalidateRequest", "ObjectOut", "ObjectPageOut", "ReadyOut", "RegisterRequest", "RegisteredOut",
     "TensorIn", "TierCountsOut", "model_of_struct",
 ]
 
@@ -140,6 +140,9 @@ class RegisterRequest(_Strict):
     pid_start_time: int | None = Field(default=None, ge=0, lt=1 << 63, description=(
         "start time of pid (clock ticks after boot, field 22 of /proc/PID/stat): the engine is watched "
         "only if the Manager sees pid with this start time; null: the Manager reads it at registration"))
+    lookup_by_user: bool = Field(default=False, description=(
+        "other processes of the registering OS user may look this engine up (lease-free) without its "
+        "credential, e.g. a vLLM scheduler for its workers; every other call still needs the credential"))
 
     def to_registration(self, shm_path: typing.Callable[[str, str], str]) -> EngineRegistration:
         """The Manager's registration; ``shm_path(name, field)`` maps a handle's object name to the file
@@ -185,6 +188,13 @@ class EngineOut(BaseModel):
     pp_size: int
     pid: int | None = Field(None, description="the engine's process id, when it registered one")
     watched: bool = Field(False, description="the Manager checks that process and unregisters a dead engine")
+
+
+class RegisteredOut(EngineOut):
+    """The answer to a registration: the engine, and the credential every data-plane call for it must carry.
+    Only this answer has it (docs/security.md)."""
+
+    credential: str = Field(description="the engine's secret: RemoteClient.set_credential(engine_id, credential)")
 
 
 class EngineList(BaseModel):

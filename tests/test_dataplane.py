@@ -20,7 +20,10 @@ import zmq
 from orbitkv_fs import dataplane as dp
 from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
 from orbitkv_fs.errors import OrbitKVError
+from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
+from orbitkv_fs.pages import host_engine_pages
+from manager_process import peer_closed as _closed
 from polling import wait_until
 
 
@@ -49,18 +52,6 @@ def _handshaken(srv: DataPlaneServer, socket_type: bytes = b"DEALER") -> tuple[s
     rfile = s.makefile("rb")
     dp._handshake(s, rfile, socket_type, (b"ROUTER",))
     return s, rfile
-
-
-def _closed(s: socket.socket) -> bool:
-    """True when the server closed ``s`` (after reading whatever it had sent before)."""
-    try:
-        while True:
-            if not s.recv(1 << 16):
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_tcp_endpoint_resolves_its_port_and_serves(manager):
@@ -122,15 +113,74 @@ def test_incompatible_socket_type_is_dropped(server):
     s.close()
 
 
-def test_connections_over_the_limit_are_refused_and_logged(server, monkeypatch, caplog):
-    monkeypatch.setattr(dp, "MAX_CONNECTIONS", 1)
-    first, _ = _handshaken(server)
-    with caplog.at_level("WARNING", logger=dp.__name__):
-        extra = _raw(server)
-        assert _closed(extra)
-        assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
-    extra.close()
-    first.close()
+def test_a_full_server_displaces_idle_anonymous_connections_and_refuses_readably(manager, tmp_path, caplog):
+    """At the connection limit a new connection displaces the anonymous one idle longest; the connections
+    an engine acted on are never displaced, and when every slot is one a new connection is refused with a
+    ZMTP ERROR the client reads (DataPlaneBusy), not a bare EOF. Each is counted."""
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=2))
+    pages, descs = host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+    reg = EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16, num_heads=1,
+                             head_dim=64, dtype="bfloat16", tensors=descs)
+    try:
+        idle, _ = _handshaken(srv)
+        engine = RemoteClient(srv.endpoint, timeout=10)
+        eid = engine.register(reg).engine_id  # this connection acts for the engine from now on
+        idle.settimeout(0.3)
+        assert _closed(idle) is False  # two slots, two connections
+        idle.settimeout(10)
+        newcomer = RemoteClient(srv.endpoint, timeout=10)
+        newcomer.ping()  # displaced the idle anonymous one
+        assert _closed(idle)
+        assert engine.lookup(eid, [bytes(16)]).count == 0  # the engine's connection was kept
+        # Both slots an engine's: a newcomer is told why, and the engine goes on being served.
+        # A second engine thread (its connection lives as long as the thread): it displaces the anonymous
+        # newcomer, then acts for the engine.
+        looked, done = threading.Event(), threading.Event()
+        second = threading.Thread(target=lambda: (engine.lookup(eid, [bytes(16)]), looked.set(), done.wait(30)))
+        second.start()
+        assert looked.wait(10)
+        with caplog.at_level("WARNING", logger=dp.__name__):
+            late = RemoteClient(srv.endpoint, timeout=10)
+            with pytest.raises(dp.DataPlaneBusy, match="2 connections open"):
+                late.ping()
+            assert wait_until(lambda: "refusing more" in caplog.text)  # logged on the accept thread
+        assert engine.lookup(eid, [bytes(16)]).count == 0
+        st = srv.stats()
+        assert (st.connections, st.engine_connections) == (2, 2)
+        assert (st.connections_displaced_total, st.connections_refused_total) == (2, 1)
+        done.set()
+        second.join(10)
+        engine.unregister(eid)
+        engine.close(); newcomer.close(); late.close()
+        idle.close()
+    finally:
+        srv.close()
+        pages.close()
+
+
+def test_one_user_with_many_engines_cannot_hold_every_slot(manager, tmp_path, monkeypatch):
+    """Engines' connections are kept from displacement only within quotas: per engine, and per OS user (a
+    quarter of the limit), so registering engine after engine does not buy every slot."""
+    monkeypatch.setattr(dp, "MAX_ENGINE_CONNECTIONS", 1)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=dp.DataPlaneLimits(max_connections=8))
+    made = [host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+            for _ in range(3)]
+    clients = [RemoteClient(srv.endpoint, timeout=10) for _ in made]
+    try:
+        for c, (_, descs) in zip(clients, made):
+            c.register(EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16,
+                                          num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs))
+        st = srv.stats()
+        assert (st.connections, st.engine_connections) == (3, 2)  # this user's quota: 8 // 4
+        ids = [e.engine_id for e in manager.list_engines()]
+        for c, eid in zip(clients, ids):
+            c.unregister(eid)
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()
+        for pages, _ in made:
+            pages.close()
 
 
 def test_an_oversized_ready_command_is_dropped(server):
@@ -181,6 +231,22 @@ def test_undecodable_or_invalid_requests_get_typed_errors(server, body, error):
     s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Ping())))
     assert dp._read_message(rfile) == [b"", b"\x00\xc0"]
     s.close()
+
+
+def test_a_short_packed_key_is_a_request_error_not_an_internal_one(server, caplog):
+    """A data-plane Invalidate whose key is 10 bytes: a typed request error naming the key, no traceback."""
+    s, rfile = _handshaken(server, b"REQ")
+    with caplog.at_level("DEBUG", logger=dp.__name__):
+        s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Invalidate(keys=[b"k" * 10]))))
+        frames = dp._read_message(rfile)
+    err = msgspec.msgpack.decode(frames[1][1:], type=dp.WireError)
+    assert (err.type, err.message) == ("RequestError", "keys[0]: a packed object key is 36 bytes, not 10")
+    assert not [r for r in caplog.records if r.exc_info]
+    s.close()
+    c = RemoteClient(server.endpoint, timeout=10)
+    with pytest.raises(RequestError, match="keys\\[0\\]"):
+        c._call(dp.Invalidate(keys=[b"k" * 40]), dp.InvalidateResult)
+    c.close()
 
 
 def test_request_errors_reraise_as_the_embedded_classes(server):

@@ -98,7 +98,8 @@ def test_register_ok_and_engine_ids(pages, manager):
     _, descs = pages
     info = manager.register_engine(reg_of(descs, engine_id="e1"))
     assert info.engine_id == "e1" and info.segments_per_chunk == 2 * L and info.num_blocks == B
-    assert manager.get_engine("e1") == info
+    assert len(info.credential) == 64  # the registration's answer alone carries the credential
+    assert manager.get_engine("e1") == msgspec.structs.replace(info, credential="")
     with pytest.raises(Exception, match="already registered"):
         manager.register_engine(reg_of(descs, engine_id="e1"))
     assert [e.engine_id for e in manager.list_engines()] == ["e1"]

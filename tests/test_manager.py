@@ -228,6 +228,7 @@ def test_skip_block_positions_are_read_but_not_written(layout, codec, tmp_path):
             want = {20: 2, 21: 3, 30: 4, 31: 6}
             srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock")
             remote = RemoteClient(srv.endpoint, timeout=30)
+            remote.set_credential(e.engine_id, e.credential)  # registered in-process, restored over the wire
             try:
                 for restore in (m.restore, remote.restore):
                     zero(pages)
@@ -258,9 +259,10 @@ def test_skip_block_positions_are_read_but_not_written(layout, codec, tmp_path):
 
 def test_restore_with_another_engines_lease_is_refused(engine):
     pages, reg = engine
+    other_pages, other = make_engine()  # one piece of memory is held by one engine only
     with Manager(ManagerConfig(pool_size=8 << 20)) as m:
         a = m.register_engine(reg)
-        b = m.register_engine(reg)
+        b = m.register_engine(other)
         ch = chunks_for(1)
         m.save(a.engine_id, ch)
         lk = m.lookup(a.engine_id, [ch[0].key])
@@ -268,6 +270,7 @@ def test_restore_with_another_engines_lease_is_refused(engine):
             m.restore(b.engine_id, ch, lease_id=lk.lease_id)
         assert m.restore(a.engine_id, ch, lease_id=lk.lease_id).restored == [True]
         assert_reservations_zero(m)
+    other_pages.close()
 
 
 def test_corrupt_segment_is_a_miss(engine):
@@ -447,6 +450,7 @@ def test_restore_of_chosen_layers_writes_only_those(engine, tmp_path):
         m.save(e.engine_id, ch)
         srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock")
         remote = RemoteClient(srv.endpoint, timeout=30)
+        remote.set_credential(e.engine_id, e.credential)  # registered in-process, restored over the wire
         try:
             for restore in (m.restore, remote.restore):
                 zero(pages)

@@ -8,6 +8,7 @@ injected through that server's command line; nothing else is faked.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -46,6 +47,8 @@ def servers():
             except ProcessLookupError:
                 pass
         stop_server(p)
+        for path in glob.glob(f"/dev/shm/orbitkv-peer-arena-{p.pid}-*"):  # a killed server's arena stays
+            os.unlink(path)
 
 
 @pytest.fixture
@@ -188,6 +191,7 @@ def test_namespace_mismatch_refused_by_the_peer(servers, requester):
     ("extent_count", FailureReason.PROTOCOL),
     ("garbage", FailureReason.PROTOCOL),
     ("refused_busy", FailureReason.REFUSED),
+    ("other_host_session", FailureReason.PROTOCOL),  # would turn this Manager's reads on a third host
 ])
 def test_bad_answers_are_refused_by_the_requester(requester, answer, reason):
     """A misbehaving peer (a raw ROUTER socket here) never gets a read submitted, only a failure."""
@@ -208,6 +212,8 @@ def test_bad_answers_are_refused_by_the_requester(requester, answer, reason):
             "extent_count": P.encode(P.LeaseReply(req.req_id, NS, sess, 4096, 1, [])),
             "garbage": b"\xc1\xc1",
             "refused_busy": P.encode(P.Refused(req.req_id, P.RefuseReason.BUSY)),
+            "other_host_session": P.encode(P.LeaseReply(req.req_id, NS, "192.0.2.1:15000", 4096, 1,
+                                                        [P.Extent(0, 128, 1)])),
         }[answer]
 
     def serve():
@@ -364,3 +370,112 @@ def test_concurrent_fetches(servers, requester):
     st = node.stats()
     assert st.keys_fetched_total == 3 * len(segs) and st.failures_total == {}
     assert st.staging_used_bytes == 0 and st.abandoned_reads == 0
+
+
+SECRET = b"peer-secret-for-the-tests-0123456789"
+
+
+def test_peer_requests_without_the_secret_are_never_answered_nor_acted_on():
+    """With a peer secret, a request must carry its tag: one without it (or under another secret) is
+    counted and dropped -- no lease, no reply; a frame over the size bound is dropped by the socket; a
+    tagged request is served, and its reply is tagged too."""
+    import zmq
+
+    from orbitkv_fs.peers import PeerServer
+
+    arena = ShmArena(1 << 20, [NS])
+    try:
+        key, seg = make_segments(NS, 1, 65536, 21)[0]
+        arena.put(key, seg)
+        server = PeerServer(arena, "127.0.0.1:1", secret=SECRET)
+    except BaseException:
+        arena.close()
+        raise
+    ctx = zmq.Context.instance()
+
+    def dealer():
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, 1000)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://{server.address}")
+        return d
+
+    s = dealer()
+    try:
+        req = P.encode(P.LeaseRequest(1, NS, [key.pack()]))
+        for frame in (req, P.seal(req, b"another-secret-0123456789abcdef", P.REQUEST),
+                      P.seal(req, SECRET, P.REPLY)):  # a reply's tag does not make a request
+            s.send(frame)
+            with pytest.raises(zmq.Again):
+                s.recv()
+        assert server.counters.refused[P.RefuseReason.UNAUTHENTICATED] == 3 and arena.leases_active == 0
+        big = dealer()
+        big.send(P.seal(b"\x00" * (P.MAX_FRAME_BYTES + 1), SECRET, P.REQUEST))
+        with pytest.raises(zmq.Again):
+            big.recv()
+        big.close(0)
+        s.send(P.seal(req, SECRET, P.REQUEST))
+        raw = s.recv()
+        with pytest.raises(P.ProtocolError):
+            P.decode_reply(raw)  # the tag follows the body
+        rep = P.decode_reply(P.unseal(raw, SECRET, P.REPLY))
+        assert isinstance(rep, P.LeaseReply) and rep.lease_id and arena.leases_active == 1
+        s.send(P.seal(P.encode(P.ReleaseRequest(2, rep.lease_id)), SECRET, P.REQUEST))
+        assert P.decode_reply(P.unseal(s.recv(), SECRET, P.REPLY)) == P.Ack(2)
+        assert arena.leases_active == 0
+    finally:
+        s.close(0)
+        server.close()
+        arena.close()
+
+
+def test_a_requester_with_a_secret_takes_only_tagged_replies(requester):
+    """A reply without the tag (a peer without the secret, or anything else answering on its port) is a
+    protocol failure, not a read; a tagged one is taken."""
+    import threading
+
+    import zmq
+
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    node, _ = requester([f"127.0.0.1:{port}"], budget_s=2.0)
+    node.client._secret = SECRET  # as PeerNode(secret=...) sets it
+    key = make_segments(NS, 1, 65536, 22)[0][0]
+    seen = []
+
+    def serve(tag: bool):
+        ident, frame = rogue.recv_multipart()
+        req = P.decode_request(P.unseal(frame, SECRET, P.REQUEST))  # the request came tagged
+        seen.append(req)
+        body = P.encode(P.Refused(req.req_id, P.RefuseReason.BUSY))
+        rogue.send_multipart([ident, P.seal(body, SECRET, P.REPLY) if tag else body])
+
+    for tag, reason in ((False, FailureReason.PROTOCOL), (True, FailureReason.REFUSED)):
+        th = threading.Thread(target=serve, args=(tag,))
+        th.start()
+        node.client._peers[f"127.0.0.1:{port}"].backoff_until = 0.0
+        assert node.client.fetch([key]) == {}
+        th.join()
+        assert node.stats().failures_total.get(reason) == 1, node.stats().failures_total
+    assert len(seen) == 2
+    rogue.close(0)
+
+
+def test_a_public_peer_port_needs_a_secret(tmp_path, monkeypatch):
+    import argparse
+
+    from orbitkv_fs.access import InsecureBind
+    from orbitkv_fs.peers.node import add_peer_arguments, peer_secret, start_from_args
+
+    parser = argparse.ArgumentParser()
+    add_peer_arguments(parser)
+    monkeypatch.delenv("ORBITKV_PEER_SECRET", raising=False)
+    args = parser.parse_args(["--peer-port", "9300", "--peer-host", "192.0.2.7"])
+    with pytest.raises(InsecureBind, match="without a peer secret"):
+        start_from_args(object(), args)  # refused before anything starts
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    assert peer_secret(parser.parse_args(["--peer-secret-file", str(path)])) == SECRET
+    monkeypatch.setenv("ORBITKV_PEER_SECRET", "short")
+    with pytest.raises(InsecureBind):
+        peer_secret(args)

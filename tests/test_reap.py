@@ -104,7 +104,10 @@ def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monk
 
 
 def test_engine_without_pid_or_unidentified_process_is_never_reaped():
-    pages = StagingPages(num_layers=2, slots=4, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    # One pages file per engine: a piece of memory is registered by one engine only.
+    pages, *more = [StagingPages(num_layers=2, slots=4, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+                    for _ in range(4)]
+    tensors = iter(p.registration(model="m", engine_kind="test").tensors for p in more)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         reg = pages.registration(model="m", engine_kind="test")
@@ -115,13 +118,14 @@ def test_engine_without_pid_or_unidentified_process_is_never_reaped():
         with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", engine_check_interval=INTERVAL)) as m:
             own = m.register_engine(reg)  # embedded: this process
             bare = m.register_engine(EngineRegistration(**{**fields, "pid": None, "pid_start_time": None,
-                                                           "engine_id": "bare"}))
+                                                           "engine_id": "bare", "tensors": next(tensors)}))
             # The sleeper's pid, but another start time: as another PID namespace (or a reused pid) would
             # show it. Not watched, so its death below must not unregister it.
             other = m.register_engine(EngineRegistration(**{**fields, "pid": sleeper.pid,
-                                                            "pid_start_time": start + 1, "engine_id": "other"}))
+                                                            "pid_start_time": start + 1, "engine_id": "other",
+                                                            "tensors": next(tensors)}))
             mine = m.register_engine(EngineRegistration(**{**fields, "pid": sleeper.pid, "pid_start_time": start,
-                                                           "engine_id": "sleeper"}))
+                                                           "engine_id": "sleeper", "tensors": next(tensors)}))
             assert (own.watched, bare.watched, other.watched, mine.watched) == (True, False, False, True)
             sleeper.kill()
             sleeper.wait()  # reaped by us: the pid is gone
@@ -134,7 +138,8 @@ def test_engine_without_pid_or_unidentified_process_is_never_reaped():
     finally:
         sleeper.kill()
         sleeper.wait()
-        pages.close()
+        for p in (pages, *more):
+            p.close()
 
 
 def test_pid_fields_are_validated_and_carried_over_rest():
@@ -161,8 +166,10 @@ def test_pid_fields_are_validated_and_carried_over_rest():
         from orbitkv_fs.server.app import _engine_out
 
         with Manager(ManagerConfig(pool_size=1 << 20, device="cpu")) as m:
-            out = _engine_out(m.register_engine(reg))
+            info = m.register_engine(reg)
+            out = _engine_out(info)
             assert (out.pid, out.watched) == (os.getpid(), True)
+            m.unregister_engine(info.engine_id)  # frees its pages for the next registration
             out = _engine_out(m.register_engine(EngineRegistration(**{**fields, "pid": None, "pid_start_time": None,
                                                                         "tensors": reg.tensors})))
             assert (out.pid, out.watched) == (None, False)

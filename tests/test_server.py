@@ -156,13 +156,25 @@ def test_register_list_get_delete(stack):
     r = stack.http.post("/v1/engines", json=reg_body(descs, engine_id="vllm-0", codec="fp8"))
     assert r.status_code == 201, r.text
     e = r.json()
+    credential = e.pop("credential")  # the registration's answer alone carries it
+    assert len(credential) == 64 and credential not in stack.http.get("/v1/engines").text
     assert r.headers["location"] == "/v1/engines/vllm-0"
     assert e["engine_id"] == "vllm-0" and len(e["namespace"]) == 32 and e["codec"] == "fp8"
     assert (e["num_blocks"], e["tensors"], e["segments_per_chunk"], e["device"]) == (B, 2 * L, 2 * L, "host")
     assert "handle" not in r.text and SHM not in r.text  # handles are not echoed
-    # Nobody registers over an engine's pages, whatever id they ask for.
+    # Nobody registers over an engine's pages, whatever id they ask for, nor through another name for them.
     body = assert_error(stack.http.post("/v1/engines", json=reg_body(descs)), 409, "handle_in_use")
     assert body["field"] == "tensors[0].handle" and "vllm-0" in body["message"]
+    link = os.path.join(SHM, f"orbitkv-test-hardlink-{os.getpid()}")
+    os.link(descs[0].handle.path, link)
+    try:
+        linked = reg_body(descs)
+        for t in linked["tensors"]:
+            t["handle"]["name"] = os.path.basename(link)
+        body = assert_error(stack.http.post("/v1/engines", json=linked), 409, "handle_in_use")
+        assert "vllm-0" in body["message"]
+    finally:
+        os.unlink(link)
     _, descs2 = stack.engine_pages(seed=8)
     r2 = stack.http.post("/v1/engines", json=reg_body(descs2))
     assert r2.status_code == 201
@@ -638,6 +650,22 @@ def _cli(args, env_token=None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _await_line(p, pattern: str, lines: list[str], timeout: float = 60.0) -> str:
+    """The first group of ``pattern`` in the CLI's output (every line read kept in ``lines``)."""
+    import re
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m.group(1)
+    raise AssertionError("".join(lines))
+
+
 def test_cli_refuses_a_public_address_without_a_token():
     p = _cli(["--http-addr", "0.0.0.0:0"])
     out, _ = p.communicate(timeout=60)
@@ -646,23 +674,13 @@ def test_cli_refuses_a_public_address_without_a_token():
 
 
 def test_cli_serves_with_a_token_on_a_public_address():
-    import re
     import signal
 
     p = _cli(["--http-addr", "0.0.0.0:0", "--log-level", "info"], env_token=TOKEN)
-    lines = []
+    lines: list[str] = []
     try:
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"http http://0\.0\.0\.0:(\d+) \(admin token required\)", line)
-            if m:
-                url = f"http://127.0.0.1:{m.group(1)}"
-        assert url, "".join(lines)
+        port = _await_line(p, r"http http://0\.0\.0\.0:(\d+) \(admin token required\)", lines)
+        url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=30) as http:
             assert http.get("/readyz").json()["status"] == "ready"
             assert_error(http.post("/v1/invalidate", json={"all": True}), 401, "unauthorized")
@@ -677,3 +695,58 @@ def test_cli_serves_with_a_token_on_a_public_address():
     text = "".join(lines)
     assert "POST /v1/invalidate" in text  # the access log is on at info ...
     assert TOKEN not in text  # ... and never shows the token
+
+
+# ---------------------------------------------------------------------------------------------- browsers, logs
+
+
+def test_cross_site_requests_cannot_change_anything_without_a_token(stack):
+    """With no token (the default) a web page must not drive the API: a "simple" cross-site request (a
+    foreign Origin, no body or text/plain, no preflight) to any mutating endpoint is refused, and so is a
+    request naming a host that is not loopback (a DNS-rebound page). curl and the connectors, which send
+    no Origin, go on as before."""
+    _, descs = stack.engine_pages()
+    simple = {"Content-Type": "text/plain"}
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:1"):
+        for method, path, content in (("POST", "/v1/admin/flush-dram", None),
+                                      ("POST", "/v1/invalidate", b'{"all": true}'),
+                                      ("DELETE", "/v1/engines/anything", None),
+                                      ("POST", "/v1/engines", b"{}")):
+            r = stack.anon.request(method, path, content=content, headers={**simple, "Origin": origin})
+            assert_error(r, 403, "cross_origin")
+    r = stack.anon.post("/v1/admin/flush-dram", headers={"Sec-Fetch-Site": "cross-site"})
+    assert_error(r, 403, "cross_origin")
+    r = stack.anon.get("/v1/engines", headers={"Host": "attacker.example:9091"})
+    assert_error(r, 403, "bad_host")
+    assert stack.manager.stats().engines == 0
+    # Same origin, or no Origin at all (curl, connectors): served.
+    own = stack.server.url
+    assert stack.anon.post("/v1/admin/flush-dram", headers={"Origin": own}).status_code == 200
+    assert stack.anon.post("/v1/admin/flush-dram").status_code == 200
+    assert stack.anon.post("/v1/engines", json=reg_body(descs)).status_code == 201
+    assert stack.anon.get("/v1/engines", headers={"Origin": "http://evil.example"}).status_code == 200  # reads
+
+
+def test_the_access_log_never_writes_query_strings(secured, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "query-secret-0123456789"
+    assert secured.http.get(f"/v1/stats?token={secret}").status_code == 200
+    assert secured.anon.get(f"/healthz?token={secret}&x=1").status_code == 200
+    access = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any("/v1/stats" in m for m in access) and any("/healthz" in m for m in access), access
+    assert not any(secret in r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
+
+
+def test_cli_starts_at_log_level_trace():
+    import signal
+
+    p = _cli(["--http-addr", "127.0.0.1:0", "--log-level", "trace"])
+    lines: list[str] = []
+    try:
+        url = _await_line(p, r"http (http://127\.0\.0\.1:\d+)", lines)
+        assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, "".join(lines) + out
+    assert "TRACE" in "".join(lines) + out  # uvicorn's trace lines come through

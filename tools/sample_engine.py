@@ -16,7 +16,11 @@ Commands (each a separate, short-lived process; the pages file is the engine's s
   registered), save ``--chunks`` chunks of ``--blocks-per-chunk`` blocks each.
 * ``restore`` -- zero those chunks' blocks, look them up and restore them, and compare the pages with
   what was saved (identical for exact codecs; the largest difference for lossy ones).
-* ``clean`` -- unregister the engine (if it is registered) and remove its pages file.
+* ``clean`` -- unregister the engine (if it is registered) and remove its pages file and credential.
+
+Every data-plane call for the engine carries the credential its registration answered (docs/security.md):
+``save`` keeps it next to the pages file (``orbitkv-pages-<engine id>.credential``, mode 0600), and the
+later commands present it from there.
 
 The engine registers without a pid: the manager does not unregister it when a command exits (``clean`` or
 ``DELETE /v1/engines/{id}`` does). Output is deterministic for given flags (no timings), so documentation
@@ -51,6 +55,11 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def pages_path(args: argparse.Namespace) -> str:
     return os.path.join(args.shm_dir, PAGES_PREFIX + args.engine_id)
+
+
+def credential_path(args: argparse.Namespace) -> str:
+    """Where ``save`` keeps the credential its registration answered, for the commands run after it."""
+    return pages_path(args) + ".credential"
 
 
 def _expected(args: argparse.Namespace, t: PageTensor) -> np.ndarray:
@@ -93,7 +102,19 @@ def chunks(args: argparse.Namespace) -> list[ChunkBlocks]:
 
 
 def _connect(args: argparse.Namespace) -> Client:
-    return connect(args.data_plane, timeout=args.timeout)
+    client = connect(args.data_plane, timeout=args.timeout)
+    try:
+        with open(credential_path(args)) as f:
+            client.set_credential(args.engine_id, f.read().strip())
+    except FileNotFoundError:  # not registered by ``save`` (yet): calls go without one
+        pass
+    return client
+
+
+def _keep_credential(args: argparse.Namespace, credential: str) -> None:
+    fd = os.open(credential_path(args), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(credential + "\n")
 
 
 def cmd_pages(args: argparse.Namespace) -> int:
@@ -118,6 +139,7 @@ def cmd_save(args: argparse.Namespace) -> int:
         with _connect(args) as client:
             try:
                 info = client.register(registration(args, pages))
+                _keep_credential(args, info.credential)
                 print(f"registered {info.engine_id}: namespace {info.namespace}, codec {info.codec}, "
                       f"{info.num_blocks} blocks, {info.segments_per_chunk} segments per chunk")
             except EngineBusy:
@@ -165,6 +187,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
     except OrbitKVError as e:  # no manager to ask: its pages go all the same (a gone manager maps nothing)
         print(f"orbitkv-sample-engine clean: {args.engine_id} not unregistered: {e}", file=sys.stderr)
         rc = 1
+    if os.path.exists(credential_path(args)):
+        os.unlink(credential_path(args))
     path = pages_path(args)
     if os.path.exists(path):
         os.unlink(path)
@@ -175,7 +199,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 COMMANDS = {"pages": (cmd_pages, "create the pages file and print the REST registration body"),
             "save": (cmd_save, "register (over the data plane) and save chunks"),
             "restore": (cmd_restore, "look the chunks up, restore them and compare"),
-            "clean": (cmd_clean, "unregister the engine and remove its pages file")}
+            "clean": (cmd_clean, "unregister the engine and remove its pages file and credential")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.cmd][0](args)
     except OrbitKVError as e:
+        sys.stdout.flush()  # what the command printed before it failed comes first, as on a terminal
         print(f"orbitkv-sample-engine {args.cmd}: {e}", file=sys.stderr)
         return 2
 

@@ -16,10 +16,11 @@ for i in $(seq 60); do curl -sf http://127.0.0.1:9091/healthz >/dev/null && brea
 AUTH="Authorization: Bearer $ORBITKV_ADMIN_TOKEN"
 exec 3>&2 4>&1 > transcript.md 2>&1
 open=0
-# A console block per run of commands, a blank line between commands; the output of one that prints no
-# final newline (curl) is ended by run's own.
+# A console block per run of commands, a blank line between commands; a command's stdout and stderr
+# interleaved as a terminal shows them; the output of one that prints no final newline (curl) is ended by
+# run's own.
 run() { if [ $open = 1 ]; then printf '\n'; else printf '```console\n'; open=1; fi
-        printf '$ %s\n' "$1"; eval "$1" > out.txt; cat out.txt; [ -z "$(tail -c 1 out.txt)" ] || printf '\n'; }
+        printf '$ %s\n' "$1"; eval "$1" > out.txt 2>&1; cat out.txt; [ -z "$(tail -c 1 out.txt)" ] || printf '\n'; }
 text() { [ $open = 0 ] || { printf '```\n\n'; open=0; }; printf '%s\n\n' "$1"; }
 
 text '```console
@@ -45,12 +46,18 @@ run "jq '.tensors[0].handle = {\"type\": \"host\", \"path\": \"/etc/passwd\", \"
 run "jq '.tensors[1].handle.name = \"no-such-object\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run "jq '.tensors[0].shape[2] = 3' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 run "jq '.block_size = \"16\" | .turbo = true' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
-text 'A valid registration over REST (a second engine, `rest-tp0`, with its own pages):'
+text 'A valid registration over REST (a second engine, `rest-tp0`, with its own pages). Its answer alone
+carries the engine'"'"'s `credential` (shortened here, kept in `rest-registered.json`), which every data-plane
+call for the engine must present (`client.set_credential`); a call without it is refused:'
 run 'orbitkv-sample-engine pages --engine-id rest-tp0 > rest.json'
-run 'curl -s -X POST http://127.0.0.1:9091/v1/engines -H "$AUTH" -H "Content-Type: application/json" -d @rest.json -w "\n%{http_code}\n" | jq -c .'
-text 'The sample engine registers itself over the data plane (the client API: `connect`, `register`) and
-saves four chunks of two blocks (`save`); then the same id again, or another id over its pages:'
+# The answer's credential is the engine's secret: kept, shown shortened.
+run 'curl -s -X POST http://127.0.0.1:9091/v1/engines -H "$AUTH" -H "Content-Type: application/json" -d @rest.json -w "\n%{http_code}\n" | tee rest-registered.json | jq -c "if type == \"object\" then .credential |= .[:8] + \"...\" else . end"'
+run 'orbitkv-sample-engine save --engine-id rest-tp0; echo "exit status $?"'
+text 'The sample engine registers itself over the data plane (the client API: `connect`, `register`, which
+answers the credential; the engine keeps it next to its pages for its later commands) and saves four chunks
+of two blocks (`save`); then the same id again, or another id over its pages:'
 run 'orbitkv-sample-engine save --codec fp8'
+SAMPLE_CREDENTIAL=$(cat /dev/shm/orbitkv-pages-sample-tp0.credential)
 run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n"'
 run "jq '.engine_id = \"sample-tp1\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 
@@ -105,14 +112,15 @@ if it is that process, so another PID namespace or a reused pid is never taken f
 `DELETE` when the engine dies: the Manager checks watched engines'"'"' processes every second and unregisters
 a dead one the same way (`orbitkv_engines_reaped_total` counts them). Without `pid` (as the sample engine
 registers) an engine stays until it is deleted; `orbitkv-sample-engine clean` unregisters it (if it still
-is) and removes its pages file:'
-run 'curl -s -i -X DELETE -H "$AUTH" http://127.0.0.1:9091/v1/engines/sample-tp0'
-run 'curl -s http://127.0.0.1:9091/v1/engines/sample-tp0 -w "\n%{http_code}\n"'
-run 'orbitkv-sample-engine clean'
+is, with the credential it kept) and removes its pages file and credential:'
+run 'curl -s -i -X DELETE -H "$AUTH" http://127.0.0.1:9091/v1/engines/rest-tp0'
+run 'curl -s http://127.0.0.1:9091/v1/engines/rest-tp0 -w "\n%{http_code}\n"'
 run 'orbitkv-sample-engine clean --engine-id rest-tp0'
+run 'orbitkv-sample-engine clean'
 run 'kill %1 && wait && rm /tmp/ssd0.bin'
 printf '```\n'
 exec >&4 2>&3
 kill -TERM $MGR 2>/dev/null
 cat transcript.md
 echo "admin token occurrences in the log and the transcript: $(cat manager.log transcript.md | grep -c "$ORBITKV_ADMIN_TOKEN")" >&3
+echo "engine credential occurrences in the log and the transcript: $(cat manager.log transcript.md | grep -c -e "$SAMPLE_CREDENTIAL" -e "$(head -1 rest-registered.json | jq -r .credential)")" >&3

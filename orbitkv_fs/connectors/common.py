@@ -304,7 +304,9 @@ class RestRegistrar:
     Host-pages handles are sent as shared-memory object names (the file must lie in the Manager's
     ``--shm-dir``), CUDA IPC handles as base64. ``token`` is the Manager's admin token (needed off
     loopback; ``$ORBITKV_ADMIN_TOKEN`` by default). Failures raise :class:`~orbitkv_fs.errors.OrbitKVError`
-    with the Manager's error code and message. Standard library only (urllib).
+    with the Manager's error code and message. Standard library only (urllib). :meth:`register` keeps the
+    credential every data-plane call for the engine must carry in :attr:`credentials` (hand it to the
+    client: ``client.set_credential``; :func:`registration_calls` does).
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
@@ -315,6 +317,7 @@ class RestRegistrar:
         self.base_url = base_url.rstrip("/")
         self.token = token if token is not None else os.environ.get("ORBITKV_ADMIN_TOKEN")
         self.timeout_s = timeout_s
+        self.credentials: dict[str, str] = {}  # engine id -> the credential its registration answered
 
     @staticmethod
     def body(reg: object) -> dict:
@@ -361,9 +364,11 @@ class RestRegistrar:
         return json.loads(raw) if raw else None
 
     def register(self, reg: object) -> str:
-        """Register ``reg``; the Manager's engine id."""
+        """Register ``reg``; the Manager's engine id (its credential goes to :attr:`credentials`)."""
         out = self._request("POST", "/v1/engines", self.body(reg))
-        return str(out["engine_id"])  # type: ignore[index]
+        engine_id = str(out["engine_id"])  # type: ignore[index]
+        self.credentials[engine_id] = str(out["credential"])  # type: ignore[index]
+        return engine_id
 
     def unregister(self, engine_id: str) -> None:
         from urllib.parse import quote
@@ -373,12 +378,19 @@ class RestRegistrar:
 
 def registration_calls(client: Any, reg: object, http: str | None, *, timeout_s: float = 30.0,
                        on_info: Callable[[Any], None] | None = None) -> tuple[Callable[[], str], Callable[[str], None]]:
-    """``(register, unregister)`` of ``reg``: over the REST control plane at ``http`` when given, else over
-    ``client`` (which answers the whole EngineInfo: ``on_info`` gets it). ``register()`` answers the engine
-    id and may be called again (a restarted Manager)."""
+    """``(register, unregister)`` of ``reg``: over the REST control plane at ``http`` when given (the
+    credential it answers goes to ``client``), else over ``client`` (which answers the whole EngineInfo:
+    ``on_info`` gets it, and keeps the credential itself). ``register()`` answers the engine id and may be
+    called again (a restarted Manager)."""
     if http:
         rest = RestRegistrar(http, timeout_s=timeout_s)
-        return (lambda: rest.register(reg)), rest.unregister
+
+        def register_rest() -> str:
+            engine_id = rest.register(reg)
+            client.set_credential(engine_id, rest.credentials[engine_id])
+            return engine_id
+
+        return register_rest, rest.unregister
 
     def register() -> str:
         info = client.register(reg)
@@ -818,13 +830,15 @@ def tensor_handle(t: "object") -> object | None:
 def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_size: int, engine_kind: str,
                         layers: Sequence[int] | None = None, num_layers: int | None = None,
                         engine_id: str | None = None, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
-                        pp_size: int = 1, codec: str | None = None, model_revision: str = "") -> object | None:
+                        pp_size: int = 1, codec: str | None = None, model_revision: str = "",
+                        lookup_by_user: bool = False) -> object | None:
     """An :class:`~orbitkv_fs.geometry.EngineRegistration` of per-layer paged torch tensors in the packed
     ``[blocks, kv_heads, block_size, 2 * head_dim]`` layout (vLLM's), each shared through
     :func:`tensor_handle`. ``layers[i]`` is the model's global layer index of the ``i``-th entry (default:
     0, 1, ...); the stage range is ``[min, max + 1)`` of ``num_layers`` (default: the range's end) and must
     be complete. None when a tensor is not in that layout, the Manager cannot reach it, or the layers
-    are not one contiguous stage (the adapter then stays off rather than guess)."""
+    are not one contiguous stage (the adapter then stays off rather than guess). ``lookup_by_user``: see
+    :attr:`~orbitkv_fs.geometry.EngineRegistration.lookup_by_user`."""
     from ..geometry import EngineRegistration, TensorDesc, process_start_time
 
     layers = list(range(len(kv_caches))) if layers is None else [int(x) for x in layers]
@@ -859,7 +873,8 @@ def packed_registration(kv_caches: "dict[str, object]", *, model: str, block_siz
                               num_heads=heads, head_dim=head_dim, dtype=dtype, tensors=tensors,
                               model_revision=model_revision, engine_kind=engine_kind, tp_rank=tp_rank,
                               tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, codec=codec, engine_id=engine_id,
-                              pid=os.getpid(), pid_start_time=process_start_time(os.getpid()))
+                              pid=os.getpid(), pid_start_time=process_start_time(os.getpid()),
+                              lookup_by_user=lookup_by_user)
 
 
 # ------------------------------------------------------------------------------------- staging pages

@@ -63,6 +63,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from .common import (
     EngineSession,
     KVInputs,
@@ -382,7 +384,9 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             reg = self._staged_registration(kv_caches, layers, split)  # type: ignore[arg-type]
             if reg is None:
                 return
-        self._registration = reg
+        # The scheduler is another process than this worker and holds no credential: it looks up in the
+        # worker's name as the same OS user (docs/security.md).
+        self._registration = reg = msgspec.structs.replace(reg, lookup_by_user=True)
         if self._async_load:
             self._loader = LayerLoader(f"orbitkv-load-tp{self._tp_rank}-pp{self._pp_rank}")
         if self._worker_session() is None:

@@ -25,6 +25,10 @@ Invariants:
 * A failure (timeout, unreachable, failed read, bad checksum, namespace, protocol, refusal) counts
   against that peer; when the fetch ends the peer is skipped for an exponentially growing backoff,
   reset by its next clean answer. A peer that simply lacks the keys is not failing.
+* A lying peer cannot steer this Manager elsewhere: a reply must carry a valid tag under the peer secret
+  (when there is one), frames over :data:`~orbitkv_fs.peers.protocol.MAX_FRAME_BYTES` are dropped by the
+  socket, and reads go only to the Transfer Engine on the host this Manager asked (a reply naming another
+  host's session is a protocol failure, so a peer cannot turn this Manager's reads on a third host).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import ctypes
 import itertools
 import logging
 import mmap
+import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -164,6 +170,29 @@ class _Peer:
         self.fetched_bytes = 0
         self.failures: dict[str, int] = {}
         self.idle: list = []  # DEALER sockets not in use
+        self.known_hosts: dict[str, bool] = {}  # session host -> whether it is this peer's host
+
+    def owns_session(self, session_id: str) -> bool:
+        """Whether ``session_id`` (``host:port`` of a Transfer Engine) is on this peer's host: the same
+        name, or a name resolving to one of the same addresses."""
+        host = session_id.rpartition(":")[0].strip("[]")
+        if not host:
+            return False
+        if host == self.host:
+            return True
+        known = self.known_hosts.get(host)
+        if known is None:
+            known = bool(_addresses(host) & _addresses(self.host))
+            if len(self.known_hosts) < 64:
+                self.known_hosts[host] = known
+        return known
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {i[4][0] for i in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 @dataclass
@@ -267,17 +296,19 @@ class PeerClient:
     """Fetch segments from peer Managers over their control sockets and Transfer Engines.
     Thread-safe; several fetches may run at once."""
 
-    def __init__(self, transport: Transport, config: PeerConfig | None = None) -> None:
+    def __init__(self, transport: Transport, config: PeerConfig | None = None, *,
+                 secret: bytes | None = None) -> None:
         import zmq  # lazily: the core imports without pyzmq
 
         self._zmq = zmq
+        self._secret = secret
         self._ctx = zmq.Context.instance()
         self.transport = transport
         self.config = config or PeerConfig()
         self._staging = _Staging(transport, self.config.staging_bytes)
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(secrets.randbits(48) + 1)  # a restarted client's ids are not its last run's
         self._abandoned: list[_Read] = []  # parked reads (see _park)
         self._reaper: threading.Thread | None = None
         self._reaping = threading.Lock()  # serialises _reap
@@ -353,6 +384,7 @@ class PeerClient:
         zmq = self._zmq
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         s.connect(f"tcp://{peer.host}:{peer.port}")
         return s
 
@@ -375,7 +407,7 @@ class PeerClient:
         for peer, req in asks:
             sock = next((s for s, p in socks.items() if p is peer), None) or self._socket(peer)
             socks[sock] = peer
-            sock.send(P.encode(req), zmq.NOBLOCK)
+            sock.send(P.seal(P.encode(req), self._secret, P.REQUEST), zmq.NOBLOCK)
             want[req.req_id] = (peer, sock)
             with self._lock:
                 peer.requests += 1
@@ -395,7 +427,7 @@ class PeerClient:
                     except zmq.Again:
                         break
                     try:
-                        rep = P.decode_reply(frame)
+                        rep = P.decode_reply(P.unseal(frame, self._secret, P.REPLY))
                     except P.ProtocolError:
                         broken.add(sock)
                         continue
@@ -422,7 +454,8 @@ class PeerClient:
     def _send_release(self, peer: _Peer, lease_id: int) -> None:
         sock = self._socket(peer)
         try:
-            sock.send(P.encode(P.ReleaseRequest(next(self._ids), lease_id)), self._zmq.NOBLOCK)
+            sock.send(P.seal(P.encode(P.ReleaseRequest(next(self._ids), lease_id)), self._secret, P.REQUEST),
+                      self._zmq.NOBLOCK)
         except self._zmq.Again:  # peer gone and queue full: its TTL frees the lease
             sock.close(0)
             return
@@ -489,7 +522,7 @@ class PeerClient:
         failed: dict[int, tuple[_Peer, str]] = {}
         for rid, rep in replies.items():
             peer, ns, ks = asked[rid]
-            reason = self._check_reply(rep, ns, ks)
+            reason = self._check_reply(rep, ns, ks, peer)
             if reason is not None:
                 failed.setdefault(id(peer), (peer, reason))
                 continue
@@ -568,7 +601,7 @@ class PeerClient:
             if fetched[0]:
                 c.hit_latency.observe(elapsed)
 
-    def _check_reply(self, rep: "P.Reply | str", ns: bytes, ks: list[ObjectKey]) -> str | None:
+    def _check_reply(self, rep: "P.Reply | str", ns: bytes, ks: list[ObjectKey], peer: _Peer) -> str | None:
         if isinstance(rep, str):
             return rep
         if isinstance(rep, P.Refused):
@@ -578,6 +611,9 @@ class PeerClient:
         if rep.namespace != ns:
             return FailureReason.NAMESPACE
         if len(rep.extents) != len(ks) or not rep.session_id or rep.base_address <= 0:
+            return FailureReason.PROTOCOL
+        if not peer.owns_session(rep.session_id):
+            log.warning("peer %s named Transfer Engine session %r on another host", peer.address, rep.session_id)
             return FailureReason.PROTOCOL
         for e in rep.extents:
             if e is not None and not (HEADER_SIZE <= e.length <= _MAX_EXTENT and e.offset >= 0):

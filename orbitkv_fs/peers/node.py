@@ -3,22 +3,26 @@
 Owns the order of start and stop: the engine starts, the Manager's arena is registered with it, the
 server starts answering, the client becomes the Manager's peer fetcher; :meth:`PeerNode.close` undoes
 that in reverse (the fetcher is detached before anything it uses closes). Primitives: :class:`PeerNode`,
-and for ``orbitkv-cache-manager``: :func:`add_peer_arguments` (the ``--peer*`` flags) and
-:func:`start_from_args` (a node when peer sharing is asked for, else None).
+and for ``orbitkv-cache-manager``: :func:`add_peer_arguments` (the ``--peer*`` flags), :func:`peer_secret`
+(the shared secret: ``--peer-secret-file`` or ``$ORBITKV_PEER_SECRET``) and :func:`start_from_args` (a node
+when peer sharing is asked for, else None; a non-loopback ``--peer-host`` without a secret is refused, as a
+non-loopback HTTP address without an admin token is).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any, Callable, Collection, Iterable
 
+from ..access import MIN_TOKEN_LENGTH, InsecureBind, is_loopback
 from .client import PeerClient, PeerConfig
 from .server import PeerServer, PeerSource
 from .stats import PeerStats
 from .transport import Transport
 
-__all__ = ["PeerNode", "add_peer_arguments", "start_from_args"]
+__all__ = ["PeerNode", "add_peer_arguments", "peer_secret", "start_from_args"]
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +34,15 @@ class PeerNode:
 
     def __init__(self, manager: Any, *, host: str = "127.0.0.1", port: int = 0, peers: Iterable[str] = (),
                  config: PeerConfig | None = None, protocol: str = "tcp", device: str = "",
-                 lease_ttl_s: float = 60.0, namespaces: Callable[[], Collection[bytes]] | None = None) -> None:
+                 lease_ttl_s: float = 60.0, namespaces: Callable[[], Collection[bytes]] | None = None,
+                 secret: bytes | None = None) -> None:
         self.manager: PeerSource = manager
         self.transport = Transport(host, protocol=protocol, device=device)
         arena = manager.arena_info()
         self.transport.register(int(arena.base_address), int(arena.size))
         self.server = PeerServer(manager, self.transport.session_id, host=host, port=port,
-                                 lease_ttl_s=lease_ttl_s, namespaces=namespaces)
-        self.client = PeerClient(self.transport, config)
+                                 lease_ttl_s=lease_ttl_s, namespaces=namespaces, secret=secret)
+        self.client = PeerClient(self.transport, config, secret=secret)
         for address in peers:
             self.client.add_peer(address, static=True)
         if hasattr(manager, "set_peer_fetcher"):
@@ -89,6 +94,26 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-fanout", type=int, default=4, help="peers asked in parallel per fetch")
     g.add_argument("--peer-staging-size", type=int, default=256 << 20,
                    help="bytes of registered memory peer reads land in before verification")
+    g.add_argument("--peer-secret-file", default=None, metavar="PATH",
+                   help="file holding the secret every peer Manager shares (default: $ORBITKV_PEER_SECRET); "
+                        "control messages without its tag are dropped. Required with a non-loopback --peer-host")
+
+
+def peer_secret(args: argparse.Namespace) -> bytes | None:
+    """The shared peer secret (``--peer-secret-file``, else ``$ORBITKV_PEER_SECRET``), or None. Raises
+    :class:`~orbitkv_fs.access.InsecureBind` for one shorter than the admin token's minimum."""
+    path = getattr(args, "peer_secret_file", None)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--peer-secret-file {path}: {e.strerror}") from None
+    else:
+        secret = os.environ.get("ORBITKV_PEER_SECRET", "").strip().encode()
+    if secret and len(secret) < MIN_TOKEN_LENGTH:
+        raise InsecureBind(f"the peer secret must be at least {MIN_TOKEN_LENGTH} bytes")
+    return secret or None
 
 
 def start_from_args(manager: Any, args: argparse.Namespace) -> "PeerNode | None":
@@ -97,8 +122,15 @@ def start_from_args(manager: Any, args: argparse.Namespace) -> "PeerNode | None"
         return None
     if args.peer_budget_ms <= 0 or args.peer_fanout < 1 or args.peer_staging_size < (1 << 20):
         raise ValueError("--peer-budget-ms must be > 0, --peer-fanout >= 1, --peer-staging-size >= 1 MiB")
+    secret = peer_secret(args)
+    if secret is None:
+        if not is_loopback(args.peer_host):
+            raise InsecureBind(f"refusing to serve the peer port on non-loopback address {args.peer_host!r} without "
+                               "a peer secret; pass --peer-secret-file or set ORBITKV_PEER_SECRET")
+        log.warning("peers: no peer secret: any local process may lease from this Manager's arena "
+                    "(see docs/security.md)")
     node = PeerNode(manager, host=args.peer_host, port=args.peer_port, peers=args.peer,
-                    protocol=args.peer_protocol, device=args.peer_device,
+                    protocol=args.peer_protocol, device=args.peer_device, secret=secret,
                     config=PeerConfig(budget_s=args.peer_budget_ms / 1000, fanout=args.peer_fanout,
                                       staging_bytes=args.peer_staging_size))
     log.info("peers: control %s, transfer engine %s (%s), %d static peer(s)", node.address,

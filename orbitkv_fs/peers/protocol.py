@@ -10,12 +10,21 @@ with the Transfer Engine. Messages:
 * :class:`ReleaseRequest` -> :class:`Ack`: drop a lease (the peer also expires it after its TTL).
 * :class:`PrefixRequest` -> :class:`PrefixReply`: how many leading chunks the peer holds in full.
 
-Invariants: :func:`decode_request` / :func:`decode_reply` raise only :class:`ProtocolError` for any
-input; every size is bounded (keys per request, key and namespace lengths) before use.
+Authentication: with a shared peer secret (``--peer-secret-file``, ``$ORBITKV_PEER_SECRET``) every frame
+ends in an HMAC-SHA256 of its body under the secret, labelled request or reply (:func:`seal`,
+:func:`unseal`): a process without the secret can neither ask this Manager for leases nor answer its
+requests, and a reply cannot be passed off as a request. Frames themselves are bounded
+(:data:`MAX_FRAME_BYTES`, enforced by the sockets before a byte is buffered).
+
+Invariants: :func:`decode_request` / :func:`decode_reply` / :func:`unseal` raise only
+:class:`ProtocolError` for any input; every size is bounded (keys per request, key and namespace lengths)
+before use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Union
 
 import msgspec
@@ -26,12 +35,16 @@ from ..keys import PACKED_SIZE
 __all__ = [
     "Ack", "Extent", "LeaseReply", "LeaseRequest", "MAX_KEYS", "PrefixReply", "PrefixRequest",
     "ProtocolError", "Refused", "RefuseReason", "ReleaseRequest", "Reply", "Request",
-    "decode_reply", "decode_request", "encode",
+    "decode_reply", "decode_request", "encode", "seal", "unseal",
 ]
 
 #: Keys (or chunks) one request may name.
 MAX_KEYS = 16384
 PROTOCOL_VERSION = 1
+#: Largest control frame either side accepts (ZMQ_MAXMSGSIZE): 16384 packed keys are about 640 KB.
+MAX_FRAME_BYTES = 2 << 20
+REQUEST, REPLY = b"orbitkv-peer-request-v1\0", b"orbitkv-peer-reply-v1\0"
+_TAG = 32
 
 
 class ProtocolError(OrbitKVError):
@@ -43,6 +56,7 @@ class RefuseReason:
     BAD_REQUEST = "bad_request"
     BUSY = "busy"  # too many leases outstanding
     VERSION = "version"
+    UNAUTHENTICATED = "unauthenticated"  # no valid tag under the peer secret (never answered)
 
 
 class LeaseRequest(msgspec.Struct, tag="lease", frozen=True):
@@ -113,6 +127,24 @@ _rep_dec = msgspec.msgpack.Decoder(Reply)
 
 def encode(msg: "Request | Reply") -> bytes:
     return _enc.encode(msg)
+
+
+def seal(body: bytes, secret: bytes | None, label: bytes) -> bytes:
+    """``body`` as it goes on the wire: followed by its tag under ``secret`` when there is one."""
+    if not secret:
+        return body
+    return body + hmac.new(secret, label + body, hashlib.sha256).digest()
+
+
+def unseal(frame: bytes, secret: bytes | None, label: bytes) -> bytes:
+    """The body of a frame whose tag verifies under ``secret`` (``frame`` itself without a secret). Raises
+    :class:`ProtocolError`."""
+    if not secret:
+        return frame
+    body, tag = frame[:-_TAG], frame[-_TAG:]
+    if len(frame) < _TAG or not hmac.compare_digest(tag, hmac.new(secret, label + body, hashlib.sha256).digest()):
+        raise ProtocolError("a frame without a valid tag under the peer secret")
+    return body
 
 
 def _check_namespace(ns: bytes) -> None:

@@ -13,6 +13,8 @@ Invariants:
   After the TTL the extent may be reused; a requester still reading then gets bytes that fail its CRC.
 * A malformed frame gets a ``bad_request`` reply (or is dropped when not even a request id can be read);
   it never stops the serving thread.
+* With a peer secret, a frame without a valid tag is counted (``unauthenticated``) and never answered or
+  acted on; frames over :data:`~orbitkv_fs.peers.protocol.MAX_FRAME_BYTES` are dropped by the socket.
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ class PeerServer:
 
     def __init__(self, source: PeerSource, session_id: str, *, host: str = "127.0.0.1", port: int = 0,
                  lease_ttl_s: float = 60.0, max_leases: int = 4096,
-                 namespaces: Callable[[], Collection[bytes]] | None = None) -> None:
+                 namespaces: Callable[[], Collection[bytes]] | None = None, secret: bytes | None = None) -> None:
         import zmq  # lazily: the core imports without pyzmq
 
         self._source = source
+        self._secret = secret
+        self._unauth_logged = float("-inf")
         self.session_id = session_id
         self._namespaces = namespaces or _engine_namespaces(source)
         self._ttl = lease_ttl_s
@@ -73,6 +77,7 @@ class PeerServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -115,13 +120,22 @@ class PeerServer:
                         continue
                     reply = self._handle(frames[1])
                     if reply is not None:
-                        self._sock.send_multipart([frames[0], P.encode(reply)])
+                        self._sock.send_multipart([frames[0], P.seal(P.encode(reply), self._secret, P.REPLY)])
             now = time.monotonic()
             if now >= next_sweep:
                 self._expire(now)
                 next_sweep = now + 1.0
 
     def _handle(self, frame: bytes) -> "P.Reply | None":
+        try:
+            frame = P.unseal(frame, self._secret, P.REQUEST)
+        except P.ProtocolError:
+            self.counters.refused[P.RefuseReason.UNAUTHENTICATED] += 1
+            now = time.monotonic()
+            if now >= self._unauth_logged + 10:
+                self._unauth_logged = now
+                log.warning("peer port: dropping requests without a valid tag under the peer secret")
+            return None
         try:
             req = P.decode_request(frame)
         except P.ProtocolError as e:
