@@ -34,6 +34,7 @@ from orbitkv_fs.connectors.staging import (  # noqa: E402
     staging_slots,
 )
 from orbitkv_fs.connectors.vllm import OrbitKVConnector  # noqa: E402
+from orbitkv_fs.dataplane import DataPlaneServer  # noqa: E402
 from orbitkv_fs.keys import ObjectKey  # noqa: E402
 from orbitkv_fs.manager import Manager, ManagerConfig  # noqa: E402
 from orbitkv_fs.pages import HostPages, PageTensor  # noqa: E402
@@ -242,6 +243,28 @@ def test_16_bit_kv_is_staged_bit_for_bit(manager, dtype: str) -> None:
     finally:
         worker.shutdown()
 
+
+
+def test_the_scheduler_looks_a_staged_worker_up_over_its_own_connection(manager, tmp_path) -> None:
+    """vLLM's scheduler connects on its own and never sees the worker's credential: a staged worker
+    registers with ``lookup_by_user`` as a direct one does, so the scheduler's lookups in its name count
+    hits (issue 23's credentials and issue 22's staging together)."""
+    endpoint = f"ipc://{tmp_path}/dp.sock"
+    srv = DataPlaneServer(manager, endpoint, workers=2)
+    config = _config(layers=L, backend="CPU_ATTN", manager=endpoint, shm_dir=str(tmp_path))
+    sched, worker = (OrbitKVConnector(config, role, None) for role in ("scheduler", "worker"))
+    try:
+        worker.register_kv_caches(vllm_kv_caches("LBHNC"))
+        s = worker._session
+        assert isinstance(s, StagedSession) and worker._registration.lookup_by_user
+        req = Req("r", list(range(3 * T + 1)))
+        assert s.save(sched._keys_for(req), [[0], [1], [2]]) is not None
+        assert sched._get_client() is not worker._get_client()
+        assert sched.get_num_new_matched_tokens(req, 0) == (3 * T, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        srv.close()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])

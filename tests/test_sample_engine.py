@@ -1,5 +1,5 @@
-"""``orbitkv-sample-engine``: its refusals (the README walk and the fresh-venv
-test run it against a real manager)."""
+"""``orbitkv-sample-engine``: its refusals, and the credential its commands hand on to each other (the
+README walk and the fresh-venv test run it against a real manager)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from orbitkv_fs.dataplane import DataPlaneServer
+from orbitkv_fs.manager import Manager, ManagerConfig
 from orbitkv_fs.pages import HostPages
 from orbitkv_fs.tools.sample_engine import main
 
@@ -51,3 +53,29 @@ def test_chunks_must_fit_the_blocks(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["save", "--shm-dir", str(tmp_path), "--chunks", "40", "--blocks-per-chunk", "2"])
     assert e.value.code == 2 and "exceeds --blocks" in capsys.readouterr().err
+
+
+def test_the_credential_save_answered_serves_the_later_commands_and_goes_with_clean(tmp_path, capsys):
+    """Each command is its own client (a process on the command line): ``restore`` and ``clean`` act with
+    the credential ``save``'s registration answered, kept next to the pages readable by its user only."""
+    shm = str(tmp_path)
+    m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu", shm_dir=shm))
+    srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock", workers=2)
+    flags = ["--shm-dir", shm, "--data-plane", f"ipc://{tmp_path}/dp.sock"]
+    kept = tmp_path / "orbitkv-pages-sample-tp0.credential"
+    try:
+        assert main(["save", *flags]) == 0
+        assert kept.stat().st_mode & 0o777 == 0o600
+        assert main(["restore", *flags]) == 0
+        assert "identical to what was saved" in capsys.readouterr().out
+        secret = kept.read_text()
+        kept.write_text("0" * len(secret))  # another credential: refused
+        assert main(["restore", *flags]) == 2
+        assert "credential" in capsys.readouterr().err
+        kept.write_text(secret)
+        assert main(["clean", *flags]) == 0
+        assert "unregistered sample-tp0" in capsys.readouterr().out
+        assert m.list_engines() == [] and not [n for n in os.listdir(shm) if n.startswith("orbitkv-pages-")]
+    finally:
+        srv.close()
+        m.close()
