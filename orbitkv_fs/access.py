@@ -14,8 +14,8 @@ Primitives:
   inside the Manager's shared-memory directory (symlinks resolved, never followed out of it), owned by the
   registering user; answers the descriptor the Manager maps, so nothing can be swapped in between.
 * :class:`HandleClaims` -- which engine holds which memory, by identity (``st_dev``/``st_ino`` of a pages
-  file, the bytes of a CUDA IPC handle), never by path: a hard link or a second name of a registered
-  engine's pages is the same memory and is refused.
+  file, the bytes of a CUDA IPC handle and the byte extent inside it), never by path: a hard link or a
+  second name of a registered engine's pages is the same memory and is refused.
 * :func:`socket_uid` / :func:`tcp_peer_uid` -- the OS user of a connection's other end: ``SO_PEERCRED`` on
   a Unix socket, the socket owner the kernel lists in ``/proc/net/tcp[6]`` for a loopback TCP connection.
 
@@ -207,29 +207,34 @@ def file_identity(fd: int) -> tuple:
 
 
 class HandleClaims:
-    """Memory identities held by registered engines. Not thread-safe: the Manager calls it under its lock."""
+    """Memory held by registered engines: byte ranges ``[lo, hi)`` of a memory identity (a pages file is
+    claimed whole; a CUDA IPC handle names a whole ``cudaMalloc`` block, in which a caching allocator puts
+    many tensors, so it is claimed by the extents of the tensors registered in it). Not thread-safe: the
+    Manager calls it under its lock."""
 
     def __init__(self) -> None:
-        self._owner: dict[tuple, str] = {}
-        self._held: dict[str, list[tuple]] = {}
+        self._ranges: dict[tuple, list[tuple[int, int, str]]] = {}
+        self._held: dict[str, set[tuple]] = {}
 
-    def claim(self, engine_id: str, handles: Iterable[tuple[str, tuple]]) -> None:
-        """Record ``(field, identity)`` pairs for ``engine_id``; raises :class:`HandleInUse` (recording
-        nothing) when another engine holds one of them."""
-        mine = []
-        for field, ident in handles:
-            owner = self._owner.get(ident)
-            if owner is not None and owner != engine_id:
-                raise HandleInUse(field, f"{field} names memory engine {owner!r} registered")
-            mine.append(ident)
-        for ident in mine:
-            self._owner[ident] = engine_id
-        self._held[engine_id] = mine
+    def claim(self, engine_id: str, handles: Iterable[tuple[str, tuple, int, int]]) -> None:
+        """Record ``(field, identity, lo, hi)`` claims for ``engine_id``; raises :class:`HandleInUse`
+        (recording nothing) when one overlaps memory another engine holds."""
+        handles = list(handles)
+        for field, ident, lo, hi in handles:
+            for olo, ohi, owner in self._ranges.get(ident, ()):
+                if owner != engine_id and lo < ohi and olo < hi:
+                    raise HandleInUse(field, f"{field} names memory engine {owner!r} registered")
+        for _, ident, lo, hi in handles:
+            self._ranges.setdefault(ident, []).append((lo, hi, engine_id))
+        self._held.setdefault(engine_id, set()).update(ident for _, ident, _, _ in handles)
 
     def release(self, engine_id: str) -> None:
-        for ident in self._held.pop(engine_id, []):
-            if self._owner.get(ident) == engine_id:
-                del self._owner[ident]
+        for ident in self._held.pop(engine_id, ()):
+            left = [r for r in self._ranges.get(ident, ()) if r[2] != engine_id]
+            if left:
+                self._ranges[ident] = left
+            else:
+                self._ranges.pop(ident, None)
 
 
 # ---------------------------------------------------------------------------------------------- peer users

@@ -874,14 +874,14 @@ class Manager:
             raise
 
     def _import_tensors(self, reg: EngineRegistration, imports: list, untrusted: bool,
-                        owner_uid: int | None) -> tuple[list, str, list[tuple[str, tuple]]]:
+                        owner_uid: int | None) -> tuple[list, str, list[tuple[str, tuple, int, int]]]:
         """Map every tensor's handle; check it against its descriptor. Host pages files are opened once,
         through :func:`~orbitkv_fs.access.open_pages_file`: a regular file and, for an ``untrusted``
         registrant, inside ``shm_dir`` and of ``owner_uid``. Answers the arrays, the device and each
         handle's memory identity."""
         files: dict[str, HostPages] = {}
         arrays = []
-        handles: list[tuple[str, tuple]] = []
+        handles: list[tuple[str, tuple, int, int]] = []
         kinds = {type(d.handle) for d in reg.tensors}
         if len(kinds) > 1:
             raise GeometryError("tensors", "host pages and CUDA IPC handles cannot be mixed in one engine")
@@ -905,7 +905,7 @@ class Manager:
                     pages.identity = ident
                     files[h.path] = pages
                     imports.append(pages)
-                handles.append((f"{at}.handle", pages.identity))
+                handles.append((f"{at}.handle", pages.identity, 0, 1 << 64))
                 try:
                     t, arr = pages.at(h.offset)
                 except PagesError as e:
@@ -922,7 +922,7 @@ class Manager:
                 arr, owner = import_cuda_tensor(desc, at)
                 imports.append(owner)
                 device = f"cuda:{h.device}"
-                handles.append((f"{at}.handle", ("cuda_ipc", h.handle, h.device)))
+                handles.append((f"{at}.handle", ("cuda_ipc", h.handle, h.device), h.offset, h.offset + arr.data.mem.size))
             arrays.append(arr)
         return arrays, device, handles
 

@@ -234,3 +234,23 @@ def test_another_user_cannot_register_the_managers_users_pages_nor_look_up_by_us
         pages.close()
         free_pages.close()
         assert mgr.stop() == 0, mgr.log
+
+
+def test_claims_are_byte_ranges_of_one_memory():
+    """A CUDA IPC handle names a whole cudaMalloc block: two engines' tensors in one block (PyTorch's
+    caching allocator does that within a process) are different memory; overlapping extents are not."""
+    from orbitkv_fs.access import HandleClaims, HandleInUse
+
+    claims = HandleClaims()
+    block = ("cuda_ipc", b"\x01" * 64, 0)
+    claims.claim("a", [("tensors[0].handle", block, 0, 4096), ("tensors[1].handle", block, 4096, 8192)])
+    claims.claim("b", [("tensors[0].handle", block, 8192, 12288)])
+    with pytest.raises(HandleInUse, match="'a'"):
+        claims.claim("c", [("tensors[0].handle", block, 12288, 16384), ("tensors[1].handle", block, 8191, 8193)])
+    claims.claim("c", [("tensors[0].handle", block, 12288, 16384)])  # the refused claim recorded nothing
+    pages = ("file", 1, 2)
+    claims.claim("a", [("tensors[0].handle", pages, 0, 1 << 64)])
+    with pytest.raises(HandleInUse):
+        claims.claim("d", [("tensors[0].handle", pages, 0, 1 << 64)])
+    claims.release("a")
+    claims.claim("d", [("tensors[0].handle", pages, 0, 1 << 64), ("tensors[1].handle", block, 0, 8192)])
