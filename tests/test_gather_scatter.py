@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from orbitkv_fs.geometry import EngineRegistration
-from orbitkv_fs.manager import Manager, ManagerConfig, _block_table, _gaps, _rows_of
+from orbitkv_fs.manager import Manager, ManagerConfig
+from orbitkv_fs.manager.device import _block_table, _rows_of
+from orbitkv_fs.manager.save import _gaps
 from orbitkv_fs.pages import host_engine_pages
 
 L, B, T, H, D = 2, 12, 4, 2, 32

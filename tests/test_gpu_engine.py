@@ -333,7 +333,7 @@ def test_one_batch_is_one_sync_and_one_copy_each_way(engine) -> None:
 def test_gather_and_scatter_blocks_of_packed_pages(engine, head_dim):
     """The block-copy kernel moves the K half of vLLM packed blocks ([block, head, token, 2 x head_dim]) to
     a contiguous buffer and back, exactly, touching no other block and not the V half."""
-    from orbitkv_fs.manager import _block_table, _rows_of
+    from orbitkv_fs.manager.device import _block_table, _rows_of
 
     class Seg:  # the two fields _block_table reads of a Manager segment
         pass

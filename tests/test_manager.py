@@ -491,10 +491,10 @@ def _fail_at(monkeypatch, owner, name: str, at: int, what: str) -> None:
 def test_a_batch_failing_mid_save_leaves_no_reservation(engine, monkeypatch):
     """A codec failure in the third of several batches: the save raises, the batches before it stay
     published (complete and verified), and nothing of the failing batch holds arena bytes or workspace."""
-    import orbitkv_fs.manager as manager_mod
+    import orbitkv_fs.manager.save as save_mod
 
     pages, reg = engine
-    _fail_at(monkeypatch, manager_mod, "encode_segment", 2 * 2 * L + 3, "injected codec failure")  # 3rd batch
+    _fail_at(monkeypatch, save_mod, "encode_segment", 2 * 2 * L + 3, "injected codec failure")  # 3rd batch
     with Manager(ManagerConfig(pool_size=8 << 20, storage_codec="fp8", batch_segments=2 * L)) as m:
         e = m.register_engine(reg)
         chunks = chunks_for(4)
@@ -528,7 +528,7 @@ def test_a_batch_failing_to_publish_leaves_no_reservation(engine, monkeypatch):
 
 
 def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_started_one():
-    from orbitkv_fs.manager import _pipelined
+    from orbitkv_fs.manager.batching import _pipelined
 
     log = []
 
@@ -566,7 +566,7 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
     """Codec batches are sized by the workspace a segment's encode takes: FP8 half its source, TurboQuant
     its records (2 or 4 bytes of norm or range per vector plus head_dim x bits / 8 of codes), the policy's
     exact layers and every `none` segment their source size."""
-    from orbitkv_fs.manager import _coded_bound, _decode_bound
+    from orbitkv_fs.manager.batching import _coded_bound, _decode_bound
     from orbitkv_fs.segment import Format, SegmentHeader
 
     pages, reg = engine
@@ -595,7 +595,7 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
 def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
     """``_codec_batches`` closes a batch before its counted bytes would pass the budget, and before its
     logical bytes would pass BATCH_EXPANSION budgets; one item over the budget still makes a batch."""
-    import orbitkv_fs.manager as manager
+    import orbitkv_fs.manager.batching as manager
 
     with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=1 << 20, device="cpu")) as m:
         budget = m._batch_budget()
@@ -616,7 +616,7 @@ def test_a_codec_batch_never_passes_the_budget(engine, monkeypatch, codec, expan
     batches must fit side by side in the engine's workspace): 128 KiB segments (64 KiB in FP8) under a budget
     one byte short of eight of them make batches of fifteen, or of seven when the source cap
     (BATCH_EXPANSION budgets of source bytes) is one budget."""
-    import orbitkv_fs.manager as manager
+    import orbitkv_fs.manager.batching as manager
 
     monkeypatch.setattr(manager, "BATCH_EXPANSION", expansion)
     pages, reg = engine

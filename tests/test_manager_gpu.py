@@ -18,7 +18,8 @@ import pytest
 
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key, pack_key
-from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig, RequestError, _run_of
+from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig, RequestError
+from orbitkv_fs.manager.device import _run_of
 from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu

@@ -571,7 +571,7 @@ def test_racing_registrations_of_one_pages_file_admit_exactly_one(stack):
 
 
 def test_delete_waits_for_outstanding_work(stack, monkeypatch):
-    import orbitkv_fs.manager as manager_mod
+    import orbitkv_fs.manager.save as manager_mod
 
     _, descs = stack.engine_pages()
     stack.http.post("/v1/engines", json=reg_body(descs, engine_id="slow", codec="fp8"))

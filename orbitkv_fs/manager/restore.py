@@ -1,0 +1,510 @@
+"""The restore pipeline: leased or fetched segments -> verified -> decoded into the engine's blocks.
+
+Primitives: :meth:`RestorePipeline.restore`, :meth:`~RestorePipeline._acquire` (sources: DRAM under a
+lease, else the lower tier, else peers), :meth:`~RestorePipeline._decode_gpu` with
+:meth:`~RestorePipeline._decode_start` / :meth:`~RestorePipeline._decode_end` (GPU batches, pipelined),
+:meth:`~RestorePipeline._restore_ssd_device` (the cuFile direct path), :meth:`~RestorePipeline._upload_raw`
+(raw segments into GPU blocks), :meth:`~RestorePipeline._write` (one segment into host blocks).
+
+Invariants: every destination is validated before anything is written; no segment is written without a
+valid header and CRC32C (a bad one is a miss for its chunk, never an exception); the restore's hold and the
+lookup lease it consumes are dropped however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import msgspec
+import numpy as np
+from typing import Iterator, Sequence
+
+from ..access import Caller
+from ..codecs import decode_payload
+from ..errors import SegmentError
+from ..keys import ObjectKey, pack_key
+from ..pages import cupy_dtype
+from ..segment import HEADER_SIZE, Format, SegmentHeader, peek_source
+from ..hostmem import host_address
+from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
+from .verify import _verify, _verify_header
+from .batching import _decode_bound, _pipelined
+from .registry import _Engine, _Seg
+from .leases import _Lease
+
+log = logging.getLogger("orbitkv_fs.manager")
+
+
+class _Sizes(msgspec.Struct, frozen=True):
+    """The sizes of a segment decoded on the direct path (its header stayed on the device)."""
+
+    original_length: int
+    stored_length: int
+
+
+class RestorePipeline:
+    """The restore pipeline."""
+
+    def restore(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, lease_id: int = 0,
+                layers: Sequence[int] | None = None, caller: Caller | None = None) -> RestoreResult:
+        """Write the chunks' cached KV into the given blocks. Every destination is validated first
+        (:class:`RequestError`, nothing written); a missing or corrupt segment is a miss for its chunk.
+        ``lease_id`` (from :meth:`lookup`, of this engine) is released when the restore ends, whether it
+        succeeded or failed. ``layers`` restores only those layers' segments (an engine loading layer by
+        layer); ``restored[i]`` then says whether every segment of those layers was written."""
+        t0 = time.perf_counter()
+        eng = self._enter(engine_id, caller)
+        held = _Lease(engine_id)
+        consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
+        try:
+            if lease_id:
+                with self._lock:
+                    lease = self._leases.get(lease_id)
+                    late = lease is None and self._expired.get(lease_id, 0) == engine_id
+                if late:  # its lease expired: the restore takes its own hold below; evicted chunks miss
+                    log.warning("engine %r restores under lease %d, which expired", engine_id, lease_id)
+                elif lease is None or lease.engine_id != engine_id:
+                    raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
+                else:
+                    consume = lease_id
+            self._check_chunks(eng, chunks, skips=True)
+            segs = eng.segs
+            if layers is not None:
+                wanted = set(layers)
+                if not wanted or not wanted <= {s.layer for s in eng.segs}:
+                    raise RequestError(f"layers: {sorted(wanted)} are not all layers of engine {engine_id!r} "
+                                       f"[{eng.info.layer_start}, {eng.info.layer_end})")
+                segs = [s for s in eng.segs if s.layer in wanted]
+            # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
+            first = layers is None or eng.segs[0].layer in wanted
+            keys = [[pack_key(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+            reasons: dict[bytes, str] = {}
+            pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
+            tally = {"lower": 0}
+            fresh: set[bytes] = set()  # keys whose source bytes were just validated in full (private copies)
+            # SSD keys read into device memory and decoded there (the cuFile direct path), not sourced here.
+            device: set[bytes] | None = set() if self._ssd_direct(eng) else None
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device)
+            if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
+                self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
+            # Phase 1: check every source against its destination; write nothing yet. Segments bound for
+            # GPU pages through the GPU engine get their payload CRC32C checked there, before anything is
+            # written to their destination (a mismatch is a miss, as here); their headers are verified in
+            # full batch by batch while the GPU works on the previous batch (_decode_gpu). Here only their
+            # size fields are read, so that a request its blocks cannot hold still fails before anything
+            # is written; a header whose fields disagree is verified at once, to tell corruption (a miss)
+            # from a wrong request (RequestError).
+            gpu = self._gpu_codecs
+            on_device = eng.info.device != "host"
+            gpu_checks = gpu is not None and on_device
+            bad: dict[int, str] = {}
+            plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
+            deferred: list[tuple[int, _Seg, ChunkBlocks, None, memoryview, bytes]] = []  # headers checked later
+            from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
+            for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+                for seg, kb in zip(segs, ks):
+                    src = sources.get(kb)
+                    if src is None and device and kb in device:
+                        from_ssd.append((ci, seg, ch, kb))
+                        continue
+                    if src is None:
+                        bad.setdefault(ci, reasons.get(kb, "missing"))
+                        continue
+                    want = len(ch.blocks) * seg.block_bytes
+                    if gpu_checks and peek_source(src) == (seg.dtype_code, want):
+                        deferred.append((ci, seg, ch, None, memoryview(src), kb))
+                        continue
+                    try:
+                        # Arena extents (shared memory) are checked in full; lower-tier bytes were
+                        # validated by the tier a moment ago and need no second payload CRC pass.
+                        h = _verify_header(kb, src) if kb in fresh or gpu_checks else _verify(kb, src)
+                    except SegmentError as e:
+                        self._add(decode_failures=1)
+                        bad[ci] = f"corrupt: {type(e).__name__}: {e}"
+                        continue
+                    if h.original_length != want or h.dtype != seg.dtype:
+                        raise RequestError(
+                            f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {h.original_length} "
+                            f"bytes of {h.dtype}, the {len(ch.blocks)} destination blocks take {want} bytes of "
+                            f"{seg.dtype}")
+                    plan.append((ci, seg, ch, h, memoryview(src)))
+            # Phase 2: decode and scatter. With the GPU codec engine, coded segments go through it in
+            # batches, and raw segments bound for GPU blocks in one upload per batch; the rest segment by
+            # segment on the host.
+            # The direct path's chunks first: one whose SSD record fails is marked bad before any other
+            # segment of it is written.
+            done_ssd, served_ssd = self._restore_ssd_device(eng, from_ssd, bad, reasons)
+            segments = logical = stored = 0
+            coded: list[tuple[int, _Seg, ChunkBlocks, "SegmentHeader | None", memoryview, bytes]] = deferred
+            raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
+            done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = done_ssd
+            for item in plan:
+                ci, seg, ch, h, blob = item
+                if ci in bad:
+                    continue
+                if gpu is not None and (h.format != Format.RAW or on_device):
+                    coded.append(item + (b"",))
+                elif on_device and h.format == Format.RAW:
+                    raw_dev.append(item)
+                else:
+                    try:
+                        self._write(seg, ch.blocks, h, blob)
+                        done.append((ci, seg, ch, h, None))
+                    except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
+                        done.append((ci, seg, ch, h, e))
+            if coded:
+                done += self._decode_gpu(eng, coded, bad)
+            uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
+            if raw_dev:
+                done += self._upload_raw(raw_dev, uploads)
+            if on_device:
+                # Every copy into engine blocks was queued on this thread's CUDA stream: they must have
+                # landed before the answer lets the engine read its pages.
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
+                del uploads
+            for ci, seg, ch, h, err in done:
+                if err is not None:
+                    log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
+                    self._add(decode_failures=1)
+                    bad.setdefault(ci, f"decode: {type(err).__name__}: {err}")
+                    continue
+                segments += 1
+                logical += h.original_length
+                stored += HEADER_SIZE + h.stored_length
+            misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
+            self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources and k not in served_ssd))
+            dt = time.perf_counter() - t0
+            self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
+                      restore_seconds=dt)
+            return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,
+                                 segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
+        finally:
+            self._drop_lease(held)
+            if consume:
+                with self._lock:
+                    lease = self._leases.pop(consume, None)
+                    eng.leases.discard(consume)
+                if lease is not None:
+                    self._drop_lease(lease)
+            self._exit(eng)
+
+    def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
+                 tally: dict[str, int] | None = None,
+                 fresh: set[bytes] | None = None,
+                 device: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
+        """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
+        bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
+        ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
+        the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
+        direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
+        (counted in ``tally["lower"]``): the caller reads them into device memory itself."""
+        out: dict[bytes, memoryview | bytes] = {}
+        missing = self._lease_dram(kbs, held, out)
+        self._count(self._hits, "dram", len(kbs) - len(missing))
+        if missing and device is not None and self.lower is not None:
+            device.update(kb for kb in missing if self.lower.contains(ObjectKey.unpack(kb)))
+            missing = [kb for kb in missing if kb not in device]
+            if tally is not None:
+                tally["lower"] += len(device)
+        if missing and self.lower is not None:
+            still = []
+            okeys = [ObjectKey.unpack(k) for k in missing]
+            claimed = [self.lower.contains(k) for k in okeys]
+            reads = self.lower.read_many(okeys)
+            for kb, got, held_there in zip(missing, reads, claimed):
+                blob = self._checked_lower(kb, got, reasons)
+                if blob is None:
+                    if held_there and kb not in reasons:  # the tier dropped it as corrupt, or its read failed
+                        reasons[kb] = "lower tier: record failed validation or could not be read"
+                    still.append(kb)
+                    continue
+                self._admit(kb, blob)
+                out[kb] = blob
+                if tally is not None:
+                    tally["lower"] += 1
+                if fresh is not None:
+                    fresh.add(kb)
+            missing = still
+        fetch_into = getattr(self.peers, "fetch_into", None)
+        if missing and fetch_into is not None:
+            # Zero-copy: the fetcher reserves arena extents, reads into them and publish() verifies in
+            # place; what landed is then leased and served like any DRAM hit.
+            try:
+                fetch_into(self, [ObjectKey.unpack(k) for k in missing])
+            except Exception as e:  # peers failing is a miss
+                log.warning("peer fetch failed: %s", e)
+            # Not delivered, failed verification, or already evicted again: still missing.
+            still = self._lease_dram(missing, held, out)
+            self._count(self._hits, "peer", len(missing) - len(still))
+            missing = []
+        if missing and self.peers is not None:
+            try:
+                got = self.peers.fetch([ObjectKey.unpack(k) for k in missing])
+            except Exception as e:  # peers failing is a miss
+                log.warning("peer fetch failed: %s", e)
+                got = {}
+            wanted = set(missing)
+            for key, blob in got.items():
+                kb = key.pack() if isinstance(key, ObjectKey) else b""
+                if kb not in wanted or kb in out:
+                    continue
+                try:
+                    _verify(kb, blob)
+                except SegmentError as e:
+                    log.warning("peer sent a bad segment for %s: %s", key, e)
+                    self._add(decode_failures=1)
+                    reasons[kb] = f"corrupt (peer): {type(e).__name__}: {e}"
+                    continue
+                self._count(self._hits, "peer")
+                self._admit(kb, bytes(blob))
+                out[kb] = bytes(blob)
+        return out
+
+    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str]) -> list:
+        """Segments through the GPU codec engine, in batches: ``(ci, seg, ch, h, blob, kb)`` items, ``h``
+        None where the header is still to be verified (against key ``kb``, just before the item's batch is
+        formed, so that this runs while the GPU works on the previous batch). A header that fails is a miss
+        for its chunk (``bad[ci]``), whose later segments are then skipped. Answers ``(ci, seg, ch, h, error
+        or None)`` per segment decoded; the GPU blocks are written when this returns, except those of
+        irregular layouts, queued on the current stream (the caller synchronises it)."""
+
+        def verified() -> Iterator[tuple]:
+            for ci, seg, ch, h, blob, kb in items:
+                if ci in bad:
+                    continue
+                if h is None:
+                    try:
+                        h = _verify_header(kb, blob)
+                        if h.original_length != len(ch.blocks) * seg.block_bytes or h.dtype != seg.dtype:
+                            # phase 1 read other size fields: the bytes changed under the lease
+                            raise SegmentError(f"header changed: {h.original_length} bytes of {h.dtype}")
+                    except SegmentError as e:
+                        self._add(decode_failures=1)
+                        bad[ci] = f"corrupt: {type(e).__name__}: {e}"
+                        continue
+                yield ci, seg, ch, h, blob
+
+        # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
+        # exact and TurboQuant segments share batches.
+        seed = eng.reg.rotation_seed
+        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
+        # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
+        # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
+        # to that stream's pool, so only later work on the stream reuses it.
+        copies: list = []  # the event after each batch's block copies
+        out = []
+
+        def end(started: tuple) -> list:
+            part, ev = self._decode_end(*started)
+            if ev is not None:
+                copies.append(ev)
+            return part
+
+        try:
+            for part in _pipelined(jobs, lambda batch: self._decode_start(seed, batch), end):
+                out += part
+        finally:
+            if copies:
+                copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
+        return out
+
+    def _decode_start(self, seed: int, batch: list) -> tuple:
+        ws = sum(h.original_length for _, _, _, h, _ in batch)
+        self._workspace_delta(ws)
+        t0 = time.perf_counter()
+        try:
+            db = self._gpu_codecs.decode_submit([(seg, ch.blocks, blob, h) for _, seg, ch, h, blob in batch], seed,
+                                                [self._pinned(blob) for *_, blob in batch])
+        except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+            db = e
+        return batch, db, ws, time.perf_counter() - t0
+
+    def _decode_end(self, batch: list, db, ws: int, seconds: float) -> tuple[list, object]:
+        t0 = time.perf_counter()
+        ev = None
+        try:
+            if isinstance(db, Exception):
+                errs = [db] * len(batch)
+            else:
+                try:
+                    errs, ev = self._gpu_codecs.decode_finish(db)
+                except Exception as e:
+                    errs = [e] * len(batch)
+        finally:
+            self._workspace_delta(-ws)
+        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(batch))
+        return [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)], ev
+
+    def _restore_ssd_device(self, eng: _Engine, items: list[tuple[int, _Seg, ChunkBlocks, bytes]],
+                            bad: dict[int, str], reasons: dict[bytes, str]) -> tuple[list, set[bytes]]:
+        """The cuFile direct path of a restore: ``(ci, seg, chunk, key)`` items whose segments only the SSD
+        tier holds and whose destinations are GPU pages. Their records are read into device memory
+        (``read_many_device``), the record headers checked on the host, and the GPU engine checks each
+        payload's CRC32C and decodes it from where it lies, into a device temporary; a chunk's temporaries
+        are scattered into its blocks only when every one of its segments decoded, so a chunk with a bad
+        record is a miss (``bad[ci]``, the lower tier's reason) with nothing written to its blocks. Chunks
+        already in ``bad`` are skipped. Works in windows of whole chunks within the codec budget (decoded
+        and record bytes). Raises :class:`RequestError`, before reading anything, when a record's size does
+        not fit its destination blocks.
+
+        These segments are not readmitted to DRAM: that would bring every one back to the host, the
+        bounce this path exists to avoid (a later lookup promotes them through the host path as usual).
+        Answers the ``done`` entries of the segments written (their copies into GPU blocks queued on the
+        current stream) and their keys."""
+        if not items:
+            return [], set()
+        import cupy
+
+        from .tiers.ssd.record import record_length
+
+        items = [it for it in items if it[0] not in bad]
+        info = self.lower.describe([ObjectKey.unpack(kb) for *_, kb in items])
+        by_chunk: dict[int, list[tuple[_Seg, ChunkBlocks, bytes, int, int]]] = {}
+        for (ci, seg, ch, kb), got in zip(items, info):
+            if got is None:  # evicted or invalidated since _acquire saw it
+                bad.setdefault(ci, reasons.get(kb, "missing"))
+                continue
+            original, seg_len = got
+            want = len(ch.blocks) * seg.block_bytes
+            if original != want:
+                raise RequestError(
+                    f"chunks[{ci}]: layer {seg.layer} {seg.role.name.lower()} holds {original} bytes, the "
+                    f"{len(ch.blocks)} destination blocks take {want} bytes")
+            by_chunk.setdefault(ci, []).append((seg, ch, kb, original, seg_len))
+        budget = self._config.storage_codec_budget
+        windows: list[list[int]] = []
+        dec = rec = 0
+        for ci, group in by_chunk.items():
+            if ci in bad:
+                continue
+            d, r = sum(g[3] for g in group), sum(record_length(g[4]) for g in group)
+            if not windows or dec + d > budget or rec + r > budget:
+                windows.append([])
+                dec = rec = 0
+            windows[-1].append(ci)
+            dec, rec = dec + d, rec + r
+        seed = eng.reg.rotation_seed
+        done: list = []
+        served: set[bytes] = set()
+        for window in windows:
+            flat = [(ci, seg, ch, kb, original, seg_len) for ci in window
+                    for seg, ch, kb, original, seg_len in by_chunk[ci]]
+            tmps = [cupy.empty(f[4], dtype=cupy.uint8) for f in flat]
+            errors: dict[int, Exception] = {}
+            ws = sum(f[4] for f in flat)
+            self._workspace_delta(ws)
+
+            def sink(batch: list) -> list[int]:
+                t0 = time.perf_counter()
+                try:
+                    errs = self._gpu_codecs.decode_device([v for _, v in batch], [tmps[j] for j, _ in batch], seed)
+                except Exception as e:  # the engine failed as a whole: the window misses, nothing invalidated
+                    errs = [e] * len(batch)
+                self._add_per_segment("decode_seconds", time.perf_counter() - t0, len(batch))
+                rejected = []
+                for (j, _), err in zip(batch, errs):
+                    if err is None:
+                        continue
+                    errors[j] = err
+                    if isinstance(err, SegmentError):  # the payload (CRC32C) or its header: the record is corrupt
+                        rejected.append(j)
+                return rejected
+
+            try:
+                verdicts = self.lower.read_many_device([ObjectKey.unpack(f[3]) for f in flat], sink, max_bytes=budget)
+                failed: dict[int, str] = {}
+                for j, ((ci, seg, ch, kb, _, _), why) in enumerate(zip(flat, verdicts)):
+                    err = errors.get(j)
+                    if err is not None and not isinstance(err, SegmentError):  # a decode failure, not the record
+                        log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
+                        self._add(decode_failures=1)
+                        failed.setdefault(ci, f"decode: {type(err).__name__}: {err}")
+                    elif why == "absent":
+                        failed.setdefault(ci, reasons.get(kb, "missing"))
+                    elif why is not None or err is not None:
+                        failed.setdefault(ci, "lower tier: record failed validation or could not be read")
+                for j, (ci, seg, ch, kb, original, seg_len) in enumerate(flat):
+                    if ci in failed:
+                        continue
+                    src = tmps[j].view(cupy_dtype(seg.dtype)).reshape((len(ch.blocks),) + seg.block_shape)
+                    seg.scatter(ch.blocks, src)
+                    served.add(kb)
+                    # restore() counts sizes from the header; these two fields are what it reads.
+                    done.append((ci, seg, ch, _Sizes(original, seg_len - HEADER_SIZE), None))
+                for ci, why in failed.items():
+                    bad.setdefault(ci, why)
+            finally:
+                self._workspace_delta(-ws)
+        self._count(self._hits, "lower", len(served))
+        self._add(ssd_direct_reads=len(served))
+        return done, served
+
+    def _arena_offset(self, blob) -> int | None:
+        """The arena offset of ``blob`` when it is a view of the arena, else None."""
+        if not isinstance(blob, memoryview) or not len(blob):
+            return None
+        off = host_address(blob) - self.dram.arena.base_address
+        return off if 0 <= off and off + len(blob) <= self.dram.arena.size else None
+
+    def _pinned(self, blob) -> bool:
+        """``blob`` is a view of the arena, and the arena is pinned (the GPU copies from it directly)."""
+        return self.dram.arena.pinned and self._arena_offset(blob) is not None
+
+    def _upload_raw(self, items: list, keep: list) -> list:
+        """Raw segments into GPU blocks: per batch, the payloads are packed into one pinned buffer, sent
+        with one host-to-device copy, then scattered on the device, all queued on the current stream.
+        The pinned buffers go to ``keep``: the caller holds them until it has synchronised the stream."""
+        import cupy
+
+        out = []
+        for batch in self._codec_batches(items, lambda it: it[3].stored_length):
+            total = sum(h.stored_length for _, _, _, h, _ in batch)
+            res: list = []
+            self._workspace_delta(2 * total)
+            try:
+                host = np.frombuffer(cupy.cuda.alloc_pinned_memory(total), np.uint8, total)
+                keep.append(host)
+                pos = 0
+                for _, _, _, h, blob in batch:
+                    host[pos:pos + h.stored_length] = np.frombuffer(blob, np.uint8, h.stored_length, HEADER_SIZE)
+                    pos += h.stored_length
+                dev = cupy.empty(total, dtype=cupy.uint8)
+                stream = cupy.cuda.get_current_stream()
+                cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, total,
+                                              cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+                pos = 0
+                for ci, seg, ch, h, _ in batch:
+                    src = dev[pos:pos + h.stored_length].view(cupy_dtype(seg.dtype))
+                    seg.scatter(ch.blocks, src.reshape((len(ch.blocks),) + seg.block_shape))
+                    res.append((ci, seg, ch, h, None))
+                    pos += h.stored_length
+            except Exception as e:  # a CUDA failure: the whole batch misses
+                res = [(ci, seg, ch, h, e) for ci, seg, ch, h, _ in batch]
+            finally:
+                self._workspace_delta(-2 * total)
+            out += res
+        return out
+
+    def _write(self, seg: _Seg, blocks: list[int], h: SegmentHeader, blob: memoryview) -> None:
+        """Decode a verified segment into the chunk's destination blocks on the host (GPU blocks get
+        their copies queued on the current stream)."""
+        payload = blob[HEADER_SIZE:HEADER_SIZE + h.stored_length]
+        if h.format == Format.RAW:
+            flat = np.frombuffer(payload, dtype=h.dtype)
+        else:
+            t0 = time.perf_counter()
+            flat = decode_payload(h, payload)
+            self._workspace_delta(flat.nbytes)
+            self._add(decode_seconds=time.perf_counter() - t0)
+        try:
+            src = flat.view(seg.dtype).reshape((len(blocks),) + seg.block_shape)
+            if not seg.on_host:  # GPU pages without the GPU codec engine
+                import cupy
+
+                src = cupy.asarray(src.view(cupy_dtype(seg.dtype)))
+            seg.scatter(blocks, src)
+        finally:
+            if h.format != Format.RAW:
+                self._workspace_delta(-flat.nbytes)

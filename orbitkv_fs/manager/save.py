@@ -1,0 +1,364 @@
+"""The save pipeline: engine pages -> segments -> DRAM (or straight to the lower tier).
+
+Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the segments not cached yet),
+:meth:`~SavePipeline._save_raw` (exact segments of host pages, gathered straight into their arena extents),
+:meth:`~SavePipeline._save_submit` / :meth:`~SavePipeline._save_finish` / :meth:`~SavePipeline._save_abort`
+(one codec batch: gather and encode, then publish), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
+direct path), :meth:`~SavePipeline._demote_direct` (DRAM full of leased objects). :class:`_SaveAcc` sums
+a request's admissions; :class:`_SaveBatch` is one batch in flight.
+
+Invariants: a segment is published only after its bytes and header (with its CRC32C) are in place; a batch
+that fails returns every arena extent and workspace byte it reserved; chunks present in full are skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import numpy as np
+from typing import Iterable, Iterator, Sequence
+
+from ..access import Caller
+from ..codecs import encode_segment, raw_segment
+from ..keys import ObjectKey, pack_key
+from ..segment import (
+    HEADER_SIZE,
+    MAX_STORED_BYTES,
+    Format,
+    RawReason,
+    SegmentHeader,
+    crc32c,
+    pack_header_into,
+    parse_header,
+)
+from ..hostmem import host_address
+from ..tiers.dram import UNIT, units_of
+from .api import ChunkBlocks, RequestError, SaveResult
+from .verify import _REP_NAMES
+from .device import _gather_batch, _gather_device, _gather_host, _to_host
+from .batching import _pipelined
+from .registry import _Engine, _Seg
+
+log = logging.getLogger("orbitkv_fs.manager")
+
+
+class _SaveAcc:
+    __slots__ = ("admitted", "logical", "stored", "raw", "dropped", "present")
+
+    def __init__(self) -> None:
+        self.admitted: set[bytes] = set()
+        self.logical = self.stored = self.dropped = self.present = 0
+        self.raw: dict[str, int] = {}
+
+    def admit(self, kb: bytes, logical: int, stored: int) -> None:
+        self.admitted.add(kb)
+        self.logical += logical
+        self.stored += stored
+
+
+class _SaveBatch:
+    """One save batch between :meth:`Manager._save_submit` and :meth:`Manager._save_finish`."""
+
+    __slots__ = ("batch", "srcs", "buffer", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
+
+    def __init__(self, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> None:
+        self.batch = batch
+        self.srcs: list = []  # gathered sources ...
+        self.buffer = None  # ... and the device buffer behind the spans: alive until the GPU has read them
+        self.ws = 0  # workspace bytes counted for it
+        self.regions: list[tuple[int, int]] = []  # arena extents the GPU engine writes segments into
+        self.direct: set[int] = set()  # batch indices written to the SSD from device memory
+        self.engine = None  # the GPU codec engine ...
+        self.job = None  # ... and its EncodeJob
+        self.blobs: list = []  # host codecs: the segments
+        self.seconds = 0.0
+
+
+def _source_bytes(item: tuple[ChunkBlocks, _Seg, bytes]) -> int:
+    """Source bytes of a save's ``(chunk, seg, key)`` segment."""
+    return len(item[0].blocks) * item[1].block_bytes
+
+
+def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``regions`` not covered by ``used`` (both lists of (offset, length), unit-aligned)."""
+    out = []
+    taken = sorted(used)
+    for off, n in regions:
+        pos, end = off, off + n
+        for u, m in taken:
+            if u + m <= pos or u >= end:
+                continue
+            if u > pos:
+                out.append((pos, u - pos))
+            pos = max(pos, u + m)
+        if pos < end:
+            out.append((pos, end - pos))
+    return out
+
+
+class SavePipeline:
+    """The save pipeline."""
+
+    def save(self, engine_id: str, chunks: Sequence[ChunkBlocks], *, caller: Caller | None = None) -> SaveResult:
+        """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
+        to DRAM (evicting, and demoting to the lower tier, as needed). Chunks already present are skipped.
+        Raises :class:`RequestError` before doing anything when a block id or key is bad."""
+        t0 = time.perf_counter()
+        eng = self._enter(engine_id, caller)
+        try:
+            self._check_chunks(eng, chunks)
+            self._remember_prefix(eng, [ch.key for ch in chunks])
+            todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+            acc = _SaveAcc()
+            # A batch closes before its encoded bytes would pass the budget (two of them must fit side by
+            # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
+            # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
+            # is spread over more logical bytes.
+            batches = self._codec_batches(self._save_items(eng, chunks, todo, acc),
+                                          lambda it: it[1].coded_bound(len(it[0].blocks)), _source_bytes)
+            self._save_batches(eng, batches, acc)
+            present, saved_chunks = acc.present, set()
+            for ch, _, kb in todo:
+                if kb in acc.admitted:
+                    saved_chunks.add(ch.key)
+            dt = time.perf_counter() - t0
+            self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
+                      dropped_segments=acc.dropped)
+            return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=len(acc.admitted),
+                              logical_bytes=acc.logical, stored_bytes=acc.stored, raw_segments=acc.raw,
+                              dropped_segments=acc.dropped, seconds=dt)
+        finally:
+            self._exit(eng)
+
+    def _save_items(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list, acc: "_SaveAcc") -> Iterator:
+        """The ``(chunk, seg, key)`` segments of a save that go through the codecs, generated as the
+        pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are looked
+        at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages are
+        saved here, straight into the arena; ``acc.present`` counts the chunks present in full already."""
+        nseg = len(eng.segs)
+        # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
+        # device-to-host copy into the arena per batch) rather than a host copy per block.
+        raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
+        for ch in chunks:
+            have = self.dram.chunk_count(eng.ns + ch.key)
+            if have >= nseg:
+                acc.present += 1
+                continue
+            for seg in eng.segs:
+                kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
+                if have and self.dram.contains(kb):  # a chunk with no segment cached needs no test per segment
+                    continue
+                item = (ch, seg, kb)
+                todo.append(item)
+                if seg.codec is None and raw_on_host:
+                    self._save_raw(eng, item, acc)
+                    continue
+                yield item
+
+    def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
+        """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
+        ch, seg, kb = item
+        n = len(ch.blocks) * seg.block_bytes
+        total = HEADER_SIZE + n
+        reason = seg.raw_reason.name.lower()
+        if total > MAX_STORED_BYTES:
+            raise RequestError(f"chunk of {len(ch.blocks)} blocks makes a {n}-byte segment, over the "
+                               f"{MAX_STORED_BYTES}-byte bound")
+        off = self.dram.reserve(total)
+        if off is None:
+            self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
+                                                reason=seg.raw_reason), acc)
+            return
+        try:
+            body = self.dram.view(off + HEADER_SIZE, n)
+            dst = body.view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape)
+            for j, b in enumerate(ch.blocks):
+                _to_host(seg.view(b), dst[j])
+            h = SegmentHeader(Format.RAW, seg.dtype, n, n, crc32c(body), role=seg.role, layer=seg.layer,
+                              raw_reason=seg.raw_reason)
+            pack_header_into(h, self.dram.view(off, HEADER_SIZE))
+        except BaseException:
+            self.dram.cancel(off, total)
+            raise
+        if self.dram.publish(kb, off, total, n, int(Format.RAW)) is not None:
+            acc.admit(kb, n, total)
+            self._count(self._codec_segments, "raw")
+            if seg.raw_reason != RawReason.NONE:
+                acc.raw[reason] = acc.raw.get(reason, 0) + 1
+                self._count(self._raw, reason)
+
+    def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
+                      acc: "_SaveAcc") -> None:
+        """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: batch i+1 is formed,
+        gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
+        _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
+
+    def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
+        """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
+        done here with the host codecs."""
+        gpu = self._gpu_codecs
+        on_device = gpu is not None and eng.info.device != "host"
+        sb = _SaveBatch(batch)
+        if gpu is not None:
+            sb.engine = engine = gpu.engine(eng.reg.rotation_seed)
+        if on_device:
+            sb.srcs, sb.buffer = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
+                                               lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
+        else:
+            sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
+        sb.ws = sum(x.nbytes for x in sb.srcs)
+        self._workspace_delta(sb.ws)
+
+        def arena_region(nbytes: int) -> np.ndarray | None:
+            off = self.dram.reserve(nbytes)
+            if off is None:
+                return None
+            sb.regions.append((off, units_of(nbytes) * UNIT))
+            return self.dram.view(off, nbytes)
+
+        sink, sb.direct = self._ssd_direct_sink(eng, batch)
+        t0 = time.perf_counter()
+        try:
+            if gpu is not None:
+                sb.job = engine.encode_submit(
+                    [gpu.item(x, seg) for x, (_, seg, _) in zip(sb.srcs, batch)],
+                    out_region=arena_region if self.dram.arena.pinned else None, slot_align=UNIT, device_sink=sink)
+            else:
+                sb.blobs = [encode_segment(x, seg.codec, role=seg.role, layer=seg.layer)
+                            for x, (_, seg, _) in zip(sb.srcs, batch)]
+        except BaseException:
+            self._save_abort(sb)
+            raise
+        sb.seconds = time.perf_counter() - t0
+        return sb
+
+    def _save_abort(self, sb: "_SaveBatch") -> None:
+        """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
+        try:
+            if sb.job is not None:
+                sb.engine.encode_collect(sb.job)
+        except Exception:  # already failing: the first error is the one reported
+            pass
+        finally:
+            for off, n in sb.regions:
+                self.dram.cancel(off, n)
+            sb.regions.clear()
+            self._workspace_delta(-sb.ws)
+            sb.ws = 0
+            sb.srcs, sb.buffer = [], None
+
+    def _save_finish(self, eng: _Engine, sb: "_SaveBatch", acc: "_SaveAcc") -> None:
+        """Wait for a submitted batch and admit its segments to DRAM (or hand them to the lower tier)."""
+        t0 = time.perf_counter()
+        try:
+            blobs = sb.blobs if sb.job is None else sb.engine.encode_collect(sb.job)
+        except BaseException:
+            sb.job = None
+            self._save_abort(sb)
+            raise
+        self._add(encode_seconds=sb.seconds + time.perf_counter() - t0, codec_batches=1,
+                  ssd_direct_writes=len(sb.direct))
+        self._workspace_delta(-sb.ws)
+        sb.ws = 0
+        sb.srcs, sb.buffer = [], None
+        regions = sb.regions
+        heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
+        used: list[tuple[int, int]] = []  # arena extents of the batch's regions, published in place
+        todo: list[tuple[bytes, int, int, int, int]] = []  # ... by one publish_many
+        reps = [0] * (max(_REP_NAMES) + 1)  # segments per Format value
+        raws: collections.Counter[str] = collections.Counter()
+        # The per-segment loop of every save: the region test is inlined (not _arena_offset) and the calls
+        # are bound once, since at 512 KiB segments the host's work per segment bounds the throughput.
+        base, admit = self.dram.arena.base_address, acc.admit
+        lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
+        published = False
+        try:
+            for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
+                h = h or parse_header(blob)
+                fmt = int(h.format)
+                reps[fmt] += 1
+                if h.raw_reason:
+                    raws[h.raw_reason.name.lower()] += 1
+                n = len(blob)
+                off = host_address(blob) - base if regions and type(blob) is memoryview and n else -1
+                if lo <= off < hi and (len(regions) == 1 or any(o <= off < o + k for o, k in regions)):
+                    used.append((off, units_of(n) * UNIT))
+                else:
+                    off = self.dram.reserve(n)
+                    if off is None:
+                        self._demote_direct(kb, blob, acc)
+                        continue
+                    try:
+                        self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
+                    except BaseException:
+                        self.dram.cancel(off, n)
+                        raise
+                    # Published at once: the next reservation may have to evict it (a pool smaller than a batch).
+                    if self.dram.publish(kb, off, n, h.original_length, fmt) is not None:
+                        admit(kb, h.original_length, n)
+                    continue
+                todo.append((kb, off, n, h.original_length, fmt))
+            # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
+            published = True
+            done = self.dram.publish_many(todo)  # one lock round for the batch
+            for (kb, _, n, logical, _), ok in zip(todo, done):
+                if ok:
+                    admit(kb, logical, n)
+        finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
+            if not published:  # nothing of the regions was published
+                used.clear()
+            for off, n in _gaps(regions, used):
+                self.dram.cancel(off, n)
+            regions.clear()
+        with self._stat_lock:  # one lock round per batch, not two per segment
+            for fmt, n in enumerate(reps):
+                if n:
+                    name = _REP_NAMES[fmt]
+                    self._codec_segments[name] = self._codec_segments.get(name, 0) + n
+            for name, n in raws.items():
+                self._raw[name] = self._raw.get(name, 0) + n
+        for name, n in raws.items():
+            acc.raw[name] = acc.raw.get(name, 0) + n
+
+    def _ssd_direct(self, eng: _Engine) -> bool:
+        """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
+        device memory itself (an SSD tier on the cuFile backend)."""
+        return (self._gpu_codecs is not None and eng.info.device != "host"
+                and bool(getattr(self.lower, "device_io", False)))
+
+    def _ssd_direct_sink(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]):
+        """For :meth:`_save_submit`: a ``device_sink`` for the GPU engine that writes the complete state
+        groups of ``batch`` (chunks whose every (layer, role) segment is in this batch) from device
+        memory straight to the SSD tier (``submit_device``), and the set it fills with the batch indices
+        written that way; (None, empty set) when the direct path does not apply. Fragmented groups (a
+        chunk split over batches, or partly cached already) and segments the engine coded on the host
+        are not written here: DRAM demotes them through the tier's io_uring-style writeback as before.
+        A dropped or failed direct write is left to that writeback too. DRAM admits every segment as usual."""
+        written: set[int] = set()
+        if not self._ssd_direct(eng):
+            return None, written
+        count = collections.Counter(ch.key for ch, _, _ in batch)
+        nseg = len(eng.segs)
+        complete = {i for i, (ch, _, _) in enumerate(batch) if count[ch.key] == nseg}
+        if not complete:
+            return None, written
+        lower = self.lower
+
+        def sink(i: int, segment) -> None:
+            if i not in complete:
+                return
+            try:
+                if lower.submit_device(ObjectKey.unpack(batch[i][2]), segment):
+                    written.add(i)
+            except Exception as e:  # the writeback path still has the segment: never fail the save
+                log.warning("direct SSD write of %s failed: %s", ObjectKey.unpack(batch[i][2]), e)
+
+        return sink, written
+
+    def _demote_direct(self, kb: bytes, blob: bytes, acc: "_SaveAcc") -> None:
+        """DRAM is full of leased objects: hand the segment to the lower tier, or drop it."""
+        if self.lower is not None and self.lower.submit(ObjectKey.unpack(kb), bytes(blob)):
+            acc.admit(kb, parse_header(blob).original_length, len(blob))
+        else:
+            acc.dropped += 1
