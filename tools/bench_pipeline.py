@@ -4,7 +4,8 @@ Figures (each next to its baseline, measured in the same run):
 
 * ``throughput``: logical GB/s (source bytes per second) of ``Manager.save`` and ``Manager.restore`` for
   each codec at 64 KiB - 4 MiB segments, over host engine pages in shared memory, next to a plain copy of
-  the same bytes (``numpy.copyto`` of the engine pages into a preallocated buffer).
+  the same bytes (``numpy.copyto`` of the engine pages into a preallocated buffer); and the host CPU time
+  per segment of each call and of each pipeline stage (``ManagerStats.host_cpu_seconds``).
 * ``dataplane``: p50/p99 round trip of an empty lookup and of a 64-chunk lookup against a real
   ``orbitkv-cache-manager`` process over ipc://, next to a ping and a bare libzmq REQ/ROUTER echo;
   save and restore of 1 MiB segments remote vs embedded.
@@ -228,20 +229,31 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                                   for i in range(num_blocks // per)] for codec in group}
                 base = baseline()  # right next to these figures
                 best = {codec: [float("inf"), float("inf"), 0, 0] for codec in group}  # save s, restore s, bytes
+                cpu = {codec: [0.0, 0.0] for codec in group}  # this thread's CPU seconds in save, restore
+                stages = {codec: _stage_cpu(ms[codec][0]) for codec in group}
                 for _ in range(repeat):
                     for codec in group:
                         m, e = ms[codec]
                         b = best[codec]
                         m.invalidate(all=True)
+                        c0 = time.thread_time()
                         r = m.save(e.engine_id, chunks[codec])
+                        c1 = time.thread_time()
                         b[0], b[2], b[3] = min(b[0], r.seconds), r.stored_bytes, r.logical_bytes
                         rr = m.restore(e.engine_id, chunks[codec])
+                        c2 = time.thread_time()
                         assert all(rr.restored), rr.misses
                         b[1] = min(b[1], rr.seconds)
+                        cpu[codec][0] += c1 - c0
+                        cpu[codec][1] += c2 - c1
                         bar.update()
                 for codec in group:
                     save_s, restore_s, stored, logical = best[codec]
-                    run = {"codec": codec, "segment_bytes": seg, "segments": len(chunks[codec]) * layers * 2,
+                    nseg = len(chunks[codec]) * layers * 2
+                    run = {"codec": codec, "segment_bytes": seg, "segments": nseg,
+                           "save_cpu_us_per_segment": cpu[codec][0] / (repeat * nseg) * 1e6,
+                           "restore_cpu_us_per_segment": cpu[codec][1] / (repeat * nseg) * 1e6,
+                           "stage_cpu_us_per_segment": _stage_delta(stages[codec], _stage_cpu(ms[codec][0])),
                            "logical_bytes": logical, "stored_bytes": stored,
                            "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
                            "raw_segments": dict(ms[codec][0].stats().raw_segments)}
@@ -266,6 +278,27 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
             r[f"{op}_bound_gbs"] = r[f"{op}_baseline_gbs"] * r["logical_bytes"] / r["stored_bytes"]
             if none:
                 r[f"{op}_bound_vs_none"] = r[f"{op}_bound_gbs"] / none[f"{op}_gbs"]
+    return out
+
+
+def _stage_cpu(m: Manager) -> dict[str, tuple[float, int]]:
+    """The Manager's host CPU seconds and segments per pipeline stage (none before the stages were counted)."""
+    s = m.stats()
+    seconds, segments = getattr(s, "host_cpu_seconds", {}), getattr(s, "host_cpu_segments", {})
+    return {k: (seconds[k], segments.get(k, 0)) for k in seconds}
+
+
+def _stage_delta(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Host CPU microseconds per segment of each stage between two :func:`_stage_cpu` snapshots; ``save_other``
+    and ``restore_other`` are what the whole request spent outside the named stages (planning, keys, counting)."""
+    out: dict[str, float] = {}
+    for k, (s, n) in after.items():
+        s0, n0 = before.get(k, (0.0, 0))
+        if n > n0:
+            out[k] = (s - s0) / (n - n0) * 1e6
+    for op in ("save", "restore"):
+        if op in out:
+            out[f"{op}_other"] = out[op] - sum(v for k, v in out.items() if k.startswith(op + "_"))
     return out
 
 
@@ -474,6 +507,21 @@ def _markdown(res: dict, command: str) -> str:
                          f"{r.get('restore_vs_none', float('nan')):.2f} | {r['stored_bytes'] / r['logical_bytes']:.3f} | "
                          f"{r.get('save_bound_vs_none', float('nan')):.2f} / {r.get('restore_bound_vs_none', float('nan')):.2f} |")
         lines.append("")
+        if any("save_cpu_us_per_segment" in r for r in t["runs"]):
+            names = sorted({k for r in t["runs"] for k in r.get("stage_cpu_us_per_segment", {})},
+                           key=lambda k: (not k.startswith("save"), k not in ("save", "restore"), k.endswith("_other"), k))
+            lines += ["Host CPU per segment (this thread's `time.thread_time` around each call, all repeats, divided by "
+                      "the segments; on this CPU path it includes the copies and CRC32C the host does). Stages: the "
+                      "Manager's own counts (`ManagerStats.host_cpu_seconds`); `*_other` is the request's time outside "
+                      "the named stages.", "",
+                      "| codec | segment | save us/seg | restore us/seg | " + " | ".join(names) + " |",
+                      "| --- | ---: | ---: | ---: |" + " ---: |" * len(names)]
+            for r in t["runs"]:
+                st = r.get("stage_cpu_us_per_segment", {})
+                lines.append(f"| {r['codec']} | {r['segment_bytes'] >> 10} KiB | {r['save_cpu_us_per_segment']:.2f} | "
+                             f"{r['restore_cpu_us_per_segment']:.2f} | "
+                             + " | ".join(f"{st[k]:.2f}" if k in st else "-" for k in names) + " |")
+            lines.append("")
     if "dataplane" in res:
         d = res["dataplane"]
         lines += ["## Remote data plane", "", f"Client in this process, {d['server']}, over {d['endpoint']}; "

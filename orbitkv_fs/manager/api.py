@@ -258,6 +258,14 @@ class ManagerStats(msgspec.Struct, frozen=True):
     #: SSD into device memory and decoded there (the rest go through DRAM and io_uring writeback).
     ssd_direct_writes: int = 0
     ssd_direct_reads: int = 0
+    #: Host CPU time of the pipelines' stages (the calling thread's ``time.thread_time``), and the segments
+    #: each stage handled: seconds / segments is a stage's host cost per segment. Stages: ``save`` (the
+    #: whole request), ``save_encode`` (gather, header and CRC32C, or a codec batch's gather and encode
+    #: submit), ``save_publish`` (collect, copy-in and publish); ``restore`` (the whole request),
+    #: ``restore_acquire`` (lease the sources), ``restore_verify`` (headers and CRC32C against their
+    #: destinations), ``restore_write`` (decode and scatter into the engine's blocks).
+    host_cpu_seconds: dict[str, float] = {}
+    host_cpu_segments: dict[str, int] = {}
 
 
 @runtime_checkable

@@ -88,6 +88,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, LowerTier
         self._raw: dict[str, int] = {}
         self._workspace = 0
         self._durations = {name: DurationCounter() for name in _DURATIONS.values()}
+        self._cpu_stages: dict[str, list] = {}  # stage -> [host CPU seconds, segments]
         self._inflight = 0
         self._closed = False
         # Prefix memory for prefetch: namespace + chunk -> the chunks that followed it in a save or

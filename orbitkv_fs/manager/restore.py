@@ -52,7 +52,7 @@ class RestorePipeline:
         ``lease_id`` (from :meth:`lookup`, of this engine) is released when the restore ends, whether it
         succeeded or failed. ``layers`` restores only those layers' segments (an engine loading layer by
         layer); ``restored[i]`` then says whether every segment of those layers was written."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         eng = self._enter(engine_id, caller)
         held = _Lease(engine_id)
         consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
@@ -84,7 +84,11 @@ class RestorePipeline:
             fresh: set[bytes] = set()  # keys whose source bytes were just validated in full (private copies)
             # SSD keys read into device memory and decoded there (the cuFile direct path), not sourced here.
             device: set[bytes] | None = set() if self._ssd_direct(eng) else None
+            nkeys = len(chunks) * len(segs)
+            c1 = time.thread_time()
             sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device)
+            c2 = time.thread_time()
+            self._cpu("restore_acquire", c2 - c1, nkeys)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: check every source against its destination; write nothing yet. Segments bound for
@@ -128,6 +132,8 @@ class RestorePipeline:
                             f"bytes of {h.dtype}, the {len(ch.blocks)} destination blocks take {want} bytes of "
                             f"{seg.dtype}")
                     plan.append((ci, seg, ch, h, memoryview(src)))
+            c3 = time.thread_time()
+            self._cpu("restore_verify", c3 - c2, nkeys)
             # Phase 2: decode and scatter. With the GPU codec engine, coded segments go through it in
             # batches, and raw segments bound for GPU blocks in one upload per batch; the rest segment by
             # segment on the host.
@@ -164,6 +170,7 @@ class RestorePipeline:
 
                 cupy.cuda.get_current_stream().synchronize()
                 del uploads
+            self._cpu("restore_write", time.thread_time() - c3, len(done))
             for ci, seg, ch, h, err in done:
                 if err is not None:
                     log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
@@ -176,6 +183,7 @@ class RestorePipeline:
             misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
             self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources and k not in served_ssd))
             dt = time.perf_counter() - t0
+            self._cpu("restore", time.thread_time() - c0, nkeys)
             self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
                       restore_seconds=dt)
             return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,

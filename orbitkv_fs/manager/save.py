@@ -104,7 +104,7 @@ class SavePipeline:
         """Gather each chunk's blocks per (layer, role) into segments, encode them in batches, admit them
         to DRAM (evicting, and demoting to the lower tier, as needed). Chunks already present are skipped.
         Raises :class:`RequestError` before doing anything when a block id or key is bad."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         eng = self._enter(engine_id, caller)
         try:
             self._check_chunks(eng, chunks)
@@ -123,6 +123,7 @@ class SavePipeline:
                 if kb in acc.admitted:
                     saved_chunks.add(ch.key)
             dt = time.perf_counter() - t0
+            self._cpu("save", time.thread_time() - c0, len(todo))
             self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
                       dropped_segments=acc.dropped)
             return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=len(acc.admitted),
@@ -158,6 +159,7 @@ class SavePipeline:
 
     def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
         """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
+        c0 = time.thread_time()
         ch, seg, kb = item
         n = len(ch.blocks) * seg.block_bytes
         total = HEADER_SIZE + n
@@ -181,12 +183,16 @@ class SavePipeline:
         except BaseException:
             self.dram.cancel(off, total)
             raise
+        c1 = time.thread_time()
         if self.dram.publish(kb, off, total, n, int(Format.RAW)) is not None:
             acc.admit(kb, n, total)
             self._count(self._codec_segments, "raw")
             if seg.raw_reason != RawReason.NONE:
                 acc.raw[reason] = acc.raw.get(reason, 0) + 1
                 self._count(self._raw, reason)
+        c2 = time.thread_time()
+        self._cpu("save_encode", c1 - c0, 1)
+        self._cpu("save_publish", c2 - c1, 1)
 
     def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
                       acc: "_SaveAcc") -> None:
@@ -197,6 +203,7 @@ class SavePipeline:
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
         done here with the host codecs."""
+        c0 = time.thread_time()
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
         sb = _SaveBatch(batch)
@@ -231,6 +238,7 @@ class SavePipeline:
             self._save_abort(sb)
             raise
         sb.seconds = time.perf_counter() - t0
+        self._cpu("save_encode", time.thread_time() - c0, len(batch))
         return sb
 
     def _save_abort(self, sb: "_SaveBatch") -> None:
@@ -250,7 +258,7 @@ class SavePipeline:
 
     def _save_finish(self, eng: _Engine, sb: "_SaveBatch", acc: "_SaveAcc") -> None:
         """Wait for a submitted batch and admit its segments to DRAM (or hand them to the lower tier)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             blobs = sb.blobs if sb.job is None else sb.engine.encode_collect(sb.job)
         except BaseException:
@@ -320,6 +328,7 @@ class SavePipeline:
                 self._raw[name] = self._raw.get(name, 0) + n
         for name, n in raws.items():
             acc.raw[name] = acc.raw.get(name, 0) + n
+        self._cpu("save_publish", time.thread_time() - c0, len(sb.batch))
 
     def _ssd_direct(self, eng: _Engine) -> bool:
         """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves

@@ -5,12 +5,11 @@ Primitives: :meth:`Counters._add` (counters; ``*_seconds`` also observe their hi
 reasons), :meth:`Counters._workspace_delta`, :meth:`Counters.stats`.
 
 State owned: ``_stat_lock``, ``_c``, ``_hits``, ``_codec_segments``, ``_raw``, ``_workspace``,
-``_durations``. Invariants: every update takes ``_stat_lock`` once; :meth:`~Counters.stats` is one
+``_durations``, ``_cpu_stages`` (:meth:`Counters._cpu`: host CPU seconds and segments per pipeline stage). Invariants: every update takes ``_stat_lock`` once; :meth:`~Counters.stats` is one
 consistent snapshot of them (DRAM's own figures under the tier's lock).
 """
 
 from __future__ import annotations
-
 
 from .api import ManagerStats
 from .verify import _REP_NAMES
@@ -44,6 +43,15 @@ class Counters:
         with self._stat_lock:
             self._c[key] += seconds
             self._durations[_DURATIONS[key]].observe(seconds / n, n)
+
+    def _cpu(self, stage: str, seconds: float, segments: int) -> None:
+        """``seconds`` of host CPU time spent in pipeline ``stage`` on ``segments`` segments."""
+        with self._stat_lock:
+            c = self._cpu_stages.get(stage)
+            if c is None:
+                c = self._cpu_stages[stage] = [0.0, 0]
+            c[0] += seconds
+            c[1] += segments
 
     def _count(self, table: dict[str, int], name: str, n: int = 1) -> None:
         with self._stat_lock:
@@ -103,4 +111,6 @@ class Counters:
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
                 leases_expired=int(c["leases_expired"]), ssd_direct_writes=int(c["ssd_direct_writes"]),
-                ssd_direct_reads=int(c["ssd_direct_reads"]))
+                ssd_direct_reads=int(c["ssd_direct_reads"]),
+                host_cpu_seconds={k: v[0] for k, v in self._cpu_stages.items()},
+                host_cpu_segments={k: v[1] for k, v in self._cpu_stages.items()})
