@@ -7,6 +7,10 @@ normative description; this module is its only implementation. Primitives:
   :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` packs a batch's headers that differ
   only in their payload CRC from one validated template each.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
+* :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs` -- a batch's headers as one numpy array
+  of rows: a validated template row per distinct header, the payload CRCs set as a column and every
+  header's own CRC32C computed at once (the CRC is affine in the payload-CRC field, so it is the
+  template's CRC combined with four table lookups; the bytes are exactly :func:`pack_header`'s).
 * :func:`parse_segment` -- validate a whole segment (header, lengths, payload CRC) and return a view
   of its payload.
 
@@ -349,6 +353,51 @@ class HeaderTemplates:
         _CRC.pack_into(buf, offset + _PAYLOAD_CRC_AT, payload_crc)
         _CRC.pack_into(buf, offset + _CRC_SPAN, _crc32c.crc32c(buf[offset:offset + _CRC_SPAN]))
         return msgspec.structs.replace(h0, payload_crc=payload_crc)
+
+
+#: The header as a numpy structured dtype (the fields of ``_STRUCT``, little-endian, 64 bytes): a batch of
+#: headers is an array of these rows.
+HEADER_DTYPE = np.dtype([
+    ("magic", "S4"), ("version", "<u2"), ("format", "u1"), ("flags", "u1"), ("bits", "u1"), ("role", "u1"),
+    ("head_dim", "<u2"), ("layer", "<u2"), ("sign_version", "u1"), ("dtype", "u1"), ("original_length", "<u4"),
+    ("stored_length", "<u4"), ("payload_crc", "<u4"), ("rotation_seed", "<u4"), ("codec_version", "u1"),
+    ("ans_type", "u1"), ("raw_reason", "u1"), ("reserved", "V25"), ("header_crc", "<u4")])
+assert HEADER_DTYPE.itemsize == HEADER_SIZE and HEADER_DTYPE.fields["payload_crc"][1] == _PAYLOAD_CRC_AT
+
+
+def _crc_tables() -> np.ndarray:
+    """``T[j, b]``: how byte ``b`` at byte ``j`` of the payload-CRC field changes a header's own CRC32C
+    (CRC32C of equal-length messages is affine: crc(a ^ b) = crc(a) ^ crc(b) ^ crc(zeros))."""
+    zeros = bytes(_CRC_SPAN)
+    z = _crc32c.crc32c(zeros)
+    t = np.empty((4, 256), dtype=np.uint32)
+    msg = bytearray(_CRC_SPAN)
+    for j in range(4):
+        for b in range(256):
+            msg[_PAYLOAD_CRC_AT + j] = b
+            t[j, b] = _crc32c.crc32c(msg) ^ z
+        msg[_PAYLOAD_CRC_AT + j] = 0
+    return t
+
+
+_HEADER_CRC_TABLES = _crc_tables()
+
+
+def header_row(h: SegmentHeader) -> tuple[np.ndarray, int]:
+    """The template of headers like ``h`` but for their payload CRC: :func:`pack_header`'s bytes of ``h``
+    with a zero payload CRC, as one :data:`HEADER_DTYPE` row, and the CRC32C of its first 60 bytes.
+    Validates ``h`` (raises as :func:`pack_header`)."""
+    raw = pack_header(msgspec.structs.replace(h, payload_crc=0))
+    return np.frombuffer(raw, dtype=HEADER_DTYPE, count=1).copy(), _crc32c.crc32c(raw[:_CRC_SPAN])
+
+
+def header_crcs(template_crcs: np.ndarray, payload_crcs: np.ndarray) -> np.ndarray:
+    """The header CRC32C of each row whose template (:func:`header_row`) had CRC ``template_crcs[i]``,
+    once its payload-CRC field is ``payload_crcs[i]`` (uint32 arrays of one length)."""
+    p = payload_crcs.astype(np.uint32, copy=False)
+    t = _HEADER_CRC_TABLES
+    return (template_crcs.astype(np.uint32, copy=False) ^ t[0][p & 0xFF] ^ t[1][(p >> 8) & 0xFF]
+            ^ t[2][(p >> 16) & 0xFF] ^ t[3][p >> 24])
 
 
 def parse_header(buf: "bytes | bytearray | memoryview") -> SegmentHeader:

@@ -295,6 +295,33 @@ def test_corrupt_segment_is_a_miss(engine):
         assert_reservations_zero(m)
 
 
+@pytest.mark.parametrize("offset", [HEADER_SIZE + 100, 13, 61], ids=["payload", "header", "header-crc"])
+def test_a_corrupt_exact_segment_misses_its_chunk_and_writes_none_of_it(engine, offset):
+    """Exact segments of host pages are checked a batch at a time: a flipped payload, header or header-CRC
+    byte in the last segment of a chunk is a miss for that chunk, none of whose blocks is written; the
+    other chunks are restored."""
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20)) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(3)
+        m.save(e.engine_id, ch)
+        key = ObjectKey(bytes.fromhex(e.namespace), ch[1].key, L - 1, Role.VALUE)  # the chunk's last segment
+        lid, (ext,) = m.lease_objects([key])
+        m.dram.view(ext.offset + offset, 1)[0] ^= 0x10
+        m.release(lid)
+        zero(pages)
+        res = m.restore(e.engine_id, ch)
+        assert res.restored == [True, False, True]
+        assert res.misses[0].key == ch[1].key and res.misses[0].reason.startswith("corrupt: ")
+        assert res.segments == 2 * 2 * L and m.stats().decode_failures == 1
+        for name in pages.tensors:
+            a = pages.array(name).view(np.uint16)
+            assert np.array_equal(a[[0, 1, 4, 5]], orig[name][[0, 1, 4, 5]].view(np.uint16))
+            assert not a[[2, 3]].any()  # the corrupt chunk: nothing written
+        assert_reservations_zero(m)
+
+
 def test_invalidate_flush_and_listing(engine):
     pages, reg = engine
     with Manager(ManagerConfig(pool_size=8 << 20)) as m:
@@ -361,14 +388,14 @@ def test_unregister_waits_and_releases(engine):
         m.lookup(e.engine_id, [c.key for c in ch])  # a lease the engine never releases
         started = threading.Event()
         gate = threading.Event()
-        real_write = m._write
+        real_write = m._write_host_batch  # exact segments of host pages are written a batch at a time
 
         def slow_write(*a, **kw):
             started.set()
             gate.wait(5)
             return real_write(*a, **kw)
 
-        m._write = slow_write  # fault injection: hold a restore in flight
+        m._write_host_batch = slow_write  # fault injection: hold a restore in flight
         t = threading.Thread(target=m.restore, args=(e.engine_id, ch))
         t.start()
         started.wait(5)
@@ -525,6 +552,60 @@ def test_a_batch_failing_to_publish_leaves_no_reservation(engine, monkeypatch):
         r = m.save(e.engine_id, chunks)  # the rest, on a second try
         assert (r.chunks_present, r.chunks_saved) == (2, 2)  # batch 1 (its segments before the failure) and 2
         assert_reservations_zero(m)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_exact_batch_failing_mid_batch_returns_every_reservation(engine, monkeypatch, batch):
+    """Exact segments of host pages are saved a batch at a time (one chunk per batch here): a failure at
+    the third segment of a batch (its CRC32C) raises; the batches before it stay published, and the arena's
+    used bytes are exactly theirs: every reservation of the failing batch went back."""
+    import orbitkv_fs.manager.hostpath as hostpath
+
+    pages, reg = engine
+    real = hostpath._crc32c
+    calls = [0]
+
+    class FailingCrc:  # fault injection: the CRC32C of one segment raises
+        @staticmethod
+        def crc32c(data, value=0):
+            calls[0] += 1
+            if calls[0] == (batch - 1) * 2 * L + 3:
+                raise RuntimeError("injected CRC failure")
+            return real.crc32c(data, value)
+
+    with Manager(ManagerConfig(pool_size=8 << 20, batch_segments=2 * L)) as m:
+        e = m.register_engine(reg)
+        start = m.stats().pool_used_bytes
+        chunks = chunks_for(4)
+        monkeypatch.setattr(hostpath, "_crc32c", FailingCrc)
+        with pytest.raises(RuntimeError, match="injected"):
+            m.save(e.engine_id, chunks)
+        assert_reservations_zero(m)
+        st = m.stats()
+        assert st.pool_used_bytes - start == sum(st.resident_bytes["dram"].values())
+        assert (st.pool_used_bytes == start) == (batch == 1)
+        assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == batch - 1
+        monkeypatch.undo()
+        assert m.save(e.engine_id, chunks).chunks_saved == 4 - (batch - 1)
+        assert_reservations_zero(m)
+
+
+def test_an_exact_batch_failing_to_publish_returns_every_reservation(engine, monkeypatch):
+    """The second batch of exact segments fails to publish: the save raises, the first batch stays
+    published, and the arena's used bytes are exactly the first batch's."""
+    from orbitkv_fs.tiers.dram import DramTier
+
+    pages, reg = engine
+    _fail_at(monkeypatch, DramTier, "publish_many", 2, "injected publish failure")
+    with Manager(ManagerConfig(pool_size=8 << 20, batch_segments=2 * L)) as m:
+        e = m.register_engine(reg)
+        chunks = chunks_for(4)
+        with pytest.raises(RuntimeError, match="injected"):
+            m.save(e.engine_id, chunks)
+        assert_reservations_zero(m)
+        st = m.stats()
+        assert st.pool_used_bytes == sum(st.resident_bytes["dram"].values()) > 0
+        assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == 1
 
 
 def test_pipelined_starts_the_next_item_before_ending_the_last_and_ends_every_started_one():

@@ -2,7 +2,7 @@
 
 It holds the shared state (config, the DRAM tier, the lower tier, the locks) and is composed of parts
 with one job each, one module per part: :mod:`.registry` (engines), :mod:`.leases`, :mod:`.lookup`,
-:mod:`.save`, :mod:`.restore`, :mod:`.lower` (the tier below DRAM), :mod:`.arena` (peers and transfers),
+:mod:`.save`, :mod:`.restore`, :mod:`.hostpath` (their batches of exact host segments), :mod:`.lower` (the tier below DRAM), :mod:`.arena` (peers and transfers),
 :mod:`.batching`, :mod:`.stats`. Here only construction and shutdown.
 
 Invariants: :meth:`Manager.close` unregisters every engine, drops every lease, closes the lower tier and
@@ -33,11 +33,12 @@ from .lookup import Lookup
 from .save import SavePipeline
 from .restore import RestorePipeline
 from .arena import ArenaAccess
+from .hostpath import HostPath
 
 log = logging.getLogger("orbitkv_fs.manager")
 
 
-class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, LowerTierCoordination,
+class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath, LowerTierCoordination,
               ArenaAccess, Batching, Counters):
     """One per host (remote mode) or per engine process (embedded mode). Thread-safe."""
 

@@ -97,8 +97,10 @@ class Leases:
             self.dram.unlease(lease.entries)
             lease.entries = []
 
-    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict) -> list[bytes]:
-        """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out``; the keys not there."""
+    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict,
+                    spans: dict[bytes, tuple[int, int]] | None = None) -> list[bytes]:
+        """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out`` (and their arena
+        ``(offset, length)`` into ``spans``); the keys not there."""
         missing = []
         for kb, f in zip(kbs, self.dram.lease(kbs)):
             if f is None:
@@ -107,4 +109,6 @@ class Leases:
             slot, gen, off, length = f
             held.entries.append((slot, gen))
             out[kb] = memoryview(self.dram.view(off, length))
+            if spans is not None:
+                spans[kb] = (off, length)
         return missing

@@ -46,10 +46,10 @@ from ..geometry import (
 )
 from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor
-from ..segment import RawReason, Role, dtype_code
+from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
 from ..tiers.dram import arena_dir
 from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, UnknownEngine
-from .device import _array_module, _rows_of, _run_of
+from .device import _array_module, _rows_of, _run_of, _to_host
 from .batching import _coded_bound
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class _Seg:
     """One segment of every chunk of an engine: a (layer, role) of one tensor, and how to code it."""
 
     __slots__ = ("layer", "role", "desc", "codec", "raw_reason", "block_shape", "block_bytes", "dtype", "dtype_code",
-                 "view", "base", "copy", "on_host", "codec_name", "_bounds")
+                 "view", "base", "copy", "on_host", "codec_name", "_bounds", "_heads")
 
     def __init__(self, reg: EngineRegistration, desc: TensorDesc, array, role: Role, codec: Codec | None,
                  raw_reason: RawReason) -> None:
@@ -73,6 +73,7 @@ class _Seg:
         self.codec_name = codec.codec_id if codec is not None else "none"
         self.raw_reason = raw_reason
         self._bounds: dict[int, int] = {}  # blocks in a chunk -> coded_bound
+        self._heads: dict[int, tuple[np.ndarray, int]] = {}  # payload bytes -> raw header template
         self.dtype = np.dtype(parse_dtype(desc.dtype))
         try:  # what a segment header of this tensor says (None: no header can match a dtype the format lacks)
             self.dtype_code: int | None = dtype_code(self.dtype)
@@ -115,6 +116,31 @@ class _Seg:
         if b is None:
             b = self._bounds[nblocks] = _coded_bound(self, nblocks * self.block_bytes)
         return b
+
+    def raw_header(self, n: int) -> tuple[np.ndarray, int]:
+        """The header template (:func:`~orbitkv_fs.segment.header_row`) of this segment stored raw with an
+        ``n``-byte payload: what a save writes, and what a restore expects, of an exact segment."""
+        t = self._heads.get(n)
+        if t is None:
+            t = self._heads[n] = header_row(SegmentHeader(Format.RAW, self.dtype, n, n, 0, role=self.role,
+                                                          layer=self.layer, raw_reason=self.raw_reason))
+        return t
+
+    def gather_into(self, blocks: Sequence[int], out: np.ndarray) -> None:
+        """Copy the blocks into the host array ``out`` (``[len(blocks), *block_shape]`` of the segment's
+        dtype): one copy where the layout has a block-major host view, else a copy per block."""
+        base = self.base
+        if type(base) is np.ndarray:
+            run = _run_of(blocks)
+            if run is not None:
+                np.copyto(out, base[run])
+            elif base.dtype == out.dtype:
+                np.take(base, blocks, axis=0, out=out)
+            else:
+                np.copyto(out, np.take(base, blocks, axis=0))
+            return
+        for j, b in enumerate(blocks):
+            _to_host(self.view(b), out[j])
 
     def gather(self, blocks: Sequence[int]):
         """The blocks as one C-contiguous array ``[len(blocks), *block_shape]`` of the pages' kind (numpy

@@ -85,8 +85,11 @@ class RestorePipeline:
             # SSD keys read into device memory and decoded there (the cuFile direct path), not sourced here.
             device: set[bytes] | None = set() if self._ssd_direct(eng) else None
             nkeys = len(chunks) * len(segs)
+            on_device = eng.info.device != "host"
+            # Host pages: the DRAM extents' places, for the batch checks of exact segments (_check_host_batch).
+            spans: dict[bytes, tuple[int, int]] | None = None if on_device else {}
             c1 = time.thread_time()
-            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device)
+            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device, spans)
             c2 = time.thread_time()
             self._cpu("restore_acquire", c2 - c1, nkeys)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
@@ -99,13 +102,17 @@ class RestorePipeline:
             # is written; a header whose fields disagree is verified at once, to tell corruption (a miss)
             # from a wrong request (RequestError).
             gpu = self._gpu_codecs
-            on_device = eng.info.device != "host"
             gpu_checks = gpu is not None and on_device
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
             deferred: list[tuple[int, _Seg, ChunkBlocks, None, memoryview, bytes]] = []  # headers checked later
             from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
+            # Exact segments of host pages in DRAM: checked as one batch; the other chunks segment by segment.
+            checked = self._check_host_batch(chunks, segs, keys, spans) if spans else []
+            batched = {c[0] for c in checked}
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+                if ci in batched:
+                    continue
                 for seg, kb in zip(segs, ks):
                     src = sources.get(kb)
                     if src is None and device and kb in device:
@@ -140,7 +147,8 @@ class RestorePipeline:
             # The direct path's chunks first: one whose SSD record fails is marked bad before any other
             # segment of it is written.
             done_ssd, served_ssd = self._restore_ssd_device(eng, from_ssd, bad, reasons)
-            segments = logical = stored = 0
+            segments, logical = self._write_host_batch(chunks, segs, checked, bad) if checked else (0, 0)
+            stored = logical + HEADER_SIZE * segments
             coded: list[tuple[int, _Seg, ChunkBlocks, "SegmentHeader | None", memoryview, bytes]] = deferred
             raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []
             done: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, Exception | None]] = done_ssd
@@ -170,7 +178,7 @@ class RestorePipeline:
 
                 cupy.cuda.get_current_stream().synchronize()
                 del uploads
-            self._cpu("restore_write", time.thread_time() - c3, len(done))
+            self._cpu("restore_write", time.thread_time() - c3, nkeys)
             for ci, seg, ch, h, err in done:
                 if err is not None:
                     log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
@@ -201,15 +209,17 @@ class RestorePipeline:
     def _acquire(self, kbs: list[bytes], held: _Lease, reasons: dict[bytes, str],
                  tally: dict[str, int] | None = None,
                  fresh: set[bytes] | None = None,
-                 device: set[bytes] | None = None) -> dict[bytes, "memoryview | bytes"]:
+                 device: set[bytes] | None = None,
+                 spans: dict[bytes, tuple[int, int]] | None = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
         the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
         direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
-        (counted in ``tally["lower"]``): the caller reads them into device memory itself."""
+        (counted in ``tally["lower"]``): the caller reads them into device memory itself. ``spans`` gets
+        the arena ``(offset, length)`` of each DRAM extent leased."""
         out: dict[bytes, memoryview | bytes] = {}
-        missing = self._lease_dram(kbs, held, out)
+        missing = self._lease_dram(kbs, held, out, spans)
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and device is not None and self.lower is not None:
             device.update(kb for kb in missing if self.lower.contains(ObjectKey.unpack(kb)))

@@ -1,7 +1,7 @@
 """The save pipeline: engine pages -> segments -> DRAM (or straight to the lower tier).
 
 Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the segments not cached yet),
-:meth:`~SavePipeline._save_raw` (exact segments of host pages, gathered straight into their arena extents),
+exact segments of host pages go to :meth:`~orbitkv_fs.manager.hostpath.HostPath._save_raw_batch`,
 :meth:`~SavePipeline._save_submit` / :meth:`~SavePipeline._save_finish` / :meth:`~SavePipeline._save_abort`
 (one codec batch: gather and encode, then publish), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
 direct path), :meth:`~SavePipeline._demote_direct` (DRAM full of leased objects). :class:`_SaveAcc` sums
@@ -20,23 +20,14 @@ import numpy as np
 from typing import Iterable, Iterator, Sequence
 
 from ..access import Caller
-from ..codecs import encode_segment, raw_segment
+from ..codecs import encode_segment
 from ..keys import ObjectKey, pack_key
-from ..segment import (
-    HEADER_SIZE,
-    MAX_STORED_BYTES,
-    Format,
-    RawReason,
-    SegmentHeader,
-    crc32c,
-    pack_header_into,
-    parse_header,
-)
+from ..segment import Format, parse_header
 from ..hostmem import host_address
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError, SaveResult
 from .verify import _REP_NAMES
-from .device import _gather_batch, _gather_device, _gather_host, _to_host
+from .device import _gather_batch, _gather_device, _gather_host
 from .batching import _pipelined
 from .registry import _Engine, _Seg
 
@@ -136,11 +127,16 @@ class SavePipeline:
         """The ``(chunk, seg, key)`` segments of a save that go through the codecs, generated as the
         pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are looked
         at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages are
-        saved here, straight into the arena; ``acc.present`` counts the chunks present in full already."""
+        saved here, straight into the arena, a batch at a time; ``acc.present`` counts the chunks present in
+        full already."""
         nseg = len(eng.segs)
         # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
         # device-to-host copy into the arena per batch) rather than a host copy per block.
         raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
+        # ... and exact segments of host pages go straight into the arena, in batches (_save_raw_batch).
+        raw: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+        raw_bytes = 0
+        cap_segments, cap_bytes = self._raw_batch_cap()
         for ch in chunks:
             have = self.dram.chunk_count(eng.ns + ch.key)
             if have >= nseg:
@@ -153,46 +149,15 @@ class SavePipeline:
                 item = (ch, seg, kb)
                 todo.append(item)
                 if seg.codec is None and raw_on_host:
-                    self._save_raw(eng, item, acc)
+                    raw.append(item)
+                    raw_bytes += len(ch.blocks) * seg.block_bytes
+                    if len(raw) >= cap_segments or raw_bytes >= cap_bytes:
+                        self._save_raw_batch(raw, acc)
+                        raw, raw_bytes = [], 0
                     continue
                 yield item
-
-    def _save_raw(self, eng: _Engine, item: tuple[ChunkBlocks, _Seg, bytes], acc: "_SaveAcc") -> None:
-        """Exact segments are gathered straight into their arena extent: one copy, CRC over the arena."""
-        c0 = time.thread_time()
-        ch, seg, kb = item
-        n = len(ch.blocks) * seg.block_bytes
-        total = HEADER_SIZE + n
-        reason = seg.raw_reason.name.lower()
-        if total > MAX_STORED_BYTES:
-            raise RequestError(f"chunk of {len(ch.blocks)} blocks makes a {n}-byte segment, over the "
-                               f"{MAX_STORED_BYTES}-byte bound")
-        off = self.dram.reserve(total)
-        if off is None:
-            self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
-                                                reason=seg.raw_reason), acc)
-            return
-        try:
-            body = self.dram.view(off + HEADER_SIZE, n)
-            dst = body.view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape)
-            for j, b in enumerate(ch.blocks):
-                _to_host(seg.view(b), dst[j])
-            h = SegmentHeader(Format.RAW, seg.dtype, n, n, crc32c(body), role=seg.role, layer=seg.layer,
-                              raw_reason=seg.raw_reason)
-            pack_header_into(h, self.dram.view(off, HEADER_SIZE))
-        except BaseException:
-            self.dram.cancel(off, total)
-            raise
-        c1 = time.thread_time()
-        if self.dram.publish(kb, off, total, n, int(Format.RAW)) is not None:
-            acc.admit(kb, n, total)
-            self._count(self._codec_segments, "raw")
-            if seg.raw_reason != RawReason.NONE:
-                acc.raw[reason] = acc.raw.get(reason, 0) + 1
-                self._count(self._raw, reason)
-        c2 = time.thread_time()
-        self._cpu("save_encode", c1 - c0, 1)
-        self._cpu("save_publish", c2 - c1, 1)
+        if raw:
+            self._save_raw_batch(raw, acc)
 
     def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
                       acc: "_SaveAcc") -> None:

@@ -279,6 +279,35 @@ class DramTier:
                 if not self._evict_one():
                     return None
 
+    def reserve_many(self, sizes: Sequence[int]) -> list[int | None]:
+        """:meth:`reserve` of each of ``sizes`` under one lock round (a save batch's segments): one extent
+        carved into consecutive pieces where one is free (each piece is an extent of its own from then on:
+        published, cancelled and freed alone), else one extent per size, evicting as needed; None for each
+        size that found no room."""
+        units = [units_of(n) for n in sizes]
+        with self.lock:
+            total = sum(units)
+            start = self.alloc.alloc(total)
+            if start is not None:
+                self.reserved_bytes += total * UNIT
+                out: list[int | None] = []
+                for n in units:
+                    out.append(start * UNIT)
+                    start += n
+                return out
+            out = []
+            for n in units:
+                while True:
+                    start = self.alloc.alloc(n)
+                    if start is not None:
+                        self.reserved_bytes += n * UNIT
+                        out.append(start * UNIT)
+                        break
+                    if not self._evict_one():
+                        out.append(None)
+                        break
+            return out
+
     def cancel(self, offset: int, nbytes: int) -> None:
         n = units_of(nbytes)
         with self.lock:
@@ -296,11 +325,17 @@ class DramTier:
                 self.prefetched.add(added[0])
             return added
 
-    def publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]]) -> list[bool]:
+    def publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]],
+                     done: list[bool] | None = None) -> list[bool]:
         """:meth:`publish` of each ``(key, offset, length, logical, rep)`` under one lock round (a save
-        batch's segments); per item, whether it was published (False: present already, reservation freed)."""
+        batch's segments); per item, whether it was published (False: present already, reservation freed).
+        With ``done``, the answers are appended to it as they are made: should this raise part way, the
+        items past ``len(done)`` were not published and are still reserved."""
+        out = [] if done is None else done
         with self.lock:
-            return [self._publish(*it) is not None for it in items]
+            for it in items:
+                out.append(self._publish(*it) is not None)
+        return out
 
     def _publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
         n = units_of(length)

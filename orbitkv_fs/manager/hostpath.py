@@ -1,0 +1,211 @@
+"""The host path of exact segments, as batches: save and restore of raw segments of host pages with one
+Python call per batch per stage, not per segment.
+
+Primitives: :meth:`HostPath._save_raw_batch` (a batch of exact segments of host pages: one reservation
+round, each segment gathered straight into its arena extent and its payload CRC32C taken there while the
+bytes are in cache, every header written at once from its template row with its CRC computed as an
+array, one publish round); :meth:`HostPath._check_host_batch` (a restore's DRAM-leased sources against
+the raw headers their destinations expect, every header compared and CRC-checked as one array) and
+:meth:`HostPath._write_host_batch` (per chunk: each payload CRC32C, then the scatter into the engine's
+blocks). Keys, offsets, lengths and CRCs are arrays per batch; per-segment Python is left to the two C
+calls a segment needs (its copy, its CRC32C) and to the segments that fail, which go to the
+per-segment path with its typed errors.
+
+Invariants: the segment bytes are exactly the per-segment path's (header templates from
+:func:`~orbitkv_fs.segment.header_row`, CRCs from :func:`~orbitkv_fs.segment.header_crcs`); nothing is
+published before its bytes, header and CRCs are in place; a batch that fails returns every reservation it
+still holds; a restore writes a chunk only once every segment of it passed its CRC32C, and a source this
+path does not recognise (another format, another header, a tier other than DRAM) is checked in full by the
+per-segment path instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Sequence
+
+import crc32c as _crc32c
+import numpy as np
+
+from ..codecs import raw_segment
+from ..segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, Format, RawReason, header_crcs
+
+from .api import ChunkBlocks, RequestError
+from .device import _gather_host
+from .registry import _Seg
+from .save import _SaveAcc
+
+_ROW = np.arange(HEADER_SIZE, dtype=np.int64)
+#: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
+_FIXED = np.r_[0:24, 28:60]
+_RAW = int(Format.RAW)
+
+
+class HostPath:
+    """Batches of exact segments of host pages."""
+
+    def _raw_batch_cap(self) -> tuple[int, int]:
+        """Segments and bytes of one raw batch: a codec batch, and at most an eighth of the pool (whose
+        earlier batches it may have to evict: a reservation cannot evict its own batch)."""
+        return self._config.batch_segments, min(self._batch_budget(), self.dram.capacity // 8)
+
+    def _save_raw_batch(self, items: list[tuple[ChunkBlocks, _Seg, bytes]], acc: _SaveAcc) -> None:
+        """Save exact segments of host pages: reserve every extent in one round, gather each segment into
+        its extent and take its payload CRC32C there, write the headers from their template rows, publish in
+        one round. A segment that found no room goes to the lower tier (or is dropped), as one at a time."""
+        c0 = time.thread_time()
+        k = len(items)
+        sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
+        for (ch, _, _), n in zip(items, sizes):
+            if n > MAX_STORED_BYTES:
+                raise RequestError(f"chunk of {len(ch.blocks)} blocks makes a {n}-byte segment, over the "
+                                   f"{MAX_STORED_BYTES}-byte bound")
+        offs = self.dram.reserve_many([n + HEADER_SIZE for n in sizes])
+        buf = self.dram.arena.buf
+        crcs = np.zeros(k, dtype=np.uint32)
+        tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
+        rows: list[np.ndarray] = []
+        bases: list[int] = []
+        tid = np.zeros(k, dtype=np.intp)
+        live: list[int] = []
+        done: list[bool] = []
+        todo: list[tuple[bytes, int, int, int, int]] = []
+        try:
+            crc = _crc32c.crc32c
+            with memoryview(buf) as mv:
+                for i, ((ch, seg, kb), off, n) in enumerate(zip(items, offs, sizes)):
+                    if off is None:
+                        continue
+                    p = off + HEADER_SIZE
+                    seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
+                    crcs[i] = crc(mv[p:p + n])  # right after the copy: the bytes are still in cache
+                    t = tmpl.get((id(seg), n))
+                    if t is None:
+                        row, base = seg.raw_header(n)
+                        t = tmpl[(id(seg), n)] = len(rows)
+                        rows.append(row)
+                        bases.append(base)
+                    tid[i] = t
+                    live.append(i)
+                    todo.append((kb, off, n + HEADER_SIZE, n, _RAW))
+            if live:
+                at = np.asarray(live, dtype=np.intp)
+                heads = np.concatenate(rows)[tid[at]]
+                heads["payload_crc"] = crcs[at]
+                heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid[at]], crcs[at])
+                where = np.asarray([offs[i] for i in live], dtype=np.int64)
+                buf[where[:, None] + _ROW] = heads.view(np.uint8).reshape(-1, HEADER_SIZE)
+            c1 = time.thread_time()
+            self.dram.publish_many(todo, done)
+        except BaseException:
+            # What publish_many did not reach is still reserved; so is everything when it was not called.
+            for kb, off, total, _, _ in todo[len(done):]:
+                self.dram.cancel(off, total)
+            started = set(live)
+            for i, off in enumerate(offs):
+                if off is not None and i not in started:
+                    self.dram.cancel(off, sizes[i] + HEADER_SIZE)
+            raise
+        admit = acc.admit
+        reasons: collections.Counter[str] = collections.Counter()
+        published = 0
+        for i, (kb, _, total, n, _), ok in zip(live, todo, done):
+            if ok:
+                admit(kb, n, total)
+                published += 1
+                reason = items[i][1].raw_reason
+                if reason != RawReason.NONE:
+                    reasons[reason.name.lower()] += 1
+        if published:
+            self._count(self._codec_segments, "raw", published)
+        for name, n in reasons.items():
+            acc.raw[name] = acc.raw.get(name, 0) + n
+            self._count(self._raw, name, n)
+        for i, off in enumerate(offs):  # no room in DRAM: one at a time, as before
+            if off is None:
+                ch, seg, kb = items[i]
+                self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
+                                                    reason=seg.raw_reason), acc)
+        c2 = time.thread_time()
+        self._cpu("save_encode", c1 - c0, k)
+        self._cpu("save_publish", c2 - c1, k)
+
+    def _check_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
+                          spans: dict[bytes, tuple[int, int]]) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """The chunks of a restore into host pages whose every segment is a DRAM extent (``spans``: key ->
+        offset, length) holding exactly the raw segment its destination expects: header bytes equal to its
+        template row but for the payload CRC, the header's CRC32C right, the extent exactly header plus
+        payload. Answers ``(chunk index, offsets, payload bytes, payload CRCs)`` per such chunk (payload
+        CRCs still to be checked); the other chunks are for the per-segment path."""
+        nseg = len(segs)
+        if not chunks or not nseg or len(spans) < nseg:
+            return []
+        cand: list[int] = []
+        offs: list[int] = []
+        lens: list[int] = []
+        for ci, ks in enumerate(keys):
+            got = [spans.get(kb) for kb in ks]
+            if None in got:
+                continue
+            cand.append(ci)
+            for off, length in got:
+                offs.append(off)
+                lens.append(length)
+        if not cand:
+            return []
+        m = len(cand)
+        # template rows: one per (seg, blocks in the chunk)
+        nblocks = [len(chunks[ci].blocks) for ci in cand]
+        sizes_of = {nb: np.asarray([nb * s.block_bytes for s in segs], dtype=np.int64) for nb in set(nblocks)}
+        order = {nb: j for j, nb in enumerate(sizes_of)}
+        heads = [s.raw_header(int(n)) for nb in sizes_of for s, n in zip(segs, sizes_of[nb])]
+        rows = np.concatenate([h[0] for h in heads]).view(np.uint8).reshape(-1, HEADER_SIZE)
+        bases = np.asarray([h[1] for h in heads], dtype=np.uint32)
+        tid = (np.asarray([order[nb] for nb in nblocks], dtype=np.intp)[:, None] * nseg
+               + np.arange(nseg, dtype=np.intp)).reshape(-1)
+        sizes = np.concatenate([sizes_of[nb] for nb in sizes_of])[tid]
+        at = np.asarray(offs, dtype=np.int64)
+        got = self.dram.arena.buf[at[:, None] + _ROW]  # every header of the request, one gather
+        ok = (got[:, _FIXED] == rows[tid][:, _FIXED]).all(axis=1)
+        h = got.view(HEADER_DTYPE).reshape(-1)
+        pcrc = h["payload_crc"]
+        ok &= h["header_crc"] == header_crcs(bases[tid], pcrc)
+        ok &= np.asarray(lens, dtype=np.int64) == sizes + HEADER_SIZE
+        whole = ok.reshape(m, nseg).all(axis=1)
+        at, sizes, pcrc = at.reshape(m, nseg), sizes.reshape(m, nseg), pcrc.reshape(m, nseg)
+        return [(cand[j], at[j], sizes[j], pcrc[j]) for j in np.flatnonzero(whole)]
+
+    def _write_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg],
+                          checked: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+                          bad: dict[int, str]) -> tuple[int, int]:
+        """Per chunk of :meth:`_check_host_batch`: check each segment's payload CRC32C (the bytes then stay
+        in cache for the copy), and only when all pass, scatter the payloads into the chunk's blocks. A
+        chunk that fails is a miss (``bad``). Answers the segments written and their payload bytes."""
+        buf = self.dram.arena.buf
+        crc = _crc32c.crc32c
+        written = logical = 0
+        failures = 0
+        with memoryview(buf) as mv:
+            for ci, offs, sizes, pcrc in checked:
+                ch = chunks[ci]
+                offs_l, sizes_l = (offs + HEADER_SIZE).tolist(), sizes.tolist()
+                corrupt = sum(crc(mv[p:p + n]) != c for p, n, c in zip(offs_l, sizes_l, pcrc.tolist()))
+                if corrupt:
+                    failures += corrupt
+                    bad[ci] = "corrupt: PayloadChecksumMismatch: payload CRC32C mismatch"
+                    continue
+                blocks = ch.blocks
+                shape = (len(blocks),)
+                try:
+                    for seg, p, n in zip(segs, offs_l, sizes_l):
+                        seg.scatter(blocks, buf[p:p + n].view(seg.dtype).reshape(shape + seg.block_shape))
+                except Exception as e:  # a failing copy into the pages: a miss, as on the per-segment path
+                    failures += 1
+                    bad.setdefault(ci, f"decode: {type(e).__name__}: {e}")
+                    continue
+                written += len(segs)
+                logical += int(sizes.sum())
+        if failures:
+            self._add(decode_failures=failures)
+        return written, logical
