@@ -14,8 +14,9 @@ default.
 from __future__ import annotations
 
 import logging
-import msgspec
 from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+
+import msgspec
 
 from ..errors import OrbitKVError
 from ..geometry import EngineRegistration, num_blocks

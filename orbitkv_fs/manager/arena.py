@@ -18,8 +18,8 @@ from ..errors import SegmentError
 from ..keys import ObjectKey
 from ..segment import HEADER_SIZE, MAX_STORED_BYTES
 from .api import ArenaInfo, ObjectExtent, PeerFetcher, PoolExhausted, RequestError
-from .verify import _verify
 from .leases import _Lease
+from .verify import _verify
 
 log = logging.getLogger("orbitkv_fs.manager")
 

@@ -13,8 +13,9 @@ importable without them; a decode batch's temporary lives until the block copies
 from __future__ import annotations
 
 import threading
-import numpy as np
 from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from ..pages import BLOCK_COPY_DTYPE, cupy_dtype
 from ..segment import SegmentHeader

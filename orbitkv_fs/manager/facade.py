@@ -23,17 +23,17 @@ from ..errors import CodecError, CodecUnavailable
 from ..histogram import DurationCounter
 from ..tiers.dram import DramTier
 from .api import LowerTier, ManagerConfig, PeerFetcher, UnknownEngine
-from .device import _GpuCodecs, _gpu_present
-from .batching import Batching
-from .stats import Counters, _COUNTERS, _DURATIONS
-from .registry import Registry, _Engine
-from .leases import Leases, _Lease
-from .lower import LowerTierCoordination
-from .lookup import Lookup
-from .save import SavePipeline
-from .restore import RestorePipeline
 from .arena import ArenaAccess
+from .batching import Batching
+from .device import _GpuCodecs, _gpu_present
 from .hostpath import HostPath
+from .leases import Leases, _Lease
+from .lookup import Lookup
+from .lower import LowerTierCoordination
+from .registry import Registry, _Engine
+from .restore import RestorePipeline
+from .save import SavePipeline
+from .stats import Counters, _COUNTERS, _DURATIONS
 
 log = logging.getLogger("orbitkv_fs.manager")
 

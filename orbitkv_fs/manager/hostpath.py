@@ -30,7 +30,7 @@ import numpy as np
 
 from ..codecs import raw_segment
 from ..segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, Format, RawReason, header_crcs
-
+from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .device import _gather_host
 from .registry import _Seg
@@ -40,6 +40,45 @@ _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
 _FIXED = np.r_[0:24, 28:60]
 _RAW = int(Format.RAW)
+#: Payload bytes a restore checks before it writes them: a window that stays in a core's cache (L2).
+_WINDOW_BYTES = 16 << 20
+
+
+def _consecutive(chunks: Sequence[ChunkBlocks]) -> slice | None:
+    """The chunks' blocks, in order, as one slice when they are consecutive block ids; else None."""
+    first = t = chunks[0].blocks[0]
+    for ch in chunks:
+        for b in ch.blocks:
+            if b != t:
+                return None
+            t += 1
+    return slice(first, t) if first >= 0 else None
+
+
+def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | None], n: int) -> slice | None:
+    """The blocks of a group of ``n``-byte pieces of ``seg`` (one per chunk, at arena offsets ``offs``) as
+    one slice of its block-major host view, when the pieces are evenly spaced and the chunks, in order, hold
+    consecutive blocks; else None (the group then moves a piece at a time)."""
+    if type(seg.base) is not np.ndarray or len(chunks) < 2 or None in offs:
+        return None
+    piece = units_of(n + HEADER_SIZE) * UNIT
+    if any(b - a != piece for a, b in zip(offs, offs[1:])):
+        return None
+    return _consecutive(chunks)
+
+
+def _payloads(buf: np.ndarray, first: int, count: int, n: int, seg: _Seg) -> np.ndarray:
+    """The ``n``-byte payloads of ``count`` evenly spaced pieces from arena offset ``first``, as
+    ``[count, blocks, *block_shape]`` of the segment's dtype."""
+    piece = units_of(n + HEADER_SIZE) * UNIT
+    rows = buf[first:first + count * piece].reshape(count, piece)[:, HEADER_SIZE:HEADER_SIZE + n]
+    return rows.view(seg.dtype).reshape((count, n // seg.block_bytes) + seg.block_shape)
+
+
+def _blocks(seg: _Seg, run: slice, count: int) -> np.ndarray:
+    """The blocks ``run`` (``_group_run``'s slice) of ``seg``'s block-major host view, as ``count`` pieces:
+    ``[count, blocks, *block_shape]``."""
+    return seg.base[run].reshape((count, (run.stop - run.start) // count) + seg.block_shape)
 
 
 class HostPath:
@@ -56,6 +95,12 @@ class HostPath:
         one round. A segment that found no room goes to the lower tier (or is dropped), as one at a time."""
         c0 = time.thread_time()
         k = len(items)
+        # Segment-major: the pieces of one (layer, role) lie side by side in the batch's extent, so that a
+        # group whose chunks hold consecutive blocks moves with one copy (_group_run).
+        groups: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault(id(it[1]), []).append(i)
+        items = [items[i] for g in groups.values() for i in g]
         sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
         for (ch, _, _), n in zip(items, sizes):
             if n > MAX_STORED_BYTES:
@@ -74,21 +119,32 @@ class HostPath:
         try:
             crc = _crc32c.crc32c
             with memoryview(buf) as mv:
-                for i, ((ch, seg, kb), off, n) in enumerate(zip(items, offs, sizes)):
-                    if off is None:
-                        continue
-                    p = off + HEADER_SIZE
-                    seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
-                    crcs[i] = crc(mv[p:p + n])  # right after the copy: the bytes are still in cache
-                    t = tmpl.get((id(seg), n))
-                    if t is None:
-                        row, base = seg.raw_header(n)
-                        t = tmpl[(id(seg), n)] = len(rows)
-                        rows.append(row)
-                        bases.append(base)
-                    tid[i] = t
-                    live.append(i)
-                    todo.append((kb, off, n + HEADER_SIZE, n, _RAW))
+                start = 0
+                for g in groups.values():
+                    end = start + len(g)
+                    seg = items[start][1]
+                    run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start])
+                    if run is not None:  # one copy for the group (at most a batch: it stays in cache)
+                        np.copyto(_payloads(buf, offs[start], end - start, sizes[start], seg), _blocks(seg, run, end - start))
+                    for i in range(start, end):
+                        off, n = offs[i], sizes[i]
+                        if off is None:
+                            continue
+                        ch, seg, kb = items[i]
+                        p = off + HEADER_SIZE
+                        if run is None:
+                            seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
+                        crcs[i] = crc(mv[p:p + n])  # right after the copy: the bytes are still in cache
+                        t = tmpl.get((id(seg), n))
+                        if t is None:
+                            row, base = seg.raw_header(n)
+                            t = tmpl[(id(seg), n)] = len(rows)
+                            rows.append(row)
+                            bases.append(base)
+                        tid[i] = t
+                        live.append(i)
+                        todo.append((kb, off, n + HEADER_SIZE, n, _RAW))
+                    start = end
             if live:
                 at = np.asarray(live, dtype=np.intp)
                 heads = np.concatenate(rows)[tid[at]]
@@ -179,33 +235,64 @@ class HostPath:
     def _write_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg],
                           checked: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
                           bad: dict[int, str]) -> tuple[int, int]:
-        """Per chunk of :meth:`_check_host_batch`: check each segment's payload CRC32C (the bytes then stay
-        in cache for the copy), and only when all pass, scatter the payloads into the chunk's blocks. A
-        chunk that fails is a miss (``bad``). Answers the segments written and their payload bytes."""
+        """The chunks of :meth:`_check_host_batch`, a window at a time (payloads that fit in cache): each
+        segment's payload CRC32C checked, then the payloads of the chunks that passed scattered into their
+        blocks: one copy per (layer, role) where those chunks hold consecutive blocks and their pieces lie
+        evenly spaced (saved together), else one per segment. A chunk that fails is a miss (``bad``) with
+        none of its blocks written. Answers the segments written and their payload bytes."""
         buf = self.dram.arena.buf
         crc = _crc32c.crc32c
-        written = logical = 0
-        failures = 0
+        written = logical = failures = 0
         with memoryview(buf) as mv:
-            for ci, offs, sizes, pcrc in checked:
-                ch = chunks[ci]
-                offs_l, sizes_l = (offs + HEADER_SIZE).tolist(), sizes.tolist()
-                corrupt = sum(crc(mv[p:p + n]) != c for p, n, c in zip(offs_l, sizes_l, pcrc.tolist()))
-                if corrupt:
-                    failures += corrupt
-                    bad[ci] = "corrupt: PayloadChecksumMismatch: payload CRC32C mismatch"
+            start = 0
+            while start < len(checked):
+                end, total = start + 1, int(checked[start][2].sum())
+                while end < len(checked) and total + int(checked[end][2].sum()) <= _WINDOW_BYTES:
+                    total += int(checked[end][2].sum())
+                    end += 1
+                good: list[tuple[int, np.ndarray, np.ndarray]] = []
+                for ci, offs, sizes, pcrc in checked[start:end]:
+                    payloads = zip((offs + HEADER_SIZE).tolist(), sizes.tolist(), pcrc.tolist())
+                    corrupt = sum(crc(mv[p:p + n]) != c for p, n, c in payloads)
+                    if corrupt:
+                        failures += corrupt
+                        bad[ci] = "corrupt: PayloadChecksumMismatch: payload CRC32C mismatch"
+                    else:
+                        good.append((ci, offs, sizes))
+                start = end
+                if not good:
                     continue
-                blocks = ch.blocks
-                shape = (len(blocks),)
                 try:
-                    for seg, p, n in zip(segs, offs_l, sizes_l):
-                        seg.scatter(blocks, buf[p:p + n].view(seg.dtype).reshape(shape + seg.block_shape))
+                    self._scatter_window(chunks, segs, good)
                 except Exception as e:  # a failing copy into the pages: a miss, as on the per-segment path
-                    failures += 1
-                    bad.setdefault(ci, f"decode: {type(e).__name__}: {e}")
+                    failures += len(good)
+                    for ci, _, _ in good:
+                        bad.setdefault(ci, f"decode: {type(e).__name__}: {e}")
                     continue
-                written += len(segs)
-                logical += int(sizes.sum())
+                written += len(segs) * len(good)
+                logical += sum(int(sizes.sum()) for _, _, sizes in good)
         if failures:
             self._add(decode_failures=failures)
         return written, logical
+
+    def _scatter_window(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg],
+                        good: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Copy the verified payloads of a window's chunks (``(chunk index, offsets, payload bytes)``, per
+        segment of ``segs``) into their blocks."""
+        buf = self.dram.arena.buf
+        group = [chunks[ci] for ci, _, _ in good]
+        run = _consecutive(group) if len(good) > 1 else None
+        if run is not None:
+            offs = np.stack([o for _, o, _ in good])  # [chunk, seg]
+            sizes = np.stack([n for _, _, n in good])
+            pieces = (sizes[0] + HEADER_SIZE + UNIT - 1) // UNIT * UNIT
+            lined = (sizes == sizes[0]).all(axis=0) & (np.diff(offs, axis=0) == pieces).all(axis=0)
+        for s, seg in enumerate(segs):
+            if run is not None and lined[s] and type(seg.base) is np.ndarray:
+                n = int(sizes[0, s])
+                seg.base[run] = _payloads(buf, int(offs[0, s]), len(good), n, seg).reshape(
+                    (run.stop - run.start,) + seg.block_shape)
+                continue
+            for ch, (_, o, n) in zip(group, good):
+                p, k = int(o[s]) + HEADER_SIZE, int(n[s])
+                seg.scatter(ch.blocks, buf[p:p + k].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))

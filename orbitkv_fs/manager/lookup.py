@@ -15,8 +15,8 @@ from typing import Sequence
 
 from ..access import Caller
 from .api import LookupResult
-from .verify import _check_keys
 from .leases import _Lease
+from .verify import _check_keys
 
 log = logging.getLogger("orbitkv_fs.manager")
 

@@ -17,17 +17,18 @@ raced an invalidation is not kept; an invalidation hides matching objects in bot
 from __future__ import annotations
 
 import logging
-import numpy as np
 from typing import Sequence
+
+import numpy as np
 
 from ..access import AdminRequired, Caller, authorize
 from ..errors import SegmentError
 from ..keys import ObjectKey, pack_key
 from ..segment import HEADER_SIZE, SegmentHeader, parse_header
 from .api import FlushResult, InvalidateResult, ObjectInfo, ObjectPage, RequestError, TierCounts, UnknownEngine
-from .verify import _REP_NAMES, _verify_header
-from .registry import _Engine
 from .leases import _Lease
+from .registry import _Engine
+from .verify import _REP_NAMES, _verify_header
 
 log = logging.getLogger("orbitkv_fs.manager")
 

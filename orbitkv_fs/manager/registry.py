@@ -23,9 +23,10 @@ import select
 import threading
 import uuid
 import weakref
+from typing import TYPE_CHECKING, Sequence
+
 import msgspec
 import numpy as np
-from typing import TYPE_CHECKING, Sequence
 
 from ..access import Caller, authorize, file_identity, issue_credential, open_pages_file
 from ..codecs import CODEC_NAMES, LOSSY_CODECS, Codec, get_codec
@@ -49,8 +50,8 @@ from ..pages import HostPages, PagesError, import_cuda_tensor
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
 from ..tiers.dram import arena_dir
 from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, UnknownEngine
-from .device import _array_module, _rows_of, _run_of, _to_host
 from .batching import _coded_bound
+from .device import _array_module, _rows_of, _run_of, _to_host
 
 if TYPE_CHECKING:
     from .facade import Manager

@@ -15,22 +15,23 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Iterator, Sequence
+
 import msgspec
 import numpy as np
-from typing import Iterator, Sequence
 
 from ..access import Caller
 from ..codecs import decode_payload
 from ..errors import SegmentError
+from ..hostmem import host_address
 from ..keys import ObjectKey, pack_key
 from ..pages import cupy_dtype
 from ..segment import HEADER_SIZE, Format, SegmentHeader, peek_source
-from ..hostmem import host_address
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
-from .verify import _verify, _verify_header
 from .batching import _decode_bound, _pipelined
-from .registry import _Engine, _Seg
 from .leases import _Lease
+from .registry import _Engine, _Seg
+from .verify import _verify, _verify_header
 
 log = logging.getLogger("orbitkv_fs.manager")
 

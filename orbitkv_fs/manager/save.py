@@ -16,20 +16,21 @@ from __future__ import annotations
 import collections
 import logging
 import time
-import numpy as np
 from typing import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from ..access import Caller
 from ..codecs import encode_segment
+from ..hostmem import host_address
 from ..keys import ObjectKey, pack_key
 from ..segment import Format, parse_header
-from ..hostmem import host_address
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError, SaveResult
-from .verify import _REP_NAMES
-from .device import _gather_batch, _gather_device, _gather_host
 from .batching import _pipelined
+from .device import _gather_batch, _gather_device, _gather_host
 from .registry import _Engine, _Seg
+from .verify import _REP_NAMES
 
 log = logging.getLogger("orbitkv_fs.manager")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from .api import ManagerStats
 from .verify import _REP_NAMES
 
-
 _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seconds": "encode",
               "decode_seconds": "decode"}
 

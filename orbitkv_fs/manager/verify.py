@@ -17,7 +17,6 @@ from ..keys import key_layer_role
 from ..segment import HEADER_SIZE, Format, HeaderTemplates, Role, SegmentHeader, parse_segment
 from .api import RequestError
 
-
 _REP_NAMES = {int(f): f.name.lower() for f in Format}
 
 
