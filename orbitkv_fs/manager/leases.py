@@ -99,8 +99,8 @@ class Leases:
 
     def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict,
                     spans: dict[bytes, tuple[int, int]] | None = None) -> list[bytes]:
-        """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out`` (and their arena
-        ``(offset, length)`` into ``spans``); the keys not there."""
+        """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out`` (or, with ``spans``,
+        their arena ``(offset, length)`` into ``spans`` instead); the keys not there."""
         missing = []
         for kb, f in zip(kbs, self.dram.lease(kbs)):
             if f is None:
@@ -108,7 +108,8 @@ class Leases:
                 continue
             slot, gen, off, length = f
             held.entries.append((slot, gen))
-            out[kb] = memoryview(self.dram.view(off, length))
-            if spans is not None:
+            if spans is None:
+                out[kb] = memoryview(self.dram.view(off, length))
+            else:
                 spans[kb] = (off, length)
         return missing

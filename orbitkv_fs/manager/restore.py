@@ -116,6 +116,9 @@ class RestorePipeline:
                     continue
                 for seg, kb in zip(segs, ks):
                     src = sources.get(kb)
+                    if src is None and spans:
+                        span = spans.get(kb)
+                        src = memoryview(self.dram.view(*span)) if span is not None else None
                     if src is None and device and kb in device:
                         from_ssd.append((ci, seg, ch, kb))
                         continue
@@ -190,7 +193,9 @@ class RestorePipeline:
                 logical += h.original_length
                 stored += HEADER_SIZE + h.stored_length
             misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
-            self._add(misses=sum(1 for ks, ch in zip(keys, chunks) for k in ks if k not in sources and k not in served_ssd))
+            found = spans or {}
+            self._add(misses=sum(1 for ks in keys for k in ks if k not in sources and k not in found
+                                 and k not in served_ssd))
             dt = time.perf_counter() - t0
             self._cpu("restore", time.thread_time() - c0, nkeys)
             self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
@@ -217,8 +222,8 @@ class RestorePipeline:
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
         the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
         direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
-        (counted in ``tally["lower"]``): the caller reads them into device memory itself. ``spans`` gets
-        the arena ``(offset, length)`` of each DRAM extent leased."""
+        (counted in ``tally["lower"]``): the caller reads them into device memory itself. With ``spans``,
+        the DRAM extents leased are not in the answer: ``spans`` gets their arena ``(offset, length)``."""
         out: dict[bytes, memoryview | bytes] = {}
         missing = self._lease_dram(kbs, held, out, spans)
         self._count(self._hits, "dram", len(kbs) - len(missing))
