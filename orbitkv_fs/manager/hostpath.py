@@ -40,8 +40,8 @@ _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
 _FIXED = np.r_[0:24, 28:60]
 _RAW = int(Format.RAW)
-#: Payload bytes a restore checks before it writes them: a window that stays in a core's cache (L2).
-_WINDOW_BYTES = 16 << 20
+#: Payload bytes a restore checks before it writes them: a window that stays in the last-level cache.
+_WINDOW_BYTES = 8 << 20
 
 
 def _consecutive(chunks: Sequence[ChunkBlocks]) -> slice | None:
@@ -65,6 +65,19 @@ def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | No
     if any(b - a != piece for a, b in zip(offs, offs[1:])):
         return None
     return _consecutive(chunks)
+
+
+def _put_headers(buf: np.ndarray, offs: list[int], sizes: list[int], heads: np.ndarray) -> None:
+    """Write header rows ``heads`` at arena offsets ``offs`` (of pieces of ``sizes`` payload bytes): one
+    strided copy when the pieces are of one size and evenly spaced (a batch carved from one extent), else
+    one scatter of every header byte."""
+    piece = units_of(sizes[0] + HEADER_SIZE) * UNIT
+    first = offs[0]
+    if all(n == sizes[0] for n in sizes) and all(b - a == piece for a, b in zip(offs, offs[1:])):
+        buf[first:first + len(offs) * piece].reshape(len(offs), piece)[:, :HEADER_SIZE] = \
+            heads.view(np.uint8).reshape(-1, HEADER_SIZE)
+        return
+    buf[np.asarray(offs, dtype=np.int64)[:, None] + _ROW] = heads.view(np.uint8).reshape(-1, HEADER_SIZE)
 
 
 def _payloads(buf: np.ndarray, first: int, count: int, n: int, seg: _Seg) -> np.ndarray:
@@ -108,12 +121,13 @@ class HostPath:
                                    f"{MAX_STORED_BYTES}-byte bound")
         offs = self.dram.reserve_many([n + HEADER_SIZE for n in sizes])
         buf = self.dram.arena.buf
-        crcs = np.zeros(k, dtype=np.uint32)
         tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
         rows: list[np.ndarray] = []
         bases: list[int] = []
-        tid = np.zeros(k, dtype=np.intp)
+        # per segment placed: its index, payload CRC, template row
         live: list[int] = []
+        crcs: list[int] = []
+        tids: list[int] = []
         done: list[bool] = []
         todo: list[tuple[bytes, int, int, int, int]] = []
         try:
@@ -134,24 +148,24 @@ class HostPath:
                         p = off + HEADER_SIZE
                         if run is None:
                             seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
-                        crcs[i] = crc(mv[p:p + n])  # right after the copy: the bytes are still in cache
+                        crcs.append(crc(mv[p:p + n]))  # right after the copy: the bytes are still in cache
                         t = tmpl.get((id(seg), n))
                         if t is None:
                             row, base = seg.raw_header(n)
                             t = tmpl[(id(seg), n)] = len(rows)
                             rows.append(row)
                             bases.append(base)
-                        tid[i] = t
+                        tids.append(t)
                         live.append(i)
                         todo.append((kb, off, n + HEADER_SIZE, n, _RAW))
                     start = end
             if live:
-                at = np.asarray(live, dtype=np.intp)
-                heads = np.concatenate(rows)[tid[at]]
-                heads["payload_crc"] = crcs[at]
-                heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid[at]], crcs[at])
-                where = np.asarray([offs[i] for i in live], dtype=np.int64)
-                buf[where[:, None] + _ROW] = heads.view(np.uint8).reshape(-1, HEADER_SIZE)
+                tid = np.asarray(tids, dtype=np.intp)
+                pcrc = np.asarray(crcs, dtype=np.uint32)
+                heads = np.concatenate(rows)[tid]
+                heads["payload_crc"] = pcrc
+                heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
+                _put_headers(buf, [offs[i] for i in live], [sizes[i] for i in live], heads)
             c1 = time.thread_time()
             self.dram.publish_many(todo, done)
         except BaseException:
@@ -289,9 +303,9 @@ class HostPath:
             lined = (sizes == sizes[0]).all(axis=0) & (np.diff(offs, axis=0) == pieces).all(axis=0)
         for s, seg in enumerate(segs):
             if run is not None and lined[s] and type(seg.base) is np.ndarray:
-                n = int(sizes[0, s])
-                seg.base[run] = _payloads(buf, int(offs[0, s]), len(good), n, seg).reshape(
-                    (run.stop - run.start,) + seg.block_shape)
+                # into a view of the pages (splitting the block axis never copies), not from a reshaped
+                # payload view (the header gaps would make that a copy)
+                np.copyto(_blocks(seg, run, len(good)), _payloads(buf, int(offs[0, s]), len(good), int(sizes[0, s]), seg))
                 continue
             for ch, (_, o, n) in zip(group, good):
                 p, k = int(o[s]) + HEADER_SIZE, int(n[s])
