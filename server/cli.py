@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
     g.add_argument("--ssd-recover", action="store_true",
                    help="rebuild the SSD index from the shard files (default: start empty, files truncated)")
+    g.add_argument("--ssd-checkpoint-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="sync the shard files and checkpoint their logs this often (default 1; 0: only at "
+                        "invalidation and clean shutdown): a crash can tear only records written since")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
                         "chunks of the prefix into DRAM in the background (default 2; 0: off)")
@@ -120,7 +123,7 @@ def build_lower_tier(args: argparse.Namespace):
         raise ValueError("--ssd-cache-path needs --ssd-cache-capacity (e.g. 100gb)")
     return SsdTier(SsdConfig(paths=tuple(args.ssd_cache_path), capacity=args.ssd_cache_capacity,
                              backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
-                             recover=args.ssd_recover))
+                             recover=args.ssd_recover, checkpoint_interval=args.ssd_checkpoint_interval))
 
 
 def build_manager(args: argparse.Namespace) -> Manager:

@@ -231,10 +231,8 @@ def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(t
         assert t.prefetch(keys, got.__setitem__) == 4  # nothing left behind as "queued"
         assert wait_until(lambda: len(got) >= 4), t.snapshot()
         assert got == {k: segment(i) for i, k in enumerate(keys)}
-        # No lease stays on the records: invalidated, every one has its header wiped.
-        t.invalidate(keys=keys)
-        t.flush(timeout=5.0)
-        assert t.snapshot().wipes_total == 4
+        # No lease stays on the records (the ring may reuse their space).
+        assert all(s.leases == 0 for sh in t._shards for s in sh.slots.values())
 
 
 def test_demand_read_whose_submit_fails_raises_and_leaves_no_reads_in_the_ring(tmp_path):
@@ -258,6 +256,4 @@ def test_demand_read_whose_submit_fails_raises_and_leaves_no_reads_in_the_ring(t
         assert not reader.is_alive(), "read_many waits for reads that were never submitted"
         assert isinstance(result[0], SsdIoError)
         assert t.read_many(keys[::-1]) == [segment(i) for i in range(4)][::-1]
-        t.invalidate(keys=keys)  # no lease stays on the records: every header gets wiped
-        t.flush(timeout=5.0)
-        assert t.snapshot().wipes_total == 4
+        assert all(s.leases == 0 for sh in t._shards for s in sh.slots.values())  # no lease stays
