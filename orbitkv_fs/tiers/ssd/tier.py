@@ -58,7 +58,7 @@ from ...segment import Format, crc32c
 from .index import SsdIndex
 from .lane import WritebackLane, _Write
 from .reads import ReadPath
-from .record import (BLOCK, ENTRY_SIZE, MAX_RECORD, MAX_TOMBSTONE_BODY, NO_PREV, NO_TAG, Kind, Scope,
+from .record import (BLOCK, ENTRY_SIZE, GEN_MAX, MAX_RECORD, MAX_TOMBSTONE_BODY, NO_PREV, NO_TAG, Kind, Scope,
                      pack_record_header_into, record_length, tombstone_body, write_record_body)
 from .recovery import ChainEnd, Fate, ShardIdentity, ShardRecovery, Status, recover_shard
 from .ring import Shard, Slot, State
@@ -423,14 +423,15 @@ class SsdTier(WritebackLane, ReadPath):
         self._write_superblock(sh, 1, sync=False)
         self._write_superblock(sh, 2)
 
-    def _write_superblock(self, sh: Shard, sequence: int, *, sync: bool = True) -> None:
-        """Write ``sh``'s superblock of ``sequence`` (its durable front, floor and the generations used so
-        far) and sync it. The caller synced the records the front covers."""
+    def _write_superblock(self, sh: Shard, sequence: int, front: tuple[int, int, bytes] | None = None, *,
+                          sync: bool = True) -> None:
+        """Write ``sh``'s superblock of ``sequence`` (``front``, by default its durable front now; its floor
+        and the generations used so far) and sync it. The caller synced the records ``front`` covers."""
         with self._lock:
-            gen, off, tag = sh.front
+            gen, off, tag = sh.front if front is None else front
             sb = Superblock(sh.index, len(self.config.paths), sh.capacity, sequence, sh.secret,
                             gen, off if gen else NO_PREV, tag if gen else NO_TAG, sh.floor,
-                            max(self._generation - 1, gen, sh.floor))
+                            min(max(self._generation - 1, gen, sh.floor), GEN_MAX))
         os.pwrite(sh.sb_fd, pack_superblock(sb), copy_offset(sequence))
         if sync:
             os.fdatasync(sh.sb_fd)
@@ -445,10 +446,12 @@ class SsdTier(WritebackLane, ReadPath):
         cannot be synced or its superblock written."""
         with self._ckpt_lock:
             for sh in self._shards if shards is None else shards:
+                with self._lock:
+                    front = sh.front  # every write up to it ended: the sync below makes them durable
                 try:
                     # The records the front covers reach stable storage before the superblock names them.
                     os.fdatasync(sh.sb_fd)
-                    self._write_superblock(sh, sh.sequence + 1)
+                    self._write_superblock(sh, sh.sequence + 1, front)
                 except OSError as e:
                     with self._lock:
                         self._c["checkpoint_errors_total"] += 1
