@@ -190,9 +190,7 @@ def _scan(mv: memoryview, image: object, sb: Superblock, capacity: int, key: Sha
 def _candidate(mv: memoryview, off: int, size: int, capacity: int, sb: Superblock,
                key: ShardKey) -> RecordInfo | None:
     """The verified record at ``off``, or None (not a record this shard's log wrote there)."""
-    if off + RECORD_HEAD_BYTES > size:
-        return None
-    head = mv[off:off + RECORD_HEAD_BYTES]
+    head = mv[off:off + RECORD_HEAD_BYTES]  # whole: ``size`` is block-aligned
     try:
         rh = parse_record_header(head)
         verify_record_tag(head, key)
