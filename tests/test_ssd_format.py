@@ -202,39 +202,48 @@ def _record(seg: bytes = SEG, offset: int = 2 * BLOCK) -> bytes:
     return bytes(buf)
 
 
+CRC = int.from_bytes(SEG[24:28], "little")
+
+
 def test_demand_read_check():
     rec = _record()
-    assert bytes(verify_record(rec, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))) == SEG
-    verify_record_head(rec[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
+    args = (KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
+    assert bytes(verify_record(rec, *args)) == SEG
+    verify_record_head(rec[:RECORD_HEAD_BYTES], *args)
     other = ObjectKey(bytes(16), OKEY.chunk, 3, Role.VALUE).pack()
-    for args, err in (((KEY, 3 * BLOCK, OKEY.pack(), GEN, len(SEG)), SegmentError),
-                      ((KEY, 2 * BLOCK, other, GEN, len(SEG)), SegmentError),
-                      ((KEY, 2 * BLOCK, OKEY.pack(), GEN - 1, len(SEG)), SegmentError),
-                      ((ShardKey(bytes(32)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG)), RecordTagMismatch)):
-        with pytest.raises(err):
-            verify_record(rec, *args)
-        with pytest.raises(err):
-            verify_record_head(rec[:RECORD_HEAD_BYTES], *args)
+    for bad in ((KEY, 3 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC), (KEY, 2 * BLOCK, other, GEN, len(SEG), CRC),
+                (KEY, 2 * BLOCK, OKEY.pack(), GEN - 1, len(SEG), CRC),
+                (KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC ^ 1),
+                (ShardKey(bytes(32)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)):
+        with pytest.raises(SegmentError):
+            verify_record(rec, *bad)
+        with pytest.raises(SegmentError):
+            verify_record_head(rec[:RECORD_HEAD_BYTES], *bad)
     with pytest.raises(TruncatedSegment):
-        verify_record(rec[:RECORD_HEADER_SIZE + len(SEG) - 1], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
+        verify_record(rec[:RECORD_HEADER_SIZE + len(SEG) - 1], *args)
     with pytest.raises(TruncatedSegment):
-        verify_record_head(rec[:RECORD_HEAD_BYTES - 1], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
-    # The payload CRC32C (a byte after the segment header).
+        verify_record_head(rec[:RECORD_HEAD_BYTES - 1], *args)
+    # The payload against the CRC32C (a byte after the segment header).
     b = bytearray(rec)
     b[RECORD_HEADER_SIZE + 64 + 3] ^= 1
     with pytest.raises(PayloadChecksumMismatch):
-        verify_record(bytes(b), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
-    verify_record_head(bytes(b)[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
-    # A tombstone's header is not a segment record's, even where its tag verifies.
+        verify_record(bytes(b), *args)
+    verify_record_head(bytes(b)[:RECORD_HEAD_BYTES], *args)
+    # A tombstone's header is not a segment record's; nor one of another version.
     with pytest.raises(BadMagic):
-        verify_record(GOLDEN_TOMBSTONE_KEYS, KEY, 3 * BLOCK, bytes(36), 9, 100)
+        verify_record(GOLDEN_TOMBSTONE_KEYS, KEY, 3 * BLOCK, bytes(36), 9, 100, 0)
+    for pos, v in ((0, b"X"), (4, b"\x01")):
+        b = bytearray(rec)
+        b[pos:pos + 1] = v
+        with pytest.raises(BadMagic):
+            verify_record(bytes(b), *args)
     # Record length that does not match the segment length the index holds.
     with pytest.raises(SegmentError):
-        verify_record(rec + bytes(BLOCK), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + BLOCK)
+        verify_record(rec + bytes(BLOCK), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + BLOCK, CRC)
 
 
 def _tagged(seg: bytes, *, okey: ObjectKey = OKEY) -> bytes:
-    """A record over ``seg`` whose tag verifies whatever ``seg`` holds (the checks after the tag)."""
+    """A record over ``seg`` whose header is right whatever ``seg`` holds (the checks after the header)."""
     buf = bytearray(RECORD_HEADER_SIZE + len(seg))
     buf[RECORD_HEADER_SIZE:] = seg
     pack_record_header_into(buf, KEY, Kind.SEGMENT, okey.pack(), GEN, len(seg), 2 * BLOCK, *PREV)
@@ -245,20 +254,19 @@ def test_demand_read_segment_header_checks():
     seg = bytearray(SEG)
     seg[0:4] = b"XKVS"
     with pytest.raises(BadMagic):
-        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
+        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
     seg = bytearray(SEG)
     seg[61] ^= 1  # its own CRC
     with pytest.raises(HeaderChecksumMismatch):
-        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG))
+        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
     with pytest.raises(LengthMismatch):  # the segment header's length disagrees with the record's
-        verify_record(_tagged(SEG + bytes(8)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + 8)
+        verify_record(_tagged(SEG + bytes(8)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + 8, CRC)
     # A device read: the segment header must name the record key's layer and role.
-    wrong = build_segment(SegmentHeader(Format.RAW, np.dtype(np.float16), 8, 8, 0, role=Role.KEY, layer=3), bytes(8))
-    with pytest.raises(SegmentError):
-        verify_record_head(_tagged(wrong)[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(wrong))
-    wrong = build_segment(SegmentHeader(Format.RAW, np.dtype(np.float16), 8, 8, 0, role=Role.VALUE, layer=4), bytes(8))
-    with pytest.raises(SegmentError):
-        verify_record_head(_tagged(wrong)[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(wrong))
+    for role, layer in ((Role.KEY, 3), (Role.VALUE, 4)):
+        wrong = build_segment(SegmentHeader(Format.RAW, np.dtype(np.float16), 8, 8, 0, role=role, layer=layer), bytes(8))
+        with pytest.raises(SegmentError, match="layer/role"):
+            verify_record_head(_tagged(wrong)[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(wrong),
+                               int.from_bytes(wrong[24:28], "little"))
 
 
 def test_segment_body_check():
@@ -374,8 +382,8 @@ def test_parsers_raise_only_typed_errors(base, edits, cut):
     for fn in (lambda: parse_record_header(data), lambda: verify_record_tag(data, KEY),
                lambda: parse_tombstone(parse_record_header(data), data[128:]),
                lambda: check_segment_body(parse_record_header(data), data[128:]),
-               lambda: verify_record(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG)),
-               lambda: verify_record_head(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG)),
+               lambda: verify_record(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
+               lambda: verify_record_head(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
                lambda: parse_superblock(data), lambda: read_superblocks(data)):
         try:
             fn()

@@ -46,13 +46,16 @@ Primitives:
 * :func:`parse_record_header` -- structural decoding (no secret needed); :func:`verify_record_tag`.
 * :func:`check_segment_body` / :func:`parse_tombstone` -- full body checks (recovery, inspection).
 * :func:`tombstone_body` -- the body of a tombstone.
-* :func:`verify_record` -- the demand-read check: the tag, the index's key/generation/length/offset, the
-  segment header CRC and length, the payload CRC32C; :func:`verify_record_head` -- the same over the first
-  :data:`RECORD_HEAD_BYTES` only (device reads: the payload CRC32C is checked on the GPU).
+* :func:`verify_record` -- the demand-read check: the tag, and against the index key, generation, length,
+  offset, the segment header's CRC and length, its payload CRC32C against the one the index recorded, the
+  payload;
+  :func:`verify_record_head` -- the same over the first :data:`RECORD_HEAD_BYTES` only (device reads: the
+  payload CRC32C is checked on the GPU).
 
 Invariants: nothing here trusts a length before checking it against its bounds and the buffer; every
 failure is a :class:`~orbitkv_fs.errors.SegmentError` subclass, never another exception; a record is
-written only with its tag, and read back only after its tag verified.
+written only with its tag, and read back only after its tag verified (a demand read also checks it
+against what the index recorded of it).
 """
 
 from __future__ import annotations
@@ -383,11 +386,11 @@ def lay_record(dst: Any, segment: Any, header: bytes) -> int:
 
 
 def _check_head(mv: memoryview, key: ShardKey, offset: int, packed_key: bytes, generation: int,
-                segment_length: int) -> int:
-    """The tag and fields of the segment record at the start of ``mv`` (at least
-    :data:`RECORD_HEAD_BYTES`), its segment header's CRC and length; answers the payload CRC the segment
-    header names."""
-    # Fields are unpacked and hashed in place (no copies): this runs once per demand-read record.
+                segment_length: int, payload_crc: int) -> None:
+    """The segment record at the start of ``mv`` (at least :data:`RECORD_HEAD_BYTES`): its tag, its fields
+    against what the index holds, and its segment header: CRC, length, and the payload CRC32C the index
+    recorded when the segment was submitted (or recovered)."""
+    # Fields are unpacked in place (no copies): this runs once per demand-read record.
     magic, version, kind, _, k, gen, body_len, rec_len, off, _, _ = _FIELDS.unpack_from(mv)
     if magic != MAGIC or version != VERSION or kind != Kind.SEGMENT:
         raise BadMagic("not a segment record header")
@@ -404,37 +407,39 @@ def _check_head(mv: memoryview, key: ShardKey, offset: int, packed_key: bytes, g
         raise HeaderChecksumMismatch("segment header CRC32C mismatch")
     if HEADER_SIZE + stored != segment_length:
         raise LengthMismatch("segment length disagrees with the record")
-    return pcrc
+    if pcrc != payload_crc:
+        raise SegmentError("segment header names another payload than the one written for this record")
 
 
 def verify_record(buf: "bytes | memoryview", key: ShardKey, offset: int, packed_key: bytes, generation: int,
-                  segment_length: int) -> memoryview:
-    """The demand-read check of a record whose place, key, generation and length the index knows: the
-    tag, the header fields, the segment header CRC and length, the payload CRC32C. Every byte read is
-    covered by the tag or a CRC; the segment's field semantics were validated when it was admitted (and
-    the Manager parses it again). Returns the segment bytes; raises a ``SegmentError`` subclass."""
+                  segment_length: int, payload_crc: int) -> memoryview:
+    """The demand-read check of a record whose place, key, generation, length and payload CRC32C the index
+    knows: the tag (every header byte, and the segment header with it), the header fields, the segment
+    header's CRC and length, its payload CRC32C against the index's, the payload against it. The
+    segment's field semantics were validated when it was admitted (and the Manager parses it again).
+    Returns the segment bytes; raises a ``SegmentError`` subclass."""
     mv = memoryview(buf)
     end = RECORD_HEADER_SIZE + segment_length
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
-    pcrc = _check_head(mv, key, offset, packed_key, generation, segment_length)
+    _check_head(mv, key, offset, packed_key, generation, segment_length, payload_crc)
     seg = mv[RECORD_HEADER_SIZE:end]
     # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
     # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
-    if _crc32c.crc32c(seg[HEADER_SIZE:], gil_release_mode=0) != pcrc:
+    if _crc32c.crc32c(seg[HEADER_SIZE:], gil_release_mode=0) != payload_crc:
         raise PayloadChecksumMismatch("payload CRC32C mismatch")
     return seg
 
 
 def verify_record_head(head: "bytes | memoryview", key: ShardKey, offset: int, packed_key: bytes,
-                       generation: int, segment_length: int) -> None:
+                       generation: int, segment_length: int, payload_crc: int) -> None:
     """:func:`verify_record` without the payload CRC32C, over a record's first :data:`RECORD_HEAD_BYTES`
-    bytes: a device read copies only these to the host, and the GPU checks the payload CRC32C when it
-    decodes. Raises a ``SegmentError`` subclass."""
+    bytes: a device read copies only these to the host, and the GPU checks the payload CRC32C (the one
+    checked here against the index) when it decodes. Raises a ``SegmentError`` subclass."""
     mv = memoryview(head)
     if len(mv) < RECORD_HEAD_BYTES:
         raise TruncatedSegment(f"record head needs {RECORD_HEAD_BYTES} bytes, {len(mv)} present")
-    _check_head(mv, key, offset, packed_key, generation, segment_length)
+    _check_head(mv, key, offset, packed_key, generation, segment_length, payload_crc)
     # The consumer sees only this header before decoding: its fields must parse and name the record's key.
     sh = parse_header(mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES])
     layer, role = key_layer_role(packed_key)
