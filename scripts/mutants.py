@@ -177,14 +177,16 @@ def _scratch_copy(repo: str) -> str:
     return dst
 
 
-def run(module: str, tests: list[str], sample: int, seed: int, timeout: float) -> dict:
+def run(module: str, tests: list[str], sample: int, seed: int, timeout: float, select: str | None = None) -> dict:
     repo = os.getcwd()
     source = open(module).read()
     pts = points(ast.parse(source))
     rng = random.Random(seed)
     chosen = sorted(rng.sample(range(len(pts)), min(sample, len(pts))))
     scratch = _scratch_copy(repo)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    if select:
+        cmd += ["-k", select]
     mutants: list[Mutant] = []
     try:
         # The unmutated module, unparsed the same way, must pass: otherwise every mutant would look killed.
@@ -214,7 +216,7 @@ def run(module: str, tests: list[str], sample: int, seed: int, timeout: float) -
             "killed": killed, "survived": len(mutants) - killed,
             "killed_fraction": round(killed / len(mutants), 4) if mutants else None,
             "command": " ".join(["python", "scripts/mutants.py", module, "--tests", *tests, "--sample", str(sample),
-                                 "--seed", str(seed)]),
+                                 "--seed", str(seed)] + (["-k", repr(select)] if select else [])),
             "survivors": [asdict(m) for m in mutants if not m.killed],
             "all": [asdict(m) for m in mutants]}
 
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=120)
     p.add_argument("--seed", type=int, default=23)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per test run (a hang counts as killed)")
+    p.add_argument("-k", dest="select", default=None, help="pytest -k expression (leave out slow tests)")
     p.add_argument("--list", action="store_true", help="only count the mutation points")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         pts = points(ast.parse(open(args.module).read()))
         print(json.dumps({"module": args.module, "points": len(pts)}))
         return 0
-    doc = run(args.module, args.tests, args.sample, args.seed, args.timeout)
+    doc = run(args.module, args.tests, args.sample, args.seed, args.timeout, args.select)
     text = json.dumps(doc, indent=1)
     if args.out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
