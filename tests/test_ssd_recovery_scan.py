@@ -122,7 +122,9 @@ def test_an_empty_shard_and_one_without_a_superblock():
     rec = log.recover()
     assert (rec.chain_end, rec.records, rec.head, rec.next_generation) == (ChainEnd.EMPTY, [], None, 1)
     rec = recover_shard(bytes(64 * BLOCK))
-    assert rec.problem == "no valid superblock" and rec.records == []
+    assert rec.problem == "no valid superblock" and rec.records == [] and rec.superblock is None
+    assert (rec.next_generation, rec.scanned_bytes, rec.unverified_blocks, rec.cut) == (1, 0, 0, "")
+    assert (rec.chain_end, rec.head, rec.break_offset, rec.chain) == (ChainEnd.EMPTY, None, None, [])
     assert recover_shard(b"").problem == "no valid superblock"
 
 

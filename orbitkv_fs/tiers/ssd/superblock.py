@@ -58,11 +58,11 @@ class Superblock:
     capacity: int
     sequence: int
     secret: bytes
-    checkpoint_generation: int = 0
-    checkpoint_offset: int = NO_PREV
-    checkpoint_tag: bytes = NO_TAG
-    floor: int = 0
-    generations: int = 0
+    checkpoint_generation: int
+    checkpoint_offset: int
+    checkpoint_tag: bytes
+    floor: int
+    generations: int
 
 
 def new_secret() -> bytes:
