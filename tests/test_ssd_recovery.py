@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+from orbitkv_fs.tiers.ssd import SsdConfig, SsdIoError, SsdTier
 from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE, record_length
 from test_ssd_common import direct_io_dir, flip, key, pwrite, read_header, record_image, segment
 
@@ -188,3 +188,41 @@ def test_kill_9_during_writeback_recovers_only_completed_records(paths):
         extra = sorted(i for i in range(published, published + 10_000) if key(i) in got)
         assert t.read_many([key(i) for i in extra]) == [segment(i, n=65536) for i in extra]
         assert s.recovered_corrupt_total == 0
+
+
+def test_shard_files_are_private_locked_and_trusted_only_when_private(paths):
+    t = fill(paths)
+    assert {o.shard for o in t.iter_records()} == {0, 1}
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
+    with pytest.raises(SsdIoError, match="in use by another process"):
+        SsdTier(SsdConfig(paths=paths, capacity=32 << 20, recover=True))
+    t.close()
+    os.chmod(paths[0], 0o644)  # someone else could have read its secret: nothing in it is trusted
+    with reopen(paths) as t:
+        s = t.snapshot()
+        assert s.recovered_shards_refused_total == 1
+        assert {o.shard for o in t.iter_records()} == {1}
+        assert os.stat(paths[0]).st_mode & 0o777 == 0o600  # and private again
+    with reopen(paths) as t:  # a fresh secret in shard 0: what it holds now is recovered again
+        assert t.snapshot().recovered_shards_refused_total == 0
+
+
+def test_a_shard_of_another_layout_or_format_starts_empty(paths, tmp_path):
+    fill(paths, n=6).close()
+    with SsdTier(SsdConfig(paths=paths[::-1], capacity=32 << 20, recover=True)) as t:  # shards swapped
+        assert t.snapshot().objects == 0 and t.snapshot().recovered_shards_refused_total == 2
+    old = str(direct_io_dir(tmp_path) / "v1.okv")
+    with open(old, "wb") as f:  # a file of the format before version 2: records, no superblock
+        f.write(b"OKVR\x01\x00\x80\x00" + bytes(4088))
+    with SsdTier(SsdConfig(paths=(old,), capacity=8 << 20, recover=True)) as t:
+        assert t.snapshot().objects == 0 and t.snapshot().recovered_shards_refused_total == 1
+
+
+def test_recovery_reports_progress_over_all_shards(paths):
+    fill(paths).close()
+    calls: list = []
+    with SsdTier(SsdConfig(paths=paths, capacity=32 << 20, recover=True), on_progress=lambda d, t: calls.append((d, t))) as t:
+        assert t.snapshot().objects == N
+    total = calls[0][1]
+    assert total == 2 * (16 << 20) - 2 * 8192 and calls[-1] == (total, total)
+    assert all(a[0] <= b[0] and a[1] == total for a, b in zip(calls, calls[1:]))

@@ -317,10 +317,8 @@ class SsdTier(WritebackLane, ReadPath):
         done = [0]
         total = n * (per_shard - RING_START)
 
-        def progress(i: int) -> Callable[[int, int], None] | None:
-            if on_progress is None:
-                return None
-            return lambda d, _t: on_progress(done[0] + d, total)
+        # One progress over all shards: each shard's scan reports its own bytes.
+        progress = None if on_progress is None else (lambda d, _t: on_progress(done[0] + d, total))
 
         for i, path in enumerate(self.config.paths):
             try:
@@ -345,7 +343,7 @@ class SsdTier(WritebackLane, ReadPath):
             rec = None
             if self.config.recover:
                 if private:
-                    rec = self._scan_shard(fd, i, n, per_shard, progress(i))
+                    rec = self._scan_shard(fd, i, n, per_shard, progress)
                 else:  # others could have read its secret: nothing in it is trusted
                     log.warning("SSD shard %s was readable by other users: not recovered", path)
                 done[0] += per_shard - RING_START
