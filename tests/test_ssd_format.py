@@ -21,8 +21,8 @@ from orbitkv_fs.tiers.ssd.record import (BLOCK, GEN_MAX, NO_PREV, NO_TAG, RECORD
                                          pack_record_header_into, parse_record_header, parse_tombstone, record_header,
                                          record_length, tombstone_body, verify_record, verify_record_head,
                                          verify_record_tag)
-from orbitkv_fs.tiers.ssd.superblock import (RING_START, SUPERBLOCK_SIZE, Superblock, copy_offset, pack_superblock,
-                                             parse_superblock, read_superblocks)
+from orbitkv_fs.tiers.ssd.superblock import (RING_START, SUPERBLOCK_SIZE, Superblock, copy_offset, new_secret,
+                                             pack_superblock, parse_superblock, read_superblocks)
 
 SECRET = bytes(range(32))
 KEY = ShardKey(SECRET)
@@ -122,6 +122,7 @@ def test_golden_superblock():
     assert block[80:96] == b"\xab" * 16 and struct.unpack_from("<QQ", block, 96) == (2, 9)
     assert parse_superblock(block) == SUPERBLOCK
     assert (RING_START, copy_offset(7), copy_offset(8)) == (2 * BLOCK, BLOCK, 0)
+    assert len(new_secret()) == 32 and new_secret() != new_secret()
 
 
 def test_record_header_errors_are_typed():

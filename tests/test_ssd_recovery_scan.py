@@ -388,9 +388,28 @@ def test_progress_and_buffers_without_find():
     small.image[30 * BLOCK:30 * BLOCK + 4] = b"OKVR"
     small.checkpoint(s[-1])
     padded = memoryview(bytes(small.image) + bytes(BLOCK))[:len(small.image)]
-    a, b = recover_shard(padded), recover_shard(bytes(small.image))
-    assert [(r.offset, r.fate) for r in a.records] == [(r.offset, r.fate) for r in b.records]
-    assert a.unverified_blocks == b.unverified_blocks == 1
+    shifted = memoryview(bytes(100) + bytes(small.image))[100:]  # offsets of the view are not the buffer's
+    a, b, c = recover_shard(padded), recover_shard(bytes(small.image)), recover_shard(shifted)
+    assert [(r.offset, r.fate) for r in a.records] == [(r.offset, r.fate) for r in b.records] == \
+        [(r.offset, r.fate) for r in c.records] == [(r.offset, Fate.LIVE) for r in s]
+    assert a.unverified_blocks == b.unverified_blocks == c.unverified_blocks == 1
+
+
+def test_progress_is_reported_every_8_mib():
+    log = Log(capacity=RING_START + (24 << 20))
+    rs = [log.record(k(i), seg(i), at=RING_START + (i << 20)) for i in range(24)]
+    log.checkpoint(rs[-1])
+    calls = []
+    log.recover(on_progress=lambda d, t: calls.append(d))
+    assert calls == [0, 8 << 20, 16 << 20, 24 << 20]
+
+
+def test_an_image_that_ends_inside_the_superblocks():
+    log = Log()
+    log.checkpoint()
+    log.checkpoint()  # sequence 2: block 0
+    rec = recover_shard(bytes(log.image[:BLOCK]))
+    assert rec.problem == "" and (rec.scanned_bytes, rec.records, rec.chain_end) == (0, [], ChainEnd.EMPTY)
 
 
 def test_next_generation_takes_the_superblock_into_account():
@@ -425,3 +444,19 @@ def test_random_damage_never_raises_and_never_adopts_a_record_twice():
         keys = [r.header.key for r in rec.live]
         assert len(keys) == len(set(keys)), trial
         assert all(r.status is Status.VALID for r in rec.live)
+
+
+def test_a_torn_write_over_the_checkpoint_head_is_not_a_break():
+    """The ring came round to the checkpoint head's place: the record written there (after the checkpoint)
+    never landed, the head is still whole, and the next record links to the torn one at the head's
+    offset. That link names another record than the head: a torn write, not damage."""
+    log = Log()
+    rs = [log.record(k(i), seg(i)) for i in range(3)]
+    log.checkpoint(rs[2])
+    head = bytes(log.image[rs[2].offset:rs[2].end])
+    x = log.record(k(7), seg(7), at=rs[2].offset)  # links to rs[2], then is lost:
+    log.image[rs[2].offset:rs[2].end] = head
+    y = log.record(k(8), seg(8), at=20 * BLOCK)  # links to x
+    rec = log.recover()
+    assert x.offset == rs[2].offset and fates(rec)[y.offset] is Fate.STALE
+    assert rec.chain_end is ChainEnd.ROOT and live_offsets(rec) == {r.offset for r in rs}

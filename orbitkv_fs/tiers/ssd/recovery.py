@@ -248,8 +248,6 @@ def _walk(sb: Superblock, out: ShardRecovery) -> None:
     W = sb.checkpoint_generation
     anchored: dict[int, bool] = {}
     for top in sorted(out.records, key=lambda r: r.header.generation, reverse=True):
-        if top.offset in anchored:
-            continue
         g = top.header.generation
         if g <= sb.floor:
             out.chain_end = ChainEnd.FLOOR
