@@ -292,14 +292,38 @@ def test_the_checkpoint_head_overwritten_by_records_that_hang_off_a_torn_write()
 
 def test_an_older_record_overlapping_a_newer_one_on_the_chain_ends_it():
     log = Log()
-    w = log.record(k(0), seg(0), at=RING_START)
+    w = log.record(k(0), seg(0), at=40 * BLOCK)
     y = log.record(k(1), seg(1, n=9000), at=10 * BLOCK)  # 3 blocks
-    x = log.record(k(2), seg(2), at=20 * BLOCK)
+    x = log.record(k(2), seg(2), at=3 * BLOCK)
     z = log.record(k(3), seg(3), at=11 * BLOCK)  # took part of y's place after y was written
     log.checkpoint(z)
     rec = log.recover()
     assert rec.chain_end is ChainEnd.OVERWRITTEN and [r.offset for r in rec.chain] == [z.offset, x.offset]
     assert fates(rec)[y.offset] is Fate.STALE and fates(rec)[w.offset] is Fate.STALE
+
+
+def test_a_place_taken_by_a_longer_newer_record_behind_another_header():
+    """A link names a record at 12 blocks; what is there is an older record (another tag), inside a newer
+    record that starts at 11 blocks: the place was reused, the chain ends there (not a torn write)."""
+    log = Log()
+    n = log.record(k(1), seg(1, n=4 * BLOCK), at=11 * BLOCK, gen=8, prev=(40 * BLOCK, bytes(16)))  # hangs off a torn write
+    s = log.record(k(2), seg(2), at=12 * BLOCK, gen=3, prev=(NO_PREV, NO_TAG))
+    last = log.record(k(3), seg(3), at=30 * BLOCK, gen=5, prev=(12 * BLOCK, bytes(range(16))))
+    log.checkpoint()
+    rec = log.recover()
+    assert rec.chain_end is ChainEnd.OVERWRITTEN and live_offsets(rec) == {last.offset}
+    assert fates(rec)[n.offset] is Fate.STALE and fates(rec)[s.offset] is Fate.STALE
+
+
+def test_an_older_record_replayed_at_the_checkpoint_head_s_place():
+    log = Log()
+    old = log.record(k(1), seg(1))
+    image = bytes(log.image[old.offset:old.end])
+    head = log.record(k(2), seg(2), at=old.offset)  # the ring took its place
+    log.checkpoint(head)
+    log.image[old.offset:old.end] = image  # the disk returns the place's older content
+    rec = log.recover()
+    assert rec.chain_end is ChainEnd.BREAK and rec.break_offset == head.offset and not rec.live
 
 
 def test_a_link_to_a_newer_record_is_not_followed():
@@ -353,6 +377,7 @@ def test_blocks_that_are_not_records_of_this_log():
     log.image[log.capacity - BLOCK:] = buf[:BLOCK]
     log.image[40 * BLOCK:40 * BLOCK + 4] = b"OKVR"
     log.image[50 * BLOCK - 100:50 * BLOCK - 96] = b"OKVR"  # not on a block boundary: not even looked at
+    log.image[52 * BLOCK - 1:52 * BLOCK + 3] = b"OKVR"  # one byte before one
     log.checkpoint(a)
     rec = log.recover()
     assert [r.offset for r in rec.records] == [a.offset] and rec.unverified_blocks == 5

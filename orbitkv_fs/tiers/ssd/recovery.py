@@ -171,7 +171,7 @@ def _scan(mv: memoryview, image: object, sb: Superblock, capacity: int, key: Sha
                 off += BLOCK
                 continue
             nxt = find(MAGIC, off + 1)
-            if nxt < 0:
+            if nxt == -1:
                 break
             off = -(-nxt // BLOCK) * BLOCK  # the block boundary at or after the match
             continue
@@ -246,7 +246,7 @@ def _walk(sb: Superblock, out: ShardRecovery) -> None:
     """Find the chain (newest first) and mark its records; the rest stay STALE."""
     recs = _Records(out.records)
     W = sb.checkpoint_generation
-    anchored: dict[int, bool] = {}
+    dangling: set[int] = set()  # records on paths that hang off a write torn above the checkpoint
     for top in sorted(out.records, key=lambda r: r.header.generation, reverse=True):
         g = top.header.generation
         if g <= sb.floor:
@@ -254,29 +254,31 @@ def _walk(sb: Superblock, out: ShardRecovery) -> None:
             return
         if W and g <= W and not (top.offset == sb.checkpoint_offset
                                  and hmac.compare_digest(top.header.tag, sb.checkpoint_tag)):
-            # Every newer record hangs off a torn write, and the checkpoint head is not where it was.
-            if recs.covered_by_newer(sb.checkpoint_offset, W):
-                out.chain_end = ChainEnd.OVERWRITTEN
-            else:
-                out.chain_end, out.break_offset = ChainEnd.BREAK, sb.checkpoint_offset
+            _head_gone(recs, sb, out)  # every newer record hangs off a torn write
             return
-        path, end, brk = _path(top, recs, sb, anchored)
-        for r in path:
-            anchored[r.offset] = end is not None
-        if end is not None:
+        path, end, brk = _path(top, recs, sb, dangling)
+        if end is None:
+            dangling.update(r.offset for r in path)
+        else:
             out.chain_end, out.break_offset = end, brk
             out.head = path[0].header
             out.chain = path
             return
     if W:  # nothing anchored, and the checkpoint head is not there either
-        if recs.covered_by_newer(sb.checkpoint_offset, W):
-            out.chain_end = ChainEnd.OVERWRITTEN
-        else:
-            out.chain_end, out.break_offset = ChainEnd.BREAK, sb.checkpoint_offset
+        _head_gone(recs, sb, out)
+
+
+def _head_gone(recs: _Records, sb: Superblock, out: ShardRecovery) -> None:
+    """The checkpoint head is not where the superblock says: the ring reused its place since (a newer
+    record spans it), or it is damaged, which ends the chain before it starts."""
+    if recs.covered_by_newer(sb.checkpoint_offset, sb.checkpoint_generation):
+        out.chain_end = ChainEnd.OVERWRITTEN
+    else:
+        out.chain_end, out.break_offset = ChainEnd.BREAK, sb.checkpoint_offset
 
 
 def _path(top: RecordInfo, recs: _Records, sb: Superblock,
-          anchored: dict[int, bool]) -> tuple[list[RecordInfo], ChainEnd | None, int | None]:
+          dangling: set[int]) -> tuple[list[RecordInfo], ChainEnd | None, int | None]:
     """Walk back from ``top``: ``(records, how the chain ends, break offset)``, the end None when the path
     hangs off a write torn above the checkpoint (not anchored)."""
     W = sb.checkpoint_generation
@@ -288,7 +290,7 @@ def _path(top: RecordInfo, recs: _Records, sb: Superblock,
         if isinstance(nxt, RecordInfo):
             if nxt.header.generation <= sb.floor:
                 return path, ChainEnd.FLOOR, None
-            if nxt.offset in anchored:  # joins a path already found not anchored
+            if nxt.offset in dangling:  # joins a path already found hanging off a torn write
                 return path, None, None
             i = bisect.bisect_left(starts, nxt.header.end)
             if i and ends[starts[i - 1]] > nxt.offset:
