@@ -149,7 +149,8 @@ def test_record_header_errors_are_typed():
     bad(52, struct.pack("<I", 64 + (32 << 20) + 1), LengthMismatch)  # longer than the largest segment
     bad(56, struct.pack("<I", 2 * BLOCK), LengthMismatch)  # record length does not match
     bad(44, struct.pack("<Q", 0), LengthMismatch)
-    bad(44, struct.pack("<Q", GEN_MAX + 1), LengthMismatch)
+    assert GEN_MAX == 1 << 62
+    bad(44, struct.pack("<Q", (1 << 62) + 1), LengthMismatch)
     bad(60, struct.pack("<Q", 2 * BLOCK + 1), LengthMismatch)
     bad(68, struct.pack("<Q", 5 * BLOCK + 8), LengthMismatch)
     # A tombstone key field carries only a namespace, and only for that scope.
@@ -172,8 +173,8 @@ def test_record_header_errors_are_typed():
     struct.pack_into("<Q", b, 68, NO_PREV)
     assert parse_record_header(bytes(b)).prev_offset == NO_PREV
     b = bytearray(good)
-    struct.pack_into("<Q", b, 44, GEN_MAX)
-    assert parse_record_header(bytes(b)).generation == GEN_MAX
+    struct.pack_into("<Q", b, 44, 1 << 62)
+    assert parse_record_header(bytes(b)).generation == 1 << 62
     b = bytearray(good)
     struct.pack_into("<Q", b, 44, 1)
     assert parse_record_header(bytes(b)).generation == 1

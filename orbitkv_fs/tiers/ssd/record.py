@@ -298,10 +298,7 @@ def verify_record_tag(buf: "bytes | memoryview", key: ShardKey) -> None:
 def check_segment_body(rh: RecordHeader, body: "bytes | memoryview") -> SegmentHeader:
     """Validate a segment record's body in full (segment header fields, lengths, payload CRC, and that the
     segment header names the record key's layer and role). Used by recovery and inspection."""
-    mv = memoryview(body)
-    if len(mv) < rh.body_length:
-        raise TruncatedSegment(f"record body needs {rh.body_length} bytes, {len(mv)} present")
-    sh, _ = parse_segment(mv[:rh.body_length])
+    sh, _ = parse_segment(memoryview(body)[:rh.body_length])  # a body cut short: TruncatedSegment
     if rh.key is None or sh.layer != rh.key.layer or sh.role != rh.key.role:
         raise SegmentError("segment header layer/role disagree with the record key")
     return sh
