@@ -17,8 +17,8 @@ mutant is *killed* when the tests fail (or time out), *survives* when they pass.
   too);
 * boolean operators swapped (``and``/``or``), ``not`` dropped, ``+``/``-`` swapped.
 
-Docstrings, annotations, decorator arguments, log calls, ``__all__`` and module-level asserts (checks of
-the module's own constants at import) are not mutated. Writes one JSON document: the module, the
+Docstrings, annotations, decorator and class keyword arguments, f-strings (messages), log calls,
+``__all__`` and module-level asserts (checks of the module's own constants at import) are not mutated. Writes one JSON document: the module, the
 command, the counts, and every mutant (line, kind, the changed source line, killed or survived).
 
 A maintained tool was the first choice: mutmut 3 instruments function bodies through trampolines, so a
@@ -80,11 +80,17 @@ def _skip_nodes(tree: ast.Module) -> set[int]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "debug", "info", "warning", "error", "exception"):
             mark(node)  # log lines
-    # Decorator arguments configure a class or function (``dataclass(frozen=True)``), they are not logic.
+    # Decorator and class keyword arguments configure a class or function (``dataclass(frozen=True)``,
+    # ``msgspec.Struct, gc=False``), and f-strings are messages: neither is logic.
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             for d in node.decorator_list:
                 mark(d)
+        if isinstance(node, ast.ClassDef):
+            for kw in node.keywords:
+                mark(kw)
+        if isinstance(node, ast.JoinedStr):
+            mark(node)
     # A module-level assert checks the module's own constants (a struct's size) when it is imported: no
     # input reaches it, and changing it either fails every import or nothing.
     for node in tree.body:

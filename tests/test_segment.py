@@ -462,3 +462,30 @@ def test_worth_keeping_at_the_one_eighth_boundary():
     assert worth_keeping(72 * 512 - 64, 63 * 512 - 64)
     assert not worth_keeping(72 * 512 - 64, 64 * 512 - 64)
     assert worth_keeping(16 * 512 - 64, 14 * 512 - 64) and not worth_keeping(16 * 512 - 64, 15 * 512 - 64)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_turboquant_head_dims(head_dim):
+    rec = 2 + head_dim * 4 // 8  # a key vector at 4 bits
+    h = parse_header(forge(fmt=3, bits=4, role=1, head_dim=head_dim, sign_version=1, dtype=4, original=2 * head_dim,
+                           stored=rec))
+    assert (h.head_dim, h.stored_length) == (head_dim, rec)
+    expect(errors.UnknownFormat, forge(fmt=3, bits=4, role=1, head_dim=2 * head_dim + 1, sign_version=1, dtype=4,
+                                       original=2 * (2 * head_dim + 1), stored=2 + (2 * head_dim + 1) // 2))
+
+
+def test_header_templates_keep_up_to_their_limit():
+    from orbitkv_fs.segment import HeaderTemplates
+
+    t = HeaderTemplates(limit=3)
+    buf = memoryview(bytearray(HEADER_SIZE))
+    for n, layer in enumerate(range(5)):
+        t.pack_into((Format.RAW, BF16, 64, 64, Role.KEY, layer, 0, 0, 0, 0, AnsType.NONE, RawReason.NONE), 7, buf, 0)
+        assert len(t._made) == min(n + 1, 3) if n < 3 else len(t._made) <= 3
+        assert t.parse(bytes(buf)).layer == layer
+        assert len(t._seen) <= 3
+    t2 = HeaderTemplates(limit=3)
+    for layer in range(3):
+        t2.pack_into((Format.RAW, BF16, 64, 64, Role.KEY, layer, 0, 0, 0, 0, AnsType.NONE, RawReason.NONE), 7, buf, 0)
+        t2.parse(bytes(buf))
+    assert (len(t2._made), len(t2._seen)) == (3, 3)
