@@ -489,3 +489,26 @@ def test_header_templates_keep_up_to_their_limit():
         t2.pack_into((Format.RAW, BF16, 64, 64, Role.KEY, layer, 0, 0, 0, 0, AnsType.NONE, RawReason.NONE), 7, buf, 0)
         t2.parse(bytes(buf))
     assert (len(t2._made), len(t2._seen)) == (3, 3)
+
+
+def test_defaults_check_value_and_views():
+    h = SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 4, 0)
+    assert (h.role, h.layer, h.bits, h.head_dim, h.sign_version, h.rotation_seed, h.codec_version, h.ans_type,
+            h.raw_reason, h.flags) == (Role.OPAQUE, 0, 0, 0, 0, 0, 1, AnsType.NONE, RawReason.NONE, 0)
+    from orbitkv_fs.segment import HeaderTemplates, crc32c as seg_crc32c
+
+    assert seg_crc32c(b"123456789") == 0xE3069283 and seg_crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+    assert HeaderTemplates()._limit == 4096
+    buf = bytearray(2 * HEADER_SIZE)
+    pack_header_into(h, buf)  # offset 0 by default
+    assert bytes(buf[:HEADER_SIZE]) == pack_header(h) and bytes(buf[HEADER_SIZE:]) == bytes(HEADER_SIZE)
+    # A view of another item size is read as bytes.
+    assert parse_header(memoryview(np.frombuffer(pack_header(h), np.uint16))) == h
+
+
+@pytest.mark.parametrize("fields,err", [
+    (dict(fmt=3, bits=4, role=1, head_dim=32, sign_version=1, dtype=5, original=128, stored=18), errors.UnknownFormat),
+    (dict(fmt=3, bits=4, role=1, head_dim=32, sign_version=1, dtype=4, original=66, stored=18), errors.LengthMismatch),
+])
+def test_turboquant_source_dtype_and_whole_vectors(fields, err):
+    expect(err, forge(**fields))
