@@ -20,7 +20,7 @@ from orbitkv_fs.tiers.ssd.record import (BLOCK, GEN_MAX, NO_PREV, NO_TAG, RECORD
                                          RecordTagMismatch, Scope, ShardKey, check_segment_body, lay_record_body,
                                          pack_record_header_into, parse_record_header, parse_tombstone, record_header,
                                          record_length, tombstone_body, verify_record, verify_record_head,
-                                         verify_record_tag)
+                                         verify_record_tag, write_record_body)
 from orbitkv_fs.tiers.ssd.superblock import (RING_START, SUPERBLOCK_SIZE, Superblock, copy_offset, new_secret,
                                              pack_superblock, parse_superblock, read_superblocks)
 
@@ -401,3 +401,23 @@ def test_random_bytes_raise_only_typed_errors(data):
             fn(data)
         except SegmentError:
             pass
+
+
+def test_the_first_record_of_a_log_links_to_nothing():
+    header, _ = record_header(KEY, Kind.SEGMENT, OKEY.pack(), 1, SEG[:64], len(SEG), RING_START, NO_PREV, NO_TAG)
+    assert header[68:92] == b"\xff" * 8 + bytes(16)  # all ones, and a zero tag
+    assert parse_record_header(header).prev_offset == (1 << 64) - 1
+
+
+@pytest.mark.parametrize("n", [1000, 300_000, 1 << 20])
+def test_record_body_layout(n):
+    """The body after the header space and zero padding to the block, also for bodies copied without the
+    GIL (256 KiB and more), into a reused buffer."""
+    body = bytes(range(256)) * (n // 256) + b"\x07" * (n % 256)
+    rec_len = record_length(n)
+    buf = memoryview(bytearray(b"\xaa" * (rec_len + BLOCK)))
+    assert write_record_body(buf, body) == rec_len
+    assert bytes(buf[:RECORD_HEADER_SIZE]) == b"\xaa" * RECORD_HEADER_SIZE  # the header's place is left alone
+    assert bytes(buf[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + n]) == body
+    assert bytes(buf[RECORD_HEADER_SIZE + n:rec_len]) == bytes(rec_len - RECORD_HEADER_SIZE - n)
+    assert bytes(buf[rec_len:]) == b"\xaa" * BLOCK
