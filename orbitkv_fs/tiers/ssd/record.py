@@ -181,12 +181,8 @@ class RecordHeader:
     prev_offset: int
     prev_tag: bytes
     tag: bytes
-    scope: Scope = Scope.NONE
-    raw_key: bytes = bytes(PACKED_SIZE)  # the key field as stored (a tombstone's namespace)
-
-    @property
-    def segment_length(self) -> int:
-        return self.body_length
+    scope: Scope
+    raw_key: bytes  # the key field as stored (a tombstone's namespace)
 
     @property
     def end(self) -> int:
