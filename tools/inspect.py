@@ -64,8 +64,7 @@ class Record:
             "status": r.status.value,
             "fate": r.fate.value,
             "live": self.live,
-            "key": str(h.key) if seg else (f"{h.scope.name.lower()}:{h.raw_key[:16].hex()}" if h.raw_key[:16].strip(b"\0")
-                                           else h.scope.name.lower()),
+            "key": str(h.key) if seg else _tombstone_name(h),
             "layer": h.key.layer if seg and h.key else None,
             "role": h.key.role.name.lower() if seg and h.key else None,
             "generation": h.generation,
@@ -75,6 +74,12 @@ class Record:
             "record_length": h.record_length,
             "error": r.error or None,
         }
+
+
+def _tombstone_name(h: Any) -> str:
+    """``keys``, ``chunks`` or ``namespace:<hex>``: what a tombstone covers (its entries are in its body)."""
+    ns = h.raw_key[:16]
+    return f"{h.scope.name.lower()}:{ns.hex()}" if ns.strip(b"\0") else h.scope.name.lower()
 
 
 class _Progress:

@@ -306,8 +306,8 @@ class ReadPath:
                 for i, head in zip(ok, heads):
                     s = slots[i]
                     try:
-                        verify_record_head(head, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation, s.stored,
-                                           s.crc)
+                        verify_record_head(head, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation,
+                                           s.stored, s.crc)
                     except SegmentError:
                         verdicts[i] = "corrupt"
                         continue
@@ -357,7 +357,8 @@ class ReadPath:
             if res != s.length:
                 return None, io_reason(res, "short_read")
             try:
-                seg = verify_record(buf, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
+                seg = verify_record(buf, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation, s.stored,
+                                    s.crc)
                 return (seg if keep else bytes(seg)), ""
             except SegmentError:
                 return None, "corrupt"

@@ -319,14 +319,12 @@ def _adopt(sb: Superblock, out: ShardRecovery) -> None:
     dead_keys: set[bytes] = set()
     dead_chunks: set[bytes] = set()
     dead_ns: set[bytes] = set()
-    for i, r in enumerate(chain):
+    for r in chain:
         h = r.header
         if h.kind is Kind.TOMBSTONE:
             r.fate = Fate.TOMBSTONE
-            if r.tombstone is None:  # what it invalidated is unknown: nothing older may be served
+            if r.tombstone is None:  # what it invalidated is unknown: nothing older may be served (they stay STALE)
                 out.cut = f"damaged tombstone at offset {r.offset}"
-                for older in chain[i + 1:]:
-                    older.fate = Fate.STALE
                 return
             t = r.tombstone
             (dead_keys if t.scope is Scope.KEYS else dead_chunks).update(t.entries)

@@ -573,7 +573,8 @@ class SsdTier(WritebackLane, ReadPath):
             entries = sorted({namespace + c for c in chunks})  # type: ignore[operator]
             per_shard = [(i, Scope.CHUNKS, bytes(PACKED_SIZE), entries) for i in range(n)] if entries else []
         else:
-            per_shard = [(i, Scope.NAMESPACE, namespace + bytes(PACKED_SIZE - 16), []) for i in range(n)]  # type: ignore[operator]
+            field_ = namespace + bytes(PACKED_SIZE - 16)  # type: ignore[operator]
+            per_shard = [(i, Scope.NAMESPACE, field_, []) for i in range(n)]
         staged = []
         for i, scope, key_field, entries in per_shard:
             step = max(1, MAX_TOMBSTONE_BODY // max(ENTRY_SIZE[scope], 1))
@@ -608,7 +609,8 @@ class SsdTier(WritebackLane, ReadPath):
         with self._lock:
             items = [s for k, s in self._index.items() if namespace is None or k.namespace == namespace]
         for s in items:
-            yield SsdObject(s.key, s.stored, s.format, s.original, s.generation, s.shard, s.offset)  # type: ignore[arg-type]
+            yield SsdObject(s.key, s.stored, s.format, s.original, s.generation, s.shard,  # type: ignore[arg-type]
+                            s.offset)
 
     def snapshot(self) -> SsdStats:
         with self._lock:
