@@ -20,7 +20,8 @@ Besides wall-clock figures, the CPU seconds of the whole process (every thread) 
 and per SSD lookup: the added checks are CPU work, and CPU time is much less disturbed than wall time by
 other processes on a shared machine.
 
-Segment sizes: 64 KiB (2 blocks a chunk) and 1 MiB (32 blocks). Prints one JSON document (every round's
+Segment sizes: 64 KiB (2 blocks a chunk) and 1 MiB (32 blocks). ``--backend mem`` replaces the device with
+an in-memory backend (``membackend.py``): the pipeline's own work, where the checks weigh most. Prints one JSON document (every round's
 figures, and per figure the median of each package and the median of the per-round ratios).
 """
 
@@ -38,6 +39,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
+from membackend import MemBackend  # noqa: E402
+
 LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 8, 8, 128, 16
 BLOCK_BYTES = BLOCK_TOKENS * HEADS * HEAD_DIM * 2
 
@@ -52,7 +56,7 @@ def load_as(name: str, package_dir: str):
     return mod
 
 
-def one_round(pkg: str, directory: str, seg_bytes: int, total: int, samples: int) -> dict[str, float]:
+def one_round(pkg: str, directory: str, seg_bytes: int, total: int, samples: int, mem: bool = False) -> dict[str, float]:
     mgr = importlib.import_module(f"{pkg}.manager")
     keys = importlib.import_module(f"{pkg}.keys")
     pages_mod = importlib.import_module(f"{pkg}.pages")
@@ -74,7 +78,8 @@ def one_round(pkg: str, directory: str, seg_bytes: int, total: int, samples: int
     chunks = [mgr.ChunkBlocks(keys.chunk_key(f"c{i}"), list(range(per_chunk * i, per_chunk * (i + 1))))
               for i in range(n_chunks)]
     shard = os.path.join(directory, f"{pkg}.okv")
-    tier = ssd.SsdTier(ssd.SsdConfig(paths=(shard,), capacity=4 * total + (64 << 20)))
+    tier = ssd.SsdTier(ssd.SsdConfig(paths=(shard,), capacity=4 * total + (64 << 20)),
+                       backend=MemBackend() if mem else None)
     out: dict[str, float] = {}
     try:
         with mgr.Manager(mgr.ManagerConfig(pool_size=4 * total, storage_codec="none", ssd_prefetch_chunks=0),
@@ -133,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=64, help="logical MiB saved and restored per round")
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--dir", default=None, help="scratch directory on an O_DIRECT file system")
+    p.add_argument("--backend", choices=("disk", "mem"), default="disk",
+                   help="disk: the shard on --dir through io_uring; mem: an in-memory backend (membackend.py): "
+                        "the pipeline's own work, without the device")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_as("base_orbitkv", os.path.abspath(args.baseline))
@@ -146,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 order = ["main", "trust"] if r % 2 == 0 else ["trust", "main"]
                 for name in order:
-                    fig = one_round(packages[name], scratch, seg_bytes, args.mib << 20, args.samples)
+                    fig = one_round(packages[name], scratch, seg_bytes, args.mib << 20, args.samples,
+                                    mem=args.backend == "mem")
                     rounds.append({"segment_bytes": seg_bytes, "round": r, "package": name, **fig})
                     print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
     finally:
