@@ -43,12 +43,13 @@ def test_lay_record_equals_the_staging_layout(n):
     check_segment_body(rh, image[RECORD_HEADER_SIZE:])
     assert (rh.key, rh.generation, rh.offset, rh.prev_offset, rh.prev_tag, rh.tag) == (k, gen, off, *prev, tag)
     crc = int.from_bytes(seg[24:28], "little")
-    verify_record_head(image[:RECORD_HEAD_BYTES], sk, off, k.pack(), gen, len(seg), crc)
-    for bad in ((sk, off, key(4).pack(), gen, crc), (sk, off + BLOCK, k.pack(), gen, crc),
-                (sk, off, k.pack(), gen + 1, crc), (sk, off, k.pack(), gen, crc ^ 1),
-                (ShardKey(bytes(32)), off, k.pack(), gen, crc)):
+    verify_record_head(image[:RECORD_HEAD_BYTES], off, k.pack(), gen, len(seg), crc)
+    for bad in ((off, key(4).pack(), gen, crc), (off + BLOCK, k.pack(), gen, crc), (off, k.pack(), gen + 1, crc),
+                (off, k.pack(), gen, crc ^ 1)):
         with pytest.raises(SegmentError):
-            verify_record_head(image[:RECORD_HEAD_BYTES], *bad[:4], len(seg), bad[4])
+            verify_record_head(image[:RECORD_HEAD_BYTES], *bad[:3], len(seg), bad[3])
+    with pytest.raises(SegmentError):  # and the tag under another secret
+        verify_record_tag(image, ShardKey(bytes(32)))
 
 
 def _tier(tmp_path, **kw) -> tuple[SsdTier, str]:

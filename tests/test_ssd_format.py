@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from orbitkv_fs.errors import (BadMagic, HeaderChecksumMismatch, LengthMismatch, PayloadChecksumMismatch, SegmentError,
                                TruncatedSegment, UnknownFormat, UnsupportedVersion)
 from orbitkv_fs.keys import ObjectKey
-from orbitkv_fs.segment import Format, Role, SegmentHeader, build_segment
+from orbitkv_fs.segment import Format, Role, SegmentHeader, build_segment, crc32c
 from orbitkv_fs.tiers.ssd.record import (BLOCK, GEN_MAX, NO_PREV, NO_TAG, RECORD_HEAD_BYTES, RECORD_HEADER_SIZE, Kind,
                                          RecordTagMismatch, Scope, ShardKey, check_segment_body, lay_record_body,
                                          pack_record_header_into, parse_record_header, parse_tombstone, record_header,
@@ -36,23 +36,23 @@ GOLDEN_SEGMENT = bytes.fromhex(
     "00000000ebf4b3f90001020304050607")
 GOLDEN_RECORD_HEADER = bytes.fromhex(
     "4f4b565202000100000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f03000200080706050403020148000000"
-    "00100000002000000000000000500000000000006465666768696a6b6c6d6e6f707172730000000000000000000000000000000000000000"
-    "c2084c2c4829245b73253a6715feb9d8")
+    "00100000002000000000000000500000000000006465666768696a6b6c6d6e6f7071727300000000000000000000000000000000bc36ed48"
+    "56abe495ac3d88a1b333328adfdce56f")
 GOLDEN_TOMBSTONE_KEYS = bytes.fromhex(
     "4f4b565202000201000000000000000000000000000000000000000000000000000000000000000000000000090000000000000064000000"
-    "0010000000300000000000000020000000000000c2084c2c4829245b73253a6715feb9d80000000000000000000000000000000000000000"
-    "c636507cb4ed6db98acfa098b2e0f42b4f4b56540100000024000000a47bc3c3000000000000000000000000000000000000000000000000"
+    "0010000000300000000000000020000000000000bc36ed4856abe495ac3d88a1b333328a00000000000000000000000000000000ee910d60"
+    "3016ef4499551eb63b1034597f35ebe74f4b56540100000024000000a47bc3c3000000000000000000000000000000000000000000000000"
     "000000000000000000000000000000000000000000000000000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
     "03000200")
 GOLDEN_TOMBSTONE_CHUNKS = bytes.fromhex(
     "4f4b5652020002020000000000000000000000000000000000000000000000000000000000000000000000000a0000000000000060000000"
-    "0010000000400000000000000030000000000000c636507cb4ed6db98acfa098b2e0f42b0000000000000000000000000000000000000000"
-    "5648b907a65496d0721e36a084c301694f4b565401000000200000004e79dd46000000000000000000000000000000000000000000000000"
+    "0010000000400000000000000030000000000000ee910d603016ef4499551eb63b103459000000000000000000000000000000009e1364c6"
+    "23814f39d309be8cb531d74ce4c99e8b4f4b565401000000200000004e79dd46000000000000000000000000000000000000000000000000"
     "000000000000000000000000000000000000000000000000000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f")
 GOLDEN_TOMBSTONE_NAMESPACE = bytes.fromhex(
     "4f4b565202000203000102030405060708090a0b0c0d0e0f00000000000000000000000000000000000000000b0000000000000040000000"
-    "00100000005000000000000000400000000000005648b907a65496d0721e36a084c301690000000000000000000000000000000000000000"
-    "db9d4689afbe1a17c1543894723f301a4f4b5654000000000000000000000000000000000000000000000000000000000000000000000000"
+    "00100000005000000000000000400000000000009e1364c623814f39d309be8cb531d74c0000000000000000000000000000000077ab3e68"
+    "7c560a7aa688784df078cec7a11e5f5c4f4b5654000000000000000000000000000000000000000000000000000000000000000000000000"
     "000000000000000000000000000000000000000000000000")
 GOLDEN_SUPERBLOCK = bytes.fromhex(
     "4f4b564201000000010000000200000000001000000000000700000000000000000102030405060708090a0b0c0d0e0f1011121314151617"
@@ -63,7 +63,7 @@ SUPERBLOCK = Superblock(1, 2, 1 << 20, 7, SECRET, 5, 8192, b"\xab" * 16, 2, 9)
 
 def _tag(header: bytes, body: bytes) -> bytes:
     """The record tag as docs/format.md defines it, computed here without the code under test."""
-    return hashlib.blake2b(header[:112] + body[:64], key=SECRET, digest_size=16, person=b"orbitkv-record").digest()
+    return hashlib.blake2b(header[:108] + body[:64], key=SECRET, digest_size=16, person=b"orbitkv-record").digest()
 
 
 def _tombstone(scope: Scope, entries, key_field: bytes, gen: int, offset: int, prev) -> bytes:
@@ -78,12 +78,13 @@ def test_golden_segment_record_header():
     assert SEG == GOLDEN_SEGMENT
     header, tag = record_header(KEY, Kind.SEGMENT, OKEY.pack(), GEN, SEG[:64], len(SEG), 2 * BLOCK, *PREV)
     assert header == GOLDEN_RECORD_HEADER and len(header) == RECORD_HEADER_SIZE == 128
-    assert tag == header[112:] == _tag(header, SEG)
+    assert tag == header[108:124] == _tag(header, SEG)
+    assert header[124:] == crc32c(header[:124]).to_bytes(4, "little")
     # Field offsets as the table in docs/format.md gives them.
     assert header[:4] == b"OKVR" and struct.unpack_from("<HBB", header, 4) == (2, 1, 0)
     assert header[8:44] == OKEY.pack()
     assert struct.unpack_from("<QIIQQ", header, 44) == (GEN, len(SEG), BLOCK, 2 * BLOCK, 5 * BLOCK)
-    assert header[76:92] == PREV[1] and header[92:112] == bytes(20)
+    assert header[76:92] == PREV[1] and header[92:108] == bytes(16)
     rh = parse_record_header(header)
     assert (rh.kind, rh.key, rh.generation, rh.body_length, rh.record_length, rh.offset, rh.prev_offset, rh.prev_tag,
             rh.tag, rh.scope) == (Kind.SEGMENT, OKEY, GEN, len(SEG), BLOCK, 2 * BLOCK, *PREV, tag, Scope.NONE)
@@ -92,12 +93,13 @@ def test_golden_segment_record_header():
 def test_golden_tombstones():
     _, t1 = record_header(KEY, Kind.SEGMENT, OKEY.pack(), GEN, SEG[:64], len(SEG), 2 * BLOCK, *PREV)
     keys = _tombstone(Scope.KEYS, [OKEY.pack()], bytes(36), 9, 3 * BLOCK, (2 * BLOCK, t1))
-    chunks = _tombstone(Scope.CHUNKS, [OKEY.namespace + OKEY.chunk], bytes(36), 10, 4 * BLOCK, (3 * BLOCK, keys[112:128]))
-    ns = _tombstone(Scope.NAMESPACE, [], OKEY.namespace + bytes(20), 11, 5 * BLOCK, (4 * BLOCK, chunks[112:128]))
+    chunks = _tombstone(Scope.CHUNKS, [OKEY.namespace + OKEY.chunk], bytes(36), 10, 4 * BLOCK, (3 * BLOCK, keys[108:124]))
+    ns = _tombstone(Scope.NAMESPACE, [], OKEY.namespace + bytes(20), 11, 5 * BLOCK, (4 * BLOCK, chunks[108:124]))
     assert (keys, chunks, ns) == (GOLDEN_TOMBSTONE_KEYS, GOLDEN_TOMBSTONE_CHUNKS, GOLDEN_TOMBSTONE_NAMESPACE)
     for rec, scope, entries in ((keys, Scope.KEYS, {OKEY.pack()}), (chunks, Scope.CHUNKS, {OKEY.pack()[:32]}),
                                 (ns, Scope.NAMESPACE, set())):
-        assert rec[112:128] == _tag(rec[:128], rec[128:])
+        assert rec[108:124] == _tag(rec[:128], rec[128:])
+        assert rec[124:128] == crc32c(rec[:124]).to_bytes(4, "little")
         body = rec[128:]
         # Tombstone head: "OKVT", entries, entry size, CRC32C of the entries, zeros.
         assert body[:4] == b"OKVT" and body[16:64] == bytes(48)
@@ -125,6 +127,12 @@ def test_golden_superblock():
     assert len(new_secret()) == 32 and new_secret() != new_secret()
 
 
+def _recrc(b: bytearray) -> bytes:
+    """A header edited on purpose, its CRC made right again (to reach the checks after the CRC)."""
+    b[124:128] = crc32c(bytes(b[:124])).to_bytes(4, "little")
+    return bytes(b)
+
+
 def test_record_header_errors_are_typed():
     good = GOLDEN_RECORD_HEADER
 
@@ -132,7 +140,7 @@ def test_record_header_errors_are_typed():
         b = bytearray(good)
         b[pos:pos + len(data)] = data
         with pytest.raises(err):
-            parse_record_header(bytes(b))
+            parse_record_header(_recrc(b))
 
     with pytest.raises(TruncatedSegment):
         parse_record_header(good[:127])
@@ -157,33 +165,41 @@ def test_record_header_errors_are_typed():
     ns = bytearray(GOLDEN_TOMBSTONE_NAMESPACE[:128])
     ns[30] = 1
     with pytest.raises(UnknownFormat):
-        parse_record_header(bytes(ns))
+        parse_record_header(_recrc(ns))
     keys = bytearray(GOLDEN_TOMBSTONE_KEYS[:128])
     keys[8] = 1
     with pytest.raises(UnknownFormat):
-        parse_record_header(bytes(keys))
+        parse_record_header(_recrc(keys))
     assert parse_record_header(GOLDEN_TOMBSTONE_KEYS).body_length == 100  # bounds of a tombstone body
     big = bytearray(GOLDEN_TOMBSTONE_KEYS[:128])
     struct.pack_into("<II", big, 52, 64 + (1 << 20) + 36, record_length(64 + (1 << 20) + 36))
     with pytest.raises(LengthMismatch):
-        parse_record_header(bytes(big))
+        parse_record_header(_recrc(big))
     struct.pack_into("<II", big, 52, 64 + (1 << 20), record_length(64 + (1 << 20)))
-    assert parse_record_header(bytes(big)).body_length == 64 + (1 << 20)
+    assert parse_record_header(_recrc(big)).body_length == 64 + (1 << 20)
     b = bytearray(good)
     struct.pack_into("<Q", b, 68, NO_PREV)
-    assert parse_record_header(bytes(b)).prev_offset == NO_PREV
+    assert parse_record_header(_recrc(b)).prev_offset == NO_PREV
     b = bytearray(good)
     struct.pack_into("<Q", b, 44, 1 << 62)
-    assert parse_record_header(bytes(b)).generation == 1 << 62
+    assert parse_record_header(_recrc(b)).generation == 1 << 62
     b = bytearray(good)
     struct.pack_into("<Q", b, 44, 1)
-    assert parse_record_header(bytes(b)).generation == 1
+    assert parse_record_header(_recrc(b)).generation == 1
+
+
+def test_the_header_crc_covers_every_byte_after_the_version():
+    for pos in range(6, 128):
+        b = bytearray(GOLDEN_RECORD_HEADER)
+        b[pos] ^= 1
+        with pytest.raises(HeaderChecksumMismatch):
+            parse_record_header(bytes(b))
 
 
 def test_tag_binds_every_covered_byte():
     image = GOLDEN_RECORD_HEADER + SEG
     verify_record_tag(image, KEY)
-    for pos in list(range(0, 112)) + list(range(112, 128)) + list(range(128, 192)):
+    for pos in list(range(0, 124)) + list(range(128, 192)):
         b = bytearray(image)
         b[pos] ^= 1
         with pytest.raises(RecordTagMismatch):
@@ -209,14 +225,12 @@ CRC = int.from_bytes(SEG[24:28], "little")
 
 def test_demand_read_check():
     rec = _record()
-    args = (KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
+    args = (2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
     assert bytes(verify_record(rec, *args)) == SEG
     verify_record_head(rec[:RECORD_HEAD_BYTES], *args)
     other = ObjectKey(bytes(16), OKEY.chunk, 3, Role.VALUE).pack()
-    for bad in ((KEY, 3 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC), (KEY, 2 * BLOCK, other, GEN, len(SEG), CRC),
-                (KEY, 2 * BLOCK, OKEY.pack(), GEN - 1, len(SEG), CRC),
-                (KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC ^ 1),
-                (ShardKey(bytes(32)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)):
+    for bad in ((3 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC), (2 * BLOCK, other, GEN, len(SEG), CRC),
+                (2 * BLOCK, OKEY.pack(), GEN - 1, len(SEG), CRC), (2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC ^ 1)):
         with pytest.raises(SegmentError):
             verify_record(rec, *bad)
         with pytest.raises(SegmentError):
@@ -231,9 +245,17 @@ def test_demand_read_check():
     with pytest.raises(PayloadChecksumMismatch):
         verify_record(bytes(b), *args)
     verify_record_head(bytes(b)[:RECORD_HEAD_BYTES], *args)
+    # Any damage to the header (the tag, the link, reserved bytes): its CRC.
+    for pos in (80, 100, 110, 126):
+        b = bytearray(rec)
+        b[pos] ^= 1
+        with pytest.raises(HeaderChecksumMismatch):
+            verify_record(bytes(b), *args)
+        with pytest.raises(HeaderChecksumMismatch):
+            verify_record_head(bytes(b)[:RECORD_HEAD_BYTES], *args)
     # A tombstone's header is not a segment record's; nor one of another version.
     with pytest.raises(BadMagic):
-        verify_record(GOLDEN_TOMBSTONE_KEYS, KEY, 3 * BLOCK, bytes(36), 9, 100, 0)
+        verify_record(GOLDEN_TOMBSTONE_KEYS, 3 * BLOCK, bytes(36), 9, 100, 0)
     for pos, v in ((0, b"X"), (4, b"\x01")):
         b = bytearray(rec)
         b[pos:pos + 1] = v
@@ -241,7 +263,7 @@ def test_demand_read_check():
             verify_record(bytes(b), *args)
     # Record length that does not match the segment length the index holds.
     with pytest.raises(SegmentError):
-        verify_record(rec + bytes(BLOCK), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + BLOCK, CRC)
+        verify_record(rec + bytes(BLOCK), 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + BLOCK, CRC)
 
 
 def _tagged(seg: bytes, *, okey: ObjectKey = OKEY) -> bytes:
@@ -256,18 +278,18 @@ def test_demand_read_segment_header_checks():
     seg = bytearray(SEG)
     seg[0:4] = b"XKVS"
     with pytest.raises(BadMagic):
-        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
+        verify_record(_tagged(bytes(seg)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
     seg = bytearray(SEG)
     seg[61] ^= 1  # its own CRC
     with pytest.raises(HeaderChecksumMismatch):
-        verify_record(_tagged(bytes(seg)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
+        verify_record(_tagged(bytes(seg)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC)
     with pytest.raises(LengthMismatch):  # the segment header's length disagrees with the record's
-        verify_record(_tagged(SEG + bytes(8)), KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + 8, CRC)
+        verify_record(_tagged(SEG + bytes(8)), 2 * BLOCK, OKEY.pack(), GEN, len(SEG) + 8, CRC)
     # A device read: the segment header must name the record key's layer and role.
     for role, layer in ((Role.KEY, 3), (Role.VALUE, 4)):
         wrong = build_segment(SegmentHeader(Format.RAW, np.dtype(np.float16), 8, 8, 0, role=role, layer=layer), bytes(8))
         with pytest.raises(SegmentError, match="layer/role"):
-            verify_record_head(_tagged(wrong)[:RECORD_HEAD_BYTES], KEY, 2 * BLOCK, OKEY.pack(), GEN, len(wrong),
+            verify_record_head(_tagged(wrong)[:RECORD_HEAD_BYTES], 2 * BLOCK, OKEY.pack(), GEN, len(wrong),
                                int.from_bytes(wrong[24:28], "little"))
 
 
@@ -384,8 +406,8 @@ def test_parsers_raise_only_typed_errors(base, edits, cut):
     for fn in (lambda: parse_record_header(data), lambda: verify_record_tag(data, KEY),
                lambda: parse_tombstone(parse_record_header(data), data[128:]),
                lambda: check_segment_body(parse_record_header(data), data[128:]),
-               lambda: verify_record(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
-               lambda: verify_record_head(data, KEY, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
+               lambda: verify_record(data, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
+               lambda: verify_record_head(data, 2 * BLOCK, OKEY.pack(), GEN, len(SEG), CRC),
                lambda: parse_superblock(data), lambda: read_superblocks(data)):
         try:
             fn()

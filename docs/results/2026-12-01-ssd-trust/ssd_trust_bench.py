@@ -168,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                     for n in packages}
             ratios = [t / b for t, b in zip(vals["trust"], vals["main"])]
             diffs = [t - b for t, b in zip(vals["trust"], vals["main"])]
+            # Other work on the machine only slows a round down: the best round is the cost itself.
+            best = max if fig.endswith("gbps") else min
             summary[f"{seg_bytes >> 10}KiB/{fig}"] = {
                 "main_median": statistics.median(vals["main"]), "trust_median": statistics.median(vals["trust"]),
-                "ratio_median": statistics.median(ratios), "diff_median": statistics.median(diffs)}
+                "ratio_median": statistics.median(ratios), "diff_median": statistics.median(diffs),
+                "main_best": best(vals["main"]), "trust_best": best(vals["trust"]),
+                "ratio_best": best(vals["trust"]) / best(vals["main"])}
     doc = {"command": " ".join(sys.argv), "host": platform.node(), "cpus": os.cpu_count(),
            "load_at_end": os.getloadavg(), "orbitkv_fs": orbitkv_fs.__file__, "summary": summary, "rounds": rounds}
     text = json.dumps(doc, indent=1)

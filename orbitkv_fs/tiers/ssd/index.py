@@ -1,7 +1,7 @@
 """The SSD tier's index: each key's newest published record, the segments submitted and not yet written,
 and the byte gauges of the records in the rings.
 
-Primitives: :meth:`SsdIndex.get` / ``in`` / ``len`` / :meth:`SsdIndex.items`; :meth:`SsdIndex.publish` (a
+Primitives: the ``dict`` operations (``get``, ``in``, ``len``, ``items``); :meth:`SsdIndex.publish` (a
 completed write replaces its key's older record); :meth:`SsdIndex.kill` (hide a record at once: corrupt,
 invalidated, superseded); :meth:`SsdIndex.release` (the ring takes a record's space back);
 :meth:`SsdIndex.add_dead` (a record that never became readable still occupies space); ``pending`` (key ->
@@ -15,35 +15,24 @@ thread-safe: the tier's lock guards it.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 from ...keys import ObjectKey
 from .ring import Slot, State
 
 
-class SsdIndex:
+class SsdIndex(dict):
+    """``key -> Slot`` (a ``dict``: a lookup or ``in`` runs at C speed, once per key of every read), with
+    the pending segments and the byte gauges beside it."""
+
     def __init__(self) -> None:
-        self._slots: dict[ObjectKey, Slot] = {}
+        super().__init__()
         self.pending: dict[ObjectKey, tuple[int, bytes]] = {}
         self.live = 0
         self.dead = 0
 
-    def get(self, key: ObjectKey) -> Slot | None:
-        return self._slots.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def items(self) -> Iterator[tuple[ObjectKey, Slot]]:
-        return iter(list(self._slots.items()))
-
     def publish(self, s: Slot) -> bool:
         """A completed write of ``s``: it becomes its key's record unless a newer generation was published
         meanwhile (then it is DEAD; answers False)."""
-        old = self._slots.get(s.key)  # type: ignore[arg-type]
+        old = self.get(s.key)
         if old is not None and old.generation > s.generation:
             self.add_dead(s)
             return False
@@ -51,14 +40,14 @@ class SsdIndex:
             self.kill(old)
         s.state = State.COMMITTED
         self.live += s.length
-        self._slots[s.key] = s  # type: ignore[index]
+        self[s.key] = s
         return True
 
     def kill(self, s: Slot) -> None:
         """Hide a committed record from readers now; its space is reclaimed when unleased."""
         if s.state is State.COMMITTED:
-            if self._slots.get(s.key) is s:  # type: ignore[arg-type]
-                del self._slots[s.key]  # type: ignore[arg-type]
+            if self.get(s.key) is s:
+                del self[s.key]
             self.live -= s.length
             self.dead += s.length
             s.state = State.DEAD
@@ -66,8 +55,8 @@ class SsdIndex:
     def release(self, s: Slot) -> bool:
         """The ring reuses ``s``'s space: forget it. Answers True when it was readable (an eviction)."""
         if s.state is State.COMMITTED:
-            if self._slots.get(s.key) is s:  # type: ignore[arg-type]
-                del self._slots[s.key]  # type: ignore[arg-type]
+            if self.get(s.key) is s:
+                del self[s.key]
             self.live -= s.length
             return True
         self.dead -= s.length

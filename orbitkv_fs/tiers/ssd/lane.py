@@ -43,7 +43,7 @@ from ...keys import ObjectKey
 from ...segment import HEADER_SIZE, MAGIC, Format, crc32c, parse_header
 from .record import (GEN_MAX, Kind, pack_record_header_into, put_record_header, record_header, record_length,
                      write_record_body, lay_record_body)
-from .ring import Shard, Slot, State
+from .ring import Shard, Slot
 from .uring import SsdIoError
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class WritebackLane:
 
     def _allocate(self, sh: Shard, length: int) -> int | None:
         """``length`` bytes at or after ``sh``'s ring head, evicting unleased records. Lock held."""
-        found = sh.find_room(length, lambda s: s.state is State.WRITING or s.leases > 0)
+        found = sh.find_room(length)
         if found is None:
             return None
         pos, victims, skips = found

@@ -10,10 +10,10 @@ path), :meth:`ReadPath.prefetch`.
 
 Invariants:
 
-1. Every record read is checked before a byte of it is served: its tag under the shard's secret, and
-   against what the index holds of it key, generation, length, offset, the segment header (its CRC,
-   length, and the payload CRC32C recorded when it was submitted or recovered), the payload CRC32C
-   (device reads: on the GPU, by the consumer).
+1. Every record read is checked before a byte of it is served: its header CRC, and against what the index
+   holds of it key, generation, length, offset, the segment header (its CRC, length, and the payload
+   CRC32C recorded when it was submitted or recovered), the payload CRC32C (device reads: on the GPU, by
+   the consumer). The tag is recovery's: at run time the index says which record must be where.
 2. A record that fails is a miss and only that generation leaves the index at once (counted as
    corrupt); its space is reclaimed when its leases drain. An I/O error is a miss that invalidates
    nothing.
@@ -306,8 +306,7 @@ class ReadPath:
                 for i, head in zip(ok, heads):
                     s = slots[i]
                     try:
-                        verify_record_head(head, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation,
-                                           s.stored, s.crc)
+                        verify_record_head(head, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
                     except SegmentError:
                         verdicts[i] = "corrupt"
                         continue
@@ -357,8 +356,7 @@ class ReadPath:
             if res != s.length:
                 return None, io_reason(res, "short_read")
             try:
-                seg = verify_record(buf, self._shards[s.shard].key, s.offset, s.key.pack(), s.generation, s.stored,
-                                    s.crc)
+                seg = verify_record(buf, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
                 return (seg if keep else bytes(seg)), ""
             except SegmentError:
                 return None, "corrupt"

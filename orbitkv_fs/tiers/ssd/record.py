@@ -18,15 +18,18 @@ Record header (little endian; ``docs/format.md`` is the normative table)::
     60   Q    the record's own byte offset in the shard file
     68   Q    offset of the previous record of this shard's log (NO_PREV for the first)
     76   16s  tag of that previous record (zeros for the first)
-    92   20x  reserved, zero
-    112  16s  tag: keyed BLAKE2b-128 (the shard's secret) of bytes 0..111 and the body's first 64 bytes
+    92   16x  reserved, zero
+    108  16s  tag: keyed BLAKE2b-128 (the shard's secret) of bytes 0..107 and the body's first 64 bytes
+    124  I    CRC32C of bytes 0..123
 
 The body's first 64 bytes are the segment header, which carries the payload's CRC32C (a segment), or the
 tombstone head, which carries its entries' CRC32C (a tombstone). So the tag binds a record's key,
 generation, position, place in the log and payload together, and only the holder of the shard's secret
 (the Manager: engines write KV content but cannot read shard files) can make one that verifies. A byte
 image of a record inside some payload is therefore never a record, a record copied elsewhere fails its
-offset, a body swapped between records fails the tag or the payload CRC.
+offset, a body swapped between records fails the tag or the payload CRC. The header CRC is what a demand
+read checks: the index already says which record must be where, so only damage is in question there, and
+a CRC costs a fifth of a tag.
 
 Tombstone body: ``"OKVT" | u32 entries | u32 entry size | u32 CRC32C of the entries | 48 zero bytes``,
 then the entries: packed object keys (36 bytes, scope keys) or namespace + chunk (32 bytes, scope chunks);
@@ -43,19 +46,20 @@ Primitives:
 * :func:`write_record_body` / :func:`lay_record_body` / :func:`put_record_header` / :func:`lay_record` --
   the layout into a staging buffer or into any 1-D uint8 array, numpy or CuPy (the device path lays the
   same bytes).
-* :func:`parse_record_header` -- structural decoding (no secret needed); :func:`verify_record_tag`.
+* :func:`parse_record_header` -- decoding, the header CRC and structure (no secret needed);
+  :func:`verify_record_tag`.
 * :func:`check_segment_body` / :func:`parse_tombstone` -- full body checks (recovery, inspection).
 * :func:`tombstone_body` -- the body of a tombstone.
-* :func:`verify_record` -- the demand-read check: the tag, and against the index key, generation, length,
-  offset, the segment header's CRC and length, its payload CRC32C against the one the index recorded, the
-  payload;
+* :func:`verify_record` -- the demand-read check: the header CRC, and against the index key, generation,
+  length, offset, the segment header's CRC and length, its payload CRC32C against the one the index
+  recorded, the payload;
   :func:`verify_record_head` -- the same over the first :data:`RECORD_HEAD_BYTES` only (device reads: the
   payload CRC32C is checked on the GPU).
 
 Invariants: nothing here trusts a length before checking it against its bounds and the buffer; every
 failure is a :class:`~orbitkv_fs.errors.SegmentError` subclass, never another exception; a record is
-written only with its tag, and read back only after its tag verified (a demand read also checks it
-against what the index recorded of it).
+written only with its tag and CRC; recovery takes none whose tag does not verify, a demand read none whose
+CRC does not, or that differs from what the index recorded of it.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ GEN_MAX = 1 << 62
 NO_PREV = (1 << 64) - 1
 TAG_SIZE = 16
 NO_TAG = bytes(TAG_SIZE)
-TAG_AT = 112  # the tag covers header bytes 0..TAG_AT-1
+TAG_AT = 108  # the tag covers header bytes 0..TAG_AT-1 (and the body head)
+CRC_AT = TAG_AT + TAG_SIZE  # the header CRC covers bytes 0..CRC_AT-1, the tag included
 
 assert BODY_HEAD == HEADER_SIZE
 
@@ -128,7 +133,7 @@ ENTRY_SIZE = {Scope.KEYS: PACKED_SIZE, Scope.CHUNKS: 32, Scope.NAMESPACE: 0}
 #: The largest tombstone body (entries are split over several tombstones beyond it).
 MAX_TOMBSTONE_BODY = 1 << 20
 
-_STRUCT = struct.Struct(f"<4sHBB{PACKED_SIZE}sQIIQQ16s20x16s")
+_STRUCT = struct.Struct(f"<4sHBB{PACKED_SIZE}sQIIQQ16s16x16sI")
 assert _STRUCT.size == RECORD_HEADER_SIZE
 _FIELDS = struct.Struct(f"<4sHBB{PACKED_SIZE}sQIIQQ16s")  # everything before the reserved bytes
 assert _FIELDS.size == 92
@@ -137,7 +142,8 @@ _ZEROS = memoryview(bytes(BLOCK))  # padding never reaches a whole block
 _TOMB_MAGIC = b"OKVT"
 _TOMB_HEAD = struct.Struct("<4sIII48x")
 assert _TOMB_HEAD.size == BODY_HEAD
-_SEG_CRCS = struct.Struct("<4s16xII32xI")  # segment header (docs/format.md): magic, stored @20, crc @24, hcrc @60
+_SEG_CRCS = struct.Struct("<4s16xII32xI")
+_U32 = struct.Struct("<I")  # segment header (docs/format.md): magic, stored @20, crc @24, hcrc @60
 
 
 class RecordTagMismatch(HeaderChecksumMismatch):
@@ -208,25 +214,24 @@ def record_length(body_length: int) -> int:
     return -(-(RECORD_HEADER_SIZE + body_length) // BLOCK) * BLOCK
 
 
-def _fields(kind: Kind, scope: Scope, key_field: bytes, generation: int, body_length: int, offset: int,
-            prev_offset: int, prev_tag: bytes) -> tuple:
-    if not 1 <= generation <= GEN_MAX:
-        raise LengthMismatch(f"generation {generation} outside 1..{GEN_MAX}")
-    return (MAGIC, VERSION, int(kind), int(scope), key_field, generation, body_length, record_length(body_length),
-            offset, prev_offset, prev_tag)
-
-
 def pack_record_header_into(dst: "bytearray | memoryview", key: ShardKey, kind: Kind, key_field: bytes,
                             generation: int, body_length: int, offset: int, prev_offset: int, prev_tag: bytes,
                             scope: Scope = Scope.NONE) -> bytes:
     """Write a record header into the first :data:`RECORD_HEADER_SIZE` bytes of ``dst``, whose body
     (at least its first :data:`BODY_HEAD` bytes) is already in place, and answer its tag: one precompiled
-    ``pack_into`` and one keyed hash over ``dst`` itself (the submit path pays this per record)."""
+    ``pack_into``, one keyed hash and one CRC over ``dst`` itself (the submit path pays this per record,
+    so no helper calls)."""
+    if not 1 <= generation <= GEN_MAX:
+        raise LengthMismatch(f"generation {generation} outside 1..{GEN_MAX}")
     mv = memoryview(dst)
-    _STRUCT.pack_into(mv, 0, *_fields(kind, scope, key_field, generation, body_length, offset, prev_offset, prev_tag),
-                      NO_TAG)
-    tag = key.record_tag(mv[:TAG_AT], mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES])
-    mv[TAG_AT:RECORD_HEADER_SIZE] = tag
+    _STRUCT.pack_into(mv, 0, MAGIC, VERSION, kind, scope, key_field, generation, body_length,
+                      -(-(RECORD_HEADER_SIZE + body_length) // BLOCK) * BLOCK, offset, prev_offset, prev_tag, NO_TAG, 0)
+    h = key._record.copy()
+    h.update(mv[:TAG_AT])
+    h.update(mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES])
+    tag = h.digest()
+    mv[TAG_AT:CRC_AT] = tag
+    _U32.pack_into(mv, CRC_AT, _crc32c.crc32c(mv[:CRC_AT]))
     return tag
 
 
@@ -249,17 +254,19 @@ def parse_record_header(buf: "bytes | memoryview") -> RecordHeader:
     mv = memoryview(buf)
     if len(mv) < RECORD_HEADER_SIZE:
         raise TruncatedSegment(f"record header needs {RECORD_HEADER_SIZE} bytes, {len(mv)} present")
-    magic, version, kind, scope, key, gen, body_len, rec_len, offset, prev_off, prev_tag, tag = \
+    magic, version, kind, scope, key, gen, body_len, rec_len, offset, prev_off, prev_tag, tag, crc = \
         _STRUCT.unpack_from(mv)
     if magic != MAGIC:
         raise BadMagic("not a record header")
     if version != VERSION:
         raise UnsupportedVersion(f"record version {version} (this build reads {VERSION})")
+    if _crc32c.crc32c(mv[:CRC_AT]) != crc:
+        raise HeaderChecksumMismatch("record header CRC32C mismatch")
     k = _KINDS.get(kind)
     s = _SCOPES.get(scope)
     if k is None or s is None or (k is Kind.SEGMENT) != (s is Scope.NONE):
         raise UnknownFormat(f"record kind {kind}, scope {scope}")
-    if bytes(mv[92:TAG_AT]) != bytes(TAG_AT - 92):
+    if bytes(mv[_FIELDS.size:TAG_AT]) != bytes(TAG_AT - _FIELDS.size):
         raise UnknownFormat("reserved record header bytes are not zero")
     limit = HEADER_SIZE + MAX_STORED_BYTES if k is Kind.SEGMENT else BODY_HEAD + MAX_TOMBSTONE_BODY
     if not BODY_HEAD <= body_len <= limit or rec_len != record_length(body_len):
@@ -287,7 +294,7 @@ def verify_record_tag(buf: "bytes | memoryview", key: ShardKey) -> None:
     if len(mv) < RECORD_HEAD_BYTES:
         raise TruncatedSegment(f"a record's head needs {RECORD_HEAD_BYTES} bytes, {len(mv)} present")
     if not hmac.compare_digest(key.record_tag(mv[:TAG_AT], mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES]),
-                               mv[TAG_AT:RECORD_HEADER_SIZE]):
+                               mv[TAG_AT:CRC_AT]):
         raise RecordTagMismatch("record tag does not verify")
 
 
@@ -378,11 +385,11 @@ def lay_record(dst: Any, segment: Any, header: bytes) -> int:
     return rec_len
 
 
-def _check_head(mv: memoryview, key: ShardKey, offset: int, packed_key: bytes, generation: int,
-                segment_length: int, payload_crc: int) -> None:
-    """The segment record at the start of ``mv`` (at least :data:`RECORD_HEAD_BYTES`): its tag, its fields
-    against what the index holds, and its segment header: CRC, length, and the payload CRC32C the index
-    recorded when the segment was submitted (or recovered)."""
+def _check_head(mv: memoryview, offset: int, packed_key: bytes, generation: int, segment_length: int,
+                payload_crc: int) -> None:
+    """The segment record at the start of ``mv`` (at least :data:`RECORD_HEAD_BYTES`): its header CRC, its
+    fields against what the index holds, and its segment header: CRC, length, and the payload CRC32C the
+    index recorded when the segment was submitted (or recovered)."""
     # Fields are unpacked in place (no copies): this runs once per demand-read record.
     magic, version, kind, _, k, gen, body_len, rec_len, off, _, _ = _FIELDS.unpack_from(mv)
     if magic != MAGIC or version != VERSION or kind != Kind.SEGMENT:
@@ -390,9 +397,8 @@ def _check_head(mv: memoryview, key: ShardKey, offset: int, packed_key: bytes, g
     if (k != packed_key or gen != generation or body_len != segment_length or off != offset
             or rec_len != record_length(segment_length)):
         raise SegmentError("record header names another key, generation, length or place")
-    if not hmac.compare_digest(key.record_tag(mv[:TAG_AT], mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES]),
-                               mv[TAG_AT:RECORD_HEADER_SIZE]):
-        raise RecordTagMismatch("record tag does not verify")
+    if _crc32c.crc32c(mv[:CRC_AT]) != _U32.unpack_from(mv, CRC_AT)[0]:
+        raise HeaderChecksumMismatch("record header CRC32C mismatch")
     smagic, stored, pcrc, hcrc = _SEG_CRCS.unpack_from(mv, RECORD_HEADER_SIZE)
     if smagic != SEGMENT_MAGIC:
         raise BadMagic("not a segment header")
@@ -404,18 +410,18 @@ def _check_head(mv: memoryview, key: ShardKey, offset: int, packed_key: bytes, g
         raise SegmentError("segment header names another payload than the one written for this record")
 
 
-def verify_record(buf: "bytes | memoryview", key: ShardKey, offset: int, packed_key: bytes, generation: int,
-                  segment_length: int, payload_crc: int) -> memoryview:
+def verify_record(buf: "bytes | memoryview", offset: int, packed_key: bytes, generation: int, segment_length: int,
+                  payload_crc: int) -> memoryview:
     """The demand-read check of a record whose place, key, generation, length and payload CRC32C the index
-    knows: the tag (every header byte, and the segment header with it), the header fields, the segment
-    header's CRC and length, its payload CRC32C against the index's, the payload against it. The
-    segment's field semantics were validated when it was admitted (and the Manager parses it again).
-    Returns the segment bytes; raises a ``SegmentError`` subclass."""
+    knows: the header CRC, the header fields, the segment header's CRC and length, its payload CRC32C
+    against the index's, the payload against it. The segment's field semantics were validated when it was
+    admitted (and the Manager parses it again). Returns the segment bytes; raises a ``SegmentError``
+    subclass."""
     mv = memoryview(buf)
     end = RECORD_HEADER_SIZE + segment_length
     if len(mv) < end:
         raise TruncatedSegment(f"record needs {end} bytes, {len(mv)} present")
-    _check_head(mv, key, offset, packed_key, generation, segment_length, payload_crc)
+    _check_head(mv, offset, packed_key, generation, segment_length, payload_crc)
     seg = mv[RECORD_HEADER_SIZE:end]
     # The CRC keeps the GIL: for a demand read, handing the GIL away for ~100 us of CRC and waiting to get
     # it back behind a busy writeback thread costs far more (up to the 5 ms switch interval).
@@ -424,15 +430,15 @@ def verify_record(buf: "bytes | memoryview", key: ShardKey, offset: int, packed_
     return seg
 
 
-def verify_record_head(head: "bytes | memoryview", key: ShardKey, offset: int, packed_key: bytes,
-                       generation: int, segment_length: int, payload_crc: int) -> None:
+def verify_record_head(head: "bytes | memoryview", offset: int, packed_key: bytes, generation: int,
+                       segment_length: int, payload_crc: int) -> None:
     """:func:`verify_record` without the payload CRC32C, over a record's first :data:`RECORD_HEAD_BYTES`
     bytes: a device read copies only these to the host, and the GPU checks the payload CRC32C (the one
     checked here against the index) when it decodes. Raises a ``SegmentError`` subclass."""
     mv = memoryview(head)
     if len(mv) < RECORD_HEAD_BYTES:
         raise TruncatedSegment(f"record head needs {RECORD_HEAD_BYTES} bytes, {len(mv)} present")
-    _check_head(mv, key, offset, packed_key, generation, segment_length, payload_crc)
+    _check_head(mv, offset, packed_key, generation, segment_length, payload_crc)
     # The consumer sees only this header before decoding: its fields must parse and name the record's key.
     sh = parse_header(mv[RECORD_HEADER_SIZE:RECORD_HEAD_BYTES])
     layer, role = key_layer_role(packed_key)

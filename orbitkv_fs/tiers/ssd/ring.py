@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import collections
 import enum
-from typing import Callable
 
 from ...keys import ObjectKey
 from ...segment import Format
@@ -92,10 +91,10 @@ class Shard:
         del self.offsets[i]
         del self.slots[slot.offset]
 
-    def find_room(self, length: int, blocked: Callable[[Slot], bool]) -> tuple[int, list[Slot], int] | None:
+    def find_room(self, length: int) -> tuple[int, list[Slot], int] | None:
         """``(offset, victims, skips)``: the first place of ``length`` bytes at or after the head, the slots
-        it would overwrite, and how many blocked slots the search skipped past; None when a whole lap finds
-        no room. Changes nothing."""
+        it would overwrite, and how many slots the search skipped past (being written, or leased); None
+        when a whole lap finds no room. Changes nothing."""
         if length > self.capacity - RING_START:
             return None
         pos, travelled, skips = self.head, 0, 0
@@ -112,7 +111,7 @@ class Shard:
             blocker = None
             while i < len(self.offsets) and self.offsets[i] < pos + length:
                 s = self.slots[self.offsets[i]]
-                if blocked(s):
+                if s.state is State.WRITING or s.leases:
                     blocker = s
                     break
                 victims.append(s)

@@ -47,7 +47,7 @@ class StagingPool:
     def host(self, nbytes: int) -> memoryview:
         """A page-aligned buffer of ``nbytes``: pooled, or new (huge pages from :data:`HUGE_MIN` up; classes
         below 2 MiB carved from one huge page, the spare parts going to the pool)."""
-        cls = size_class(nbytes)
+        cls = 1 << max(12, (nbytes - 1).bit_length())  # size_class(), inline: once per record
         with self._lock:
             free = self._host.get(cls)
             if free:

@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass
 
 from ...errors import BadMagic, LengthMismatch, SegmentError, TruncatedSegment, UnknownFormat, UnsupportedVersion
-from .record import BLOCK, GEN_MAX, NO_PREV, NO_TAG, TAG_AT, TAG_SIZE, RecordTagMismatch, ShardKey
+from .record import BLOCK, GEN_MAX, NO_PREV, NO_TAG, TAG_SIZE, RecordTagMismatch, ShardKey
 
 MAGIC = b"OKVB"
 VERSION = 1
@@ -48,7 +48,8 @@ COPIES = 2
 RING_START = COPIES * BLOCK
 
 _STRUCT = struct.Struct("<4sHHIIQQ32sQQ16sQQ16s")
-assert _STRUCT.size == SUPERBLOCK_SIZE and TAG_AT == SUPERBLOCK_SIZE - TAG_SIZE
+assert _STRUCT.size == SUPERBLOCK_SIZE
+_TAG_AT = SUPERBLOCK_SIZE - TAG_SIZE  # the tag covers bytes 0.._TAG_AT-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +81,8 @@ def pack_superblock(sb: Superblock) -> bytes:
     body = _STRUCT.pack(MAGIC, VERSION, 0, sb.shard_index, sb.shard_count, sb.capacity, sb.sequence, sb.secret,
                         sb.checkpoint_generation, sb.checkpoint_offset, sb.checkpoint_tag, sb.floor,
                         sb.generations, NO_TAG)
-    tag = ShardKey(sb.secret).superblock_tag(body[:TAG_AT])
-    return body[:TAG_AT] + tag + bytes(BLOCK - SUPERBLOCK_SIZE)
+    tag = ShardKey(sb.secret).superblock_tag(body[:_TAG_AT])
+    return body[:_TAG_AT] + tag + bytes(BLOCK - SUPERBLOCK_SIZE)
 
 
 def _check(sb: Superblock) -> None:
@@ -111,7 +112,7 @@ def parse_superblock(buf: "bytes | memoryview") -> Superblock:
         raise UnsupportedVersion(f"superblock version {version} (this build reads {VERSION})")
     if reserved:
         raise UnknownFormat("reserved superblock bytes are not zero")
-    if not hmac.compare_digest(ShardKey(secret).superblock_tag(mv[:TAG_AT]), tag):
+    if not hmac.compare_digest(ShardKey(secret).superblock_tag(mv[:_TAG_AT]), tag):
         raise RecordTagMismatch("superblock tag does not verify")
     sb = Superblock(index, count, capacity, seq, secret, ckpt_gen, ckpt_off, ckpt_tag, floor, gens)
     _check(sb)
