@@ -491,6 +491,18 @@ def test_header_templates_keep_up_to_their_limit():
     assert (len(t2._made), len(t2._seen)) == (3, 3)
 
 
+def test_header_templates_tell_apart_headers_that_differ_next_to_the_payload_crc():
+    # The parse cache is keyed by the header without its payload CRC (bytes 24..27): the bytes on either
+    # side (stored length, rotation seed) must still tell two headers apart.
+    from orbitkv_fs.segment import HeaderTemplates
+
+    t = HeaderTemplates()
+    hs = [SegmentHeader(Format.TURBOQUANT, BF16, 4096, 1056, 0x11223344, role=Role.KEY, layer=5, bits=4,
+                        head_dim=128, sign_version=1, rotation_seed=seed) for seed in (0x100, 0x101, 0x200, 0x1100)]
+    for h in hs + hs:
+        assert t.parse(pack_header(h)) == h
+
+
 def test_defaults_check_value_and_views():
     h = SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 4, 0)
     assert (h.role, h.layer, h.bits, h.head_dim, h.sign_version, h.rotation_seed, h.codec_version, h.ans_type,

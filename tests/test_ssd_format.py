@@ -443,3 +443,23 @@ def test_record_body_layout(n):
     assert bytes(buf[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + n]) == body
     assert bytes(buf[RECORD_HEADER_SIZE + n:rec_len]) == bytes(rec_len - RECORD_HEADER_SIZE - n)
     assert bytes(buf[rec_len:]) == b"\xaa" * BLOCK
+
+
+@pytest.mark.parametrize("n", [1000, 300_000])
+def test_lay_record_body_lays_what_write_record_body_writes(n):
+    """The array path (numpy here, CuPy on the device) lays the same bytes as the host path, padding zeroed
+    over a reused buffer and the header's place left alone."""
+    body = np.frombuffer(bytes(range(256)) * (n // 256) + b"\x05" * (n % 256), np.uint8)
+    rec_len = record_length(n)
+    host = memoryview(bytearray(b"\xaa" * rec_len))
+    arr = np.full(rec_len + BLOCK, 0xAA, np.uint8)
+    assert lay_record_body(arr, body) == write_record_body(host, body.tobytes()) == rec_len
+    assert arr[:rec_len].tobytes() == bytes(host)
+    assert arr[rec_len:].tobytes() == b"\xaa" * BLOCK
+
+
+def test_largest_record_is_the_largest_segment_aligned():
+    # 128-byte record header + 64-byte segment header + 32 MiB payload, rounded up to the 4 KiB block.
+    from orbitkv_fs.tiers.ssd.record import MAX_RECORD
+
+    assert MAX_RECORD == (32 << 20) + 4096 == record_length(64 + (32 << 20))
