@@ -10,7 +10,7 @@ Per round and package, with host engine pages (8 layers, K and V, bf16, 16-token
   written to the SSD: staging, record header and tag, the lane, two-phase publish); GB/s of segment bytes
   over both steps. ``flush`` alone: the writeback part.
 * ``restore``: ``Manager.restore`` of every chunk with DRAM empty (every segment read from the SSD and
-  checked: tag, fields, payload CRC32C); GB/s of segment bytes.
+  checked: header CRC, fields against the index, payload CRC32C); GB/s of segment bytes.
 * ``lookup_ssd``: ``Manager.lookup(lease=False)`` of one chunk (16 segments) that only the SSD holds (the
   lookup reads and checks its records and admits them to DRAM; ``flush_dram`` between samples drops them
   again without writing); microseconds, p50 over ``--samples``.
