@@ -74,12 +74,18 @@ def test_kill_of_a_record_still_being_written_changes_nothing() -> None:
     assert (idx.live, idx.dead) == (8192, 0)
 
 
-def test_kill_of_a_committed_record_the_index_no_longer_names_keeps_the_named_one() -> None:
+def _with_a_stray_committed_record() -> tuple[SsdIndex, Slot, Slot]:
+    """An index naming ``named`` for key 1, beside ``other``: committed and counted live for that key too."""
     idx = SsdIndex()
     named, other = _slot(1, generation=9, length=8192), _slot(1, generation=5, length=4096, offset=16384)
     idx.publish(named)
     other.state = State.COMMITTED
     idx.live += other.length
+    return idx, named, other
+
+
+def test_kill_of_a_committed_record_the_index_no_longer_names_keeps_the_named_one() -> None:
+    idx, named, other = _with_a_stray_committed_record()
     idx.kill(other)
     assert idx[key(1)] is named and other.state is State.DEAD
     assert (idx.live, idx.dead) == (8192, 4096)
@@ -103,11 +109,7 @@ def test_release_of_a_dead_record_returns_its_space() -> None:
 
 
 def test_release_of_a_committed_record_the_index_no_longer_names_keeps_the_named_one() -> None:
-    idx = SsdIndex()
-    named, other = _slot(1, generation=9, length=8192), _slot(1, generation=5, length=4096, offset=16384)
-    idx.publish(named)
-    other.state = State.COMMITTED
-    idx.live += other.length
+    idx, named, other = _with_a_stray_committed_record()
     assert idx.release(other) is True
     assert idx[key(1)] is named and (idx.live, idx.dead) == (8192, 0)
 
