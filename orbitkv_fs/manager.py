@@ -452,8 +452,10 @@ class LowerTier(Protocol):
         """True when ``key`` is readable (published)."""
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, namespace: bytes | None = None,
-                   all: bool = False) -> TierCounts:
-        """Hide the matching objects from readers at once; answer how many and their stored bytes."""
+                   chunks: Sequence[bytes] | None = None, all: bool = False) -> TierCounts:
+        """Hide the matching objects (``keys``; the ``chunks`` of ``namespace``, held or not; all of
+        ``namespace``; ``all``) from readers at once, and answer (how many, their stored bytes) only once
+        the invalidation is durable: a restart never brings them back."""
 
     def flush(self) -> None:
         """Wait until every submitted object is published (or dropped)."""
@@ -2079,9 +2081,8 @@ class Manager:
         elif namespace is not None and chunks is not None:
             wanted = {namespace + c for c in chunks}
             d = self.dram.invalidate(lambda k: k[:32] in wanted)
-            if self.lower is not None:
-                lkeys = [k for k, _ in self.lower.iter_objects(namespace) if k.namespace + k.chunk in wanted]
-                lower = self.lower.invalidate(keys=lkeys) if lkeys else TierCounts()
+            if self.lower is not None:  # also chunks it no longer lists: a restart must not revive them
+                lower = self.lower.invalidate(namespace=namespace, chunks=list(chunks))
         elif namespace is not None:
             d = self.dram.invalidate(lambda k: k[:16] == namespace)
             if self.lower is not None:
