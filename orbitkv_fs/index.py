@@ -117,8 +117,7 @@ class ObjectIndex:
             self.chunks[prefix] = 1
         elif type(have) is int:
             prefix = self._prefix[have]
-            other = self._sub(have)
-            assert other != sub, "add of a present key"
+            other = self._sub(have)  # not sub: the presence test above returned for that
             base = min(other, sub)
             segs = array("i", [-1]) * (abs(other - sub) + 2)
             segs[0], segs[1 + other - base], segs[1 + sub - base] = base, have, slot
@@ -133,8 +132,7 @@ class ObjectIndex:
                 i = 0
             elif i + 1 >= len(have):
                 have.extend(array("i", [-1]) * (i + 2 - len(have)))
-            assert have[1 + i] < 0, "add of a present key"
-            have[1 + i] = slot
+            have[1 + i] = slot  # a hole: the presence test above returned for a present key
             self.chunks[prefix] += 1
         gen = self._next_gen
         self._next_gen += 1

@@ -42,8 +42,12 @@ class Progress:
         if self._bar is not None:
             self._bar.update(n)
 
-    def update_to(self, done: int) -> None:
-        """``done`` units done in all (for callbacks that report a position, not an increment)."""
+    def update_to(self, done: int, total: int | None = None) -> None:
+        """``done`` units done in all (for callbacks that report a position, not an increment); ``total``
+        sets the total once a callback knows it."""
+        if total is not None and self._bar is not None and self._bar.total != total:
+            self._bar.total = total
+            self._bar.refresh()
         if done > self._done:
             self.update(done - self._done)
 

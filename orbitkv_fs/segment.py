@@ -226,9 +226,7 @@ def _check_fields(h: SegmentHeader) -> None:
     itemsize = h.dtype.itemsize
     if h.original_length % itemsize:
         raise LengthMismatch(f"original length {h.original_length} is not a multiple of {h.dtype} items")
-    if h.format == Format.RAW:
-        if h.original_length > MAX_STORED_BYTES:
-            raise LengthMismatch(f"raw length {h.original_length} exceeds {MAX_STORED_BYTES}")
+    if h.format == Format.RAW:  # stored == original, and stored is bounded above
         if h.stored_length != h.original_length:
             raise LengthMismatch("raw segment: stored length must equal original length")
         if h.bits or h.head_dim or h.ans_type:

@@ -25,6 +25,7 @@ from typing import Callable
 from orbitkv_fs.codecs import CODEC_NAMES
 from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.manager import Manager, ManagerConfig
+from orbitkv_fs.progress import progress
 
 log = logging.getLogger("orbitkv.cache_manager")
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-write-queue-depth", type=int, default=32, help="writes in flight (default 32)")
     g.add_argument("--ssd-recover", action="store_true",
                    help="rebuild the SSD index from the shard files (default: start empty, files truncated)")
+    g.add_argument("--ssd-checkpoint-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="sync the shard files and checkpoint their logs this often (default 1; 0: only at "
+                        "invalidation and clean shutdown): a crash can tear only records written since")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
                         "chunks of the prefix into DRAM in the background (default 2; 0: off)")
@@ -166,9 +170,13 @@ def build_lower_tier(args: argparse.Namespace):
 
     if args.ssd_cache_capacity is None:
         raise ValueError("--ssd-cache-path needs --ssd-cache-capacity (e.g. 100gb)")
-    return SsdTier(SsdConfig(paths=tuple(args.ssd_cache_path), capacity=args.ssd_cache_capacity,
-                             backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
-                             recover=args.ssd_recover))
+    config = SsdConfig(paths=tuple(args.ssd_cache_path), capacity=args.ssd_cache_capacity,
+                       backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
+                       recover=args.ssd_recover, checkpoint_interval=args.ssd_checkpoint_interval)
+    if not args.ssd_recover:
+        return SsdTier(config)
+    with progress(None, "recovering SSD shards", "B") as bar:  # a large cache takes a while to scan
+        return SsdTier(config, on_progress=bar.update_to)
 
 
 def build_manager(args: argparse.Namespace) -> Manager:

@@ -205,9 +205,12 @@ def test_gaussian_relative_mse(d, capsys):
 
 @pytest.mark.e2e
 def test_smollm2_relative_mse(capsys):
-    from orbitkv_fs.tools.models import prefill_kv
+    from orbitkv_fs.tools.models import ModelUnavailable, prefill_kv
 
-    kv = prefill_kv()
+    try:
+        kv = prefill_kv()
+    except ModelUnavailable as e:  # a machine without the model package (CI installs it): say what is missing
+        pytest.skip(str(e))
     assert len(kv) == 30 and kv[0][0].shape[1:] == (3, 64) and kv[0][0].dtype == BF16
     lines = []
     for bits in (3, 4):

@@ -360,10 +360,11 @@ class ManagerProcess:
 def corrupt_ssd_records(path: Path, chunk: bytes, *, limit: int = 1) -> list[tuple[int, int, int]]:
     """Flip one payload byte in up to ``limit`` committed records of ``chunk`` (each generation of the
     first matching (layer, role)). Returns ``(offset, layer, role)`` of what was corrupted."""
-    from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE, Status, scan
+    from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE
+    from orbitkv_fs.tiers.ssd.recovery import Status, recover_shard
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        entries = [e for e in scan(memoryview(mm)) if e.status == Status.VALID and e.header is not None
+        entries = [e for e in recover_shard(mm).records if e.status == Status.VALID and e.header.key is not None
                    and e.header.key.chunk == chunk]
     assert entries, "no SSD record of the chunk to corrupt"
     target = (entries[0].header.key.layer, entries[0].header.key.role)

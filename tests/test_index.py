@@ -126,3 +126,82 @@ def test_memory_per_segment_with_each_policy(per_chunk):
         tracemalloc.stop()
         assert used <= 256, f"{used:.0f} bytes a segment with {policy}"
         del ix, pol
+
+
+# --- deterministic edges the random model rarely reaches: slot 0 in a chunk's array, layers past 255, the
+# exact compact forms, misuse -----------------------------------------------------------------------------
+
+def test_states_are_distinct_and_an_absent_chunk_counts_zero():
+    assert len({FREE, LIVE, HIDDEN}) == 3
+    ix = ObjectIndex()
+    assert ix.chunk_count(key(9, 0, Role.KEY)[:32]) == 0 and len(ix) == 0
+    s, gen = ix.add(key(9, 0, Role.KEY), 5, 2, 300, 600, 3)
+    assert ix.chunk_count(key(9, 0, Role.KEY)[:32]) == 1 and ix.chunk_count(key(8, 0, Role.KEY)[:32]) == 0
+    assert (ix.offset[s], ix.units[s], ix.length[s], ix.logical[s], ix.rep[s], ix.leases[s], ix.state[s]) == \
+        (5, 2, 300, 600, 3, 0, LIVE)
+    s2, gen2 = ix.add(key(9, 1, Role.KEY), 7, 1, 10, 20, 0)
+    assert gen2 > gen and s2 != s
+
+
+def test_slot_zero_inside_a_chunk_s_array():
+    ix = ObjectIndex()
+    k0, k1, k2 = key(1, 4, Role.KEY), key(1, 5, Role.VALUE), key(1, 9, Role.OPAQUE)
+    assert ix.add(k0, 0, 1, 1, 1, 0)[0] == 0
+    s1 = ix.add(k1, 0, 1, 1, 1, 0)[0]
+    s2 = ix.add(k2, 0, 1, 1, 1, 0)[0]
+    p = k0[:32]
+    assert list(ix._segs[p]) == [4 * 3 + 1, 0] + [-1] * 3 + [s1] + [-1] * 9 + [s2]
+    assert ix.add(k0, 9, 1, 1, 1, 0) is None and ix.get(k0) == 0 and ix.chunk_count(p) == 3
+    assert sorted(ix.slots()) == [0, s1, s2] and dict(ix.items())[k0] == 0
+    ix.hide(s1)  # a hole in the middle
+    assert list(ix._segs[p]) == [13, 0] + [-1] * 13 + [s2]
+    ix.hide(s2)  # back to the one-slot form: slot 0
+    assert ix._segs[p] == 0 and ix.get(k0) == 0 and list(ix.slots()) == [0]
+    s1 = ix.add(k1, 0, 1, 1, 1, 0)[0]
+    k_low = key(1, 2, Role.KEY)
+    s3 = ix.add(k_low, 0, 1, 1, 1, 0)[0]  # below the base: the array grows at the front
+    assert list(ix._segs[p]) == [7, s3] + [-1] * 5 + [0, -1, -1, -1, s1]
+    ix.hide(s3)  # the leading holes go: slot 0 is first again
+    assert list(ix._segs[p]) == [13, 0, -1, -1, -1, s1]
+    ix.hide(s1)
+    assert ix._segs[p] == 0
+
+
+def test_layers_past_255_round_trip():
+    ix = ObjectIndex()
+    ks = [key(2, layer, role) for layer in (255, 256, 300, 65535) for role in Role]
+    slots = [ix.add(k, 0, 1, 1, 1, 0)[0] for k in ks]
+    assert [ix.get(k) for k in ks] == slots and [ix.keys[s] for s in slots] == ks
+    assert [(ix.layer[s], ix.role[s]) for s in slots] == [(layer, int(role)) for layer in (255, 256, 300, 65535)
+                                                          for role in Role]
+    assert sorted(ix.items()) == sorted(zip(ks, slots))
+
+
+def test_misuse_is_refused():
+    ix = ObjectIndex()
+    s = ix.add(key(3, 0, Role.KEY), 0, 1, 1, 1, 0)[0]
+    with pytest.raises(AssertionError):
+        ix.free(s)  # still live
+    ix.hide(s)
+    with pytest.raises(AssertionError):
+        ix.hide(s)  # hidden already
+    ix.leases[s] = 1
+    with pytest.raises(AssertionError):
+        ix.free(s)  # leased
+    ix.leases[s] = 0
+    ix.free(s)
+    assert ix.state[s] == FREE and ix.keys[s] is None
+    with pytest.raises(AssertionError):
+        ix.hide(s)  # free
+
+
+def test_trailing_holes_are_trimmed_back_to_slot_zero():
+    ix = ObjectIndex()
+    k0, ka, kb = key(4, 3, Role.KEY), key(4, 1, Role.KEY), key(4, 6, Role.VALUE)
+    assert ix.add(k0, 0, 1, 1, 1, 0)[0] == 0
+    a = ix.add(ka, 0, 1, 1, 1, 0)[0]
+    b = ix.add(kb, 0, 1, 1, 1, 0)[0]
+    p = k0[:32]
+    assert list(ix._segs[p]) == [4, a] + [-1] * 5 + [0] + [-1] * 9 + [b]
+    ix.hide(b)  # the trailing holes go: slot 0 is last again
+    assert list(ix._segs[p]) == [4, a] + [-1] * 5 + [0] and sorted(ix.slots()) == [0, a]

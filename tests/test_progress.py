@@ -39,6 +39,17 @@ def test_terminal_bar_counts_bytes_and_positions(monkeypatch):
     assert "a line above the bar\n" in text
 
 
+def test_a_callback_sets_the_total_once_it_knows_it(monkeypatch):
+    """The SSD recovery scan reports (bytes_done, bytes_total): a bar started without a total takes it."""
+    monkeypatch.delenv("ORBITKV_PROGRESS", raising=False)
+    out = _Tty()
+    with progress(None, "recovering SSD shards", "B", file=out, delay=0) as bar:
+        bar.update_to(1 << 20, 2 << 20)
+        bar.update_to(2 << 20, 2 << 20)
+    text = out.getvalue()
+    assert "2.00M/2.00M" in text and "100%" in text
+
+
 def test_quick_work_on_a_terminal_draws_nothing(monkeypatch):
     monkeypatch.delenv("ORBITKV_PROGRESS", raising=False)
     out = _Tty()

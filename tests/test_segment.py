@@ -405,3 +405,122 @@ def test_forged_turboquant_garbage_payload_decodes_without_crashing(role, record
                           original=n * 128)
     y = decode_segment(blob)
     assert y.dtype == BF16 and y.size == n * 64
+
+
+# --- the documented constants, codes and bytes, as literals (a test that reads the module's own constant
+# would move with it) -----------------------------------------------------------------------------------
+
+GOLDEN_HEADERS = [
+    (SegmentHeader(Format.TURBOQUANT, BF16, 4096, 1056, 0x11223344, role=Role.KEY, layer=0x0507, bits=4,
+                   head_dim=128, sign_version=1, rotation_seed=0xCAFEBABE),
+     "4f4b5653010003000401800007050104001000002004000044332211bebafeca"
+     "01000000000000000000000000000000000000000000000000000000c507dfa5"),
+    (SegmentHeader(Format.ANS, np.dtype(np.float16), 4096, 1000, 0x55667788, role=Role.VALUE, layer=2,
+                   ans_type=AnsType.FLOAT16),
+     "4f4b565301000100000200000200000300100000e80300008877665500000000"
+     "010200000000000000000000000000000000000000000000000000004774121e"),
+    (SegmentHeader(Format.RAW, np.dtype(np.float32), 64, 64, 0x99AABBCC, role=Role.OPAQUE, layer=1,
+                   raw_reason=RawReason.POLICY),
+     "4f4b56530100000000000000010000054000000040000000ccbbaa9900000000"
+     "01000600000000000000000000000000000000000000000000000000b1974dae"),
+]
+
+
+@pytest.mark.parametrize("h,golden", GOLDEN_HEADERS)
+def test_golden_header_bytes(h, golden):
+    assert pack_header(h) == bytes.fromhex(golden)
+    assert parse_header(bytes.fromhex(golden)) == h
+
+
+def test_on_disk_codes_are_the_documented_numbers():
+    assert {m.name: m.value for m in Format} == {"RAW": 0, "ANS": 1, "FP8": 2, "TURBOQUANT": 3}
+    assert {m.name: m.value for m in Role} == {"OPAQUE": 0, "KEY": 1, "VALUE": 2}
+    assert {m.name: m.value for m in AnsType} == {"NONE": 0, "BYTES": 1, "FLOAT16": 2, "FP8": 3}
+    assert {m.name: m.value for m in RawReason} == {"NONE": 0, "NOT_SMALLER": 1, "TOO_LARGE": 2, "OUT_OF_RANGE": 3,
+                                                    "NONFINITE": 4, "UNSUPPORTED": 5, "POLICY": 6}
+    for code, reason in enumerate(["NONE", "NOT_SMALLER", "TOO_LARGE", "OUT_OF_RANGE", "NONFINITE", "UNSUPPORTED",
+                                   "POLICY"]):
+        assert parse_header(forge(raw_reason=code)).raw_reason.name == reason
+    for code, dt in DTYPE_CODES.items():
+        assert parse_header(forge(dtype=code)).dtype == np.dtype(dt)
+
+
+def test_documented_limits():
+    assert (HEADER_SIZE, MAX_SOURCE_BYTES, MAX_STORED_BYTES) == (64, 16 << 20, 32 << 20)
+    # Every segment stores at most 32 MiB; encoded ones cover at most 16 MiB of source.
+    assert parse_header(forge(original=33_554_432, stored=33_554_432)).stored_length == 33_554_432
+    expect(errors.LengthMismatch, forge(original=33_554_433, stored=33_554_433))
+    expect(errors.LengthMismatch, forge(fmt=1, ans_type=1, original=1024, stored=33_554_433))
+    fp8 = dict(fmt=2, bits=8, dtype=4)
+    assert parse_header(forge(**fp8, original=16_777_216, stored=8_388_608)).original_length == 16_777_216
+    expect(errors.LengthMismatch, forge(**fp8, original=16_777_218, stored=8_388_609))
+
+
+def test_worth_keeping_at_the_one_eighth_boundary():
+    assert aligned(0) == 0 and aligned(1024) == 1024 and aligned(1025) == 1536
+    # 72 raw blocks: 63 is exactly one eighth less (kept), 64 saves one ninth only (not kept).
+    assert worth_keeping(72 * 512 - 64, 63 * 512 - 64)
+    assert not worth_keeping(72 * 512 - 64, 64 * 512 - 64)
+    assert worth_keeping(16 * 512 - 64, 14 * 512 - 64) and not worth_keeping(16 * 512 - 64, 15 * 512 - 64)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_turboquant_head_dims(head_dim):
+    rec = 2 + head_dim * 4 // 8  # a key vector at 4 bits
+    h = parse_header(forge(fmt=3, bits=4, role=1, head_dim=head_dim, sign_version=1, dtype=4, original=2 * head_dim,
+                           stored=rec))
+    assert (h.head_dim, h.stored_length) == (head_dim, rec)
+    expect(errors.UnknownFormat, forge(fmt=3, bits=4, role=1, head_dim=2 * head_dim + 1, sign_version=1, dtype=4,
+                                       original=2 * (2 * head_dim + 1), stored=2 + (2 * head_dim + 1) // 2))
+
+
+def test_header_templates_keep_up_to_their_limit():
+    from orbitkv_fs.segment import HeaderTemplates
+
+    t = HeaderTemplates(limit=3)
+    buf = memoryview(bytearray(HEADER_SIZE))
+    for n, layer in enumerate(range(5)):
+        t.pack_into((Format.RAW, BF16, 64, 64, Role.KEY, layer, 0, 0, 0, 0, AnsType.NONE, RawReason.NONE), 7, buf, 0)
+        assert len(t._made) == min(n + 1, 3) if n < 3 else len(t._made) <= 3
+        assert t.parse(bytes(buf)).layer == layer
+        assert len(t._seen) <= 3
+    t2 = HeaderTemplates(limit=3)
+    for layer in range(3):
+        t2.pack_into((Format.RAW, BF16, 64, 64, Role.KEY, layer, 0, 0, 0, 0, AnsType.NONE, RawReason.NONE), 7, buf, 0)
+        t2.parse(bytes(buf))
+    assert (len(t2._made), len(t2._seen)) == (3, 3)
+
+
+def test_header_templates_tell_apart_headers_that_differ_next_to_the_payload_crc():
+    # The parse cache is keyed by the header without its payload CRC (bytes 24..27): the bytes on either
+    # side (stored length, rotation seed) must still tell two headers apart.
+    from orbitkv_fs.segment import HeaderTemplates
+
+    t = HeaderTemplates()
+    hs = [SegmentHeader(Format.TURBOQUANT, BF16, 4096, 1056, 0x11223344, role=Role.KEY, layer=5, bits=4,
+                        head_dim=128, sign_version=1, rotation_seed=seed) for seed in (0x100, 0x101, 0x200, 0x1100)]
+    for h in hs + hs:
+        assert t.parse(pack_header(h)) == h
+
+
+def test_defaults_check_value_and_views():
+    h = SegmentHeader(Format.RAW, np.dtype(np.uint8), 4, 4, 0)
+    assert (h.role, h.layer, h.bits, h.head_dim, h.sign_version, h.rotation_seed, h.codec_version, h.ans_type,
+            h.raw_reason, h.flags) == (Role.OPAQUE, 0, 0, 0, 0, 0, 1, AnsType.NONE, RawReason.NONE, 0)
+    from orbitkv_fs.segment import HeaderTemplates, crc32c as seg_crc32c
+
+    assert seg_crc32c(b"123456789") == 0xE3069283 and seg_crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+    assert HeaderTemplates()._limit == 4096
+    buf = bytearray(2 * HEADER_SIZE)
+    pack_header_into(h, buf)  # offset 0 by default
+    assert bytes(buf[:HEADER_SIZE]) == pack_header(h) and bytes(buf[HEADER_SIZE:]) == bytes(HEADER_SIZE)
+    # A view of another item size is read as bytes.
+    assert parse_header(memoryview(np.frombuffer(pack_header(h), np.uint16))) == h
+
+
+@pytest.mark.parametrize("fields,err", [
+    (dict(fmt=3, bits=4, role=1, head_dim=32, sign_version=1, dtype=5, original=128, stored=18), errors.UnknownFormat),
+    (dict(fmt=3, bits=4, role=1, head_dim=32, sign_version=1, dtype=4, original=66, stored=18), errors.LengthMismatch),
+])
+def test_turboquant_source_dtype_and_whole_vectors(fields, err):
+    expect(err, forge(**fields))

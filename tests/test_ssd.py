@@ -133,7 +133,12 @@ def test_invalidate_keys_and_namespace(ssd_dir):
         assert t.invalidate(all=True).objects == 10
         t.flush()
         s = t.snapshot()
-        assert s.objects == 0 and s.invalidated_total == 20 and s.wipes_total == 20
+        assert s.objects == 0 and s.invalidated_total == 20
+        # Durable on return: a tombstone in each key's shard, one per shard for the namespace, a raised
+        # floor (no record) for all; each answered after a checkpoint.
+        shards = {t._shard_of(k).index for k in (key(0), key(1))}
+        assert (s.tombstones_total, s.tombstone_fallbacks_total) == (len(shards) + 2, 0)
+        assert s.checkpoints_total >= len(shards) + 2 + 2
         with pytest.raises(ValueError):
             t.invalidate()
 
@@ -341,11 +346,12 @@ def test_large_records_stage_in_huge_pages(ssd_dir):
             assert t.submit(k, v, timeout=5.0)
         t.flush()
         assert t.read_many(list(segs)) == list(segs.values())
-        a = t._staging(600_000)
+        pool = t._staging
+        a = pool.host(600_000)
         assert isinstance(a.obj, ctypes.Array) and len(a.obj) == 1 << 20 and len(a) == 600_000
-        t._recycle(a)
-        assert t._staging(700_000).obj is a.obj
-        big = t._staging(1_400_000)
+        pool.recycle(a)
+        assert pool.host(700_000).obj is a.obj
+        big = pool.host(1_400_000)
         assert isinstance(big.obj, mmap.mmap) and len(big.obj) == 2 << 20
-        assert isinstance(t._staging(70_000).obj, ctypes.Array) and len(t._staging(70_000).obj) == 128 << 10
-        assert isinstance(t._staging(20_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages
+        assert isinstance(pool.host(70_000).obj, ctypes.Array) and len(pool.host(70_000).obj) == 128 << 10
+        assert isinstance(pool.host(20_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages

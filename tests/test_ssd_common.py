@@ -51,3 +51,49 @@ def flip(path: str, offset: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def shard_superblock(path: str):
+    """The current superblock of a shard file (the test runs as the Manager's user: it may read it)."""
+    from orbitkv_fs.tiers.ssd.superblock import RING_START, read_superblocks
+
+    with open(path, "rb") as f:
+        sb, _ = read_superblocks(f.read(RING_START))
+    assert sb is not None, f"{path} has no valid superblock"
+    return sb
+
+
+def shard_key(path: str):
+    from orbitkv_fs.tiers.ssd.record import ShardKey
+
+    return ShardKey(shard_superblock(path).secret)
+
+
+def read_header(path: str, offset: int):
+    """The record header at ``offset`` of a shard file (parsed, not verified)."""
+    from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE, parse_record_header
+
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return parse_record_header(f.read(RECORD_HEADER_SIZE))
+
+
+def record_image(path: str, offset: int, k: ObjectKey, generation: int, seg: bytes, prev: tuple[int, bytes],
+                 *, key=None) -> bytes:
+    """The bytes of a segment record for ``k`` at ``offset`` of ``path``'s log, tagged under the shard's
+    secret (or ``key``: an attacker's guess), linking to ``prev`` = ``(offset, tag)``."""
+    from orbitkv_fs.tiers.ssd.record import Kind, pack_record_header_into, record_length, write_record_body
+
+    buf = memoryview(bytearray(record_length(len(seg))))
+    write_record_body(buf, seg)
+    pack_record_header_into(buf, key or shard_key(path), Kind.SEGMENT, k.pack(), generation, len(seg), offset, *prev)
+    return bytes(buf)
+
+
+def pwrite(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

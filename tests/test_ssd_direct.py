@@ -13,30 +13,43 @@ from orbitkv_fs.keys import chunk_key, pack_key
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.segment import HEADER_SIZE, Role, parse_header
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
-from orbitkv_fs.tiers.ssd.record import (BLOCK, RECORD_HEADER_SIZE, Status, check_record, lay_record,
-                                         pack_record_header_into, record_header, record_length, scan,
-                                         verify_record_head, write_record_body)
+from orbitkv_fs.tiers.ssd.record import (BLOCK, RECORD_HEAD_BYTES, RECORD_HEADER_SIZE, Kind, ShardKey,
+                                         check_segment_body, lay_record, pack_record_header_into,
+                                         parse_record_header, record_header, record_length, verify_record_head,
+                                         verify_record_tag, write_record_body)
+from orbitkv_fs.tiers.ssd.recovery import Fate, recover_shard
 from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.segment import crc32c
-from test_ssd_common import direct_io_dir, flip, key, segment
+from test_ssd_common import direct_io_dir, flip, key, segment, shard_key
 
 
 @pytest.mark.parametrize("n", [16, 1000, (BLOCK - RECORD_HEADER_SIZE - HEADER_SIZE) // 2, 35000])
 def test_lay_record_equals_the_staging_layout(n):
     seg = segment(n, n=n)
-    k, gen = key(3), 12345
+    k, gen, off, prev = key(3), 12345, 7 * BLOCK, (3 * BLOCK, b"p" * 16)
+    sk = ShardKey(bytes(range(32)))
     rec_len = record_length(len(seg))
     staged = memoryview(bytearray(b"\xaa" * (rec_len + BLOCK)))  # a reused buffer: old bytes everywhere
     assert write_record_body(staged, seg) == rec_len
-    pack_record_header_into(staged, k.pack(), gen, len(seg), rec_len)
+    tag = pack_record_header_into(staged, sk, Kind.SEGMENT, k.pack(), gen, len(seg), off, *prev)
     arr = np.full(rec_len + BLOCK, 0xAA, dtype=np.uint8)
-    assert lay_record(arr, np.frombuffer(seg, np.uint8), record_header(k.pack(), gen, len(seg))) == rec_len
+    header, dtag = record_header(sk, Kind.SEGMENT, k.pack(), gen, seg[:HEADER_SIZE], len(seg), off, *prev)
+    assert dtag == tag
+    assert lay_record(arr, np.frombuffer(seg, np.uint8), header) == rec_len
     assert arr[:rec_len].tobytes() == bytes(staged[:rec_len])
-    rh, _, body = check_record(arr[:rec_len].tobytes())
-    assert (rh.key, rh.generation, bytes(body)) == (k, gen, seg)
-    verify_record_head(arr[:RECORD_HEADER_SIZE + HEADER_SIZE].tobytes(), k.pack(), gen, len(seg))
-    with pytest.raises(SegmentError):
-        verify_record_head(arr[:RECORD_HEADER_SIZE + HEADER_SIZE].tobytes(), key(4).pack(), gen, len(seg))
+    image = arr[:rec_len].tobytes()
+    rh = parse_record_header(image)
+    verify_record_tag(image, sk)
+    check_segment_body(rh, image[RECORD_HEADER_SIZE:])
+    assert (rh.key, rh.generation, rh.offset, rh.prev_offset, rh.prev_tag, rh.tag) == (k, gen, off, *prev, tag)
+    crc = int.from_bytes(seg[24:28], "little")
+    verify_record_head(image[:RECORD_HEAD_BYTES], off, k.pack(), gen, len(seg), crc)
+    for bad in ((off, key(4).pack(), gen, crc), (off + BLOCK, k.pack(), gen, crc), (off, k.pack(), gen + 1, crc),
+                (off, k.pack(), gen, crc ^ 1)):
+        with pytest.raises(SegmentError):
+            verify_record_head(image[:RECORD_HEAD_BYTES], *bad[:3], len(seg), bad[3])
+    with pytest.raises(SegmentError):  # and the tag under another secret
+        verify_record_tag(image, ShardKey(bytes(32)))
 
 
 def _tier(tmp_path, **kw) -> tuple[SsdTier, str]:
@@ -59,11 +72,15 @@ def test_submit_device_writes_the_io_uring_record(tmp_path):
         with open(path, "rb") as f:
             image = f.read()
         o = recs[key(1)]
+        on_disk = parse_record_header(image[o.offset:o.offset + RECORD_HEADER_SIZE])
+        assert (on_disk.prev_offset, on_disk.prev_tag) == (recs[key(0)].offset,
+                                                           parse_record_header(image[recs[key(0)].offset:]).tag)
         want = np.zeros(record_length(len(segment(1))), np.uint8)
-        lay_record(want, np.frombuffer(segment(1), np.uint8), record_header(key(1).pack(), o.generation,
-                                                                            len(segment(1))))
+        header, _ = record_header(shard_key(path), Kind.SEGMENT, key(1).pack(), o.generation, segment(1)[:HEADER_SIZE],
+                                  len(segment(1)), o.offset, on_disk.prev_offset, on_disk.prev_tag)
+        lay_record(want, np.frombuffer(segment(1), np.uint8), header)
         assert image[o.offset:o.offset + want.size] == want.tobytes()
-        assert [e.status for e in scan(image)] == [Status.VALID, Status.VALID]
+        assert [r.fate for r in recover_shard(image).records] == [Fate.LIVE, Fate.LIVE]
         with pytest.raises(SegmentError):
             t.submit_device(key(2), np.frombuffer(segment(2), np.uint8)[:-1])
     with SsdTier(SsdConfig(paths=(path,), capacity=8 << 20, recover=True)) as t:

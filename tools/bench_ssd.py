@@ -8,7 +8,7 @@ For each record size (``--bs``, the on-disk record: record header + segment + pa
   ``flush``; GB/s of record bytes. fio: ``--rw=write`` with the same bs, iodepth, ``--direct=1``,
   ``--ioengine=io_uring`` and size, into a fresh file in the same directory (fio preallocates it).
 * tier demand read: ``SsdTier.read_many`` of every record just written (read ring at the same depth; each
-  record validated: header CRC, key, generation, segment CRC32C; bytes copied out and handed to a consumer
+  record validated: tag, key, generation, segment CRC32C; bytes copied out and handed to a consumer
   that drops them, as DRAM admission would). fio: ``--rw=read`` of the same shard file.
 * latency: QD1 demand reads of 64 KiB records (p50/p99/mean), idle and while a writer thread keeps the
   lane saturated with 1 MiB records at QD32, with the tier's demand-read throttle off

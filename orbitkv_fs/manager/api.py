@@ -294,8 +294,10 @@ class LowerTier(Protocol):
         """True when ``key`` is readable (published)."""
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, namespace: bytes | None = None,
-                   all: bool = False) -> TierCounts:
-        """Hide the matching objects from readers at once; answer how many and their stored bytes."""
+                   chunks: Sequence[bytes] | None = None, all: bool = False) -> TierCounts:
+        """Hide the matching objects (``keys``; the ``chunks`` of ``namespace``, held or not; all of
+        ``namespace``; ``all``) from readers at once, and answer (how many, their stored bytes) only once
+        the invalidation is durable: a restart never brings them back."""
 
     def flush(self) -> None:
         """Wait until every submitted object is published (or dropped)."""

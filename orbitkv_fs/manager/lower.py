@@ -229,9 +229,8 @@ class LowerTierCoordination:
         elif namespace is not None and chunks is not None:
             wanted = {namespace + c for c in chunks}
             d = self.dram.invalidate(lambda k: k[:32] in wanted)
-            if self.lower is not None:
-                lkeys = [k for k, _ in self.lower.iter_objects(namespace) if k.namespace + k.chunk in wanted]
-                lower = self.lower.invalidate(keys=lkeys) if lkeys else TierCounts()
+            if self.lower is not None:  # also chunks it no longer lists: a restart must not revive them
+                lower = self.lower.invalidate(namespace=namespace, chunks=list(chunks))
         elif namespace is not None:
             d = self.dram.invalidate(lambda k: k[:16] == namespace)
             if self.lower is not None:

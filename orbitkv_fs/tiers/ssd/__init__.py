@@ -1,18 +1,28 @@
-"""The SSD tier: a log-structured ring of validated records per shard file, io_uring writeback, cuFile.
+"""The SSD tier: a log-structured ring of authenticated records per shard file, io_uring writeback, cuFile.
 
 Public API: :class:`SsdTier` (the Manager's lower tier), :class:`SsdConfig`, :class:`SsdStats`,
-:class:`SsdObject`; record format and scanner in :mod:`.record`; I/O engines in
-:mod:`.uring` (io_uring) and :mod:`.cufile` (kvikio); fault injection for tests in :mod:`.faults`.
+:class:`SsdObject`. Modules: the on-disk formats in :mod:`.record` (records, tombstones) and
+:mod:`.superblock`; the recovery scan in :mod:`.recovery` (shared with ``orbitkv-inspect``); the ring in
+:mod:`.ring`; the index in :mod:`.index`; the writeback lane in :mod:`.lane`; the read path in
+:mod:`.reads`; staging buffers in :mod:`.staging`; I/O engines in :mod:`.uring` (io_uring) and
+:mod:`.cufile` (kvikio); fault injection for tests in :mod:`.faults`.
 """
 
-from .record import BLOCK, RECORD_HEADER_SIZE, ScanEntry, Status, scan
+from .lane import GenerationsExhausted
+from .record import BLOCK, RECORD_HEADER_SIZE
+from .recovery import Fate, RecordInfo, ShardRecovery, Status, recover_shard
+from .superblock import RING_START
 from .tier import SsdConfig, SsdConfigError, SsdObject, SsdStats, SsdTier
 from .uring import SsdIoError, UringBackend
 
 __all__ = [
     "BLOCK",
+    "Fate",
+    "GenerationsExhausted",
     "RECORD_HEADER_SIZE",
-    "ScanEntry",
+    "RING_START",
+    "RecordInfo",
+    "ShardRecovery",
     "SsdConfig",
     "SsdConfigError",
     "SsdIoError",
@@ -21,5 +31,5 @@ __all__ = [
     "SsdTier",
     "Status",
     "UringBackend",
-    "scan",
+    "recover_shard",
 ]

@@ -1,0 +1,493 @@
+"""The SSD tier's read path: demand reads (host and device memory) and the speculative prefetch lane.
+
+A mixin of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (it shares the tier's lock, counters, shards and
+index). It owns the pool of demand-read rings (``_read_rings``), the demand count and hold-off
+(``_demand``, ``_demand_until``: the writeback lane throttles on them), and the prefetch lane (``_pf_*``).
+
+Primitives: :meth:`ReadPath.contains`, :meth:`ReadPath.read`, :meth:`ReadPath.read_many` (optionally
+streaming to a sink), :meth:`ReadPath.describe`, :meth:`ReadPath.read_many_device` (the cuFile direct
+path), :meth:`ReadPath.prefetch`.
+
+Invariants:
+
+1. Every record read is checked before a byte of it is served: its header CRC, and against what the index
+   holds of it key, generation, length, offset, the segment header (its CRC, length, and the payload
+   CRC32C recorded when it was submitted or recovered), the payload CRC32C (device reads: on the GPU, by
+   the consumer). The tag is recovery's: at run time the index says which record must be where.
+2. A record that fails is a miss and only that generation leaves the index at once (counted as
+   corrupt); its space is reclaimed when its leases drain. An I/O error is a miss that invalidates
+   nothing.
+3. A record is leased from the moment a read of it is prepared until that read is settled, so the ring
+   never overwrites a record under a read; a read in flight keeps its buffer until the kernel is done.
+4. Keys submitted and not yet written are served from the submitted bytes (the index's ``pending``).
+5. The prefetch lane never delays demand reads: it starts no read while one is in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from ...errors import SegmentError
+from ...keys import ObjectKey
+from ...segment import HEADER_SIZE
+from .lane import io_reason, peek_segment
+from .record import RECORD_HEAD_BYTES, RECORD_HEADER_SIZE, record_length, verify_record, verify_record_head
+from .ring import Slot
+from .uring import IoRing, SsdIoError
+
+log = logging.getLogger(__name__)
+
+
+def _heads(arr: Any, offsets: list[int]) -> list[bytes]:
+    """The first RECORD_HEAD_BYTES of the records at ``offsets`` of a numpy or CuPy array; for a device
+    array, gathered by one kernel and copied to the host at once (not one small copy per record)."""
+    if not offsets:
+        return []
+    if isinstance(arr, np.ndarray):
+        return [arr[o:o + RECORD_HEAD_BYTES].tobytes() for o in offsets]
+    import cupy
+
+    idx = cupy.asarray(np.add.outer(np.asarray(offsets, dtype=np.int64), np.arange(RECORD_HEAD_BYTES)))
+    host = arr[idx].get()
+    return [row.tobytes() for row in host]
+
+
+class ReadPath:
+    """Mixin: the read half of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (see the module docstring)."""
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            return key in self._index or key in self._index.pending
+
+    def read(self, key: ObjectKey) -> bytes | None:
+        """The validated segment bytes of ``key``, or None (absent, I/O error, or corrupt)."""
+        return self.read_many([key])[0]
+
+    def read_many(self, keys: Sequence[ObjectKey],
+                  sink: "Callable[[int, bytes], None] | None" = None) -> list[bytes | None]:
+        """Demand-read several keys at once (up to the read queue depth in flight).
+
+        With ``sink``, each segment is handed to ``sink(index, segment)`` as soon as it is validated and
+        not kept in the returned list (which then holds None for it): a consumer that stores segments
+        elsewhere (DRAM) never holds more than the reads in flight. The segment is then a view valid
+        during the call only (of the read buffer itself, reused afterwards): copy what you keep."""
+        begun = self._begin_reads(keys)
+        if begun is None:
+            return [None] * len(keys)
+        slots, staged, ring = begun
+        out: list[bytes | None] = [None] * len(keys)
+        verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
+        hits: set[int] = set()
+        bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
+        broken = False  # the ring raised: reads may sit in it prepped, never submitted
+        try:
+            # Inside the try: a sink that raises must still give back the leases and the demand count.
+            for i, data in staged.items():
+                if sink is None:
+                    out[i] = data
+                else:
+                    sink(i, data)
+            if ring is None:
+                ring = self._io.ring(self.config.read_queue_depth)
+            todo = [i for i, s in enumerate(slots) if s is not None]
+            started: dict[int, float] = {}
+            pos = 0
+
+            def fill() -> bool:
+                nonlocal pos
+                n = pos
+                while pos < len(todo) and ring.space() > 0:
+                    i = todo[pos]
+                    s = slots[i]
+                    bufs[i] = self._staging.host(s.length)
+                    started[i] = time.perf_counter()
+                    ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
+                    pos += 1
+                return pos > n
+
+            while pos < len(todo) or bufs:
+                fill()
+                landed = [(i, res, bufs.pop(i)) for i, res in ring.submit_and_wait()]
+                # The freed slots get their next reads before this thread validates what landed: at
+                # 64 KiB and a shallow queue, checking and copying a batch takes as long as the device
+                # needs to drain the reads still in flight.
+                if fill():
+                    ring.submit()
+                for i, res, buf in landed:
+                    # Validate as each read lands, so only the reads in flight hold buffers. A sink gets a
+                    # view of the read buffer itself (no copy), which goes back to the pool after it.
+                    data, why = self._check_read(slots[i], res, buf, keep=sink is not None)
+                    try:
+                        if data is None:
+                            verdicts[i] = why
+                            continue
+                        self._read_lat.append(time.perf_counter() - started[i])
+                        hits.add(i)
+                        if sink is None:
+                            out[i] = data
+                        else:
+                            sink(i, data)
+                    finally:
+                        del data
+                        if sink is not None:
+                            self._staging.recycle(buf)
+        except SsdIoError:
+            broken = True
+            raise
+        finally:
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
+        return out
+
+    def _begin_reads(self, keys: Sequence[ObjectKey]) -> "tuple[list[Slot | None], dict[int, bytes], IoRing | None] | None":
+        """Start a demand read of ``keys``: the demand count goes up (writeback throttles, the prefetch
+        lane waits), each published record gets a read lease. Answers the slots (None: not published),
+        the bytes of keys submitted but not yet written (index -> segment) and a pooled read ring (None:
+        make one); None when the tier is closed. :meth:`_end_reads` undoes it all."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._demand += 1
+            slots: list[Slot | None] = []
+            staged: dict[int, bytes] = {}  # submitted, write not completed: served from memory
+            for i, k in enumerate(keys):
+                p = self._index.pending.get(k)
+                if p is not None:
+                    staged[i] = p[1]
+                    slots.append(None)
+                    continue
+                s = self._index.get(k)
+                if s is not None:
+                    s.leases += 1
+                slots.append(s)
+            self._c["read_pending_hits_total"] += len(staged)
+            ring = self._read_rings.pop() if self._read_rings else None
+        return slots, staged, ring
+
+    def _end_reads(self, ring: "IoRing | None", broken: bool, bufs: dict, nkeys: int,
+                   slots: "list[Slot | None]", hits: set[int], verdicts: dict[int, str]) -> None:
+        """End a demand read begun by :meth:`_begin_reads`: wait for reads still in flight (``bufs``:
+        index -> buffer), give the ring back, count, and settle every leased slot (``hits``: served;
+        ``verdicts``: index -> why it missed)."""
+        # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
+        # reads in flight, and their completions must not reach the ring's next user. A ring that
+        # failed to submit is closed instead (close waits for what the kernel got; reads it never got
+        # would never complete, and the next user's submit would send them): it is not reused.
+        if broken and ring is not None:
+            ring.close()
+            ring = None
+        while bufs and ring is not None:
+            for i, _ in ring.wait(1.0):
+                bufs.pop(i, None)
+        with self._lock:
+            if ring is not None and self._closed:
+                ring.close()
+            elif ring is not None:
+                self._read_rings.append(ring)
+            self._c["read_total"] += nkeys
+            self._demand -= 1
+            self._demand_until = time.perf_counter() + self.config.demand_holdoff
+            if not self._demand:
+                self._pf_cond.notify_all()
+            for i, s in enumerate(slots):
+                if s is None:
+                    continue
+                if i in hits:
+                    self._c["read_hits_total"] += 1
+                    self._c["read_bytes_total"] += s.length
+                self._settle_read(s, verdicts.get(i, ""), "read_errors_total")
+
+    def describe(self, keys: Sequence[ObjectKey]) -> "list[tuple[int, int] | None]":
+        """``(original length, segment length)`` of each key's readable object (published or pending),
+        None when absent: what a caller needs to size destinations and bound a :meth:`read_many_device`
+        window before reading anything."""
+        out: list[tuple[int, int] | None] = []
+        with self._lock:
+            for k in keys:
+                p = self._index.pending.get(k)
+                if p is not None:
+                    _, original, stored, _ = peek_segment(p[1])
+                    out.append((original, HEADER_SIZE + stored))
+                    continue
+                s = self._index.get(k)
+                out.append(None if s is None else (s.original, s.stored))
+        return out
+
+    def read_many_device(self, keys: Sequence[ObjectKey],
+                         sink: "Callable[[list[tuple[int, Any]]], Iterable[int] | None]", *,
+                         max_bytes: int = 64 << 20) -> "list[str | None]":
+        """Demand-read ``keys`` into device memory (cuFile backend; host staging on other backends, for
+        tests) and hand their segments on without a host bounce.
+
+        Records are read in windows of at most ``max_bytes`` of record bytes (at least one record), into
+        one block-aligned buffer reused from window to window. Of each record only its first
+        :data:`~orbitkv_fs.tiers.ssd.record.RECORD_HEAD_BYTES` bytes go to the host, where the record
+        header (CRC, key, generation, length) and the segment header (CRC, length) are checked like a
+        demand read's. The segments that pass go to ``sink([(index, segment), ...])`` once per window, as
+        1-D uint8 views (64-byte segment header + payload) of that window's buffer: they are valid only
+        until the sink returns. The payload CRC32C is not checked here: the sink (the GPU codec engine's
+        decode) checks it, and returns the indices whose payload failed; those records are corrupt.
+        Keys submitted but not yet written are served from their submitted bytes, copied into the window.
+
+        The corruption rules are the demand read's: a record that fails any check (here or in the sink)
+        is a miss and only that generation is invalidated; an I/O error is a miss that invalidates
+        nothing. Each record stays leased until its window's sink returned. Answers, per key, None when
+        its segment went to the sink and was accepted, else why not: ``"absent"``, ``"corrupt"``, or the
+        I/O error (``EIO``, ``short_read``...)."""
+        begun = self._begin_reads(keys)
+        if begun is None:
+            return ["absent"] * len(keys)
+        slots, staged, ring = begun
+        on_device = self.device_io
+        result: list[str | None] = ["absent"] * len(keys)
+        verdicts: dict[int, str] = {}
+        hits: set[int] = set()
+        bufs: dict[int, Any] = {}  # reads in flight
+        broken = False
+        window_buf: Any = None
+        try:
+            todo = [(i, s.length if s is not None else record_length(len(staged[i])))
+                    for i, s in enumerate(slots) if s is not None or i in staged]
+            windows: list[list[tuple[int, int]]] = []
+            size = 0
+            for i, n in todo:
+                if not windows or size + n > max_bytes:
+                    windows.append([])
+                    size = 0
+                windows[-1].append((i, n))
+                size += n
+            if not windows:
+                return result
+            if ring is None:
+                ring = self._io.ring(self.config.read_queue_depth)
+            cap = max(sum(n for _, n in w) for w in windows)
+            window_buf, arr = self._staging.record_buffer(cap, on_device=on_device)
+            for window in windows:
+                offs: dict[int, int] = {}
+                pos = 0
+                for i, n in window:
+                    offs[i] = pos
+                    pos += n
+                started = time.perf_counter()
+                # Submitted, not yet written: their bytes go where a record's segment would be.
+                for i, _ in window:
+                    if i in staged:
+                        seg = np.frombuffer(staged[i], dtype=np.uint8)
+                        dst = arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + seg.size]
+                        if on_device:
+                            dst.set(seg)
+                        else:
+                            dst[:] = seg
+                reads = [i for i, _ in window if slots[i] is not None]
+                landed: dict[int, int] = {}
+                k = 0
+                while k < len(reads) or bufs:
+                    while k < len(reads) and ring.space() > 0:
+                        i = reads[k]
+                        s = slots[i]
+                        view = arr[offs[i]:offs[i] + s.length]
+                        bufs[i] = view
+                        ring.prep_read(self._shards[s.shard].fid, view if on_device else window_buf[offs[i]:offs[i] + s.length],
+                                       s.offset, i)
+                        k += 1
+                    for i, res in ring.submit_and_wait():
+                        bufs.pop(i, None)
+                        landed[i] = res
+                ok = [i for i in reads if landed[i] == slots[i].length]
+                for i in reads:
+                    if landed[i] != slots[i].length:
+                        verdicts[i] = io_reason(landed[i], "short_read")
+                heads = _heads(arr, [offs[i] for i in ok])
+                deliver: list[tuple[int, Any]] = []
+                for i, head in zip(ok, heads):
+                    s = slots[i]
+                    try:
+                        verify_record_head(head, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
+                    except SegmentError:
+                        verdicts[i] = "corrupt"
+                        continue
+                    deliver.append((i, arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + s.stored]))
+                for i, _ in window:
+                    if i in staged:
+                        n = len(staged[i])
+                        deliver.append((i, arr[offs[i] + RECORD_HEADER_SIZE:offs[i] + RECORD_HEADER_SIZE + n]))
+                deliver.sort()
+                rejected = set(sink(deliver) or ()) if deliver else set()
+                now = time.perf_counter()
+                for i, _ in deliver:
+                    if i in rejected:
+                        verdicts[i] = "corrupt"
+                        continue
+                    hits.add(i)
+                    if slots[i] is not None:
+                        self._read_lat.append(now - started)
+        except SsdIoError:
+            broken = True
+            raise
+        finally:
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
+            if window_buf is not None and not bufs:  # a buffer still in the kernel's hands is left alone
+                self._staging.recycle(window_buf)
+            with self._lock:
+                for i in hits:
+                    self._c["read_device_total"] += 1
+                    s = slots[i]
+                    self._c["read_device_bytes_total"] += s.length if s is not None else len(staged[i])
+                # Pending bytes that failed downstream are not a record: nothing to invalidate, but the
+                # tier's corruption count says so.
+                self._c["corrupt_records_total"] += sum(1 for i in staged if verdicts.get(i) == "corrupt")
+        for i in range(len(keys)):
+            if i in hits:
+                result[i] = None
+            elif i in verdicts:
+                result[i] = verdicts[i]
+        return result
+
+    def _check_read(self, s: "Slot", res: int, buf: memoryview, *,
+                    keep: bool = False) -> "tuple[bytes | memoryview | None, str]":
+        """A landed read of ``s``'s record (``res``: bytes read or -errno): its verified segment and "", or
+        None and why (the short read or errno, or "corrupt"). ``buf`` goes back to the pool, unless
+        ``keep``: the segment is then a view of ``buf``, which the caller recycles once done with it."""
+        try:
+            if res != s.length:
+                return None, io_reason(res, "short_read")
+            try:
+                seg = verify_record(buf, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
+                return (seg if keep else bytes(seg)), ""
+            except SegmentError:
+                return None, "corrupt"
+        finally:
+            if not keep:
+                self._staging.recycle(buf)
+
+    def _settle_read(self, s: "Slot", why: str, errors_counter: str) -> None:
+        """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
+        record dies, an I/O error is counted under ``errors_counter``. Lock held."""
+        s.leases -= 1
+        if why == "corrupt":
+            self._c["corrupt_records_total"] += 1
+            self._index.kill(s)
+        elif why:
+            self._c[errors_counter] += 1
+            self._errnos[why] += 1
+
+    def prefetch(self, keys: Sequence[ObjectKey], sink: Callable[[ObjectKey, bytes], None], *,
+                 max_bytes: int | None = None) -> int:
+        """Queue speculative reads of ``keys`` on the background lane; answer how many were queued.
+
+        Each record that validates (the demand-read checks) is handed to ``sink(key, segment)`` on the
+        lane's thread; an absent key is skipped, a corrupt record is invalidated and dropped like a demand
+        miss, an I/O error drops the key. Never waits for I/O, and never delays demand reads: the lane
+        starts no read while a demand read is in progress. Keys already queued, not published yet (their
+        bytes are still in memory), or over ``max_bytes`` of records for this call or the lane's
+        ``prefetch_max_bytes`` (counted as dropped) are skipped."""
+        limit = self.config.prefetch_max_bytes
+        budget = limit if max_bytes is None else min(max_bytes, limit)
+        n = 0
+        with self._lock:
+            if self._closed or limit <= 0:
+                return 0
+            for k in keys:
+                s = self._index.get(k)
+                if s is None or k in self._pf_keys:
+                    continue
+                if s.length > budget or self._pf_bytes + s.length > limit:
+                    self._c["prefetch_dropped_total"] += 1
+                    continue
+                budget -= s.length
+                self._pf_keys.add(k)
+                self._pf_bytes += s.length
+                self._pf_queue.append((k, s.length, sink))
+                n += 1
+            if n:
+                self._c["prefetch_requested_total"] += n
+                if self._pf_thread is None:
+                    self._pf_thread = threading.Thread(target=self._prefetch_lane, name="orbitkv-ssd-prefetch",
+                                                       daemon=True)
+                    self._pf_thread.start()
+                self._pf_cond.notify_all()
+        return n
+
+    def _prefetch_lane(self) -> None:
+        """The lane's thread: its own ring (prefetch_queue_depth), reads started only while no demand read
+        is in progress, validated like demand reads, results to each request's sink. An I/O engine failure
+        (the ring cannot be made or submitted to) ends the lane: its requests are dropped, their leases
+        given back, and the next :meth:`prefetch` starts a new lane."""
+        ring: IoRing | None = None
+        inflight: dict[int, tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot, memoryview]] = {}
+        batch: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot]] = []
+        tag = 0
+        try:
+            ring = self._io.ring(self.config.prefetch_queue_depth)
+            while True:
+                batch = []
+                with self._lock:
+                    while not inflight and not self._closed and (not self._pf_queue or self._demand):
+                        self._pf_cond.wait(0.5)
+                    if self._closed:  # queued requests go; reads in flight are waited for below
+                        for k, length, _ in self._pf_queue:
+                            self._pf_keys.discard(k)
+                            self._pf_bytes -= length
+                        self._pf_queue.clear()
+                        if not inflight:
+                            return
+                    while not self._demand and self._pf_queue and ring.space() > len(batch):
+                        k, length, sink = self._pf_queue.popleft()
+                        s = self._index.get(k)
+                        if s is None:  # evicted, invalidated or replaced since it was queued
+                            self._pf_keys.discard(k)
+                            self._pf_bytes -= length
+                            self._c["prefetch_dropped_total"] += 1
+                            continue
+                        s.leases += 1
+                        batch.append((k, length, sink, s))
+                prepped = bool(batch)
+                while batch:
+                    k, length, sink, s = batch.pop()
+                    tag += 1
+                    buf = self._staging.host(s.length)
+                    inflight[tag] = (k, length, sink, s, buf)
+                    ring.prep_read(self._shards[s.shard].fid, buf, s.offset, tag)
+                if prepped:
+                    ring.submit()
+                for t, res in ring.wait(0.05) if inflight else ():
+                    k, length, sink, s, buf = inflight.pop(t)
+                    seg, verdict = self._check_read(s, res, buf)
+                    with self._lock:
+                        self._pf_keys.discard(k)
+                        self._pf_bytes -= length
+                        if seg is not None:
+                            self._c["prefetch_read_total"] += 1
+                            self._c["prefetch_read_bytes_total"] += s.stored
+                        self._settle_read(s, verdict, "prefetch_errors_total")
+                    if seg is not None:
+                        try:
+                            sink(k, seg)
+                        except Exception:  # the consumer's failure must not stop the lane
+                            log.exception("SSD prefetch sink failed for %s", k)
+        except SsdIoError as e:
+            log.warning("SSD prefetch lane stopped: %s", e)
+        finally:
+            # Reads still in flight finish before their buffers and leases go (close waits for them);
+            # prepped but never submitted ones die with the ring.
+            if ring is not None:
+                ring.close()
+            with self._lock:
+                left = [(k, length, s) for k, length, _, s, _ in inflight.values()]
+                left += [(k, length, s) for k, length, _, s in batch]
+                for k, length, s in left:
+                    s.leases -= 1
+                left_keys = [(k, length) for k, length, _ in left]
+                left_keys += [(k, length) for k, length, _ in self._pf_queue]
+                for k, length in left_keys:
+                    self._pf_keys.discard(k)
+                    self._pf_bytes -= length
+                self._c["prefetch_errors_total"] += len(left)
+                self._c["prefetch_dropped_total"] += len(self._pf_queue)
+                self._pf_queue.clear()
+                if self._pf_thread is threading.current_thread():
+                    self._pf_thread = None

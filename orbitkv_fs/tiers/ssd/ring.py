@@ -1,0 +1,144 @@
+"""The ring of one shard file: where records sit, which space the next record may take, and the shard's
+log (the chain of records in allocation order, and how far it is durable).
+
+Primitives:
+
+* :class:`Slot` -- one record's place and bookkeeping (state, leases, the segment's fields).
+* :class:`Shard` -- a shard's records by offset; :meth:`Shard.find_room` (the allocator's search);
+  :meth:`Shard.link` (the previous record a new one links to) and :meth:`Shard.append` (it becomes the
+  chain's tail); :meth:`Shard.settle` (a write ended: the durable front moves over every record whose
+  predecessors all ended).
+
+Invariants:
+
+1. The ring is ``[RING_START, capacity)``; slots never overlap. A slot that is WRITING or leased is never
+   chosen as a victim: the search skips past it, and fails when a whole lap finds no room.
+2. Records are appended to the chain in allocation order, which is generation order within a shard;
+   each record links to the one allocated before it (offset and tag).
+3. ``front`` is the newest record of the chain whose write, and every earlier record's write, ended
+   (completed, failed or cancelled): what a checkpoint may call durable once the file is synced.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+
+from ...keys import ObjectKey
+from ...segment import Format
+from .record import NO_PREV, NO_TAG, ShardKey
+from .superblock import RING_START
+
+
+class State(enum.Enum):
+    WRITING = 1
+    COMMITTED = 2
+    DEAD = 3
+
+
+class Slot:
+    __slots__ = ("shard", "offset", "length", "key", "generation", "state", "leases", "stored", "format",
+                 "original", "crc", "cancel", "tag", "done", "failed")
+
+    def __init__(self, shard: int, offset: int, length: int, key: ObjectKey | None, generation: int,
+                 stored: int, fmt: Format | None, original: int, crc: int = 0) -> None:
+        self.shard, self.offset, self.length, self.key, self.generation = shard, offset, length, key, generation
+        self.state = State.WRITING
+        self.leases = 0
+        self.stored, self.format, self.original = stored, fmt, original
+        # The payload CRC32C of the segment: a later submit of the same segment (DRAM evicting its copy)
+        # finds it on disk already and is not written again.
+        self.crc = crc
+        self.cancel = False  # invalidated while being written: not published when the write completes
+        self.tag = NO_TAG  # the record's tag, while the chain still needs it (until it is settled)
+        self.done = False  # its write ended (settled on the chain)
+        self.failed = False  # its write ended in an error
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def is_tombstone(self) -> bool:
+        return self.key is None
+
+
+class Shard:
+    def __init__(self, index: int, path: str, fid: int, capacity: int, secret: bytes, sb_fd: int) -> None:
+        self.index, self.path, self.fid, self.capacity = index, path, fid, capacity
+        self.secret = secret  # the shard's secret, and its keyed hashers (records' tags)
+        self.key = ShardKey(secret)
+        self.sb_fd = sb_fd  # the file, opened for superblock writes, syncs and the lock
+        self.sequence = 0  # of the current superblock
+        self.head = RING_START
+        self.offsets: list[int] = []
+        self.slots: dict[int, Slot] = {}
+        # The log: its tail (what the next record links to), records whose write has not ended in
+        # allocation order, and the durable front behind them.
+        self.last_offset, self.last_tag = NO_PREV, NO_TAG
+        self.order: collections.deque[Slot] = collections.deque()
+        self.front: tuple[int, int, bytes] = (0, NO_PREV, NO_TAG)  # generation, offset, tag
+        self.checkpointed = 0  # the generation of the last checkpoint written
+        self.floor = 0
+
+    def insert(self, slot: Slot) -> None:
+        bisect.insort(self.offsets, slot.offset)
+        self.slots[slot.offset] = slot
+
+    def remove(self, slot: Slot) -> None:
+        i = bisect.bisect_left(self.offsets, slot.offset)
+        del self.offsets[i]
+        del self.slots[slot.offset]
+
+    def find_room(self, length: int) -> tuple[int, list[Slot], int] | None:
+        """``(offset, victims, skips)``: the first place of ``length`` bytes at or after the head, the slots
+        it would overwrite, and how many slots the search skipped past (being written, or leased); None
+        when a whole lap finds no room. Changes nothing."""
+        if length > self.capacity - RING_START:
+            return None
+        pos, travelled, skips = self.head, 0, 0
+        lap = self.capacity - RING_START
+        while travelled <= lap:
+            if pos + length > self.capacity:
+                travelled += self.capacity - pos
+                pos = RING_START
+                continue
+            i = bisect.bisect_left(self.offsets, pos)
+            if i > 0 and self.slots[self.offsets[i - 1]].end > pos:
+                i -= 1
+            victims: list[Slot] = []
+            blocker = None
+            while i < len(self.offsets) and self.offsets[i] < pos + length:
+                s = self.slots[self.offsets[i]]
+                if s.state is State.WRITING or s.leases:
+                    blocker = s
+                    break
+                victims.append(s)
+                i += 1
+            if blocker is not None:
+                skips += 1
+                travelled += blocker.end - pos
+                pos = blocker.end
+                continue
+            return pos, victims, skips
+        return None
+
+    def link(self) -> tuple[int, bytes]:
+        """The ``(offset, tag)`` a record allocated now links to."""
+        return self.last_offset, self.last_tag
+
+    def append(self, slot: Slot, tag: bytes) -> None:
+        """``slot`` (its header made, with ``tag``) is the chain's new tail."""
+        slot.tag = tag
+        self.last_offset, self.last_tag = slot.offset, tag
+        self.order.append(slot)
+
+    def settle(self, slot: Slot) -> None:
+        """``slot``'s write ended: move the durable front over every record whose predecessors all ended."""
+        slot.done = True
+        order = self.order
+        while order and order[0].done:
+            s = order.popleft()
+            self.front = (s.generation, s.offset, s.tag)
+            s.tag = NO_TAG
