@@ -49,8 +49,8 @@ class _GpuCodecs:
     rotation seed (the engine's TurboQuant signs depend on it)."""
 
     def __init__(self, budget: int) -> None:
-        from .gpu import EncodeItem, GpuCodecEngine
-        from .gpu.module import check_device
+        from ..gpu import EncodeItem, GpuCodecEngine
+        from ..gpu.module import check_device
 
         check_device()
         self._item = EncodeItem
@@ -80,7 +80,7 @@ class _GpuCodecs:
         """Start decoding ``(seg, blocks, segment bytes, its verified header)`` items with one
         ``decode_submit``; :meth:`decode_finish` then scatters them into their chunks' blocks. ``pinned[i]``:
         item i's bytes are in pinned memory (the arena) and go to the GPU from there."""
-        from .gpu.engine import DeviceSpan
+        from ..gpu.engine import DeviceSpan
 
         # A chunk whose blocks are one contiguous stretch of GPU pages is decoded straight into them (the
         # engine leaves a destination untouched when its segment fails the CRC32C check). The others land
@@ -184,7 +184,7 @@ def _gather_batch(items: list[tuple[_Seg, list[int]]], buffer, gather_blocks) ->
             size = -(-(size + len(blocks) * seg.block_bytes) // _SLICE_ALIGN) * _SLICE_ALIGN
     if not pending:
         return out, None
-    from .gpu.engine import DeviceSpan
+    from ..gpu.engine import DeviceSpan
 
     buf = buffer(size)
     addr = int(buf.data.ptr)

@@ -381,7 +381,7 @@ class RestorePipeline:
             return [], set()
         import cupy
 
-        from .tiers.ssd.record import record_length
+        from ..tiers.ssd.record import record_length
 
         items = [it for it in items if it[0] not in bad]
         info = self.lower.describe([ObjectKey.unpack(kb) for *_, kb in items])
