@@ -9,24 +9,24 @@ import ast
 import importlib.util
 from pathlib import Path
 
-import orbitkv_fs
-
-import server
-
-ROOTS = (Path(orbitkv_fs.__file__).parent, Path(server.__file__).parent)
+#: The package and the folders the build maps into it (server/, tools/, gpu/ live beside orbitkv_fs/).
+PACKAGES = ("orbitkv_fs", "orbitkv_fs.server", "orbitkv_fs.tools", "orbitkv_fs.gpu")
 
 
 def _relative_imports() -> list[tuple[str, int, str]]:
     found = []
-    for root in ROOTS:
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, f"{package} is not installed as a package"
+        root = Path(list(spec.submodule_search_locations)[0])
         for path in sorted(root.rglob("*.py")):
-            parts = path.relative_to(root.parent).with_suffix("").parts
-            package = parts[:-1]  # a module's package; an __init__'s package is its own folder
+            parts = tuple(package.split(".")) + path.relative_to(root).with_suffix("").parts
+            module_package = parts[:-1]  # a module's package; an __init__'s package is its own folder
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.level:
-                    base = package[:len(package) - node.level + 1]
+                    base = module_package[:len(module_package) - node.level + 1]
                     name = ".".join(base + ((node.module,) if node.module else ()))
-                    found.append((str(path.relative_to(root.parent)), node.lineno, name))
+                    found.append((f"{path}", node.lineno, name))
     return found
 
 
