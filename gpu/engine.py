@@ -81,10 +81,11 @@ from orbitkv_fs.segment import (
     TURBOQUANT_HEAD_DIMS,
     AnsType,
     Format,
-    HeaderTemplates,
     RawReason,
     Role,
     SegmentHeader,
+    header_crcs,
+    header_row,
     parse_header,
     turboquant_stored_bytes,
     worth_keeping,
@@ -188,6 +189,9 @@ class _Enc(msgspec.Struct, eq=False):
     nch: int = 0  # ANS: 64 KiB chunks
     chunk0: int = 0  # ANS: index of the first chunk in the batch's chunk arrays
     tmp: int = 0  # ANS: workspace offset of the chunks' nvCOMP output buffers
+    #: The header fields (HeaderTemplates.pack_into's order) when the GPU encodes it as planned; ANS: all
+    #: but the stored length, known once nvCOMP has run.
+    head: tuple = ()
 
 
 class _Dec(msgspec.Struct, eq=False):
@@ -209,12 +213,24 @@ class _Dec(msgspec.Struct, eq=False):
 
 @dataclass
 class EncodeJob:
-    """An :meth:`GpuCodecEngine.encode_submit` in progress: its segments (filled as batches finish)."""
+    """An :meth:`GpuCodecEngine.encode_submit` in progress: its segments (filled as batches finish), and the
+    header fields of each GPU-encoded one as arrays, so that a caller admits a batch without parsing a
+    header per segment: ``fmt`` (the Format, -1 for a host-encoded or raw-fallback segment, whose header
+    the caller reads from its bytes), ``original`` (source bytes), ``length`` (header and payload bytes),
+    ``reason`` (RawReason) and ``addr`` (host address of the segment's first byte)."""
 
     out: list
     flights: list = field(default_factory=list)
-    #: The header of each GPU-encoded segment (None for host fallbacks): callers need not parse them again.
-    headers: list = field(default_factory=list)
+    fmt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
+    original: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    length: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    reason: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    addr: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @classmethod
+    def of(cls, k: int) -> "EncodeJob":
+        return cls([None] * k, fmt=np.full(k, -1, np.int16), original=np.zeros(k, np.int64),
+                   length=np.zeros(k, np.int64), reason=np.zeros(k, np.uint8), addr=np.zeros(k, np.int64))
 
 
 @dataclass
@@ -484,101 +500,136 @@ def _within(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-_NO_SIGNS = (0,) * 8
+
+def _ints(plist: Sequence[Any], attr: str) -> np.ndarray:
+    """``getattr(p, attr)`` of each plan as an int64 array (one comprehension, not a call per field)."""
+    return np.fromiter([getattr(p, attr) for p in plist], dtype=np.int64, count=len(plist))
+
+
+def _ceil_div(a: np.ndarray, b: "int | np.ndarray") -> np.ndarray:
+    return -(-a // b)
+
+
+def _fp16(plist: Sequence[Any], dtype_of: Callable[[Any], Any]) -> np.ndarray:
+    """1 where a plan's source dtype is FP16 (the kernels' ``dtype`` field), else 0."""
+    return np.fromiter([dtype_of(p) == FP16 for p in plist], dtype=np.uint32, count=len(plist))
+
+
+def _put_rows(buf: np.ndarray, at: int, rows: np.ndarray) -> None:
+    """Write descriptor rows (SEG_DTYPE, zero padding included) into ``buf`` at byte ``at``."""
+    if rows.size:
+        buf[at:at + rows.nbytes] = rows.view(np.uint8)
 
 
 def _encode_rows(buf: np.ndarray, at: int, groups: Sequence[tuple[str, list]], payload0: int, seed: int,
                  chunk_cap: int, base: int, off: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """An encode batch's descriptor rows (SEG_STRUCT), written into ``buf`` from offset ``at``, kernel by kernel
+    """An encode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``, kernel by kernel
     in the order of ``groups`` (kernel name, its segments). A segment's payload goes to ``payload0 + p.slot``
     (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing rows the nvCOMP
     chunk outputs (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base +
-    off[...]``. Answers, per kernel with segments, (first row, work units)."""
-    pack, size = km.SEG_STRUCT.pack_into, km.SEG_STRUCT.size
-    z8 = _NO_SIGNS
+    off[...]``. Answers, per kernel with segments, (first row, work units). Built a field at a time over the
+    whole batch (numpy), not a row at a time."""
+    total = sum(len(plist) for _, plist in groups)
+    table = np.zeros(total, dtype=km.SEG_DTYPE)
     rows: dict[str, tuple[int, int]] = {}
     row = 0
     for name, plist in groups:
-        if not plist:
+        k = len(plist)
+        if not k:
             continue
-        first, block = row, 0
-        for j, p in enumerate(plist):
-            dst = payload0 + p.slot
-            if name == "okv_fp8_encode":
-                nb = km.units_fp8(p.n)
-                pack(buf, at + row * size, p.ptr, dst, p.n, 0, block, nb, p.meta, int(p.dtype == FP16), 0, 0, 0, 0,
-                     *z8, 0)
-            elif name == "okv_ans_pack":  # the j-th ANS segment: its payload length lands in pay_len[j]
-                nb = p.nch
-                pay = base + off["pay_len"] + 8 * j
-                pack(buf, at + row * size, base + p.tmp, dst, p.n, base + off["chunk_sizes"] + 8 * p.chunk0, block,
-                     nb, p.meta, 0, 0, p.cap, 0, chunk_cap, pay & 0xFFFFFFFF, pay >> 32, 0, 0, 0, 0, 0, 0,
-                     base + off["chunk_status"] + 4 * p.chunk0)
-            elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
-                src, out, n = (p.ptr, dst, p.n) if p.kind == "raw" else (dst, 0, p.cap)
-                nb = km.units_bytes(n)
-                pack(buf, at + row * size, src, out, n, 0, block, nb, p.meta, 0, 0, 0, 0, 0, *z8, 0)
-            else:  # okv_tq_encode_k / _v
-                nb = km.units_tq(p.n, p.head_dim)
-                pack(buf, at + row * size, p.ptr, dst, p.n, 0, block, nb, p.meta, int(p.dtype == FP16), p.head_dim,
-                     p.bits, int(p.role), 0, *sign_words(p.head_dim, p.layer, seed), 0)
-            row += 1
-            block += nb
-        rows[name] = (first, block)
+        a = table[row:row + k]
+        dst = payload0 + _ints(plist, "slot")
+        n = _ints(plist, "n")
+        a["meta"] = _ints(plist, "meta")
+        if name == "okv_fp8_encode":
+            nb = _ceil_div(n // 2, km.CHUNK)
+            a["src"], a["dst"], a["n"] = _ints(plist, "ptr"), dst, n
+            a["dtype"] = _fp16(plist, lambda p: p.dtype)
+        elif name == "okv_ans_pack":  # the j-th ANS segment: its payload length lands in pay_len[j]
+            nb = _ints(plist, "nch")
+            chunk0 = _ints(plist, "chunk0")
+            pay = base + off["pay_len"] + 8 * np.arange(k, dtype=np.int64)
+            a["src"], a["dst"], a["n"] = base + _ints(plist, "tmp"), dst, n
+            a["n_dev"] = base + off["chunk_sizes"] + 8 * chunk0
+            a["bits"], a["expect_crc"] = _ints(plist, "cap"), chunk_cap
+            a["signs"][:, 0], a["signs"][:, 1] = pay & 0xFFFFFFFF, pay >> 32
+            a["st_dev"] = base + off["chunk_status"] + 4 * chunk0
+        elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
+            raw = np.fromiter([p.kind == "raw" for p in plist], dtype=bool, count=k)
+            size = np.where(raw, n, _ints(plist, "cap"))
+            nb = _ceil_div(size, km.CHUNK)
+            a["src"], a["dst"], a["n"] = np.where(raw, _ints(plist, "ptr"), dst), np.where(raw, dst, 0), size
+        else:  # okv_tq_encode_k / _v
+            hd = _ints(plist, "head_dim")
+            nb = _ceil_div(n // (2 * hd), km.TQ_VECTORS_PER_UNIT // hd)
+            a["src"], a["dst"], a["n"] = _ints(plist, "ptr"), dst, n
+            a["dtype"] = _fp16(plist, lambda p: p.dtype)
+            a["head_dim"], a["bits"], a["role"] = hd, _ints(plist, "bits"), [int(p.role) for p in plist]
+            a["signs"] = [sign_words(p.head_dim, p.layer, seed) for p in plist]
+        a["nblocks"] = nb
+        a["block0"] = np.cumsum(nb) - nb
+        rows[name] = (row, int(nb.sum()))
+        row += k
+    _put_rows(buf, at, table)
     return rows
 
 
 def _decode_rows(buf: np.ndarray, at: int, plans: list, fp8: list, tq: list, copy: list, src: Callable[[Any], int],
                  expect: list, actual: int, status: int, base: int) -> dict[str, tuple[int, int, int]]:
-    """A decode batch's descriptor rows (SEG_STRUCT), written into ``buf`` from offset ``at``: the CRC32C
+    """A decode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``: the CRC32C
     check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows. ``src(p)``: where
     the kernels read p's payload; ``expect``: raw CRCs by ``p.meta``; ``actual`` / ``status``: device
     addresses of the ANS chunks' decoded sizes and statuses; ``base``: the workspace. Answers, per kernel,
-    (first row, rows, work units)."""
-    pack, size = km.SEG_STRUCT.pack_into, km.SEG_STRUCT.size
-    z8 = _NO_SIGNS
+    (first row, rows, work units). Built a field at a time over the whole batch (numpy)."""
+    expected = np.asarray(expect, dtype=np.int64)
+    table = np.zeros(len(plans) + len(fp8) + len(tq) + len(copy), dtype=km.SEG_DTYPE)
     firsts: dict[str, tuple[int, int, int]] = {}
-    row = 0
-    block = 0
-    for p in plans:
-        n = p.h.stored_length
-        nb = km.units_bytes(n)
-        pack(buf, at + row * size, src(p), 0, n, 0, block, nb, p.meta, 0, 0, 0, 0, expect[p.meta], *z8, 0)
-        row += 1
-        block += nb
-    firsts["okv_crc32c"] = (0, row, block)
-    first, block = row, 0
-    for p in fp8:
-        h = p.h
-        nb = km.units_fp8(h.original_length)
-        pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, int(h.dtype == FP16),
-             0, 0, 0, expect[p.meta], *z8, 0)
-        row += 1
-        block += nb
-    firsts["okv_fp8_decode"] = (first, row - first, block)
-    first, block = row, 0
-    for p in tq:
-        h = p.h
-        nb = km.units_tq(h.original_length, h.head_dim)
-        pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, int(h.dtype == FP16),
-             h.head_dim, h.bits, int(h.role), expect[p.meta], *sign_words(h.head_dim, h.layer, h.rotation_seed), 0)
-        row += 1
-        block += nb
-    firsts["okv_tq_decode"] = (first, row - first, block)
-    first, block = row, 0
-    for p in copy:
-        h = p.h
-        nb = km.units_bytes(h.original_length)
-        dtype = int(h.dtype == FP16)
-        if p.kind == "raw":
-            pack(buf, at + row * size, src(p), p.dst.ptr, h.original_length, 0, block, nb, p.meta, dtype, 0, 0, 0,
-                 expect[p.meta], *z8, 0)
-        else:  # ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
-            pack(buf, at + row * size, base + p.scratch, p.dst.ptr, h.original_length, actual + 8 * p.chunk0, block,
-                 nb, p.meta, dtype, ans_format.CHUNK_BYTES, 0, 0, expect[p.meta], *z8, status + 4 * p.chunk0)
-        row += 1
-        block += nb
-    firsts["okv_copy_checked"] = (first, row - first, block)
+
+    def common(a: np.ndarray, plist: list, n: np.ndarray) -> None:
+        a["meta"] = meta = _ints(plist, "meta")
+        a["expect_crc"] = expected[meta]
+        a["n"] = n
+
+    k = len(plans)
+    a = table[:k]
+    stored = np.fromiter([p.h.stored_length for p in plans], dtype=np.int64, count=k)
+    common(a, plans, stored)
+    a["src"] = np.fromiter([src(p) for p in plans], dtype=np.int64, count=k)
+    a["nblocks"] = nb = _ceil_div(stored, km.CHUNK)
+    a["block0"] = np.cumsum(nb) - nb
+    firsts["okv_crc32c"] = (0, k, int(nb.sum()))
+    row = k
+    for name, plist in (("okv_fp8_decode", fp8), ("okv_tq_decode", tq), ("okv_copy_checked", copy)):
+        k = len(plist)
+        a = table[row:row + k]
+        orig = np.fromiter([p.h.original_length for p in plist], dtype=np.int64, count=k)
+        common(a, plist, orig)
+        a["dst"] = np.fromiter([p.dst.ptr for p in plist], dtype=np.int64, count=k)
+        a["dtype"] = _fp16(plist, lambda p: p.h.dtype)
+        if name == "okv_fp8_decode":
+            a["src"] = np.fromiter([src(p) for p in plist], dtype=np.int64, count=k)
+            nb = _ceil_div(orig // 2, km.CHUNK)
+        elif name == "okv_tq_decode":
+            hd = np.fromiter([p.h.head_dim for p in plist], dtype=np.int64, count=k)
+            a["src"] = np.fromiter([src(p) for p in plist], dtype=np.int64, count=k)
+            a["head_dim"], a["bits"] = hd, [p.h.bits for p in plist]
+            a["role"] = [int(p.h.role) for p in plist]
+            a["signs"] = [sign_words(p.h.head_dim, p.h.layer, p.h.rotation_seed) for p in plist] or 0
+            nb = _ceil_div(orig // np.maximum(2 * hd, 1), km.TQ_VECTORS_PER_UNIT // np.maximum(hd, 1))
+        else:  # raw: from its payload; ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
+            ans = np.fromiter([p.kind != "raw" for p in plist], dtype=bool, count=k)
+            chunk0 = np.fromiter([p.chunk0 if p.kind != "raw" else 0 for p in plist], dtype=np.int64, count=k)
+            a["src"] = np.fromiter([base + p.scratch if p.kind != "raw" else src(p) for p in plist], dtype=np.int64,
+                                   count=k)
+            a["n_dev"] = np.where(ans, actual + 8 * chunk0, 0)
+            a["st_dev"] = np.where(ans, status + 4 * chunk0, 0)
+            a["head_dim"] = np.where(ans, ans_format.CHUNK_BYTES, 0)
+            nb = _ceil_div(orig, km.CHUNK)
+        a["nblocks"] = nb
+        a["block0"] = np.cumsum(nb) - nb
+        firsts[name] = (row, k, int(nb.sum()))
+        row += k
+    _put_rows(buf, at, table)
     return firsts
 
 
@@ -598,7 +649,10 @@ class GpuCodecEngine:
             raise CodecError(f"codec workspace budget {budget_bytes} is under 1 MiB")
         self.budget_bytes = budget_bytes
         self.seed = seed
-        self._headers = HeaderTemplates()
+        # Encode classification per item shape (codec, role, layer, dtype, bytes, ...): a batch's items share
+        # a few, so each distinct one is validated once; and header template rows per distinct field set.
+        self._classes: dict[tuple, _Enc] = {}
+        self._rows: dict[tuple, tuple[np.ndarray, int]] = {}
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
@@ -673,6 +727,29 @@ class GpuCodecEngine:
             raise CodecError(f"item {i}: encode needs a cupy array or DeviceSpan, not {type(it.array).__name__}")
         if it.dtype is None and isinstance(it.array, DeviceSpan):
             raise CodecError(f"item {i}: a DeviceSpan source needs the item's dtype")
+        key = (it.codec, it.role, it.layer, it.dtype if it.dtype is not None else it.array.dtype, it.raw_reason,
+               arr.nbytes, arr.shape, arr.ptr % 8 == 0)
+        t = self._classes.get(key)
+        if t is None:
+            t = self._classify_new(i, it, arr)
+            if len(self._classes) >= 4096:
+                self._classes.clear()
+            self._classes[key] = t
+        return _Enc(i, it, arr.ptr, t.n, t.dtype, t.role, t.layer, t.kind, t.reason, t.shape, t.head_dim, t.bits,
+                    t.ans_type, t.cap, 0, 0, t.nch, 0, 0, t.head)
+
+    def _classify_new(self, i: int, it: EncodeItem, arr: DeviceSpan) -> _Enc:
+        """The plan of an item of a shape not seen before (validated; raises CodecError), ``head`` included."""
+        e = self._classify_fields(i, it, arr)
+        if e.kind in ("raw", "fp8", "tq", "ans"):
+            fmt = {"raw": Format.RAW, "fp8": Format.FP8, "tq": Format.TURBOQUANT, "ans": Format.ANS}[e.kind]
+            tq = e.kind == "tq"
+            stored = e.n if e.kind == "raw" else e.cap
+            e.head = (fmt, e.dtype, e.n, stored, e.role, e.layer, e.bits, e.head_dim, int(tq), self.seed if tq else 0,
+                      e.ans_type, e.reason if fmt == Format.RAW else RawReason.NONE)
+        return e
+
+    def _classify_fields(self, i: int, it: EncodeItem, arr: DeviceSpan) -> _Enc:
         if it.codec not in CODEC_NAMES:
             raise CodecError(f"item {i}: unknown codec {it.codec!r}; expected one of {', '.join(CODEC_NAMES)}")
         role = Role.parse(it.role)
@@ -736,8 +813,16 @@ class GpuCodecEngine:
         off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
         off["meta"] = lay.take(16 * k, align)
         off["pay_len"] = lay.take(8 * max(len(ans), 1), 8)
-        for p in plans:
-            p.slot = lay.take(HEADER_SIZE + (p.cap if p.kind != "raw" else p.n), align) - off["meta"]
+        # Slots one after another, each at the next multiple of align: from an aligned start, a slot's start
+        # is the previous one's plus its size rounded up.
+        sizes = np.fromiter([HEADER_SIZE + (p.cap if p.kind != "raw" else p.n) for p in plans], np.int64, count=k)
+        first = _up(lay.end, align)
+        steps = -(-sizes // align) * align
+        starts = first + np.cumsum(steps) - steps
+        for p, slot in zip(plans, (starts - off["meta"]).tolist()):
+            p.slot = slot
+        if k:
+            lay.end = int(starts[-1] + sizes[-1])
         off["region_end"] = lay.end
         off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
         off["chunk_status"] = lay.take(4 * max(chunks, 1))
@@ -795,11 +880,16 @@ class GpuCodecEngine:
         last one is left running, so that the caller can prepare (gather, submit) the next request's
         batch before :meth:`encode_collect` waits for this one. Sources must stay untouched until then."""
         plans = [self._classify(i, _item(x)) for i, x in enumerate(items)]
-        job = EncodeJob([None] * len(plans), headers=[None] * len(plans))
+        job = EncodeJob.of(len(plans))
         w = self.save
         with w.lock:
             w.wait_for_current()
             try:
+                plain = self._plain_batches(plans, slot_align)
+                if plain is not None:
+                    for batch in plain:
+                        job.flights.append(self._run_encode(batch, job, out_region, slot_align, device_sink))
+                    return job
                 gpu: list[_Enc] = []
                 fill = _Fill()
                 half = self.budget_bytes // 2
@@ -827,6 +917,35 @@ class GpuCodecEngine:
                 w.drop(job.flights)
                 raise
         return job
+
+    def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
+        """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
+        alone: the batches the per-segment fit check of :meth:`encode_submit` would form (each as long as
+        its estimate stays within half the workspace, at most MAX_BATCH), found with one cumulative sum.
+        None otherwise (that loop then decides)."""
+        if any(p.kind == "ans" or p.kind == "host" for p in plans):
+            return None
+        k = len(plans)
+        slots = np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans], np.int64, count=k)
+        slots = -(-slots // align) * align
+        half = self.budget_bytes // 2
+
+        def fixed(m: np.ndarray) -> np.ndarray:  # _enc_estimate's part that depends on the segment count
+            return (-(-(4 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
+                    + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(8) + 4 * 256 + align - SLOT_ALIGN)
+
+        if k and int((fixed(np.ones(1, np.int64)) + slots.max())[0]) > half:
+            return None
+        ends = np.cumsum(slots)
+        out: list[list[_Enc]] = []
+        start = 0
+        while start < k:
+            m = min(MAX_BATCH, k - start)
+            est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
+            count = int(np.count_nonzero(est <= half))  # est grows with the count: its prefix fits
+            out.append(plans[start:start + count])
+            start += count
+        return out
 
     def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
         """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
@@ -932,49 +1051,87 @@ class GpuCodecEngine:
     def _finish_encode(self, plans: list[_Enc], job: EncodeJob, off: dict[str, int], host: np.ndarray, region: int,
                        region_len: int, ans: list[_Enc], ans_index: dict[int, int],
                        device_sink: "Callable[[int, Any], None] | None") -> None:
-        """The host part of an encode batch whose stream work has completed: statuses, CRC32Cs, headers."""
+        """The host part of an encode batch whose stream work has completed: statuses, CRC32Cs, headers. The
+        headers are written from template rows (one per distinct field set), the header CRCs computed as
+        an array; per-segment Python only for a segment that falls back to raw storage."""
         w, out = self.save, job.out
-        meta = host[:16 * len(plans)].view(km.META_DTYPE)
+        k = len(plans)
+        meta = host[:16 * k].view(km.META_DTYPE)
         a_off = off["pay_len"] - off["meta"]
-        ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8")
-        walked = [int(ans_sizes[ans_index[id(p)]]) if p.kind == "ans" else p.cap if p.kind in ("fp8", "tq") else p.n
-                  for p in plans]
-        crcs = finish_crc(meta["acc"], np.array(walked, dtype=np.int64)).tolist()
-        mv, templates = memoryview(host), self._headers
-        sunk: list[tuple[_Enc, int]] = []  # GPU-encoded segments for device_sink, with their lengths
-        for p in plans:
-            m = meta[p.meta]
-            status = int(m["status"])
-            fmt, stored, bits, head_dim, sign_version, seed, ans_type = Format.RAW, p.n, 0, 0, 0, 0, AnsType.NONE
-            reason = p.reason
-            if p.kind == "fp8" or p.kind == "tq":
-                if status:
-                    reason = RawReason.NONFINITE if status & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
-                    w.stats["raw_fallbacks"] += 1
-                    out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
+        ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8").tolist()
+        heads = [p.head for p in plans]
+        for p in ans:  # the stored length of an ANS payload is what nvCOMP made of it
+            heads[p.meta] = p.head[:3] + (ans_sizes[ans_index[id(p)]],) + p.head[4:]
+        walked = np.fromiter([h[3] for h in heads], dtype=np.int64, count=k)
+        crcs = finish_crc(meta["acc"], walked)
+        status = meta["status"]
+        keep = np.ones(k, dtype=bool)
+        for j in sorted(set(np.flatnonzero(status).tolist()) | {p.meta for p in ans}):
+            p = plans[j]
+            if p.kind == "ans":
+                st, size = int(status[j]), heads[j][3]
+                if not (st or size == 0 or size > p.cap or not worth_keeping(p.n, size)):
                     continue
-                stored, bits = p.cap, p.bits
-                if p.kind == "fp8":
-                    fmt = Format.FP8
-                else:
-                    fmt, head_dim, sign_version, seed = Format.TURBOQUANT, p.head_dim, 1, self.seed
-            elif p.kind == "ans":
-                size = int(ans_sizes[ans_index[id(p)]])
-                if status or size == 0 or size > p.cap or not worth_keeping(p.n, size):
-                    reason = RawReason.UNSUPPORTED if status & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
-                    w.stats["raw_fallbacks"] += 1
-                    out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
-                    continue
-                fmt, stored, ans_type = Format.ANS, size, p.ans_type
-            h = templates.pack_into((fmt, p.dtype, p.n, stored, p.role, p.layer, bits, head_dim, sign_version, seed,
-                                     ans_type, reason if fmt == Format.RAW else RawReason.NONE),
-                                    crcs[p.meta], mv, p.slot)
-            out[p.i] = mv[p.slot:p.slot + HEADER_SIZE + stored]
-            job.headers[p.i] = h
-            if device_sink is not None:
-                sunk.append((p, HEADER_SIZE + stored))
-        if sunk:
-            self._sink_device(sunk, host, region, region_len, device_sink)
+                reason = RawReason.UNSUPPORTED if st & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
+            elif p.kind in ("fp8", "tq"):
+                reason = RawReason.NONFINITE if status[j] & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
+            else:
+                continue
+            keep[j] = False
+            w.stats["raw_fallbacks"] += 1
+            out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
+        good = np.flatnonzero(keep)
+        if not good.size:
+            return
+        tids, rows, bases = self._template_ids([heads[j] for j in good.tolist()])
+        pcrc = crcs[good]
+        hdr = rows[tids]
+        hdr["payload_crc"] = pcrc
+        hdr["header_crc"] = header_crcs(bases[tids], pcrc)
+        slots = np.fromiter([p.slot for p in plans], dtype=np.int64, count=k)[good]
+        host[slots[:, None] + np.arange(HEADER_SIZE)] = hdr.view(np.uint8).reshape(-1, HEADER_SIZE)
+        length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
+        idx = np.fromiter([p.i for p in plans], dtype=np.int64, count=k)[good]
+        job.fmt[idx] = hdr["format"]
+        job.original[idx] = hdr["original_length"]
+        job.length[idx] = length
+        job.reason[idx] = hdr["raw_reason"]
+        job.addr[idx] = host.ctypes.data + slots
+        mv = memoryview(host)
+        for i, a, n in zip(idx.tolist(), slots.tolist(), length.tolist()):
+            out[i] = mv[a:a + n]
+        if device_sink is not None:
+            self._sink_device([(plans[j], n) for j, n in zip(good.tolist(), length.tolist())], host, region,
+                              region_len, device_sink)
+
+    def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For header field tuples (HeaderTemplates.pack_into's order, payload CRC aside): each one's row in
+        the templates answered (HEADER_DTYPE rows with a zero payload CRC) and their 60-byte CRC32Cs.
+        Validates each distinct tuple once (raises as :func:`~orbitkv_fs.segment.pack_header`)."""
+        known = self._rows
+        # Grouped by identity first: a batch's plans share their class's tuple (hashing one, with its enums,
+        # costs more than the rest of a segment's header); equal tuples apart just repeat a row.
+        by_id: dict[int, int] = {}
+        order: list[tuple] = []
+        tids = []
+        for h in heads:
+            t = by_id.get(id(h))
+            if t is None:
+                t = by_id[id(h)] = len(order)
+                order.append(h)
+            tids.append(t)
+        for h in order:
+            if h not in known:
+                fmt, dtype, orig, stored, role, layer, bits, head_dim, sign_version, seed, ans_type, reason = h
+                if len(known) >= 4096:
+                    known.clear()
+                known[h] = header_row(SegmentHeader(fmt, dtype, orig, stored, 0, role=role, layer=layer, bits=bits,
+                                                    head_dim=head_dim, sign_version=sign_version,
+                                                    rotation_seed=seed, ans_type=ans_type, raw_reason=reason))
+        made = [known[h] for h in order]
+        rows = np.concatenate([m[0] for m in made])
+        bases = np.fromiter([m[1] for m in made], dtype=np.uint32, count=len(made))
+        return np.asarray(tids, dtype=np.intp), rows, bases
 
     def _sink_device(self, sunk: "list[tuple[_Enc, int]]", host: np.ndarray, region: int, region_len: int,
                      sink: "Callable[[int, Any], None]") -> None:
@@ -1179,11 +1336,20 @@ class GpuCodecEngine:
                 fill = _Fill()
                 half = self.budget_bytes // 2
                 heads = self._device_heads(segments)
+                plans: list[_Dec] = []
                 for i, (seg, dst) in enumerate(zip(segments, destinations)):
                     p = self._dec_plan(i, seg, dst, heads.get(i), headers[i] if headers is not None else None)
                     if isinstance(p, OrbitKVError):
                         results[i] = p
-                        continue
+                    else:
+                        plans.append(p)
+                plain = self._plain_dec_batches(plans)
+                if plain is not None:
+                    for batch in plain:
+                        job.flights.append(self._run_decode(batch, results, pinned))
+                    return job
+                for p in plans:
+                    i = p.i
                     one = self._dec_fill(p) if p.kind == "ans" else None
                     more = fill.add(one) if one is not None else fill.plus(_dec_staging(p))
                     if len(gpu) < MAX_BATCH and self._dec_estimate(more) <= half:
@@ -1203,6 +1369,33 @@ class GpuCodecEngine:
                 w.drop(job.flights)
                 raise
         return job
+
+    def _plain_dec_batches(self, plans: list[_Dec]) -> "list[list[_Dec]] | None":
+        """The GPU batches of ``plans`` when none is ANS and each fits half the workspace alone: those the
+        per-segment fit check of :meth:`decode_submit` would form, found with one cumulative sum; else None."""
+        if any(p.kind == "ans" for p in plans):
+            return None
+        k = len(plans)
+        staged = np.fromiter([p.h.stored_length for p in plans], np.int64, count=k)
+        staged = -(-staged // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
+        half = self.budget_bytes // 2
+
+        def fixed(m: np.ndarray) -> np.ndarray:  # _dec_estimate's part that depends on the segment count
+            return (-(-(2 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
+                    + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(44) + 4 * 256)
+
+        if k and int((fixed(np.ones(1, np.int64)) + staged.max())[0]) > half:
+            return None
+        ends = np.cumsum(staged)
+        out: list[list[_Dec]] = []
+        start = 0
+        while start < k:
+            m = min(MAX_BATCH, k - start)
+            est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
+            count = int(np.count_nonzero(est <= half))  # est grows with the count: its prefix fits
+            out.append(plans[start:start + count])
+            start += count
+        return out
 
     def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
         """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""
@@ -1340,14 +1533,15 @@ class GpuCodecEngine:
         a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
         actual = host[a_off:a_off + 8 * chunks].view("<u8")
         status = host[s_off:s_off + 4 * chunks].view("<i4")
-        ok = (meta["acc"] == expect).tolist()
-        if chunks:  # per ANS segment (in chunk order): decompressed bytes, and whether any chunk failed
-            firsts = [p.chunk0 for p in plans if p.kind == "ans"]
-            firsts.sort()
+        bad = meta["acc"] != expect
+        ans = [p for p in plans if p.kind == "ans"] if chunks else []
+        if ans:  # per ANS segment (in chunk order): decompressed bytes, and whether any chunk failed
+            firsts = sorted(p.chunk0 for p in ans)
             sums = dict(zip(firsts, np.add.reduceat(actual, firsts).tolist()))
             fails = dict(zip(firsts, np.logical_or.reduceat(status != 0, firsts).tolist()))
-        for p in plans:
-            if not ok[p.meta]:
+        # Verdicts segment by segment only where one can fail beyond its CRC32C: a bad CRC, or ANS.
+        for p in [plans[j] for j in np.flatnonzero(bad).tolist()] + [p for p in ans if not bad[p.meta]]:
+            if bad[p.meta]:
                 results[p.i] = PayloadChecksumMismatch(f"segment {p.i}: payload CRC32C mismatch")
             elif p.kind == "ans":
                 got = sums[p.chunk0]

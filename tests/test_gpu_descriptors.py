@@ -163,3 +163,71 @@ def test_fill_plus_is_add_of_one_plain_segment():
         assert fill.plus(n) == fill.add(E._Fill.of(n))
         fill = fill.plus(n)
     assert fill.k == 200 and fill.ans > 0
+
+
+def _greedy(plans, one, fits):
+    """The per-segment rule of encode_submit / decode_submit: a plan joins the open batch while the batch
+    stays within its bound (``fits``), else the batch closes and the plan opens the next one."""
+    out, batch, fill = [], [], E._Fill()
+    for p in plans:
+        more = fill.plus(one(p))
+        if len(batch) < E.MAX_BATCH and fits(more):
+            batch.append(p)
+            fill = more
+            continue
+        out.append(batch)
+        batch, fill = [p], E._Fill.of(one(p))
+    if batch:
+        out.append(batch)
+    return out
+
+
+def _bare_engine(budget: int) -> "E.GpuCodecEngine":
+    eng = object.__new__(E.GpuCodecEngine)  # no device: only the planning arithmetic is used
+    eng.budget_bytes = budget
+    return eng
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plain_encode_batches_are_the_per_segment_rule(seed):
+    rng = random.Random(seed)
+    eng = _bare_engine(rng.choice([1 << 20, 8 << 20, 64 << 20, 256 << 20]))
+    align = rng.choice([E.SLOT_ALIGN, 4096])
+    size = rng.choice([32 << 10, 512 << 10, 4 << 20])
+    plans = [types.SimpleNamespace(kind=rng.choice(["raw", "fp8", "tq"]), n=size * rng.choice([1, 1, 2]),
+                                   cap=size // rng.choice([2, 3, 4])) for _ in range(rng.randrange(1, 900))]
+    got = eng._plain_batches(plans, align)
+
+    def slot(p):
+        return E._up(E.HEADER_SIZE + (p.n if p.kind == "raw" else p.cap), align)
+
+    half = eng.budget_bytes // 2
+    if any(eng._enc_estimate(E._Fill.of(slot(p)), align) > half for p in plans):
+        assert got is None
+        return
+    want = _greedy(plans, slot, lambda f: eng._enc_estimate(f, align) <= half)
+    assert [[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plain_decode_batches_are_the_per_segment_rule(seed):
+    rng = random.Random(seed)
+    eng = _bare_engine(rng.choice([1 << 20, 8 << 20, 64 << 20, 256 << 20]))
+    size = rng.choice([32 << 10, 512 << 10, 4 << 20])
+    plans = [types.SimpleNamespace(kind=rng.choice(["raw", "fp8", "tq"]),
+                                   h=types.SimpleNamespace(stored_length=size // rng.choice([1, 2, 3])))
+             for _ in range(rng.randrange(1, 900))]
+    got = eng._plain_dec_batches(plans)
+    half = eng.budget_bytes // 2
+    if any(eng._dec_estimate(E._Fill.of(E._dec_staging(p))) > half for p in plans):
+        assert got is None
+        return
+    want = _greedy(plans, E._dec_staging, lambda f: eng._dec_estimate(f) <= half)
+    assert [[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want]
+
+
+def test_plain_batches_leave_ans_to_the_per_segment_rule():
+    eng = _bare_engine(64 << 20)
+    plans = [types.SimpleNamespace(kind="raw", n=4096, cap=0), types.SimpleNamespace(kind="ans", n=4096, cap=4096)]
+    assert eng._plain_batches(plans, E.SLOT_ALIGN) is None
+    assert eng._plain_dec_batches([types.SimpleNamespace(kind="ans", h=None)]) is None

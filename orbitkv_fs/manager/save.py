@@ -24,9 +24,9 @@ from ..access import Caller
 from ..codecs import encode_segment
 from ..hostmem import host_address
 from ..keys import ObjectKey, pack_key
-from ..segment import Format, parse_header
+from ..segment import RawReason, parse_header
 from ..tiers.dram import UNIT, units_of
-from .api import ChunkBlocks, RequestError, SaveResult
+from .api import ChunkBlocks, SaveResult
 from .batching import _pipelined
 from .device import _gather_batch, _gather_device, _gather_host
 from .registry import _Engine, _Seg
@@ -87,6 +87,28 @@ def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[t
         if pos < end:
             out.append((pos, end - pos))
     return out
+
+
+def _segment_fields(job, blobs: list, arena_base: int) -> tuple[np.ndarray, ...]:
+    """Per segment of a finished save batch: Format, source bytes, segment bytes, RawReason and arena
+    offset (-1 for one outside the arena: a host-encoded or fallback segment). From the GPU engine's job
+    arrays where it has them; headers are parsed only for the segments it did not encode itself."""
+    k = len(blobs)
+    if job is not None:
+        fmt, original, length, reason = (job.fmt.astype(np.int64), job.original.copy(), job.length.copy(),
+                                         job.reason.astype(np.int64))
+        off = np.where(job.addr != 0, job.addr - arena_base, -1)
+    else:
+        fmt = np.full(k, -1, np.int64)
+        original, length, reason, off = (np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64),
+                                         np.full(k, -1, np.int64))
+    for j in np.flatnonzero(fmt < 0).tolist():
+        blob = blobs[j]
+        h = parse_header(blob)
+        fmt[j], original[j], length[j], reason[j] = int(h.format), h.original_length, len(blob), int(h.raw_reason)
+        if type(blob) is memoryview and len(blob):
+            off[j] = host_address(blob) - arena_base
+    return fmt, original, length, reason, off
 
 
 class SavePipeline:
@@ -237,64 +259,63 @@ class SavePipeline:
         sb.ws = 0
         sb.srcs, sb.buffer = [], None
         regions = sb.regions
-        heads = sb.job.headers if sb.job is not None else [None] * len(blobs)
+        fmt, original, length, reason, off = _segment_fields(sb.job, blobs, self.dram.arena.base_address)
+        # In place: segments the engine wrote into this batch's arena regions, published where they lie.
+        placed = np.zeros(len(blobs), dtype=bool)
+        for o, n in regions:
+            placed |= (off >= o) & (off < o + n)
         used: list[tuple[int, int]] = []  # arena extents of the batch's regions, published in place
-        todo: list[tuple[bytes, int, int, int, int]] = []  # ... by one publish_many
-        reps = [0] * (max(_REP_NAMES) + 1)  # segments per Format value
-        raws: collections.Counter[str] = collections.Counter()
-        # The per-segment loop of every save: the region test is inlined (not _arena_offset) and the calls
-        # are bound once, since at 512 KiB segments the host's work per segment bounds the throughput.
-        base, admit = self.dram.arena.base_address, acc.admit
-        lo, hi = min((o for o, _ in regions), default=0), max((o + n for o, n in regions), default=0)
         published = False
         try:
-            for (ch, seg, kb), blob, h in zip(sb.batch, blobs, heads):
-                h = h or parse_header(blob)
-                fmt = int(h.format)
-                reps[fmt] += 1
-                if h.raw_reason:
-                    raws[h.raw_reason.name.lower()] += 1
-                n = len(blob)
-                off = host_address(blob) - base if regions and type(blob) is memoryview and n else -1
-                if lo <= off < hi and (len(regions) == 1 or any(o <= off < o + k for o, k in regions)):
-                    used.append((off, units_of(n) * UNIT))
-                else:
-                    off = self.dram.reserve(n)
-                    if off is None:
-                        self._demote_direct(kb, blob, acc)
-                        continue
-                    try:
-                        self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
-                    except BaseException:
-                        self.dram.cancel(off, n)
-                        raise
-                    # Published at once: the next reservation may have to evict it (a pool smaller than a batch).
-                    if self.dram.publish(kb, off, n, h.original_length, fmt) is not None:
-                        admit(kb, h.original_length, n)
-                    continue
-                todo.append((kb, off, n, h.original_length, fmt))
+            for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
+                self._admit_copy(sb.batch[j][2], blobs[j], int(original[j]), int(fmt[j]), acc)
+            at = np.flatnonzero(placed)
+            keys = [sb.batch[j][2] for j in at.tolist()]
+            offs, ns, logical = off[at].tolist(), length[at].tolist(), original[at].tolist()
+            used = list(zip(offs, (-(-length[at] // UNIT) * UNIT).tolist()))
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
-            done = self.dram.publish_many(todo)  # one lock round for the batch
-            for (kb, _, n, logical, _), ok in zip(todo, done):
-                if ok:
-                    admit(kb, logical, n)
+            done = self.dram.publish_many(list(zip(keys, offs, ns, logical, fmt[at].tolist())))  # one lock round
+            ok = np.fromiter(done, dtype=bool, count=len(done))
+            acc.admitted.update(k for k, d in zip(keys, done) if d)
+            acc.logical += int(original[at][ok].sum())
+            acc.stored += int(length[at][ok].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             if not published:  # nothing of the regions was published
                 used.clear()
-            for off, n in _gaps(regions, used):
-                self.dram.cancel(off, n)
+            for o, n in _gaps(regions, used):
+                self.dram.cancel(o, n)
             regions.clear()
+        reps = np.bincount(fmt, minlength=len(_REP_NAMES)).tolist()
+        codes, counts = np.unique(reason[reason != 0], return_counts=True)
+        raws = {RawReason(c).name.lower(): n for c, n in zip(codes.tolist(), counts.tolist())}
         with self._stat_lock:  # one lock round per batch, not two per segment
-            for fmt, n in enumerate(reps):
+            for f, n in enumerate(reps):
                 if n:
-                    name = _REP_NAMES[fmt]
+                    name = _REP_NAMES[f]
                     self._codec_segments[name] = self._codec_segments.get(name, 0) + n
             for name, n in raws.items():
                 self._raw[name] = self._raw.get(name, 0) + n
         for name, n in raws.items():
             acc.raw[name] = acc.raw.get(name, 0) + n
         self._cpu("save_publish", time.thread_time() - c0, len(sb.batch))
+
+    def _admit_copy(self, kb: bytes, blob, logical: int, fmt: int, acc: "_SaveAcc") -> None:
+        """Admit a segment that lies outside the arena (a host fallback): into an extent of its own,
+        published at once (the next reservation may have to evict it: a pool smaller than a batch), or to
+        the lower tier when DRAM is full of leased objects."""
+        n = len(blob)
+        off = self.dram.reserve(n)
+        if off is None:
+            self._demote_direct(kb, blob, acc)
+            return
+        try:
+            self.dram.view(off, n)[:] = np.frombuffer(blob, dtype=np.uint8)
+        except BaseException:
+            self.dram.cancel(off, n)
+            raise
+        if self.dram.publish(kb, off, n, logical, fmt) is not None:
+            acc.admit(kb, logical, n)
 
     def _ssd_direct(self, eng: _Engine) -> bool:
         """The cuFile direct path applies: GPU pages, the GPU codec engine, and a lower tier that moves
