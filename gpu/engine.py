@@ -61,6 +61,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
@@ -402,8 +403,10 @@ class Worker:
 
     def sync(self) -> None:
         """Drain both streams."""
+        t0 = time.perf_counter_ns()
         self.copies.synchronize()
         self.stream.synchronize()
+        self.stats["wait_ns"] += time.perf_counter_ns() - t0
         self.stats["syncs"] += 1
 
     def wait_for_current(self) -> None:
@@ -455,7 +458,9 @@ class Worker:
         """Wait for a batch in flight and run its host part (idempotent)."""
         if f not in self.inflight:
             return
+        t0 = time.perf_counter_ns()
         f.event.synchronize()
+        self.stats["wait_ns"] += time.perf_counter_ns() - t0
         self.stats["syncs"] += 1
         self.inflight.remove(f)
         f.finish()
@@ -474,7 +479,9 @@ class Worker:
         j = self.tables_next
         self.tables_next = (j + 1) % len(self.tables)
         if self.tables_read[j] is not None:
+            t0 = time.perf_counter_ns()
             self.tables_read[j].synchronize()
+            self.stats["wait_ns"] += time.perf_counter_ns() - t0
         host = self.tables[j].get(table.nbytes)
         host[:] = table.view(np.uint8)
         self.stats["launches"] += km.launch_copy_blocks(k, host.ctypes.data, len(table), self.stream)
@@ -672,8 +679,9 @@ class GpuCodecEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: launches, h2d_copies, d2h_copies, syncs, batches, segments (in GPU batches), cpu_fallbacks,
-        raw_fallbacks, and the workspace size and grows (per worker)."""
+        """Counters: launches, h2d_copies, d2h_copies, syncs, wait_ns (the host blocked on this worker's
+        streams: a CUDA wait spins, so thread CPU time counts it too), batches, segments (in GPU batches),
+        cpu_fallbacks, raw_fallbacks, and the workspace size and grows (per worker)."""
         out: dict[str, int] = {}
         for w in (self.save, self.restore):
             for key, v in w.stats.items():

@@ -161,6 +161,10 @@ class ManagerCollector(Collector):
             rows = {(w,): 0 for w in ("save", "restore")}
             rows.update({(w,): n for w, n in getattr(s, field).items()})
             yield _counter(name, doc, labels=["worker"], rows=rows)
+        rows = {(w,): 0.0 for w in ("save", "restore")}
+        rows.update({(w,): v for w, v in s.gpu_wait_seconds.items()})
+        yield _counter("gpu_codec_wait_seconds", "seconds the host waited on the GPU codec engine's streams, per "
+                       "worker (the rest of a batch's host time is its own work)", labels=["worker"], rows=rows)
         yield _gauge("inflight_requests", "data-path requests in progress", s.inflight_requests)
         yield _counter("prefetch_segments", "segments speculatively read from the SSD into DRAM", s.prefetch_segments)
         yield _counter("prefetch_bytes", "segment bytes speculatively read from the SSD into DRAM", s.prefetch_bytes)

@@ -364,7 +364,7 @@ REQUIRED = [
     "orbitkv_ssd_read_bytes_total", "orbitkv_ssd_write_bytes_total", "orbitkv_ssd_read_latency_p99_seconds",
     "orbitkv_ssd_write_latency_p50_seconds", "orbitkv_ssd_corrupt_records_total", "orbitkv_ssd_backend_info",
     "orbitkv_gpu_codec_workspace_bytes", "orbitkv_gpu_codec_workspace_grows_total", "orbitkv_gpu_codec_batches_total",
-    "orbitkv_gpu_codec_segments_total", "orbitkv_gpu_codec_cpu_fallbacks_total",
+    "orbitkv_gpu_codec_segments_total", "orbitkv_gpu_codec_cpu_fallbacks_total", "orbitkv_gpu_codec_wait_seconds_total",
 ]
 
 

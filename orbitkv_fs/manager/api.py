@@ -245,6 +245,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     gpu_batches: dict[str, int] = {}
     gpu_segments: dict[str, int] = {}
     gpu_cpu_fallbacks: dict[str, int] = {}
+    #: Seconds the host waited on each GPU worker's streams (per worker: save, restore).
+    gpu_wait_seconds: dict[str, float] = {}
     #: Speculative SSD prefetch: segments (and their bytes) read ahead into DRAM, prefetched objects later
     #: served (hits), and prefetched objects that left DRAM without being served (wasted).
     prefetch_segments: int = 0

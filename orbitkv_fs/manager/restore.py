@@ -180,7 +180,9 @@ class RestorePipeline:
                 # landed before the answer lets the engine read its pages.
                 import cupy
 
+                w0 = time.perf_counter()
                 cupy.cuda.get_current_stream().synchronize()
+                self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
                 del uploads
             self._cpu("restore_write", time.thread_time() - c3, nkeys)
             for ci, seg, ch, h, err in done:
@@ -331,7 +333,9 @@ class RestorePipeline:
                 out += part
         finally:
             if copies:
+                w0 = time.perf_counter()
                 copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
+                self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
         return out
 
     def _decode_start(self, seed: int, batch: list) -> tuple:

@@ -22,7 +22,7 @@ _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_lo
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
              "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "leases_expired",
-             "ssd_direct_writes", "ssd_direct_reads")
+             "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
 
 
 class Counters:
@@ -107,6 +107,9 @@ class Counters:
                 gpu_workspace_grows=int(gpu.get("save_workspace_grows", 0) + gpu.get("restore_workspace_grows", 0)),
                 gpu_batches=per_worker("batches"), gpu_segments=per_worker("segments"),
                 gpu_cpu_fallbacks=per_worker("cpu_fallbacks"),
+                gpu_wait_seconds=({"save": gpu.get("save_wait_ns", 0) / 1e9,
+                                   "restore": gpu.get("restore_wait_ns", 0) / 1e9 + c["restore_gpu_wait_seconds"]}
+                                  if gpu else {}),
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
                 leases_expired=int(c["leases_expired"]), ssd_direct_writes=int(c["ssd_direct_writes"]),
