@@ -85,6 +85,8 @@ from orbitkv_fs.segment import (
     RawReason,
     Role,
     SegmentHeader,
+    dtype_code,
+    dtype_from_code,
     header_crcs,
     header_row,
     parse_header,
@@ -190,8 +192,9 @@ class _Enc(msgspec.Struct, eq=False):
     nch: int = 0  # ANS: 64 KiB chunks
     chunk0: int = 0  # ANS: index of the first chunk in the batch's chunk arrays
     tmp: int = 0  # ANS: workspace offset of the chunks' nvCOMP output buffers
-    #: The header fields (HeaderTemplates.pack_into's order) when the GPU encodes it as planned; ANS: all
-    #: but the stored length, known once nvCOMP has run.
+    #: The header fields as ints (format, dtype code, original, stored, role, layer, bits, head dim, sign
+    #: version, seed, ANS type, raw reason) when the GPU encodes it as planned; ANS: all but the stored
+    #: length, known once nvCOMP has run.
     head: tuple = ()
 
 
@@ -753,8 +756,14 @@ class GpuCodecEngine:
             fmt = {"raw": Format.RAW, "fp8": Format.FP8, "tq": Format.TURBOQUANT, "ans": Format.ANS}[e.kind]
             tq = e.kind == "tq"
             stored = e.n if e.kind == "raw" else e.cap
-            e.head = (fmt, e.dtype, e.n, stored, e.role, e.layer, e.bits, e.head_dim, int(tq), self.seed if tq else 0,
-                      e.ans_type, e.reason if fmt == Format.RAW else RawReason.NONE)
+            # Plain ints: a tuple with a numpy dtype or enum members hashes through Python-level __hash__ calls
+            # (tens of microseconds for an ml_dtypes dtype), and batches hash these tuples.
+            try:
+                code = dtype_code(e.dtype)
+            except SegmentError as err:  # a dtype the segment format has no code for
+                raise CodecError(f"item {i}: {err}") from None
+            e.head = (int(fmt), code, e.n, stored, int(e.role), e.layer, e.bits, e.head_dim, int(tq),
+                      self.seed if tq else 0, int(e.ans_type), int(e.reason) if fmt == Format.RAW else 0)
         return e
 
     def _classify_fields(self, i: int, it: EncodeItem, arr: DeviceSpan) -> _Enc:
@@ -1113,9 +1122,9 @@ class GpuCodecEngine:
                               region_len, device_sink)
 
     def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For header field tuples (HeaderTemplates.pack_into's order, payload CRC aside): each one's row in
-        the templates answered (HEADER_DTYPE rows with a zero payload CRC) and their 60-byte CRC32Cs.
-        Validates each distinct tuple once (raises as :func:`~orbitkv_fs.segment.pack_header`)."""
+        """For header field tuples (``_Enc.head``'s ints, payload CRC aside): each one's row in the templates
+        answered (HEADER_DTYPE rows with a zero payload CRC) and their 60-byte CRC32Cs. Validates each
+        distinct tuple once (raises as :func:`~orbitkv_fs.segment.pack_header`)."""
         known = self._rows
         # Grouped by identity first: a batch's plans share their class's tuple (hashing one, with its enums,
         # costs more than the rest of a segment's header); equal tuples apart just repeat a row.
@@ -1133,9 +1142,10 @@ class GpuCodecEngine:
                 fmt, dtype, orig, stored, role, layer, bits, head_dim, sign_version, seed, ans_type, reason = h
                 if len(known) >= 4096:
                     known.clear()
-                known[h] = header_row(SegmentHeader(fmt, dtype, orig, stored, 0, role=role, layer=layer, bits=bits,
-                                                    head_dim=head_dim, sign_version=sign_version,
-                                                    rotation_seed=seed, ans_type=ans_type, raw_reason=reason))
+                known[h] = header_row(SegmentHeader(Format(fmt), dtype_from_code(dtype), orig, stored, 0,
+                                                    role=Role(role), layer=layer, bits=bits, head_dim=head_dim,
+                                                    sign_version=sign_version, rotation_seed=seed,
+                                                    ans_type=AnsType(ans_type), raw_reason=RawReason(reason)))
         made = [known[h] for h in order]
         rows = np.concatenate([m[0] for m in made])
         bases = np.fromiter([m[1] for m in made], dtype=np.uint32, count=len(made))
