@@ -64,7 +64,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import cupy as cp
 import msgspec
@@ -76,6 +77,7 @@ from orbitkv_fs.errors import CodecError, LengthMismatch, OrbitKVError, PayloadC
 from orbitkv_fs.errors import TruncatedSegment
 from orbitkv_fs.hostmem import host_address
 from orbitkv_fs.segment import (
+    HEADER_DTYPE,
     HEADER_SIZE,
     MAX_SOURCE_BYTES,
     MAX_STORED_BYTES,
@@ -511,24 +513,50 @@ def _within(counts: np.ndarray) -> np.ndarray:
 
 
 
+_HEADER_BYTES = np.arange(HEADER_SIZE)
+
+
 def _ints(plist: Sequence[Any], attr: str) -> np.ndarray:
-    """``getattr(p, attr)`` of each plan as an int64 array (one comprehension, not a call per field)."""
-    return np.fromiter([getattr(p, attr) for p in plist], dtype=np.int64, count=len(plist))
+    """``getattr(p, attr)`` of each plan as an int64 array."""
+    return np.fromiter(map(attrgetter(attr), plist), dtype=np.int64, count=len(plist))
 
 
 def _ceil_div(a: np.ndarray, b: "int | np.ndarray") -> np.ndarray:
     return -(-a // b)
 
 
-def _fp16(plist: Sequence[Any], dtype_of: Callable[[Any], Any]) -> np.ndarray:
-    """1 where a plan's source dtype is FP16 (the kernels' ``dtype`` field), else 0."""
-    return np.fromiter([dtype_of(p) == FP16 for p in plist], dtype=np.uint32, count=len(plist))
+def _fp16(dtypes: "Iterable[Any]", k: int) -> np.ndarray:
+    """1 where a plan's source dtype is FP16 (the kernels' ``dtype`` field), else 0. Builtin and ml_dtypes
+    dtypes are singletons: identity answers the usual cases without numpy's dtype comparison."""
+    return np.fromiter([d is FP16 or (d is not BF16 and d == FP16) for d in dtypes], dtype=np.uint32, count=k)
 
 
-def _put_rows(buf: np.ndarray, at: int, rows: np.ndarray) -> None:
-    """Write descriptor rows (SEG_DTYPE, zero padding included) into ``buf`` at byte ``at``."""
-    if rows.size:
-        buf[at:at + rows.nbytes] = rows.view(np.uint8)
+# SEG_DTYPE's fields as columns of a (rows, 16) uint64 view (Q_*) and its (rows, 32) uint32 view (W_*): a
+# column assignment over a batch is one strided copy, where a structured field costs a dtype lookup each.
+Q_SRC, Q_DST, Q_N, Q_N_DEV, Q_ST_DEV = 0, 1, 2, 3, 12
+W_BLOCK0, W_NBLOCKS, W_META, W_DTYPE, W_HEAD_DIM, W_BITS, W_ROLE, W_EXPECT, W_SIGNS = 8, 9, 10, 11, 12, 13, 14, 15, 16
+assert [km.SEG_DTYPE.fields[f][1] for f in ("src", "dst", "n", "n_dev", "st_dev")] == [0, 8, 16, 24, 96]
+assert [km.SEG_DTYPE.fields[f][1] for f in ("block0", "nblocks", "meta", "dtype", "head_dim", "bits", "role",
+                                            "expect_crc", "signs")] == [32, 36, 40, 44, 48, 52, 56, 60, 64]
+
+
+def _row_views(total: int) -> tuple[np.ndarray, np.ndarray]:
+    q = np.zeros((total, km.SEG_DTYPE.itemsize // 8), dtype=np.uint64)
+    return q, q.view(np.uint32)
+
+
+def _put_rows(buf: np.ndarray, at: int, q: np.ndarray) -> None:
+    """Write descriptor rows (their uint64 view, zero padding included) into ``buf`` at byte ``at``."""
+    if q.size:
+        buf[at:at + q.nbytes] = q.reshape(-1).view(np.uint8)
+
+
+def _units(w: np.ndarray, r0: int, nb: np.ndarray) -> int:
+    """Set rows r0.. 's work units and their running start (block0); answers the units in all."""
+    r1 = r0 + len(nb)
+    w[r0:r1, W_NBLOCKS] = nb
+    w[r0:r1, W_BLOCK0] = np.cumsum(nb) - nb
+    return int(nb.sum())
 
 
 def _encode_rows(buf: np.ndarray, at: int, groups: Sequence[tuple[str, list]], payload0: int, seed: int,
@@ -537,50 +565,50 @@ def _encode_rows(buf: np.ndarray, at: int, groups: Sequence[tuple[str, list]], p
     in the order of ``groups`` (kernel name, its segments). A segment's payload goes to ``payload0 + p.slot``
     (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing rows the nvCOMP
     chunk outputs (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base +
-    off[...]``. Answers, per kernel with segments, (first row, work units). Built a field at a time over the
+    off[...]``. Answers, per kernel with segments, (first row, work units). Built a column at a time over the
     whole batch (numpy), not a row at a time."""
-    total = sum(len(plist) for _, plist in groups)
-    table = np.zeros(total, dtype=km.SEG_DTYPE)
+    q, w = _row_views(sum(len(plist) for _, plist in groups))
     rows: dict[str, tuple[int, int]] = {}
-    row = 0
+    r0 = 0
     for name, plist in groups:
         k = len(plist)
         if not k:
             continue
-        a = table[row:row + k]
+        r1 = r0 + k
         dst = payload0 + _ints(plist, "slot")
         n = _ints(plist, "n")
-        a["meta"] = _ints(plist, "meta")
+        w[r0:r1, W_META] = _ints(plist, "meta")
+        q[r0:r1, Q_N] = n
         if name == "okv_fp8_encode":
             nb = _ceil_div(n // 2, km.CHUNK)
-            a["src"], a["dst"], a["n"] = _ints(plist, "ptr"), dst, n
-            a["dtype"] = _fp16(plist, lambda p: p.dtype)
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = _ints(plist, "ptr"), dst
+            w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), plist), k)
         elif name == "okv_ans_pack":  # the j-th ANS segment: its payload length lands in pay_len[j]
             nb = _ints(plist, "nch")
             chunk0 = _ints(plist, "chunk0")
             pay = base + off["pay_len"] + 8 * np.arange(k, dtype=np.int64)
-            a["src"], a["dst"], a["n"] = base + _ints(plist, "tmp"), dst, n
-            a["n_dev"] = base + off["chunk_sizes"] + 8 * chunk0
-            a["bits"], a["expect_crc"] = _ints(plist, "cap"), chunk_cap
-            a["signs"][:, 0], a["signs"][:, 1] = pay & 0xFFFFFFFF, pay >> 32
-            a["st_dev"] = base + off["chunk_status"] + 4 * chunk0
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = base + _ints(plist, "tmp"), dst
+            q[r0:r1, Q_N_DEV] = base + off["chunk_sizes"] + 8 * chunk0
+            w[r0:r1, W_BITS], w[r0:r1, W_EXPECT] = _ints(plist, "cap"), chunk_cap
+            w[r0:r1, W_SIGNS], w[r0:r1, W_SIGNS + 1] = pay & 0xFFFFFFFF, pay >> 32
+            q[r0:r1, Q_ST_DEV] = base + off["chunk_status"] + 4 * chunk0
         elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
             raw = np.fromiter([p.kind == "raw" for p in plist], dtype=bool, count=k)
             size = np.where(raw, n, _ints(plist, "cap"))
             nb = _ceil_div(size, km.CHUNK)
-            a["src"], a["dst"], a["n"] = np.where(raw, _ints(plist, "ptr"), dst), np.where(raw, dst, 0), size
+            q[r0:r1, Q_SRC] = np.where(raw, _ints(plist, "ptr"), dst)
+            q[r0:r1, Q_DST], q[r0:r1, Q_N] = np.where(raw, dst, 0), size
         else:  # okv_tq_encode_k / _v
             hd = _ints(plist, "head_dim")
             nb = _ceil_div(n // (2 * hd), km.TQ_VECTORS_PER_UNIT // hd)
-            a["src"], a["dst"], a["n"] = _ints(plist, "ptr"), dst, n
-            a["dtype"] = _fp16(plist, lambda p: p.dtype)
-            a["head_dim"], a["bits"], a["role"] = hd, _ints(plist, "bits"), [int(p.role) for p in plist]
-            a["signs"] = [sign_words(p.head_dim, p.layer, seed) for p in plist]
-        a["nblocks"] = nb
-        a["block0"] = np.cumsum(nb) - nb
-        rows[name] = (row, int(nb.sum()))
-        row += k
-    _put_rows(buf, at, table)
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = _ints(plist, "ptr"), dst
+            w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), plist), k)
+            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS] = hd, _ints(plist, "bits")
+            w[r0:r1, W_ROLE] = [int(p.role) for p in plist]
+            w[r0:r1, W_SIGNS:W_SIGNS + 8] = [sign_words(p.head_dim, p.layer, seed) for p in plist]
+        rows[name] = (r0, _units(w, r0, nb))
+        r0 = r1
+    _put_rows(buf, at, q)
     return rows
 
 
@@ -590,56 +618,53 @@ def _decode_rows(buf: np.ndarray, at: int, plans: list, fp8: list, tq: list, cop
     check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows. ``src(p)``: where
     the kernels read p's payload; ``expect``: raw CRCs by ``p.meta``; ``actual`` / ``status``: device
     addresses of the ANS chunks' decoded sizes and statuses; ``base``: the workspace. Answers, per kernel,
-    (first row, rows, work units). Built a field at a time over the whole batch (numpy)."""
+    (first row, rows, work units). Built a column at a time over the whole batch (numpy)."""
     expected = np.asarray(expect, dtype=np.int64)
-    table = np.zeros(len(plans) + len(fp8) + len(tq) + len(copy), dtype=km.SEG_DTYPE)
+    q, w = _row_views(len(plans) + len(fp8) + len(tq) + len(copy))
     firsts: dict[str, tuple[int, int, int]] = {}
-
-    def common(a: np.ndarray, plist: list, n: np.ndarray) -> None:
-        a["meta"] = meta = _ints(plist, "meta")
-        a["expect_crc"] = expected[meta]
-        a["n"] = n
-
     k = len(plans)
-    a = table[:k]
-    stored = np.fromiter([p.h.stored_length for p in plans], dtype=np.int64, count=k)
-    common(a, plans, stored)
-    a["src"] = np.fromiter([src(p) for p in plans], dtype=np.int64, count=k)
-    a["nblocks"] = nb = _ceil_div(stored, km.CHUNK)
-    a["block0"] = np.cumsum(nb) - nb
-    firsts["okv_crc32c"] = (0, k, int(nb.sum()))
-    row = k
+    heads = list(map(attrgetter("h"), plans))
+    stored = np.fromiter(map(attrgetter("stored_length"), heads), dtype=np.int64, count=k)
+    meta = _ints(plans, "meta")
+    w[:k, W_META], w[:k, W_EXPECT], q[:k, Q_N] = meta, expected[meta], stored
+    q[:k, Q_SRC] = np.fromiter(map(src, plans), dtype=np.int64, count=k)
+    firsts["okv_crc32c"] = (0, k, _units(w, 0, _ceil_div(stored, km.CHUNK)))
+    r0 = k
     for name, plist in (("okv_fp8_decode", fp8), ("okv_tq_decode", tq), ("okv_copy_checked", copy)):
         k = len(plist)
-        a = table[row:row + k]
-        orig = np.fromiter([p.h.original_length for p in plist], dtype=np.int64, count=k)
-        common(a, plist, orig)
-        a["dst"] = np.fromiter([p.dst.ptr for p in plist], dtype=np.int64, count=k)
-        a["dtype"] = _fp16(plist, lambda p: p.h.dtype)
+        r1 = r0 + k
+        heads = list(map(attrgetter("h"), plist))
+        orig = np.fromiter(map(attrgetter("original_length"), heads), dtype=np.int64, count=k)
+        meta = _ints(plist, "meta")
+        w[r0:r1, W_META], w[r0:r1, W_EXPECT], q[r0:r1, Q_N] = meta, expected[meta], orig
+        q[r0:r1, Q_DST] = np.fromiter((p.dst.ptr for p in plist), dtype=np.int64, count=k)
+        w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), heads), k)
         if name == "okv_fp8_decode":
-            a["src"] = np.fromiter([src(p) for p in plist], dtype=np.int64, count=k)
+            q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
             nb = _ceil_div(orig // 2, km.CHUNK)
         elif name == "okv_tq_decode":
-            hd = np.fromiter([p.h.head_dim for p in plist], dtype=np.int64, count=k)
-            a["src"] = np.fromiter([src(p) for p in plist], dtype=np.int64, count=k)
-            a["head_dim"], a["bits"] = hd, [p.h.bits for p in plist]
-            a["role"] = [int(p.h.role) for p in plist]
-            a["signs"] = [sign_words(p.h.head_dim, p.h.layer, p.h.rotation_seed) for p in plist] or 0
+            hd = np.fromiter(map(attrgetter("head_dim"), heads), dtype=np.int64, count=k)
+            q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
+            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS] = hd, [h.bits for h in heads]
+            w[r0:r1, W_ROLE] = [int(h.role) for h in heads]
+            if k:
+                w[r0:r1, W_SIGNS:W_SIGNS + 8] = [sign_words(h.head_dim, h.layer, h.rotation_seed) for h in heads]
             nb = _ceil_div(orig // np.maximum(2 * hd, 1), km.TQ_VECTORS_PER_UNIT // np.maximum(hd, 1))
         else:  # raw: from its payload; ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
             ans = np.fromiter([p.kind != "raw" for p in plist], dtype=bool, count=k)
-            chunk0 = np.fromiter([p.chunk0 if p.kind != "raw" else 0 for p in plist], dtype=np.int64, count=k)
-            a["src"] = np.fromiter([base + p.scratch if p.kind != "raw" else src(p) for p in plist], dtype=np.int64,
-                                   count=k)
-            a["n_dev"] = np.where(ans, actual + 8 * chunk0, 0)
-            a["st_dev"] = np.where(ans, status + 4 * chunk0, 0)
-            a["head_dim"] = np.where(ans, ans_format.CHUNK_BYTES, 0)
+            if ans.any():
+                chunk0 = np.fromiter([p.chunk0 if p.kind != "raw" else 0 for p in plist], dtype=np.int64, count=k)
+                q[r0:r1, Q_SRC] = np.fromiter([base + p.scratch if p.kind != "raw" else src(p) for p in plist],
+                                              dtype=np.int64, count=k)
+                q[r0:r1, Q_N_DEV] = np.where(ans, actual + 8 * chunk0, 0)
+                q[r0:r1, Q_ST_DEV] = np.where(ans, status + 4 * chunk0, 0)
+                w[r0:r1, W_HEAD_DIM] = np.where(ans, ans_format.CHUNK_BYTES, 0)
+            else:
+                q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
             nb = _ceil_div(orig, km.CHUNK)
-        a["nblocks"] = nb
-        a["block0"] = np.cumsum(nb) - nb
-        firsts[name] = (row, k, int(nb.sum()))
-        row += k
-    _put_rows(buf, at, table)
+        firsts[name] = (r0, k, _units(w, r0, nb))
+        r0 = r1
+    _put_rows(buf, at, q)
     return firsts
 
 
@@ -662,7 +687,7 @@ class GpuCodecEngine:
         # Encode classification per item shape (codec, role, layer, dtype, bytes, ...): a batch's items share
         # a few, so each distinct one is validated once; and header template rows per distinct field set.
         self._classes: dict[tuple, _Enc] = {}
-        self._rows: dict[tuple, tuple[np.ndarray, int]] = {}
+        self._rows: dict[tuple, tuple[bytes, int]] = {}
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
@@ -1100,13 +1125,14 @@ class GpuCodecEngine:
         good = np.flatnonzero(keep)
         if not good.size:
             return
-        tids, rows, bases = self._template_ids([heads[j] for j in good.tolist()])
+        tids, rows, bases = self._template_ids([heads[j] for j in good.tolist()] if len(good) < k else heads)
         pcrc = crcs[good]
-        hdr = rows[tids]
+        raw = rows[tids]  # (segments, 64) uint8: each segment's template
+        hdr = raw.view(HEADER_DTYPE)[:, 0]
         hdr["payload_crc"] = pcrc
         hdr["header_crc"] = header_crcs(bases[tids], pcrc)
-        slots = np.fromiter([p.slot for p in plans], dtype=np.int64, count=k)[good]
-        host[slots[:, None] + np.arange(HEADER_SIZE)] = hdr.view(np.uint8).reshape(-1, HEADER_SIZE)
+        slots = np.fromiter(map(attrgetter("slot"), plans), dtype=np.int64, count=k)[good]
+        host[slots[:, None] + _HEADER_BYTES] = raw
         length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
         idx = np.fromiter([p.i for p in plans], dtype=np.int64, count=k)[good]
         job.fmt[idx] = hdr["format"]
@@ -1123,8 +1149,8 @@ class GpuCodecEngine:
 
     def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For header field tuples (``_Enc.head``'s ints, payload CRC aside): each one's row in the templates
-        answered (HEADER_DTYPE rows with a zero payload CRC) and their 60-byte CRC32Cs. Validates each
-        distinct tuple once (raises as :func:`~orbitkv_fs.segment.pack_header`)."""
+        answered (a (templates, 64) uint8 array of headers with a zero payload CRC) and their 60-byte
+        CRC32Cs. Validates each distinct tuple once (raises as :func:`~orbitkv_fs.segment.pack_header`)."""
         known = self._rows
         # Grouped by identity first: a batch's plans share their class's tuple (hashing one, with its enums,
         # costs more than the rest of a segment's header); equal tuples apart just repeat a row.
@@ -1142,12 +1168,13 @@ class GpuCodecEngine:
                 fmt, dtype, orig, stored, role, layer, bits, head_dim, sign_version, seed, ans_type, reason = h
                 if len(known) >= 4096:
                     known.clear()
-                known[h] = header_row(SegmentHeader(Format(fmt), dtype_from_code(dtype), orig, stored, 0,
+                row, crc = header_row(SegmentHeader(Format(fmt), dtype_from_code(dtype), orig, stored, 0,
                                                     role=Role(role), layer=layer, bits=bits, head_dim=head_dim,
                                                     sign_version=sign_version, rotation_seed=seed,
                                                     ans_type=AnsType(ans_type), raw_reason=RawReason(reason)))
+                known[h] = (row.tobytes(), crc)
         made = [known[h] for h in order]
-        rows = np.concatenate([m[0] for m in made])
+        rows = np.frombuffer(b"".join([m[0] for m in made]), dtype=np.uint8).reshape(-1, HEADER_SIZE)
         bases = np.fromiter([m[1] for m in made], dtype=np.uint32, count=len(made))
         return np.asarray(tids, dtype=np.intp), rows, bases
 
