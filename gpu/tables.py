@@ -130,17 +130,23 @@ def x8n(n: "int | np.ndarray") -> np.ndarray:
     return gf_mul_vec(tab[XC_OFFSET + n // CHUNK], tab[XP_OFFSET + n % CHUNK])
 
 
-@functools.lru_cache(maxsize=8192)
-def _zero_crc_of(n: int) -> int:
-    return int(gf_mul_vec(np.uint32(0xFFFFFFFF), x8n(n))) ^ 0xFFFFFFFF
+_ZERO_CRCS: dict[int, int] = {}  # byte count -> crc32c of that many zero bytes
 
 
 def zero_crc(n: "int | np.ndarray") -> np.ndarray:
     """crc32c of n zero bytes: what turns a raw (zero-init) CRC into the standard one. Memoised per
-    length: a batch holds few distinct lengths, and the 32-step carry-less multiply costs ~150 us per
-    call however few elements it has."""
+    length, the lengths not seen yet computed together: the 32-step carry-less multiply costs ~150 us per
+    call however many elements it has, and an ANS batch has a distinct payload length per segment."""
     n = np.asarray(n, dtype=np.int64)
-    return np.fromiter(map(_zero_crc_of, n.ravel().tolist()), dtype=np.uint32, count=n.size).reshape(n.shape)
+    flat = n.ravel().tolist()
+    memo = _ZERO_CRCS
+    missing = [x for x in dict.fromkeys(flat) if x not in memo]
+    if missing:
+        if len(memo) + len(missing) > 65536:
+            memo.clear()
+        got = gf_mul_vec(np.uint32(0xFFFFFFFF), x8n(np.asarray(missing, dtype=np.int64))) ^ np.uint32(0xFFFFFFFF)
+        memo.update(zip(missing, got.tolist()))
+    return np.fromiter(map(memo.__getitem__, flat), dtype=np.uint32, count=n.size).reshape(n.shape)
 
 
 def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:

@@ -231,3 +231,17 @@ def test_plain_batches_leave_ans_to_the_per_segment_rule():
     plans = [types.SimpleNamespace(kind="raw", n=4096, cap=0), types.SimpleNamespace(kind="ans", n=4096, cap=4096)]
     assert eng._plain_batches(plans, E.SLOT_ALIGN) is None
     assert eng._plain_dec_batches([types.SimpleNamespace(kind="ans", h=None)]) is None
+
+
+def test_zero_crc_of_many_new_lengths_at_once():
+    """zero_crc computes the lengths it has not seen together; every value is crc32c of that many zeros."""
+    import crc32c
+
+    from orbitkv_fs.gpu.tables import zero_crc
+
+    rng = random.Random(5)
+    for _ in range(3):
+        ns = np.array([rng.randrange(0, 1 << 22) for _ in range(40)] + [0, 1, 64, 65536], dtype=np.int64)
+        ns = np.concatenate([ns, ns[:7]])  # repeats within one call
+        assert zero_crc(ns).tolist() == [crc32c.crc32c(bytes(int(n))) for n in ns]
+    assert zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(zero_crc(5)) == crc32c.crc32c(bytes(5))
