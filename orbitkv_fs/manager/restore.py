@@ -24,7 +24,7 @@ from ..access import Caller
 from ..codecs import decode_payload
 from ..errors import SegmentError
 from ..hostmem import host_address
-from ..keys import ObjectKey, pack_key
+from ..keys import ObjectKey, segment_keys
 from ..pages import cupy_dtype
 from ..segment import HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
@@ -76,9 +76,12 @@ class RestorePipeline:
                     raise RequestError(f"layers: {sorted(wanted)} are not all layers of engine {engine_id!r} "
                                        f"[{eng.info.layer_start}, {eng.info.layer_end})")
                 segs = [s for s in eng.segs if s.layer in wanted]
+                tails = [t for s, t in zip(eng.segs, eng.tails) if s.layer in wanted]
+            else:
+                tails = eng.tails
             # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
             first = layers is None or eng.segs[0].layer in wanted
-            keys = [[pack_key(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+            keys = [segment_keys(eng.ns, ch.key, tails) for ch in chunks]
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}

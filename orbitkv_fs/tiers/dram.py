@@ -356,27 +356,35 @@ class DramTier:
             self.prefetched.discard(slot)
             self.prefetch_hits += 1
 
-    def _lease_slot(self, slot: int) -> None:
-        ix = self.index
-        if self.prefetched:
-            self._served(slot)
-        ix.leases[slot] += 1
-        self.leases_active += 1
-        self.leased_bytes += ix.units[slot] * UNIT
-
-    def lease(self, keys: Iterable[bytes]) -> list[tuple[int, int, int, int] | None]:
-        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None."""
-        out: list[tuple[int, int, int, int] | None] = []
+    def lease(self, keys: Sequence[bytes]) -> list[tuple[int, int, int, int] | None]:
+        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None. As a
+        batch: the slots found at once (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), the lease counts,
+        prefetch hits and byte counters updated per batch, the policy touched in key order (the same state
+        as leasing the keys one by one)."""
         ix = self.index
         with self.lock:
-            for k in keys:
-                slot = ix.get(k)
-                if slot is None:
-                    out.append(None)
-                    continue
-                self._lease_slot(slot)
-                self.policy.touch(slot)
-                out.append((slot, ix.generation[slot], ix.offset[slot] * UNIT, ix.length[slot]))
+            found = ix.get_many(keys)
+            hit = found >= 0
+            slots = found[hit]
+            if not len(slots):
+                return [None] * len(keys)
+            at = slots.tolist()
+            if self.prefetched:
+                served = self.prefetched.intersection(at)
+                self.prefetched -= served
+                self.prefetch_hits += len(served)
+            np.add.at(np.frombuffer(ix.leases, dtype=np.uint32), slots, 1)  # a slot may come twice
+            self.leases_active += len(at)
+            self.leased_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
+            self.policy.touch_many(at)
+            rows = zip(at, np.frombuffer(ix.generation, dtype=np.uint64)[slots].tolist(),
+                       (np.frombuffer(ix.offset, dtype=np.uint32)[slots].astype(np.int64) * UNIT).tolist(),
+                       np.frombuffer(ix.length, dtype=np.uint32)[slots].tolist())
+        if len(at) == len(keys):
+            return list(rows)
+        out: list[tuple[int, int, int, int] | None] = [None] * len(keys)
+        for i, row in zip(np.flatnonzero(hit).tolist(), rows):
+            out[i] = row
         return out
 
     def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
