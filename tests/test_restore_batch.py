@@ -5,6 +5,7 @@ random inputs and random corruptions."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +15,9 @@ from orbitkv_fs.codecs import encode_segment, raw_segment
 from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.index import ObjectIndex
 from orbitkv_fs.keys import key_tails, pack_key, segment_keys
+from orbitkv_fs.manager.api import ChunkBlocks
+from orbitkv_fs.manager.batching import Batching
+from orbitkv_fs.manager.restore import RestorePipeline
 from orbitkv_fs.manager.verify import (
     _header_rows,
     _header_rows_at,
@@ -151,10 +155,28 @@ def test_lease_of_a_batch_is_lease_of_each_key(tmp_path, policy):
             else:
                 assert list(batch.policy._l.freq) == list(single.policy._l.freq)
         assert batch.lease([]) == [] and batch.lease([b"x" * 36]) == [None]
+        gone = set(rng.sample(keys, 10))
+        for t in tiers:  # leased objects hidden: freed when their last lease goes
+            assert t.invalidate(gone.__contains__)[0] == 10
+        held = [(s, g) for s, g in zip(range(len(batch.index.leases)), batch.index.generation)
+                for _ in range(batch.index.leases[s])]
+        rng.shuffle(held)
+        batch.unlease(held[:50])
+        batch.unlease(iter(held[50:]))
+        for slot, gen in held:  # the reference: one at a time, as unlease was
+            ix = single.index
+            assert ix.generation[slot] == gen and ix.leases[slot] > 0
+            ix.leases[slot] -= 1
+            single.leases_active -= 1
+            single.leased_bytes -= ix.units[slot] * UNIT
+            if ix.leases[slot] == 0 and ix.state[slot] == 2:
+                single._free_slot(slot)
         for t in tiers:
-            t.unlease([(s, g) for s, g in zip(range(len(t.index.leases)), t.index.generation)
-                       for _ in range(t.index.leases[s])])
             assert t.leases_active == 0 and t.leased_bytes == 0
+        assert list(batch.index.state) == list(single.index.state)
+        assert batch.alloc.used == single.alloc.used < len(keys)  # the hidden ones' extents are free
+        with pytest.raises(AssertionError):
+            batch.unlease(held[:1])  # no lease is left to drop
     finally:
         for t in tiers:
             t.close()
@@ -240,9 +262,86 @@ def test_header_rows_of_an_arena_and_header_fields():
         offs.append(pos)
         pos += -(-len(b) // 512) * 512
     assert (_header_rows_at(buf, np.asarray(offs)) == _header_rows(segs)).all()
+    buf2 = np.zeros(len(buf) + 8, dtype=np.uint8)  # offsets that are not multiples of 64
+    buf2[8:] = buf
+    assert (_header_rows_at(buf2, np.asarray(offs) + 8) == _header_rows(segs)).all()
     f = header_fields(segs + [b"short"])
     for row, b in zip(f[:-1], segs):
         h = parse_header(b)
         assert (row["original_length"], row["stored_length"], row["payload_crc"], row["layer"]) == \
             (h.original_length, h.stored_length, h.payload_crc, h.layer)
     assert f[-1]["magic"] == b""
+
+
+class _Pipeline(RestorePipeline, Batching):
+    """The restore pipeline's batch helpers on a DRAM tier, without a Manager around them."""
+
+    def __init__(self, dram, budget: int, batch_segments: int, gpu: bool) -> None:
+        self.dram = dram
+        self._config = SimpleNamespace(storage_codec_budget=budget, batch_segments=batch_segments)
+        self._gpu_codecs = object() if gpu else None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cuts_are_codec_batches(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        p = _Pipeline(None, rng.choice([1 << 20, 4 << 20, 64 << 20]), rng.choice([1, 3, 8, 256]), rng.random() < 0.5)
+        n = rng.randrange(1, 300)
+        nb = [rng.choice([0, 1 << 10, 256 << 10, 1 << 20, 9 << 20]) for _ in range(n)]
+        lg = [x * rng.choice([1, 2, 4, 9]) for x in nb]
+        want = [[i for i, _, _ in b] for b in p._codec_batches(zip(range(n), nb, lg), lambda t: t[1], lambda t: t[2])]
+        got = [list(range(i, j)) for i, j in p._cuts(np.asarray(nb), np.asarray(lg))]
+        assert got == want
+
+
+def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
+    """_check_device_batch against what the restore's per-segment path decides for each segment: a header
+    (passes _verify_header and fits its destination) or not (a miss or a wrong request, which that path then
+    tells apart)."""
+    rng = random.Random(9)
+    dram = DramTier(8 << 20, shm_dir=str(tmp_path), pin=False)
+    try:
+        p = _Pipeline(dram, 4 << 20, 8, True)
+        segs = [SimpleNamespace(layer=layer, role=role, dtype_code=3, dtype=np.dtype(np.float16), block_bytes=2048)
+                for layer in range(4) for role in (Role.KEY, Role.VALUE)]
+        chunks = [ChunkBlocks(bytes([c]) * 16, [2 * c, 2 * c + 1]) for c in range(6)]
+        keys = [[pack_key(NS, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+        spans = {}
+        for ci, ks in enumerate(keys):
+            for s, kb in zip(segs, ks):
+                x = np.random.default_rng(ci).standard_normal(2048).astype(np.float16)
+                blob = bytearray(rng.choice([raw_segment(x, role=s.role, layer=s.layer, reason=RawReason.NONE),
+                                             encode_segment(x, "fp8", role=s.role, layer=s.layer)]))
+                what = rng.randrange(8)
+                if what == 0:
+                    blob[rng.randrange(HEADER_SIZE)] ^= 1 << rng.randrange(8)
+                elif what == 1:
+                    blob = blob[:-2]  # the extent is shorter than its header says
+                if ci == 4 and s.layer == 0:
+                    continue  # not in DRAM
+                off = dram.reserve(len(blob))
+                dram.view(off, len(blob))[:] = np.frombuffer(bytes(blob), np.uint8)
+                dram.publish(kb, off, len(blob), 4096, 0)
+                spans[kb] = (off, len(blob))
+        chunks[5] = ChunkBlocks(chunks[5].key, [10, 11, 12])  # every segment of it too small for 3 blocks
+        pre, sizes = p._check_device_batch(chunks, segs, keys, spans)
+        assert sum(h is not None for h in pre) > len(pre) // 3
+        for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+            for si, (s, kb) in enumerate(zip(segs, ks)):
+                got = pre[ci * len(segs) + si]
+                if kb not in spans:
+                    assert got is None
+                    continue
+                blob = dram.view(*spans[kb])
+                try:
+                    h = _verify_header(kb, blob)
+                    fits = h.original_length == len(ch.blocks) * s.block_bytes and h.dtype == s.dtype
+                except SegmentError:
+                    h, fits = None, False
+                assert got == (h if fits else None), (ci, si)
+                if fits:
+                    assert sizes[ci * len(segs) + si].tolist() == [
+                        h.stored_length, h.original_length, HEADER_SIZE + h.stored_length]
+    finally:
+        dram.close()

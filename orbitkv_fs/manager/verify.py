@@ -81,8 +81,12 @@ _TEMPLATES_KEPT = 4096
 
 def _header_rows_at(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The 64 header bytes at each of ``offsets`` of byte array ``buf`` (an arena), as ``[n, 64]`` uint8,
-    in one gather."""
-    return buf[np.asarray(offsets, dtype=np.int64)[:, None] + _ROW]
+    in one gather: of 64-byte rows where every offset is a multiple of 64 (arena extents are), else of
+    bytes."""
+    at = np.asarray(offsets, dtype=np.int64)
+    if not (at % HEADER_SIZE).any():
+        return buf[:len(buf) // HEADER_SIZE * HEADER_SIZE].reshape(-1, HEADER_SIZE)[at // HEADER_SIZE]
+    return buf[at[:, None] + _ROW]
 
 
 def _header_rows(blobs: Sequence) -> np.ndarray:

@@ -373,7 +373,11 @@ class DramTier:
                 served = self.prefetched.intersection(at)
                 self.prefetched -= served
                 self.prefetch_hits += len(served)
-            np.add.at(np.frombuffer(ix.leases, dtype=np.uint32), slots, 1)  # a slot may come twice
+            order = np.sort(slots)
+            if (order[1:] == order[:-1]).any():  # a slot twice: counted twice
+                np.add.at(np.frombuffer(ix.leases, dtype=np.uint32), slots, 1)
+            else:
+                np.frombuffer(ix.leases, dtype=np.uint32)[slots] += 1
             self.leases_active += len(at)
             self.leased_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
             self.policy.touch_many(at)
@@ -388,15 +392,30 @@ class DramTier:
         return out
 
     def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
-        """Drop one lease reference on each ``(slot, generation)``."""
+        """Drop one lease reference on each ``(slot, generation)``: as a batch (the counters per batch, a slot
+        named twice dropped twice), the hidden slots left without a lease freed."""
         ix = self.index
+        entries = entries if isinstance(entries, list) else list(entries)
+        if not entries:
+            return
+        at, gens = np.array(entries, dtype=np.int64).reshape(-1, 2).T
         with self.lock:
-            for slot, gen in entries:
-                assert ix.generation[slot] == gen and ix.leases[slot] > 0, "lease accounting broken"
-                ix.leases[slot] -= 1
-                self.leases_active -= 1
-                self.leased_bytes -= ix.units[slot] * UNIT
-                if ix.leases[slot] == 0 and ix.state[slot] == HIDDEN:
+            # No view of an index column outlives an expression: a column cannot grow while one is held.
+            assert (np.frombuffer(ix.generation, dtype=np.uint64)[at] == gens.astype(np.uint64)).all(), \
+                "lease accounting broken"
+            order = np.sort(at)
+            if (order[1:] == order[:-1]).any():
+                slots, times = np.unique(at, return_counts=True)
+            else:
+                slots, times = at, 1
+            held = np.frombuffer(ix.leases, dtype=np.uint32)[slots]
+            assert (held >= times).all(), "lease accounting broken"
+            np.frombuffer(ix.leases, dtype=np.uint32)[slots] = held - times
+            self.leases_active -= len(at)
+            self.leased_bytes -= int(np.frombuffer(ix.units, dtype=np.uint32)[at].sum(dtype=np.int64)) * UNIT
+            drained = slots[held == times]
+            if len(drained):
+                for slot in drained[np.frombuffer(ix.state, dtype=np.uint8)[drained] == HIDDEN].tolist():
                     self._free_slot(slot)
 
     def pin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
