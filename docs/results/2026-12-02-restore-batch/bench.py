@@ -96,6 +96,15 @@ def main() -> None:
     n = CHUNKS * len(segs)
     shm = tempfile.mkdtemp(prefix="orbitkv-bench-", dir="/dev/shm")
     tiers = {pol: DramTier(64 << 20, shm_dir=shm, pin=False, policy=pol) for pol in ("lru", "s3fifo")}
+    try:
+        _run(args, segs, chunks, tails, n, tiers)
+    finally:
+        for t in tiers.values():
+            t.close()
+        os.rmdir(shm)
+
+
+def _run(args, segs, chunks, tails, n, tiers) -> None:
     x = np.random.default_rng(0).standard_normal(2048).astype(np.float16)
     blobs = {s.layer * 3 + s.role: encode_segment(x, "fp8", role=s.role, layer=s.layer) for s in segs}
     keys = [[pack_key(NS, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
@@ -249,9 +258,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    for t in tiers.values():
-        t.close()
-    os.rmdir(shm)
 
 
 if __name__ == "__main__":
