@@ -16,7 +16,7 @@ layer, role) plus a reference to its chunk's prefix; there is no per-segment key
 :attr:`ObjectIndex.keys` rebuilds a slot's packed key on demand (eviction, listings).
 
 Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.hide`,
-:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
+:meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
 :meth:`~ObjectIndex.items`.
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Iterator
+from typing import Iterator, Sequence
+
+import numpy as np
 
 FREE, LIVE, HIDDEN = 0, 1, 2
 _KEY_NS_CHUNK = 32  # bytes of the packed key that name (namespace, chunk)
 _TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed key after the prefix
 _ROLES = 3  # Role.OPAQUE, KEY, VALUE: sub = layer * 3 + role is one-to-one
+#: get_many looks keys up one by one when its runs of one chunk are shorter than this on average.
+_RUN_MIN = 8
 
 
 def _sub_of(key: bytes) -> int:
@@ -157,6 +161,40 @@ class ObjectIndex:
             return None
         slot = have[i]
         return slot if slot >= 0 else None
+
+    def get_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """:meth:`get` of each of ``keys`` as one int64 array, -1 where absent: one dict probe per run of keys
+        of one chunk, the slots of a run gathered from its segment array at once (a restore's keys are
+        chunk-major). Runs shorter than :data:`_RUN_MIN` keys are looked up one by one."""
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return out
+        packed = b"".join(keys)
+        if len(packed) != 36 * n:  # a key of another length: the per-key path says what each one is
+            out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
+            return out
+        a = np.frombuffer(packed, dtype=np.uint8).reshape(n, 36)
+        sub = (a[:, 32].astype(np.int64) | a[:, 33].astype(np.int64) << 8) * _ROLES + a[:, 34]
+        sub[(a[:, 35] != 0) | (a[:, 34] >= _ROLES)] = -1
+        pre = a[:, :_KEY_NS_CHUNK].view("V32").reshape(n)
+        starts = np.flatnonzero(np.r_[True, pre[1:] != pre[:-1]]).tolist()
+        if n < _RUN_MIN * len(starts):
+            out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
+            return out
+        segs_get = self._segs.get
+        for i, j in zip(starts, starts[1:] + [n]):
+            have = segs_get(keys[i][:_KEY_NS_CHUNK])
+            if have is None:
+                continue
+            want = sub[i:j]
+            if type(have) is int:
+                out[i:j][want == self._sub(have)] = have
+                continue
+            at = want - have[0] + 1
+            ok = (want >= 0) & (at >= 1) & (at < len(have))
+            out[i:j][ok] = np.frombuffer(have, dtype=np.int32)[at[ok]]  # -1 where a hole
+        return out
 
     def chunk_count(self, ns_chunk: bytes) -> int:
         """Published segments of (namespace + chunk), 32 bytes."""

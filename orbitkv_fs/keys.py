@@ -3,7 +3,9 @@
 An object is one segment of one chunk: ``(namespace, chunk, layer, role)``. ``namespace`` is the
 16-byte storage namespace (v2) hash, ``chunk`` a 16-byte hash of the engine's chunk/block key (adapters
 hash whatever their engine uses down to 16 bytes with :func:`chunk_key`). The packed form is fixed-size
-(:data:`PACKED_SIZE` bytes) so that record headers and wire messages can carry it verbatim.
+(:data:`PACKED_SIZE` bytes) so that record headers and wire messages can carry it verbatim. A chunk's keys
+are its 32-byte prefix (namespace + chunk) followed by a 4-byte (layer, role) tail (:func:`key_tails`,
+:func:`segment_keys`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 from .segment import Role
 
@@ -18,12 +21,27 @@ PACKED_SIZE = 36
 _STRUCT = struct.Struct("<16s16sHB1x")
 assert _STRUCT.size == PACKED_SIZE
 _LAYER_ROLE = struct.Struct("<HB")  # at byte 32 of the packed form
+_TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed form after namespace and chunk
 
 
 def pack_key(namespace: bytes, chunk: bytes, layer: int, role: Role) -> bytes:
     """``ObjectKey(namespace, chunk, layer, role).pack()`` without building the object, for callers whose
     namespace and chunk are already checked 16-byte values (the Manager's per-segment loops)."""
     return _STRUCT.pack(namespace, chunk, layer, role)
+
+
+def key_tails(layer_roles: Iterable[tuple[int, int]]) -> list[bytes]:
+    """The last 4 bytes of the packed keys of ``(layer, role)`` pairs (:func:`pack_key` after namespace and
+    chunk): an engine's table, made once, so that a chunk's keys are ``prefix + tail``
+    (:func:`segment_keys`) without a pack per segment."""
+    return [_TAIL.pack(layer, role) for layer, role in layer_roles]
+
+
+def segment_keys(namespace: bytes, chunk: bytes, tails: Sequence[bytes]) -> list[bytes]:
+    """``[pack_key(namespace, chunk, layer, role) for each pair]`` of :func:`key_tails`' ``tails``, for
+    callers whose namespace and chunk are already checked 16-byte values."""
+    prefix = namespace + chunk
+    return [prefix + t for t in tails]
 
 
 def key_layer_role(packed: bytes) -> tuple[int, int]:

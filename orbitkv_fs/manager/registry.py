@@ -45,6 +45,7 @@ from ..geometry import (
     process_start_time,
     validate_registration,
 )
+from ..keys import key_tails
 from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
@@ -184,6 +185,7 @@ class _Engine:
         self.reg = reg
         self.ns = ns
         self.segs = segs
+        self.tails = key_tails((s.layer, s.role) for s in segs)  # segs[i]'s key is ns + chunk + tails[i]
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch

@@ -24,14 +24,14 @@ from ..access import Caller
 from ..codecs import decode_payload
 from ..errors import SegmentError
 from ..hostmem import host_address
-from ..keys import ObjectKey, pack_key
+from ..keys import ObjectKey, segment_keys
 from ..pages import cupy_dtype
-from ..segment import HEADER_SIZE, Format, SegmentHeader, peek_source
+from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
-from .batching import _decode_bound, _pipelined
+from .batching import BATCH_EXPANSION, _decode_bound, _pipelined
 from .leases import _Lease
 from .registry import _Engine, _Seg
-from .verify import _verify, _verify_header
+from .verify import _header_rows_at, _verify, _verify_header, _verify_headers
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -76,9 +76,12 @@ class RestorePipeline:
                     raise RequestError(f"layers: {sorted(wanted)} are not all layers of engine {engine_id!r} "
                                        f"[{eng.info.layer_start}, {eng.info.layer_end})")
                 segs = [s for s in eng.segs if s.layer in wanted]
+                tails = [t for s, t in zip(eng.segs, eng.tails) if s.layer in wanted]
+            else:
+                tails = eng.tails
             # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
             first = layers is None or eng.segs[0].layer in wanted
-            keys = [[pack_key(eng.ns, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+            keys = [segment_keys(eng.ns, ch.key, tails) for ch in chunks]
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
@@ -87,8 +90,11 @@ class RestorePipeline:
             device: set[bytes] | None = set() if self._ssd_direct(eng) else None
             nkeys = len(chunks) * len(segs)
             on_device = eng.info.device != "host"
-            # Host pages: the DRAM extents' places, for the batch checks of exact segments (_check_host_batch).
-            spans: dict[bytes, tuple[int, int]] | None = None if on_device else {}
+            gpu = self._gpu_codecs
+            gpu_checks = gpu is not None and on_device
+            # The DRAM extents' places, for the batch checks: of exact segments of host pages
+            # (_check_host_batch), of the headers of segments bound for the GPU engine (_check_device_batch).
+            spans: dict[bytes, tuple[int, int]] | None = None if on_device and not gpu_checks else {}
             c1 = time.thread_time()
             sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device, spans)
             c2 = time.thread_time()
@@ -97,24 +103,35 @@ class RestorePipeline:
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: check every source against its destination; write nothing yet. Segments bound for
             # GPU pages through the GPU engine get their payload CRC32C checked there, before anything is
-            # written to their destination (a mismatch is a miss, as here); their headers are verified in
-            # full batch by batch while the GPU works on the previous batch (_decode_gpu). Here only their
+            # written to their destination (a mismatch is a miss, as here). Their headers in DRAM are
+            # verified here as one batch (_check_device_batch); the others' (and those that failed there)
+            # in full batch by batch while the GPU works on the previous batch (_decode_gpu). Here only their
             # size fields are read, so that a request its blocks cannot hold still fails before anything
             # is written; a header whose fields disagree is verified at once, to tell corruption (a miss)
             # from a wrong request (RequestError).
-            gpu = self._gpu_codecs
-            gpu_checks = gpu is not None and on_device
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
-            deferred: list[tuple[int, _Seg, ChunkBlocks, None, memoryview, bytes]] = []  # headers checked later
+            # headers checked later (None), or in _check_device_batch
+            deferred: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader | None, memoryview, bytes]] = []
             from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
             # Exact segments of host pages in DRAM: checked as one batch; the other chunks segment by segment.
-            checked = self._check_host_batch(chunks, segs, keys, spans) if spans else []
+            checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else []
             batched = {c[0] for c in checked}
+            # Segments bound for the GPU engine from DRAM: headers checked as one batch (None: not checked).
+            pre, sizes = self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans else (None, None)
+            arena_ids: set[int] = set()  # ids of the sources that are arena views (pinned where the arena is)
+            nseg = len(segs)
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
                 if ci in batched:
                     continue
-                for seg, kb in zip(segs, ks):
+                for si, (seg, kb) in enumerate(zip(segs, ks)):
+                    if pre is not None:
+                        h = pre[ci * nseg + si]
+                        if h is not None:
+                            src = memoryview(self.dram.view(*spans[kb]))
+                            arena_ids.add(id(src))
+                            deferred.append((ci, seg, ch, h, src, kb))
+                            continue
                     src = sources.get(kb)
                     if src is None and spans:
                         span = spans.get(kb)
@@ -170,8 +187,13 @@ class RestorePipeline:
                         done.append((ci, seg, ch, h, None))
                     except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
                         done.append((ci, seg, ch, h, e))
+            gpu_totals = (0, 0, 0)
             if coded:
-                done += self._decode_gpu(eng, coded, bad)
+                # Every segment checked as one batch: its batches are cut from the header arrays.
+                whole = (sizes if sizes is not None and not plan and not bad and len(coded) == len(pre)
+                         and None not in pre else None)
+                failed, gpu_totals = self._decode_gpu(eng, coded, bad, arena_ids, whole)
+                done += failed
             uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
             if raw_dev:
                 done += self._upload_raw(raw_dev, uploads)
@@ -185,6 +207,9 @@ class RestorePipeline:
                 self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
                 del uploads
             self._cpu("restore_write", time.thread_time() - c3, nkeys)
+            segments += gpu_totals[0]
+            logical += gpu_totals[1]
+            stored += gpu_totals[2]
             for ci, seg, ch, h, err in done:
                 if err is not None:
                     log.warning("decode failed for chunk %s layer %d: %s", ch.key.hex(), seg.layer, err)
@@ -288,13 +313,17 @@ class RestorePipeline:
                 out[kb] = bytes(blob)
         return out
 
-    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str]) -> list:
+    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str], arena_ids: set[int],
+                    sizes: "np.ndarray | None" = None) -> tuple[list, tuple[int, int, int]]:
         """Segments through the GPU codec engine, in batches: ``(ci, seg, ch, h, blob, kb)`` items, ``h``
         None where the header is still to be verified (against key ``kb``, just before the item's batch is
         formed, so that this runs while the GPU works on the previous batch). A header that fails is a miss
-        for its chunk (``bad[ci]``), whose later segments are then skipped. Answers ``(ci, seg, ch, h, error
-        or None)`` per segment decoded; the GPU blocks are written when this returns, except those of
-        irregular layouts, queued on the current stream (the caller synchronises it)."""
+        for its chunk (``bad[ci]``), whose later segments are then skipped. ``arena_ids``: the ids of the
+        blobs that are arena views. ``sizes`` (every header checked already, none failed): per item its
+        batch bytes, decoded bytes and stored bytes (:meth:`_check_device_batch`), to cut the batches from.
+        Answers ``(ci, seg, ch, h, error)`` per segment that failed, and the segments decoded with their
+        decoded and stored bytes (headers included); the GPU blocks are written when this returns, except
+        those of irregular layouts, queued on the current stream (the caller synchronises it)."""
 
         def verified() -> Iterator[tuple]:
             for ci, seg, ch, h, blob, kb in items:
@@ -315,41 +344,117 @@ class RestorePipeline:
         # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
-        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
+        if sizes is None:
+            jobs = ((b, None) for b in self._codec_batches(verified(), lambda it: _decode_bound(it[3]),
+                                                           lambda it: it[3].original_length))
+        else:
+            bare = [it[:5] for it in items]
+            jobs = ((bare[i:j], sizes[i:j]) for i, j in self._cuts(sizes[:, 0], sizes[:, 1]))
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
         copies: list = []  # the event after each batch's block copies
-        out = []
+        failed: list = []
+        totals = [0, 0, 0]
 
-        def end(started: tuple) -> list:
-            part, ev = self._decode_end(*started)
+        def end(started: tuple) -> None:
+            ev = self._decode_end(*started, failed, totals)
             if ev is not None:
                 copies.append(ev)
-            return part
 
         try:
-            for part in _pipelined(jobs, lambda batch: self._decode_start(seed, batch), end):
-                out += part
+            _pipelined(jobs, lambda job: self._decode_start(seed, job[0], arena_ids, job[1]), end)
         finally:
             if copies:
                 w0 = time.perf_counter()
                 copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
                 self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
-        return out
+        return failed, (totals[0], totals[1], totals[2])
 
-    def _decode_start(self, seed: int, batch: list) -> tuple:
-        ws = sum(h.original_length for _, _, _, h, _ in batch)
+    def _cuts(self, nbytes: np.ndarray, logical: np.ndarray) -> Iterator[tuple[int, int]]:
+        """The ``[i, j)`` ranges of :meth:`_codec_batches` over items of ``nbytes`` and ``logical`` bytes (at
+        most ``batch_segments`` items, ``nbytes`` within the budget, ``logical`` within ``BATCH_EXPANSION``
+        budgets, one item at least), found on the arrays' running sums."""
+        budget = self._batch_budget()
+        limit = self._config.batch_segments
+        cn = np.cumsum(nbytes, dtype=np.int64)
+        cl = np.cumsum(logical, dtype=np.int64)
+        n, i = len(cn), 0
+        while i < n:
+            before_n = int(cn[i - 1]) if i else 0
+            before_l = int(cl[i - 1]) if i else 0
+            j = min(i + limit, n,
+                    int(np.searchsorted(cn, before_n + budget, side="right")),
+                    int(np.searchsorted(cl, before_l + BATCH_EXPANSION * budget, side="right")))
+            j = max(j, i + 1)
+            yield i, j
+            i = j
+
+    def _check_device_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
+                            spans: dict[bytes, tuple[int, int]]) -> tuple[list, np.ndarray]:
+        """The headers of a restore's DRAM-leased sources bound for the GPU engine, checked as one batch
+        (:func:`_verify_headers`): against their keys and extents as :func:`_verify_header` checks them, and
+        against the size and dtype their destinations take. Answers per segment (chunk-major) its
+        :class:`SegmentHeader`, or None where the segment is for the per-segment path (not in DRAM, or a
+        header that fails here: that path says why, and whether it is a miss or a wrong request); and per
+        segment its batch bytes (:func:`_decode_bound`), decoded bytes and stored bytes, ``[n, 3]``."""
+        nseg = len(segs)
+        n = len(chunks) * nseg
+        got = [spans.get(kb) for ks in keys for kb in ks]
+        out: list[SegmentHeader | None] = [None] * n
+        sizes = np.zeros((n, 3), dtype=np.int64)
+        rows = [i for i, g in enumerate(got) if g is not None] if None in got else list(range(n))
+        if not rows:
+            return out, sizes
+        offs, lens = np.array([got[i] for i in rows] if len(rows) < n else got, dtype=np.int64).T
+        heads = _header_rows_at(self.dram.arena.buf, offs)
+        at = np.asarray(rows, dtype=np.int64)
+        si, ci = at % nseg, at // nseg
+        seg_layer = np.asarray([s.layer for s in segs], dtype=np.int64)[si]
+        seg_role = np.asarray([int(s.role) for s in segs], dtype=np.int64)[si]
+        seg_code = np.asarray([-1 if s.dtype_code is None else s.dtype_code for s in segs], dtype=np.int64)[si]
+        want = (np.asarray([len(ch.blocks) for ch in chunks], dtype=np.int64)[ci]
+                * np.asarray([s.block_bytes for s in segs], dtype=np.int64)[si])
+        ok, tid, templates = _verify_headers(heads, seg_layer, seg_role, lens)
+        h = heads.view(HEADER_DTYPE).reshape(-1)
+        orig = h["original_length"].astype(np.int64)
+        stored = h["stored_length"].astype(np.int64)
+        ok &= (h["dtype"] == seg_code) & (orig == want)
+        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), orig, stored)
+        sizes[at, 1] = orig
+        sizes[at, 2] = stored + HEADER_SIZE
+        replace = msgspec.structs.replace
+        pcrc, tids = h["payload_crc"].tolist(), tid.tolist()
+        if len(rows) == n and ok.all():
+            return [replace(templates[t], payload_crc=c) for t, c in zip(tids, pcrc)], sizes
+        for j in np.flatnonzero(ok).tolist():
+            out[rows[j]] = replace(templates[tids[j]], payload_crc=pcrc[j])
+        return out, sizes
+
+    def _decode_start(self, seed: int, batch: list, arena_ids: set[int], sizes: "np.ndarray | None") -> tuple:
+        if sizes is None:
+            ws = sum(h.original_length for _, _, _, h, _ in batch)
+            stored = sum(h.stored_length for _, _, _, h, _ in batch) + HEADER_SIZE * len(batch)
+        else:
+            ws, stored = int(sizes[:, 1].sum()), int(sizes[:, 2].sum())
+        if self.dram.arena.pinned:
+            pinned = [id(blob) in arena_ids or self._pinned(blob) for *_, blob in batch]
+        else:  # no view is pinned
+            pinned = [False] * len(batch)
         self._workspace_delta(ws)
         t0 = time.perf_counter()
         try:
             db = self._gpu_codecs.decode_submit([(seg, ch.blocks, blob, h) for _, seg, ch, h, blob in batch], seed,
-                                                [self._pinned(blob) for *_, blob in batch])
+                                                pinned)
         except Exception as e:  # the engine failed as a whole: every segment of the batch misses
             db = e
-        return batch, db, ws, time.perf_counter() - t0
+        return batch, db, ws, stored, time.perf_counter() - t0
 
-    def _decode_end(self, batch: list, db, ws: int, seconds: float) -> tuple[list, object]:
+    def _decode_end(self, batch: list, db, ws: int, stored: int, seconds: float, failed: list,
+                    totals: list[int]) -> object:
+        """Ends a batch of :meth:`_decode_start`: its failed segments appended to ``failed`` as ``(ci, seg,
+        ch, h, error)``, the segments decoded and their decoded and stored bytes added to ``totals``.
+        Answers the event after its block copies (None when there are none)."""
         t0 = time.perf_counter()
         ev = None
         try:
@@ -363,7 +468,20 @@ class RestorePipeline:
         finally:
             self._workspace_delta(-ws)
         self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(batch))
-        return [(ci, seg, ch, h, err) for (ci, seg, ch, h, _), err in zip(batch, errs)], ev
+        count, logical = len(batch), ws
+        if any(e is not None for e in errs):
+            count = logical = stored = 0
+            for (ci, seg, ch, h, _), err in zip(batch, errs):
+                if err is None:
+                    count += 1
+                    logical += h.original_length
+                    stored += HEADER_SIZE + h.stored_length
+                else:
+                    failed.append((ci, seg, ch, h, err))
+        totals[0] += count
+        totals[1] += logical
+        totals[2] += stored
+        return ev
 
     def _restore_ssd_device(self, eng: _Engine, items: list[tuple[int, _Seg, ChunkBlocks, bytes]],
                             bad: dict[int, str], reasons: dict[bytes, str]) -> tuple[list, set[bytes]]:

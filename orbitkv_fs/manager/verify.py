@@ -1,7 +1,9 @@
 """Segment checks the Manager makes before it serves or admits bytes.
 
 Primitives: :func:`_verify` (header, key's layer/role, payload CRC32C), :func:`_verify_header` (the same
-without the payload CRC, for bytes a tier validated a moment ago), :func:`_check_keys` (16-byte chunk keys),
+without the payload CRC, for bytes a tier validated a moment ago), :func:`_verify_headers` (that of a
+batch, as arrays; :func:`_header_rows` / :func:`_header_rows_at` gather its headers, :func:`header_fields`
+reads them as a structured array), :func:`_check_keys` (16-byte chunk keys),
 :data:`_HEADERS` (parsed-header templates), :data:`_REP_NAMES` (Format value -> representation name).
 
 Invariants: every check raises :class:`~orbitkv_fs.errors.SegmentError` (never returns a half-checked
@@ -12,12 +14,26 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import crc32c as _crc32c
+import numpy as np
+
 from ..errors import SegmentError, UnknownFormat
 from ..keys import key_layer_role
-from ..segment import HEADER_SIZE, Format, HeaderTemplates, Role, SegmentHeader, parse_segment
+from ..segment import (
+    HEADER_DTYPE,
+    HEADER_SIZE,
+    Format,
+    HeaderTemplates,
+    Role,
+    SegmentHeader,
+    header_crcs,
+    parse_header,
+    parse_segment,
+)
 from .api import RequestError
 
 _REP_NAMES = {int(f): f.name.lower() for f in Format}
+_PCRC = HEADER_DTYPE.fields["payload_crc"][1]  # where the payload CRC lies in a header (and in _FIXED's gap)
 
 
 def _check_keys(chunks: Sequence[bytes]) -> None:
@@ -53,3 +69,86 @@ def _verify_header(kb: bytes, blob: bytes) -> SegmentHeader:
 
 #: The restore's header checks: a batch's headers differ only in their payload CRC.
 _HEADERS = HeaderTemplates()
+
+#: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
+_FIXED = np.r_[0:24, 28:60]
+_ROW = np.arange(HEADER_SIZE, dtype=np.int64)
+#: Templates _verify_headers validated: fixed header bytes -> (header with payload CRC 0, CRC32C of its
+#: first 60 bytes). Bounded: cleared when full (corrupt headers are never added).
+_TEMPLATES: dict[bytes, tuple[SegmentHeader, int]] = {}
+_TEMPLATES_KEPT = 4096
+
+
+def _header_rows_at(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The 64 header bytes at each of ``offsets`` of byte array ``buf`` (an arena), as ``[n, 64]`` uint8,
+    in one gather: of 64-byte rows where every offset is a multiple of 64 (arena extents are), else of
+    bytes."""
+    at = np.asarray(offsets, dtype=np.int64)
+    if not (at % HEADER_SIZE).any():
+        return buf[:len(buf) // HEADER_SIZE * HEADER_SIZE].reshape(-1, HEADER_SIZE)[at // HEADER_SIZE]
+    return buf[at[:, None] + _ROW]
+
+
+def _header_rows(blobs: Sequence) -> np.ndarray:
+    """The first 64 bytes of each of ``blobs`` as ``[n, 64]`` uint8; zeros (no magic: a failing header)
+    for a blob shorter than a header."""
+    zero = bytes(HEADER_SIZE)
+    raw = b"".join([bytes(memoryview(b)[:HEADER_SIZE]) if len(b) >= HEADER_SIZE else zero for b in blobs])
+    return np.frombuffer(raw, dtype=np.uint8).reshape(len(blobs), HEADER_SIZE)
+
+
+def header_fields(blobs: Sequence) -> np.ndarray:
+    """The header fields of each of ``blobs`` as one :data:`~orbitkv_fs.segment.HEADER_DTYPE` array, as
+    they stand (unverified: :func:`_verify_headers` says which rows are valid)."""
+    return _header_rows(blobs).view(HEADER_DTYPE).reshape(len(blobs))
+
+
+def _template(fixed: bytes) -> tuple[SegmentHeader, int] | None:
+    """The template of headers whose fixed bytes are ``fixed`` (56 bytes), validated by
+    :func:`~orbitkv_fs.segment.parse_header` once; None when those fields make no valid header."""
+    got = _TEMPLATES.get(fixed)
+    if got is None:
+        body = fixed[:_PCRC] + bytes(4) + fixed[_PCRC:]
+        base = _crc32c.crc32c(body)
+        try:
+            h0 = parse_header(body + base.to_bytes(4, "little"))
+        except SegmentError:
+            return None
+        if len(_TEMPLATES) >= _TEMPLATES_KEPT:
+            _TEMPLATES.clear()
+        got = _TEMPLATES[fixed] = (h0, base)
+    return got
+
+
+def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
+                    lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[SegmentHeader]]:
+    """:func:`_verify_header` of a batch as arrays: ``heads`` (``[n, 64]`` uint8) the headers, ``layers`` /
+    ``roles`` what each one's key names, ``lengths`` each segment's bytes. Every distinct header but for
+    its payload CRC is validated once (:func:`_template`), each header's own CRC32C is checked from its
+    template's as an array (:func:`~orbitkv_fs.segment.header_crcs`). Answers ``ok`` (rows that
+    :func:`_verify_header` would pass), per row its template's index (-1 for an invalid one) and the
+    templates (headers with payload CRC 0). The header of an ok row ``i`` is
+    ``templates[tid[i]]`` with ``payload_crc`` ``heads``' field; a row that is not ok fails
+    :func:`_verify_header`, which says why."""
+    n = len(heads)
+    heads = np.ascontiguousarray(heads, dtype=np.uint8).reshape(n, HEADER_SIZE)
+    fixed = np.ascontiguousarray(heads[:, _FIXED]).view(f"V{len(_FIXED)}").reshape(n)
+    uniq, inv = np.unique(fixed, return_inverse=True)
+    templates: list[SegmentHeader] = []
+    valid = np.zeros(len(uniq), dtype=bool)
+    bases = np.zeros(len(uniq), dtype=np.uint32)
+    tid_of = np.full(len(uniq), -1, dtype=np.int64)
+    for j, f in enumerate(uniq.tolist()):
+        got = _template(bytes(f))
+        if got is not None:
+            valid[j] = True
+            bases[j] = got[1]
+            tid_of[j] = len(templates)
+            templates.append(got[0])
+    h = heads.view(HEADER_DTYPE).reshape(n)
+    inv = inv.reshape(n)
+    ok = valid[inv]
+    ok &= h["header_crc"] == header_crcs(bases[inv], h["payload_crc"])
+    ok &= (h["layer"] == layers) & (h["role"] == roles)
+    ok &= np.asarray(lengths, dtype=np.int64) == h["stored_length"].astype(np.int64) + HEADER_SIZE
+    return ok, tid_of[inv], templates

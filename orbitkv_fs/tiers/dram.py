@@ -356,39 +356,66 @@ class DramTier:
             self.prefetched.discard(slot)
             self.prefetch_hits += 1
 
-    def _lease_slot(self, slot: int) -> None:
-        ix = self.index
-        if self.prefetched:
-            self._served(slot)
-        ix.leases[slot] += 1
-        self.leases_active += 1
-        self.leased_bytes += ix.units[slot] * UNIT
-
-    def lease(self, keys: Iterable[bytes]) -> list[tuple[int, int, int, int] | None]:
-        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None."""
-        out: list[tuple[int, int, int, int] | None] = []
+    def lease(self, keys: Sequence[bytes]) -> list[tuple[int, int, int, int] | None]:
+        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None. As a
+        batch: the slots found at once (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), the lease counts,
+        prefetch hits and byte counters updated per batch, the policy touched in key order (the same state
+        as leasing the keys one by one)."""
         ix = self.index
         with self.lock:
-            for k in keys:
-                slot = ix.get(k)
-                if slot is None:
-                    out.append(None)
-                    continue
-                self._lease_slot(slot)
-                self.policy.touch(slot)
-                out.append((slot, ix.generation[slot], ix.offset[slot] * UNIT, ix.length[slot]))
+            found = ix.get_many(keys)
+            hit = found >= 0
+            slots = found[hit]
+            if not len(slots):
+                return [None] * len(keys)
+            at = slots.tolist()
+            if self.prefetched:
+                served = self.prefetched.intersection(at)
+                self.prefetched -= served
+                self.prefetch_hits += len(served)
+            order = np.sort(slots)
+            if (order[1:] == order[:-1]).any():  # a slot twice: counted twice
+                np.add.at(np.frombuffer(ix.leases, dtype=np.uint32), slots, 1)
+            else:
+                np.frombuffer(ix.leases, dtype=np.uint32)[slots] += 1
+            self.leases_active += len(at)
+            self.leased_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
+            self.policy.touch_many(at)
+            rows = zip(at, np.frombuffer(ix.generation, dtype=np.uint64)[slots].tolist(),
+                       (np.frombuffer(ix.offset, dtype=np.uint32)[slots].astype(np.int64) * UNIT).tolist(),
+                       np.frombuffer(ix.length, dtype=np.uint32)[slots].tolist())
+        if len(at) == len(keys):
+            return list(rows)
+        out: list[tuple[int, int, int, int] | None] = [None] * len(keys)
+        for i, row in zip(np.flatnonzero(hit).tolist(), rows):
+            out[i] = row
         return out
 
     def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
-        """Drop one lease reference on each ``(slot, generation)``."""
+        """Drop one lease reference on each ``(slot, generation)``: as a batch (the counters per batch, a slot
+        named twice dropped twice), the hidden slots left without a lease freed."""
         ix = self.index
+        entries = entries if isinstance(entries, list) else list(entries)
+        if not entries:
+            return
+        at, gens = np.array(entries, dtype=np.int64).reshape(-1, 2).T
         with self.lock:
-            for slot, gen in entries:
-                assert ix.generation[slot] == gen and ix.leases[slot] > 0, "lease accounting broken"
-                ix.leases[slot] -= 1
-                self.leases_active -= 1
-                self.leased_bytes -= ix.units[slot] * UNIT
-                if ix.leases[slot] == 0 and ix.state[slot] == HIDDEN:
+            # No view of an index column outlives an expression: a column cannot grow while one is held.
+            assert (np.frombuffer(ix.generation, dtype=np.uint64)[at] == gens.astype(np.uint64)).all(), \
+                "lease accounting broken"
+            order = np.sort(at)
+            if (order[1:] == order[:-1]).any():
+                slots, times = np.unique(at, return_counts=True)
+            else:
+                slots, times = at, 1
+            held = np.frombuffer(ix.leases, dtype=np.uint32)[slots]
+            assert (held >= times).all(), "lease accounting broken"
+            np.frombuffer(ix.leases, dtype=np.uint32)[slots] = held - times
+            self.leases_active -= len(at)
+            self.leased_bytes -= int(np.frombuffer(ix.units, dtype=np.uint32)[at].sum(dtype=np.int64)) * UNIT
+            drained = slots[held == times]
+            if len(drained):
+                for slot in drained[np.frombuffer(ix.state, dtype=np.uint8)[drained] == HIDDEN].tolist():
                     self._free_slot(slot)
 
     def pin_chunks(self, ns_chunks: Sequence[bytes]) -> None:

@@ -2,7 +2,7 @@
 
 A policy orders slot ids (small ints owned by :class:`orbitkv_fs.index.ObjectIndex`) and, asked for a
 victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)``, ``touch(slot)``,
-``remove(slot)``, ``victim(pinned) -> slot | None`` and :func:`make_policy`.
+``touch_many(slots)`` (``touch`` of each, in order), ``remove(slot)``, ``victim(pinned) -> slot | None`` and :func:`make_policy`.
 
 * ``lru``: one doubly linked list; touch moves to the head, victims come from the tail.
 * ``s3fifo`` (Yang et al., SOSP '23): a small FIFO (10% of the bytes), a main FIFO and a ghost FIFO of
@@ -24,7 +24,11 @@ from array import array
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
+
 _NIL = -1
+#: LruPolicy.touch_many looks for one run among batches of at least this many slots.
+_TOUCH_RUN_MIN = 16
 
 
 class _Lists:
@@ -125,6 +129,40 @@ class LruPolicy:
         if slot < len(l.queue) and l.queue[slot] == 0:
             l.to_head(0, slot)
 
+    def touch_many(self, slots: list[int]) -> None:
+        """:meth:`touch` of each of ``slots`` in order (a restore's leases), the same list as one by one: the
+        slots touched end at the head, the last touched first. Where the slots already lie side by side in
+        that order (a chunk range saved, or restored, in the same key order as now: the common case), the run
+        moves to the head in one step; otherwise they move one by one."""
+        l = self._l
+        n = len(l.queue)
+        if len(slots) >= _TOUCH_RUN_MIN:
+            at = np.asarray(slots, dtype=np.int64)
+            at = at[at < n]
+            at = at[np.frombuffer(l.queue, dtype=np.int8)[at] == 0]  # touch ignores unlinked slots
+            if len(at) and (np.frombuffer(l.next, dtype=np.int32)[at[1:]] == at[:-1]).all():
+                # at[-1] -> ... -> at[0] is a run of the list (so its slots are distinct): unlink it whole
+                # and put it at the head.
+                first, last = int(at[-1]), int(at[0])
+                prev, nxt = l.prev, l.next
+                p, q = prev[first], nxt[last]
+                if p == _NIL:  # at the head already
+                    return
+                nxt[p] = q
+                if q != _NIL:
+                    prev[q] = p
+                else:
+                    l.tail[0] = p
+                h = l.head[0]
+                prev[first] = _NIL
+                nxt[last] = h
+                prev[h] = last
+                l.head[0] = first
+                return
+        for slot in slots:
+            if slot < n and l.queue[slot] == 0:
+                l.to_head(0, slot)
+
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)
 
@@ -169,6 +207,22 @@ class S3FifoPolicy:
         l = self._l
         if slot < len(l.queue) and l.queue[slot] >= 0 and l.freq[slot] < self.MAX_FREQ:
             l.freq[slot] += 1
+
+    def touch_many(self, slots: list[int]) -> None:
+        """:meth:`touch` of each of ``slots`` (a slot twice counts twice), as one array update."""
+        l = self._l
+        n = len(l.queue)
+        if not n:
+            return
+        at = np.asarray(slots, dtype=np.int64)
+        at = at[at < n]
+        queue = np.frombuffer(l.queue, dtype=np.int8)
+        at = at[queue[at] >= 0]
+        if not len(at):
+            return
+        u, times = np.unique(at, return_counts=True)
+        freq = np.frombuffer(l.freq, dtype=np.uint8)
+        freq[u] = np.minimum(freq[u].astype(np.int64) + times, self.MAX_FREQ)
 
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)

@@ -1,0 +1,347 @@
+"""The restore's batch operations against their one-at-a-time definitions: keys (pack_key), index look-ups
+(get), leases (lease of one key at a time), policy touches (touch) and header checks (_verify_header), on
+random inputs and random corruptions."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from orbitkv_fs.codecs import encode_segment, raw_segment
+from orbitkv_fs.errors import SegmentError
+from orbitkv_fs.index import ObjectIndex
+from orbitkv_fs.keys import key_tails, pack_key, segment_keys
+from orbitkv_fs.manager.api import ChunkBlocks
+from orbitkv_fs.manager.batching import Batching
+from orbitkv_fs.manager.restore import RestorePipeline
+from orbitkv_fs.manager.verify import (
+    _header_rows,
+    _header_rows_at,
+    _verify_header,
+    _verify_headers,
+    header_fields,
+)
+from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, RawReason, Role, parse_header
+from orbitkv_fs.tiers.dram import UNIT, DramTier
+from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy
+
+NS = bytes(range(16))
+
+
+def test_segment_keys_are_pack_key():
+    rng = random.Random(3)
+    pairs = [(rng.randrange(1 << 16), rng.choice(list(Role))) for _ in range(72)] + [(0, Role.OPAQUE), (65535, Role.VALUE)]
+    tails = key_tails(pairs)
+    for _ in range(32):
+        chunk = rng.randbytes(16)
+        assert segment_keys(NS, chunk, tails) == [pack_key(NS, chunk, layer, role) for layer, role in pairs]
+
+
+def _fill(ix: ObjectIndex, rng: random.Random) -> list[bytes]:
+    keys = []
+    for c in range(20):
+        chunk = bytes([c]) * 16
+        layers = rng.sample(range(40), rng.choice([1, 2, 5, 30]))  # one-slot, sparse and dense chunks
+        for layer in layers:
+            for role in rng.sample([Role.KEY, Role.VALUE, Role.OPAQUE], rng.randrange(1, 4)):
+                k = pack_key(NS, chunk, layer, role)
+                ix.add(k, len(keys), 1, 100, 100, 0)
+                keys.append(k)
+    return keys
+
+
+def test_get_many_is_get_of_each_key():
+    rng = random.Random(5)
+    ix = ObjectIndex()
+    keys = _fill(ix, rng)
+    for k in rng.sample(keys, 40):  # holes, and chunks back to one slot or gone
+        ix.hide(ix.get(k))
+    probes = [pack_key(NS, bytes([c]) * 16, layer, role) for c in range(22) for layer in range(42)
+              for role in Role]
+    probes += [k[:35] + b"\x01" for k in keys[:5]] + [b"short", keys[0] + b"x"]  # not packed keys
+    for order in (probes, sorted(probes), rng.sample(probes, len(probes)), probes[:7]):
+        assert ix.get_many(order).tolist() == [-1 if (s := ix.get(k)) is None else s for k in order]
+
+
+def _lru_order(p: LruPolicy) -> list[int]:
+    l, out = p._l, []
+    s = l.head[0]
+    while s != -1:
+        out.append(s)
+        s = l.next[s]
+    back, s = [], l.tail[0]
+    while s != -1:
+        back.append(s)
+        s = l.prev[s]
+    assert back[::-1] == out
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_touch_many_is_touch_of_each_slot(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        one, many = LruPolicy(), LruPolicy()
+        s3one, s3many = S3FifoPolicy(), S3FifoPolicy()
+        n = rng.randrange(1, 200)
+        for s in range(n):
+            if rng.random() < 0.9:
+                for p in (one, many, s3one, s3many):
+                    p.insert(s, 1, s)
+        for s in rng.sample(range(n), n // 10):
+            for p in (one, many, s3one, s3many):
+                p.remove(s)
+        order = _lru_order(one)
+        k, j = rng.randrange(0, 120), rng.randrange(0, max(len(order), 1))
+        touches = rng.choice([
+            [rng.randrange(n + 5) for _ in range(k)],  # duplicates, unlinked and unknown slots
+            order[::-1][j:j + k],  # a run in the order the batch path moves at once
+            order[::-1][:k],  # the same from the tail
+            order[j:j + k],  # a run the other way round
+            order[::-1][j:j + k] + order[:2],
+        ])
+        for s in touches:
+            one.touch(s)
+            s3one.touch(s)
+        many.touch_many(touches)
+        s3many.touch_many(touches)
+        assert _lru_order(many) == _lru_order(one)
+        assert list(s3many._l.freq) == list(s3one._l.freq)
+
+
+def _lease_one(t: DramTier, key: bytes):
+    """The lease of one key as DramTier.lease made it before batches: the reference."""
+    ix = t.index
+    slot = ix.get(key)
+    if slot is None:
+        return None
+    if slot in t.prefetched:
+        t.prefetched.discard(slot)
+        t.prefetch_hits += 1
+    ix.leases[slot] += 1
+    t.leases_active += 1
+    t.leased_bytes += ix.units[slot] * UNIT
+    t.policy.touch(slot)
+    return slot, ix.generation[slot], ix.offset[slot] * UNIT, ix.length[slot]
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_lease_of_a_batch_is_lease_of_each_key(tmp_path, policy):
+    rng = random.Random(7)
+    tiers = [DramTier(1 << 20, shm_dir=str(tmp_path), pin=False, policy=policy) for _ in range(2)]
+    try:
+        keys = [pack_key(NS, bytes([c]) * 16, layer, role) for c in range(8) for layer in range(6) for role in (1, 2)]
+        for t in tiers:
+            for i, k in enumerate(keys):
+                off = t.reserve(100 + i)
+                t.publish(k, off, 100 + i, 200, 0, prefetched=i % 3 == 0)
+        batch, single = tiers
+        for _ in range(5):
+            probe = rng.sample(keys, 40) + [pack_key(NS, b"z" * 16, 0, 1)] + keys[:3]  # absent, twice
+            if rng.random() < 0.5:
+                probe = keys[::-1]  # one run of the LRU list
+            got = batch.lease(probe)
+            want = [_lease_one(single, k) for k in probe]
+            assert got == want
+            for a in ("leases_active", "leased_bytes", "prefetch_hits", "prefetched"):
+                assert getattr(batch, a) == getattr(single, a), a
+            assert list(batch.index.leases) == list(single.index.leases)
+            if policy == "lru":
+                assert _lru_order(batch.policy) == _lru_order(single.policy)
+            else:
+                assert list(batch.policy._l.freq) == list(single.policy._l.freq)
+        assert batch.lease([]) == [] and batch.lease([b"x" * 36]) == [None]
+        gone = set(rng.sample(keys, 10))
+        for t in tiers:  # leased objects hidden: freed when their last lease goes
+            assert t.invalidate(gone.__contains__)[0] == 10
+        held = [(s, g) for s, g in zip(range(len(batch.index.leases)), batch.index.generation)
+                for _ in range(batch.index.leases[s])]
+        rng.shuffle(held)
+        batch.unlease(held[:50])
+        batch.unlease(iter(held[50:]))
+        for slot, gen in held:  # the reference: one at a time, as unlease was
+            ix = single.index
+            assert ix.generation[slot] == gen and ix.leases[slot] > 0
+            ix.leases[slot] -= 1
+            single.leases_active -= 1
+            single.leased_bytes -= ix.units[slot] * UNIT
+            if ix.leases[slot] == 0 and ix.state[slot] == 2:
+                single._free_slot(slot)
+        for t in tiers:
+            assert t.leases_active == 0 and t.leased_bytes == 0
+        assert list(batch.index.state) == list(single.index.state)
+        assert batch.alloc.used == single.alloc.used < len(keys)  # the hidden ones' extents are free
+        with pytest.raises(AssertionError):
+            batch.unlease(held[:1])  # no lease is left to drop
+    finally:
+        for t in tiers:
+            t.close()
+
+
+def _segments(rng: random.Random) -> list[tuple[bytes, bytes]]:
+    """(key, segment) pairs of every kind the restore meets."""
+    out = []
+    for layer in range(6):
+        for role in (Role.KEY, Role.VALUE):
+            x = rng.normalvariate(0, 1) * np.random.default_rng(layer).standard_normal(2048)
+            x16 = x.astype(np.float16).reshape(16, 128)
+            kb = pack_key(NS, b"c" * 16, layer, role)
+            out.append((kb, raw_segment(x16, role=role, layer=layer, reason=RawReason.POLICY)))
+            out.append((kb, encode_segment(x16, "fp8", role=role, layer=layer)))
+            out.append((kb, encode_segment(x16.astype(ml_dtypes.bfloat16), "turboquant-4", role=role, layer=layer)))
+    return out
+
+
+def _outcome(kb: bytes, blob: bytes):
+    try:
+        return _verify_header(kb, blob)
+    except SegmentError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _check(pairs):
+    heads = _header_rows([b for _, b in pairs])
+    layers = np.asarray([int.from_bytes(kb[32:34], "little") for kb, _ in pairs])
+    roles = np.asarray([kb[34] for kb, _ in pairs])
+    ok, tid, templates = _verify_headers(heads, layers, roles, np.asarray([len(b) for _, b in pairs]))
+    pcrc = heads.view(HEADER_DTYPE).reshape(-1)["payload_crc"]
+    for i, (kb, blob) in enumerate(pairs):
+        want = _outcome(kb, blob)
+        assert ok[i] == (not isinstance(want, str)), (i, want)
+        if ok[i]:
+            assert templates[tid[i]].__class__ is want.__class__
+            import msgspec
+
+            assert msgspec.structs.replace(templates[tid[i]], payload_crc=int(pcrc[i])) == want
+    return ok
+
+
+def test_header_checks_of_a_batch_are_verify_header_of_each():
+    rng = random.Random(11)
+    good = _segments(rng)
+    assert _check(good).all()
+    bad = []
+    for kb, blob in good:
+        for at in range(HEADER_SIZE):  # every header byte, the CRCs among them
+            b = bytearray(blob)
+            b[at] ^= 1 << rng.randrange(8)
+            bad.append((kb, bytes(b)))
+        bad.append((pack_key(NS, b"c" * 16, int.from_bytes(kb[32:34], "little") + 1, kb[34]), blob))  # wrong key
+        bad.append((kb[:34] + bytes([3 - kb[34]]) + kb[35:], blob))
+        bad.append((kb, blob[:-1]))  # truncated payload, and a header cut short
+        bad.append((kb, blob + b"\0"))
+        bad.append((kb, blob[:40]))
+    mixed = good + bad
+    rng.shuffle(mixed)
+    ok = _check(mixed)
+    assert 0 < ok.sum() < len(mixed)
+    # A header whose own CRC is right but whose fields are not (re-signed corruptions): its template fails.
+    from orbitkv_fs.segment import _crc32c
+
+    resigned = []
+    for kb, blob in good[:12]:
+        for at in (4, 6, 7, 8, 15, 16, 20, 32, 33, 34, 40):
+            b = bytearray(blob)
+            b[at] ^= 0x5
+            b[60:64] = _crc32c.crc32c(bytes(b[:60])).to_bytes(4, "little")
+            resigned.append((kb, bytes(b)))
+    _check(resigned)
+
+
+def test_header_rows_of_an_arena_and_header_fields():
+    rng = random.Random(2)
+    segs = [b for _, b in _segments(rng)[:6]]
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    offs, pos = [], 0
+    for b in segs:
+        buf[pos:pos + len(b)] = np.frombuffer(b, np.uint8)
+        offs.append(pos)
+        pos += -(-len(b) // 512) * 512
+    assert (_header_rows_at(buf, np.asarray(offs)) == _header_rows(segs)).all()
+    buf2 = np.zeros(len(buf) + 8, dtype=np.uint8)  # offsets that are not multiples of 64
+    buf2[8:] = buf
+    assert (_header_rows_at(buf2, np.asarray(offs) + 8) == _header_rows(segs)).all()
+    f = header_fields(segs + [b"short"])
+    for row, b in zip(f[:-1], segs):
+        h = parse_header(b)
+        assert (row["original_length"], row["stored_length"], row["payload_crc"], row["layer"]) == \
+            (h.original_length, h.stored_length, h.payload_crc, h.layer)
+    assert f[-1]["magic"] == b""
+
+
+class _Pipeline(RestorePipeline, Batching):
+    """The restore pipeline's batch helpers on a DRAM tier, without a Manager around them."""
+
+    def __init__(self, dram, budget: int, batch_segments: int, gpu: bool) -> None:
+        self.dram = dram
+        self._config = SimpleNamespace(storage_codec_budget=budget, batch_segments=batch_segments)
+        self._gpu_codecs = object() if gpu else None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cuts_are_codec_batches(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        p = _Pipeline(None, rng.choice([1 << 20, 4 << 20, 64 << 20]), rng.choice([1, 3, 8, 256]), rng.random() < 0.5)
+        n = rng.randrange(1, 300)
+        nb = [rng.choice([0, 1 << 10, 256 << 10, 1 << 20, 9 << 20]) for _ in range(n)]
+        lg = [x * rng.choice([1, 2, 4, 9]) for x in nb]
+        want = [[i for i, _, _ in b] for b in p._codec_batches(zip(range(n), nb, lg), lambda t: t[1], lambda t: t[2])]
+        got = [list(range(i, j)) for i, j in p._cuts(np.asarray(nb), np.asarray(lg))]
+        assert got == want
+
+
+def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
+    """_check_device_batch against what the restore's per-segment path decides for each segment: a header
+    (passes _verify_header and fits its destination) or not (a miss or a wrong request, which that path then
+    tells apart)."""
+    rng = random.Random(9)
+    dram = DramTier(8 << 20, shm_dir=str(tmp_path), pin=False)
+    try:
+        p = _Pipeline(dram, 4 << 20, 8, True)
+        segs = [SimpleNamespace(layer=layer, role=role, dtype_code=3, dtype=np.dtype(np.float16), block_bytes=2048)
+                for layer in range(4) for role in (Role.KEY, Role.VALUE)]
+        chunks = [ChunkBlocks(bytes([c]) * 16, [2 * c, 2 * c + 1]) for c in range(6)]
+        keys = [[pack_key(NS, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
+        spans = {}
+        for ci, ks in enumerate(keys):
+            for s, kb in zip(segs, ks):
+                x = np.random.default_rng(ci).standard_normal(2048).astype(np.float16)
+                blob = bytearray(rng.choice([raw_segment(x, role=s.role, layer=s.layer, reason=RawReason.NONE),
+                                             encode_segment(x, "fp8", role=s.role, layer=s.layer)]))
+                what = rng.randrange(8)
+                if what == 0:
+                    blob[rng.randrange(HEADER_SIZE)] ^= 1 << rng.randrange(8)
+                elif what == 1:
+                    blob = blob[:-2]  # the extent is shorter than its header says
+                if ci == 4 and s.layer == 0:
+                    continue  # not in DRAM
+                off = dram.reserve(len(blob))
+                dram.view(off, len(blob))[:] = np.frombuffer(bytes(blob), np.uint8)
+                dram.publish(kb, off, len(blob), 4096, 0)
+                spans[kb] = (off, len(blob))
+        chunks[5] = ChunkBlocks(chunks[5].key, [10, 11, 12])  # every segment of it too small for 3 blocks
+        pre, sizes = p._check_device_batch(chunks, segs, keys, spans)
+        assert sum(h is not None for h in pre) > len(pre) // 3
+        for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+            for si, (s, kb) in enumerate(zip(segs, ks)):
+                got = pre[ci * len(segs) + si]
+                if kb not in spans:
+                    assert got is None
+                    continue
+                blob = dram.view(*spans[kb])
+                try:
+                    h = _verify_header(kb, blob)
+                    fits = h.original_length == len(ch.blocks) * s.block_bytes and h.dtype == s.dtype
+                except SegmentError:
+                    h, fits = None, False
+                assert got == (h if fits else None), (ci, si)
+                if fits:
+                    assert sizes[ci * len(segs) + si].tolist() == [
+                        h.stored_length, h.original_length, HEADER_SIZE + h.stored_length]
+    finally:
+        dram.close()
