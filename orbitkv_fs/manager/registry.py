@@ -45,6 +45,7 @@ from ..geometry import (
     process_start_time,
     validate_registration,
 )
+from ..keys import pack_key
 from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
@@ -184,6 +185,9 @@ class _Engine:
         self.reg = reg
         self.ns = ns
         self.segs = segs
+        # The packed keys' (layer, role) tails, per segment: a chunk's keys are namespace + chunk + tail.
+        self.key_tails = [pack_key(ns, bytes(16), seg.layer, seg.role)[32:] for seg in segs]
+        self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch
