@@ -15,9 +15,11 @@ A slot is a row of ``array`` columns (extent, lengths, generation, lease count, 
 layer, role) plus a reference to its chunk's prefix; there is no per-segment key object or dict entry.
 :attr:`ObjectIndex.keys` rebuilds a slot's packed key on demand (eviction, listings).
 
-Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.hide`,
-:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
-:meth:`~ObjectIndex.items`.
+Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.add_many` (a save batch: a chunk new to the index
+placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add`'s path, with the same
+slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.hide`, :meth:`~ObjectIndex.free`,
+:meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`, :meth:`~ObjectIndex.items`, and
+:func:`put_rows` (an ``array`` column written at many rows).
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
 invalidated while leased: not findable nor counted, extent still allocated) -> FREE (once no lease remains).
@@ -38,6 +40,7 @@ import numpy as np
 
 FREE, LIVE, HIDDEN = 0, 1, 2
 _KEY_NS_CHUNK = 32  # bytes of the packed key that name (namespace, chunk)
+_KEY_SIZE = 36
 _TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed key after the prefix
 _ROLES = 3  # Role.OPAQUE, KEY, VALUE: sub = layer * 3 + role is one-to-one
 _PREFIX = itemgetter(slice(0, _KEY_NS_CHUNK))
@@ -47,7 +50,7 @@ _SCATTER_LOOP = 48
 
 def _sub_of(key: bytes) -> int:
     """``layer * 3 + role`` of a packed key, or -1 when ``key`` is not one (length, role, padding)."""
-    if len(key) != 36 or key[35] or key[34] >= _ROLES:
+    if len(key) != _KEY_SIZE or key[35] or key[34] >= _ROLES:
         return -1
     return (key[32] | key[33] << 8) * _ROLES + key[34]
 
@@ -55,9 +58,9 @@ def _sub_of(key: bytes) -> int:
 def _well_formed(keys: Sequence[bytes]) -> int:
     """How many leading ``keys`` are packed keys (:func:`_sub_of` is not -1)."""
     n = len(keys)
-    if n and set(map(len, keys)) == {36}:
-        raw = b"".join(keys)
-        if raw[35::36].count(0) == n and not raw[34::36].translate(None, bytes(range(_ROLES))):
+    if n and set(map(len, keys)) == {_KEY_SIZE}:
+        raw = b"".join(keys)  # every 36th byte from 35 is a pad (zero), from 34 a role
+        if raw[35::_KEY_SIZE].count(0) == n and not raw[34::_KEY_SIZE].translate(None, bytes(range(_ROLES))):
             return n
     for i, k in enumerate(keys):
         if _sub_of(k) < 0:
@@ -154,25 +157,38 @@ class ObjectIndex:
         if n < len(keys):
             keys = keys[:n]
         raw = b"".join(keys)
-        layers = memoryview(raw).cast("H")[16::18].tolist()  # bytes 32-33 of each 36-byte key
-        roles = raw[34::36]
+        layers = memoryview(raw).cast("H")[16::_KEY_SIZE // 2].tolist()  # bytes 32-33 of each key
+        roles = raw[34::_KEY_SIZE]
         subs = [layer * _ROLES + role for layer, role in zip(layers, roles)]
         out: list[int] = []
         segs_of = self._segs
+        # Rows from the free list that _add_chunk took, and their values per column: written once at the end
+        # (nothing reads them before: a chunk it places is an array, so _add never asks such a row its sub).
+        reused: tuple[list, ...] = ([],) + tuple([] for _ in self._columns())
         i = 0
         for prefix, run in groupby(keys, _PREFIX):
             k = len(tuple(run))
             j = i + k
             sub = subs[i:j]
             if k > 1 and prefix not in segs_of and len(set(sub)) == k:
-                out += self._add_chunk(prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j], length[i:j],
-                                       logical[i:j], rep[i:j])
+                out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
+                                       length[i:j], logical[i:j], rep[i:j])
             else:
                 for x in range(i, j):
                     got = self._add(prefix, subs[x], offset[x], units[x], length[x], logical[x], rep[x])
                     out.append(-1 if got is None else got[0])
             i = j
+        if reused[0]:
+            rows = reused[0]
+            for col, vals in zip(self._columns(), reused[1:]):
+                put_rows(col, rows, vals)
+            put_rows(self.leases, rows, [0] * len(rows))
+            put_rows(self.state, rows, [LIVE] * len(rows))
         return out
+
+    def _columns(self) -> tuple[array, ...]:
+        """The columns :meth:`_add_chunk` writes from its arguments, in their order."""
+        return (self.offset, self.units, self.length, self.logical, self.rep, self.generation, self.layer, self.role)
 
     def _add(self, prefix: bytes, sub: int, offset: int, units: int, length: int, logical: int,
              rep: int) -> tuple[int, int] | None:
@@ -225,11 +241,12 @@ class ObjectIndex:
         self._live += 1
         return slot, gen
 
-    def _add_chunk(self, prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
+    def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
                    *columns: Sequence[int]) -> list[int]:
         """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, absent from the index, with rows of
-        ``columns`` (offset, units, length, logical, rep): :meth:`_add` of each, in one step. Answers the
-        slots."""
+        ``columns`` (offset, units, length, logical, rep): :meth:`_add` of each, in one step. New rows are
+        appended here; rows taken from the free list go to ``reused`` (their slots, then each column's
+        values), which the caller writes. Answers the slots."""
         k = len(subs)
         free = self._free
         take = min(k, len(free))
@@ -247,18 +264,15 @@ class ObjectIndex:
         gen = self._next_gen
         self._next_gen += k
         values = columns + (range(gen, gen + k), layers, roles)
-        cols = (self.offset, self.units, self.length, self.logical, self.rep, self.generation, self.layer, self.role)
         if take:
-            reused = slots[:take]
-            for s in reused:
+            for s in slots[:take]:
                 self._prefix[s] = prefix
-            for col, vals in zip(cols, values):
-                put_rows(col, reused, vals[:take])
-            put_rows(self.leases, reused, [0] * take)
-            put_rows(self.state, reused, [LIVE] * take)
+            reused[0].extend(slots[:take])
+            for acc, vals in zip(reused[1:], values):
+                acc.extend(vals[:take])
         if take < k:
             self._prefix += [prefix] * (k - take)
-            for col, vals in zip(cols, values):
+            for col, vals in zip(self._columns(), values):
                 col.extend(vals[take:] if take else vals)
             self.leases.frombytes(bytes(self.leases.itemsize * (k - take)))
             self.state.frombytes(bytes([LIVE]) * (k - take))

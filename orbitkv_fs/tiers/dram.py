@@ -11,7 +11,8 @@ Primitives:
   (SIGKILL, the OOM killer): a tmpfs file holds its memory until it is removed. :class:`DramTier` runs it
   on its directory before it makes its own arena.
 * :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
-  to the lower tier through a callback.
+  to the lower tier through a callback. A save batch publishes with :meth:`DramTier.publish_many`: one
+  lock round, the index's ``add_many`` and the policy's ``insert_many``, byte accounting per batch.
 
 Invariants (all under :attr:`DramTier.lock`):
 
