@@ -274,8 +274,9 @@ class ObjectIndex:
             self._prefix += [prefix] * (k - take)
             for col, vals in zip(self._columns(), values):
                 col.extend(vals[take:] if take else vals)
-            self.leases.frombytes(bytes(self.leases.itemsize * (k - take)))
-            self.state.frombytes(bytes([LIVE]) * (k - take))
+            # extend, not frombytes: a row at a time, so the columns over-allocate as add's appends do
+            self.leases.extend((0,) * (k - take))
+            self.state.extend((LIVE,) * (k - take))
         self._live += k
         return slots
 
