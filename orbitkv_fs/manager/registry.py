@@ -186,7 +186,7 @@ class _Engine:
         self.ns = ns
         self.segs = segs
         # The packed keys' (layer, role) tails, per segment: a chunk's keys are namespace + chunk + tail.
-        self.key_tails = [pack_key(ns, bytes(16), seg.layer, seg.role)[32:] for seg in segs]
+        self.tails = [pack_key(ns, bytes(16), seg.layer, seg.role)[32:] for seg in segs]
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)

@@ -163,7 +163,7 @@ class SavePipeline:
         raw: list[tuple[ChunkBlocks, _Seg, bytes]] = []
         raw_bytes = 0
         cap_segments, cap_bytes = self._raw_batch_cap()
-        plans, ns, tails = eng.save_plans, eng.ns, eng.key_tails
+        plans, ns, tails = eng.save_plans, eng.ns, eng.tails
         for ch in chunks:
             prefix = ns + ch.key
             have = self.dram.chunk_count(prefix)
