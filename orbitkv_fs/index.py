@@ -15,9 +15,11 @@ A slot is a row of ``array`` columns (extent, lengths, generation, lease count, 
 layer, role) plus a reference to its chunk's prefix; there is no per-segment key object or dict entry.
 :attr:`ObjectIndex.keys` rebuilds a slot's packed key on demand (eviction, listings).
 
-Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.hide`,
-:meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
-:meth:`~ObjectIndex.items`.
+Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.add_many` (a save batch: a chunk new to the index
+placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add`'s path, with the same
+slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
+:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
+:meth:`~ObjectIndex.items`, and :func:`put_rows` (an ``array`` column written at many rows).
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
 invalidated while leased: not findable nor counted, extent still allocated) -> FREE (once no lease remains).
@@ -30,23 +32,58 @@ from __future__ import annotations
 
 import struct
 from array import array
+from itertools import groupby
+from operator import itemgetter
 from typing import Iterator, Sequence
 
 import numpy as np
 
 FREE, LIVE, HIDDEN = 0, 1, 2
 _KEY_NS_CHUNK = 32  # bytes of the packed key that name (namespace, chunk)
+_KEY_SIZE = 36
 _TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed key after the prefix
 _ROLES = 3  # Role.OPAQUE, KEY, VALUE: sub = layer * 3 + role is one-to-one
 #: get_many looks keys up one by one when its runs of one chunk are shorter than this on average.
 _RUN_MIN = 8
+_PREFIX = itemgetter(slice(0, _KEY_NS_CHUNK))
+#: Rows a scatter writes one at a time; past this numpy's fixed cost is the smaller one.
+_SCATTER_LOOP = 48
 
 
 def _sub_of(key: bytes) -> int:
     """``layer * 3 + role`` of a packed key, or -1 when ``key`` is not one (length, role, padding)."""
-    if len(key) != 36 or key[35] or key[34] >= _ROLES:
+    if len(key) != _KEY_SIZE or key[35] or key[34] >= _ROLES:
         return -1
     return (key[32] | key[33] << 8) * _ROLES + key[34]
+
+
+def _well_formed(keys: Sequence[bytes]) -> int:
+    """How many leading ``keys`` are packed keys (:func:`_sub_of` is not -1)."""
+    n = len(keys)
+    if n and set(map(len, keys)) == {_KEY_SIZE}:
+        raw = b"".join(keys)  # every 36th byte from 35 is a pad (zero), from 34 a role
+        if raw[35::_KEY_SIZE].count(0) == n and not raw[34::_KEY_SIZE].translate(None, bytes(range(_ROLES))):
+            return n
+    for i, k in enumerate(keys):
+        if _sub_of(k) < 0:
+            return i
+    return n
+
+
+def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
+    """``col[r] = v`` for each row and value: a slice assignment where the rows are consecutive, else a
+    loop for a few rows and a numpy scatter for many."""
+    k = len(rows)
+    if not k:
+        return
+    first = rows[0]
+    if rows[k - 1] - first == k - 1 and (k < 3 or list(rows) == list(range(first, first + k))):
+        col[first:first + k] = array(col.typecode, values)
+    elif k <= _SCATTER_LOOP:
+        for r, v in zip(rows, values):
+            col[r] = v
+    else:
+        np.frombuffer(col, dtype=col.typecode)[np.asarray(rows, dtype=np.intp)] = np.fromiter(values, col.typecode, k)
 
 
 class _Keys:
@@ -99,7 +136,65 @@ class ObjectIndex:
         sub = _sub_of(key)
         if sub < 0:
             raise ValueError(f"not a packed object key: {key!r}")
-        prefix = key[:_KEY_NS_CHUNK]
+        return self._add(key[:_KEY_NS_CHUNK], sub, offset, units, length, logical, rep)
+
+    def add_many(self, keys: Sequence[bytes], offset: Sequence[int], units: Sequence[int], length: Sequence[int],
+                 logical: Sequence[int], rep: Sequence[int]) -> list[int]:
+        """:meth:`add` of each key, in order, at its offset (the other sequences are columns of the same
+        rows), as one batch. Answers each key's slot, -1 for a key LIVE already (nothing changed for it: a
+        key twice in ``keys`` is added at its first place). Stops before the first malformed key: an answer
+        shorter than ``keys`` means ``keys[len(answer)]`` is not a packed key and nothing from it on was added.
+
+        The same slots (free list first, last freed first, then new rows), generations and chunk arrays as
+        :meth:`add` one key at a time. A run of keys of a chunk new to the index, each once (a save batch's
+        whole chunks), is placed in one step and its rows written per column; other keys go through
+        :meth:`add`'s own path."""
+        if len(keys) == 1:  # a lone publish (a promotion, a fallback)
+            sub = _sub_of(keys[0])
+            if sub < 0:
+                return []
+            got = self._add(keys[0][:_KEY_NS_CHUNK], sub, offset[0], units[0], length[0], logical[0], rep[0])
+            return [-1 if got is None else got[0]]
+        n = _well_formed(keys)
+        if n < len(keys):
+            keys = keys[:n]
+        raw = b"".join(keys)
+        layers = memoryview(raw).cast("H")[16::_KEY_SIZE // 2].tolist()  # bytes 32-33 of each key
+        roles = raw[34::_KEY_SIZE]
+        subs = [layer * _ROLES + role for layer, role in zip(layers, roles)]
+        out: list[int] = []
+        segs_of = self._segs
+        # Rows from the free list that _add_chunk took, and their values per column: written once at the end
+        # (nothing reads them before: a chunk it places is an array, so _add never asks such a row its sub).
+        reused: tuple[list, ...] = ([],) + tuple([] for _ in self._columns())
+        i = 0
+        for prefix, run in groupby(keys, _PREFIX):
+            k = len(tuple(run))
+            j = i + k
+            sub = subs[i:j]
+            if k > 1 and prefix not in segs_of and len(set(sub)) == k:
+                out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
+                                       length[i:j], logical[i:j], rep[i:j])
+            else:
+                for x in range(i, j):
+                    got = self._add(prefix, subs[x], offset[x], units[x], length[x], logical[x], rep[x])
+                    out.append(-1 if got is None else got[0])
+            i = j
+        if reused[0]:
+            rows = reused[0]
+            for col, vals in zip(self._columns(), reused[1:]):
+                put_rows(col, rows, vals)
+            put_rows(self.leases, rows, [0] * len(rows))
+            put_rows(self.state, rows, [LIVE] * len(rows))
+        return out
+
+    def _columns(self) -> tuple[array, ...]:
+        """The columns :meth:`_add_chunk` writes from its arguments, in their order."""
+        return (self.offset, self.units, self.length, self.logical, self.rep, self.generation, self.layer, self.role)
+
+    def _add(self, prefix: bytes, sub: int, offset: int, units: int, length: int, logical: int,
+             rep: int) -> tuple[int, int] | None:
+        """:meth:`add` of the key ``prefix`` + the tail of ``sub``."""
         have = self._segs.get(prefix)
         if have is not None:  # the presence test of get(), on the lookup add needs anyway
             if type(have) is int:
@@ -147,6 +242,45 @@ class ObjectIndex:
         self.layer[slot], self.role[slot] = divmod(sub, _ROLES)
         self._live += 1
         return slot, gen
+
+    def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
+                   *columns: Sequence[int]) -> list[int]:
+        """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, absent from the index, with rows of
+        ``columns`` (offset, units, length, logical, rep): :meth:`_add` of each, in one step. New rows are
+        appended here; rows taken from the free list go to ``reused`` (their slots, then each column's
+        values), which the caller writes. Answers the slots."""
+        k = len(subs)
+        free = self._free
+        take = min(k, len(free))
+        slots = free[len(free) - take:][::-1].tolist()  # what k pops give
+        del free[len(free) - take:]
+        rows = len(self._prefix)
+        slots += range(rows, rows + k - take)
+        base = min(subs)
+        segs = array("i", [-1]) * (max(subs) - base + 2)
+        segs[0] = base
+        for b, s in zip(subs, slots):
+            segs[1 + b - base] = s
+        self._segs[prefix] = segs
+        self.chunks[prefix] = k
+        gen = self._next_gen
+        self._next_gen += k
+        values = columns + (range(gen, gen + k), layers, roles)
+        if take:
+            for s in slots[:take]:
+                self._prefix[s] = prefix
+            reused[0].extend(slots[:take])
+            for acc, vals in zip(reused[1:], values):
+                acc.extend(vals[:take])
+        if take < k:
+            self._prefix += [prefix] * (k - take)
+            for col, vals in zip(self._columns(), values):
+                col.extend(vals[take:] if take else vals)
+            # extend, not frombytes: a row at a time, so the columns over-allocate as add's appends do
+            self.leases.extend((0,) * (k - take))
+            self.state.extend((LIVE,) * (k - take))
+        self._live += k
+        return slots
 
     def get(self, key: bytes) -> int | None:
         """Slot of the LIVE object ``key``, or None."""

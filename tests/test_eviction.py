@@ -120,3 +120,44 @@ def test_to_head_is_unlink_then_push_head():
             assert b.unlink(s) == 0
             b.push_head(0, s, 0)
         assert order(a) == order(b) and a.count == b.count
+
+
+def _lists_state(p) -> tuple:
+    l = p._l
+    return (list(l.prev), list(l.next), list(l.queue), list(l.size), list(l.freq), l.head, l.tail, l.count, l.bytes,
+            list(getattr(p, "_ghost", {})))
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+def test_insert_many_is_insert_in_order(name):
+    """Batches of inserts (fresh slots, reused ones out of order, keys whose hash is a ghost) leave the
+    same lists, counts, byte totals and ghosts as insert of each in order; evictions in between make ghosts
+    and free slots."""
+    rnd = random.Random(11)
+    one, many = make_policy(name), make_policy(name)
+    linked: set[int] = set()
+    for _ in range(200):
+        free = [s for s in range(400) if s not in linked]
+        slots = rnd.sample(free, min(len(free), rnd.randrange(1, 40)))
+        if rnd.random() < 0.5:
+            slots.sort()  # consecutive runs: the slice-assignment path
+        nbytes = [512 * rnd.randrange(1, 9) for _ in slots]
+        hashes = [rnd.randrange(60) for _ in slots]  # a small range: many are ghosts
+        for s, n, h in zip(slots, nbytes, hashes):
+            one.insert(s, n, h)
+        many.insert_many(slots, nbytes, iter(hashes))
+        linked.update(slots)
+        assert _lists_state(many) == _lists_state(one)
+        for _ in range(rnd.randrange(0, 30)):  # evict (ghosts) and touch (frequencies) the same way
+            v = one.victim(lambda s: s % 7 == 0)
+            assert many.victim(lambda s: s % 7 == 0) == v
+            if v is None:
+                break
+            for p in (one, many):
+                p.remember(v % 60)
+                p.remove(v)
+            linked.discard(v)
+            t = rnd.choice(sorted(linked))
+            one.touch(t)
+            many.touch(t)
+        assert _lists_state(many) == _lists_state(one)

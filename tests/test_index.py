@@ -205,3 +205,62 @@ def test_trailing_holes_are_trimmed_back_to_slot_zero():
     assert list(ix._segs[p]) == [4, a] + [-1] * 5 + [0] + [-1] * 9 + [b]
     ix.hide(b)  # the trailing holes go: slot 0 is last again
     assert list(ix._segs[p]) == [4, a] + [-1] * 5 + [0] and sorted(ix.slots()) == [0, a]
+
+
+def _state(ix: ObjectIndex) -> tuple:
+    """Everything of an index that add and add_many write."""
+    cols = (ix.offset, ix.units, ix.length, ix.logical, ix.generation, ix.leases, ix.rep, ix.state, ix.layer, ix.role)
+    segs = {p: (v if isinstance(v, int) else list(v)) for p, v in ix._segs.items()}
+    return (tuple(list(c) for c in cols), segs, dict(ix.chunks), list(ix._prefix), list(ix._free), ix._next_gen,
+            len(ix))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_add_many_is_add_one_key_at_a_time(seed):
+    """Random batches (whole new chunks, chunks present in part, keys twice in a batch and keys LIVE
+    already, slots freed in between and reused) give the same answers, slots, generations, columns, chunk
+    arrays and shared prefix objects as add of each key in order."""
+    rnd = random.Random(seed)
+    one, many = ObjectIndex(), ObjectIndex()
+    subs = [(layer, r) for layer in (0, 1, 2, 5, 9, 300) for r in (Role.KEY, Role.VALUE)] + [(7, Role.OPAQUE)]
+    for step in range(120):
+        keys: list[bytes] = []
+        for _ in range(rnd.randrange(1, 5)):  # runs of one chunk each, like a save batch
+            c = rnd.randrange(12)
+            run = rnd.sample(subs, rnd.randrange(1, len(subs) + 1))
+            if rnd.random() < 0.3:  # a key twice
+                run.append(rnd.choice(run))
+            keys += [key(c, layer, r) for layer, r in run]
+        cols = [[rnd.randrange(1 << 20) for _ in keys] for _ in range(4)] + [[rnd.randrange(4) for _ in keys]]
+        want = []
+        for i, k in enumerate(keys):
+            got = one.add(k, *(c[i] for c in cols))
+            want.append(-1 if got is None else got[0])
+        assert many.add_many(keys, *cols) == want
+        assert _state(many) == _state(one)
+        # Hide and free some (the same ones in both): the next batch reuses their slots.
+        live = sorted(s for s in range(len(one._prefix)) if one.state[s] == LIVE)
+        for s in rnd.sample(live, len(live) // 3):
+            free = rnd.random() < 0.9
+            for ix in (one, many):
+                ix.hide(s)
+                if free:
+                    ix.free(s)
+        assert _state(many) == _state(one)
+        check(many, {k: s for k, s in one.items()}, {s for s in range(len(one._prefix)) if one.state[s] == HIDDEN})
+
+
+def test_add_many_stops_before_a_malformed_key():
+    one, many = ObjectIndex(), ObjectIndex()
+    good = [key(1, layer, Role.KEY) for layer in range(4)]
+    for bad in (bytes(35), bytes(34) + b"\x03\x00", bytes(35) + b"\x01"):
+        keys = good[:2] + [bad] + good[2:]
+        cols = [list(range(len(keys)))] * 5
+        got = many.add_many(keys, *cols)
+        assert len(got) == 2  # keys[2] is the malformed one; nothing from it on was added
+        for i, k in enumerate(keys[:2]):
+            one.add(k, *(c[i] for c in cols))
+        with pytest.raises(ValueError):
+            one.add(bad, 0, 0, 0, 0, 0)
+        assert _state(many) == _state(one)
+        assert many.get(good[2]) is None and many.add_many([bad], [0], [0], [0], [0], [0]) == []

@@ -673,6 +673,69 @@ def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
         assert [len(b) for b in m._codec_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
 
 
+def test_run_batches_cut_where_the_per_item_rule_does():
+    """``_run_batches`` (a save's chunks as runs with cumulative sizes) makes the same batches as
+    ``_codec_batches`` over the same items one at a time: random runs of random sizes (zero, over the
+    budget, over the logical cap), random budgets and segment caps."""
+    import itertools
+    import random
+
+    import msgspec
+
+    rnd = random.Random(2)
+    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu")) as m:
+        for _ in range(300):
+            budget = rnd.randrange(1, 5000)
+            m._batch_budget = lambda budget=budget: budget
+            m._config = msgspec.structs.replace(m._config, batch_segments=rnd.randrange(1, 40))
+            runs = []
+            for r in range(rnd.randrange(0, 12)):
+                items = [(r, j, rnd.choice((0, rnd.randrange(budget // 3 + 1), rnd.randrange(2 * budget))),
+                          rnd.randrange(3 * budget)) for j in range(rnd.randrange(1, 30))]
+                runs.append((items, list(itertools.accumulate((it[2] for it in items), initial=0)),
+                             list(itertools.accumulate((it[3] for it in items), initial=0))))
+            flat = [it for items, _, _ in runs for it in items]
+            want = list(m._codec_batches(flat, lambda it: it[2], lambda it: it[3]))
+            assert list(m._run_batches(runs)) == want
+
+
+@pytest.mark.parametrize("codec", ["turboquant-4", "fp8"])
+def test_save_batches_are_the_per_segment_rule_over_the_missing_segments(engine, codec):
+    """The batches a save hands to the codecs are ``_codec_batches`` over the segments it lacks, one at a
+    time in chunk and segment order (each segment's coded bound, its source bytes): chunks of random block
+    counts, some present in part (invalidated segments), some in full; TurboQuant's exact layers take the
+    host path and are in no codec batch. Every segment ends cached."""
+    import random
+
+    pages, reg = engine
+    rnd = random.Random(4)
+    with Manager(ManagerConfig(pool_size=32 << 20, storage_codec=codec, storage_codec_budget=9 * BLOCK_BYTES,
+                               batch_segments=7)) as m:
+        e = m.register_engine(reg)
+        eng = m._engines[e.engine_id]
+        seen: list[list] = []
+        submit = m._save_submit
+        m._save_submit = lambda en, batch: seen.append(list(batch)) or submit(en, batch)
+        for round_ in range(3):
+            chunks, b = [], 0
+            for i in range(12):
+                n = rnd.randrange(1, 5)
+                chunks.append(ChunkBlocks(chunk_key(f"r{i}"), list(range(b, b + n))))
+                b += n
+            keys = {ch.key: [ObjectKey(eng.ns[:16], ch.key, s.layer, s.role).pack() for s in eng.segs]
+                    for ch in chunks}
+            gone = {k for ks in keys.values() for k in ks if rnd.random() < 0.3}
+            m.dram.invalidate(gone.__contains__)
+            want = [(ch, seg, kb) for ch in chunks for seg, kb in zip(eng.segs, keys[ch.key])
+                    if not m.dram.contains(kb) and seg.codec is not None]
+            seen.clear()
+            m.save(e.engine_id, chunks)
+            assert seen == list(m._codec_batches(want, lambda it: it[1].coded_bound(len(it[0].blocks)),
+                                                 lambda it: len(it[0].blocks) * it[1].block_bytes))
+            assert len(seen) >= 2 and all(m.dram.contains(k) for ks in keys.values() for k in ks)
+        assert_reservations_zero(m)
+
+
 @pytest.mark.parametrize("codec, expansion, per_batch", [("fp8", 4, 15), ("fp8", 1, 7)])
 def test_a_codec_batch_never_passes_the_budget(engine, monkeypatch, codec, expansion, per_batch):
     """Save batches close before the next segment's encoded bytes would pass the codec budget (on a GPU two

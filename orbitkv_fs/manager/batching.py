@@ -1,7 +1,8 @@
 """How the pipelines cut work into codec batches and overlap them.
 
 Primitives: :meth:`Batching._codec_batches` (at most ``batch_segments`` segments, the codec budget in
-workspace bytes, ``BATCH_EXPANSION`` budgets of source bytes), :meth:`Batching._batch_budget` (half the
+workspace bytes, ``BATCH_EXPANSION`` budgets of source bytes), :meth:`Batching._run_batches` (the same cut
+of items that come in runs with their cumulative sizes: a save's chunks), :meth:`Batching._batch_budget` (half the
 budget with the GPU engine: two batches share its workspace), :func:`_pipelined` (batch i+1 started before
 batch i ends), :func:`_coded_bound` / :func:`_decode_bound` (the workspace a segment takes).
 
@@ -11,7 +12,8 @@ item it started, also when one fails.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from bisect import bisect_right
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from ..codecs import Codec
 from ..segment import TURBOQUANT_HEAD_DIMS, Format, Role, SegmentHeader, turboquant_stored_bytes
@@ -109,5 +111,36 @@ class Batching:
             batch.append(it)
             size += n
             total += m
+        if batch:
+            yield batch
+
+    def _run_batches(self, runs: Iterable[tuple[list, Sequence[int], Sequence[int]]]) -> Iterator[list]:
+        """:meth:`_codec_batches` of items that come in runs (a save's chunks): each run is ``(items, nbytes,
+        logical)`` with the cumulative sums of its items' counted and logical bytes (``nbytes[j]``: the
+        first ``j`` items). The same batches, cut with a few bisections per run instead of a test per item."""
+        budget = self._batch_budget()
+        cap, most = self._config.batch_segments, BATCH_EXPANSION * budget
+        batch: list = []
+        size = total = 0
+        for items, cn, cm in runs:
+            k = len(items)
+            j = 0
+            while j < k:
+                if not batch:  # the first item of a batch goes in whatever its size
+                    batch.append(items[j])
+                    size, total = cn[j + 1] - cn[j], cm[j + 1] - cm[j]
+                    j += 1
+                # the items j..j+t-1 that fit: the count, the budget and the logical cap, each a prefix
+                t = min(cap - len(batch), k - j,
+                        bisect_right(cn, budget - size + cn[j], j, k + 1) - 1 - j,
+                        bisect_right(cm, most - total + cm[j], j, k + 1) - 1 - j)
+                if t > 0:
+                    batch += items[j:j + t]
+                    size += cn[j + t] - cn[j]
+                    total += cm[j + t] - cm[j]
+                    j += t
+                if j < k:
+                    yield batch
+                    batch, size, total = [], 0, 0
         if batch:
             yield batch

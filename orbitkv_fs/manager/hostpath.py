@@ -55,13 +55,15 @@ def _consecutive(chunks: Sequence[ChunkBlocks]) -> slice | None:
     return slice(first, t) if first >= 0 else None
 
 
-def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | None], n: int) -> slice | None:
-    """The blocks of a group of ``n``-byte pieces of ``seg`` (one per chunk, at arena offsets ``offs``) as
-    one slice of its block-major host view, when the pieces are evenly spaced and the chunks, in order, hold
-    consecutive blocks; else None (the group then moves a piece at a time)."""
-    if type(seg.base) is not np.ndarray or len(chunks) < 2 or None in offs:
+def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | None],
+               sizes: Sequence[int]) -> slice | None:
+    """The blocks of a group of pieces of ``seg`` (one per chunk, at arena offsets ``offs``, of ``sizes``
+    payload bytes) as one slice of its block-major host view, when the pieces are of one size and evenly
+    spaced and the chunks, in order, hold consecutive blocks; else None (the group then moves a piece at a
+    time). Chunks of different block counts are never one run: each piece holds its own chunk's blocks."""
+    if type(seg.base) is not np.ndarray or len(chunks) < 2 or None in offs or sizes.count(sizes[0]) != len(sizes):
         return None
-    piece = units_of(n + HEADER_SIZE) * UNIT
+    piece = units_of(sizes[0] + HEADER_SIZE) * UNIT
     if any(b - a != piece for a, b in zip(offs, offs[1:])):
         return None
     return _consecutive(chunks)
@@ -137,7 +139,7 @@ class HostPath:
                 for g in groups.values():
                     end = start + len(g)
                     seg = items[start][1]
-                    run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start])
+                    run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start:end])
                     if run is not None:  # one copy for the group (at most a batch: it stays in cache)
                         np.copyto(_payloads(buf, offs[start], end - start, sizes[start], seg), _blocks(seg, run, end - start))
                     for i in range(start, end):

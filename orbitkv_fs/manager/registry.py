@@ -186,6 +186,7 @@ class _Engine:
         self.ns = ns
         self.segs = segs
         self.tails = key_tails((s.layer, s.role) for s in segs)  # segs[i]'s key is ns + chunk + tails[i]
+        self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch

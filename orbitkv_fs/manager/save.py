@@ -1,6 +1,7 @@
 """The save pipeline: engine pages -> segments -> DRAM (or straight to the lower tier).
 
-Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the segments not cached yet),
+Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the segments not cached yet, a
+chunk at a time, keys and sizes from the engine's :class:`SavePlan`),
 exact segments of host pages go to :meth:`~orbitkv_fs.manager.hostpath.HostPath._save_raw_batch`,
 :meth:`~SavePipeline._save_submit` / :meth:`~SavePipeline._save_finish` / :meth:`~SavePipeline._save_abort`
 (one codec batch: gather and encode, then publish), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
@@ -16,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from itertools import accumulate, compress, repeat
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -23,7 +25,7 @@ import numpy as np
 from ..access import Caller
 from ..codecs import encode_segment
 from ..hostmem import host_address
-from ..keys import ObjectKey, pack_key
+from ..keys import ObjectKey
 from ..segment import RawReason, parse_header
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, SaveResult
@@ -67,9 +69,31 @@ class _SaveBatch:
         self.seconds = 0.0
 
 
-def _source_bytes(item: tuple[ChunkBlocks, _Seg, bytes]) -> int:
-    """Source bytes of a save's ``(chunk, seg, key)`` segment."""
-    return len(item[0].blocks) * item[1].block_bytes
+class SavePlan:
+    """What a save does with each segment of an engine's chunk of ``blocks`` blocks: ``raw[i]``, whether
+    segment ``i`` (of ``segs``) takes the host path of exact segments; ``bound[i]`` and ``source[i]``, its
+    coded bound and source bytes; for a whole chunk, the cumulative sums over its coded segments, in order
+    (what :meth:`~orbitkv_fs.manager.batching.Batching._run_batches` cuts batches with), and the source
+    bytes of its host-path ones."""
+
+    __slots__ = ("raw", "bound", "source", "cum_bound", "cum_source", "raw_bytes", "_coded")
+
+    def __init__(self, segs: Sequence[_Seg], blocks: int, raw_on_host: bool) -> None:
+        self.raw = [seg.codec is None and raw_on_host for seg in segs]
+        self.bound = [seg.coded_bound(blocks) for seg in segs]
+        self.source = [blocks * seg.block_bytes for seg in segs]
+        self._coded = [i for i, r in enumerate(self.raw) if not r]
+        self.cum_bound = list(accumulate((self.bound[i] for i in self._coded), initial=0))
+        self.cum_source = list(accumulate((self.source[i] for i in self._coded), initial=0))
+        self.raw_bytes = sum(n for n, r in zip(self.source, self.raw) if r)
+
+    def split(self, items: list) -> tuple[list, list]:
+        """A whole chunk's items (one per segment, in order): (host path, coded)."""
+        if len(self._coded) == len(items):
+            return [], items
+        if not self._coded:
+            return items, []
+        return [it for it, r in zip(items, self.raw) if r], [items[i] for i in self._coded]
 
 
 def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -129,8 +153,7 @@ class SavePipeline:
             # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
             # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
             # is spread over more logical bytes.
-            batches = self._codec_batches(self._save_items(eng, chunks, todo, acc),
-                                          lambda it: it[1].coded_bound(len(it[0].blocks)), _source_bytes)
+            batches = self._run_batches(self._save_items(eng, chunks, todo, acc))
             self._save_batches(eng, batches, acc)
             present, saved_chunks = acc.present, set()
             for ch, _, kb in todo:
@@ -146,13 +169,15 @@ class SavePipeline:
         finally:
             self._exit(eng)
 
-    def _save_items(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list, acc: "_SaveAcc") -> Iterator:
-        """The ``(chunk, seg, key)`` segments of a save that go through the codecs, generated as the
-        pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are looked
-        at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages are
-        saved here, straight into the arena, a batch at a time; ``acc.present`` counts the chunks present in
-        full already."""
-        nseg = len(eng.segs)
+    def _save_items(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list,
+                    acc: "_SaveAcc") -> Iterator[tuple[list, list[int], list[int]]]:
+        """The ``(chunk, seg, key)`` segments of a save that go through the codecs, a chunk at a time, as
+        runs for :meth:`_run_batches` (items, cumulative coded bounds, cumulative source bytes), generated as
+        the pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are
+        looked at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages
+        are saved here, straight into the arena, a batch at a time; ``acc.present`` counts the chunks
+        present in full already. A chunk's keys and sizes come from its engine's :class:`SavePlan`."""
+        segs, nseg = eng.segs, len(eng.segs)
         # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
         # device-to-host copy into the arena per batch) rather than a host copy per block.
         raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
@@ -160,25 +185,45 @@ class SavePipeline:
         raw: list[tuple[ChunkBlocks, _Seg, bytes]] = []
         raw_bytes = 0
         cap_segments, cap_bytes = self._raw_batch_cap()
+        plans, ns, tails = eng.save_plans, eng.ns, eng.tails
         for ch in chunks:
-            have = self.dram.chunk_count(eng.ns + ch.key)
+            prefix = ns + ch.key
+            have = self.dram.chunk_count(prefix)
             if have >= nseg:
                 acc.present += 1
                 continue
-            for seg in eng.segs:
-                kb = pack_key(eng.ns, ch.key, seg.layer, seg.role)
-                if have and self.dram.contains(kb):  # a chunk with no segment cached needs no test per segment
-                    continue
-                item = (ch, seg, kb)
-                todo.append(item)
-                if seg.codec is None and raw_on_host:
-                    raw.append(item)
-                    raw_bytes += len(ch.blocks) * seg.block_bytes
-                    if len(raw) >= cap_segments or raw_bytes >= cap_bytes:
-                        self._save_raw_batch(raw, acc)
-                        raw, raw_bytes = [], 0
-                    continue
-                yield item
+            plan = plans.get((len(ch.blocks), raw_on_host))
+            if plan is None:
+                plan = plans[(len(ch.blocks), raw_on_host)] = SavePlan(segs, len(ch.blocks), raw_on_host)
+            keys = list(map(prefix.__add__, tails))
+            items = list(zip(repeat(ch), segs, keys))
+            if have:  # partly cached: the segments it lacks, one lock round (none cached: no test at all)
+                picked = list(compress(range(nseg), [not c for c in self.dram.contains_many(keys)]))
+                items = [items[i] for i in picked]
+                todo += items
+                raws = [it for it, i in zip(items, picked) if plan.raw[i]]
+                coded = [it for it, i in zip(items, picked) if not plan.raw[i]]
+                rows = [i for i in picked if not plan.raw[i]]
+                cn = list(accumulate((plan.bound[i] for i in rows), initial=0))
+                cm = list(accumulate((plan.source[i] for i in rows), initial=0))
+                n = sum(plan.source[i] for i in picked if plan.raw[i])
+            else:
+                todo += items
+                raws, coded = plan.split(items)
+                cn, cm, n = plan.cum_bound, plan.cum_source, plan.raw_bytes
+            if raws:
+                if len(raw) + len(raws) < cap_segments and raw_bytes + n < cap_bytes:  # no flush on the way
+                    raw += raws
+                    raw_bytes += n
+                else:
+                    for item in raws:
+                        raw.append(item)
+                        raw_bytes += len(ch.blocks) * item[1].block_bytes
+                        if len(raw) >= cap_segments or raw_bytes >= cap_bytes:
+                            self._save_raw_batch(raw, acc)
+                            raw, raw_bytes = [], 0
+            if coded:
+                yield coded, cn, cm
         if raw:
             self._save_raw_batch(raw, acc)
 

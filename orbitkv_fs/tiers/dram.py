@@ -11,7 +11,8 @@ Primitives:
   (SIGKILL, the OOM killer): a tmpfs file holds its memory until it is removed. :class:`DramTier` runs it
   on its directory before it makes its own arena.
 * :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
-  to the lower tier through a callback.
+  to the lower tier through a callback. A save batch publishes with :meth:`DramTier.publish_many`: one
+  lock round, the index's ``add_many`` and the policy's ``insert_many``, byte accounting per batch.
 
 Invariants (all under :attr:`DramTier.lock`):
 
@@ -33,6 +34,7 @@ import os
 import re
 import threading
 import uuid
+from itertools import compress
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -329,18 +331,66 @@ class DramTier:
                      done: list[bool] | None = None) -> list[bool]:
         """:meth:`publish` of each ``(key, offset, length, logical, rep)`` under one lock round (a save
         batch's segments); per item, whether it was published (False: present already, reservation freed).
-        With ``done``, the answers are appended to it as they are made: should this raise part way, the
+        With ``done``, the answers are appended to it: should this raise part way (a malformed key), the
         items past ``len(done)`` were not published and are still reserved."""
         out = [] if done is None else done
         with self.lock:
-            for it in items:
-                out.append(self._publish(*it) is not None)
+            slots = self._publish_many(items)
+        out += [s >= 0 for s in slots]
+        if len(slots) < len(items):
+            raise ValueError(f"not a packed object key: {items[len(slots)][0]!r}")
         return out
 
+    def _publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]]) -> list[int]:
+        """The index's :meth:`~orbitkv_fs.index.ObjectIndex.add_many` of ``items`` with the tier's
+        accounting: each item's slot (-1: present already, its extent freed); an answer shorter than
+        ``items`` stops before a malformed key (that item and the ones after it stay reserved)."""
+        if len(items) <= 1:
+            if not items:
+                return []
+            try:
+                added = self._publish(*items[0])
+            except ValueError:
+                return []
+            return [-1 if added is None else added[0]]
+        keys, offsets, lengths, logical, reps = zip(*items)
+        units = [-(-n // UNIT) for n in lengths]
+        starts = [off // UNIT for off in offsets]
+        slots = self.index.add_many(keys, starts, units, lengths, logical, reps)
+        k = len(slots)
+        if k < len(items):
+            keys, units, starts, logical, reps = keys[:k], units[:k], starts[:k], logical[:k], reps[:k]
+        self.reserved_bytes -= sum(units) * UNIT
+        if -1 in slots:  # present already: the reservation goes back
+            keep = [s >= 0 for s in slots]
+            for s, start, n in zip(slots, starts, units):
+                if s < 0:
+                    self.alloc.free(start, n)
+            added = list(compress(slots, keep))
+            keys, units = list(compress(keys, keep)), list(compress(units, keep))
+            logical, reps = list(compress(logical, keep)), list(compress(reps, keep))
+        else:
+            added = slots
+        if not added:
+            return slots
+        nbytes = [n * UNIT for n in units]
+        self.policy.insert_many(added, nbytes, map(hash, keys))
+        resident = self.resident_bytes
+        rep = reps[0]
+        if reps.count(rep) == len(reps):
+            resident[rep] = resident.get(rep, 0) + sum(nbytes)
+        else:
+            for rep, n in zip(reps, nbytes):
+                resident[rep] = resident.get(rep, 0) + n
+        self.resident_logical += sum(logical)
+        return slots
+
     def _publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:
+        """:meth:`_publish_many` of one item (a lone publish: a promotion, a host codec's segment), without
+        the batch's set-up; ValueError for a malformed key, with nothing changed."""
         n = units_of(length)
-        self.reserved_bytes -= n * UNIT
         added = self.index.add(key, offset // UNIT, n, length, logical, rep)
+        self.reserved_bytes -= n * UNIT
         if added is None:  # present already
             self.alloc.free(offset // UNIT, n)
             return None
@@ -462,6 +512,12 @@ class DramTier:
     def contains(self, key: bytes) -> bool:
         with self.lock:
             return self.index.get(key) is not None
+
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
+        """:meth:`contains` of each key under one lock round."""
+        get = self.index.get
+        with self.lock:
+            return [get(k) is not None for k in keys]
 
     # -- removal -------------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Eviction policies over index slots: LRU and S3-FIFO (byte-weighted queues), lease-aware.
 
 A policy orders slot ids (small ints owned by :class:`orbitkv_fs.index.ObjectIndex`) and, asked for a
-victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)``, ``touch(slot)``,
-``touch_many(slots)`` (``touch`` of each, in order), ``remove(slot)``, ``victim(pinned) -> slot | None`` and :func:`make_policy`.
+victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)`` (and ``insert_many``
+of a batch's slots, in order), ``touch(slot)``, ``touch_many(slots)`` (``touch`` of each, in order), ``remove(slot)``,
+``victim(pinned) -> slot | None`` and :func:`make_policy`.
 
 * ``lru``: one doubly linked list; touch moves to the head, victims come from the tail.
 * ``s3fifo`` (Yang et al., SOSP '23): a small FIFO (10% of the bytes), a main FIFO and a ghost FIFO of
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable
+from itertools import compress
+from typing import Callable, Iterable, Sequence
+
+from ..index import put_rows
 
 import numpy as np
 
@@ -48,15 +52,18 @@ class _Lists:
         self.bytes = [0] * queues
 
     def _grow(self, slot: int) -> None:
-        # One row at a time: array's own over-allocation (1/16) amortises it, and the columns stay within
-        # a few percent of the slot count instead of growing by halves.
-        while len(self.prev) <= slot:
-            self.prev.append(_NIL)
-            self.next.append(_NIL)
-            self.queue.append(-1)
+        # To the rows needed only: array's own over-allocation (1/16) amortises it, and the columns stay
+        # within a few percent of the slot count instead of growing by halves.
+        add = slot + 1 - len(self.prev)
+        if add > 0:
+            nil = (_NIL,) * add  # also the queue column's "in no list"
+            self.prev.extend(nil)
+            self.next.extend(nil)
+            self.queue.extend(nil)
             if self.weighted:
-                self.size.append(0)
-                self.freq.append(0)
+                zero = (0,) * add
+                self.size.extend(zero)
+                self.freq.extend(zero)
 
     def push_head(self, q: int, slot: int, nbytes: int) -> None:
         self._grow(slot)
@@ -73,6 +80,31 @@ class _Lists:
         if self.weighted:
             self.size[slot] = nbytes
             self.bytes[q] += nbytes
+
+    def push_head_many(self, q: int, slots: Sequence[int], nbytes: Sequence[int]) -> None:
+        """:meth:`push_head` of each slot in order (the last one ends at the head), in one step."""
+        k = len(slots)
+        if k <= 1:
+            if k:
+                self.push_head(q, slots[0], nbytes[0])
+            return
+        self._grow(max(slots))
+        h = self.head[q]
+        first, last = slots[0], slots[k - 1]
+        # In order: each slot's next is the one pushed before it (the old head for the first), its prev the
+        # one pushed after it (none for the last).
+        put_rows(self.next, slots, [h, *slots[:k - 1]])
+        put_rows(self.prev, slots, [*slots[1:], _NIL])
+        if h != _NIL:
+            self.prev[h] = first
+        else:
+            self.tail[q] = first
+        self.head[q] = last
+        put_rows(self.queue, slots, [q] * k)
+        self.count[q] += k
+        if self.weighted:
+            put_rows(self.size, slots, nbytes)
+            self.bytes[q] += sum(nbytes)
 
     def to_head(self, q: int, slot: int) -> None:
         """Move ``slot``, linked in list ``q``, to that list's head: :meth:`unlink` then :meth:`push_head`
@@ -123,6 +155,10 @@ class LruPolicy:
 
     def insert(self, slot: int, nbytes: int, key_hash: int) -> None:  # noqa: ARG002
         self._l.push_head(0, slot, nbytes)
+
+    def insert_many(self, slots: Sequence[int], nbytes: Sequence[int], key_hashes: Iterable[int]) -> None:  # noqa: ARG002
+        """:meth:`insert` of each, in order (``key_hashes`` is not read: it may be a lazy map)."""
+        self._l.push_head_many(0, slots, nbytes)
 
     def touch(self, slot: int) -> None:
         l = self._l
@@ -195,13 +231,27 @@ class S3FifoPolicy:
         self._ghost: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, slot: int, nbytes: int, key_hash: int) -> None:
-        l = self._l
-        if key_hash in self._ghost:
-            del self._ghost[key_hash]
-            l.push_head(_MAIN, slot, nbytes)
-        else:
-            l.push_head(_SMALL, slot, nbytes)
-        l.freq[slot] = 0
+        self.insert_many((slot,), (nbytes,), (key_hash,))
+
+    def insert_many(self, slots: Sequence[int], nbytes: Sequence[int], key_hashes: Iterable[int]) -> None:
+        """:meth:`insert` of each, in order: a slot whose key hash is a ghost goes to the main queue (its
+        ghost dropped), the others to the small one; each queue takes its slots in one step."""
+        l, ghost = self._l, self._ghost
+        if ghost:
+            to_main = []
+            for h in key_hashes:
+                hit = h in ghost
+                if hit:
+                    del ghost[h]
+                to_main.append(hit)
+            if any(to_main):
+                small = [not x for x in to_main]
+                l.push_head_many(_SMALL, list(compress(slots, small)), list(compress(nbytes, small)))
+                l.push_head_many(_MAIN, list(compress(slots, to_main)), list(compress(nbytes, to_main)))
+                put_rows(l.freq, slots, [0] * len(slots))
+                return
+        l.push_head_many(_SMALL, slots, nbytes)
+        put_rows(l.freq, slots, [0] * len(slots))
 
     def touch(self, slot: int) -> None:
         l = self._l
