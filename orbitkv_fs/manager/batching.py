@@ -27,17 +27,9 @@ if TYPE_CHECKING:
 BATCH_EXPANSION = 4
 
 
-_ANS_CHUNK = 65536
-#: Engine workspace per 64 KiB ANS chunk besides the slot: nvCOMP 5.3's largest output of a 64 KiB chunk
-#: (89,288 bytes, docs/results/2026-12-02-pipeline-batch-ab/nvcomp_sizes.py, rounded up to the engine's
-#: 256-byte alignment) and the chunk's input, size and status entries. nvCOMP is pinned to 5.3.x.
-_ANS_CHUNK_WORKSPACE = 89_344 + 36
-
-
 def _coded_bound(seg: _Seg, n: int) -> int:
     """Workspace bytes the GPU engine's encode of ``n`` source bytes of ``seg`` takes: its payload slot,
-    as :meth:`orbitkv_fs.gpu.engine.GpuCodecEngine._classify` sizes it (raw: the source size), and for ANS
-    the chunk outputs beside it."""
+    as :meth:`orbitkv_fs.gpu.engine.GpuCodecEngine._classify` sizes it (ANS and raw: the source size)."""
     codec = seg.codec_name
     d = seg.block_shape[-1] if seg.block_shape else 0
     if codec == "fp8" and seg.dtype.itemsize == 2:
@@ -45,10 +37,6 @@ def _coded_bound(seg: _Seg, n: int) -> int:
     if (codec.startswith("turboquant") and seg.dtype.itemsize == 2 and seg.role in (Role.KEY, Role.VALUE)
             and d in TURBOQUANT_HEAD_DIMS):
         return turboquant_stored_bytes(n, d, int(codec[-1]), seg.role)
-    if codec == "ans":
-        # Its slot and nvCOMP's worst-case output of each 64 KiB chunk beside it: sized by the slot alone, one
-        # Manager batch was 2-3 engine batches, each waiting for the one before inside the submit.
-        return n + -(-n // _ANS_CHUNK) * _ANS_CHUNK_WORKSPACE
     return n
 
 
