@@ -296,16 +296,20 @@ def test_cuts_are_codec_batches(seed):
 
 
 def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
-    """_check_device_batch against what the restore's per-segment path decides for each segment: a header
-    (passes _verify_header and fits its destination) or not (a miss or a wrong request, which that path then
-    tells apart)."""
+    """_check_device_batch (phase 1: size fields) then _verified_batch (a decode batch's headers as one
+    array) against what the restore's per-segment path decides for each segment: a header that passes
+    _verify_header and fits its destination is decoded with exactly that header; one that fails
+    _verify_header is a miss for its chunk with that reason (or goes to the per-segment path in phase 1); a
+    valid header that does not fit goes to the per-segment path in phase 1 (a wrong request)."""
     rng = random.Random(9)
     dram = DramTier(8 << 20, shm_dir=str(tmp_path), pin=False)
     try:
         p = _Pipeline(dram, 4 << 20, 8, True)
+        p.failures = 0
+        p._add = lambda decode_failures=0: setattr(p, "failures", p.failures + decode_failures)
         segs = [SimpleNamespace(layer=layer, role=role, dtype_code=3, dtype=np.dtype(np.float16), block_bytes=2048)
                 for layer in range(4) for role in (Role.KEY, Role.VALUE)]
-        chunks = [ChunkBlocks(bytes([c]) * 16, [2 * c, 2 * c + 1]) for c in range(6)]
+        chunks = [ChunkBlocks(bytes([c]) * 16, [2 * c, 2 * c + 1]) for c in range(12)]
         keys = [[pack_key(NS, ch.key, s.layer, s.role) for s in segs] for ch in chunks]
         spans = {}
         for ci, ks in enumerate(keys):
@@ -313,7 +317,7 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
                 x = np.random.default_rng(ci).standard_normal(2048).astype(np.float16)
                 blob = bytearray(rng.choice([raw_segment(x, role=s.role, layer=s.layer, reason=RawReason.NONE),
                                              encode_segment(x, "fp8", role=s.role, layer=s.layer)]))
-                what = rng.randrange(8)
+                what = rng.randrange(16)
                 if what == 0:
                     blob[rng.randrange(HEADER_SIZE)] ^= 1 << rng.randrange(8)
                 elif what == 1:
@@ -325,23 +329,44 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
                 dram.publish(kb, off, len(blob), 4096, 0)
                 spans[kb] = (off, len(blob))
         chunks[5] = ChunkBlocks(chunks[5].key, [10, 11, 12])  # every segment of it too small for 3 blocks
-        pre, sizes = p._check_device_batch(chunks, segs, keys, spans)
-        assert sum(h is not None for h in pre) > len(pre) // 3
+        fit, heads, sizes = p._check_device_batch(chunks, segs, keys, spans)
+        assert sum(fit) > len(fit) // 3
+        items, rows, truth = [], [], {}
         for ci, (ch, ks) in enumerate(zip(chunks, keys)):
             for si, (s, kb) in enumerate(zip(segs, ks)):
-                got = pre[ci * len(segs) + si]
+                r = ci * len(segs) + si
                 if kb not in spans:
-                    assert got is None
+                    assert not fit[r]
                     continue
-                blob = dram.view(*spans[kb])
+                blob = memoryview(dram.view(*spans[kb]))
                 try:
                     h = _verify_header(kb, blob)
+                    truth[(ci, si)] = h
                     fits = h.original_length == len(ch.blocks) * s.block_bytes and h.dtype == s.dtype
-                except SegmentError:
-                    h, fits = None, False
-                assert got == (h if fits else None), (ci, si)
-                if fits:
-                    assert sizes[ci * len(segs) + si].tolist() == [
-                        h.stored_length, h.original_length, HEADER_SIZE + h.stored_length]
+                except SegmentError as e:
+                    truth[(ci, si)] = e
+                    fits = None  # corrupt: caught in phase 1 or by the batch check
+                if fits is not None:
+                    assert fit[r] == fits, (ci, si)
+                    if fits:
+                        assert sizes[r].tolist() == [h.stored_length, h.original_length,
+                                                     HEADER_SIZE + h.stored_length, spans[kb][1]]
+                if fit[r]:
+                    items.append((ci, s, ch, None, blob, kb))
+                    rows.append(r)
+        bad: dict[int, str] = {}
+        out, kept = p._verified_batch(items, heads[rows], sizes[rows], bad)
+        failed = {(ci, segs.index(s)) for ci, s, *_ in items if isinstance(truth[(ci, segs.index(s))], Exception)}
+        assert failed and p.failures == len(failed)
+        for ci, si in failed:
+            e = truth[(ci, si)]
+            assert ci in bad and bad[ci].startswith("corrupt: ")
+        for (ci, si) in failed:  # the first failure of a chunk names the reason
+            first = min(sj for cj, sj in failed if cj == ci)
+            e = truth[(ci, first)]
+            assert bad[ci] == f"corrupt: {type(e).__name__}: {e}"
+        want = [(ci, s, h) for ci, s, *_ in items for h in [truth[(ci, segs.index(s))]] if ci not in bad]
+        assert [(ci, s, h) for ci, s, _, h, _ in out] == want
+        assert kept.tolist() == [sizes[r].tolist() for (ci, s, *_), r in zip(items, rows) if ci not in bad]
     finally:
         dram.close()

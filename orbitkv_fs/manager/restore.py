@@ -103,35 +103,34 @@ class RestorePipeline:
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: check every source against its destination; write nothing yet. Segments bound for
             # GPU pages through the GPU engine get their payload CRC32C checked there, before anything is
-            # written to their destination (a mismatch is a miss, as here). Their headers in DRAM are
-            # verified here as one batch (_check_device_batch); the others' (and those that failed there)
-            # in full batch by batch while the GPU works on the previous batch (_decode_gpu). Here only their
-            # size fields are read, so that a request its blocks cannot hold still fails before anything
-            # is written; a header whose fields disagree is verified at once, to tell corruption (a miss)
-            # from a wrong request (RequestError).
+            # written to their destination (a mismatch is a miss, as here). Their headers are verified in
+            # full batch by batch while the GPU works on the previous batch (_decode_gpu): where the
+            # segments are large the GPU is the bottleneck, and a check here would add to it. Here only
+            # their size fields are read (for DRAM extents as one array, _check_device_batch), so that a
+            # request its blocks cannot hold still fails before anything is written; a header whose fields
+            # disagree is verified at once, to tell corruption (a miss) from a wrong request (RequestError).
             bad: dict[int, str] = {}
             plan: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []  # whole segments
-            # headers checked later (None), or in _check_device_batch
+            # headers checked later (None), batch by batch
             deferred: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader | None, memoryview, bytes]] = []
             from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
             # Exact segments of host pages in DRAM: checked as one batch; the other chunks segment by segment.
             checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else []
             batched = {c[0] for c in checked}
-            # Segments bound for the GPU engine from DRAM: headers checked as one batch (None: not checked).
-            pre, sizes = self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans else (None, None)
+            # Segments bound for the GPU engine from DRAM: size fields checked as one array (False: per segment).
+            pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans
+                                 else (None, None, None))
             arena_ids: set[int] = set()  # ids of the sources that are arena views (pinned where the arena is)
             nseg = len(segs)
             for ci, (ch, ks) in enumerate(zip(chunks, keys)):
                 if ci in batched:
                     continue
                 for si, (seg, kb) in enumerate(zip(segs, ks)):
-                    if pre is not None:
-                        h = pre[ci * nseg + si]
-                        if h is not None:
-                            src = memoryview(self.dram.view(*spans[kb]))
-                            arena_ids.add(id(src))
-                            deferred.append((ci, seg, ch, h, src, kb))
-                            continue
+                    if pre is not None and pre[ci * nseg + si]:
+                        src = memoryview(self.dram.view(*spans[kb]))
+                        arena_ids.add(id(src))
+                        deferred.append((ci, seg, ch, None, src, kb))
+                        continue
                     src = sources.get(kb)
                     if src is None and spans:
                         span = spans.get(kb)
@@ -189,9 +188,10 @@ class RestorePipeline:
                         done.append((ci, seg, ch, h, e))
             gpu_totals = (0, 0, 0)
             if coded:
-                # Every segment checked as one batch: its batches are cut from the header arrays.
-                whole = (sizes if sizes is not None and not plan and not bad and len(coded) == len(pre)
-                         and None not in pre else None)
+                # Every segment's size fields fit in phase 1: batches are cut from the header arrays, and each
+                # batch's headers are verified as one array while the GPU works on the previous batch.
+                whole = ((heads, sizes) if sizes is not None and not plan and not bad and len(coded) == len(pre)
+                         and all(pre) else None)
                 failed, gpu_totals = self._decode_gpu(eng, coded, bad, arena_ids, whole)
                 done += failed
             uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
@@ -314,13 +314,14 @@ class RestorePipeline:
         return out
 
     def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str], arena_ids: set[int],
-                    sizes: "np.ndarray | None" = None) -> tuple[list, tuple[int, int, int]]:
+                    whole: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[list, tuple[int, int, int]]:
         """Segments through the GPU codec engine, in batches: ``(ci, seg, ch, h, blob, kb)`` items, ``h``
         None where the header is still to be verified (against key ``kb``, just before the item's batch is
         formed, so that this runs while the GPU works on the previous batch). A header that fails is a miss
         for its chunk (``bad[ci]``), whose later segments are then skipped. ``arena_ids``: the ids of the
-        blobs that are arena views. ``sizes`` (every header checked already, none failed): per item its
-        batch bytes, decoded bytes and stored bytes (:meth:`_check_device_batch`), to cut the batches from.
+        blobs that are arena views. ``whole`` (every item's size fields fit, :meth:`_check_device_batch`): the
+        items' header rows and, per item, its batch bytes, decoded bytes, stored bytes and extent length: the
+        batches are cut from these, and each batch's headers verified as one array (:meth:`_verified_batch`).
         Answers ``(ci, seg, ch, h, error)`` per segment that failed, and the segments decoded with their
         decoded and stored bytes (headers included); the GPU blocks are written when this returns, except
         those of irregular layouts, queued on the current stream (the caller synchronises it)."""
@@ -344,12 +345,13 @@ class RestorePipeline:
         # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
-        if sizes is None:
+        if whole is None:
             jobs = ((b, None) for b in self._codec_batches(verified(), lambda it: _decode_bound(it[3]),
                                                            lambda it: it[3].original_length))
         else:
-            bare = [it[:5] for it in items]
-            jobs = ((bare[i:j], sizes[i:j]) for i, j in self._cuts(sizes[:, 0], sizes[:, 1]))
+            heads, sizes = whole
+            cut = ((items[i:j], heads[i:j], sizes[i:j]) for i, j in self._cuts(sizes[:, 0], sizes[:, 1]))
+            jobs = (job for job in (self._verified_batch(*c, bad) for c in cut) if job[0])
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
@@ -391,45 +393,68 @@ class RestorePipeline:
             i = j
 
     def _check_device_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                            spans: dict[bytes, tuple[int, int]]) -> tuple[list, np.ndarray]:
-        """The headers of a restore's DRAM-leased sources bound for the GPU engine, checked as one batch
-        (:func:`_verify_headers`): against their keys and extents as :func:`_verify_header` checks them, and
-        against the size and dtype their destinations take. Answers per segment (chunk-major) its
-        :class:`SegmentHeader`, or None where the segment is for the per-segment path (not in DRAM, or a
-        header that fails here: that path says why, and whether it is a miss or a wrong request); and per
-        segment its batch bytes (:func:`_decode_bound`), decoded bytes and stored bytes, ``[n, 3]``."""
+                            spans: dict[bytes, tuple[int, int]]) -> tuple[list[bool], np.ndarray, np.ndarray]:
+        """The size fields of a restore's DRAM-leased sources bound for the GPU engine, read as one array: the
+        dtype and source length each header names against what its destination blocks take, its stored
+        length against its extent. Answers per segment (chunk-major) whether they fit (False: not in DRAM, or
+        fields that do not fit: the per-segment path says why, and whether it is a miss or a wrong request),
+        the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound`), decoded bytes,
+        stored bytes and extent length, ``[n, 4]``. The rest of each header is verified batch by batch
+        (:meth:`_verified_batch`)."""
         nseg = len(segs)
         n = len(chunks) * nseg
         got = [spans.get(kb) for ks in keys for kb in ks]
-        out: list[SegmentHeader | None] = [None] * n
-        sizes = np.zeros((n, 3), dtype=np.int64)
+        sizes = np.zeros((n, 4), dtype=np.int64)
+        heads = np.zeros((n, HEADER_SIZE), dtype=np.uint8)
         rows = [i for i, g in enumerate(got) if g is not None] if None in got else list(range(n))
         if not rows:
-            return out, sizes
+            return [False] * n, heads, sizes
         offs, lens = np.array([got[i] for i in rows] if len(rows) < n else got, dtype=np.int64).T
-        heads = _header_rows_at(self.dram.arena.buf, offs)
         at = np.asarray(rows, dtype=np.int64)
+        heads[at] = _header_rows_at(self.dram.arena.buf, offs)
         si, ci = at % nseg, at // nseg
-        seg_layer = np.asarray([s.layer for s in segs], dtype=np.int64)[si]
-        seg_role = np.asarray([int(s.role) for s in segs], dtype=np.int64)[si]
         seg_code = np.asarray([-1 if s.dtype_code is None else s.dtype_code for s in segs], dtype=np.int64)[si]
         want = (np.asarray([len(ch.blocks) for ch in chunks], dtype=np.int64)[ci]
                 * np.asarray([s.block_bytes for s in segs], dtype=np.int64)[si])
-        ok, tid, templates = _verify_headers(heads, seg_layer, seg_role, lens)
-        h = heads.view(HEADER_DTYPE).reshape(-1)
+        h = heads[at].view(HEADER_DTYPE).reshape(-1)
         orig = h["original_length"].astype(np.int64)
         stored = h["stored_length"].astype(np.int64)
-        ok &= (h["dtype"] == seg_code) & (orig == want)
+        ok = (h["dtype"] == seg_code) & (orig == want) & (stored + HEADER_SIZE == lens)
         sizes[at, 0] = np.where(h["format"] == int(Format.ANS), orig, stored)
         sizes[at, 1] = orig
         sizes[at, 2] = stored + HEADER_SIZE
+        sizes[at, 3] = lens
+        fit = [False] * n
+        for r in at[ok].tolist():
+            fit[r] = True
+        return fit, heads, sizes
+
+    def _verified_batch(self, items: list, heads: np.ndarray, sizes: np.ndarray,
+                        bad: dict[int, str]) -> tuple[list, np.ndarray]:
+        """One decode batch of ``(ci, seg, ch, None, blob, key)`` items whose size fields fit: their headers
+        verified as one array (:func:`_verify_headers`: against their keys and extents, as
+        :func:`_verify_header`). A header that fails is a miss for its chunk (``bad``, with
+        :func:`_verify_header`'s reason); the segments of chunks in ``bad`` are left out. Answers the batch's
+        ``(ci, seg, ch, header, blob)`` items and their rows of ``sizes``."""
+        layers = np.fromiter([it[1].layer for it in items], dtype=np.int64, count=len(items))
+        roles = np.fromiter([int(it[1].role) for it in items], dtype=np.int64, count=len(items))
+        ok, tid, templates = _verify_headers(heads, layers, roles, sizes[:, 3])
+        for j in np.flatnonzero(~ok).tolist():
+            ci, _, _, _, blob, kb = items[j]
+            try:
+                _verify_header(kb, blob)
+                err: SegmentError = SegmentError("header failed the batch check")
+            except SegmentError as e:
+                err = e
+            self._add(decode_failures=1)
+            bad.setdefault(ci, f"corrupt: {type(err).__name__}: {err}")
+        pcrc = heads.view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
         replace = msgspec.structs.replace
-        pcrc, tids = h["payload_crc"].tolist(), tid.tolist()
-        if len(rows) == n and ok.all():
-            return [replace(templates[t], payload_crc=c) for t, c in zip(tids, pcrc)], sizes
-        for j in np.flatnonzero(ok).tolist():
-            out[rows[j]] = replace(templates[tids[j]], payload_crc=pcrc[j])
-        return out, sizes
+        keep = [j for j, it in enumerate(items) if ok[j] and it[0] not in bad] if bad else range(len(items))
+        tids = tid.tolist()
+        out = [(items[j][0], items[j][1], items[j][2], replace(templates[tids[j]], payload_crc=pcrc[j]), items[j][4])
+               for j in keep]
+        return out, sizes[list(keep)] if bad else sizes
 
     def _decode_start(self, seed: int, batch: list, arena_ids: set[int], sizes: "np.ndarray | None") -> tuple:
         if sizes is None:
