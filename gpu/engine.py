@@ -668,6 +668,25 @@ def _decode_rows(buf: np.ndarray, at: int, plans: list, fp8: list, tq: list, cop
     return firsts
 
 
+def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int) -> "list | None":
+    """``plans`` cut into batches as the per-segment fit rule cuts them: each as long as ``fixed(count) + its
+    sizes`` stays within ``limit``, at most MAX_BATCH; one cumulative sum instead of an estimate per segment.
+    None when some plan does not fit alone (the per-segment rule then decides what to do with it)."""
+    k = len(plans)
+    if k and int((fixed(np.ones(1, np.int64)) + sizes.max())[0]) > limit:
+        return None
+    ends = np.cumsum(sizes)
+    out = []
+    start = 0
+    while start < k:
+        m = min(MAX_BATCH, k - start)
+        est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
+        count = int(np.count_nonzero(est <= limit))  # est grows with the count: its prefix fits
+        out.append(plans[start:start + count])
+        start += count
+    return out
+
+
 def _item(obj: Any) -> EncodeItem:
     if isinstance(obj, EncodeItem):
         return obj
@@ -970,24 +989,12 @@ class GpuCodecEngine:
         k = len(plans)
         slots = np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans], np.int64, count=k)
         slots = -(-slots // align) * align
-        half = self.budget_bytes // 2
 
         def fixed(m: np.ndarray) -> np.ndarray:  # _enc_estimate's part that depends on the segment count
             return (-(-(4 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
                     + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(8) + 4 * 256 + align - SLOT_ALIGN)
 
-        if k and int((fixed(np.ones(1, np.int64)) + slots.max())[0]) > half:
-            return None
-        ends = np.cumsum(slots)
-        out: list[list[_Enc]] = []
-        start = 0
-        while start < k:
-            m = min(MAX_BATCH, k - start)
-            est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
-            count = int(np.count_nonzero(est <= half))  # est grows with the count: its prefix fits
-            out.append(plans[start:start + count])
-            start += count
-        return out
+        return _prefix_batches(plans, slots, fixed, self.budget_bytes // 2)
 
     def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
         """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
@@ -1434,24 +1441,12 @@ class GpuCodecEngine:
         k = len(plans)
         staged = np.fromiter([p.h.stored_length for p in plans], np.int64, count=k)
         staged = -(-staged // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
-        half = self.budget_bytes // 2
 
         def fixed(m: np.ndarray) -> np.ndarray:  # _dec_estimate's part that depends on the segment count
             return (-(-(2 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
                     + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(44) + 4 * 256)
 
-        if k and int((fixed(np.ones(1, np.int64)) + staged.max())[0]) > half:
-            return None
-        ends = np.cumsum(staged)
-        out: list[list[_Dec]] = []
-        start = 0
-        while start < k:
-            m = min(MAX_BATCH, k - start)
-            est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
-            count = int(np.count_nonzero(est <= half))  # est grows with the count: its prefix fits
-            out.append(plans[start:start + count])
-            start += count
-        return out
+        return _prefix_batches(plans, staged, fixed, self.budget_bytes // 2)
 
     def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
         """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""
