@@ -36,8 +36,8 @@ Batch API (for the Manager)::
 * Memoryviews returned by ``encode_batch`` own their pinned buffer (shared by the batch); keep or copy
   them as needed.
 * Pipelining: ``job = engine.encode_submit(items, ...)`` queues the batch and returns;
-  ``engine.encode_collect(job)`` waits and answers the segments (``job.headers`` holds their parsed
-  headers). ``decode_submit`` / ``decode_collect`` likewise. Up to two batches per worker are in flight.
+  ``engine.encode_collect(job)`` waits and answers the segments (``job.fmt``, ``original``, ``length``,
+  ``reason`` and ``addr`` hold their header fields and host addresses as arrays). ``decode_submit`` / ``decode_collect`` likewise. Up to two batches per worker are in flight.
 * Page blocks: ``engine.gather_blocks(table)`` / ``engine.scatter_blocks(table)`` copy whole page blocks
   (``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows: source, destination, strides, rows, row bytes) in one launch
   on the save / restore stream; ``engine.block_buffer(nbytes, restore=...)`` allocates the contiguous side.
