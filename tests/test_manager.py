@@ -754,3 +754,22 @@ def test_a_codec_batch_never_passes_the_budget(engine, monkeypatch, codec, expan
         assert r.segments == 2 * 2 * L
         assert m.stats().codec_batches == -(-2 * 2 * L // per_batch)
         assert_reservations_zero(m)
+
+
+def test_host_batch_publishes_chunk_major_in_request_order(engine):
+    """Exact host segments are copied segment-major but published chunk by chunk, in the request's order: the
+    index takes a chunk's new segments in one step, and the eviction policy ages chunks as the engine sent
+    them (a key-ordered publication aged them by hash)."""
+    from orbitkv_fs.keys import pack_key
+
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=64 << 20)) as m:
+        e = m.register_engine(reg)
+        chunks = chunks_for(6, salt="order")
+        m.save(e.engine_id, chunks)
+        ns = bytes.fromhex(e.namespace)
+        ix = m.dram.index
+        gens = [[ix.generation[ix.get(pack_key(ns, ch.key, layer, role))] for layer in range(L)
+                 for role in (Role.KEY, Role.VALUE)] for ch in chunks]
+        for earlier, later in zip(gens, gens[1:]):
+            assert max(earlier) < min(later)

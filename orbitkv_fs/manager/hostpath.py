@@ -124,7 +124,7 @@ class HostPath:
         offs = self.dram.reserve_many([n + HEADER_SIZE for n in sizes])
         buf = self.dram.arena.buf
         tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
-        rows: list[np.ndarray] = []
+        rows: list[bytes] = []  # raw bytes: concatenating structured rows costs a field promotion each
         bases: list[int] = []
         # per segment placed: its index, payload CRC, template row
         live: list[int] = []
@@ -155,7 +155,7 @@ class HostPath:
                         if t is None:
                             row, base = seg.raw_header(n)
                             t = tmpl[(id(seg), n)] = len(rows)
-                            rows.append(row)
+                            rows.append(row.tobytes())
                             bases.append(base)
                         tids.append(t)
                         live.append(i)
@@ -164,10 +164,19 @@ class HostPath:
             if live:
                 tid = np.asarray(tids, dtype=np.intp)
                 pcrc = np.asarray(crcs, dtype=np.uint32)
-                heads = np.concatenate(rows)[tid]
+                heads = np.frombuffer(b"".join(rows), dtype=HEADER_DTYPE)[tid]
                 heads["payload_crc"] = pcrc
                 heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
                 _put_headers(buf, [offs[i] for i in live], [sizes[i] for i in live], heads)
+            if len(todo) > 1:  # chunk-major (the copies went segment-major): the index places a chunk's new
+                # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path.
+                # Chunks in request order, not key order: the eviction policy ages them in publication order.
+                by_chunk: dict[bytes, list[int]] = {}
+                for j, t in enumerate(todo):
+                    by_chunk.setdefault(t[0][:32], []).append(j)
+                order = [j for js in by_chunk.values() for j in js]
+                todo = [todo[j] for j in order]
+                live = [live[j] for j in order]
             c1 = time.thread_time()
             self.dram.publish_many(todo, done)
         except BaseException:
@@ -179,16 +188,18 @@ class HostPath:
                 if off is not None and i not in started:
                     self.dram.cancel(off, sizes[i] + HEADER_SIZE)
             raise
-        admit = acc.admit
+        # Admissions per batch: the keys as one set update, the byte sums, the raw reasons per segment class.
+        kept = [t for t, ok in zip(todo, done) if ok]
+        acc.admitted.update([t[0] for t in kept])
+        acc.logical += sum([t[3] for t in kept])
+        acc.stored += sum([t[2] for t in kept])
+        published = len(kept)
         reasons: collections.Counter[str] = collections.Counter()
-        published = 0
-        for i, (kb, _, total, n, _), ok in zip(live, todo, done):
-            if ok:
-                admit(kb, n, total)
-                published += 1
-                reason = items[i][1].raw_reason
-                if reason != RawReason.NONE:
-                    reasons[reason.name.lower()] += 1
+        by_id = {id(seg): seg for _, seg, _ in items}
+        for seg_id, count in collections.Counter([id(items[i][1]) for i, ok in zip(live, done) if ok]).items():
+            reason = by_id[seg_id].raw_reason
+            if reason != RawReason.NONE:
+                reasons[reason.name.lower()] += count
         if published:
             self._count(self._codec_segments, "raw", published)
         for name, n in reasons.items():
