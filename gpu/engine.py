@@ -1246,19 +1246,10 @@ class GpuCodecEngine:
                   h: "SegmentHeader | None" = None) -> "_Dec | OrbitKVError":
         if head is not None:
             return self._dec_plan_device(i, seg, dst, head)
-        if (h is not None and type(seg) is memoryview and seg.format == "B" and seg.ndim == 1
-                and type(dst) is DeviceSpan):
-            # The Manager's restore: an arena view, its header verified, a destination span. The checks
-            # of the general path below that still apply, without its conversions.
-            if len(seg) < HEADER_SIZE + h.stored_length:
-                return TruncatedSegment(f"payload needs {h.stored_length} bytes, {len(seg) - HEADER_SIZE} present")
-            if dst.nbytes != h.original_length:
-                return LengthMismatch(f"destination {i} holds {dst.nbytes} bytes; the segment decodes to "
-                                      f"{h.original_length}")
-            if h.format != Format.ANS:
-                return _Dec(i, h, seg[HEADER_SIZE:HEADER_SIZE + h.stored_length], dst, _DEC_KINDS[h.format])
         try:
-            mv = memoryview(seg).cast("B")
+            # The Manager's arena views are byte memoryviews already: no cast (a new view) per segment.
+            mv = (seg if type(seg) is memoryview and seg.format == "B" and seg.ndim == 1 and seg.c_contiguous
+                  else memoryview(seg).cast("B"))
             h = h or parse_header(mv)
             if len(mv) < HEADER_SIZE + h.stored_length:
                 raise TruncatedSegment(f"payload needs {h.stored_length} bytes, {len(mv) - HEADER_SIZE} present")

@@ -18,7 +18,6 @@ import functools
 import hashlib
 import importlib.resources
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 
@@ -58,9 +57,7 @@ SEG_DTYPE = np.dtype(
         "itemsize": 128,
     }
 )
-#: One SEG_DTYPE row for struct.pack_into, its fields in SEG_DTYPE's order (signs: 8 words), then padding.
-SEG_STRUCT = struct.Struct("<4Q8I8IQ24x")
-assert SEG_STRUCT.size == SEG_DTYPE.itemsize and SEG_DTYPE.fields["st_dev"][1] == 96
+assert SEG_DTYPE.itemsize == 128 and SEG_DTYPE.fields["st_dev"][1] == 96
 META_DTYPE = np.dtype([("acc", "<u4"), ("status", "<u4"), ("pad0", "<u4"), ("pad1", "<u4")])
 TQ_VECTORS_PER_UNIT = 16384  # divided by head_dim: 32 KiB of 16-bit source per work unit
 

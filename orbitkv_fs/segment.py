@@ -4,8 +4,8 @@ A segment is a fixed 64-byte little-endian header followed by its payload. ``doc
 normative description; this module is its only implementation. Primitives:
 
 * :func:`pack_header` (:func:`pack_header_into` a buffer) / :func:`parse_header` -- header bytes <->
-  :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` packs a batch's headers that differ
-  only in their payload CRC from one validated template each.
+  :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` parses headers that differ only in
+  their payload CRC through one validated template each.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
 * :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs` -- a batch's headers as one numpy array
   of rows: a validated template row per distinct header, the payload CRCs set as a column and every
@@ -302,20 +302,16 @@ _PAYLOAD_CRC_AT = 24  # offset of payload_crc in _STRUCT
 
 
 class HeaderTemplates:
-    """Headers of segments that differ only in their payload CRC, packed and parsed through a validated
-    template.
+    """Headers of segments that differ only in their payload CRC, parsed through a validated template.
 
-    A codec batch writes (and a restore reads) many segments of one geometry and codec: their headers
-    share every field but the payload CRC. :meth:`pack_into` validates and packs each distinct set of
-    fields once, then per segment copies the template, sets the CRC and recomputes the header's own CRC
-    (the bytes are exactly :func:`pack_header_into`'s). :meth:`parse` checks the header's CRC, then looks
-    its other 56 bytes up among the headers :func:`parse_header` validated before; anything else goes
-    through :func:`parse_header` (and its typed errors). At most ``limit`` templates of each kind are kept
-    (then that cache starts over). Thread-safe (single dict operations)."""
+    A restore reads many segments of one geometry and codec: their headers share every field but the
+    payload CRC. :meth:`parse` checks the header's CRC, then looks its other 56 bytes up among the headers
+    :func:`parse_header` validated before; anything else goes through :func:`parse_header` (and its typed
+    errors). At most ``limit`` templates are kept (then the cache starts over). Thread-safe (single dict
+    operations). (A batch's headers are written as arrays: :func:`header_row`, :func:`header_crcs`.)"""
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
-        self._made: dict[tuple, tuple[SegmentHeader, bytes]] = {}
         self._seen: dict[bytes, SegmentHeader] = {}
 
     def parse(self, buf: "bytes | bytearray | memoryview") -> SegmentHeader:
@@ -332,25 +328,6 @@ class HeaderTemplates:
             self._seen[rest] = h
             return h
         return parse_header(buf)
-
-    def pack_into(self, fields: tuple, payload_crc: int, buf: memoryview, offset: int) -> SegmentHeader:
-        """Write the header of ``SegmentHeader(*fields)`` with ``payload_crc`` into byte memoryview ``buf``
-        at ``offset``; answers that header. ``fields``: format, dtype, original_length, stored_length, role,
-        layer, bits, head_dim, sign_version, rotation_seed, ans_type, raw_reason. Raises as
-        :func:`pack_header` for fields that do not make a valid header."""
-        made = self._made.get(fields)
-        if made is None:
-            fmt, dtype, orig, stored, role, layer, bits, head_dim, sign_version, seed, ans_type, reason = fields
-            h0 = SegmentHeader(fmt, dtype, orig, stored, 0, role=role, layer=layer, bits=bits, head_dim=head_dim,
-                               sign_version=sign_version, rotation_seed=seed, ans_type=ans_type, raw_reason=reason)
-            if len(self._made) >= self._limit:
-                self._made.clear()
-            made = self._made[fields] = (h0, pack_header(h0)[:_CRC_SPAN])
-        h0, prefix = made
-        buf[offset:offset + _CRC_SPAN] = prefix
-        _CRC.pack_into(buf, offset + _PAYLOAD_CRC_AT, payload_crc)
-        _CRC.pack_into(buf, offset + _CRC_SPAN, _crc32c.crc32c(buf[offset:offset + _CRC_SPAN]))
-        return msgspec.structs.replace(h0, payload_crc=payload_crc)
 
 
 #: The header as a numpy structured dtype (the fields of ``_STRUCT``, little-endian, 64 bytes): a batch of

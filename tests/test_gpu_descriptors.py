@@ -1,7 +1,8 @@
-"""The GPU engine's descriptor rows (packed with ``struct``, one call per row) against the kernels' row type
-built field by field with numpy (``SEG_DTYPE``), over random mixed batches of every codec: what each field
-must hold for each kernel is written out here once more, independently of the packing code. Needs cupy
-(the engine module imports it), not a GPU."""
+"""The GPU engine's host-side batch planning: its descriptor rows (built column by column) against the
+kernels' row type filled field by field (``SEG_DTYPE``), over random mixed batches of every codec (what each
+field must hold for each kernel is written out here once more, independently of the packing code); its batch
+cuts against the per-segment fit rule; its header rows against ``pack_header``. Needs cupy (the engine module
+imports it), not a GPU."""
 
 from __future__ import annotations
 
@@ -245,3 +246,43 @@ def test_zero_crc_of_many_new_lengths_at_once():
         ns = np.concatenate([ns, ns[:7]])  # repeats within one call
         assert zero_crc(ns).tolist() == [crc32c.crc32c(bytes(int(n))) for n in ns]
     assert zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(zero_crc(5)) == crc32c.crc32c(bytes(5))
+
+
+def test_encode_headers_are_pack_headers_bytes():
+    """The engine's header writer (template rows per field tuple, header CRCs as an array, one scatter):
+    every format, several payload CRCs per template, more tuples than a batch has: the bytes are
+    pack_header's, nothing outside the header slots is touched; invalid fields raise as pack_header does."""
+    from orbitkv_fs import errors
+    from orbitkv_fs.segment import HEADER_DTYPE, RawReason, dtype_code, header_crcs, pack_header
+
+    kinds = [(Format.FP8, BF16, 4096, 2048, Role.KEY, 7, 8, 0, 0, 0, AnsType.NONE, RawReason.NONE),
+             (Format.TURBOQUANT, BF16, 4096, 1088, Role.VALUE, 3, 4, 128, 1, 99, AnsType.NONE, RawReason.NONE),
+             (Format.ANS, BF16, 65536, 40000, Role.KEY, 0, 0, 0, 0, 0, AnsType.FLOAT16, RawReason.NONE),
+             (Format.ANS, FP16, 65536, 40008, Role.KEY, 0, 0, 0, 0, 0, AnsType.FLOAT16, RawReason.NONE),
+             (Format.RAW, BF16, 4096, 4096, Role.VALUE, 35, 0, 0, 0, 0, AnsType.NONE, RawReason.POLICY)]
+    heads, want = [], []
+    for crc in (0, 1, 0xDEADBEEF):
+        for fmt, dtype, orig, stored, role, layer, bits, hd, sv, seed, at, reason in kinds:
+            heads.append((int(fmt), dtype_code(dtype), orig, stored, int(role), layer, bits, hd, sv, seed, int(at),
+                          int(reason)))
+            want.append(pack_header(SegmentHeader(fmt, dtype, orig, stored, crc, role=role, layer=layer, bits=bits,
+                                                  head_dim=hd, sign_version=sv, rotation_seed=seed, ans_type=at,
+                                                  raw_reason=reason)))
+    crcs = np.array([c for c in (0, 1, 0xDEADBEEF) for _ in kinds], dtype=np.uint32)
+    eng = _bare_engine(64 << 20)
+    eng._rows = {}
+    tids, rows, bases = eng._template_ids(heads)
+    raw = rows[tids]
+    hdr = raw.view(HEADER_DTYPE)[:, 0]
+    hdr["payload_crc"] = crcs
+    hdr["header_crc"] = header_crcs(bases[tids], crcs)
+    slots = np.arange(len(heads), dtype=np.int64) * 3 * HEADER_SIZE + HEADER_SIZE
+    host = np.full(len(heads) * 3 * HEADER_SIZE, 0xAB, np.uint8)
+    host[slots[:, None] + E._HEADER_BYTES] = raw
+    for j, w in enumerate(want):
+        assert bytes(host[slots[j]:slots[j] + HEADER_SIZE]) == w, kinds[j % len(kinds)]
+    outside = np.ones(host.size, dtype=bool)
+    outside[slots[:, None] + E._HEADER_BYTES] = False
+    assert (host[outside] == 0xAB).all()
+    with pytest.raises(errors.LengthMismatch):  # a raw header whose stored length is not its source's
+        eng._template_ids([(int(Format.RAW), dtype_code(np.dtype(np.uint8)), 4, 5, 0, 0, 0, 0, 0, 0, 0, 0)])

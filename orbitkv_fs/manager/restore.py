@@ -450,11 +450,11 @@ class RestorePipeline:
             bad.setdefault(ci, f"corrupt: {type(err).__name__}: {err}")
         pcrc = heads.view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
         replace = msgspec.structs.replace
-        keep = [j for j, it in enumerate(items) if ok[j] and it[0] not in bad] if bad else range(len(items))
+        keep = [j for j, it in enumerate(items) if ok[j] and it[0] not in bad] if bad else list(range(len(items)))
         tids = tid.tolist()
         out = [(items[j][0], items[j][1], items[j][2], replace(templates[tids[j]], payload_crc=pcrc[j]), items[j][4])
                for j in keep]
-        return out, sizes[list(keep)] if bad else sizes
+        return out, sizes[keep]
 
     def _decode_start(self, seed: int, batch: list, arena_ids: set[int], sizes: "np.ndarray | None") -> tuple:
         if sizes is None:
