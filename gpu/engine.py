@@ -155,6 +155,7 @@ def _dec_target(i: int, dst: Any, h: SegmentHeader) -> "DeviceSpan | OrbitKVErro
 
 
 _DEC_KINDS = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}
+_FP16_CODE = dtype_code(FP16)
 
 
 class EncodeItem(msgspec.Struct, frozen=True):
@@ -559,113 +560,270 @@ def _units(w: np.ndarray, r0: int, nb: np.ndarray) -> int:
     return int(nb.sum())
 
 
-def _encode_rows(buf: np.ndarray, at: int, groups: Sequence[tuple[str, list]], payload0: int, seed: int,
-                 chunk_cap: int, base: int, off: dict[str, int]) -> dict[str, tuple[int, int]]:
+class _EncCols(NamedTuple):
+    """An encode batch's segments as columns: row j is the batch's j-th segment (its ``meta`` index)."""
+
+    kind: np.ndarray  # _KIND codes
+    ptr: np.ndarray  # source device address
+    slot: np.ndarray  # offset of the segment's slot (header) in the output region
+    n: np.ndarray  # source bytes
+    cap: np.ndarray  # payload capacity of the slot (coded segments)
+    fp16: np.ndarray  # 1 where the source dtype is FP16 (the kernels' ``dtype`` field)
+    head_dim: np.ndarray
+    bits: np.ndarray
+    role: np.ndarray
+    layer: np.ndarray
+    nch: np.ndarray  # ANS: 64 KiB chunks
+    chunk0: np.ndarray  # ANS: index of the first chunk in the batch's chunk arrays
+    tmp: np.ndarray  # ANS: workspace offset of the chunks' nvCOMP output buffers
+
+
+_KIND = {"raw": 0, "fp8": 1, "tq": 2, "ans": 3, "host": 4}
+
+
+def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
+    """The columns of encode plans."""
+    k = len(plans)
+    return _EncCols(np.fromiter((_KIND[p.kind] for p in plans), dtype=np.int64, count=k), _ints(plans, "ptr"),
+                    _ints(plans, "slot"), _ints(plans, "n"), _ints(plans, "cap"),
+                    _fp16(map(attrgetter("dtype"), plans), k), _ints(plans, "head_dim"), _ints(plans, "bits"),
+                    _ints(plans, "role"), _ints(plans, "layer"), _ints(plans, "nch"), _ints(plans, "chunk0"),
+                    _ints(plans, "tmp"))
+
+
+def _enc_groups(c: _EncCols, ans: "np.ndarray | None" = None) -> tuple[tuple[str, np.ndarray], ...]:
+    """An encode batch's kernels in launch order with their rows: FP8, TurboQuant K and V, ANS packing (in
+    the order ``ans`` gives, default the batch's), CRC32C (raw copies and TurboQuant outputs)."""
+    tq = c.kind == _KIND["tq"]
+    key = c.role == int(Role.KEY)
+    if ans is None:
+        ans = np.flatnonzero(c.kind == _KIND["ans"])
+    return (("okv_fp8_encode", np.flatnonzero(c.kind == _KIND["fp8"])), ("okv_tq_encode_k", np.flatnonzero(tq & key)),
+            ("okv_tq_encode_v", np.flatnonzero(tq & ~key)), ("okv_ans_pack", ans),
+            ("okv_crc32c", np.flatnonzero(tq | (c.kind == _KIND["raw"]))))
+
+
+def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[str, np.ndarray]], payload0: int,
+                 seed: int, chunk_cap: int, base: int, off: dict[str, int]) -> dict[str, tuple[int, int]]:
     """An encode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``, kernel by kernel
-    in the order of ``groups`` (kernel name, its segments). A segment's payload goes to ``payload0 + p.slot``
-    (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing rows the nvCOMP
-    chunk outputs (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base +
-    off[...]``. Answers, per kernel with segments, (first row, work units). Built a column at a time over the
-    whole batch (numpy), not a row at a time."""
-    q, w = _row_views(sum(len(plist) for _, plist in groups))
+    in the order of ``groups`` (kernel name, the rows of ``c`` it takes). A segment's payload goes to
+    ``payload0 + slot`` (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing
+    rows (the j-th of its group: its payload length lands in pay_len[j]) the nvCOMP chunk outputs
+    (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base + off[...]``.
+    Answers, per kernel with segments, (first row, work units). Built a column at a time over the whole
+    batch (numpy), not a row at a time."""
+    q, w = _row_views(sum(len(sel) for _, sel in groups))
     rows: dict[str, tuple[int, int]] = {}
     r0 = 0
-    for name, plist in groups:
-        k = len(plist)
+    for name, sel in groups:
+        k = len(sel)
         if not k:
             continue
         r1 = r0 + k
-        dst = payload0 + _ints(plist, "slot")
-        n = _ints(plist, "n")
-        w[r0:r1, W_META] = _ints(plist, "meta")
+        dst = payload0 + c.slot[sel]
+        n = c.n[sel]
+        w[r0:r1, W_META] = sel
         q[r0:r1, Q_N] = n
         if name == "okv_fp8_encode":
             nb = _ceil_div(n // 2, km.CHUNK)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = _ints(plist, "ptr"), dst
-            w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), plist), k)
-        elif name == "okv_ans_pack":  # the j-th ANS segment: its payload length lands in pay_len[j]
-            nb = _ints(plist, "nch")
-            chunk0 = _ints(plist, "chunk0")
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = c.ptr[sel], dst
+            w[r0:r1, W_DTYPE] = c.fp16[sel]
+        elif name == "okv_ans_pack":
+            nb = c.nch[sel]
+            chunk0 = c.chunk0[sel]
             pay = base + off["pay_len"] + 8 * np.arange(k, dtype=np.int64)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = base + _ints(plist, "tmp"), dst
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = base + c.tmp[sel], dst
             q[r0:r1, Q_N_DEV] = base + off["chunk_sizes"] + 8 * chunk0
-            w[r0:r1, W_BITS], w[r0:r1, W_EXPECT] = _ints(plist, "cap"), chunk_cap
+            w[r0:r1, W_BITS], w[r0:r1, W_EXPECT] = c.cap[sel], chunk_cap
             w[r0:r1, W_SIGNS], w[r0:r1, W_SIGNS + 1] = pay & 0xFFFFFFFF, pay >> 32
             q[r0:r1, Q_ST_DEV] = base + off["chunk_status"] + 4 * chunk0
         elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
-            raw = np.fromiter([p.kind == "raw" for p in plist], dtype=bool, count=k)
-            size = np.where(raw, n, _ints(plist, "cap"))
+            raw = c.kind[sel] == _KIND["raw"]
+            size = np.where(raw, n, c.cap[sel])
             nb = _ceil_div(size, km.CHUNK)
-            q[r0:r1, Q_SRC] = np.where(raw, _ints(plist, "ptr"), dst)
+            q[r0:r1, Q_SRC] = np.where(raw, c.ptr[sel], dst)
             q[r0:r1, Q_DST], q[r0:r1, Q_N] = np.where(raw, dst, 0), size
         else:  # okv_tq_encode_k / _v
-            hd = _ints(plist, "head_dim")
+            hd = c.head_dim[sel]
             nb = _ceil_div(n // (2 * hd), km.TQ_VECTORS_PER_UNIT // hd)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = _ints(plist, "ptr"), dst
-            w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), plist), k)
-            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS] = hd, _ints(plist, "bits")
-            w[r0:r1, W_ROLE] = [int(p.role) for p in plist]
-            w[r0:r1, W_SIGNS:W_SIGNS + 8] = [sign_words(p.head_dim, p.layer, seed) for p in plist]
+            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = c.ptr[sel], dst
+            w[r0:r1, W_DTYPE] = c.fp16[sel]
+            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS], w[r0:r1, W_ROLE] = hd, c.bits[sel], c.role[sel]
+            w[r0:r1, W_SIGNS:W_SIGNS + 8] = _sign_rows(hd, c.layer[sel], np.full(k, seed, dtype=np.int64))
         rows[name] = (r0, _units(w, r0, nb))
         r0 = r1
     _put_rows(buf, at, q)
     return rows
 
 
-def _decode_rows(buf: np.ndarray, at: int, plans: list, fp8: list, tq: list, copy: list, src: Callable[[Any], int],
-                 expect: list, actual: int, status: int, base: int) -> dict[str, tuple[int, int, int]]:
-    """A decode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``: the CRC32C
-    check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows. ``src(p)``: where
-    the kernels read p's payload; ``expect``: raw CRCs by ``p.meta``; ``actual`` / ``status``: device
-    addresses of the ANS chunks' decoded sizes and statuses; ``base``: the workspace. Answers, per kernel,
-    (first row, rows, work units). Built a column at a time over the whole batch (numpy)."""
-    expected = np.asarray(expect, dtype=np.int64)
-    q, w = _row_views(len(plans) + len(fp8) + len(tq) + len(copy))
-    firsts: dict[str, tuple[int, int, int]] = {}
+def _enc_offsets(k: int, n_desc: int, chunks: int, nans: int, sizes: np.ndarray,
+                 align: int) -> "tuple[_Layout, dict[str, int], np.ndarray]":
+    """An encode batch's workspace up to its ANS buffers: descriptors, ANS chunk arrays, then the output
+    region (meta, ANS payload lengths, the slots of ``sizes`` bytes one after another, each at the next
+    multiple of ``align``), chunk sizes and statuses. Answers the layout, the offsets and each slot's offset
+    in the region (from ``meta``)."""
+    lay = _Layout()
+    off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
+    off["meta"] = lay.take(16 * k, align)
+    off["pay_len"] = lay.take(8 * max(nans, 1), 8)
+    # From an aligned start, a slot's start is the previous one's plus its size rounded up.
+    first = _up(lay.end, align)
+    steps = -(-sizes // align) * align
+    starts = first + np.cumsum(steps) - steps
+    if k:
+        lay.end = int(starts[-1] + sizes[-1])
+    off["region_end"] = lay.end
+    off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
+    off["chunk_status"] = lay.take(4 * max(chunks, 1))
+    return lay, off, starts - off["meta"]
+
+
+def _enc_fixed(align: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The part of a batch's encode estimate (no ANS, ``_enc_estimate``) that depends on its segment count."""
+    def fixed(m: np.ndarray) -> np.ndarray:
+        return (-(-(4 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
+                + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(8) + 4 * 256 + align - SLOT_ALIGN)
+    return fixed
+
+
+class _DecCols(NamedTuple):
+    """A decode batch's segments as columns: row j is the batch's j-th segment (its ``meta`` index)."""
+
+    fmt: np.ndarray  # Format
+    src: np.ndarray  # device address the kernels read the payload from
+    dst: np.ndarray  # device address of the destination
+    stored: np.ndarray
+    orig: np.ndarray
+    fp16: np.ndarray  # 1 where the source dtype is FP16 (the kernels' ``dtype`` field)
+    head_dim: np.ndarray
+    bits: np.ndarray
+    role: np.ndarray
+    layer: np.ndarray
+    seed: np.ndarray
+    expect: np.ndarray  # raw CRC (Meta.acc): the header's CRC32C without its zero-byte part
+    scratch: np.ndarray  # ANS: device address of the decompressed bytes
+    chunk0: np.ndarray  # ANS: first chunk in the batch's chunk arrays
+
+
+def _header_cols(h: np.ndarray, src: np.ndarray, dst: np.ndarray) -> _DecCols:
+    """The columns of segments whose headers are ``h`` (HEADER_DTYPE rows), none of them ANS."""
+    stored = h["stored_length"].astype(np.int64)
+    zeros = np.zeros(len(h), dtype=np.int64)
+    return _DecCols(h["format"].astype(np.int64), src, dst, stored, h["original_length"].astype(np.int64),
+                    (h["dtype"] == _FP16_CODE).astype(np.uint32), h["head_dim"].astype(np.int64),
+                    h["bits"].astype(np.int64), h["role"].astype(np.int64), h["layer"].astype(np.int64),
+                    h["rotation_seed"].astype(np.int64), _raw_crcs(h["payload_crc"], stored), zeros, zeros)
+
+
+def _plan_cols(plans: "list[_Dec]", src: np.ndarray, base: int) -> _DecCols:
+    """The columns of decode plans (``src``: where the kernels read each payload; ``base``: the workspace)."""
     k = len(plans)
     heads = list(map(attrgetter("h"), plans))
-    stored = np.fromiter(map(attrgetter("stored_length"), heads), dtype=np.int64, count=k)
-    meta = _ints(plans, "meta")
-    w[:k, W_META], w[:k, W_EXPECT], q[:k, Q_N] = meta, expected[meta], stored
-    q[:k, Q_SRC] = np.fromiter(map(src, plans), dtype=np.int64, count=k)
-    firsts["okv_crc32c"] = (0, k, _units(w, 0, _ceil_div(stored, km.CHUNK)))
+
+    def col(name: str) -> np.ndarray:
+        return np.fromiter(map(attrgetter(name), heads), dtype=np.int64, count=k)
+
+    stored = col("stored_length")
+    ans = np.fromiter([p.kind == "ans" for p in plans], dtype=bool, count=k)
+    return _DecCols(col("format"), src, np.fromiter([p.dst.ptr for p in plans], dtype=np.int64, count=k), stored,
+                    col("original_length"), _fp16(map(attrgetter("dtype"), heads), k), col("head_dim"), col("bits"),
+                    col("role"), col("layer"), col("rotation_seed"), _raw_crcs(col("payload_crc"), stored),
+                    np.where(ans, base + _ints(plans, "scratch"), 0), np.where(ans, _ints(plans, "chunk0"), 0))
+
+
+def _raw_crcs(crc: np.ndarray, stored: np.ndarray) -> np.ndarray:
+    """What the kernels' CRC accumulators end at for payloads whose CRC32C is ``crc``: the standard CRC
+    without its zero-byte part (:func:`~orbitkv_fs.gpu.tables.zero_crc`)."""
+    return (np.asarray(crc, dtype=np.int64) ^ zero_crc(stored).astype(np.int64)).astype(np.int64)
+
+
+def _sign_rows(head_dim: np.ndarray, layer: np.ndarray, seed: np.ndarray) -> np.ndarray:
+    """:func:`sign_words` of each row as ``[n, 8]`` uint32, computed once per distinct (head dim, layer, seed)."""
+    key = (np.asarray(seed, dtype=np.uint64) << np.uint64(32)) | (np.asarray(layer, dtype=np.uint64) << np.uint64(16)) \
+        | np.asarray(head_dim, dtype=np.uint64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    words = np.array([sign_words(u & 0xFFFF, (u >> 16) & 0xFFFF, u >> 32) for u in uniq.tolist()], dtype=np.uint32)
+    return words.reshape(len(uniq), 8)[inv.reshape(-1)]
+
+
+def _decode_rows(buf: np.ndarray, at: int, c: _DecCols, actual: int, status: int) -> dict[str, tuple[int, int, int]]:
+    """A decode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``: the CRC32C
+    check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows, each in batch order.
+    ``actual`` / ``status``: device addresses of the ANS chunks' decoded sizes and statuses. Answers, per
+    kernel, (first row, rows, work units). Built a column at a time over the whole batch (numpy)."""
+    k = len(c.fmt)
+    fp8 = np.flatnonzero(c.fmt == Format.FP8)
+    tq = np.flatnonzero(c.fmt == Format.TURBOQUANT)
+    copy = np.flatnonzero((c.fmt == Format.RAW) | (c.fmt == Format.ANS))
+    q, w = _row_views(k + len(fp8) + len(tq) + len(copy))
+    firsts: dict[str, tuple[int, int, int]] = {}
+    w[:k, W_META], w[:k, W_EXPECT], q[:k, Q_N], q[:k, Q_SRC] = np.arange(k), c.expect, c.stored, c.src
+    firsts["okv_crc32c"] = (0, k, _units(w, 0, _ceil_div(c.stored, km.CHUNK)))
     r0 = k
-    for name, plist in (("okv_fp8_decode", fp8), ("okv_tq_decode", tq), ("okv_copy_checked", copy)):
-        k = len(plist)
-        r1 = r0 + k
-        heads = list(map(attrgetter("h"), plist))
-        orig = np.fromiter(map(attrgetter("original_length"), heads), dtype=np.int64, count=k)
-        meta = _ints(plist, "meta")
-        w[r0:r1, W_META], w[r0:r1, W_EXPECT], q[r0:r1, Q_N] = meta, expected[meta], orig
-        q[r0:r1, Q_DST] = np.fromiter((p.dst.ptr for p in plist), dtype=np.int64, count=k)
-        w[r0:r1, W_DTYPE] = _fp16(map(attrgetter("dtype"), heads), k)
+    for name, sel in (("okv_fp8_decode", fp8), ("okv_tq_decode", tq), ("okv_copy_checked", copy)):
+        r1 = r0 + len(sel)
+        orig = c.orig[sel]
+        w[r0:r1, W_META], w[r0:r1, W_EXPECT], q[r0:r1, Q_N] = sel, c.expect[sel], orig
+        q[r0:r1, Q_DST], w[r0:r1, W_DTYPE] = c.dst[sel], c.fp16[sel]
         if name == "okv_fp8_decode":
-            q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
+            q[r0:r1, Q_SRC] = c.src[sel]
             nb = _ceil_div(orig // 2, km.CHUNK)
         elif name == "okv_tq_decode":
-            hd = np.fromiter(map(attrgetter("head_dim"), heads), dtype=np.int64, count=k)
-            q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
-            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS] = hd, [h.bits for h in heads]
-            w[r0:r1, W_ROLE] = [int(h.role) for h in heads]
-            if k:
-                w[r0:r1, W_SIGNS:W_SIGNS + 8] = [sign_words(h.head_dim, h.layer, h.rotation_seed) for h in heads]
+            hd = c.head_dim[sel]
+            q[r0:r1, Q_SRC] = c.src[sel]
+            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS], w[r0:r1, W_ROLE] = hd, c.bits[sel], c.role[sel]
+            if len(sel):
+                w[r0:r1, W_SIGNS:W_SIGNS + 8] = _sign_rows(hd, c.layer[sel], c.seed[sel])
             nb = _ceil_div(orig // np.maximum(2 * hd, 1), km.TQ_VECTORS_PER_UNIT // np.maximum(hd, 1))
         else:  # raw: from its payload; ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
-            ans = np.fromiter([p.kind != "raw" for p in plist], dtype=bool, count=k)
-            if ans.any():
-                chunk0 = np.fromiter([p.chunk0 if p.kind != "raw" else 0 for p in plist], dtype=np.int64, count=k)
-                q[r0:r1, Q_SRC] = np.fromiter([base + p.scratch if p.kind != "raw" else src(p) for p in plist],
-                                              dtype=np.int64, count=k)
-                q[r0:r1, Q_N_DEV] = np.where(ans, actual + 8 * chunk0, 0)
-                q[r0:r1, Q_ST_DEV] = np.where(ans, status + 4 * chunk0, 0)
-                w[r0:r1, W_HEAD_DIM] = np.where(ans, ans_format.CHUNK_BYTES, 0)
-            else:
-                q[r0:r1, Q_SRC] = np.fromiter(map(src, plist), dtype=np.int64, count=k)
+            ans = c.fmt[sel] == Format.ANS
+            chunk0 = c.chunk0[sel]
+            q[r0:r1, Q_SRC] = np.where(ans, c.scratch[sel], c.src[sel])
+            q[r0:r1, Q_N_DEV] = np.where(ans, actual + 8 * chunk0, 0)
+            q[r0:r1, Q_ST_DEV] = np.where(ans, status + 4 * chunk0, 0)
+            w[r0:r1, W_HEAD_DIM] = np.where(ans, ans_format.CHUNK_BYTES, 0)
             nb = _ceil_div(orig, km.CHUNK)
-        firsts[name] = (r0, k, _units(w, r0, nb))
+        firsts[name] = (r0, len(sel), _units(w, r0, nb))
         r0 = r1
     _put_rows(buf, at, q)
     return firsts
+
+
+def _dec_fixed(m: np.ndarray) -> np.ndarray:
+    """The part of a non-ANS decode batch's workspace estimate (``_dec_estimate``) that depends on its
+    segment count ``m``."""
+    return (-(-(2 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
+            + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(44) + 4 * 256)
+
+
+def _dec_layout_fixed(k: int, chunks: int) -> "tuple[_Layout, dict[str, int]]":
+    """The head of a decode batch's workspace (descriptors, ANS chunk arrays, meta, chunk sizes and
+    statuses), everything the host uploads or reads back; the payloads are staged after ``down_end``."""
+    lay = _Layout()
+    off = {"desc": lay.take(2 * max(k, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(32 * max(chunks, 1))}
+    off["meta"] = lay.take(16 * max(k, 1))
+    off["chunk_actual"] = lay.take(8 * max(chunks, 1), 8)
+    off["chunk_status"] = lay.take(4 * max(chunks, 1), 4)
+    off["down_end"] = lay.end
+    return lay, off
+
+
+def _mirror(host: np.ndarray, stored: np.ndarray, lay: _Layout) -> "tuple[np.ndarray, list[tuple[int, int]]]":
+    """Staging offsets (taken from ``lay``) of payloads uploaded from pinned host addresses ``host``: a run of
+    payloads that lie one after another there (steps that keep the 256-byte alignment, gaps of at most
+    ``_MIRROR_GAP``: a save batch leaves them so in the arena) keeps its relative offsets, so that it goes up
+    in one copy. Answers the offsets and the runs as ``[start, end)`` row ranges."""
+    k = len(host)
+    d = np.diff(host)
+    gap = d - stored[:-1]
+    join = (d % SLOT_ALIGN == 0) & (gap >= 0) & (gap <= _MIRROR_GAP)
+    starts = np.flatnonzero(np.concatenate(([True], ~join))).tolist() if k else []
+    runs = list(zip(starts, starts[1:] + [k]))
+    staged = np.empty(k, dtype=np.int64)
+    for a, b in runs:
+        staged[a:b] = lay.take(0) + (host[a:b] - host[a])
+        lay.end = int(staged[b - 1] + stored[b - 1])
+    return staged, runs
 
 
 def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int) -> "list | None":
@@ -774,6 +932,17 @@ class GpuCodecEngine:
             return w.copy_blocks(self._kernels, table)
 
     # -- encode --------------------------------------------------------------------------------
+    def encode_class(self, item: Any) -> _Enc:
+        """The encode class of sources like ``item`` 's (an EncodeItem; of its array only the size, shape and
+        dtype count, not the address): the codec's decisions and the header fields, validated once (raises
+        CodecError as :meth:`encode_submit`). For :meth:`encode_columns_submit`."""
+        it = _item(item)
+        arr = _span(it.array)
+        if arr is None:
+            raise CodecError(f"encode needs a cupy array or DeviceSpan, not {type(it.array).__name__}")
+        return self._classify(0, EncodeItem(DeviceSpan(0, arr.nbytes, arr.shape), it.codec, it.role, it.layer,
+                                            it.dtype if it.dtype is not None else it.array.dtype, it.raw_reason))
+
     def _classify(self, i: int, it: EncodeItem) -> _Enc:
         arr = _span(it.array)
         if arr is None:
@@ -867,26 +1036,12 @@ class GpuCodecEngine:
         """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks."""
         k = len(plans)
         ans = [p for p in plans if p.kind == "ans"]
-        chunks = sum(p.nch for p in ans)
         n_desc = sum(p.kind in ("fp8", "tq") for p in plans) + sum(p.kind in ("raw", "tq", "ans") for p in plans)
         n_desc += len(ans)
-        lay = _Layout()
-        off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
-        off["meta"] = lay.take(16 * k, align)
-        off["pay_len"] = lay.take(8 * max(len(ans), 1), 8)
-        # Slots one after another, each at the next multiple of align: from an aligned start, a slot's start
-        # is the previous one's plus its size rounded up.
         sizes = np.fromiter([HEADER_SIZE + (p.cap if p.kind != "raw" else p.n) for p in plans], np.int64, count=k)
-        first = _up(lay.end, align)
-        steps = -(-sizes // align) * align
-        starts = first + np.cumsum(steps) - steps
-        for p, slot in zip(plans, (starts - off["meta"]).tolist()):
+        lay, off, slots = _enc_offsets(k, n_desc, sum(p.nch for p in ans), len(ans), sizes, align)
+        for p, slot in zip(plans, slots.tolist()):
             p.slot = slot
-        if k:
-            lay.end = int(starts[-1] + sizes[-1])
-        off["region_end"] = lay.end
-        off["chunk_sizes"] = lay.take(8 * max(chunks, 1))
-        off["chunk_status"] = lay.take(4 * max(chunks, 1))
         cap = self._chunk_cap() if ans else 0
         for p in ans:
             p.tmp = lay.take(p.nch * cap)
@@ -979,6 +1134,111 @@ class GpuCodecEngine:
                 raise
         return job
 
+    def encode_columns_submit(self, classes: Sequence[_Enc], cls: np.ndarray, ptrs: np.ndarray, *,
+                              out_region: "Callable[[int], np.ndarray | None] | None" = None,
+                              slot_align: int = SLOT_ALIGN) -> "EncodeJob | None":
+        """:meth:`encode_submit` of sources given as arrays, with no Python per segment: source ``i`` is
+        ``ptrs[i]`` (a device address, C-contiguous) of class ``classes[cls[i]]`` (:meth:`encode_class`).
+        The job's ``out`` holds a segment only where it lies outside ``out_region`` 's arrays (a raw fallback,
+        or a batch the region could not take); the others are described by the job's arrays (``addr``,
+        ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode without ANS (ANS,
+        or one the host codec decides) or a segment needs more than half the workspace alone:
+        :meth:`encode_submit` takes those."""
+        if any(t.kind not in ("raw", "fp8", "tq") for t in classes):
+            return None
+        cls = np.asarray(cls, dtype=np.int64)
+        ptrs = np.asarray(ptrs, dtype=np.int64)
+        k = len(cls)
+        size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes), dtype=np.int64,
+                           count=len(classes))
+        batches = _prefix_batches(np.arange(k), -(-size[cls] // slot_align) * slot_align, _enc_fixed(slot_align),
+                                  self.budget_bytes // 2)
+        if batches is None:
+            return None
+        table = _enc_cols(classes)
+        job = EncodeJob.of(k)
+        w = self.save
+        with w.lock:
+            w.wait_for_current()
+            try:
+                for rows in batches:
+                    job.flights.append(self._run_encode_columns(classes, table, size, cls, ptrs, rows, job,
+                                                                out_region, slot_align))
+            except BaseException:  # nothing of this call may run on into buffers the caller reclaims
+                w.drop(job.flights)
+                raise
+        return job
+
+    def _run_encode_columns(self, classes: Sequence[_Enc], table: _EncCols, size: np.ndarray, cls: np.ndarray,
+                            ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
+                            out_region: "Callable[[int], np.ndarray | None] | None", align: int) -> _Flight:
+        """Queue one encode batch of :meth:`encode_columns_submit` (``rows``: its sources' indices there): its
+        columns from the class table, its descriptors up, the kernels, the download into ``out_region``."""
+        w = self.save
+        c = cls[rows]
+        kind = table.kind[c]
+        n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
+        lay, off, slots = _enc_offsets(len(rows), n_desc, 0, 0, size[c], align)
+        off["temp"] = lay.take(0)
+        total = lay.end
+        base, upload = w.place(total)
+        region = base + off["meta"]
+        cols = _EncCols(kind, ptrs[rows], slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
+                        table.bits[c], table.role[c], table.layer[c], table.nch[c], table.chunk0[c], table.tmp[c])
+        up = upload.get(off["pay_len"] + 8)
+        up[off["meta"]:] = 0
+        groups = _enc_groups(cols)
+        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, 0, base, off)
+        w.h2d(base, up)
+        host, own = self._launch_encode(base, off, got, groups, len(rows), out_region)
+        return w.launched(base, total, upload, lambda: self._finish_encode_columns(
+            classes, c, rows, ptrs[rows], slots, job, host, own), w.copies)
+
+    def _finish_encode_columns(self, classes: Sequence[_Enc], c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
+                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool) -> None:
+        """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
+        and headers as arrays (a template per class); per-segment Python only for a segment that falls back to
+        raw storage. ``views``: the region is the engine's own array, so ``out`` gets each segment's view."""
+        w, out = self.save, job.out
+        k = len(rows)
+        meta = host[:16 * k].view(km.META_DTYPE)
+        stored = np.fromiter((t.head[3] for t in classes), dtype=np.int64, count=len(classes))[c]
+        crcs = finish_crc(meta["acc"], stored)
+        keep = np.ones(k, dtype=bool)
+        for j in np.flatnonzero(meta["status"]).tolist():
+            t = classes[int(c[j])]
+            if t.kind == "raw":
+                continue
+            keep[j] = False
+            w.stats["raw_fallbacks"] += 1
+            st = int(meta["status"][j])
+            reason = RawReason.NONFINITE if st & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
+            p = msgspec.structs.replace(t, i=int(rows[j]), ptr=int(ptrs[j]))
+            out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
+        good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
+        if not good.size:
+            return
+        tids, trows, bases = self._template_ids([t.head for t in classes])
+        tid = tids[c[good]]
+        pcrc = crcs[good]
+        raw = trows[tid]  # (segments, 64) uint8: each segment's template
+        hdr = raw.view(HEADER_DTYPE)[:, 0]
+        hdr["payload_crc"] = pcrc
+        hdr["header_crc"] = header_crcs(bases[tid], pcrc)
+        at = slots[good]
+        host[at[:, None] + _HEADER_BYTES] = raw
+        length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
+        idx = rows[good]
+        job.fmt[idx] = hdr["format"]
+        job.original[idx] = hdr["original_length"]
+        job.length[idx] = length
+        job.reason[idx] = hdr["raw_reason"]
+        job.addr[idx] = host.ctypes.data + at
+        if views:
+            mv = memoryview(host)
+            for i, a, n in zip(idx.tolist(), at.tolist(), length.tolist()):
+                out[i] = mv[a:a + n]
+
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
         alone: the batches the per-segment fit check of :meth:`encode_submit` would form (each as long as
@@ -989,12 +1249,7 @@ class GpuCodecEngine:
         k = len(plans)
         slots = np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans], np.int64, count=k)
         slots = -(-slots // align) * align
-
-        def fixed(m: np.ndarray) -> np.ndarray:  # _enc_estimate's part that depends on the segment count
-            return (-(-(4 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
-                    + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(8) + 4 * 256 + align - SLOT_ALIGN)
-
-        return _prefix_batches(plans, slots, fixed, self.budget_bytes // 2)
+        return _prefix_batches(plans, slots, _enc_fixed(align), self.budget_bytes // 2)
 
     def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
         """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
@@ -1023,7 +1278,7 @@ class GpuCodecEngine:
                     align: int, device_sink: "Callable[[int, Any], None] | None" = None) -> _Flight:
         """Queue one encode batch (upload, kernels, download into ``out_region``) into the workspace beside
         the batch in flight; its host part runs when the flight is finished."""
-        w, k = self.save, self._kernels
+        w = self.save
         for j, p in enumerate(plans):
             p.meta = j
         ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.ans_type)
@@ -1038,19 +1293,13 @@ class GpuCodecEngine:
         off, total = self._enc_layout(plans, temp, align)
         base, upload = w.place(total)
         region = base + off["meta"]
-        # descriptors: fp8 | tq (K, V) | ANS packing | crc (raw copies, tq outputs)
-        fp8 = [p for p in plans if p.kind == "fp8"]
-        tq = [p for p in plans if p.kind == "tq"]
-        tqk = [p for p in tq if p.role == Role.KEY]
-        tqv = [p for p in tq if p.role != Role.KEY]
-        crc = [p for p in plans if p.kind in ("raw", "tq")]  # okv_ans_pack computes the ANS payloads' CRC32C
         up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
         ans_index = {id(p): j for j, p in enumerate(ans)}
         chunk_cap = self._chunk_cap() if ans else 0
-        rows = _encode_rows(up, off["desc"], (("okv_fp8_encode", fp8), ("okv_tq_encode_k", tqk),
-                                              ("okv_tq_encode_v", tqv), ("okv_ans_pack", ans), ("okv_crc32c", crc)),
-                            region + HEADER_SIZE, self.seed, chunk_cap, base, off)
+        cols = _enc_cols(plans)
+        groups = _enc_groups(cols, np.fromiter((p.meta for p in ans), dtype=np.int64, count=len(ans)))
+        rows = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off)
         if ans:  # per chunk: source address, source bytes, output buffer (whole-batch numpy passes)
             a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
             cb = ans_format.CHUNK_BYTES
@@ -1060,15 +1309,28 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        counts = {"okv_fp8_encode": len(fp8), "okv_tq_encode_k": len(tqk), "okv_tq_encode_v": len(tqv),
-                  "okv_ans_pack": len(ans), "okv_crc32c": len(crc)}
+        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, ans, chunk, temp)
+        region_len = off["region_end"] - off["meta"]
+        return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
+                                                                            ans, ans_index, device_sink), w.copies)
+
+    def _launch_encode(self, base: int, off: dict[str, int], rows: dict[str, tuple[int, int]],
+                       groups: Sequence[tuple[str, np.ndarray]], k: int,
+                       out_region: "Callable[[int], np.ndarray | None] | None", ans: "Sequence[_Enc]" = (),
+                       chunk: int = 0, temp: int = 0) -> tuple[np.ndarray, bool]:
+        """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, nvCOMP over
+        the ANS chunks then their packing, the CRC32C pass; then the download of the output region (meta,
+        ANS payload lengths, slots) on the copy stream, into ``out_region``'s array or a pinned one of the
+        engine's. Answers that array, and whether it is the engine's."""
+        w, kern = self.save, self._kernels
+        counts = {name: len(sel) for name, sel in groups}
         segs = base + off["desc"]
-        meta_ptr = region
+        region = base + off["meta"]
         for name in ("okv_fp8_encode", "okv_tq_encode_k", "okv_tq_encode_v"):
             if name in rows:
                 first, blocks = rows[name]
-                table = k.crc_tables if name == "okv_fp8_encode" else k.tq_tables
-                w.launch(k, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, meta_ptr, table)
+                table = kern.crc_tables if name == "okv_fp8_encode" else kern.tq_tables
+                w.launch(kern, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, region, table)
         if ans:
             nv = self.nvcomp()
             col = base + off["chunk_in"]
@@ -1080,22 +1342,22 @@ class GpuCodecEngine:
                             base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
             first, blocks = rows["okv_ans_pack"]
-            w.launch(k, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, meta_ptr,
-                     k.crc_tables)
+            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, region,
+                     kern.crc_tables)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
-            w.launch(k, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, meta_ptr,
-                     k.crc_tables)
+            w.launch(kern, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, region,
+                     kern.crc_tables)
         region_len = off["region_end"] - off["meta"]
         host = out_region(region_len) if out_region is not None else None
-        if host is None:
+        own = host is None
+        if own:
             host = _pinned_array(region_len)
         w.handoff(w.copies, w.stream)  # the download runs beside the next batch's kernels
         w.d2h(host, region, w.copies)
         w.stats["batches"] += 1
-        w.stats["segments"] += len(plans)
-        return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
-                                                                            ans, ans_index, device_sink), w.copies)
+        w.stats["segments"] += k
+        return host, own
 
     def _finish_encode(self, plans: list[_Enc], job: EncodeJob, off: dict[str, int], host: np.ndarray, region: int,
                        region_len: int, ans: list[_Enc], ans_index: dict[int, int],
@@ -1300,15 +1562,8 @@ class GpuCodecEngine:
         from pinned host memory (``hosts``: segment index -> payload address) that lie one after another
         there, as a save batch leaves them in the arena, are staged at the same relative offsets, so that
         a run of them goes up in one copy."""
-        k = len(plans)
         ans = [p for p in plans if p.kind == "ans"]
-        chunks = sum(int(p.sizes.size) for p in ans)
-        lay = _Layout()
-        off = {"desc": lay.take(2 * max(k, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(32 * max(chunks, 1))}
-        off["meta"] = lay.take(16 * max(k, 1))
-        off["chunk_actual"] = lay.take(8 * max(chunks, 1), 8)
-        off["chunk_status"] = lay.take(4 * max(chunks, 1), 4)
-        off["down_end"] = lay.end
+        lay, off = _dec_layout_fixed(len(plans), sum(int(p.sizes.size) for p in ans))
         prev: "tuple[_Dec, int] | None" = None  # the last staged pinned payload and its host address
         for p in plans:
             if p.inplace:  # a device payload read in place needs no staging
@@ -1424,6 +1679,77 @@ class GpuCodecEngine:
                 raise
         return job
 
+    def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                              dst_bytes: np.ndarray) -> "DecodeJob | None":
+        """:meth:`decode_submit` of segments given as arrays, with no Python per segment: ``heads``
+        (``[n, 64]`` uint8) their headers, verified by the caller (only the payload CRC32C is checked here),
+        ``src`` the host address of each payload (the byte after its header) in pinned memory, ``dst`` the
+        device address of each destination and ``dst_bytes`` its size (a destination of another size than
+        the header's source length is a :class:`LengthMismatch`, left untouched). Payloads and destinations
+        must stay untouched until :meth:`decode_collect`. Answers None, queueing nothing, when a segment is
+        ANS (its chunk tables are read per segment) or needs more than half the workspace alone:
+        :meth:`decode_submit` takes those."""
+        h = np.ascontiguousarray(heads, dtype=np.uint8).view(HEADER_DTYPE).reshape(-1)
+        n = len(h)
+        fmt = h["format"]
+        if not np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)).all():
+            return None
+        stored = h["stored_length"].astype(np.int64)
+        staged = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
+        batches = _prefix_batches(np.arange(n), staged, _dec_fixed, self.budget_bytes // 2)
+        if batches is None:
+            return None
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        job = DecodeJob([None] * n)
+        wrong = np.asarray(dst_bytes, dtype=np.int64) != h["original_length"]
+        for i in np.flatnonzero(wrong).tolist():
+            job.results[i] = LengthMismatch(f"destination {i} holds {int(dst_bytes[i])} bytes; the segment "
+                                            f"decodes to {int(h['original_length'][i])}")
+        w = self.restore
+        with w.lock:
+            w.wait_for_current()
+            try:
+                for rows in batches:
+                    if wrong.any():
+                        rows = rows[~wrong[rows]]
+                    if len(rows):
+                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results))
+            except BaseException:  # nothing of this call may run on into buffers the caller reclaims
+                w.drop(job.flights)
+                raise
+        return job
+
+    def _run_decode_columns(self, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
+                            results: list) -> _Flight:
+        """Queue one decode batch of :meth:`decode_columns_submit` (``rows``: its segments' indices there):
+        the descriptors up, each run of neighbouring payloads up in one copy from where it lies, the kernels;
+        its verdicts are made when the flight is finished."""
+        w = self.restore
+        stored = h["stored_length"].astype(np.int64)
+        lay, off = _dec_layout_fixed(len(h), 0)
+        staged, runs = _mirror(host, stored, lay)
+        total = lay.end
+        base, upload = w.place(total)
+        up = upload.get(off["down_end"])
+        up[off["meta"]:] = 0
+        cols = _header_cols(h, base + staged, dst)
+        firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
+        cs = w.copies
+        w.h2d(base, up, cs)
+        for a, b in runs:
+            w.h2d_raw(base + int(staged[a]), int(host[a]), int(staged[b - 1] + stored[b - 1] - staged[a]), cs)
+        w.handoff(w.stream, cs)
+        meta = self._launch_decode(base, off, firsts, len(h))
+
+        def finish() -> None:
+            acc = meta[:16 * len(h)].view(km.META_DTYPE)["acc"]
+            for j in np.flatnonzero(acc != cols.expect).tolist():
+                i = int(rows[j])
+                results[i] = PayloadChecksumMismatch(f"segment {i}: payload CRC32C mismatch")
+
+        return w.launched(base, total, upload, finish)
+
     def _plain_dec_batches(self, plans: list[_Dec]) -> "list[list[_Dec]] | None":
         """The GPU batches of ``plans`` when none is ANS and each fits half the workspace alone: those the
         per-segment fit check of :meth:`decode_submit` would form, found with one cumulative sum; else None."""
@@ -1432,12 +1758,7 @@ class GpuCodecEngine:
         k = len(plans)
         staged = np.fromiter([p.h.stored_length for p in plans], np.int64, count=k)
         staged = -(-staged // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
-
-        def fixed(m: np.ndarray) -> np.ndarray:  # _dec_estimate's part that depends on the segment count
-            return (-(-(2 * m * km.SEG_DTYPE.itemsize) // SLOT_ALIGN) * SLOT_ALIGN
-                    + -(-(16 * m) // SLOT_ALIGN) * SLOT_ALIGN + _up(44) + 4 * 256)
-
-        return _prefix_batches(plans, staged, fixed, self.budget_bytes // 2)
+        return _prefix_batches(plans, staged, _dec_fixed, self.budget_bytes // 2)
 
     def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
         """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""
@@ -1474,7 +1795,7 @@ class GpuCodecEngine:
     def _run_decode(self, plans: list[_Dec], results: list, pinned: "Sequence[bool] | None") -> _Flight:
         """Queue one decode batch (upload, CRC32C, decode kernels, status download) into the workspace
         beside the batch in flight; its verdicts are made when the flight is finished."""
-        w, k = self.restore, self._kernels
+        w = self.restore
         for j, p in enumerate(plans):
             p.meta = j
         ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.h.ans_type)
@@ -1486,7 +1807,6 @@ class GpuCodecEngine:
         hosts = {p.i: host_address(p.payload) for p in plans if p.i in direct}
         off, total = self._dec_layout(plans, hosts)
         base, upload = w.place(total)
-        meta_ptr = base + off["meta"]
         # The pinned upload buffer holds the descriptors and the payloads staged through it, not those
         # that go up from where they lie (pinned) or are on the device already.
         staged = [p for p in plans if p.i not in direct and not p.dev]
@@ -1497,14 +1817,8 @@ class GpuCodecEngine:
 
         def src(p: _Dec) -> int:  # where the kernels read the payload
             return p.dev if p.inplace else base + p.staged
-        fp8 = [p for p in plans if p.kind == "fp8"]
-        tq = [p for p in plans if p.kind == "tq"]
-        copy = [p for p in plans if p.kind in ("raw", "ans")]
-        # the kernels compare raw CRCs (Meta.acc): the header's CRC32C without its zero-byte part
-        expect = np.array([p.h.payload_crc for p in plans], dtype=np.uint32) ^ zero_crc(
-            np.array([p.h.stored_length for p in plans], dtype=np.int64))
-        firsts = _decode_rows(up, off["desc"], plans, fp8, tq, copy, src, expect.tolist(),
-                              base + off["chunk_actual"], base + off["chunk_status"], base)
+        cols = _plan_cols(plans, np.fromiter(map(src, plans), dtype=np.int64, count=len(plans)), base)
+        firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
         if ans:  # per chunk: payload address, compressed bytes, decoded bytes, scratch address
             cb = ans_format.CHUNK_BYTES
             a = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
@@ -1541,14 +1855,26 @@ class GpuCodecEngine:
         for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy
             if p.dev and not p.inplace and p.h.stored_length:
                 cp.cuda.runtime.memcpyAsync(base + p.staged, p.dev, p.h.stored_length, _D2D, w.stream.ptr)
+        host = self._launch_decode(base, off, firsts, len(plans), ans, chunks)
+        return w.launched(base, total, upload,
+                          lambda: self._finish_decode(plans, results, off, host, cols.expect, chunks))
+
+    def _launch_decode(self, base: int, off: dict[str, int], firsts: dict[str, tuple[int, int, int]], k: int,
+                       ans: "Sequence[_Dec]" = (), chunks: int = 0) -> np.ndarray:
+        """Queue a decode batch's kernels on the restore stream (its descriptors and payloads are up): the
+        CRC32C check, the FP8 and TurboQuant decodes, nvCOMP for the ANS chunks (``ans``, their chunk arrays
+        at ``chunk_in``), the checked copies; then the download of the meta and chunk statuses into the
+        pinned array answered."""
+        w, kern = self.restore, self._kernels
+        meta_ptr = base + off["meta"]
         segs = base + off["desc"]
         size = km.SEG_DTYPE.itemsize
         first, count, blocks = firsts["okv_crc32c"]
-        w.launch(k, "okv_crc32c", segs + first * size, count, blocks, meta_ptr, k.crc_tables)
-        for name, table in (("okv_fp8_decode", None), ("okv_tq_decode", k.tq_tables)):
+        w.launch(kern, "okv_crc32c", segs + first * size, count, blocks, meta_ptr, kern.crc_tables)
+        for name, table in (("okv_fp8_decode", None), ("okv_tq_decode", kern.tq_tables)):
             first, count, blocks = firsts[name]
             if count:
-                w.launch(k, name, segs + first * size, count, blocks, meta_ptr, table)
+                w.launch(kern, name, segs + first * size, count, blocks, meta_ptr, table)
         if ans:
             nv, temp, col = self.nvcomp(), off["temp_bytes"], base + off["chunk_in"]
             for t in sorted({p.h.ans_type for p in ans}):
@@ -1560,13 +1886,12 @@ class GpuCodecEngine:
                 w.stats["launches"] += 1
         first, count, blocks = firsts["okv_copy_checked"]
         if count:
-            w.launch(k, "okv_copy_checked", segs + first * size, count, blocks, meta_ptr)
+            w.launch(kern, "okv_copy_checked", segs + first * size, count, blocks, meta_ptr)
         host = _pinned_array(off["down_end"] - off["meta"])
         w.d2h(host, meta_ptr)
         w.stats["batches"] += 1
-        w.stats["segments"] += len(plans)
-        return w.launched(base, total, upload,
-                          lambda: self._finish_decode(plans, results, off, host, expect, chunks))
+        w.stats["segments"] += k
+        return host
 
     def _finish_decode(self, plans: list[_Dec], results: list, off: dict[str, int], host: np.ndarray,
                        expect: np.ndarray, chunks: int) -> None:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from orbitkv_fs.geometry import EngineRegistration
-from orbitkv_fs.manager import Manager, ManagerConfig
-from orbitkv_fs.manager.device import _block_table, _rows_of
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+from orbitkv_fs.manager.device import _block_table, _rows_of, _run_of, _Targets
 from orbitkv_fs.manager.save import _gaps
 from orbitkv_fs.pages import host_engine_pages
 
@@ -122,3 +122,42 @@ def test_rows_of_block_shapes():
     assert _rows_of((1, 4, 1, 32), (999, 128, 7, 2), 2) == (4, 64, 128)
     # outer dimensions that do not step regularly cannot be one row stride
     assert _rows_of((2, 4, 32), (1000, 128, 2), 2) is None
+
+
+@pytest.mark.parametrize("layout", ["separate", "vllm_packed", "sglang_token_pool", "mla"])
+def test_targets_as_arrays_are_the_per_item_tables(layout):
+    """``_Targets`` (a batch's places and block tables as arrays over (chunk, segment) pairs) against the
+    per-item path: a pair used where it lies is a run of blocks that is one C-contiguous region there, at
+    that region's address; the others get aligned places in one temporary; its gather and scatter tables
+    are ``_block_table`` 's for the same items, row for row."""
+    chunks = [ChunkBlocks(b"a" * 16, [7, 2, 11, 3]), ChunkBlocks(b"b" * 16, [4, 5, 6, 7]), ChunkBlocks(b"c" * 16, [9]),
+              ChunkBlocks(b"d" * 16, [0, 1])]
+    with registered_segments(layout, 3) as (segs, _):
+        for seg in segs:
+            rows = _rows_of(seg.block_shape, seg.base.strides[1:], seg.dtype.itemsize)
+            seg.copy = (seg.base.ctypes.data, seg.base.strides[0]) + rows
+        t = _Targets(chunks, segs)
+        ci, si = np.divmod(np.arange(len(chunks) * len(segs)), len(segs))
+        nbytes, direct, where, pos, size = t.places(ci, si)
+        staged = []
+        for j, (c, s) in enumerate(zip(ci.tolist(), si.tolist())):
+            seg, blocks = segs[s], chunks[c].blocks
+            assert nbytes[j] == len(blocks) * seg.block_bytes
+            run = _run_of(blocks)
+            if direct[j]:
+                view = seg.base[run]
+                assert view.flags.c_contiguous and where[j] == view.ctypes.data
+            elif run is not None and run.stop - run.start > 1:
+                assert not seg.base[run].flags.c_contiguous  # a longer run is used where it lies when it can be
+            if not direct[j]:
+                staged.append((seg, blocks))
+        assert not direct.all() and (direct.any() or layout == "vllm_packed")  # K and V halves: never one region
+        assert pos.tolist() == [sum(-(-len(b) * g.block_bytes // 256) * 256 for g, b in staged[:i]) for i in range(len(staged))]
+        assert size == sum(-(-len(b) * g.block_bytes // 256) * 256 for g, b in staged)
+        addr = 1 << 40
+        for gather in (True, False):
+            got = t.table(ci[~direct], si[~direct], addr + pos, gather=gather)
+            want = _block_table([(g, b, addr + p) for (g, b), p in zip(staged, pos.tolist())], gather=gather)
+            assert got.tobytes() == want.tobytes()
+        for seg in segs:
+            seg.copy = None

@@ -18,8 +18,9 @@ pytest.importorskip("cupy")
 from orbitkv_fs.gpu import ans_format  # noqa: E402
 from orbitkv_fs.gpu import engine as E  # noqa: E402
 from orbitkv_fs.gpu import module as km  # noqa: E402
-from orbitkv_fs.gpu.tables import sign_words  # noqa: E402
-from orbitkv_fs.segment import HEADER_SIZE, AnsType, Format, Role, SegmentHeader  # noqa: E402
+from orbitkv_fs.gpu.tables import sign_words, zero_crc  # noqa: E402
+from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, AnsType, Format, Role, SegmentHeader, pack_header  # noqa: E402
+from orbitkv_fs.segment import turboquant_stored_bytes  # noqa: E402
 
 FP16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 
@@ -83,9 +84,13 @@ def test_encode_rows(seed):
               ("okv_crc32c", [(p.meta, check(p)) for p in crc])]
     rows, firsts = grouped([g for g in groups if g[1]])
     buf = np.full(128 + 128 * len(rows) + 64, 0xEE, np.uint8)
-    got = E._encode_rows(buf, 128, (("okv_fp8_encode", by["fp8"]), ("okv_tq_encode_k", tqk), ("okv_tq_encode_v", tqv),
-                                    ("okv_ans_pack", by["ans"]), ("okv_crc32c", crc)),
-                         region + HEADER_SIZE, tseed, chunk_cap, base, off)
+    cols = E._enc_cols(plans)
+    groups = E._enc_groups(cols, np.array([p.meta for p in by["ans"]], dtype=np.int64))
+    assert [(name, sel.tolist()) for name, sel in groups] == [
+        (name, [p.meta for p in plist]) for name, plist in (("okv_fp8_encode", by["fp8"]), ("okv_tq_encode_k", tqk),
+                                                            ("okv_tq_encode_v", tqv), ("okv_ans_pack", by["ans"]),
+                                                            ("okv_crc32c", crc))]
+    got = E._encode_rows(buf, 128, cols, groups, region + HEADER_SIZE, tseed, chunk_cap, base, off)
     assert got == {k: (f, b) for k, (f, _, b) in firsts.items()}
     assert np.array_equal(buf[128:128 + 128 * len(rows)], reference(rows).view(np.uint8))
     assert (buf[:128] == 0xEE).all() and (buf[128 + 128 * len(rows):] == 0xEE).all()  # nothing outside the rows
@@ -99,8 +104,9 @@ def _header(rng: random.Random, kind: str) -> SegmentHeader:
     if kind == "fp8":
         return SegmentHeader(Format.FP8, dt, orig, orig // 2, crc, role=role, layer=layer, bits=8)
     if kind == "tq":
-        return SegmentHeader(Format.TURBOQUANT, dt, orig, 1234, crc, role=role, layer=layer, bits=rng.choice([3, 4]),
-                             head_dim=rng.choice([64, 128]), sign_version=1, rotation_seed=rng.getrandbits(32))
+        bits, hd = rng.choice([3, 4]), rng.choice([64, 128])
+        return SegmentHeader(Format.TURBOQUANT, dt, orig, turboquant_stored_bytes(orig, hd, bits, role), crc, role=role,
+                             layer=layer, bits=bits, head_dim=hd, sign_version=1, rotation_seed=rng.getrandbits(32))
     return SegmentHeader(Format.ANS, dt, orig, orig // 3, crc, role=role, layer=layer, ans_type=AnsType.FLOAT16)
 
 
@@ -115,7 +121,8 @@ def test_decode_rows(seed):
                                            scratch=rng.getrandbits(20), chunk0=rng.randrange(100)))
     base = rng.getrandbits(40)
     actual, status = base + 4096, base + 8192
-    expect = [rng.getrandbits(32) for _ in plans]
+    # the kernels' CRC accumulators end at the header's CRC32C without its zero-byte part
+    expect = [p.h.payload_crc ^ int(zero_crc(p.h.stored_length)) for p in plans]
     fp8 = [p for p in plans if p.kind == "fp8"]
     tq = [p for p in plans if p.kind == "tq"]
     copy = [p for p in plans if p.kind in ("raw", "ans")]
@@ -146,9 +153,54 @@ def test_decode_rows(seed):
               ("okv_copy_checked", [(p.meta, copied(p)) for p in copy])]
     rows, firsts = grouped(groups)
     buf = np.full(256 + 128 * len(rows), 0xEE, np.uint8)
-    assert E._decode_rows(buf, 256, plans, fp8, tq, copy, src, expect, actual, status, base) == firsts
+    cols = E._plan_cols(plans, np.array([src(p) for p in plans], dtype=np.int64), base)
+    assert E._decode_rows(buf, 256, cols, actual, status) == firsts
     assert np.array_equal(buf[256:], reference(rows).view(np.uint8))
     assert (buf[:256] == 0xEE).all()
+    # The columnar path reads the same columns from the header bytes (all but ANS's, which it refuses).
+    plain = [p for p in plans if p.kind != "ans"]
+    if plain:
+        heads = np.frombuffer(b"".join(pack_header(p.h) for p in plain), np.uint8).view(HEADER_DTYPE)
+        srcs = np.array([src(p) for p in plain], dtype=np.int64)
+        want = E._plan_cols(plain, srcs, base)
+        got = E._header_cols(heads, srcs, np.array([p.dst.ptr for p in plain], dtype=np.int64))
+        for name in want._fields:
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_mirror_keeps_neighbours_in_one_copy():
+    """Payloads that lie one after another in pinned memory are staged at the same relative offsets (one
+    upload per run), as the object path's layout stages them; the others each at the next aligned offset."""
+    rng = random.Random(5)
+    for _ in range(50):
+        k = rng.randrange(1, 30)
+        stored = np.array([rng.randrange(1, 5000) for _ in range(k)], dtype=np.int64)
+        host, a = [], rng.getrandbits(30) * 64 + 64
+        for n in stored.tolist():
+            host.append(a)
+            step = rng.choice([E._up(n + 64), E._up(n + 64) + 256, n + rng.randrange(2000), 10**6])
+            a += step if rng.random() < 0.9 else -(10**5)
+        host = np.array(host, dtype=np.int64)
+        lay = E._Layout()
+        lay.take(1000)
+        staged, runs = E._mirror(host, stored, lay)
+        ref = E._Layout()
+        ref.take(1000)
+        plans = [types.SimpleNamespace(i=j, inplace=False, h=types.SimpleNamespace(stored_length=int(n)), staged=0)
+                 for j, n in enumerate(stored.tolist())]
+        prev = None  # the rule of GpuCodecEngine._dec_layout for payloads that all go up from pinned memory
+        for p, ha in zip(plans, host.tolist()):
+            if prev is not None and (ha - prev[1]) % E.SLOT_ALIGN == 0 and 0 <= ha - prev[1] - prev[0].h.stored_length <= E._MIRROR_GAP:
+                p.staged = prev[0].staged + (ha - prev[1])
+                ref.end = p.staged + p.h.stored_length
+            else:
+                p.staged = ref.take(p.h.stored_length)
+            prev = (p, ha)
+        assert staged.tolist() == [p.staged for p in plans] and lay.end == ref.end
+        assert [a for a, _ in runs] == [0] + [j for j in range(1, k) if staged[j] - staged[j - 1] != host[j] - host[j - 1]
+                                              or not (0 <= host[j] - host[j - 1] - stored[j - 1] <= E._MIRROR_GAP)
+                                              or (host[j] - host[j - 1]) % E.SLOT_ALIGN]
+        assert runs[-1][1] == k and all(b == a2 for (_, b), (a2, _) in zip(runs, runs[1:]))
 
 
 def test_fill_plus_is_add_of_one_plain_segment():

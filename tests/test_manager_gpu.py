@@ -19,7 +19,7 @@ import pytest
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key, pack_key
 from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig, RequestError
-from orbitkv_fs.manager.device import _run_of
+from orbitkv_fs.manager.device import _GpuCodecs, _run_of
 from orbitkv_fs.segment import Role
 
 pytestmark = pytest.mark.gpu
@@ -292,5 +292,55 @@ def test_skip_positions_are_not_written_on_gpu_pages(codec, engine):
         got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
         assert_restored(got[:, list(want)], saved[:, list(want.values())], codec)
         assert not got[:, [b for b in range(B) if b not in want]].any()
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4"])
+def test_restore_as_arrays_mixes_runs_and_shuffled_chunks_and_fails_per_chunk(codec, engine, monkeypatch):
+    """A restore whose segments are all in DRAM is decoded as arrays (``decode_rows_submit``: no item per
+    segment): chunks whose blocks are a run decode straight into their pages, shuffled ones through the
+    temporary and the block-copy kernel, in the same batches. A flipped reserved header byte (found only by
+    a batch's header check) and a flipped payload byte (found by the GPU's CRC32C) make their chunks misses
+    with those segments' blocks untouched; every other chunk equals the save."""
+    cmd, reply, handle, _ = engine
+    runs = [list(range(8 * i, 8 * i + 4)) for i in range(4)]
+    rest = [b for b in range(B) if all(b not in r for r in runs)]
+    np.random.default_rng(11).shuffle(rest)
+    shuffled = [rest[4 * i:4 * i + 4] for i in range(4)]
+    chunks = [ChunkBlocks(chunk_key(f"m{i}"), (runs if i % 2 == 0 else shuffled)[i // 2]) for i in range(8)]
+    started = []
+    real = _GpuCodecs.decode_rows_submit
+
+    def spy(self, *args, **kwargs):
+        db = real(self, *args, **kwargs)
+        started.append(db is not None)
+        return db
+
+    monkeypatch.setattr(_GpuCodecs, "decode_rows_submit", spy)
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
+                               batch_segments=16)) as m:
+        e = m.register_engine(_registration(handle))
+        assert m.save(e.engine_id, chunks).segments == len(chunks) * 2 * L
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        ns = m._engines[e.engine_id].ns
+        for ci, layer, role, at in ((2, 1, Role.KEY, 40), (5, 4, Role.VALUE, 64 + 100)):
+            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
+            m.dram.unlease([(slot, gen)])
+            m.dram.view(off + at, 1)[0] ^= 0x10  # byte 40: reserved (header); 164: payload
+        cmd.put("zero")
+        reply.get(timeout=60)
+        before = m.stats().decode_failures
+        res = m.restore(e.engine_id, chunks)
+        assert res.restored == [i not in (2, 5) for i in range(len(chunks))], res.misses
+        assert len(started) >= 6 and all(started)  # every batch went through the arrays path
+        assert m.stats().decode_failures == before + 2
+        cmd.put("read_now")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        assert not got[2 * 1, chunks[2].blocks].any() and not got[2 * 4 + 1, chunks[5].blocks].any()
+        keep = [b for i, ch in enumerate(chunks) if i not in (2, 5) for b in ch.blocks]
+        assert_restored(got[:, keep], saved[:, keep], codec)
+        assert m._gpu_codecs.stats()["restore_block_copies"] > 0
         st = m.stats()
         assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)

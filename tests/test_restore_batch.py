@@ -17,7 +17,7 @@ from orbitkv_fs.index import ObjectIndex
 from orbitkv_fs.keys import key_tails, pack_key, segment_keys
 from orbitkv_fs.manager.api import ChunkBlocks
 from orbitkv_fs.manager.batching import Batching
-from orbitkv_fs.manager.restore import RestorePipeline
+from orbitkv_fs.manager.restore import RestorePipeline, _Rows
 from orbitkv_fs.manager.verify import (
     _header_rows,
     _header_rows_at,
@@ -296,8 +296,8 @@ def test_cuts_are_codec_batches(seed):
 
 
 def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
-    """_check_device_batch (phase 1: size fields) then _verified_batch (a decode batch's headers as one
-    array) against what the restore's per-segment path decides for each segment: a header that passes
+    """_check_device_batch (phase 1: size fields) then _verified_rows (a decode batch's headers as one
+    array, in two cuts) and _row_items against what the restore's per-segment path decides for each segment: a header that passes
     _verify_header and fits its destination is decoded with exactly that header; one that fails
     _verify_header is a miss for its chunk with that reason (or goes to the per-segment path in phase 1); a
     valid header that does not fit goes to the per-segment path in phase 1 (a wrong request)."""
@@ -331,12 +331,15 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
         chunks[5] = ChunkBlocks(chunks[5].key, [10, 11, 12])  # every segment of it too small for 3 blocks
         fit, heads, sizes = p._check_device_batch(chunks, segs, keys, spans)
         assert sum(fit) > len(fit) // 3
-        items, rows, truth = [], [], {}
+        truth = {}
         for ci, (ch, ks) in enumerate(zip(chunks, keys)):
             for si, (s, kb) in enumerate(zip(segs, ks)):
                 r = ci * len(segs) + si
                 if kb not in spans:
                     assert not fit[r]
+                    with pytest.raises(SegmentError) as no:  # what the batch check reports for a row not there
+                        _verify_header(kb, b"")
+                    truth[(ci, si)] = no.value
                     continue
                 blob = memoryview(dram.view(*spans[kb]))
                 try:
@@ -350,23 +353,29 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
                     assert fit[r] == fits, (ci, si)
                     if fits:
                         assert sizes[r].tolist() == [h.stored_length, h.original_length,
-                                                     HEADER_SIZE + h.stored_length, spans[kb][1]]
-                if fit[r]:
-                    items.append((ci, s, ch, None, blob, kb))
-                    rows.append(r)
+                                                     HEADER_SIZE + h.stored_length, spans[kb][1], spans[kb][0]]
+        rows = _Rows.of(chunks, segs, keys, heads, sizes)
+        n, nseg = len(fit), len(segs)
+        failed = {k for k, v in truth.items() if isinstance(v, Exception)}
         bad: dict[int, str] = {}
-        out, kept = p._verified_batch(items, heads[rows], sizes[rows], bad)
-        failed = {(ci, segs.index(s)) for ci, s, *_ in items if isinstance(truth[(ci, segs.index(s))], Exception)}
+        for i, j in ((0, n // 2), (n // 2, n)):
+            got = p._verified_rows(rows, i, j, bad)
+            for ci in {ci for ci, si in failed if i <= ci * nseg + si < j}:
+                assert ci in bad
+            want = [(ci, segs[si], truth[(ci, si)]) for r in range(i, j) for ci, si in [divmod(r, nseg)]
+                    if (ci, si) not in failed and ci not in bad]
+            if got is None:
+                assert not want
+                continue
+            at, tid, templates = got
+            items, ids = p._row_items(rows, at, tid, templates)
+            assert [(ci, s, h) for ci, s, _, h, _ in items] == want
+            assert [bytes(blob) for *_, blob in items] == [bytes(dram.view(*spans[keys[ci][si]]))
+                                                           for r in at.tolist() for ci, si in [divmod(r, nseg)]]
+            assert ids == {id(blob) for *_, blob in items}
         assert failed and p.failures == len(failed)
-        for ci, si in failed:
-            e = truth[(ci, si)]
-            assert ci in bad and bad[ci].startswith("corrupt: ")
-        for (ci, si) in failed:  # the first failure of a chunk names the reason
-            first = min(sj for cj, sj in failed if cj == ci)
-            e = truth[(ci, first)]
+        for ci in {ci for ci, _ in failed}:  # the first failure of a chunk names the reason
+            e = truth[(ci, min(sj for cj, sj in failed if cj == ci))]
             assert bad[ci] == f"corrupt: {type(e).__name__}: {e}"
-        want = [(ci, s, h) for ci, s, *_ in items for h in [truth[(ci, segs.index(s))]] if ci not in bad]
-        assert [(ci, s, h) for ci, s, _, h, _ in out] == want
-        assert kept.tolist() == [sizes[r].tolist() for (ci, s, *_), r in zip(items, rows) if ci not in bad]
     finally:
         dram.close()

@@ -1,8 +1,10 @@
 """The GPU side of the pipelines: the adapter over the GPU codec engine and the device-memory helpers.
 
 Primitives: :class:`_GpuCodecs` (one :class:`~orbitkv_fs.gpu.GpuCodecEngine` per rotation seed; encode
-items, ``decode_submit`` / ``decode_finish`` of a restore batch, ``decode_device`` of the direct path),
-:func:`_gather_batch` and :func:`_block_table` (a batch's block copies as one kernel launch),
+items, ``decode_submit`` / ``decode_finish`` of a restore batch of items, ``decode_rows_submit`` /
+``decode_rows_finish`` of one given as arrays, ``decode_device`` of the direct path), :class:`_Targets` (a
+restore's destinations as arrays), :func:`_gather_batch` and :func:`_block_table` (a batch's block copies as
+one kernel launch),
 :func:`_device_run` / :func:`_run_of` (consecutive blocks used where they lie), :func:`_gather_host`,
 :func:`_gather_device`, :func:`_to_host`, :func:`_gpu_present`.
 
@@ -13,7 +15,7 @@ importable without them; a decode batch's temporary lives until the block copies
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -43,6 +45,72 @@ class _DecodeBatch:
         self.job = None
 
 
+class _DecodeRows(NamedTuple):
+    """One restore batch of rows between :meth:`_GpuCodecs.decode_rows_submit` and ``decode_rows_finish``."""
+
+    engine: object
+    job: object
+    targets: "_Targets"
+    ci: np.ndarray  # the rows' chunks and segments (of ``targets``)
+    si: np.ndarray
+    direct: np.ndarray  # rows decoded straight into their pages (the others into ``temp``, at ``pos``)
+    temp: object  # device buffer on the restore stream: alive until the block copies have run
+    pos: np.ndarray
+
+
+class _Targets:
+    """Where segments of GPU pages lie, as arrays over (chunk ``ci``, segment ``si``) pairs: a save's sources,
+    a restore's destinations. A chunk whose blocks are one ascending run, of a segment whose blocks lie back
+    to back, is used where it lies (its pages); the others go through one temporary per batch, which one
+    block-copy launch gathers or scatters. Per segment its block geometry (``_Seg.copy``, kept by the engine's
+    registration: :func:`_geometry`), per chunk its blocks (flattened), each read once."""
+
+    def __init__(self, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> None:
+        # per segment: block 0, block stride, rows, row bytes, row stride, block bytes, buffer address (0)
+        self.geo = _geometry(segs) if geo is None else geo
+        g = self.geo.astype(np.int64)
+        self.block_bytes = g[:, 5]
+        # a run of blocks is one C-contiguous region: blocks back to back, each of regular contiguous rows
+        self.contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
+        self.counts = np.fromiter((len(ch.blocks) for ch in chunks), dtype=np.int64, count=len(chunks))
+        self.flat = np.fromiter((b for ch in chunks for b in ch.blocks), dtype=np.int64, count=int(self.counts.sum()))
+        self.start = np.cumsum(self.counts) - self.counts
+        self.first = self.flat[self.start] if len(chunks) else self.counts
+        self.run = np.fromiter((_run_of(ch.blocks) is not None for ch in chunks), dtype=bool, count=len(chunks))
+
+    @classmethod
+    def of(cls, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> "_Targets | None":
+        """The targets of chunks of GPU pages; None when some segment's blocks are not regular rows that the
+        block-copy kernel moves (those take the per-item path)."""
+        if not segs or any(s.copy is None for s in segs) or not all(ch.blocks for ch in chunks):
+            return None
+        return cls(chunks, segs, geo)
+
+    def places(self, ci: np.ndarray, si: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """For pairs ``(ci, si)``: their bytes, which are used where they lie, the page address of those, and
+        the others' offsets in a temporary of the size answered last (each at a multiple of _SLICE_ALIGN)."""
+        nbytes = self.counts[ci] * self.block_bytes[si]
+        direct = self.run[ci] & self.contig[si]
+        dst = (self.geo[si, 0] + self.first[ci].astype(np.uint64) * self.geo[si, 1]).astype(np.int64)
+        step = -(-nbytes[~direct] // _SLICE_ALIGN) * _SLICE_ALIGN
+        return nbytes, direct, dst, np.cumsum(step) - step, int(step.sum())
+
+    def table(self, ci: np.ndarray, si: np.ndarray, addr: np.ndarray, *, gather: bool) -> np.ndarray:
+        """Block-copy rows between pairs' blocks and their contiguous bytes at device addresses ``addr``:
+        pages to those when ``gather``, else those to pages."""
+        counts = self.counts[ci]
+        geo = self.geo[si]
+        geo[:, 6] = addr
+        ids = self.flat[np.repeat(self.start[ci], counts) + _within(counts)]
+        return _table_of(geo, ids, counts, gather=gather)
+
+
+def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
+    """Per segment (all of GPU pages the block-copy kernel moves): block 0, block stride, rows, row bytes,
+    row stride, block bytes and a zero buffer address, ``[n, 7]`` uint64."""
+    return np.array([s.copy + (s.block_bytes, 0) for s in segs], dtype=np.uint64).reshape(len(segs), 7)
+
+
 class _GpuCodecs:
     """The GPU codec engine (:mod:`orbitkv_fs.gpu`) behind the two calls the pipeline makes: encode a
     batch of device arrays into segments, decode one segment into a chunk's blocks. One engine per
@@ -70,6 +138,21 @@ class _GpuCodecs:
     def item(self, array, seg: _Seg):
         """The engine's encode item for ``array`` (a gathered segment source) of ``seg``."""
         return self._item(array, seg.codec_name, seg.role, seg.layer, seg.dtype, seg.raw_reason)
+
+    def encode_class(self, engine, seg: _Seg, blocks: int):
+        """``engine`` 's encode class (``encode_class``) of ``seg`` 's segments of chunks of ``blocks`` blocks."""
+        from ..gpu.engine import DeviceSpan
+
+        return engine.encode_class(self.item(DeviceSpan(0, blocks * seg.block_bytes, (blocks,) + seg.block_shape), seg))
+
+    def items_of(self, ptrs: np.ndarray, targets: "_Targets", ci: np.ndarray, si: np.ndarray, segs: Sequence[_Seg]) -> list:
+        """Encode items of pairs ``(ci, si)`` whose bytes lie at device addresses ``ptrs`` (what
+        :meth:`gather_rows` answered), for ``encode_submit``."""
+        from ..gpu.engine import DeviceSpan
+
+        counts = targets.counts[ci].tolist()
+        return [self.item(DeviceSpan(p, n * segs[s].block_bytes, (n,) + segs[s].block_shape), segs[s])
+                for p, n, s in zip(ptrs.tolist(), counts, si.tolist())]
 
     def decode_device(self, segments: list, destinations: list, seed: int) -> list:
         """``decode_batch`` of segments in device memory into device destinations (complete on return)."""
@@ -107,6 +190,51 @@ class _GpuCodecs:
         db.job = engine.decode_submit([blob for _, _, blob, _ in items], dsts, pinned=pinned,
                                       headers=[h for *_, h in items])
         return db
+
+    def decode_rows_submit(self, targets: _Targets, rows: np.ndarray, heads: np.ndarray, src: np.ndarray,
+                           seed: int) -> "_DecodeRows | None":
+        """Start decoding restore ``rows`` (of ``targets``) given as arrays: their verified header rows and the
+        pinned host address of each payload (the engine's ``decode_columns_submit``, no Python per row).
+        None (nothing started) when the engine leaves the batch to :meth:`decode_submit` (ANS)."""
+        engine = self.engine(seed)
+        ci, si = np.divmod(rows, len(targets.geo))
+        nbytes, direct, dst, pos, size = targets.places(ci, si)
+        temp = None
+        if size:
+            temp = engine.block_buffer(size, restore=True)
+            dst[~direct] = int(temp.data.ptr) + pos
+        job = engine.decode_columns_submit(heads, src, dst, nbytes)
+        return None if job is None else _DecodeRows(engine, job, targets, ci, si, direct, temp, pos)
+
+    def decode_rows_finish(self, db: _DecodeRows) -> tuple[list, object]:
+        """Wait for a :meth:`decode_rows_submit` and queue the block copies of its rows decoded into the
+        temporary: the error (or None) per row, and the CUDA event after the copies (None when none)."""
+        errs: list = list(db.engine.decode_collect(db.job))
+        staged = ~db.direct
+        if not staged.any():
+            return errs, None
+        pos = db.pos
+        if errs.count(None) != len(errs):
+            ok = np.fromiter((e is None for e in errs), dtype=bool, count=len(errs))
+            pos, staged = pos[ok[staged]], staged & ok
+            if not staged.any():
+                return errs, None
+        table = db.targets.table(db.ci[staged], db.si[staged], int(db.temp.data.ptr) + pos, gather=False)
+        return errs, db.engine.scatter_blocks(table)
+
+    def gather_rows(self, engine, targets: _Targets, ci: np.ndarray, si: np.ndarray) -> tuple[np.ndarray, object]:
+        """The device address of each pair's bytes as one contiguous region, for ``engine`` to encode: a run
+        of a chunk's blocks where it lies, the others gathered into one buffer by one block-copy launch on the
+        save stream. Answers the addresses and that buffer (None when there is none), which must live until
+        the encode that reads it is collected."""
+        _, direct, ptrs, pos, size = targets.places(ci, si)
+        if not size:
+            return ptrs, None
+        buf = engine.block_buffer(size, restore=False)
+        addr = int(buf.data.ptr) + pos
+        ptrs[~direct] = addr
+        engine.gather_blocks(targets.table(ci[~direct], si[~direct], addr, gather=True))
+        return ptrs, buf
 
     def decode_finish(self, db: "_DecodeBatch") -> tuple[list, object]:
         """Wait for a submitted decode and queue each decoded item's copy into its blocks: the error (or None)
@@ -201,22 +329,36 @@ def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) 
     :data:`SKIP_BLOCK` position, whose part of the buffer stays where it is). Built for the whole batch at
     once (a numpy pass per field, not per item)."""
     counts = np.fromiter((len(b) for _, b, _ in items), dtype=np.int64, count=len(items))
-    total = int(counts.sum())
-    table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
-    if not total:
-        return table
+    if not int(counts.sum()):
+        return np.empty(0, dtype=BLOCK_COPY_DTYPE)
     # All (layer, role) segments of a chunk share its block list: each list is converted once.
     arrays: dict[int, np.ndarray] = {}
     for _, b, _ in items:
         if id(b) not in arrays:
             arrays[id(b)] = np.array(b, dtype=np.int64)
     ids = np.concatenate([arrays[id(b)] for _, b, _ in items])
+    # per item: block 0, block stride, rows, row bytes, row stride (seg.copy), block bytes, buffer address
+    geo = np.array([seg.copy + (seg.block_bytes, addr) for seg, _, addr in items], dtype=np.uint64)
+    return _table_of(geo, ids, counts, gather=gather)
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """For consecutive runs of ``counts`` items: each item's index within its run (0, 1, .., 0, 1, ..)."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _table_of(geo: np.ndarray, ids: np.ndarray, counts: np.ndarray, *, gather: bool) -> np.ndarray:
+    """Block-copy rows of items whose geometry rows are ``geo`` (``[m, 7]``: block 0, block stride, rows,
+    row bytes, row stride, block bytes, buffer address) and blocks ``ids`` (``counts[i]`` of them per item,
+    concatenated); see :func:`_block_table`."""
+    total = int(counts.sum())
+    table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
+    if not total:
+        return table
     keep = None if gather or ids.min() >= 0 else ids != SKIP_BLOCK
     ids = ids.astype(np.uint64)
-    # per item: block 0, block stride, rows, row bytes, row stride (seg.copy), block bytes, buffer address
-    geo = np.repeat(np.array([seg.copy + (seg.block_bytes, addr) for seg, _, addr in items], dtype=np.uint64),
-                    counts, axis=0)
-    within = np.arange(total, dtype=np.uint64) - np.repeat((np.cumsum(counts) - counts).astype(np.uint64), counts)
+    geo = np.repeat(geo, counts, axis=0)
+    within = _within(counts).astype(np.uint64)
     pages = geo[:, 0] + ids * geo[:, 1]
     flat = geo[:, 6] + within * geo[:, 5]
     table["src"], table["dst"] = (pages, flat) if gather else (flat, pages)

@@ -187,6 +187,9 @@ class _Engine:
         self.segs = segs
         self.tails = key_tails((s.layer, s.role) for s in segs)  # segs[i]'s key is ns + chunk + tails[i]
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
+        self.seg_index = {id(s): i for i, s in enumerate(segs)}  # a save item's segment -> its index in segs
+        self.enc_classes: dict = {}  # (segment index, blocks per chunk) -> the GPU engine's encode class
+        self.geometry = None  # the segments' block geometry as an array (device._geometry), made on first use
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch

@@ -3,6 +3,8 @@
 Primitives: :meth:`RestorePipeline.restore`, :meth:`~RestorePipeline._acquire` (sources: DRAM under a
 lease, else the lower tier, else peers), :meth:`~RestorePipeline._decode_gpu` with
 :meth:`~RestorePipeline._decode_start` / :meth:`~RestorePipeline._decode_end` (GPU batches, pipelined),
+:meth:`~RestorePipeline._decode_gpu_rows` (the same for a restore given as arrays, :class:`_Rows`: every
+segment a DRAM extent, no Python per segment),
 :meth:`~RestorePipeline._restore_ssd_device` (the cuFile direct path), :meth:`~RestorePipeline._upload_raw`
 (raw segments into GPU blocks), :meth:`~RestorePipeline._write` (one segment into host blocks).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -29,6 +31,7 @@ from ..pages import cupy_dtype
 from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
 from .batching import BATCH_EXPANSION, _decode_bound, _pipelined
+from .device import _Targets
 from .leases import _Lease
 from .registry import _Engine, _Seg
 from .verify import _header_rows_at, _verify, _verify_header, _verify_headers
@@ -41,6 +44,29 @@ class _Sizes(msgspec.Struct, frozen=True):
 
     original_length: int
     stored_length: int
+
+
+class _Rows(NamedTuple):
+    """A restore whose every segment is a DRAM extent bound for the GPU engine, its size fields checked in
+    phase 1 (:meth:`RestorePipeline._check_device_batch`), as arrays over rows, chunk-major (row ``r``: chunk
+    ``r // len(segs)``, segment ``r % len(segs)``)."""
+
+    chunks: Sequence[ChunkBlocks]
+    segs: Sequence[_Seg]
+    keys: list[list[bytes]]
+    heads: np.ndarray  # [n, 64] header rows
+    sizes: np.ndarray  # [n, 5]: batch bytes, decoded, stored, extent length, arena offset
+    layers: np.ndarray  # what each row's key names
+    roles: np.ndarray
+    formats: np.ndarray  # each header's format field (as it stands: verified batch by batch)
+
+    @classmethod
+    def of(cls, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]], heads: np.ndarray,
+           sizes: np.ndarray) -> "_Rows":
+        layers = np.fromiter((s.layer for s in segs), dtype=np.int64, count=len(segs))
+        roles = np.fromiter((int(s.role) for s in segs), dtype=np.int64, count=len(segs))
+        return cls(chunks, segs, keys, heads, sizes, np.tile(layers, len(chunks)), np.tile(roles, len(chunks)),
+                   heads.view(HEADER_DTYPE).reshape(-1)["format"])
 
 
 class RestorePipeline:
@@ -120,9 +146,13 @@ class RestorePipeline:
             # Segments bound for the GPU engine from DRAM: size fields checked as one array (False: per segment).
             pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans
                                  else (None, None, None))
+            # Every segment a DRAM extent bound for the GPU engine, its size fields fitting: the restore is
+            # decoded as arrays, batch by batch (_decode_gpu_rows), with no item per segment.
+            rows = (_Rows.of(chunks, segs, keys, heads, sizes)
+                    if pre is not None and len(pre) and pre.all() else None)
             arena_ids: set[int] = set()  # ids of the sources that are arena views (pinned where the arena is)
             nseg = len(segs)
-            for ci, (ch, ks) in enumerate(zip(chunks, keys)):
+            for ci, (ch, ks) in (() if rows is not None else enumerate(zip(chunks, keys))):
                 if ci in batched:
                     continue
                 for si, (seg, kb) in enumerate(zip(segs, ks)):
@@ -187,12 +217,11 @@ class RestorePipeline:
                     except Exception as e:  # a codec failure on a checksummed segment: a miss, not a crash
                         done.append((ci, seg, ch, h, e))
             gpu_totals = (0, 0, 0)
-            if coded:
-                # Every segment's size fields fit in phase 1: batches are cut from the header arrays, and each
-                # batch's headers are verified as one array while the GPU works on the previous batch.
-                whole = ((heads, sizes) if sizes is not None and not plan and not bad and len(coded) == len(pre)
-                         and all(pre) else None)
-                failed, gpu_totals = self._decode_gpu(eng, coded, bad, arena_ids, whole)
+            if rows is not None:
+                failed, gpu_totals = self._decode_gpu_rows(eng, rows, bad)
+                done += failed
+            elif coded:
+                failed, gpu_totals = self._decode_gpu(eng, coded, bad, arena_ids)
                 done += failed
             uploads: list = []  # pinned staging of raw uploads, freed once the stream is synchronised
             if raw_dev:
@@ -313,16 +342,13 @@ class RestorePipeline:
                 out[kb] = bytes(blob)
         return out
 
-    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str], arena_ids: set[int],
-                    whole: "tuple[np.ndarray, np.ndarray] | None" = None) -> tuple[list, tuple[int, int, int]]:
+    def _decode_gpu(self, eng: _Engine, items: list, bad: dict[int, str],
+                    arena_ids: set[int]) -> tuple[list, tuple[int, int, int]]:
         """Segments through the GPU codec engine, in batches: ``(ci, seg, ch, h, blob, kb)`` items, ``h``
         None where the header is still to be verified (against key ``kb``, just before the item's batch is
         formed, so that this runs while the GPU works on the previous batch). A header that fails is a miss
         for its chunk (``bad[ci]``), whose later segments are then skipped. ``arena_ids``: the ids of the
-        blobs that are arena views. ``whole`` (every item's size fields fit, :meth:`_check_device_batch`): the
-        items' header rows and, per item, its batch bytes, decoded bytes, stored bytes and extent length: the
-        batches are cut from these, and each batch's headers verified as one array (:meth:`_verified_batch`).
-        Answers ``(ci, seg, ch, h, error)`` per segment that failed, and the segments decoded with their
+        blobs that are arena views. Answers ``(ci, seg, ch, h, error)`` per segment that failed, and the segments decoded with their
         decoded and stored bytes (headers included); the GPU blocks are written when this returns, except
         those of irregular layouts, queued on the current stream (the caller synchronises it)."""
 
@@ -345,33 +371,146 @@ class RestorePipeline:
         # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
-        if whole is None:
-            jobs = ((b, None) for b in self._codec_batches(verified(), lambda it: _decode_bound(it[3]),
-                                                           lambda it: it[3].original_length))
-        else:
-            heads, sizes = whole
-            cut = ((items[i:j], heads[i:j], sizes[i:j]) for i, j in self._cuts(sizes[:, 0], sizes[:, 1]))
-            jobs = (job for job in (self._verified_batch(*c, bad) for c in cut) if job[0])
+        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length)
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
-        copies: list = []  # the event after each batch's block copies
         failed: list = []
         totals = [0, 0, 0]
+        self._decode_pipelined(jobs, lambda batch: self._decode_start(seed, batch, arena_ids, None),
+                               lambda started: self._decode_end(*started, failed, totals))
+        return failed, (totals[0], totals[1], totals[2])
 
-        def end(started: tuple) -> None:
-            ev = self._decode_end(*started, failed, totals)
+    def _decode_pipelined(self, jobs: Iterable, start: Callable, end: Callable) -> None:
+        """``_pipelined`` decode batches whose ``end`` answers the event after the batch's block copies
+        (or None); returns once every block copy has run."""
+        copies: list = []  # the event after each batch's block copies
+
+        def ended(started: tuple) -> None:
+            ev = end(started)
             if ev is not None:
                 copies.append(ev)
 
         try:
-            _pipelined(jobs, lambda job: self._decode_start(seed, job[0], arena_ids, job[1]), end)
+            _pipelined(jobs, start, ended)
         finally:
             if copies:
                 w0 = time.perf_counter()
                 copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
                 self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
+
+    def _decode_gpu_rows(self, eng: _Engine, rows: "_Rows", bad: dict[int, str]) -> tuple[list, tuple[int, int, int]]:
+        """:meth:`_decode_gpu` of a restore given as :class:`_Rows`: batches cut from the size arrays, each
+        batch's headers verified as one array (:meth:`_verified_rows`) while the GPU works on the previous
+        batch, and decoded from the arena as arrays (``decode_rows_submit``); a batch the engine leaves to
+        its per-segment path (ANS), or any batch when the arena is not pinned or the pages are not regular
+        rows, goes through :meth:`_decode_start` as items. Answers as :meth:`_decode_gpu`."""
+        seed = eng.reg.rotation_seed
+        geo = eng.geometry if rows.segs is eng.segs else None  # a layer-by-layer restore names fewer segments
+        targets = _Targets.of(rows.chunks, rows.segs, geo) if self.dram.arena.pinned else None
+        failed: list = []
+        totals = [0, 0, 0]
+
+        def start(cut: tuple[int, int]) -> "tuple | None":
+            got = self._verified_rows(rows, cut[0], cut[1], bad)
+            if got is None:
+                return None
+            at, tid, templates = got
+            # ANS segments are read per segment (their chunk tables): the items path takes their batches.
+            if targets is not None and not (rows.formats[at] == Format.ANS).any():
+                ws = int(rows.sizes[at, 1].sum())
+                self._workspace_delta(ws)
+                t0 = time.perf_counter()
+                src = self.dram.arena.base_address + HEADER_SIZE + rows.sizes[at, 4]
+                try:
+                    db = self._gpu_codecs.decode_rows_submit(targets, at, rows.heads[at], src, seed)
+                except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+                    db = e
+                if db is not None:
+                    return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
+                self._workspace_delta(-ws)
+            items, ids = self._row_items(rows, at, tid, templates)
+            return ("items",) + self._decode_start(seed, items, ids, rows.sizes[at])
+
+        def end(started: tuple) -> object:
+            if started[0] == "items":
+                return self._decode_end(*started[1:], failed, totals)
+            return self._rows_end(rows, *started[1:], failed, totals)
+
+        self._decode_pipelined(self._cuts(rows.sizes[:, 0], rows.sizes[:, 1]), start, end)
         return failed, (totals[0], totals[1], totals[2])
+
+    def _verified_rows(self, rows: "_Rows", i: int, j: int,
+                       bad: dict[int, str]) -> "tuple[np.ndarray, np.ndarray, list[SegmentHeader]] | None":
+        """Rows ``[i, j)`` of a restore, their headers verified as one array (:func:`_verify_headers`: against
+        their keys and extents, as :func:`_verify_header`). A header that fails is a miss for its chunk
+        (``bad``, with :func:`_verify_header`'s reason); the rows of chunks in ``bad`` are left out. Answers the
+        rows kept, their header templates' indices and the templates (a kept row's header is its template with
+        its own payload CRC), or None when no row is kept."""
+        ok, tid, templates = _verify_headers(rows.heads[i:j], rows.layers[i:j], rows.roles[i:j], rows.sizes[i:j, 3])
+        at = np.arange(i, j)
+        nseg = len(rows.segs)
+        for r in at[~ok].tolist():
+            ci, si = divmod(r, nseg)
+            try:
+                _verify_header(rows.keys[ci][si], self.dram.view(int(rows.sizes[r, 4]), int(rows.sizes[r, 3])))
+                err: SegmentError = SegmentError("header failed the batch check")
+            except SegmentError as e:
+                err = e
+            self._add(decode_failures=1)
+            bad.setdefault(ci, f"corrupt: {type(err).__name__}: {err}")
+        keep = ok & ~np.isin(at // nseg, list(bad)) if bad else ok
+        if not keep.all():
+            at, tid = at[keep], tid[keep]
+        return (at, tid, templates) if len(at) else None
+
+    def _row_items(self, rows: "_Rows", at: np.ndarray, tid: np.ndarray,
+                   templates: list[SegmentHeader]) -> tuple[list, set[int]]:
+        """Rows ``at`` (verified: :meth:`_verified_rows`) as :meth:`_decode_start` items ``(ci, seg, chunk,
+        header, arena view)``, and the ids of those views."""
+        nseg = len(rows.segs)
+        pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
+        replace = msgspec.structs.replace
+        items, ids = [], set()
+        for r, t, c in zip(at.tolist(), tid.tolist(), pcrc):
+            ci, si = divmod(r, nseg)
+            blob = memoryview(self.dram.view(int(rows.sizes[r, 4]), int(rows.sizes[r, 3])))
+            ids.add(id(blob))
+            items.append((ci, rows.segs[si], rows.chunks[ci], replace(templates[t], payload_crc=c), blob))
+        return items, ids
+
+    def _rows_end(self, rows: "_Rows", at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader], db,
+                  ws: int, seconds: float, failed: list, totals: list[int]) -> object:
+        """:meth:`_decode_end` of a batch of rows: its failed segments appended to ``failed`` as ``(ci, seg,
+        ch, h, error)``, the segments decoded and their decoded and stored bytes added to ``totals``. Answers
+        the event after its block copies (None when there are none)."""
+        t0 = time.perf_counter()
+        ev = None
+        try:
+            if isinstance(db, Exception):
+                errs = [db] * len(at)
+            else:
+                try:
+                    errs, ev = self._gpu_codecs.decode_rows_finish(db)
+                except Exception as e:
+                    errs = [e] * len(at)
+        finally:
+            self._workspace_delta(-ws)
+        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(at))
+        ok = np.ones(len(at), dtype=bool)
+        if errs.count(None) != len(errs):
+            nseg = len(rows.segs)
+            pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"]
+            for j, err in enumerate(errs):
+                if err is not None:
+                    ok[j] = False
+                    ci, si = divmod(int(at[j]), nseg)
+                    h = msgspec.structs.replace(templates[int(tid[j])], payload_crc=int(pcrc[j]))
+                    failed.append((ci, rows.segs[si], rows.chunks[ci], h, err))
+        totals[0] += int(ok.sum())
+        totals[1] += int(rows.sizes[at[ok], 1].sum())
+        totals[2] += int(rows.sizes[at[ok], 2].sum())
+        return ev
 
     def _cuts(self, nbytes: np.ndarray, logical: np.ndarray) -> Iterator[tuple[int, int]]:
         """The ``[i, j)`` ranges of :meth:`_codec_batches` over items of ``nbytes`` and ``logical`` bytes (at
@@ -393,22 +532,23 @@ class RestorePipeline:
             i = j
 
     def _check_device_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                            spans: dict[bytes, tuple[int, int]]) -> tuple[list[bool], np.ndarray, np.ndarray]:
+                            spans: dict[bytes, tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The size fields of a restore's DRAM-leased sources bound for the GPU engine, read as one array: the
         dtype and source length each header names against what its destination blocks take, its stored
         length against its extent. Answers per segment (chunk-major) whether they fit (False: not in DRAM, or
         fields that do not fit: the per-segment path says why, and whether it is a miss or a wrong request),
         the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound`), decoded bytes,
-        stored bytes and extent length, ``[n, 4]``. The rest of each header is verified batch by batch
-        (:meth:`_verified_batch`)."""
+        stored bytes, extent length and arena offset, ``[n, 5]``. The rest of each header is verified batch by
+        batch (:meth:`_verified_rows`)."""
         nseg = len(segs)
         n = len(chunks) * nseg
         got = [spans.get(kb) for ks in keys for kb in ks]
-        sizes = np.zeros((n, 4), dtype=np.int64)
+        sizes = np.zeros((n, 5), dtype=np.int64)
         heads = np.zeros((n, HEADER_SIZE), dtype=np.uint8)
+        fit = np.zeros(n, dtype=bool)
         rows = [i for i, g in enumerate(got) if g is not None] if None in got else list(range(n))
         if not rows:
-            return [False] * n, heads, sizes
+            return fit, heads, sizes
         offs, lens = np.array([got[i] for i in rows] if len(rows) < n else got, dtype=np.int64).T
         at = np.asarray(rows, dtype=np.int64)
         heads[at] = _header_rows_at(self.dram.arena.buf, offs)
@@ -424,37 +564,9 @@ class RestorePipeline:
         sizes[at, 1] = orig
         sizes[at, 2] = stored + HEADER_SIZE
         sizes[at, 3] = lens
-        fit = [False] * n
-        for r in at[ok].tolist():
-            fit[r] = True
+        sizes[at, 4] = offs
+        fit[at[ok]] = True
         return fit, heads, sizes
-
-    def _verified_batch(self, items: list, heads: np.ndarray, sizes: np.ndarray,
-                        bad: dict[int, str]) -> tuple[list, np.ndarray]:
-        """One decode batch of ``(ci, seg, ch, None, blob, key)`` items whose size fields fit: their headers
-        verified as one array (:func:`_verify_headers`: against their keys and extents, as
-        :func:`_verify_header`). A header that fails is a miss for its chunk (``bad``, with
-        :func:`_verify_header`'s reason); the segments of chunks in ``bad`` are left out. Answers the batch's
-        ``(ci, seg, ch, header, blob)`` items and their rows of ``sizes``."""
-        layers = np.fromiter([it[1].layer for it in items], dtype=np.int64, count=len(items))
-        roles = np.fromiter([int(it[1].role) for it in items], dtype=np.int64, count=len(items))
-        ok, tid, templates = _verify_headers(heads, layers, roles, sizes[:, 3])
-        for j in np.flatnonzero(~ok).tolist():
-            ci, _, _, _, blob, kb = items[j]
-            try:
-                _verify_header(kb, blob)
-                err: SegmentError = SegmentError("header failed the batch check")
-            except SegmentError as e:
-                err = e
-            self._add(decode_failures=1)
-            bad.setdefault(ci, f"corrupt: {type(err).__name__}: {err}")
-        pcrc = heads.view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
-        replace = msgspec.structs.replace
-        keep = [j for j, it in enumerate(items) if ok[j] and it[0] not in bad] if bad else list(range(len(items)))
-        tids = tid.tolist()
-        out = [(items[j][0], items[j][1], items[j][2], replace(templates[tids[j]], payload_crc=pcrc[j]), items[j][4])
-               for j in keep]
-        return out, sizes[keep]
 
     def _decode_start(self, seed: int, batch: list, arena_ids: set[int], sizes: "np.ndarray | None") -> tuple:
         if sizes is None:

@@ -30,7 +30,7 @@ from ..segment import RawReason, parse_header
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, SaveResult
 from .batching import _pipelined
-from .device import _gather_batch, _gather_device, _gather_host
+from .device import _gather_batch, _gather_device, _gather_host, _geometry, _Targets
 from .registry import _Engine, _Seg
 from .verify import _REP_NAMES
 
@@ -235,19 +235,28 @@ class SavePipeline:
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
-        done here with the host codecs."""
+        done here with the host codecs. Sources of GPU pages whose codecs the engine runs without ANS go to
+        it as arrays (:meth:`_save_columns`: sources, classes), the others as one item per segment."""
         c0 = time.thread_time()
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
         sb = _SaveBatch(batch)
         if gpu is not None:
             sb.engine = engine = gpu.engine(eng.reg.rotation_seed)
-        if on_device:
-            sb.srcs, sb.buffer = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
-                                               lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
+        sink, sb.direct = self._ssd_direct_sink(eng, batch)
+        cols = self._save_columns(eng, engine, batch) if on_device and sink is None and self.dram.arena.pinned else None
+        if cols is not None:
+            targets, classes, cls, ci, si = cols
+            ptrs, sb.buffer = gpu.gather_rows(engine, targets, ci, si)
+            sb.ws = int((targets.counts[ci] * targets.block_bytes[si]).sum())
         else:
-            sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks) for ch, seg, _ in batch]
-        sb.ws = sum(x.nbytes for x in sb.srcs)
+            if on_device:
+                sb.srcs, sb.buffer = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
+                                                   lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
+            else:
+                sb.srcs = [_gather_device(seg, ch.blocks) if gpu else _gather_host(seg, ch.blocks)
+                           for ch, seg, _ in batch]
+            sb.ws = sum(x.nbytes for x in sb.srcs)
         self._workspace_delta(sb.ws)
 
         def arena_region(nbytes: int) -> np.ndarray | None:
@@ -257,10 +266,14 @@ class SavePipeline:
             sb.regions.append((off, units_of(nbytes) * UNIT))
             return self.dram.view(off, nbytes)
 
-        sink, sb.direct = self._ssd_direct_sink(eng, batch)
         t0 = time.perf_counter()
         try:
-            if gpu is not None:
+            if cols is not None:
+                sb.job = engine.encode_columns_submit(classes, cls, ptrs, out_region=arena_region, slot_align=UNIT)
+                if sb.job is None:  # a segment needs more than half the engine's workspace: one item each
+                    sb.srcs = gpu.items_of(ptrs, targets, ci, si, eng.segs)
+                    sb.job = engine.encode_submit(sb.srcs, out_region=arena_region, slot_align=UNIT)
+            elif gpu is not None:
                 sb.job = engine.encode_submit(
                     [gpu.item(x, seg) for x, (_, seg, _) in zip(sb.srcs, batch)],
                     out_region=arena_region if self.dram.arena.pinned else None, slot_align=UNIT, device_sink=sink)
@@ -273,6 +286,40 @@ class SavePipeline:
         sb.seconds = time.perf_counter() - t0
         self._cpu("save_encode", time.thread_time() - c0, len(batch))
         return sb
+
+    def _save_columns(self, eng: _Engine, engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "tuple | None":
+        """A batch of GPU pages as arrays for the engine's ``encode_columns_submit``: the chunks' targets, the
+        encode classes met (one per segment and chunk size, made once per engine registration) and per
+        segment its class, chunk and segment index. None when a class is not a GPU encode without ANS, or the
+        pages are not regular rows (the batch then goes as items)."""
+        k = len(batch)
+        index = eng.seg_index
+        si = np.fromiter((index[id(seg)] for _, seg, _ in batch), dtype=np.int64, count=k)
+        ids = np.fromiter((id(ch) for ch, _, _ in batch), dtype=np.int64, count=k)
+        first = np.ones(k, dtype=bool)
+        first[1:] = ids[1:] != ids[:-1]  # a save batch holds each chunk's segments together
+        ci = np.cumsum(first) - 1
+        chunks = [batch[j][0] for j in np.flatnonzero(first).tolist()]
+        blocks = np.fromiter((len(ch.blocks) for ch in chunks), dtype=np.int64, count=len(chunks))
+        uniq, cls = np.unique((si << 32) | blocks[ci], return_inverse=True)
+        known = eng.enc_classes
+        if len(known) > 4096:
+            known.clear()
+        classes = []
+        for u in uniq.tolist():
+            key = (u >> 32, u & 0xFFFFFFFF)
+            t = known.get(key)
+            if t is None:
+                t = known[key] = self._gpu_codecs.encode_class(engine, eng.segs[key[0]], key[1])
+            if t.kind not in ("raw", "fp8", "tq"):
+                return None
+            classes.append(t)
+        if eng.geometry is None and all(s.copy is not None for s in eng.segs):
+            eng.geometry = _geometry(eng.segs)
+        targets = _Targets.of(chunks, eng.segs, eng.geometry) if eng.geometry is not None else None
+        if targets is None:
+            return None
+        return targets, classes, cls.reshape(-1), ci, si
 
     def _save_abort(self, sb: "_SaveBatch") -> None:
         """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
