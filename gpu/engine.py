@@ -14,6 +14,13 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   wait for a batch and run its host part (headers, verdicts). ``encode_batch`` / ``decode_batch`` are
   submit then collect. A caller that submits its next batch before collecting the previous one overlaps
   its host work with the GPU's and the copies.
+* Batches as arrays: :meth:`GpuCodecEngine.encode_columns_submit` (a class index and a source address per
+  segment, the classes from :meth:`GpuCodecEngine.encode_class`) and ``decode_columns_submit`` (verified
+  header rows, pinned payload addresses, destination addresses) take a batch with no Python object per
+  segment: its descriptor rows, slots, headers and verdicts are numpy passes over columns (``_EncCols``,
+  ``_DecCols``, built by the same row writers as the item path's). They answer None for what they do not
+  take (ANS, host-decided encodes, a segment over half the workspace): ``encode_submit`` / ``decode_submit``
+  then do.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
   ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, read by the kernel from a pinned buffer of its own). Sources and

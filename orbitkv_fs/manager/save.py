@@ -4,7 +4,8 @@ Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the se
 chunk at a time, keys and sizes from the engine's :class:`SavePlan`),
 exact segments of host pages go to :meth:`~orbitkv_fs.manager.hostpath.HostPath._save_raw_batch`,
 :meth:`~SavePipeline._save_submit` / :meth:`~SavePipeline._save_finish` / :meth:`~SavePipeline._save_abort`
-(one codec batch: gather and encode, then publish), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
+(one codec batch: gather and encode, then publish), :meth:`~SavePipeline._save_columns` (a batch of GPU
+pages as arrays: encode classes, sources), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
 direct path), :meth:`~SavePipeline._demote_direct` (DRAM full of leased objects). :class:`_SaveAcc` sums
 a request's admissions; :class:`_SaveBatch` is one batch in flight.
 
