@@ -379,3 +379,55 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
             assert bad[ci] == f"corrupt: {type(e).__name__}: {e}"
     finally:
         dram.close()
+
+
+def test_decode_batch_ends_give_back_workspace_and_fail_each_segment():
+    """What ends a GPU decode batch (_decode_end for items, _rows_end for rows): an engine call that failed
+    as a whole, or a collection that raised, fails every segment of the batch with that error; per-segment
+    errors are reported with their chunk, segment and header; the decoded counts and bytes cover only the
+    other segments; the workspace counted for the batch is given back whatever happened."""
+    segs = [SimpleNamespace(layer=layer, role=role) for layer in range(2) for role in (Role.KEY, Role.VALUE)]
+    chunks = [ChunkBlocks(bytes([c]) * 16, [c]) for c in range(2)]
+    x = np.arange(1024, dtype=np.float16)
+    blobs = [raw_segment(x, role=s.role, layer=s.layer, reason=RawReason.NONE) for _ in chunks for s in segs]
+    heads = _header_rows(blobs)
+    hs = [parse_header(b) for b in blobs]
+    # per row: batch bytes, decoded, stored (header included), extent length, arena offset
+    sizes = np.array([[h.stored_length, h.original_length, HEADER_SIZE + h.stored_length, len(b), 4096 * i]
+                      for i, (h, b) in enumerate(zip(hs, blobs))], dtype=np.int64)
+    rows = _Rows.of(chunks, segs, [[b""] * len(segs)] * len(chunks), heads, sizes)
+    _, tid, templates = _verify_headers(heads, rows.layers, rows.roles, sizes[:, 3])
+    at = np.arange(len(blobs))
+    boom = RuntimeError("engine down")
+    bad_crc = SegmentError("payload CRC32C mismatch")
+
+    def finish(db):
+        if db == "raise":
+            raise boom
+        return [bad_crc if i == 2 else None for i in range(len(blobs))], "event"
+
+    p = _Pipeline(None, 4 << 20, 8, True)
+    p._gpu_codecs = SimpleNamespace(decode_rows_finish=finish, decode_finish=finish)
+    p.ws = 0
+    p._workspace_delta = lambda n: setattr(p, "ws", p.ws + n)
+    p._add_per_segment = lambda name, seconds, n: None
+    items = [(ci, segs[si], chunks[ci], hs[ci * len(segs) + si], memoryview(b))
+             for ci in range(len(chunks)) for si in range(len(segs)) for b in [blobs[ci * len(segs) + si]]]
+    for db in (boom, "raise", "ok"):
+        for end in ("rows", "items"):
+            failed, totals = [], [0, 0, 0]
+            p._workspace_delta(100)
+            if end == "rows":
+                ev = p._rows_end(rows, at, tid, templates, db, 100, 0.0, failed, totals)
+            else:
+                ev = p._decode_end(items, db, 100, int(sizes[:, 2].sum()), 0.0, failed, totals)
+            assert p.ws == 0
+            if db == "ok":
+                assert ev == "event" and [(ci, s, h, e) for ci, s, _, h, e in failed] == [(0, segs[2], hs[2], bad_crc)]
+                keep = [i for i in range(len(blobs)) if i != 2]
+                assert totals == [len(keep), int(sizes[keep, 1].sum()), int(sizes[keep, 2].sum())]
+            else:
+                assert ev is None and totals == [0, 0, 0]
+                assert [(ci, s, h) for ci, s, _, h, _ in failed] == [(i // len(segs), segs[i % len(segs)], hs[i])
+                                                                   for i in range(len(blobs))]
+                assert all(e is boom for *_, e in failed)

@@ -484,19 +484,7 @@ class RestorePipeline:
         """:meth:`_decode_end` of a batch of rows: its failed segments appended to ``failed`` as ``(ci, seg,
         ch, h, error)``, the segments decoded and their decoded and stored bytes added to ``totals``. Answers
         the event after its block copies (None when there are none)."""
-        t0 = time.perf_counter()
-        ev = None
-        try:
-            if isinstance(db, Exception):
-                errs = [db] * len(at)
-            else:
-                try:
-                    errs, ev = self._gpu_codecs.decode_rows_finish(db)
-                except Exception as e:
-                    errs = [e] * len(at)
-        finally:
-            self._workspace_delta(-ws)
-        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(at))
+        errs, ev = self._collect_batch(db, self._gpu_codecs.decode_rows_finish, len(at), ws, seconds)
         ok = np.ones(len(at), dtype=bool)
         if errs.count(None) != len(errs):
             nseg = len(rows.segs)
@@ -587,24 +575,32 @@ class RestorePipeline:
             db = e
         return batch, db, ws, stored, time.perf_counter() - t0
 
+    def _collect_batch(self, db, finish: Callable, n: int, ws: int, seconds: float) -> tuple[list, object]:
+        """Wait for a decode batch of ``n`` segments (``finish(db)``: its error or None per segment, and the
+        event after its block copies), give back the ``ws`` workspace bytes counted for it and count its
+        time. A batch whose engine call failed (``db`` is the exception) or whose collection raised fails
+        every one of its segments with that error."""
+        t0 = time.perf_counter()
+        ev = None
+        try:
+            if isinstance(db, Exception):
+                errs = [db] * n
+            else:
+                try:
+                    errs, ev = finish(db)
+                except Exception as e:
+                    errs = [e] * n
+        finally:
+            self._workspace_delta(-ws)
+        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, n)
+        return errs, ev
+
     def _decode_end(self, batch: list, db, ws: int, stored: int, seconds: float, failed: list,
                     totals: list[int]) -> object:
         """Ends a batch of :meth:`_decode_start`: its failed segments appended to ``failed`` as ``(ci, seg,
         ch, h, error)``, the segments decoded and their decoded and stored bytes added to ``totals``.
         Answers the event after its block copies (None when there are none)."""
-        t0 = time.perf_counter()
-        ev = None
-        try:
-            if isinstance(db, Exception):
-                errs = [db] * len(batch)
-            else:
-                try:
-                    errs, ev = self._gpu_codecs.decode_finish(db)
-                except Exception as e:
-                    errs = [e] * len(batch)
-        finally:
-            self._workspace_delta(-ws)
-        self._add_per_segment("decode_seconds", seconds + time.perf_counter() - t0, len(batch))
+        errs, ev = self._collect_batch(db, self._gpu_codecs.decode_finish, len(batch), ws, seconds)
         count, logical = len(batch), ws
         if any(e is not None for e in errs):
             count = logical = stored = 0
