@@ -161,3 +161,38 @@ def test_targets_as_arrays_are_the_per_item_tables(layout):
             assert got.tobytes() == want.tobytes()
         for seg in segs:
             seg.copy = None
+
+
+def test_save_columns_pairs_and_classes():
+    """A save batch of GPU pages as arrays (``SavePipeline._save_columns``): each item's chunk and segment
+    index, and its encode class, made once per (segment, chunk size) for the registration, whatever the
+    batches; chunks of different sizes and partly cached chunks in one batch; a class the array path does
+    not take (ANS) sends the batch to the item path."""
+    from types import SimpleNamespace
+
+    from orbitkv_fs.manager.save import SavePipeline
+
+    segs = [SimpleNamespace(layer=i // 2, block_bytes=4096, block_shape=(16, 128), copy=(1 << 30 + i, 4096, 1, 4096, 4096))
+            for i in range(6)]
+    eng = SimpleNamespace(segs=segs, seg_index={id(s): i for i, s in enumerate(segs)}, enc_classes={}, geometry=None)
+    made = []
+
+    def encode_class(engine, seg, blocks):
+        made.append((segs.index(seg), blocks))
+        return SimpleNamespace(kind="ans" if seg.layer == 9 else "fp8", key=(segs.index(seg), blocks))
+
+    p = SimpleNamespace(_gpu_codecs=SimpleNamespace(encode_class=encode_class))
+    chunks = [ChunkBlocks(bytes([c]) * 16, list(range(4 * c, 4 * c + n))) for c, n in enumerate((2, 3, 2, 1))]
+    items = [(ch, segs[s], b"k") for ch, picked in zip(chunks, ([0, 1, 2, 3, 4, 5], [1, 4], [0, 5], [2]))
+             for s in picked]
+    for batch in (items[:7], items[7:], items):  # a chunk split over two batches, then all at once
+        targets, classes, cls, ci, si = SavePipeline._save_columns(p, eng, None, batch)
+        assert [segs[s] for s in si.tolist()] == [it[1] for it in batch]
+        assert [targets.counts[c] for c in ci.tolist()] == [len(it[0].blocks) for it in batch]
+        assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
+        assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
+    assert sorted(made) == sorted(set(made)) and len(made) == len({(s, n) for (s, n) in made})
+    assert eng.geometry is not None and eng.geometry.shape == (6, 7)
+    segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path
+    eng.enc_classes.clear()
+    assert SavePipeline._save_columns(p, eng, None, items) is None
