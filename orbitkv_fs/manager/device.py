@@ -3,8 +3,8 @@
 Primitives: :class:`_GpuCodecs` (one :class:`~orbitkv_fs.gpu.GpuCodecEngine` per rotation seed; encode
 items or (``encode_class``, ``gather_rows``) of arrays, ``decode_submit`` / ``decode_finish`` of a restore
 batch of items, ``decode_rows_submit`` / ``decode_rows_finish`` of one given as arrays, ``decode_device`` of
-the direct path), :class:`_Targets` (a batch's sources or destinations in GPU pages as arrays), :func:`_gather_batch` and :func:`_block_table` (a batch's block copies as
-one kernel launch),
+the direct path), :class:`_Targets` (a batch's sources or destinations in GPU pages as arrays),
+:func:`_gather_batch` and :func:`_block_table` (a batch's block copies as one kernel launch),
 :func:`_device_run` / :func:`_run_of` (consecutive blocks used where they lie), :func:`_gather_host`,
 :func:`_gather_device`, :func:`_to_host`, :func:`_gpu_present`.
 
