@@ -663,6 +663,31 @@ def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[s
     return rows
 
 
+def _write_headers(job: "EncodeJob", host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray,
+                   pcrc: np.ndarray, slots: np.ndarray, idx: np.ndarray, *, views: bool) -> np.ndarray:
+    """Write the headers of a batch's GPU-encoded segments into their ``slots`` of ``host`` (the batch's output
+    region) and their fields into ``job`` at ``idx``: each segment's template row (``templates[tid]``, headers
+    with a zero payload CRC, from ``_template_ids``) with its payload CRC ``pcrc`` and its header CRC from the
+    template's ``bases``, written with one scatter. ``views``: ``job.out`` also gets each segment's view of
+    ``host``. Answers each segment's length (header and payload)."""
+    raw = templates[tid]  # (segments, 64) uint8: each segment's template
+    hdr = raw.view(HEADER_DTYPE)[:, 0]
+    hdr["payload_crc"] = pcrc
+    hdr["header_crc"] = header_crcs(bases[tid], pcrc)
+    host[slots[:, None] + _HEADER_BYTES] = raw
+    length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
+    job.fmt[idx] = hdr["format"]
+    job.original[idx] = hdr["original_length"]
+    job.length[idx] = length
+    job.reason[idx] = hdr["raw_reason"]
+    job.addr[idx] = host.ctypes.data + slots
+    if views:
+        mv = memoryview(host)
+        for i, a, n in zip(idx.tolist(), slots.tolist(), length.tolist()):
+            job.out[i] = mv[a:a + n]
+    return length
+
+
 def _enc_offsets(k: int, n_desc: int, chunks: int, nans: int, sizes: np.ndarray,
                  align: int) -> "tuple[_Layout, dict[str, int], np.ndarray]":
     """An encode batch's workspace up to its ANS buffers: descriptors, ANS chunk arrays, then the output
@@ -1158,8 +1183,7 @@ class GpuCodecEngine:
         k = len(cls)
         size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes), dtype=np.int64,
                            count=len(classes))
-        batches = _prefix_batches(np.arange(k), -(-size[cls] // slot_align) * slot_align, _enc_fixed(slot_align),
-                                  self.budget_bytes // 2)
+        batches = self._enc_cuts(np.arange(k), size[cls], slot_align)
         if batches is None:
             return None
         table = _enc_cols(classes)
@@ -1225,26 +1249,8 @@ class GpuCodecEngine:
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        tids, trows, bases = self._template_ids([t.head for t in classes])
-        tid = tids[c[good]]
-        pcrc = crcs[good]
-        raw = trows[tid]  # (segments, 64) uint8: each segment's template
-        hdr = raw.view(HEADER_DTYPE)[:, 0]
-        hdr["payload_crc"] = pcrc
-        hdr["header_crc"] = header_crcs(bases[tid], pcrc)
-        at = slots[good]
-        host[at[:, None] + _HEADER_BYTES] = raw
-        length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
-        idx = rows[good]
-        job.fmt[idx] = hdr["format"]
-        job.original[idx] = hdr["original_length"]
-        job.length[idx] = length
-        job.reason[idx] = hdr["raw_reason"]
-        job.addr[idx] = host.ctypes.data + at
-        if views:
-            mv = memoryview(host)
-            for i, a, n in zip(idx.tolist(), at.tolist(), length.tolist()):
-                out[i] = mv[a:a + n]
+        tids, trows, bases = self._template_ids([t.head for t in classes])  # one template per class
+        _write_headers(job, host, trows, bases, tids[c[good]], crcs[good], slots[good], rows[good], views=views)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
@@ -1254,9 +1260,13 @@ class GpuCodecEngine:
         if any(p.kind == "ans" or p.kind == "host" for p in plans):
             return None
         k = len(plans)
-        slots = np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans], np.int64, count=k)
-        slots = -(-slots // align) * align
-        return _prefix_batches(plans, slots, _enc_fixed(align), self.budget_bytes // 2)
+        return self._enc_cuts(plans, np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans],
+                                                 np.int64, count=k), align)
+
+    def _enc_cuts(self, items: Sequence, sizes: np.ndarray, align: int) -> "list | None":
+        """``items`` (none ANS) cut into GPU batches by their segments' ``sizes`` (header and payload), each
+        slot rounded up to ``align``: :func:`_prefix_batches` against half the workspace."""
+        return _prefix_batches(items, -(-sizes // align) * align, _enc_fixed(align), self.budget_bytes // 2)
 
     def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
         """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
@@ -1402,23 +1412,9 @@ class GpuCodecEngine:
         if not good.size:
             return
         tids, rows, bases = self._template_ids([heads[j] for j in good.tolist()] if len(good) < k else heads)
-        pcrc = crcs[good]
-        raw = rows[tids]  # (segments, 64) uint8: each segment's template
-        hdr = raw.view(HEADER_DTYPE)[:, 0]
-        hdr["payload_crc"] = pcrc
-        hdr["header_crc"] = header_crcs(bases[tids], pcrc)
         slots = np.fromiter(map(attrgetter("slot"), plans), dtype=np.int64, count=k)[good]
-        host[slots[:, None] + _HEADER_BYTES] = raw
-        length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
         idx = np.fromiter([p.i for p in plans], dtype=np.int64, count=k)[good]
-        job.fmt[idx] = hdr["format"]
-        job.original[idx] = hdr["original_length"]
-        job.length[idx] = length
-        job.reason[idx] = hdr["raw_reason"]
-        job.addr[idx] = host.ctypes.data + slots
-        mv = memoryview(host)
-        for i, a, n in zip(idx.tolist(), slots.tolist(), length.tolist()):
-            out[i] = mv[a:a + n]
+        length = _write_headers(job, host, rows, bases, tids, crcs[good], slots, idx, views=True)
         if device_sink is not None:
             self._sink_device([(plans[j], n) for j, n in zip(good.tolist(), length.tolist())], host, region,
                               region_len, device_sink)
@@ -1701,9 +1697,7 @@ class GpuCodecEngine:
         fmt = h["format"]
         if not np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)).all():
             return None
-        stored = h["stored_length"].astype(np.int64)
-        staged = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
-        batches = _prefix_batches(np.arange(n), staged, _dec_fixed, self.budget_bytes // 2)
+        batches = self._dec_cuts(np.arange(n), h["stored_length"].astype(np.int64))
         if batches is None:
             return None
         src = np.asarray(src, dtype=np.int64)
@@ -1762,10 +1756,13 @@ class GpuCodecEngine:
         per-segment fit check of :meth:`decode_submit` would form, found with one cumulative sum; else None."""
         if any(p.kind == "ans" for p in plans):
             return None
-        k = len(plans)
-        staged = np.fromiter([p.h.stored_length for p in plans], np.int64, count=k)
-        staged = -(-staged // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # _dec_staging
-        return _prefix_batches(plans, staged, _dec_fixed, self.budget_bytes // 2)
+        return self._dec_cuts(plans, np.fromiter([p.h.stored_length for p in plans], np.int64, count=len(plans)))
+
+    def _dec_cuts(self, items: Sequence, stored: np.ndarray) -> "list | None":
+        """``items`` (none ANS) cut into GPU batches by their payloads' ``stored`` bytes, each counted as
+        :func:`_dec_staging` counts it: :func:`_prefix_batches` against half the workspace."""
+        return _prefix_batches(items, -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP, _dec_fixed,
+                               self.budget_bytes // 2)
 
     def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
         """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""

@@ -8,6 +8,7 @@ import random
 from collections import OrderedDict
 
 import pytest
+from eviction_lists import queue_order
 
 from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy, _Lists, make_policy
 
@@ -89,18 +90,6 @@ def test_policy_columns_stay_small():
 def test_to_head_is_unlink_then_push_head():
     """LRU's touch moves a slot to the head in one step; over random touches, unlinks and inserts it
     leaves both link directions exactly as unlink + push_head does."""
-    def order(lists: _Lists) -> list[int]:
-        fwd, s = [], lists.head[0]
-        while s != -1:
-            fwd.append(s)
-            s = lists.next[s]
-        back, s = [], lists.tail[0]
-        while s != -1:
-            back.append(s)
-            s = lists.prev[s]
-        assert back[::-1] == fwd
-        return fwd
-
     rng = random.Random(1)
     a, b = _Lists(1, weighted=False), _Lists(1, weighted=False)
     for s in range(50):
@@ -119,7 +108,7 @@ def test_to_head_is_unlink_then_push_head():
             a.to_head(0, s)
             assert b.unlink(s) == 0
             b.push_head(0, s, 0)
-        assert order(a) == order(b) and a.count == b.count
+        assert queue_order(a) == queue_order(b) and a.count == b.count
 
 
 def _lists_state(p) -> tuple:

@@ -12,7 +12,7 @@ import pytest
 
 from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
-from orbitkv_fs.manager.device import _block_table, _rows_of, _run_of, _Targets
+from orbitkv_fs.manager.device import _block_table, _geometry, _rows_of, _run_of, _Targets
 from orbitkv_fs.manager.save import _gaps
 from orbitkv_fs.pages import host_engine_pages
 
@@ -174,7 +174,8 @@ def test_save_columns_pairs_and_classes():
 
     segs = [SimpleNamespace(layer=i // 2, block_bytes=4096, block_shape=(16, 128), copy=(1 << 30 + i, 4096, 1, 4096, 4096))
             for i in range(6)]
-    eng = SimpleNamespace(segs=segs, seg_index={id(s): i for i, s in enumerate(segs)}, enc_classes={}, geometry=None)
+    eng = SimpleNamespace(segs=segs, seg_index={id(s): i for i, s in enumerate(segs)}, enc_classes={},
+                          geometry=_geometry(segs))
     made = []
 
     def encode_class(engine, seg, blocks):
@@ -191,8 +192,11 @@ def test_save_columns_pairs_and_classes():
         assert [targets.counts[c] for c in ci.tolist()] == [len(it[0].blocks) for it in batch]
         assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
         assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
-    assert sorted(made) == sorted(set(made)) and len(made) == len({(s, n) for (s, n) in made})
-    assert eng.geometry is not None and eng.geometry.shape == (6, 7)
+    assert len(made) == len(set(made))  # each class made once, whatever the batches
     segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path
+    eng.enc_classes.clear()
+    assert SavePipeline._save_columns(p, eng, None, items) is None
+    eng.geometry = None  # pages the block-copy kernel cannot move: the item path
+    segs[3].layer = 1
     eng.enc_classes.clear()
     assert SavePipeline._save_columns(p, eng, None, items) is None

@@ -305,7 +305,7 @@ def test_encode_headers_are_pack_headers_bytes():
     every format, several payload CRCs per template, more tuples than a batch has: the bytes are
     pack_header's, nothing outside the header slots is touched; invalid fields raise as pack_header does."""
     from orbitkv_fs import errors
-    from orbitkv_fs.segment import HEADER_DTYPE, RawReason, dtype_code, header_crcs, pack_header
+    from orbitkv_fs.segment import RawReason, dtype_code, pack_header
 
     kinds = [(Format.FP8, BF16, 4096, 2048, Role.KEY, 7, 8, 0, 0, 0, AnsType.NONE, RawReason.NONE),
              (Format.TURBOQUANT, BF16, 4096, 1088, Role.VALUE, 3, 4, 128, 1, 99, AnsType.NONE, RawReason.NONE),
@@ -324,17 +324,27 @@ def test_encode_headers_are_pack_headers_bytes():
     eng = _bare_engine(64 << 20)
     eng._rows = {}
     tids, rows, bases = eng._template_ids(heads)
-    raw = rows[tids]
-    hdr = raw.view(HEADER_DTYPE)[:, 0]
-    hdr["payload_crc"] = crcs
-    hdr["header_crc"] = header_crcs(bases[tids], crcs)
-    slots = np.arange(len(heads), dtype=np.int64) * 3 * HEADER_SIZE + HEADER_SIZE
-    host = np.full(len(heads) * 3 * HEADER_SIZE, 0xAB, np.uint8)
-    host[slots[:, None] + E._HEADER_BYTES] = raw
+    n = len(heads)
+    stored = np.array([h[3] for h in heads], dtype=np.int64)
+    step = HEADER_SIZE + stored + HEADER_SIZE  # each slot (header and payload) with a gap after it
+    slots = HEADER_SIZE + np.cumsum(step) - step
+    host = np.full(int(HEADER_SIZE + step.sum()), 0xAB, np.uint8)
+    job = E.EncodeJob.of(n + 2)
+    idx = np.arange(n, dtype=np.int64)[::-1] + 1  # the segments' places in their request
+    length = E._write_headers(job, host, rows, bases, tids, crcs, slots, idx, views=True)
     for j, w in enumerate(want):
         assert bytes(host[slots[j]:slots[j] + HEADER_SIZE]) == w, kinds[j % len(kinds)]
     outside = np.ones(host.size, dtype=bool)
     outside[slots[:, None] + E._HEADER_BYTES] = False
     assert (host[outside] == 0xAB).all()
+    # the job's fields are the headers' own, at each segment's place; its views start at the slots
+    assert length.tolist() == (HEADER_SIZE + stored).tolist()
+    assert job.fmt[idx].tolist() == [h[0] for h in heads] and job.original[idx].tolist() == [h[2] for h in heads]
+    assert job.length[idx].tolist() == length.tolist() and job.reason[idx].tolist() == [h[11] for h in heads]
+    assert job.addr[idx].tolist() == (host.ctypes.data + slots).tolist()
+    assert job.fmt[[0, n + 1]].tolist() == [-1, -1] and job.out[0] is None and job.out[n + 1] is None
+    for j, i in enumerate(idx.tolist()):
+        v = job.out[i]
+        assert len(v) == length[j] and bytes(v[:HEADER_SIZE]) == want[j]
     with pytest.raises(errors.LengthMismatch):  # a raw header whose stored length is not its source's
         eng._template_ids([(int(Format.RAW), dtype_code(np.dtype(np.uint8)), 4, 5, 0, 0, 0, 0, 0, 0, 0, 0)])

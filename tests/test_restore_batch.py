@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
+from eviction_lists import queue_order
 
 from orbitkv_fs.codecs import encode_segment, raw_segment
 from orbitkv_fs.errors import SegmentError
@@ -68,17 +69,7 @@ def test_get_many_is_get_of_each_key():
 
 
 def _lru_order(p: LruPolicy) -> list[int]:
-    l, out = p._l, []
-    s = l.head[0]
-    while s != -1:
-        out.append(s)
-        s = l.next[s]
-    back, s = [], l.tail[0]
-    while s != -1:
-        back.append(s)
-        s = l.prev[s]
-    assert back[::-1] == out
-    return out
+    return queue_order(p._l)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -52,7 +52,7 @@ from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header
 from ..tiers.dram import arena_dir
 from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, UnknownEngine
 from .batching import _coded_bound
-from .device import _array_module, _rows_of, _run_of, _to_host
+from .device import _array_module, _geometry, _rows_of, _run_of, _to_host
 
 if TYPE_CHECKING:
     from .facade import Manager
@@ -189,7 +189,9 @@ class _Engine:
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.seg_index = {id(s): i for i, s in enumerate(segs)}  # a save item's segment -> its index in segs
         self.enc_classes: dict = {}  # (segment index, blocks per chunk) -> the GPU engine's encode class
-        self.geometry = None  # the segments' block geometry as an array (device._geometry), made on first use
+        # The segments' block geometry as one array (device._geometry) where the block-copy kernel moves
+        # every one of them (GPU pages of regular rows), else None: those go one item per segment.
+        self.geometry = _geometry(segs) if segs and all(s.copy is not None for s in segs) else None
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch

@@ -69,6 +69,14 @@ class _Rows(NamedTuple):
                    heads.view(HEADER_DTYPE).reshape(-1)["format"])
 
 
+def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader]) -> list[SegmentHeader]:
+    """The headers of verified rows ``at`` (:meth:`RestorePipeline._verified_rows`): each one's template (by
+    ``tid``) with the row's own payload CRC."""
+    pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
+    replace = msgspec.structs.replace
+    return [replace(templates[t], payload_crc=c) for t, c in zip(tid.tolist(), pcrc)]
+
+
 class RestorePipeline:
     """The restore pipeline."""
 
@@ -469,14 +477,12 @@ class RestorePipeline:
         """Rows ``at`` (verified: :meth:`_verified_rows`) as :meth:`_decode_start` items ``(ci, seg, chunk,
         header, arena view)``, and the ids of those views."""
         nseg = len(rows.segs)
-        pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
-        replace = msgspec.structs.replace
         items, ids = [], set()
-        for r, t, c in zip(at.tolist(), tid.tolist(), pcrc):
+        for r, h in zip(at.tolist(), _row_headers(rows, at, tid, templates)):
             ci, si = divmod(r, nseg)
             blob = memoryview(self.dram.view(int(rows.sizes[r, 4]), int(rows.sizes[r, 3])))
             ids.add(id(blob))
-            items.append((ci, rows.segs[si], rows.chunks[ci], replace(templates[t], payload_crc=c), blob))
+            items.append((ci, rows.segs[si], rows.chunks[ci], h, blob))
         return items, ids
 
     def _rows_end(self, rows: "_Rows", at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader], db,
@@ -487,14 +493,11 @@ class RestorePipeline:
         errs, ev = self._collect_batch(db, self._gpu_codecs.decode_rows_finish, len(at), ws, seconds)
         ok = np.ones(len(at), dtype=bool)
         if errs.count(None) != len(errs):
-            nseg = len(rows.segs)
-            pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"]
-            for j, err in enumerate(errs):
-                if err is not None:
-                    ok[j] = False
-                    ci, si = divmod(int(at[j]), nseg)
-                    h = msgspec.structs.replace(templates[int(tid[j])], payload_crc=int(pcrc[j]))
-                    failed.append((ci, rows.segs[si], rows.chunks[ci], h, err))
+            bad = [j for j, err in enumerate(errs) if err is not None]
+            ok[bad] = False
+            for j, h in zip(bad, _row_headers(rows, at[bad], tid[bad], templates)):
+                ci, si = divmod(int(at[j]), len(rows.segs))
+                failed.append((ci, rows.segs[si], rows.chunks[ci], h, errs[j]))
         totals[0] += int(ok.sum())
         totals[1] += int(rows.sizes[at[ok], 1].sum())
         totals[2] += int(rows.sizes[at[ok], 2].sum())

@@ -31,7 +31,7 @@ from ..segment import RawReason, parse_header
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, SaveResult
 from .batching import _pipelined
-from .device import _gather_batch, _gather_device, _gather_host, _geometry, _Targets
+from .device import _gather_batch, _gather_device, _gather_host, _Targets
 from .registry import _Engine, _Seg
 from .verify import _REP_NAMES
 
@@ -293,6 +293,8 @@ class SavePipeline:
         encode classes met (one per segment and chunk size, made once per engine registration) and per
         segment its class, chunk and segment index. None when a class is not a GPU encode without ANS, or the
         pages are not regular rows (the batch then goes as items)."""
+        if eng.geometry is None:
+            return None
         k = len(batch)
         index = eng.seg_index
         si = np.fromiter((index[id(seg)] for _, seg, _ in batch), dtype=np.int64, count=k)
@@ -315,12 +317,7 @@ class SavePipeline:
             if t.kind not in ("raw", "fp8", "tq"):
                 return None
             classes.append(t)
-        if eng.geometry is None and all(s.copy is not None for s in eng.segs):
-            eng.geometry = _geometry(eng.segs)
-        targets = _Targets.of(chunks, eng.segs, eng.geometry) if eng.geometry is not None else None
-        if targets is None:
-            return None
-        return targets, classes, cls.reshape(-1), ci, si
+        return _Targets(chunks, eng.segs, eng.geometry), classes, cls.reshape(-1), ci, si
 
     def _save_abort(self, sb: "_SaveBatch") -> None:
         """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
