@@ -19,7 +19,7 @@ Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.add_many` (a save batch
 placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add`'s path, with the same
 slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
 :meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
-:meth:`~ObjectIndex.items`, and :func:`put_rows` (an ``array`` column written at many rows).
+:meth:`~ObjectIndex.items`, and :func:`put_rows` / :func:`put_columns` (``array`` columns written at many rows).
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
 invalidated while leased: not findable nor counted, extent still allocated) -> FREE (once no lease remains).
@@ -71,19 +71,32 @@ def _well_formed(keys: Sequence[bytes]) -> int:
 
 
 def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
-    """``col[r] = v`` for each row and value: a slice assignment where the rows are consecutive, else a
-    loop for a few rows and a numpy scatter for many."""
+    """``col[r] = v`` for each row and value (:func:`put_columns` of one column)."""
+    put_columns((col,), rows, (values,))
+
+
+def put_columns(cols: Sequence[array], rows: Sequence[int], values: Sequence[Sequence[int]]) -> None:
+    """``cols[i][r] = values[i][j]`` for each column and each row ``r = rows[j]``: slice assignments where
+    the rows are consecutive (ascending, or descending as the free list gives back slots freed in order),
+    else a loop for a few rows and a numpy scatter for many; the rows' shape is found once for all columns."""
     k = len(rows)
     if not k:
         return
-    first = rows[0]
-    if rows[k - 1] - first == k - 1 and (k < 3 or list(rows) == list(range(first, first + k))):
-        col[first:first + k] = array(col.typecode, values)
+    first, last = rows[0], rows[k - 1]
+    if last - first == k - 1 and (k < 3 or list(rows) == list(range(first, first + k))):
+        for col, vals in zip(cols, values):
+            col[first:first + k] = array(col.typecode, vals)
+    elif first - last == k - 1 and list(rows) == list(range(first, first - k, -1)):
+        for col, vals in zip(cols, values):
+            col[last:first + 1] = array(col.typecode, vals)[::-1]
     elif k <= _SCATTER_LOOP:
-        for r, v in zip(rows, values):
-            col[r] = v
+        for col, vals in zip(cols, values):
+            for r, v in zip(rows, vals):
+                col[r] = v
     else:
-        np.frombuffer(col, dtype=col.typecode)[np.asarray(rows, dtype=np.intp)] = np.fromiter(values, col.typecode, k)
+        at = np.asarray(rows, dtype=np.intp)
+        for col, vals in zip(cols, values):
+            np.frombuffer(col, dtype=col.typecode)[at] = np.fromiter(vals, col.typecode, k)
 
 
 class _Keys:
@@ -172,7 +185,7 @@ class ObjectIndex:
             k = len(tuple(run))
             j = i + k
             sub = subs[i:j]
-            if k > 1 and prefix not in segs_of and len(set(sub)) == k:
+            if k > 1 and len(set(sub)) == k and self._absent(segs_of.get(prefix), sub):
                 out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
                                        length[i:j], logical[i:j], rep[i:j])
             else:
@@ -182,10 +195,8 @@ class ObjectIndex:
             i = j
         if reused[0]:
             rows = reused[0]
-            for col, vals in zip(self._columns(), reused[1:]):
-                put_rows(col, rows, vals)
-            put_rows(self.leases, rows, [0] * len(rows))
-            put_rows(self.state, rows, [LIVE] * len(rows))
+            put_columns(self._columns() + (self.leases, self.state), rows,
+                        reused[1:] + ([0] * len(rows), [LIVE] * len(rows)))
         return out
 
     def _columns(self) -> tuple[array, ...]:
@@ -243,11 +254,21 @@ class ObjectIndex:
         self._live += 1
         return slot, gen
 
+    def _absent(self, have: "int | array | None", subs: list[int]) -> bool:
+        """None of ``subs`` is in the chunk whose entry in ``_segs`` is ``have`` (None: a chunk not there)."""
+        if have is None:
+            return True
+        if type(have) is int:
+            return self._sub(have) not in subs
+        base, n = have[0], len(have) - 1
+        return all(not 0 <= b - base < n or have[1 + b - base] < 0 for b in subs)
+
     def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
                    *columns: Sequence[int]) -> list[int]:
-        """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, absent from the index, with rows of
-        ``columns`` (offset, units, length, logical, rep): :meth:`_add` of each, in one step. New rows are
-        appended here; rows taken from the free list go to ``reused`` (their slots, then each column's
+        """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, none of them in the index (the chunk may
+        hold others: the rest of a chunk that a batch boundary split), with rows of ``columns`` (offset,
+        units, length, logical, rep): :meth:`_add` of each, in one step, to the same chunk array. New rows
+        are appended here; rows taken from the free list go to ``reused`` (their slots, then each column's
         values), which the caller writes. Answers the slots."""
         k = len(subs)
         free = self._free
@@ -256,13 +277,24 @@ class ObjectIndex:
         del free[len(free) - take:]
         rows = len(self._prefix)
         slots += range(rows, rows + k - take)
-        base = min(subs)
-        segs = array("i", [-1]) * (max(subs) - base + 2)
+        have = self._segs.get(prefix)
+        old: list[tuple[int, int]] = []  # (sub, slot) of the chunk's segments present
+        if have is not None:  # its prefix object is the chunk's, shared as _add shares it
+            if type(have) is int:
+                old, prefix = [(self._sub(have), have)], self._prefix[have]
+            else:
+                old = [(have[0] + i, s) for i, s in enumerate(have[1:]) if s >= 0]
+                prefix = self._prefix[have[1]]
+        base = min(min(subs), old[0][0]) if old else min(subs)
+        top = max(max(subs), old[-1][0]) if old else max(subs)
+        segs = array("i", [-1]) * (top - base + 2)
         segs[0] = base
+        for b, s in old:
+            segs[1 + b - base] = s
         for b, s in zip(subs, slots):
             segs[1 + b - base] = s
         self._segs[prefix] = segs
-        self.chunks[prefix] = k
+        self.chunks[prefix] = k + len(old)
         gen = self._next_gen
         self._next_gen += k
         values = columns + (range(gen, gen + k), layers, roles)

@@ -175,6 +175,7 @@ def test_save_columns_pairs_and_classes():
     segs = [SimpleNamespace(layer=i // 2, block_bytes=4096, block_shape=(16, 128), copy=(1 << 30 + i, 4096, 1, 4096, 4096))
             for i in range(6)]
     eng = SimpleNamespace(segs=segs, seg_index={id(s): i for i, s in enumerate(segs)}, enc_classes={},
+                          enc_batches={},
                           geometry=_geometry(segs))
     made = []
 
@@ -193,10 +194,51 @@ def test_save_columns_pairs_and_classes():
         assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
         assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
     assert len(made) == len(set(made))  # each class made once, whatever the batches
-    segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path
+    assert len(eng.enc_batches) == 3  # the class sets met, by batch
+    segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path (a new registration)
     eng.enc_classes.clear()
+    eng.enc_batches.clear()
     assert SavePipeline._save_columns(p, eng, None, items) is None
     eng.geometry = None  # pages the block-copy kernel cannot move: the item path
     segs[3].layer = 1
     eng.enc_classes.clear()
+    eng.enc_batches.clear()
     assert SavePipeline._save_columns(p, eng, None, items) is None
+
+
+@pytest.mark.parametrize("counts", [[16, 16, 16, 16], [4, 1, 7, 2], [3]])
+def test_block_copy_rows_are_each_blocks_addresses(counts):
+    """``_table_of`` (the block-copy rows of a batch, built as arrays: an item's row repeated per block, with a
+    grid for items of equal block counts) against each block's addresses written out one by one; a scatter
+    leaves out the SKIP_BLOCK positions, a gather keeps every position."""
+    from orbitkv_fs.manager.api import SKIP_BLOCK
+    from orbitkv_fs.manager.device import _table_of
+
+    rng = np.random.default_rng(len(counts))
+    m = len(counts)
+    geo = np.zeros((m, 7), dtype=np.uint64)  # block 0, block stride, rows, row bytes, row stride, block bytes, buffer
+    geo[:, 0] = rng.integers(1 << 30, 1 << 40, m)
+    geo[:, 1] = rng.integers(1, 1 << 16, m) * 256
+    geo[:, 2] = rng.integers(1, 9, m)
+    geo[:, 3] = rng.integers(1, 64, m) * 16
+    geo[:, 4] = geo[:, 3] * rng.integers(1, 3, m).astype(np.uint64)
+    geo[:, 5] = geo[:, 2] * geo[:, 3]
+    geo[:, 6] = (1 << 42) + np.arange(m, dtype=np.uint64) * (1 << 24)
+    ids = rng.integers(0, 4096, sum(counts))
+    ids[::5] = SKIP_BLOCK
+    for gather in (True, False):
+        want = []
+        at = 0
+        for i, c in enumerate(counts):
+            g = [int(x) for x in geo[i]]
+            for w in range(c):
+                b = int(ids[at + w])
+                if b == SKIP_BLOCK and not gather:
+                    continue
+                page, flat = g[0] + (b % (1 << 64)) * g[1], g[6] + w * g[5]
+                src, dst = (page, flat) if gather else (flat, page)
+                strides = (g[4], g[3]) if gather else (g[3], g[4])
+                want.append((src % (1 << 64), dst % (1 << 64)) + strides + (g[2], g[3]))
+            at += c
+        got = _table_of(geo.copy(), ids, np.array(counts), gather=gather)
+        assert [tuple(int(v) for v in row) for row in got.tolist()] == want

@@ -300,10 +300,12 @@ def test_zero_crc_of_many_new_lengths_at_once():
     assert zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(zero_crc(5)) == crc32c.crc32c(bytes(5))
 
 
-def test_encode_headers_are_pack_headers_bytes():
-    """The engine's header writer (template rows per field tuple, header CRCs as an array, one scatter):
-    every format, several payload CRCs per template, more tuples than a batch has: the bytes are
-    pack_header's, nothing outside the header slots is touched; invalid fields raise as pack_header does."""
+@pytest.mark.parametrize("align", [1, HEADER_SIZE])
+def test_encode_headers_are_pack_headers_bytes(align):
+    """The engine's header writer (template rows per field tuple, header CRCs as an array, one scatter: of
+    rows where every slot is on a header-size boundary, else of bytes): every format, several payload CRCs
+    per template, more tuples than a batch has: the bytes are pack_header's, nothing outside the header
+    slots is touched; invalid fields raise as pack_header does."""
     from orbitkv_fs import errors
     from orbitkv_fs.segment import RawReason, dtype_code, pack_header
 
@@ -326,7 +328,8 @@ def test_encode_headers_are_pack_headers_bytes():
     tids, rows, bases = eng._template_ids(heads)
     n = len(heads)
     stored = np.array([h[3] for h in heads], dtype=np.int64)
-    step = HEADER_SIZE + stored + HEADER_SIZE  # each slot (header and payload) with a gap after it
+    step = -(-(HEADER_SIZE + stored + HEADER_SIZE) // align) * align  # each slot with a gap after it
+    assert bool((step % HEADER_SIZE).any()) == (align == 1)
     slots = HEADER_SIZE + np.cumsum(step) - step
     host = np.full(int(HEADER_SIZE + step.sum()), 0xAB, np.uint8)
     job = E.EncodeJob.of(n + 2)

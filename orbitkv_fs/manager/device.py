@@ -101,8 +101,9 @@ class _Targets:
         counts = self.counts[ci]
         geo = self.geo[si]
         geo[:, 6] = addr
-        ids = self.flat[np.repeat(self.start[ci], counts) + _within(counts)]
-        return _table_of(geo, ids, counts, gather=gather)
+        c = _uniform(counts)
+        at = (self.start[ci][:, None] + np.arange(c)).reshape(-1) if c else np.repeat(self.start[ci], counts) + _within(counts)
+        return _table_of(geo, self.flat[at], counts, gather=gather)
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
@@ -347,23 +348,37 @@ def _within(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
+def _uniform(counts: np.ndarray) -> int:
+    """The one value of ``counts`` when all are equal and positive, else 0."""
+    return int(counts[0]) if len(counts) and counts[0] > 0 and (counts == counts[0]).all() else 0
+
+
 def _table_of(geo: np.ndarray, ids: np.ndarray, counts: np.ndarray, *, gather: bool) -> np.ndarray:
     """Block-copy rows of items whose geometry rows are ``geo`` (``[m, 7]``: block 0, block stride, rows,
     row bytes, row stride, block bytes, buffer address) and blocks ``ids`` (``counts[i]`` of them per item,
     concatenated); see :func:`_block_table`."""
     total = int(counts.sum())
-    table = np.empty(total, dtype=BLOCK_COPY_DTYPE)
     if not total:
-        return table
+        return np.empty(0, dtype=BLOCK_COPY_DTYPE)
     keep = None if gather or ids.min() >= 0 else ids != SKIP_BLOCK
+    # One row per item, repeated per block; then each block's offsets are added to its page and buffer
+    # addresses (fewer passes than building each field per block).
+    page, flat = ("src", "dst") if gather else ("dst", "src")
+    one = np.empty(len(counts), dtype=BLOCK_COPY_DTYPE)
+    one[page], one[flat] = geo[:, 0], geo[:, 6]
+    one["src_stride"], one["dst_stride"] = (geo[:, 4], geo[:, 3]) if gather else (geo[:, 3], geo[:, 4])
+    one["rows"], one["row_bytes"] = geo[:, 2], geo[:, 3]
     ids = ids.astype(np.uint64)
-    geo = np.repeat(geo, counts, axis=0)
-    within = _within(counts).astype(np.uint64)
-    pages = geo[:, 0] + ids * geo[:, 1]
-    flat = geo[:, 6] + within * geo[:, 5]
-    table["src"], table["dst"] = (pages, flat) if gather else (flat, pages)
-    table["src_stride"], table["dst_stride"] = (geo[:, 4], geo[:, 3]) if gather else (geo[:, 3], geo[:, 4])
-    table["rows"], table["row_bytes"] = geo[:, 2], geo[:, 3]
+    c = _uniform(counts)
+    if c:  # every item has c blocks (a batch of equal chunks): the rows as an (items, c) grid
+        table = np.repeat(one, c)
+        grid = table.reshape(len(counts), c)
+        grid[page] += ids.reshape(len(counts), c) * geo[:, 1:2]
+        grid[flat] += np.arange(c, dtype=np.uint64) * geo[:, 5:6]
+    else:
+        table = np.repeat(one, counts)
+        table[page] += ids * np.repeat(geo[:, 1], counts)
+        table[flat] += _within(counts).astype(np.uint64) * np.repeat(geo[:, 5], counts)
     return table if keep is None else table[keep]
 
 

@@ -19,7 +19,8 @@ import collections
 import logging
 import time
 from itertools import accumulate, compress, repeat
-from typing import Iterable, Iterator, Sequence
+from operator import attrgetter, itemgetter
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from .batching import _pipelined
 from .device import _gather_batch, _gather_device, _gather_host, _Targets
 from .registry import _Engine, _Seg
 from .verify import _REP_NAMES
+
+_CHUNK, _SEG = itemgetter(0), itemgetter(1)  # of a save item (chunk, segment, key)
+_BLOCKS = attrgetter("blocks")
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -68,6 +72,34 @@ class _SaveBatch:
         self.job = None  # ... and its EncodeJob
         self.blobs: list = []  # host codecs: the segments
         self.seconds = 0.0
+
+
+def _classes_of(eng: _Engine, make: Callable, uniq: np.ndarray) -> "list | None":
+    """The encode classes of (segment index << 32 | blocks per chunk) values ``uniq``, each made once per
+    registration (``make(segment, blocks)``); None when one is not a GPU encode without ANS. The batches of
+    a save meet the same sets again (a chunk at a time, in segment order): a set's answer is kept by its
+    bytes, and shared (not to be changed)."""
+    key = uniq.tobytes()
+    batches = eng.enc_batches
+    if key in batches:
+        return batches[key]
+    known = eng.enc_classes
+    if len(known) > 4096:
+        known.clear()
+    classes: "list | None" = []
+    for u in uniq.tolist():
+        pair = (u >> 32, u & 0xFFFFFFFF)
+        t = known.get(pair)
+        if t is None:
+            t = known[pair] = make(eng.segs[pair[0]], pair[1])
+        if t.kind not in ("raw", "fp8", "tq"):
+            classes = None
+            break
+        classes.append(t)
+    if len(batches) >= 256:
+        batches.clear()
+    batches[key] = classes
+    return classes
 
 
 class SavePlan:
@@ -296,27 +328,18 @@ class SavePipeline:
         if eng.geometry is None:
             return None
         k = len(batch)
-        index = eng.seg_index
-        si = np.fromiter((index[id(seg)] for _, seg, _ in batch), dtype=np.int64, count=k)
-        ids = np.fromiter((id(ch) for ch, _, _ in batch), dtype=np.int64, count=k)
+        si = np.fromiter(map(eng.seg_index.__getitem__, map(id, map(_SEG, batch))), dtype=np.int64, count=k)
+        ids = np.fromiter(map(id, map(_CHUNK, batch)), dtype=np.int64, count=k)
         first = np.ones(k, dtype=bool)
         first[1:] = ids[1:] != ids[:-1]  # a save batch holds each chunk's segments together
         ci = np.cumsum(first) - 1
         chunks = [batch[j][0] for j in np.flatnonzero(first).tolist()]
-        blocks = np.fromiter((len(ch.blocks) for ch in chunks), dtype=np.int64, count=len(chunks))
+        blocks = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
         uniq, cls = np.unique((si << 32) | blocks[ci], return_inverse=True)
-        known = eng.enc_classes
-        if len(known) > 4096:
-            known.clear()
-        classes = []
-        for u in uniq.tolist():
-            key = (u >> 32, u & 0xFFFFFFFF)
-            t = known.get(key)
-            if t is None:
-                t = known[key] = self._gpu_codecs.encode_class(engine, eng.segs[key[0]], key[1])
-            if t.kind not in ("raw", "fp8", "tq"):
-                return None
-            classes.append(t)
+        gpu = self._gpu_codecs
+        classes = _classes_of(eng, lambda seg, blocks: gpu.encode_class(engine, seg, blocks), uniq)
+        if classes is None:
+            return None
         return _Targets(chunks, eng.segs, eng.geometry), classes, cls.reshape(-1), ci, si
 
     def _save_abort(self, sb: "_SaveBatch") -> None:

@@ -77,6 +77,9 @@ _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: first 60 bytes). Bounded: cleared when full (corrupt headers are never added).
 _TEMPLATES: dict[bytes, tuple[SegmentHeader, int]] = {}
 _TEMPLATES_KEPT = 4096
+#: The same per batch: the distinct fixed bytes of a batch's headers, concatenated -> _templates_of's answer.
+_BATCH_TEMPLATES: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, list[SegmentHeader]]] = {}
+_BATCHES_KEPT = 256
 
 
 def _header_rows_at(buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -120,6 +123,55 @@ def _template(fixed: bytes) -> tuple[SegmentHeader, int] | None:
     return got
 
 
+#: Odd 64-bit multipliers that mix a header's eight words into one (a grouping key, checked after).
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+                 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x2545F4914F6CDD1D, 0x94D049BB133111EB], dtype=np.uint64)
+_CRC_WORDS = [_PCRC // 4, HEADER_SIZE // 4 - 1]  # the payload and header CRCs, as 32-bit words of a header
+
+
+def _distinct_fixed(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Headers ``heads`` (``[n, 64]`` uint8) grouped by their fixed bytes (all but the two CRCs): the row of
+    each group's first header and each header's group. Grouped on a 64-bit mix of the words; every header is
+    then compared with its group's first, and a collision (never seen) regroups on the bytes themselves."""
+    n = len(heads)
+    words = heads.view("<u4").reshape(n, HEADER_SIZE // 4).copy()
+    words[:, _CRC_WORDS] = 0
+    wide = words.view("<u8")
+    mixed = np.bitwise_xor.reduce(wide * _MIX, axis=1)
+    _, first, inv = np.unique(mixed, return_index=True, return_inverse=True)
+    inv = inv.reshape(n)
+    if (wide == wide[first[inv]]).all():
+        return first, inv
+    _, first, inv = np.unique(wide.view(f"V{HEADER_SIZE}").reshape(n), return_index=True, return_inverse=True)
+    return first, inv.reshape(n)
+
+
+def _templates_of(fixed: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[SegmentHeader]]:
+    """For distinct fixed header bytes ``fixed`` (56 bytes each, one after another): whether each makes a
+    valid header, its template's CRC32C and index in the templates answered last (-1 if not valid). A batch
+    of a restore meets the same ones as the batch before it: answered from :data:`_BATCH_TEMPLATES` then."""
+    got = _BATCH_TEMPLATES.get(fixed)
+    if got is None:
+        m = len(fixed) // len(_FIXED)
+        templates: list[SegmentHeader] = []
+        valid = np.zeros(m, dtype=bool)
+        bases = np.zeros(m, dtype=np.uint32)
+        tid_of = np.full(m, -1, dtype=np.int64)
+        for j in range(m):
+            t = _template(fixed[j * len(_FIXED):(j + 1) * len(_FIXED)])
+            if t is not None:
+                valid[j] = True
+                bases[j] = t[1]
+                tid_of[j] = len(templates)
+                templates.append(t[0])
+        if len(_BATCH_TEMPLATES) >= _BATCHES_KEPT:
+            _BATCH_TEMPLATES.clear()
+        for a in (valid, bases, tid_of):
+            a.flags.writeable = False  # shared by the batches that meet them
+        got = _BATCH_TEMPLATES[fixed] = (valid, bases, tid_of, templates)
+    return got[0], got[1], got[2], list(got[3])
+
+
 def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
                     lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[SegmentHeader]]:
     """:func:`_verify_header` of a batch as arrays: ``heads`` (``[n, 64]`` uint8) the headers, ``layers`` /
@@ -132,19 +184,8 @@ def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
     :func:`_verify_header`, which says why."""
     n = len(heads)
     heads = np.ascontiguousarray(heads, dtype=np.uint8).reshape(n, HEADER_SIZE)
-    fixed = np.ascontiguousarray(heads[:, _FIXED]).view(f"V{len(_FIXED)}").reshape(n)
-    uniq, inv = np.unique(fixed, return_inverse=True)
-    templates: list[SegmentHeader] = []
-    valid = np.zeros(len(uniq), dtype=bool)
-    bases = np.zeros(len(uniq), dtype=np.uint32)
-    tid_of = np.full(len(uniq), -1, dtype=np.int64)
-    for j, f in enumerate(uniq.tolist()):
-        got = _template(bytes(f))
-        if got is not None:
-            valid[j] = True
-            bases[j] = got[1]
-            tid_of[j] = len(templates)
-            templates.append(got[0])
+    first, inv = _distinct_fixed(heads)
+    valid, bases, tid_of, templates = _templates_of(heads[first][:, _FIXED].tobytes())
     h = heads.view(HEADER_DTYPE).reshape(n)
     inv = inv.reshape(n)
     ok = valid[inv]

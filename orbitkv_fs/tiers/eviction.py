@@ -26,7 +26,7 @@ from collections import OrderedDict
 from itertools import compress
 from typing import Callable, Iterable, Sequence
 
-from ..index import put_rows
+from ..index import put_columns, put_rows
 
 import numpy as np
 
@@ -93,18 +93,18 @@ class _Lists:
         first, last = slots[0], slots[k - 1]
         # In order: each slot's next is the one pushed before it (the old head for the first), its prev the
         # one pushed after it (none for the last).
-        put_rows(self.next, slots, [h, *slots[:k - 1]])
-        put_rows(self.prev, slots, [*slots[1:], _NIL])
+        cols, vals = [self.next, self.prev, self.queue], [[h, *slots[:k - 1]], [*slots[1:], _NIL], [q] * k]
+        if self.weighted:
+            cols.append(self.size)
+            vals.append(nbytes)
+            self.bytes[q] += sum(nbytes)
+        put_columns(cols, slots, vals)
         if h != _NIL:
             self.prev[h] = first
         else:
             self.tail[q] = first
         self.head[q] = last
-        put_rows(self.queue, slots, [q] * k)
         self.count[q] += k
-        if self.weighted:
-            put_rows(self.size, slots, nbytes)
-            self.bytes[q] += sum(nbytes)
 
     def to_head(self, q: int, slot: int) -> None:
         """Move ``slot``, linked in list ``q``, to that list's head: :meth:`unlink` then :meth:`push_head`
