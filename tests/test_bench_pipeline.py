@@ -22,12 +22,16 @@ def test_throughput_report(tmp_path):
         (c, s) for c in ("none", "fp8") for s in bench_pipeline.SEGMENT_SIZES]
     for r in runs:
         assert r["save_gbs"] > 0 and r["restore_gbs"] > 0 and r["save_baseline_gbs"] > 0
+        assert r["host_probe_us"] > 0
         assert abs(r["save_vs_baseline"] - r["save_gbs"] / r["save_baseline_gbs"]) < 1e-9
         none = next(x for x in runs if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"])
         assert abs(r["restore_vs_none"] - r["restore_gbs"] / none["restore_gbs"]) < 1e-9
         ratio = r["stored_bytes"] / r["logical_bytes"]
         assert (0.49 < ratio < 0.52) if r["codec"] == "fp8" else (1.0 <= ratio < 1.01)
-    assert "| fp8 | 64 KiB |" in (out / "pipeline-cpu.md").read_text()
+    md = (out / "pipeline-cpu.md").read_text()
+    assert "| fp8 | 64 KiB |" in md
+    for r in runs:  # the host probe of each row, beside its host CPU figures
+        assert f"| {r['codec']} | {r['segment_bytes'] >> 10} KiB | {r['host_probe_us']:.0f} | {r['save_cpu_us_per_segment']:.2f} |" in md
 
 
 def test_smollm2_ratios_from_saved_kv(tmp_path):

@@ -188,6 +188,25 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
         proc.join(30)
 
 
+def _host_probe_us() -> float:
+    """Microseconds of a fixed host workload (the dict, list and small numpy work a batch's host code does),
+    best of five: this process's host speed right before a segment size's runs. On a shared machine one
+    process of a tree can run its host code 1.5-1.8x slower than the next (docs/results/
+    2026-12-02-pipeline-host-cuts): runs of different host speed read apart by it."""
+    keys = [i.to_bytes(8, "little") for i in range(2048)]
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        index = {k: i for i, k in enumerate(keys)}
+        rows = [index[k] for k in keys]
+        a = np.asarray(rows, dtype=np.int64)
+        for _ in range(40):
+            a = (a * 3 + 1) & 0xFFFF
+            np.unique(a[:256], return_inverse=True)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
                 baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
                 segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20,
@@ -228,6 +247,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                 chunks = {codec: [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
                                   for i in range(num_blocks // per)] for codec in group}
                 base = baseline()  # right next to these figures
+                probe = _host_probe_us()
                 best = {codec: [float("inf"), float("inf"), 0, 0] for codec in group}  # save s, restore s, bytes
                 cpu = {codec: [0.0, 0.0] for codec in group}  # this thread's CPU seconds in save, restore
                 stages = {codec: _stage_cpu(ms[codec][0]) for codec in group}
@@ -268,6 +288,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                            "stage_cpu_us_per_segment": _stage_delta(stages[codec], _stage_cpu(ms[codec][0])),
                            "logical_bytes": logical, "stored_bytes": stored,
                            "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
+                           "host_probe_us": probe,
                            "raw_segments": dict(ms[codec][0].stats().raw_segments)}
                     run["save_vs_baseline"] = run["save_gbs"] / base["save_baseline_gbs"]
                     run["restore_vs_baseline"] = run["restore_gbs"] / base["restore_baseline_gbs"]
@@ -532,13 +553,16 @@ def _markdown(res: dict, command: str) -> str:
                       "does). A CUDA wait spins, so on the GPU path CPU time includes the host's waits on the GPU "
                       "engine's streams: `wait` columns (`ManagerStats.gpu_wait_seconds`); CPU minus wait is the "
                       "host's own work. Stages: the Manager's own counts (`ManagerStats.host_cpu_seconds`); `*_other` "
-                      "is the request's time outside the named stages.", "",
-                      "| codec | segment | save us/seg | save wait | restore us/seg | restore wait | "
+                      "is the request's time outside the named stages. `host probe`: microseconds of a fixed dict, "
+                      "list and numpy workload right before the runs (best of 5): the process's host speed then, "
+                      "higher on a slower host.", "",
+                      "| codec | segment | host probe us | save us/seg | save wait | restore us/seg | restore wait | "
                       + " | ".join(names) + " |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(names)]
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(names)]
             for r in t["runs"]:
                 st = r.get("stage_cpu_us_per_segment", {})
-                lines.append(f"| {r['codec']} | {r['segment_bytes'] >> 10} KiB | {r['save_cpu_us_per_segment']:.2f} | "
+                lines.append(f"| {r['codec']} | {r['segment_bytes'] >> 10} KiB | {r.get('host_probe_us', float('nan')):.0f} | "
+                             f"{r['save_cpu_us_per_segment']:.2f} | "
                              f"{r.get('save_wait_us_per_segment', 0.0):.2f} | "
                              f"{r['restore_cpu_us_per_segment']:.2f} | {r.get('restore_wait_us_per_segment', 0.0):.2f} | "
                              + " | ".join(f"{st[k]:.2f}" if k in st else "-" for k in names) + " |")
