@@ -110,9 +110,7 @@ def install() -> None:
 
 def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
-    import orbitkv_fs.manager  # noqa: F401  (loads the modules the targets live in)
-    import orbitkv_fs.gpu.engine  # noqa: F401  (and the engine's, GPU only)
-    install()
+    install()  # imports the modules the targets live in
     sys.argv = ["orbitkv-bench", "pipeline", *args]
     try:
         runpy.run_module("orbitkv_fs.tools.bench", run_name="__main__")
