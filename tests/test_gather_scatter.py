@@ -187,14 +187,15 @@ def test_save_columns_pairs_and_classes():
     chunks = [ChunkBlocks(bytes([c]) * 16, list(range(4 * c, 4 * c + n))) for c, n in enumerate((2, 3, 2, 1))]
     items = [(ch, segs[s], b"k") for ch, picked in zip(chunks, ([0, 1, 2, 3, 4, 5], [1, 4], [0, 5], [2]))
              for s in picked]
-    for batch in (items[:7], items[7:], items):  # a chunk split over two batches, then all at once
+    # a chunk split over two batches, then all at once, then the first batch's set again (from the cache)
+    for batch in (items[:7], items[7:], items, items[:7]):
         targets, classes, cls, ci, si = SavePipeline._save_columns(p, eng, None, batch)
         assert [segs[s] for s in si.tolist()] == [it[1] for it in batch]
         assert [targets.counts[c] for c in ci.tolist()] == [len(it[0].blocks) for it in batch]
         assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
         assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
     assert len(made) == len(set(made))  # each class made once, whatever the batches
-    assert len(eng.enc_batches) == 3  # the class sets met, by batch
+    assert len(eng.enc_batches) == 3  # the class sets met: the fourth batch's was the first's
     segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path (a new registration)
     eng.enc_classes.clear()
     eng.enc_batches.clear()
