@@ -187,7 +187,6 @@ def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
     first, inv = _distinct_fixed(heads)
     valid, bases, tid_of, templates = _templates_of(heads[first][:, _FIXED].tobytes())
     h = heads.view(HEADER_DTYPE).reshape(n)
-    inv = inv.reshape(n)
     ok = valid[inv]
     ok &= h["header_crc"] == header_crcs(bases[inv], h["payload_crc"])
     ok &= (h["layer"] == layers) & (h["role"] == roles)
