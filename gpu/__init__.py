@@ -31,7 +31,7 @@ Batch API (for the Manager)::
   array's own dtype is a stand-in (cupy has no bfloat16). TurboQuant takes the head dim from the
   array's last axis. Invalid items raise :class:`~orbitkv_fs.errors.CodecError`.
 * ``encode_batch`` runs on the save worker, ``decode_batch`` on the restore worker; each call is
-  split into batches of at most 256 segments that fit the workspace budget. Per batch: one H2D copy,
+  split into batches of at most 1,024 segments that fit the workspace budget. Per batch: one H2D copy,
   one launch per kernel kind, one D2H copy (meta + payloads), one synchronisation.
 * Memoryviews returned by ``encode_batch`` own their pinned buffer (shared by the batch); keep or copy
   them as needed.

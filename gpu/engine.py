@@ -29,7 +29,7 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   (``--storage-codec-budget``, default 64 MB), retained and reused across batches; growth drains the
   worker's streams and frees the old allocation before allocating the new one; :meth:`Workspace.release`
   drains them before freeing.
-* Descriptor batches of at most :data:`MAX_BATCH` (256) segments. One encode batch is: one
+* Descriptor batches of at most :data:`MAX_BATCH` (1024) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
   (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB
   chunks, one call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads'
@@ -107,7 +107,7 @@ from . import ans_format
 from . import module as km
 from .tables import finish_crc, sign_words, zero_crc
 
-MAX_BATCH = 256
+MAX_BATCH = 1024
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
                    help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; one batch's encoded "
                         "bytes take half of it (default 64 MiB, at least 1 MiB)")
+    g.add_argument("--batch-segments", type=_positive(int), default=ManagerConfig().batch_segments, metavar="N",
+                   help="segments per codec batch, at most; the codec budget closes a batch earlier where segments "
+                        "are large. Fewer, larger batches cost less host time per segment; smaller ones overlap "
+                        "more of a request's host and GPU work (default %(default)s)")
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
     g.add_argument("--shm-dir", default="/dev/shm",
                    help="directory of the arena file (a tmpfs); engines' host pages files must lie in it too")
@@ -156,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
-                         storage_codec_budget=args.storage_codec_budget, eviction=args.eviction,
+                         storage_codec_budget=args.storage_codec_budget, batch_segments=args.batch_segments,
+                         eviction=args.eviction,
                          shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
                          lease_ttl=args.lease_ttl,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)

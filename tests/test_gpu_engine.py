@@ -17,7 +17,7 @@ cp = pytest.importorskip("cupy")
 from orbitkv_fs.codecs import decode_segment, encode_segment  # noqa: E402
 from orbitkv_fs.codecs.turboquant import TurboQuantCodec  # noqa: E402
 from orbitkv_fs.errors import LengthMismatch, OrbitKVError, PayloadChecksumMismatch, SegmentError  # noqa: E402
-from orbitkv_fs.gpu.engine import EncodeItem, GpuCodecEngine  # noqa: E402
+from orbitkv_fs.gpu.engine import MAX_BATCH, EncodeItem, GpuCodecEngine  # noqa: E402
 from orbitkv_fs.segment import Format, RawReason, parse_segment  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -268,12 +268,15 @@ def mixed(n: int, rng: np.random.Generator) -> tuple[list, list, list, list]:
     return xs, codecs, roles, layers
 
 
-@pytest.mark.parametrize("n", [1, 255, 256, 257])
-def test_batches_of_mixed_segments(engine, n: int) -> None:
-    before = engine.stats.get("save_batches", 0)
-    xs, codecs, roles, layers = mixed(n, np.random.default_rng(n))
-    check_round_trip(engine, xs, codecs, roles, layers, exact_bytes=False)
-    assert engine.stats["save_batches"] - before == (2 if n == 257 else 1)
+@pytest.mark.parametrize("less", [None, 1, 0, -1])
+def test_batches_of_mixed_segments(less: int | None) -> None:
+    """One segment, and MAX_BATCH less ``less``: one descriptor batch up to MAX_BATCH segments, two past it
+    (a workspace that holds them all: only the count closes a batch)."""
+    n = 1 if less is None else MAX_BATCH - less
+    with GpuCodecEngine(1 << 30, seed=SEED) as e:
+        xs, codecs, roles, layers = mixed(n, np.random.default_rng(n))
+        check_round_trip(e, xs, codecs, roles, layers, exact_bytes=False)
+        assert e.stats["save_batches"] == (2 if n > MAX_BATCH else 1)
 
 
 def test_poisoned_workspace_every_byte_written() -> None:

@@ -240,6 +240,12 @@ def test_cli_flags_and_metrics(tier, engine):
     cfg = config_from_args(p.parse_args(["--ssd-prefetch-chunks", "5", "--ssd-prefetch-bytes", "4mb"]))
     assert (cfg.ssd_prefetch_chunks, cfg.ssd_prefetch_bytes) == (5, 4 << 20)
     assert config_from_args(p.parse_args([])).ssd_prefetch_chunks == 2
+    assert config_from_args(p.parse_args(["--batch-segments", "128"])).batch_segments == 128
+    assert config_from_args(p.parse_args([])).batch_segments == ManagerConfig().batch_segments
+    with pytest.raises(SystemExit):
+        p.parse_args(["--batch-segments", "0"])
+    with pytest.raises(ValueError, match="batch_segments"):
+        Manager(ManagerConfig(pool_size=1 << 20, batch_segments=0))
     with pytest.raises(ValueError, match="prefetch"):
         Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=-1))
     pages, reg = engine

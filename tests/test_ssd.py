@@ -187,7 +187,7 @@ def test_unusable_path_is_a_clear_error(ssd_dir):
         SsdTier(SsdConfig(paths=(str(ssd_dir / "missing-dir" / "shard.okv"),), capacity=4 << 20))
 
 
-@pytest.mark.skipif(not liburing_usable(), reason="the liburing package cannot run on this CPU (AVX-512 build)")
+@pytest.mark.skipif(not liburing_usable(), reason="the liburing package cannot run here (its self-test in a child process failed: an AVX-512 build on a CPU without it, or a release whose prep calls take only bytes)")
 def test_liburing_package_driver_roundtrip(ssd_dir):
     with make(ssd_dir, backend=UringBackend("liburing")) as t:
         for i in range(16):

@@ -62,11 +62,14 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     shm_dir: str = "/dev/shm"
     #: "auto": pin with cudaHostRegister and use the GPU codec engine when a GPU is present; "cpu": never.
     device: str = "auto"
-    #: Segments encoded per codec batch, at most (the GPU engine's MAX_BATCH; the codec budget closes a
-    #: batch earlier where segments are large). At 64, 512 KiB segments of fp8 and turboquant-4 ran in 2-4x
-    #: as many batches as the workspace allowed, and saved 1.13-1.22x slower
-    #: (docs/results/2026-11-30-batch-segments).
-    batch_segments: int = 256
+    #: Segments per codec batch, at most (``--batch-segments``; the GPU engine splits more than 1,024
+    #: into its descriptor batches; the codec budget closes a batch earlier where segments are large). Each
+    #: batch carries a fixed host cost (descriptor rows, launches, a wait, block tables), so a cap below what
+    #: the workspace holds slows small segments; a save or restore overlaps one batch's host work with the
+    #: previous one's GPU work, so fewer, larger batches leave more of it unoverlapped at a request's start
+    #: and end. At 512 KiB against 256: fp8 and turboquant-4 save 1.1-1.3x faster, turboquant-4 restores
+    #: 1.2x faster; 1024 was no better than 512 on a 2,304-segment request (docs/results/2026-12-02-batch-1024).
+    batch_segments: int = 512
     #: Speculative SSD prefetch (``--ssd-prefetch-chunks``, ``--ssd-prefetch-bytes``): after a lookup or
     #: restore hits SSD-resident chunks of a prefix, up to this many following chunks of the prefix (and
     #: at most this many record bytes) are read into DRAM on the SSD tier's background lane. 0: off.

@@ -58,6 +58,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
             raise ValueError("engine_check_interval must be >= 0")
         if config.lease_ttl < 0:
             raise ValueError("lease_ttl must be >= 0")
+        if config.batch_segments < 1:
+            raise ValueError("batch_segments must be >= 1")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:

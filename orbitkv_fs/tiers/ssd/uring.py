@@ -5,7 +5,8 @@ submit, wait for completions, an eventfd that becomes readable when completions 
 
 * :class:`LiburingRing` -- the ``liburing`` PyPI package. Its published wheels are compiled for AVX-512
   and die with SIGILL on CPUs without it, which a Python process cannot catch; :func:`liburing_usable`
-  therefore probes it once in a child process. Used when the probe passes.
+  therefore probes it once in a child process. Used when the probe passes. (Release 2026.3.30's prep calls
+  take only ``bytes``, not the memoryviews of our aligned buffers: its probe fails on every CPU seen here.)
 * :class:`SysRing` -- the same kernel interface through the raw ``io_uring_setup``/``io_uring_enter``
   system calls and the mmap'ed rings (ctypes; x86-64 and arm64 share the syscall numbers). Used where the
   package cannot run.
