@@ -172,20 +172,45 @@ class ObjectIndex:
         if n < len(keys):
             keys = keys[:n]
         raw = b"".join(keys)
-        layers = memoryview(raw).cast("H")[16::_KEY_SIZE // 2].tolist()  # bytes 32-33 of each key
+        words = np.frombuffer(raw, dtype="<u2").reshape(-1, _KEY_SIZE // 2)
+        layer_col = words[:, 16]  # bytes 32-33 of each key
+        layers = layer_col.tolist()
         roles = raw[34::_KEY_SIZE]
-        subs = [layer * _ROLES + role for layer, role in zip(layers, roles)]
+        subs = (layer_col.astype(np.int64) * _ROLES + (words[:, 17] & 0xFF)).tolist()
         out: list[int] = []
         segs_of = self._segs
-        # Rows from the free list that _add_chunk took, and their values per column: written once at the end
-        # (nothing reads them before: a chunk it places is an array, so _add never asks such a row its sub).
+        # Rows from the free list that the placements took, and their values per column: written once at the
+        # end (nothing reads them before: a chunk placed here is an array, so _add never asks such a row its sub).
         reused: tuple[list, ...] = ([],) + tuple([] for _ in self._columns())
+        # Consecutive runs of whole chunks new to the index with one layout (a save batch's chunks): placed
+        # together by _add_fresh once the layout changes or another kind of run comes.
+        fresh: list[bytes] = []
+        pending: set[bytes] = set()  # fresh's prefixes: a chunk twice in a batch is placed once, then merged
+        pattern: list[int] = []
+        start = 0  # key index of the first fresh run
         i = 0
         for prefix, run in groupby(keys, _PREFIX):
             k = len(tuple(run))
             j = i + k
             sub = subs[i:j]
-            if k > 1 and len(set(sub)) == k and self._absent(segs_of.get(prefix), sub):
+            have = segs_of.get(prefix)
+            if k > 1 and have is None and prefix not in pending and (sub == pattern or len(set(sub)) == k):
+                if fresh and sub != pattern:
+                    out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length,
+                                           logical, rep)
+                    fresh, pending = [], set()
+                if not fresh:
+                    pattern, start = sub, i
+                fresh.append(prefix)
+                pending.add(prefix)
+                i = j
+                continue
+            if fresh:
+                out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length,
+                                       logical, rep)
+                fresh, pending = [], set()
+                have = segs_of.get(prefix)
+            if k > 1 and len(set(sub)) == k and self._absent(have, sub):
                 out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
                                        length[i:j], logical[i:j], rep[i:j])
             else:
@@ -193,6 +218,8 @@ class ObjectIndex:
                     got = self._add(prefix, subs[x], offset[x], units[x], length[x], logical[x], rep[x])
                     out.append(-1 if got is None else got[0])
             i = j
+        if fresh:
+            out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length, logical, rep)
         if reused[0]:
             rows = reused[0]
             put_columns(self._columns() + (self.leases, self.state), rows,
@@ -263,20 +290,81 @@ class ObjectIndex:
         base, n = have[0], len(have) - 1
         return all(not 0 <= b - base < n or have[1 + b - base] < 0 for b in subs)
 
+    def _take(self, n: int) -> tuple[list[int], int]:
+        """The slots ``n`` adds take, in order: the free list's last first, then new rows; and how many of
+        them came from the free list (removed from it here)."""
+        free = self._free
+        take = min(n, len(free))
+        slots = free[len(free) - take:][::-1].tolist()  # what n pops give
+        del free[len(free) - take:]
+        rows = len(self._prefix)
+        slots += range(rows, rows + n - take)
+        return slots, take
+
+    def _place(self, reused: tuple[list, ...], slots: list[int], take: int, prefixes: list[bytes],
+               columns: Sequence[Sequence[int]]) -> None:
+        """Write ``slots`` (the first ``take`` from the free list, the rest new rows, as :meth:`_take`
+        gives them), their prefix objects ``prefixes`` (one per slot) and ``columns`` (:meth:`_columns`'
+        order, without generation, layer, role: those follow): new rows appended here, free-list rows to
+        ``reused`` for the caller to write."""
+        k = len(slots)
+        gen = self._next_gen
+        self._next_gen += k
+        values = tuple(columns[:5]) + (range(gen, gen + k),) + tuple(columns[5:])
+        if take:
+            hi, lo = slots[0], slots[take - 1]
+            if hi - lo == take - 1 and slots[:take] == list(range(hi, lo - 1, -1)):  # slots freed in order
+                self._prefix[lo:hi + 1] = prefixes[take - 1::-1]
+            else:
+                for s, p in zip(slots[:take], prefixes):
+                    self._prefix[s] = p
+            reused[0].extend(slots[:take])
+            for acc, vals in zip(reused[1:], values):
+                acc.extend(vals[:take])
+        if take < k:
+            self._prefix += prefixes[take:] if take else prefixes
+            for col, vals in zip(self._columns(), values):
+                col.extend(vals[take:] if take else vals)
+            # extend, not frombytes: a row at a time, so the columns over-allocate as add's appends do
+            self.leases.extend((0,) * (k - take))
+            self.state.extend((LIVE,) * (k - take))
+        self._live += k
+
+    def _add_fresh(self, reused: tuple[list, ...], prefixes: list[bytes], subs: list[int], first: int,
+                   layers: list[int], roles: bytes, *columns: Sequence[int]) -> list[int]:
+        """Add whole chunks new to the index, ``prefixes`` (distinct), each with the ``k > 1`` distinct
+        ``subs``: the keys ``first .. first + len(prefixes) * k`` of ``columns`` (offset, units, length,
+        logical, rep). :meth:`_add_chunk` of each in turn, in one step: one chunk array built per chunk from
+        a template, the rows written per column for all. Answers the slots."""
+        k, c = len(subs), len(prefixes)
+        n = k * c
+        last = first + n
+        slots, take = self._take(n)
+        base = min(subs)
+        width = max(subs) - base + 2
+        grid = np.full((c, width), -1, dtype=np.int32)
+        grid[:, 0] = base
+        grid[:, [1 + b - base for b in subs]] = np.asarray(slots, dtype=np.int32).reshape(c, k)
+        raw = grid.tobytes()
+        step = 4 * width
+        segs_of = self._segs
+        for x, p in enumerate(prefixes):
+            a = array("i")
+            a.frombytes(raw[x * step:(x + 1) * step])
+            segs_of[p] = a
+        self.chunks.update(dict.fromkeys(prefixes, k))
+        self._place(reused, slots, take, [p for p in prefixes for _ in range(k)],
+                    [col[first:last] for col in columns] + [layers[first:last], roles[first:last]])
+        return slots
+
     def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
                    *columns: Sequence[int]) -> list[int]:
         """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, none of them in the index (the chunk may
         hold others: the rest of a chunk that a batch boundary split), with rows of ``columns`` (offset,
-        units, length, logical, rep): :meth:`_add` of each, in one step, to the same chunk array. New rows
-        are appended here; rows taken from the free list go to ``reused`` (their slots, then each column's
-        values), which the caller writes. Answers the slots."""
+        units, length, logical, rep): :meth:`_add` of each, in one step, to the same chunk array. Answers
+        the slots (rows as :meth:`_place` writes them)."""
         k = len(subs)
-        free = self._free
-        take = min(k, len(free))
-        slots = free[len(free) - take:][::-1].tolist()  # what k pops give
-        del free[len(free) - take:]
-        rows = len(self._prefix)
-        slots += range(rows, rows + k - take)
+        slots, take = self._take(k)
         have = self._segs.get(prefix)
         old: list[tuple[int, int]] = []  # (sub, slot) of the chunk's segments present
         if have is not None:  # its prefix object is the chunk's, shared as _add shares it
@@ -295,23 +383,7 @@ class ObjectIndex:
             segs[1 + b - base] = s
         self._segs[prefix] = segs
         self.chunks[prefix] = k + len(old)
-        gen = self._next_gen
-        self._next_gen += k
-        values = columns + (range(gen, gen + k), layers, roles)
-        if take:
-            for s in slots[:take]:
-                self._prefix[s] = prefix
-            reused[0].extend(slots[:take])
-            for acc, vals in zip(reused[1:], values):
-                acc.extend(vals[:take])
-        if take < k:
-            self._prefix += [prefix] * (k - take)
-            for col, vals in zip(self._columns(), values):
-                col.extend(vals[take:] if take else vals)
-            # extend, not frombytes: a row at a time, so the columns over-allocate as add's appends do
-            self.leases.extend((0,) * (k - take))
-            self.state.extend((LIVE,) * (k - take))
-        self._live += k
+        self._place(reused, slots, take, [prefix] * k, list(columns) + [layers, roles])
         return slots
 
     def get(self, key: bytes) -> int | None:

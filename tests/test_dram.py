@@ -227,7 +227,7 @@ def test_publish_many_is_publish_in_order(policy):
             assert many.reserve_many(sizes) == offs  # the same allocator history
             items = [(k, off, n, 2 * n, rep) for k, off, n, rep in zip(keys, offs, sizes, reps)]
             want = [one.publish(*it) is not None for it in items]
-            assert many.publish_many(items) == want
+            assert many.publish_many(*zip(*items)) == want
             present += want.count(False)
             assert _tier_state(many) == _tier_state(one)
             for k in rnd.sample(sorted(set(keys)), len(set(keys)) // 2):  # room, and slots to reuse
@@ -250,7 +250,7 @@ def test_publish_many_raises_part_way_with_what_it_published_in_done():
         items = [(k, off, 1000, 1000, 0) for k, off in zip(keys, offs)]
         done: list[bool] = []
         with pytest.raises(ValueError):
-            t.publish_many(items, done)
+            t.publish_many(*zip(*items), done=done)
         assert done == [True] * 3
         assert [t.contains(k) for k in keys[:3]] == [True] * 3 and not t.contains(_key(4))
         assert t.reserved_bytes == 3 * 2 * UNIT and t.resident_bytes == {0: 3 * 2 * UNIT}

@@ -215,20 +215,30 @@ def _state(ix: ObjectIndex) -> tuple:
             len(ix))
 
 
+@pytest.mark.parametrize("layout", ["random", "whole"])
 @pytest.mark.parametrize("seed", range(4))
-def test_add_many_is_add_one_key_at_a_time(seed):
+def test_add_many_is_add_one_key_at_a_time(seed, layout, monkeypatch):
     """Random batches (whole new chunks, chunks present in part, keys twice in a batch and keys LIVE
     already, slots freed in between and reused) give the same answers, slots, generations, columns, chunk
-    arrays and shared prefix objects as add of each key in order."""
+    arrays and shared prefix objects as add of each key in order. "whole": most runs are whole chunks of
+    one layout (a save batch's), so that runs of new chunks are placed together (and a chunk may come
+    twice in a batch, apart)."""
     rnd = random.Random(seed)
     one, many = ObjectIndex(), ObjectIndex()
     subs = [(layer, r) for layer in (0, 1, 2, 5, 9, 300) for r in (Role.KEY, Role.VALUE)] + [(7, Role.OPAQUE)]
+    together = []
+    place = ObjectIndex._add_fresh
+    monkeypatch.setattr(ObjectIndex, "_add_fresh", lambda ix, r, prefixes, *a: together.append(len(prefixes))
+                        or place(ix, r, prefixes, *a))
     for step in range(120):
         keys: list[bytes] = []
-        for _ in range(rnd.randrange(1, 5)):  # runs of one chunk each, like a save batch
-            c = rnd.randrange(12)
-            run = rnd.sample(subs, rnd.randrange(1, len(subs) + 1))
-            if rnd.random() < 0.3:  # a key twice
+        for _ in range(rnd.randrange(1, 5) if layout == "random" else rnd.randrange(1, 9)):  # runs of one chunk
+            c = rnd.randrange(12) if layout == "random" else rnd.randrange(40)
+            if layout == "whole" and rnd.random() < 0.85:
+                run = list(subs)
+            else:
+                run = rnd.sample(subs, rnd.randrange(1, len(subs) + 1))
+            if rnd.random() < (0.3 if layout == "random" else 0.05):  # a key twice
                 run.append(rnd.choice(run))
             keys += [key(c, layer, r) for layer, r in run]
         cols = [[rnd.randrange(1 << 20) for _ in keys] for _ in range(4)] + [[rnd.randrange(4) for _ in keys]]
@@ -240,14 +250,19 @@ def test_add_many_is_add_one_key_at_a_time(seed):
         assert _state(many) == _state(one)
         # Hide and free some (the same ones in both): the next batch reuses their slots.
         live = sorted(s for s in range(len(one._prefix)) if one.state[s] == LIVE)
-        for s in rnd.sample(live, len(live) // 3):
-            free = rnd.random() < 0.9
+        # at times all of them in slot order (an invalidation of everything): the free list then gives back
+        # runs of consecutive slots
+        everything = rnd.random() < 0.15
+        for s in live if everything else rnd.sample(live, len(live) // 3):
+            free = everything or rnd.random() < 0.9
             for ix in (one, many):
                 ix.hide(s)
                 if free:
                     ix.free(s)
         assert _state(many) == _state(one)
         check(many, {k: s for k, s in one.items()}, {s for s in range(len(one._prefix)) if one.state[s] == HIDDEN})
+    if layout == "whole":  # the batched placement ran, with several chunks at a time
+        assert together and max(together) >= 3
 
 
 def test_add_many_stops_before_a_malformed_key():

@@ -279,9 +279,15 @@ def test_restore_with_another_engines_lease_is_refused(engine):
     (L - 1, 13, "HeaderChecksumMismatch"),  # the layer field's high byte
     (L - 1, 61, "HeaderChecksumMismatch"),  # the header's own CRC
 ], ids=["payload", "payload-last-segment", "header", "header-crc"])
-def test_corrupt_segment_is_a_miss(engine, layer, offset, error):
+@pytest.mark.parametrize("window", ["whole", "per-chunk"])
+def test_corrupt_segment_is_a_miss(engine, layer, offset, error, window, monkeypatch):
     """A flipped payload, header or header-CRC byte of one segment (exact segments of host pages are checked
-    a batch at a time) is a miss for its chunk, none of whose blocks is written; the other chunks restore."""
+    a batch at a time, their payloads a window of chunks at a time: all three, or one each) is a miss for its
+    chunk, none of whose blocks is written; the other chunks restore."""
+    if window == "per-chunk":
+        from orbitkv_fs.manager import hostpath
+
+        monkeypatch.setattr(hostpath, "_WINDOW_BYTES", 1)
     pages, reg = engine
     orig = snapshot(pages)
     with Manager(ManagerConfig(pool_size=8 << 20)) as m:
@@ -572,13 +578,26 @@ def test_an_exact_batch_failing_mid_batch_returns_every_reservation(engine, monk
         assert_reservations_zero(m)
 
 
-def test_an_exact_batch_failing_to_publish_returns_every_reservation(engine, monkeypatch):
-    """The second batch of exact segments fails to publish: the save raises, the first batch stays
-    published, and the arena's used bytes are exactly the first batch's."""
+@pytest.mark.parametrize("where", ["publish", "headers", "crc"])
+def test_an_exact_batch_failing_returns_every_reservation(engine, monkeypatch, where):
+    """The second batch of exact segments fails: to publish, or before (its header writes, or a payload CRC32C
+    part way through a group, after its copies). The save raises, the first batch stays published, the arena
+    holds exactly its bytes and nothing stays reserved."""
+    from orbitkv_fs.manager import hostpath
     from orbitkv_fs.tiers.dram import DramTier
 
     pages, reg = engine
-    _fail_at(monkeypatch, DramTier, "publish_many", 2, "injected publish failure")
+    if where == "publish":
+        _fail_at(monkeypatch, DramTier, "publish_many", 2, "injected publish failure")
+    elif where == "headers":
+        _fail_at(monkeypatch, hostpath, "_put_headers", 2, "injected header failure")
+    else:  # the host path's own CRC32C calls only (the 4th of the second batch's)
+        import types
+
+        import crc32c
+
+        monkeypatch.setattr(hostpath, "_crc32c", types.SimpleNamespace(crc32c=crc32c.crc32c))
+        _fail_at(monkeypatch, hostpath._crc32c, "crc32c", 2 * L + 4, "injected CRC failure")
     with Manager(ManagerConfig(pool_size=8 << 20, batch_segments=2 * L)) as m:
         e = m.register_engine(reg)
         chunks = chunks_for(4)

@@ -79,7 +79,11 @@ def test_b_keeps_serving_when_a_is_killed_mid_transfer(managers):
     assert a.proc.wait(10) == -signal.SIGKILL
     assert not all(r["restored"])
     st = b("stats")["peer"]
-    assert sum(st["failures_total"].get(k, 0) for k in (FailureReason.TRANSFER, FailureReason.TIMEOUT)) >= 1
+    # Which failure B sees depends on where its fetch was when A died: a read in flight fails (transfer) or
+    # does not finish (timeout); a session the Transfer Engine had not opened yet cannot be (unreachable: seen
+    # on an Intel Xeon development machine, where A died before B's first read).
+    died = (FailureReason.TRANSFER, FailureReason.TIMEOUT, FailureReason.UNREACHABLE)
+    assert sum(st["failures_total"].get(k, 0) for k in died) >= 1
     # Reads still pending when the fetch gave up are parked; the reaper gives their arena reservations back
     # once the engine ends them, with nothing more asked of B (they used to wait for B's next fetch).
     assert wait_until(lambda: not b("stats")["peer"]["abandoned_reads"], 60)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -96,6 +96,22 @@ def _blocks(seg: _Seg, run: slice, count: int) -> np.ndarray:
     return seg.base[run].reshape((count, (run.stop - run.start) // count) + seg.block_shape)
 
 
+class HostRows(NamedTuple):
+    """Chunks of a restore whose exact segments :meth:`HostPath._check_host_batch` found in DRAM, headers
+    checked: their indices, and per chunk and segment (``[chunk, seg]``) the arena offset, payload bytes and
+    payload CRC32C (still to be checked)."""
+
+    chunks: list[int]
+    offs: np.ndarray
+    sizes: np.ndarray
+    pcrc: np.ndarray
+
+    @classmethod
+    def none(cls, nseg: int) -> "HostRows":
+        empty = np.zeros((0, nseg), dtype=np.int64)
+        return cls([], empty, empty, empty.astype(np.uint32))
+
+
 class HostPath:
     """Batches of exact segments of host pages."""
 
@@ -115,7 +131,8 @@ class HostPath:
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
             groups.setdefault(id(it[1]), []).append(i)
-        items = [items[i] for g in groups.values() for i in g]
+        order = [i for g in groups.values() for i in g]  # segment-major position -> request position
+        items = [items[i] for i in order]
         sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
         for (ch, _, _), n in zip(items, sizes):
             if n > MAX_STORED_BYTES:
@@ -126,12 +143,22 @@ class HostPath:
         tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
         rows: list[bytes] = []  # raw bytes: concatenating structured rows costs a field promotion each
         bases: list[int] = []
-        # per segment placed: its index, payload CRC, template row
+        # per segment placed (segment-major): its position, payload CRC, template row
         live: list[int] = []
         crcs: list[int] = []
         tids: list[int] = []
         done: list[bool] = []
-        todo: list[tuple[bytes, int, int, int, int]] = []
+        pub: list[int] = []  # the positions placed, in request order: what publish_many takes
+
+        def template(seg: _Seg, n: int) -> int:
+            t = tmpl.get((id(seg), n))
+            if t is None:
+                row, base = seg.raw_header(n)
+                t = tmpl[(id(seg), n)] = len(rows)
+                rows.append(row.tobytes())
+                bases.append(base)
+            return t
+
         try:
             crc = _crc32c.crc32c
             with memoryview(buf) as mv:
@@ -140,26 +167,25 @@ class HostPath:
                     end = start + len(g)
                     seg = items[start][1]
                     run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start:end])
-                    if run is not None:  # one copy for the group (at most a batch: it stays in cache)
-                        np.copyto(_payloads(buf, offs[start], end - start, sizes[start], seg), _blocks(seg, run, end - start))
+                    if run is not None:  # one copy for the group (at most a batch: it stays in cache), every
+                        # piece placed and of one size: its CRCs right after the copy, while the bytes are in cache
+                        n = sizes[start]
+                        np.copyto(_payloads(buf, offs[start], end - start, n, seg), _blocks(seg, run, end - start))
+                        crcs += [crc(mv[p:p + n]) for p in [o + HEADER_SIZE for o in offs[start:end]]]
+                        tids += [template(seg, n)] * (end - start)
+                        live += range(start, end)
+                        start = end
+                        continue
                     for i in range(start, end):
                         off, n = offs[i], sizes[i]
                         if off is None:
                             continue
-                        ch, seg, kb = items[i]
+                        ch = items[i][0]
                         p = off + HEADER_SIZE
-                        if run is None:
-                            seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
-                        crcs.append(crc(mv[p:p + n]))  # right after the copy: the bytes are still in cache
-                        t = tmpl.get((id(seg), n))
-                        if t is None:
-                            row, base = seg.raw_header(n)
-                            t = tmpl[(id(seg), n)] = len(rows)
-                            rows.append(row.tobytes())
-                            bases.append(base)
-                        tids.append(t)
+                        seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
+                        crcs.append(crc(mv[p:p + n]))
+                        tids.append(template(seg, n))
                         live.append(i)
-                        todo.append((kb, off, n + HEADER_SIZE, n, _RAW))
                     start = end
             if live:
                 tid = np.asarray(tids, dtype=np.intp)
@@ -168,35 +194,34 @@ class HostPath:
                 heads["payload_crc"] = pcrc
                 heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
                 _put_headers(buf, [offs[i] for i in live], [sizes[i] for i in live], heads)
-            if len(todo) > 1:  # chunk-major (the copies went segment-major): the index places a chunk's new
-                # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path.
-                # Chunks in request order, not key order: the eviction policy ages them in publication order.
-                by_chunk: dict[bytes, list[int]] = {}
-                for j, t in enumerate(todo):
-                    by_chunk.setdefault(t[0][:32], []).append(j)
-                order = [j for js in by_chunk.values() for j in js]
-                todo = [todo[j] for j in order]
-                live = [live[j] for j in order]
+            # Request order (chunk-major; the copies went segment-major): the index places a chunk's new
+            # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path,
+            # and the eviction policy ages chunks in publication order.
+            back = np.empty(k, dtype=np.intp)
+            back[order] = np.arange(k)
+            pub = back.tolist() if len(live) == k else back[np.isin(back, live)].tolist()
+            lengths = [sizes[x] + HEADER_SIZE for x in pub]
             c1 = time.thread_time()
-            self.dram.publish_many(todo, done)
+            self.dram.publish_many([items[x][2] for x in pub], [offs[x] for x in pub], lengths,
+                                   [sizes[x] for x in pub], [_RAW] * len(pub), done)
         except BaseException:
             # What publish_many did not reach is still reserved; so is everything when it was not called.
-            for kb, off, total, _, _ in todo[len(done):]:
-                self.dram.cancel(off, total)
-            started = set(live)
+            for x in pub[len(done):]:
+                self.dram.cancel(offs[x], sizes[x] + HEADER_SIZE)
+            started = set(pub)
             for i, off in enumerate(offs):
                 if off is not None and i not in started:
                     self.dram.cancel(off, sizes[i] + HEADER_SIZE)
             raise
         # Admissions per batch: the keys as one set update, the byte sums, the raw reasons per segment class.
-        kept = [t for t, ok in zip(todo, done) if ok]
-        acc.admitted.update([t[0] for t in kept])
-        acc.logical += sum([t[3] for t in kept])
-        acc.stored += sum([t[2] for t in kept])
+        kept = pub if False not in done else [x for x, ok in zip(pub, done) if ok]
+        acc.admitted.update([items[x][2] for x in kept])
+        acc.logical += sum([sizes[x] for x in kept])
+        acc.stored += sum([sizes[x] + HEADER_SIZE for x in kept])
         published = len(kept)
         reasons: collections.Counter[str] = collections.Counter()
         by_id = {id(seg): seg for _, seg, _ in items}
-        for seg_id, count in collections.Counter([id(items[i][1]) for i, ok in zip(live, done) if ok]).items():
+        for seg_id, count in collections.Counter([id(items[x][1]) for x in kept]).items():
             reason = by_id[seg_id].raw_reason
             if reason != RawReason.NONE:
                 reasons[reason.name.lower()] += count
@@ -215,15 +240,15 @@ class HostPath:
         self._cpu("save_publish", c2 - c1, k)
 
     def _check_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                          spans: dict[bytes, tuple[int, int]]) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+                          spans: dict[bytes, tuple[int, int]]) -> HostRows:
         """The chunks of a restore into host pages whose every segment is a DRAM extent (``spans``: key ->
         offset, length) holding exactly the raw segment its destination expects: header bytes equal to its
         template row but for the payload CRC, the header's CRC32C right, the extent exactly header plus
-        payload. Answers ``(chunk index, offsets, payload bytes, payload CRCs)`` per such chunk (payload
-        CRCs still to be checked); the other chunks are for the per-segment path."""
+        payload. Answers those chunks as :class:`HostRows` (payload CRCs still to be checked); the other
+        chunks are for the per-segment path."""
         nseg = len(segs)
         if not chunks or not nseg or len(spans) < nseg:
-            return []
+            return HostRows.none(nseg)
         cand: list[int] = []
         offs: list[int] = []
         lens: list[int] = []
@@ -236,7 +261,7 @@ class HostPath:
                 offs.append(off)
                 lens.append(length)
         if not cand:
-            return []
+            return HostRows.none(nseg)
         m = len(cand)
         # template rows: one per (seg, blocks in the chunk)
         nblocks = [len(chunks[ci].blocks) for ci in cand]
@@ -256,11 +281,10 @@ class HostPath:
         ok &= h["header_crc"] == header_crcs(bases[tid], pcrc)
         ok &= np.asarray(lens, dtype=np.int64) == sizes + HEADER_SIZE
         whole = ok.reshape(m, nseg).all(axis=1)
-        at, sizes, pcrc = at.reshape(m, nseg), sizes.reshape(m, nseg), pcrc.reshape(m, nseg)
-        return [(cand[j], at[j], sizes[j], pcrc[j]) for j in np.flatnonzero(whole)]
+        return HostRows(np.asarray(cand, dtype=np.intp)[whole].tolist(), at.reshape(m, nseg)[whole],
+                        sizes.reshape(m, nseg)[whole], pcrc.reshape(m, nseg)[whole])
 
-    def _write_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg],
-                          checked: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]],
+    def _write_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], checked: HostRows,
                           bad: dict[int, str]) -> tuple[int, int]:
         """The chunks of :meth:`_check_host_batch`, a window at a time (payloads that fit in cache): each
         segment's payload CRC32C checked, then the payloads of the chunks that passed scattered into their
@@ -270,56 +294,56 @@ class HostPath:
         buf = self.dram.arena.buf
         crc = _crc32c.crc32c
         written = logical = failures = 0
+        m = len(checked.chunks)
+        ends = np.cumsum(checked.sizes.sum(axis=1))  # payload bytes up to each chunk, for the windows
+        at = checked.offs + HEADER_SIZE
         with memoryview(buf) as mv:
             start = 0
-            while start < len(checked):
-                end, total = start + 1, int(checked[start][2].sum())
-                while end < len(checked) and total + int(checked[end][2].sum()) <= _WINDOW_BYTES:
-                    total += int(checked[end][2].sum())
-                    end += 1
-                good: list[tuple[int, np.ndarray, np.ndarray]] = []
-                for ci, offs, sizes, pcrc in checked[start:end]:
-                    payloads = zip((offs + HEADER_SIZE).tolist(), sizes.tolist(), pcrc.tolist())
-                    corrupt = sum(crc(mv[p:p + n]) != c for p, n, c in payloads)
-                    if corrupt:
-                        failures += corrupt
-                        bad[ci] = "corrupt: PayloadChecksumMismatch: payload CRC32C mismatch"
-                    else:
-                        good.append((ci, offs, sizes))
+            while start < m:
+                before = int(ends[start - 1]) if start else 0
+                end = max(start + 1, int(np.searchsorted(ends, before + _WINDOW_BYTES, side="right")))
+                wrong = [crc(mv[p:p + n]) != c for p, n, c in zip(at[start:end].ravel().tolist(),
+                                                                   checked.sizes[start:end].ravel().tolist(),
+                                                                   checked.pcrc[start:end].ravel().tolist())]
+                good = np.arange(start, end)
+                if True in wrong:
+                    per_chunk = np.asarray(wrong).reshape(end - start, -1).sum(axis=1)
+                    failures += int(per_chunk.sum())
+                    for j in np.flatnonzero(per_chunk).tolist():
+                        bad[checked.chunks[start + j]] = "corrupt: PayloadChecksumMismatch: payload CRC32C mismatch"
+                    good = good[per_chunk == 0]
                 start = end
-                if not good:
+                if not len(good):
                     continue
                 try:
-                    self._scatter_window(chunks, segs, good)
+                    self._scatter_window(chunks, segs, checked, good)
                 except Exception as e:  # a failing copy into the pages: a miss, as on the per-segment path
                     failures += len(good)
-                    for ci, _, _ in good:
-                        bad.setdefault(ci, f"decode: {type(e).__name__}: {e}")
+                    for j in good.tolist():
+                        bad.setdefault(checked.chunks[j], f"decode: {type(e).__name__}: {e}")
                     continue
                 written += len(segs) * len(good)
-                logical += sum(int(sizes.sum()) for _, _, sizes in good)
+                logical += int(checked.sizes[good].sum())
         if failures:
             self._add(decode_failures=failures)
         return written, logical
 
-    def _scatter_window(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg],
-                        good: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """Copy the verified payloads of a window's chunks (``(chunk index, offsets, payload bytes)``, per
-        segment of ``segs``) into their blocks."""
+    def _scatter_window(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], checked: HostRows,
+                        good: np.ndarray) -> None:
+        """Copy the verified payloads of a window's chunks (rows ``good`` of ``checked``) into their blocks."""
         buf = self.dram.arena.buf
-        group = [chunks[ci] for ci, _, _ in good]
-        run = _consecutive(group) if len(good) > 1 else None
+        group = [chunks[checked.chunks[j]] for j in good.tolist()]
+        offs, sizes = checked.offs[good], checked.sizes[good]  # [chunk, seg]
+        run = _consecutive(group) if len(group) > 1 else None
         if run is not None:
-            offs = np.stack([o for _, o, _ in good])  # [chunk, seg]
-            sizes = np.stack([n for _, _, n in good])
             pieces = (sizes[0] + HEADER_SIZE + UNIT - 1) // UNIT * UNIT
-            lined = (sizes == sizes[0]).all(axis=0) & (np.diff(offs, axis=0) == pieces).all(axis=0)
+            lined = ((sizes == sizes[0]).all(axis=0) & (np.diff(offs, axis=0) == pieces).all(axis=0)).tolist()
         for s, seg in enumerate(segs):
             if run is not None and lined[s] and type(seg.base) is np.ndarray:
                 # into a view of the pages (splitting the block axis never copies), not from a reshaped
                 # payload view (the header gaps would make that a copy)
-                np.copyto(_blocks(seg, run, len(good)), _payloads(buf, int(offs[0, s]), len(good), int(sizes[0, s]), seg))
+                np.copyto(_blocks(seg, run, len(group)), _payloads(buf, int(offs[0, s]), len(group), int(sizes[0, s]), seg))
                 continue
-            for ch, (_, o, n) in zip(group, good):
-                p, k = int(o[s]) + HEADER_SIZE, int(n[s])
-                seg.scatter(ch.blocks, buf[p:p + k].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
+            for ch, o, n in zip(group, offs[:, s].tolist(), sizes[:, s].tolist()):
+                p = o + HEADER_SIZE
+                seg.scatter(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))

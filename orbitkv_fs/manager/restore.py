@@ -149,8 +149,8 @@ class RestorePipeline:
             deferred: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader | None, memoryview, bytes]] = []
             from_ssd: list[tuple[int, _Seg, ChunkBlocks, bytes]] = []
             # Exact segments of host pages in DRAM: checked as one batch; the other chunks segment by segment.
-            checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else []
-            batched = {c[0] for c in checked}
+            checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else None
+            batched = set(checked.chunks) if checked is not None else set()
             # Segments bound for the GPU engine from DRAM: size fields checked as one array (False: per segment).
             pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans
                                  else (None, None, None))
@@ -205,7 +205,7 @@ class RestorePipeline:
             # The direct path's chunks first: one whose SSD record fails is marked bad before any other
             # segment of it is written.
             done_ssd, served_ssd = self._restore_ssd_device(eng, from_ssd, bad, reasons)
-            segments, logical = self._write_host_batch(chunks, segs, checked, bad) if checked else (0, 0)
+            segments, logical = self._write_host_batch(chunks, segs, checked, bad) if batched else (0, 0)
             stored = logical + HEADER_SIZE * segments
             coded: list[tuple[int, _Seg, ChunkBlocks, "SegmentHeader | None", memoryview, bytes]] = deferred
             raw_dev: list[tuple[int, _Seg, ChunkBlocks, SegmentHeader, memoryview]] = []

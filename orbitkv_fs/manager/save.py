@@ -388,7 +388,7 @@ class SavePipeline:
             used = list(zip(offs, (-(-length[at] // UNIT) * UNIT).tolist()))
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
-            done = self.dram.publish_many(list(zip(keys, offs, ns, logical, fmt[at].tolist())))  # one lock round
+            done = self.dram.publish_many(keys, offs, ns, logical, fmt[at].tolist())  # one lock round
             ok = np.fromiter(done, dtype=bool, count=len(done))
             acc.admitted.update(k for k, d in zip(keys, done) if d)
             acc.logical += int(original[at][ok].sum())

@@ -327,38 +327,39 @@ class DramTier:
                 self.prefetched.add(added[0])
             return added
 
-    def publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]],
-                     done: list[bool] | None = None) -> list[bool]:
-        """:meth:`publish` of each ``(key, offset, length, logical, rep)`` under one lock round (a save
-        batch's segments); per item, whether it was published (False: present already, reservation freed).
-        With ``done``, the answers are appended to it: should this raise part way (a malformed key), the
-        items past ``len(done)`` were not published and are still reserved."""
+    def publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
+                     logical: Sequence[int], reps: Sequence[int], done: list[bool] | None = None) -> list[bool]:
+        """:meth:`publish` of each key at its offset (the other sequences are columns of the same rows:
+        stored length, logical bytes, representation) under one lock round (a save batch's segments); per
+        key, whether it was published (False: present already, reservation freed). With ``done``, the
+        answers are appended to it: should this raise part way (a malformed key), the keys past
+        ``len(done)`` were not published and are still reserved."""
         out = [] if done is None else done
         with self.lock:
-            slots = self._publish_many(items)
+            slots = self._publish_many(keys, offsets, lengths, logical, reps)
         out += [s >= 0 for s in slots]
-        if len(slots) < len(items):
-            raise ValueError(f"not a packed object key: {items[len(slots)][0]!r}")
+        if len(slots) < len(keys):
+            raise ValueError(f"not a packed object key: {keys[len(slots)]!r}")
         return out
 
-    def _publish_many(self, items: Sequence[tuple[bytes, int, int, int, int]]) -> list[int]:
-        """The index's :meth:`~orbitkv_fs.index.ObjectIndex.add_many` of ``items`` with the tier's
-        accounting: each item's slot (-1: present already, its extent freed); an answer shorter than
-        ``items`` stops before a malformed key (that item and the ones after it stay reserved)."""
-        if len(items) <= 1:
-            if not items:
+    def _publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
+                      logical: Sequence[int], reps: Sequence[int]) -> list[int]:
+        """The index's :meth:`~orbitkv_fs.index.ObjectIndex.add_many` of the rows with the tier's
+        accounting: each row's slot (-1: present already, its extent freed); an answer shorter than
+        ``keys`` stops before a malformed key (that row and the ones after it stay reserved)."""
+        if len(keys) <= 1:
+            if not keys:
                 return []
             try:
-                added = self._publish(*items[0])
+                added = self._publish(keys[0], offsets[0], lengths[0], logical[0], reps[0])
             except ValueError:
                 return []
             return [-1 if added is None else added[0]]
-        keys, offsets, lengths, logical, reps = zip(*items)
         units = [-(-n // UNIT) for n in lengths]
         starts = [off // UNIT for off in offsets]
         slots = self.index.add_many(keys, starts, units, lengths, logical, reps)
         k = len(slots)
-        if k < len(items):
+        if k < len(keys):
             keys, units, starts, logical, reps = keys[:k], units[:k], starts[:k], logical[:k], reps[:k]
         self.reserved_bytes -= sum(units) * UNIT
         if -1 in slots:  # present already: the reservation goes back
