@@ -4,10 +4,11 @@ Python call per batch per stage, not per segment.
 Primitives: :meth:`HostPath._save_raw_batch` (a batch of exact segments of host pages: one reservation
 round, each segment gathered straight into its arena extent and its payload CRC32C taken there while the
 bytes are in cache, every header written at once from its template row with its CRC computed as an
-array, one publish round); :meth:`HostPath._check_host_batch` (a restore's DRAM-leased sources against
-the raw headers their destinations expect, every header compared and CRC-checked as one array) and
-:meth:`HostPath._write_host_batch` (per chunk: each payload CRC32C, then the scatter into the engine's
-blocks). Keys, offsets, lengths and CRCs are arrays per batch; per-segment Python is left to the two C
+array, one publish round of columns in request order); :meth:`HostPath._check_host_batch` (a restore's
+DRAM-leased sources against the raw headers their destinations expect, every header compared and
+CRC-checked as one array, the chunks that pass answered as :class:`HostRows`) and
+:meth:`HostPath._write_host_batch` (a window of chunks at a time: each payload CRC32C, then the scatter into
+the engine's blocks). Keys, offsets, lengths and CRCs are arrays per batch; per-segment Python is left to the two C
 calls a segment needs (its copy, its CRC32C) and to the segments that fail, which go to the
 per-segment path with its typed errors.
 
