@@ -184,8 +184,8 @@ class ObjectIndex:
         reused: tuple[list, ...] = ([],) + tuple([] for _ in self._columns())
         # Consecutive runs of whole chunks new to the index with one layout (a save batch's chunks): placed
         # together by _add_fresh once the layout changes or another kind of run comes.
-        fresh: list[bytes] = []
-        pending: set[bytes] = set()  # fresh's prefixes: a chunk twice in a batch is placed once, then merged
+        # (a dict: ordered, and a chunk twice in a batch is found in it: placed once, then merged)
+        fresh: dict[bytes, None] = {}
         pattern: list[int] = []
         start = 0  # key index of the first fresh run
         i = 0
@@ -194,21 +194,20 @@ class ObjectIndex:
             j = i + k
             sub = subs[i:j]
             have = segs_of.get(prefix)
-            if k > 1 and have is None and prefix not in pending and (sub == pattern or len(set(sub)) == k):
+            if k > 1 and have is None and prefix not in fresh and (sub == pattern or len(set(sub)) == k):
                 if fresh and sub != pattern:
-                    out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length,
-                                           logical, rep)
-                    fresh, pending = [], set()
+                    out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units,
+                                           length, logical, rep)
+                    fresh = {}
                 if not fresh:
                     pattern, start = sub, i
-                fresh.append(prefix)
-                pending.add(prefix)
+                fresh[prefix] = None
                 i = j
                 continue
             if fresh:
-                out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length,
+                out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units, length,
                                        logical, rep)
-                fresh, pending = [], set()
+                fresh = {}
                 have = segs_of.get(prefix)
             if k > 1 and len(set(sub)) == k and self._absent(have, sub):
                 out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
@@ -219,7 +218,8 @@ class ObjectIndex:
                     out.append(-1 if got is None else got[0])
             i = j
         if fresh:
-            out += self._add_fresh(reused, fresh, pattern, start, layers, roles, offset, units, length, logical, rep)
+            out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units, length, logical,
+                                   rep)
         if reused[0]:
             rows = reused[0]
             put_columns(self._columns() + (self.leases, self.state), rows,

@@ -172,7 +172,7 @@ class HostPath:
                         # piece placed and of one size: its CRCs right after the copy, while the bytes are in cache
                         n = sizes[start]
                         np.copyto(_payloads(buf, offs[start], end - start, n, seg), _blocks(seg, run, end - start))
-                        crcs += [crc(mv[p:p + n]) for p in [o + HEADER_SIZE for o in offs[start:end]]]
+                        crcs += [crc(mv[o + HEADER_SIZE:o + HEADER_SIZE + n]) for o in offs[start:end]]
                         tids += [template(seg, n)] * (end - start)
                         live += range(start, end)
                         start = end
