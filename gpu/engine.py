@@ -17,8 +17,10 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
 * Batches as arrays: :meth:`GpuCodecEngine.encode_columns_submit` (a class index and a source address per
   segment, the classes from :meth:`GpuCodecEngine.encode_class`) and ``decode_columns_submit`` (verified
   header rows, pinned payload addresses, destination addresses) take a batch with no Python object per
-  segment: its descriptor rows, slots, headers and verdicts are numpy passes over columns (``_EncCols``,
-  ``_DecCols``, built by the same row writers as the item path's). They answer None for what they do not
+  segment: its slots, headers and verdicts are numpy passes over columns (``_EncCols``, ``_DecCols``), its
+  descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
+  and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
+  sequence (``_ClassSet``): a save's batches pass the same one again. They answer None for what they do not
   take (ANS, host-decided encodes, a segment over half the workspace): ``encode_submit`` / ``decode_submit``
   then do.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
@@ -67,6 +69,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -105,6 +108,7 @@ from orbitkv_fs.segment import (
 
 from . import ans_format
 from . import module as km
+from . import rows as rows_
 from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 1024
@@ -529,23 +533,19 @@ def _ints(plist: Sequence[Any], attr: str) -> np.ndarray:
     return np.fromiter(map(attrgetter(attr), plist), dtype=np.int64, count=len(plist))
 
 
-def _ceil_div(a: np.ndarray, b: "int | np.ndarray") -> np.ndarray:
-    return -(-a // b)
-
-
 def _fp16(dtypes: "Iterable[Any]", k: int) -> np.ndarray:
     """1 where a plan's source dtype is FP16 (the kernels' ``dtype`` field), else 0. Builtin and ml_dtypes
     dtypes are singletons: identity answers the usual cases without numpy's dtype comparison."""
     return np.fromiter([d is FP16 or (d is not BF16 and d == FP16) for d in dtypes], dtype=np.uint32, count=k)
 
 
-# SEG_DTYPE's fields as columns of a (rows, 16) uint64 view (Q_*) and its (rows, 32) uint32 view (W_*): a
-# column assignment over a batch is one strided copy, where a structured field costs a dtype lookup each.
-Q_SRC, Q_DST, Q_N, Q_N_DEV, Q_ST_DEV = 0, 1, 2, 3, 12
-W_BLOCK0, W_NBLOCKS, W_META, W_DTYPE, W_HEAD_DIM, W_BITS, W_ROLE, W_EXPECT, W_SIGNS = 8, 9, 10, 11, 12, 13, 14, 15, 16
-assert [km.SEG_DTYPE.fields[f][1] for f in ("src", "dst", "n", "n_dev", "st_dev")] == [0, 8, 16, 24, 96]
-assert [km.SEG_DTYPE.fields[f][1] for f in ("block0", "nblocks", "meta", "dtype", "head_dim", "bits", "role",
-                                            "expect_crc", "signs")] == [32, 36, 40, 44, 48, 52, 56, 60, 64]
+# rows.py writes SEG_DTYPE's fields as columns of its (rows, 16) uint64 and (rows, 32) uint32 views
+assert [km.SEG_DTYPE.fields[f][1] // 8 for f in ("src", "dst", "n", "n_dev", "st_dev")] == [
+    rows_.Q_SRC, rows_.Q_DST, rows_.Q_N, rows_.Q_N_DEV, rows_.Q_ST_DEV]
+assert [km.SEG_DTYPE.fields[f][1] // 4 for f in ("block0", "nblocks", "meta", "dtype", "head_dim", "bits", "role",
+                                                 "expect_crc", "signs")] == [
+    rows_.W_BLOCK0, rows_.W_NBLOCKS, rows_.W_META, rows_.W_DTYPE, rows_.W_HEAD_DIM, rows_.W_BITS, rows_.W_ROLE,
+    rows_.W_EXPECT, rows_.W_SIGNS]
 
 
 def _row_views(total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -557,14 +557,6 @@ def _put_rows(buf: np.ndarray, at: int, q: np.ndarray) -> None:
     """Write descriptor rows (their uint64 view, zero padding included) into ``buf`` at byte ``at``."""
     if q.size:
         buf[at:at + q.nbytes] = q.reshape(-1).view(np.uint8)
-
-
-def _units(w: np.ndarray, r0: int, nb: np.ndarray) -> int:
-    """Set rows r0.. 's work units and their running start (block0); answers the units in all."""
-    r1 = r0 + len(nb)
-    w[r0:r1, W_NBLOCKS] = nb
-    w[r0:r1, W_BLOCK0] = np.cumsum(nb) - nb
-    return int(nb.sum())
 
 
 class _EncCols(NamedTuple):
@@ -586,6 +578,19 @@ class _EncCols(NamedTuple):
 
 
 _KIND = {"raw": 0, "fp8": 1, "tq": 2, "ans": 3, "host": 4}
+
+
+class _ClassSet(NamedTuple):
+    """What :meth:`GpuCodecEngine.encode_columns_submit` derives from its classes alone, kept per class
+    sequence (a save's batches pass the same one again): the classes (held, so that their identities stay
+    theirs), their columns, slot sizes (header and payload), stored payload bytes, and header templates."""
+
+    classes: tuple
+    table: _EncCols
+    size: np.ndarray
+    stored: np.ndarray
+    templates: np.ndarray  # (classes, 64) uint8: each class's header with a zero payload CRC
+    bases: np.ndarray  # their 60-byte CRC32Cs
 
 
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
@@ -617,50 +622,32 @@ def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[s
     ``payload0 + slot`` (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing
     rows (the j-th of its group: its payload length lands in pay_len[j]) the nvCOMP chunk outputs
     (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base + off[...]``.
-    Answers, per kernel with segments, (first row, work units). Built a column at a time over the whole
-    batch (numpy), not a row at a time."""
+    Answers, per kernel with segments, (first row, work units). One :func:`~orbitkv_fs.gpu.rows.encode_group`
+    call per kernel over the whole batch, not a row at a time."""
     q, w = _row_views(sum(len(sel) for _, sel in groups))
     rows: dict[str, tuple[int, int]] = {}
+    raw = c.kind == _KIND["raw"]
     r0 = 0
     for name, sel in groups:
         k = len(sel)
         if not k:
             continue
-        r1 = r0 + k
-        dst = payload0 + c.slot[sel]
-        n = c.n[sel]
-        w[r0:r1, W_META] = sel
-        q[r0:r1, Q_N] = n
-        if name == "okv_fp8_encode":
-            nb = _ceil_div(n // 2, km.CHUNK)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = c.ptr[sel], dst
-            w[r0:r1, W_DTYPE] = c.fp16[sel]
-        elif name == "okv_ans_pack":
-            nb = c.nch[sel]
-            chunk0 = c.chunk0[sel]
-            pay = base + off["pay_len"] + 8 * np.arange(k, dtype=np.int64)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = base + c.tmp[sel], dst
-            q[r0:r1, Q_N_DEV] = base + off["chunk_sizes"] + 8 * chunk0
-            w[r0:r1, W_BITS], w[r0:r1, W_EXPECT] = c.cap[sel], chunk_cap
-            w[r0:r1, W_SIGNS], w[r0:r1, W_SIGNS + 1] = pay & 0xFFFFFFFF, pay >> 32
-            q[r0:r1, Q_ST_DEV] = base + off["chunk_status"] + 4 * chunk0
-        elif name == "okv_crc32c":  # raw: copied into its slot and checked; TurboQuant: its output checked
-            raw = c.kind[sel] == _KIND["raw"]
-            size = np.where(raw, n, c.cap[sel])
-            nb = _ceil_div(size, km.CHUNK)
-            q[r0:r1, Q_SRC] = np.where(raw, c.ptr[sel], dst)
-            q[r0:r1, Q_DST], q[r0:r1, Q_N] = np.where(raw, dst, 0), size
-        else:  # okv_tq_encode_k / _v
-            hd = c.head_dim[sel]
-            nb = _ceil_div(n // (2 * hd), km.TQ_VECTORS_PER_UNIT // hd)
-            q[r0:r1, Q_SRC], q[r0:r1, Q_DST] = c.ptr[sel], dst
-            w[r0:r1, W_DTYPE] = c.fp16[sel]
-            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS], w[r0:r1, W_ROLE] = hd, c.bits[sel], c.role[sel]
-            w[r0:r1, W_SIGNS:W_SIGNS + 8] = _sign_rows(hd, c.layer[sel], np.full(k, seed, dtype=np.int64))
-        rows[name] = (r0, _units(w, r0, nb))
-        r0 = r1
+        code = _ENC_GROUPS[name]
+        signs = (_sign_rows(c.head_dim[sel], c.layer[sel], np.full(k, seed, dtype=np.int64)) if code == rows_.ENC_TQ
+                 else _NO_SIGNS)
+        units = rows_.encode_group(q, w, r0, code, sel, raw, c.ptr, c.slot, c.n, c.cap, c.fp16, c.head_dim, c.bits,
+                                   c.role, c.nch, c.chunk0, c.tmp, signs, payload0, chunk_cap, base,
+                                   base + off.get("pay_len", 0), base + off.get("chunk_sizes", 0),
+                                   base + off.get("chunk_status", 0), km.CHUNK, km.TQ_VECTORS_PER_UNIT)
+        rows[name] = (r0, units)
+        r0 += k
     _put_rows(buf, at, q)
     return rows
+
+
+_ENC_GROUPS = {"okv_fp8_encode": rows_.ENC_FP8, "okv_tq_encode_k": rows_.ENC_TQ, "okv_tq_encode_v": rows_.ENC_TQ,
+               "okv_ans_pack": rows_.ENC_ANS, "okv_crc32c": rows_.ENC_CHECK}
+_NO_SIGNS = np.zeros((0, 8), dtype=np.uint32)
 
 
 def _write_headers(job: "EncodeJob", host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray,
@@ -713,6 +700,7 @@ def _enc_offsets(k: int, n_desc: int, chunks: int, nans: int, sizes: np.ndarray,
     return lay, off, starts - off["meta"]
 
 
+@functools.cache  # one rule per alignment: _prefix_batches keeps its table
 def _enc_fixed(align: int) -> Callable[[np.ndarray], np.ndarray]:
     """The part of a batch's encode estimate (no ANS, ``_enc_estimate``) that depends on its segment count."""
     def fixed(m: np.ndarray) -> np.ndarray:
@@ -772,54 +760,51 @@ def _raw_crcs(crc: np.ndarray, stored: np.ndarray) -> np.ndarray:
     return (np.asarray(crc, dtype=np.int64) ^ zero_crc(stored).astype(np.int64)).astype(np.int64)
 
 
+_SIGN_ROWS: dict[bytes, np.ndarray] = {}  # a batch's (seed, layer, head dim) keys -> its sign rows
+
+
 def _sign_rows(head_dim: np.ndarray, layer: np.ndarray, seed: np.ndarray) -> np.ndarray:
-    """:func:`sign_words` of each row as ``[n, 8]`` uint32, computed once per distinct (head dim, layer, seed)."""
+    """:func:`sign_words` of each row as ``[n, 8]`` uint32 (read-only), computed once per distinct (head dim,
+    layer, seed). The batches of a save or restore repeat one sequence of (layer, role) segments: the rows of
+    a sequence seen before are answered from a memo, without sorting its keys again."""
     key = (np.asarray(seed, dtype=np.uint64) << np.uint64(32)) | (np.asarray(layer, dtype=np.uint64) << np.uint64(16)) \
         | np.asarray(head_dim, dtype=np.uint64)
-    uniq, inv = np.unique(key, return_inverse=True)
-    words = np.array([sign_words(u & 0xFFFF, (u >> 16) & 0xFFFF, u >> 32) for u in uniq.tolist()], dtype=np.uint32)
-    return words.reshape(len(uniq), 8)[inv.reshape(-1)]
+    memo = key.tobytes()
+    rows = _SIGN_ROWS.get(memo)
+    if rows is None:
+        uniq, inv = np.unique(key, return_inverse=True)
+        words = np.array([sign_words(u & 0xFFFF, (u >> 16) & 0xFFFF, u >> 32) for u in uniq.tolist()],
+                         dtype=np.uint32)
+        rows = words.reshape(len(uniq), 8)[inv.reshape(-1)]
+        rows.flags.writeable = False
+        if len(_SIGN_ROWS) >= 64:
+            _SIGN_ROWS.clear()
+        _SIGN_ROWS[memo] = rows
+    return rows
 
 
 def _decode_rows(buf: np.ndarray, at: int, c: _DecCols, actual: int, status: int) -> dict[str, tuple[int, int, int]]:
     """A decode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``: the CRC32C
     check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows, each in batch order.
     ``actual`` / ``status``: device addresses of the ANS chunks' decoded sizes and statuses. Answers, per
-    kernel, (first row, rows, work units). Built a column at a time over the whole batch (numpy)."""
+    kernel, (first row, rows, work units). One :func:`~orbitkv_fs.gpu.rows.decode_group` call per kernel."""
     k = len(c.fmt)
-    fp8 = np.flatnonzero(c.fmt == Format.FP8)
-    tq = np.flatnonzero(c.fmt == Format.TURBOQUANT)
-    copy = np.flatnonzero((c.fmt == Format.RAW) | (c.fmt == Format.ANS))
-    q, w = _row_views(k + len(fp8) + len(tq) + len(copy))
+    groups = (("okv_crc32c", rows_.DEC_CHECK, np.arange(k)),
+              ("okv_fp8_decode", rows_.DEC_FP8, np.flatnonzero(c.fmt == Format.FP8)),
+              ("okv_tq_decode", rows_.DEC_TQ, np.flatnonzero(c.fmt == Format.TURBOQUANT)),
+              ("okv_copy_checked", rows_.DEC_COPY, np.flatnonzero((c.fmt == Format.RAW) | (c.fmt == Format.ANS))))
+    q, w = _row_views(sum(len(sel) for _, _, sel in groups))
+    ans = c.fmt == Format.ANS
     firsts: dict[str, tuple[int, int, int]] = {}
-    w[:k, W_META], w[:k, W_EXPECT], q[:k, Q_N], q[:k, Q_SRC] = np.arange(k), c.expect, c.stored, c.src
-    firsts["okv_crc32c"] = (0, k, _units(w, 0, _ceil_div(c.stored, km.CHUNK)))
-    r0 = k
-    for name, sel in (("okv_fp8_decode", fp8), ("okv_tq_decode", tq), ("okv_copy_checked", copy)):
-        r1 = r0 + len(sel)
-        orig = c.orig[sel]
-        w[r0:r1, W_META], w[r0:r1, W_EXPECT], q[r0:r1, Q_N] = sel, c.expect[sel], orig
-        q[r0:r1, Q_DST], w[r0:r1, W_DTYPE] = c.dst[sel], c.fp16[sel]
-        if name == "okv_fp8_decode":
-            q[r0:r1, Q_SRC] = c.src[sel]
-            nb = _ceil_div(orig // 2, km.CHUNK)
-        elif name == "okv_tq_decode":
-            hd = c.head_dim[sel]
-            q[r0:r1, Q_SRC] = c.src[sel]
-            w[r0:r1, W_HEAD_DIM], w[r0:r1, W_BITS], w[r0:r1, W_ROLE] = hd, c.bits[sel], c.role[sel]
-            if len(sel):
-                w[r0:r1, W_SIGNS:W_SIGNS + 8] = _sign_rows(hd, c.layer[sel], c.seed[sel])
-            nb = _ceil_div(orig // np.maximum(2 * hd, 1), km.TQ_VECTORS_PER_UNIT // np.maximum(hd, 1))
-        else:  # raw: from its payload; ANS: from its decompressed bytes, checked against nvCOMP's sizes and statuses
-            ans = c.fmt[sel] == Format.ANS
-            chunk0 = c.chunk0[sel]
-            q[r0:r1, Q_SRC] = np.where(ans, c.scratch[sel], c.src[sel])
-            q[r0:r1, Q_N_DEV] = np.where(ans, actual + 8 * chunk0, 0)
-            q[r0:r1, Q_ST_DEV] = np.where(ans, status + 4 * chunk0, 0)
-            w[r0:r1, W_HEAD_DIM] = np.where(ans, ans_format.CHUNK_BYTES, 0)
-            nb = _ceil_div(orig, km.CHUNK)
-        firsts[name] = (r0, len(sel), _units(w, r0, nb))
-        r0 = r1
+    r0 = 0
+    for name, code, sel in groups:
+        signs = (_sign_rows(c.head_dim[sel], c.layer[sel], c.seed[sel]) if code == rows_.DEC_TQ and len(sel)
+                 else _NO_SIGNS)
+        units = rows_.decode_group(q, w, r0, code, sel, ans, c.src, c.dst, c.stored, c.orig, c.fp16, c.head_dim,
+                                   c.bits, c.role, c.expect, c.scratch, c.chunk0, signs, actual, status, km.CHUNK,
+                                   km.TQ_VECTORS_PER_UNIT, ans_format.CHUNK_BYTES)
+        firsts[name] = (r0, len(sel), units)
+        r0 += len(sel)
     _put_rows(buf, at, q)
     return firsts
 
@@ -861,19 +846,25 @@ def _mirror(host: np.ndarray, stored: np.ndarray, lay: _Layout) -> "tuple[np.nda
     return staged, runs
 
 
+_FIXED_PARTS: dict[Callable[[np.ndarray], np.ndarray], np.ndarray] = {}
+
+
 def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int) -> "list | None":
     """``plans`` cut into batches as the per-segment fit rule cuts them: each as long as ``fixed(count) + its
     sizes`` stays within ``limit``, at most MAX_BATCH; one cumulative sum instead of an estimate per segment.
     None when some plan does not fit alone (the per-segment rule then decides what to do with it)."""
     k = len(plans)
-    if k and int((fixed(np.ones(1, np.int64)) + sizes.max())[0]) > limit:
+    tab = _FIXED_PARTS.get(fixed)
+    if tab is None:  # the fixed part of every batch size, once per rule
+        tab = _FIXED_PARTS[fixed] = fixed(np.arange(1, MAX_BATCH + 1, dtype=np.int64))
+    if k and int(tab[0] + sizes.max()) > limit:
         return None
     ends = np.cumsum(sizes)
     out = []
     start = 0
     while start < k:
         m = min(MAX_BATCH, k - start)
-        est = fixed(np.arange(1, m + 1, dtype=np.int64)) + ends[start:start + m] - (ends[start - 1] if start else 0)
+        est = tab[:m] + ends[start:start + m] - (ends[start - 1] if start else 0)
         count = int(np.count_nonzero(est <= limit))  # est grows with the count: its prefix fits
         out.append(plans[start:start + count])
         start += count
@@ -900,6 +891,7 @@ class GpuCodecEngine:
         # a few, so each distinct one is validated once; and header template rows per distinct field set.
         self._classes: dict[tuple, _Enc] = {}
         self._rows: dict[tuple, tuple[bytes, int]] = {}
+        self._class_sets: dict[tuple, _ClassSet] = {}  # encode_columns_submit's, by their classes' identities
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
@@ -1179,40 +1171,54 @@ class GpuCodecEngine:
         ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode without ANS (ANS,
         or one the host codec decides) or a segment needs more than half the workspace alone:
         :meth:`encode_submit` takes those."""
-        if any(t.kind not in ("raw", "fp8", "tq") for t in classes):
+        cs = self._class_set(classes)
+        if cs is None:
             return None
         cls = np.asarray(cls, dtype=np.int64)
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
-        size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes), dtype=np.int64,
-                           count=len(classes))
-        batches = self._enc_cuts(np.arange(k), size[cls], slot_align)
+        batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
         if batches is None:
             return None
-        table = _enc_cols(classes)
         job = EncodeJob.of(k)
         w = self.save
         with w.lock:
             w.wait_for_current()
             try:
                 for rows in batches:
-                    job.flights.append(self._run_encode_columns(classes, table, size, cls, ptrs, rows, job,
-                                                                out_region, slot_align))
+                    job.flights.append(self._run_encode_columns(cs, cls, ptrs, rows, job, out_region, slot_align))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
                 raise
         return job
 
-    def _run_encode_columns(self, classes: Sequence[_Enc], table: _EncCols, size: np.ndarray, cls: np.ndarray,
-                            ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
+    def _class_set(self, classes: Sequence[_Enc]) -> "_ClassSet | None":
+        """The :class:`_ClassSet` of ``classes`` (made on first sight of the sequence, by the identities of its
+        classes); None when one is not a GPU encode without ANS."""
+        key = tuple(map(id, classes))
+        cs = self._class_sets.get(key)
+        if cs is None:
+            if any(t.kind not in ("raw", "fp8", "tq") for t in classes):
+                return None
+            size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes),
+                               dtype=np.int64, count=len(classes))
+            stored = np.fromiter((t.head[3] for t in classes), dtype=np.int64, count=len(classes))
+            tids, rows, bases = self._template_ids([t.head for t in classes])
+            if len(self._class_sets) >= 256:
+                self._class_sets.clear()
+            cs = self._class_sets[key] = _ClassSet(tuple(classes), _enc_cols(classes), size, stored, rows[tids],
+                                                   bases[tids])
+        return cs
+
+    def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
                             out_region: "Callable[[int], np.ndarray | None] | None", align: int) -> _Flight:
         """Queue one encode batch of :meth:`encode_columns_submit` (``rows``: its sources' indices there): its
         columns from the class table, its descriptors up, the kernels, the download into ``out_region``."""
-        w = self.save
+        w, table = self.save, cs.table
         c = cls[rows]
         kind = table.kind[c]
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
-        lay, off, slots = _enc_offsets(len(rows), n_desc, 0, 0, size[c], align)
+        lay, off, slots = _enc_offsets(len(rows), n_desc, 0, 0, cs.size[c], align)
         off["temp"] = lay.take(0)
         total = lay.end
         base, upload = w.place(total)
@@ -1226,9 +1232,9 @@ class GpuCodecEngine:
         w.h2d(base, up)
         host, own = self._launch_encode(base, off, got, groups, len(rows), out_region)
         return w.launched(base, total, upload, lambda: self._finish_encode_columns(
-            classes, c, rows, ptrs[rows], slots, job, host, own), w.copies)
+            cs, c, rows, ptrs[rows], slots, job, host, own), w.copies)
 
-    def _finish_encode_columns(self, classes: Sequence[_Enc], c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
+    def _finish_encode_columns(self, cs: _ClassSet, c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
                                slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool) -> None:
         """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
         and headers as arrays (a template per class); per-segment Python only for a segment that falls back to
@@ -1236,11 +1242,10 @@ class GpuCodecEngine:
         w, out = self.save, job.out
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
-        stored = np.fromiter((t.head[3] for t in classes), dtype=np.int64, count=len(classes))[c]
-        crcs = finish_crc(meta["acc"], stored)
+        crcs = finish_crc(meta["acc"], cs.stored[c])
         keep = np.ones(k, dtype=bool)
         for j in np.flatnonzero(meta["status"]).tolist():
-            t = classes[int(c[j])]
+            t = cs.classes[int(c[j])]
             if t.kind == "raw":
                 continue
             keep[j] = False
@@ -1252,8 +1257,7 @@ class GpuCodecEngine:
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        tids, trows, bases = self._template_ids([t.head for t in classes])  # one template per class
-        _write_headers(job, host, trows, bases, tids[c[good]], crcs[good], slots[good], rows[good], views=views)
+        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace

@@ -5,6 +5,7 @@ arena bookkeeping of segments the GPU engine writes in place (``_gaps``)."""
 from __future__ import annotations
 
 import contextlib
+import random
 
 import ml_dtypes
 import numpy as np
@@ -54,15 +55,45 @@ def test_gather_and_scatter_match_block_views(layout, blocks):
                 assert np.array_equal(seg.view(b), want), (layout, seg.layer, seg.role, b)
 
 
+def _gaps_of(regions, used):
+    return _gaps(regions, np.array([o for o, _ in used], dtype=np.int64), np.array([n for _, n in used], dtype=np.int64))
+
+
 def test_gaps_partition_regions():
     regions = [(0, 8192), (16384, 2048)]
     used = [(512, 1024), (2048, 512), (16384, 2048)]
-    gaps = _gaps(regions, used)
+    gaps = _gaps_of(regions, used)
     assert gaps == [(0, 512), (1536, 512), (2560, 5632)]
     covered = sorted(used + gaps)
     assert sum(n for _, n in covered) == sum(n for _, n in regions)  # every unit freed or published once
-    assert _gaps([(0, 4096)], []) == [(0, 4096)]
-    assert _gaps([(0, 4096)], [(0, 4096)]) == []
+    assert _gaps_of([(0, 4096)], []) == [(0, 4096)]
+    assert _gaps_of([(0, 4096)], [(0, 4096)]) == []
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_gaps_are_the_units_no_extent_covers(seed):
+    """Against a unit-by-unit model: regions apart, extents in any order, at region edges, back to back,
+    some outside every region (a fallback's own reservation)."""
+    rng = random.Random(seed)
+    unit, regions, pos = 512, [], 0
+    for _ in range(rng.randrange(1, 4)):
+        pos += rng.randrange(0, 4) * unit
+        n = rng.randrange(1, 40) * unit
+        regions.append((pos, n))
+        pos += n
+    used, at = [], 0
+    while at < pos + 8 * unit:
+        at += rng.choice([0, 0, 1, 3]) * unit
+        n = rng.randrange(1, 6) * unit
+        if rng.random() < 0.6:
+            used.append((at, n))
+        at += n
+    rng.shuffle(used)
+    free = {u for o, n in regions for u in range(o, o + n, unit)} - {u for o, n in used for u in range(o, o + n, unit)}
+    gaps = _gaps_of(regions, used)
+    got = [u for o, n in gaps for u in range(o, o + n, unit)]
+    assert sorted(got) == sorted(free) and len(got) == len(set(got))
+    assert all(n > 0 for _, n in gaps)
 
 
 def _apply_block_table(table: np.ndarray, memory: np.ndarray) -> None:

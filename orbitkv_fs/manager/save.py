@@ -129,20 +129,22 @@ class SavePlan:
         return [it for it, r in zip(items, self.raw) if r], [items[i] for i in self._coded]
 
 
-def _gaps(regions: list[tuple[int, int]], used: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``regions`` not covered by ``used`` (both lists of (offset, length), unit-aligned)."""
+def _gaps(regions: list[tuple[int, int]], off: np.ndarray, size: np.ndarray) -> list[tuple[int, int]]:
+    """The parts of ``regions`` (a list of (offset, length)) not covered by the extents at ``off`` of ``size``
+    bytes (arrays; the extents do not overlap one another); all unit-aligned. A pass over sorted arrays per
+    region, not per extent: a batch publishes hundreds of extents from one region."""
+    order = np.argsort(off, kind="stable")
+    starts, ends = off[order], off[order] + size[order]
     out = []
-    taken = sorted(used)
-    for off, n in regions:
-        pos, end = off, off + n
-        for u, m in taken:
-            if u + m <= pos or u >= end:
-                continue
-            if u > pos:
-                out.append((pos, u - pos))
-            pos = max(pos, u + m)
-        if pos < end:
-            out.append((pos, end - pos))
+    for pos, n in regions:
+        end = pos + n
+        a, b = np.searchsorted(ends, pos, side="right"), np.searchsorted(starts, end, side="left")
+        # the gaps lie between the region's start, each extent's end, and the next extent's start (an extent
+        # across the region's edge leaves an empty one there: the extents a..b-1 end after pos, start before end)
+        lo = np.concatenate(([pos], ends[a:b]))
+        hi = np.concatenate((starts[a:b], [end]))
+        keep = hi > lo
+        out += zip(lo[keep].tolist(), (hi - lo)[keep].tolist())
     return out
 
 
@@ -377,7 +379,7 @@ class SavePipeline:
         placed = np.zeros(len(blobs), dtype=bool)
         for o, n in regions:
             placed |= (off >= o) & (off < o + n)
-        used: list[tuple[int, int]] = []  # arena extents of the batch's regions, published in place
+        used_off = used_len = np.zeros(0, np.int64)  # arena extents of the batch's regions, published in place
         published = False
         try:
             for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
@@ -385,7 +387,7 @@ class SavePipeline:
             at = np.flatnonzero(placed)
             keys = [sb.batch[j][2] for j in at.tolist()]
             offs, ns, logical = off[at].tolist(), length[at].tolist(), original[at].tolist()
-            used = list(zip(offs, (-(-length[at] // UNIT) * UNIT).tolist()))
+            used_off, used_len = off[at], -(-length[at] // UNIT) * UNIT
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
             done = self.dram.publish_many(keys, offs, ns, logical, fmt[at].tolist())  # one lock round
@@ -395,8 +397,8 @@ class SavePipeline:
             acc.stored += int(length[at][ok].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             if not published:  # nothing of the regions was published
-                used.clear()
-            for o, n in _gaps(regions, used):
+                used_off = used_len = np.zeros(0, np.int64)
+            for o, n in _gaps(regions, used_off, used_len):
                 self.dram.cancel(o, n)
             regions.clear()
         reps = np.bincount(fmt, minlength=len(_REP_NAMES)).tolist()
