@@ -13,9 +13,10 @@ import pytest
 
 from orbitkv_fs.geometry import EngineRegistration
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
-from orbitkv_fs.manager.device import _block_table, _geometry, _rows_of, _run_of, _Targets
+from orbitkv_fs.manager.device import _block_table, _geometry, _rows_of, _run_of, _table_of, _Targets
 from orbitkv_fs.manager.save import _gaps
-from orbitkv_fs.pages import host_engine_pages
+from orbitkv_fs.manager.api import SKIP_BLOCK
+from orbitkv_fs.pages import BLOCK_COPY_DTYPE, host_engine_pages
 
 L, B, T, H, D = 2, 12, 4, 2, 32
 
@@ -142,6 +143,38 @@ def test_block_tables_gather_and_scatter_like_the_block_views(layout):
             memory[:] = scratch[:memory.size]
             assert np.array_equal(seg.gather(others), kept)  # no other block changed
             seg.copy = None
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_table_rows_field_by_field(seed):
+    """``_table_of`` against its rows written field by field: items of any block count (none, one, equal,
+    unequal), blocks taken from anywhere in the id array (``starts``) or concatenated, restore skips left
+    out of a scatter (their buffer place kept), never out of a gather."""
+    rng = random.Random(seed)
+    m = rng.randrange(1, 12)
+    geo = np.array([[rng.getrandbits(40), rng.randrange(1, 1 << 20), rng.randrange(1, 9), rng.randrange(1, 4097),
+                     rng.randrange(1, 1 << 14), rng.randrange(1, 1 << 16), rng.getrandbits(44)] for _ in range(m)],
+                   dtype=np.uint64)
+    counts = np.array([rng.choice([0, 1, 4, 4, rng.randrange(1, 9)]) for _ in range(m)], dtype=np.int64)
+    pool = np.array([SKIP_BLOCK if rng.random() < 0.2 else rng.randrange(0, 5000) for _ in range(200)], dtype=np.int64)
+    starts = np.array([rng.randrange(0, 200 - int(c)) for c in counts], dtype=np.int64)
+    for gather in (True, False):
+        for explicit in (True, False):
+            ids = pool if explicit else np.concatenate([pool[a:a + c] for a, c in zip(starts, counts)] + [pool[:0]])
+            got = _table_of(geo, ids, counts, gather=gather, starts=starts if explicit else None)
+            want = []
+            for (first, stride, rows, row_bytes, row_stride, block_bytes, addr), a, c in zip(geo.tolist(), starts.tolist(),
+                                                                                               counts.tolist()):
+                for b in range(c):
+                    blk = int(pool[a + b])
+                    if blk == SKIP_BLOCK and not gather:
+                        continue
+                    page, flat = (first + blk * stride) % (1 << 64), addr + b * block_bytes
+                    src, dst = (page, flat) if gather else (flat, page)
+                    strides = (row_stride, row_bytes) if gather else (row_bytes, row_stride)
+                    want.append((src, dst) + strides + (rows, row_bytes))
+            assert got.dtype == BLOCK_COPY_DTYPE
+            assert got.tolist() == want, (gather, explicit)
 
 
 def test_rows_of_block_shapes():

@@ -4,7 +4,8 @@ Primitives: :class:`_GpuCodecs` (one :class:`~orbitkv_fs.gpu.GpuCodecEngine` per
 items or (``encode_class``, ``gather_rows``) of arrays, ``decode_submit`` / ``decode_finish`` of a restore
 batch of items, ``decode_rows_submit`` / ``decode_rows_finish`` of one given as arrays, ``decode_device`` of
 the direct path), :class:`_Targets` (a batch's sources or destinations in GPU pages as arrays),
-:func:`_gather_batch` and :func:`_block_table` (a batch's block copies as one kernel launch),
+:func:`_gather_batch` and :func:`_block_table` (a batch's block copies as one kernel launch; their rows
+written by :func:`_block_rows`, numba, one pass over the blocks),
 :func:`_device_run` / :func:`_run_of` (consecutive blocks used where they lie), :func:`_gather_host`,
 :func:`_gather_device`, :func:`_to_host`, :func:`_gpu_present`.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+import numba
 import numpy as np
 
 from ..pages import BLOCK_COPY_DTYPE, cupy_dtype
@@ -98,12 +100,9 @@ class _Targets:
     def table(self, ci: np.ndarray, si: np.ndarray, addr: np.ndarray, *, gather: bool) -> np.ndarray:
         """Block-copy rows between pairs' blocks and their contiguous bytes at device addresses ``addr``:
         pages to those when ``gather``, else those to pages."""
-        counts = self.counts[ci]
         geo = self.geo[si]
         geo[:, 6] = addr
-        c = _uniform(counts)
-        at = (self.start[ci][:, None] + np.arange(c)).reshape(-1) if c else np.repeat(self.start[ci], counts) + _within(counts)
-        return _table_of(geo, self.flat[at], counts, gather=gather)
+        return _table_of(geo, self.flat, self.counts[ci], gather=gather, starts=self.start[ci])
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
@@ -343,43 +342,46 @@ def _block_table(items: list[tuple[_Seg, Sequence[int], int]], *, gather: bool) 
     return _table_of(geo, ids, counts, gather=gather)
 
 
-def _within(counts: np.ndarray) -> np.ndarray:
-    """For consecutive runs of ``counts`` items: each item's index within its run (0, 1, .., 0, 1, ..)."""
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def _uniform(counts: np.ndarray) -> int:
-    """The one value of ``counts`` when all are equal and positive, else 0."""
-    return int(counts[0]) if len(counts) and counts[0] > 0 and (counts == counts[0]).all() else 0
-
-
-def _table_of(geo: np.ndarray, ids: np.ndarray, counts: np.ndarray, *, gather: bool) -> np.ndarray:
+def _table_of(geo: np.ndarray, ids: np.ndarray, counts: np.ndarray, *, gather: bool,
+              starts: "np.ndarray | None" = None) -> np.ndarray:
     """Block-copy rows of items whose geometry rows are ``geo`` (``[m, 7]``: block 0, block stride, rows,
-    row bytes, row stride, block bytes, buffer address) and blocks ``ids`` (``counts[i]`` of them per item,
-    concatenated); see :func:`_block_table`."""
+    row bytes, row stride, block bytes, buffer address) and blocks ``ids`` (``counts[i]`` of them per item
+    from ``starts[i]``; default: concatenated in item order); see :func:`_block_table`."""
+    counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
     if not total:
         return np.empty(0, dtype=BLOCK_COPY_DTYPE)
-    keep = None if gather or ids.min() >= 0 else ids != SKIP_BLOCK
-    # One row per item, repeated per block; then each block's offsets are added to its page and buffer
-    # addresses (fewer passes than building each field per block).
-    page, flat = ("src", "dst") if gather else ("dst", "src")
-    one = np.empty(len(counts), dtype=BLOCK_COPY_DTYPE)
-    one[page], one[flat] = geo[:, 0], geo[:, 6]
-    one["src_stride"], one["dst_stride"] = (geo[:, 4], geo[:, 3]) if gather else (geo[:, 3], geo[:, 4])
-    one["rows"], one["row_bytes"] = geo[:, 2], geo[:, 3]
-    ids = ids.astype(np.uint64)
-    c = _uniform(counts)
-    if c:  # every item has c blocks (a batch of equal chunks): the rows as an (items, c) grid
-        table = np.repeat(one, c)
-        grid = table.reshape(len(counts), c)
-        grid[page] += ids.reshape(len(counts), c) * geo[:, 1:2]
-        grid[flat] += np.arange(c, dtype=np.uint64) * geo[:, 5:6]
-    else:
-        table = np.repeat(one, counts)
-        table[page] += ids * np.repeat(geo[:, 1], counts)
-        table[flat] += _within(counts).astype(np.uint64) * np.repeat(geo[:, 5], counts)
-    return table if keep is None else table[keep]
+    if starts is None:
+        starts = np.cumsum(counts) - counts
+    out = np.empty((total, BLOCK_COPY_DTYPE.itemsize // 8), dtype=np.uint64)
+    n = _block_rows(out, np.ascontiguousarray(geo).view(np.int64), np.asarray(ids, dtype=np.int64),
+                    np.asarray(starts, dtype=np.int64), counts, gather, SKIP_BLOCK)
+    return out[:n].view(BLOCK_COPY_DTYPE).reshape(-1)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _block_rows(out: np.ndarray, geo: np.ndarray, ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                gather: bool, skip: int) -> int:
+    """:func:`_table_of` 's rows, written into ``out`` (BLOCK_COPY_DTYPE as five uint64 words: src, dst, src
+    stride, dst stride, rows | row bytes << 32) one pass over the blocks; a scatter leaves out ``skip``
+    positions. Answers the rows written."""
+    r = 0
+    for p in range(len(counts)):
+        first, stride, rows, row_bytes, row_stride, block_bytes, addr = (
+            geo[p, 0], geo[p, 1], geo[p, 2], geo[p, 3], geo[p, 4], geo[p, 5], geo[p, 6])
+        at = starts[p]
+        for b in range(counts[p]):
+            blk = ids[at + b]
+            if not gather and blk == skip:
+                continue
+            page, flat = first + blk * stride, addr + b * block_bytes
+            if gather:
+                out[r, 0], out[r, 1], out[r, 2], out[r, 3] = page, flat, row_stride, row_bytes
+            else:
+                out[r, 0], out[r, 1], out[r, 2], out[r, 3] = flat, page, row_bytes, row_stride
+            out[r, 4] = rows | (row_bytes << 32)
+            r += 1
+    return r
 
 
 def _rows_of(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int, int] | None:
