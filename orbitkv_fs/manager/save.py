@@ -36,7 +36,7 @@ from .device import _gather_batch, _gather_device, _gather_host, _Targets
 from .registry import _Engine, _Seg
 from .verify import _REP_NAMES
 
-_CHUNK, _SEG = itemgetter(0), itemgetter(1)  # of a save item (chunk, segment, key)
+_CHUNK, _SEG, _KEY = itemgetter(0), itemgetter(1), itemgetter(2)  # of a save item (chunk, segment, key)
 _BLOCKS = attrgetter("blocks")
 
 log = logging.getLogger("orbitkv_fs.manager")
@@ -385,16 +385,22 @@ class SavePipeline:
             for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
                 self._admit_copy(sb.batch[j][2], blobs[j], int(original[j]), int(fmt[j]), acc)
             at = np.flatnonzero(placed)
-            keys = [sb.batch[j][2] for j in at.tolist()]
-            offs, ns, logical = off[at].tolist(), length[at].tolist(), original[at].tolist()
+            whole = len(at) == len(blobs)  # every segment in place (the usual batch): no per-key selection
+            keys = list(map(_KEY, sb.batch)) if whole else [sb.batch[j][2] for j in at.tolist()]
             used_off, used_len = off[at], -(-length[at] // UNIT) * UNIT
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
-            done = self.dram.publish_many(keys, offs, ns, logical, fmt[at].tolist())  # one lock round
-            ok = np.fromiter(done, dtype=bool, count=len(done))
-            acc.admitted.update(k for k, d in zip(keys, done) if d)
-            acc.logical += int(original[at][ok].sum())
-            acc.stored += int(length[at][ok].sum())
+            done = self.dram.publish_many(keys, used_off, length[at].tolist(), original[at].tolist(),
+                                          fmt[at].tolist())  # one lock round
+            if False in done:
+                ok = np.fromiter(done, dtype=bool, count=len(done))
+                acc.admitted.update(compress(keys, done))
+                acc.logical += int(original[at][ok].sum())
+                acc.stored += int(length[at][ok].sum())
+            else:
+                acc.admitted.update(keys)
+                acc.logical += int(original[at].sum())
+                acc.stored += int(length[at].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             if not published:  # nothing of the regions was published
                 used_off = used_len = np.zeros(0, np.int64)
