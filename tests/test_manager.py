@@ -792,3 +792,20 @@ def test_host_batch_publishes_chunk_major_in_request_order(engine):
                  for role in (Role.KEY, Role.VALUE)] for ch in chunks]
         for earlier, later in zip(gens, gens[1:]):
             assert max(earlier) < min(later)
+
+
+def test_an_exact_segment_over_the_bound_is_refused_before_any_reservation():
+    """A chunk whose exact segment would pass the segment format's 32 MiB bound is a RequestError naming it;
+    the batch it came in reserves and publishes nothing (its other chunks included)."""
+    pages, reg = make_engine(num_layers=1, num_blocks=8300)
+    try:
+        with Manager(ManagerConfig(pool_size=64 << 20)) as m:
+            e = m.register_engine(reg)
+            big = ChunkBlocks(chunk_key("big"), list(range(8, 8208)))  # 8200 blocks of 4 KiB: 32.03 MiB
+            with pytest.raises(RequestError, match="8200 blocks makes a 33587200-byte segment"):
+                m.save(e.engine_id, chunks_for(2) + [big])
+            assert_reservations_zero(m)
+            assert not m.dram.index.chunks
+            assert m.save(e.engine_id, chunks_for(2)).chunks_saved == 2  # the same chunks without it: saved
+    finally:
+        pages.close()

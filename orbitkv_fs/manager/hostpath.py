@@ -35,7 +35,7 @@ from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .device import _gather_host
 from .registry import _Seg
-from .save import _SaveAcc
+from .save import _SEG, _SaveAcc
 
 _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
@@ -128,17 +128,21 @@ class HostPath:
         c0 = time.thread_time()
         k = len(items)
         # Segment-major: the pieces of one (layer, role) lie side by side in the batch's extent, so that a
-        # group whose chunks hold consecutive blocks moves with one copy (_group_run).
-        groups: dict[int, list[int]] = {}
-        for i, it in enumerate(items):
-            groups.setdefault(id(it[1]), []).append(i)
-        order = [i for g in groups.values() for i in g]  # segment-major position -> request position
-        items = [items[i] for i in order]
+        # group whose chunks hold consecutive blocks moves with one copy (_group_run). Groups in the order
+        # their segments first appear, each in request order: one stable sort of the items' segment ranks.
+        ids = np.fromiter(map(id, map(_SEG, items)), dtype=np.int64, count=k)
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        ranks = rank[inverse.reshape(-1)]
+        order = np.argsort(ranks, kind="stable").tolist()  # segment-major position -> request position
+        group_ends = np.cumsum(np.bincount(ranks)).tolist()
+        items = list(map(items.__getitem__, order))
         sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
-        for (ch, _, _), n in zip(items, sizes):
-            if n > MAX_STORED_BYTES:
-                raise RequestError(f"chunk of {len(ch.blocks)} blocks makes a {n}-byte segment, over the "
-                                   f"{MAX_STORED_BYTES}-byte bound")
+        if max(sizes) > MAX_STORED_BYTES:
+            n = next(n for n in sizes if n > MAX_STORED_BYTES)
+            raise RequestError(f"chunk of {n // items[sizes.index(n)][1].block_bytes} blocks makes a {n}-byte "
+                               f"segment, over the {MAX_STORED_BYTES}-byte bound")
         offs = self.dram.reserve_many([n + HEADER_SIZE for n in sizes])
         buf = self.dram.arena.buf
         tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
@@ -164,8 +168,7 @@ class HostPath:
             crc = _crc32c.crc32c
             with memoryview(buf) as mv:
                 start = 0
-                for g in groups.values():
-                    end = start + len(g)
+                for end in group_ends:
                     seg = items[start][1]
                     run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start:end])
                     if run is not None:  # one copy for the group (at most a batch: it stays in cache), every
@@ -221,9 +224,13 @@ class HostPath:
         acc.stored += sum([sizes[x] + HEADER_SIZE for x in kept])
         published = len(kept)
         reasons: collections.Counter[str] = collections.Counter()
-        by_id = {id(seg): seg for _, seg, _ in items}
-        for seg_id, count in collections.Counter([id(items[x][1]) for x in kept]).items():
-            reason = by_id[seg_id].raw_reason
+        if published == k:  # every segment kept: a group's count is its length
+            counts = zip([items[end - 1][1] for end in group_ends], np.diff(group_ends, prepend=0).tolist())
+        else:
+            by_id = {id(seg): seg for _, seg, _ in items}
+            counts = [(by_id[i], n) for i, n in collections.Counter([id(items[x][1]) for x in kept]).items()]
+        for seg, count in counts:
+            reason = seg.raw_reason
             if reason != RawReason.NONE:
                 reasons[reason.name.lower()] += count
         if published:
@@ -231,7 +238,7 @@ class HostPath:
         for name, n in reasons.items():
             acc.raw[name] = acc.raw.get(name, 0) + n
             self._count(self._raw, name, n)
-        for i, off in enumerate(offs):  # no room in DRAM: one at a time, as before
+        for i, off in enumerate(offs if None in offs else ()):  # no room in DRAM: one at a time, as before
             if off is None:
                 ch, seg, kb = items[i]
                 self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
