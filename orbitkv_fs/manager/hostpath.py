@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import time
+from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 import crc32c as _crc32c
@@ -35,7 +36,7 @@ from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .device import _gather_host
 from .registry import _Seg
-from .save import _SEG, _SaveAcc
+from .save import _SaveAcc
 
 _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
@@ -128,16 +129,13 @@ class HostPath:
         c0 = time.thread_time()
         k = len(items)
         # Segment-major: the pieces of one (layer, role) lie side by side in the batch's extent, so that a
-        # group whose chunks hold consecutive blocks moves with one copy (_group_run). Groups in the order
-        # their segments first appear, each in request order: one stable sort of the items' segment ranks.
-        ids = np.fromiter(map(id, map(_SEG, items)), dtype=np.int64, count=k)
-        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        rank = np.empty(len(first), dtype=np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-        ranks = rank[inverse.reshape(-1)]
-        order = np.argsort(ranks, kind="stable").tolist()  # segment-major position -> request position
-        group_ends = np.cumsum(np.bincount(ranks)).tolist()
-        items = list(map(items.__getitem__, order))
+        # group whose chunks hold consecutive blocks moves with one copy (_group_run).
+        groups: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault(id(it[1]), []).append(i)
+        order = [i for g in groups.values() for i in g]  # segment-major position -> request position
+        group_ends = list(accumulate(map(len, groups.values())))
+        items = [items[i] for i in order]
         sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
         if max(sizes) > MAX_STORED_BYTES:
             n = next(n for n in sizes if n > MAX_STORED_BYTES)
