@@ -809,3 +809,41 @@ def test_an_exact_segment_over_the_bound_is_refused_before_any_reservation():
             assert m.save(e.engine_id, chunks_for(2)).chunks_saved == 2  # the same chunks without it: saved
     finally:
         pages.close()
+
+
+def test_an_exact_batch_with_some_segments_placed_publishes_those(engine, monkeypatch):
+    """A host batch where DRAM found room for only some segments: those are published (their bytes
+    restorable, the others dropped with no lower tier), the counts add up, nothing stays reserved."""
+    from orbitkv_fs.tiers.dram import DramTier
+
+    pages, reg = engine
+    real = DramTier.reserve_many
+
+    def every_other(self, sizes):
+        offs = real(self, sizes)
+        for i in range(1, len(offs), 2):  # no room for these: given back, answered None
+            self.cancel(offs[i], sizes[i])
+            offs[i] = None
+        return offs
+
+    with Manager(ManagerConfig(pool_size=64 << 20)) as m:
+        e = m.register_engine(reg)
+        monkeypatch.setattr(DramTier, "reserve_many", every_other)
+        chunks = chunks_for(3, salt="half")
+        r = m.save(e.engine_id, chunks)
+        monkeypatch.undo()
+        total = 3 * 2 * L
+        assert r.dropped_segments == total // 2 and r.segments == total - total // 2
+        assert r.logical_bytes == r.segments * 2 * BLOCK_BYTES
+        assert r.stored_bytes == r.logical_bytes + r.segments * HEADER_SIZE
+        assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == 0  # no chunk whole
+        assert_reservations_zero(m)
+        r2 = m.save(e.engine_id, chunks)  # the dropped half now: every chunk whole, its bytes the engine's
+        assert r2.segments == total // 2 and r2.chunks_saved == 3
+        want = snapshot(pages)
+        zero(pages)
+        assert all(m.restore(e.engine_id, chunks).restored)
+        blocks = [b for c in chunks for b in c.blocks]
+        assert all(np.array_equal(pages.array(n)[blocks].view(np.uint16), want[n][blocks].view(np.uint16))
+                   for n in pages.tensors)
+        assert_reservations_zero(m)

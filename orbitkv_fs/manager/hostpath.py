@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import collections
 import time
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import itemgetter
 from typing import NamedTuple, Sequence
 
 import crc32c as _crc32c
@@ -36,7 +37,7 @@ from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .device import _gather_host
 from .registry import _Seg
-from .save import _SaveAcc
+from .save import _KEY, _SaveAcc
 
 _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
@@ -66,9 +67,19 @@ def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | No
     if type(seg.base) is not np.ndarray or len(chunks) < 2 or None in offs or sizes.count(sizes[0]) != len(sizes):
         return None
     piece = units_of(sizes[0] + HEADER_SIZE) * UNIT
-    if any(b - a != piece for a, b in zip(offs, offs[1:])):
+    if not _evenly(offs, piece):
         return None
     return _consecutive(chunks)
+
+
+def _pick(seq: Sequence, at: Sequence[int]) -> list:
+    """``[seq[i] for i in at]`` in one C call (a batch gathers several columns by the same positions)."""
+    return list(itemgetter(*at)(seq)) if len(at) > 1 else [seq[i] for i in at]
+
+
+def _evenly(offs: Sequence[int], piece: int) -> bool:
+    """Whether ``offs`` step by ``piece`` from the first (one list comparison, not a step at a time)."""
+    return list(offs) == list(range(offs[0], offs[0] + piece * len(offs), piece))
 
 
 def _put_headers(buf: np.ndarray, offs: list[int], sizes: list[int], heads: np.ndarray) -> None:
@@ -77,7 +88,7 @@ def _put_headers(buf: np.ndarray, offs: list[int], sizes: list[int], heads: np.n
     one scatter of every header byte."""
     piece = units_of(sizes[0] + HEADER_SIZE) * UNIT
     first = offs[0]
-    if all(n == sizes[0] for n in sizes) and all(b - a == piece for a, b in zip(offs, offs[1:])):
+    if sizes.count(sizes[0]) == len(sizes) and _evenly(offs, piece):
         buf[first:first + len(offs) * piece].reshape(len(offs), piece)[:, :HEADER_SIZE] = \
             heads.view(np.uint8).reshape(-1, HEADER_SIZE)
         return
@@ -135,8 +146,9 @@ class HostPath:
             groups.setdefault(id(it[1]), []).append(i)
         order = [i for g in groups.values() for i in g]  # segment-major position -> request position
         group_ends = list(accumulate(map(len, groups.values())))
-        items = [items[i] for i in order]
-        sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in items]
+        req, items = items, _pick(items, order)
+        req_sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in req]
+        sizes = _pick(req_sizes, order)
         if max(sizes) > MAX_STORED_BYTES:
             n = next(n for n in sizes if n > MAX_STORED_BYTES)
             raise RequestError(f"chunk of {n // items[sizes.index(n)][1].block_bytes} blocks makes a {n}-byte "
@@ -195,17 +207,22 @@ class HostPath:
                 heads = np.frombuffer(b"".join(rows), dtype=HEADER_DTYPE)[tid]
                 heads["payload_crc"] = pcrc
                 heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
-                _put_headers(buf, [offs[i] for i in live], [sizes[i] for i in live], heads)
+                whole = len(live) == k  # every segment placed: live is range(k)
+                _put_headers(buf, offs if whole else _pick(offs, live), sizes if whole else _pick(sizes, live), heads)
             # Request order (chunk-major; the copies went segment-major): the index places a chunk's new
             # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path,
             # and the eviction policy ages chunks in publication order.
             back = np.empty(k, dtype=np.intp)
             back[order] = np.arange(k)
-            pub = back.tolist() if len(live) == k else back[np.isin(back, live)].tolist()
-            lengths = [sizes[x] + HEADER_SIZE for x in pub]
+            if len(live) == k:  # the request's own keys and sizes, in its order
+                pub = back.tolist()
+                pub_keys, pub_sizes = list(map(_KEY, req)), req_sizes
+            else:
+                pub = back[np.isin(back, live)].tolist()
+                pub_keys, pub_sizes = list(map(_KEY, _pick(items, pub))), _pick(sizes, pub)
             c1 = time.thread_time()
-            self.dram.publish_many([items[x][2] for x in pub], [offs[x] for x in pub], lengths,
-                                   [sizes[x] for x in pub], [_RAW] * len(pub), done)
+            self.dram.publish_many(pub_keys, _pick(offs, pub), [n + HEADER_SIZE for n in pub_sizes], pub_sizes,
+                                   [_RAW] * len(pub), done)
         except BaseException:
             # What publish_many did not reach is still reserved; so is everything when it was not called.
             for x in pub[len(done):]:
@@ -216,11 +233,17 @@ class HostPath:
                     self.dram.cancel(off, sizes[i] + HEADER_SIZE)
             raise
         # Admissions per batch: the keys as one set update, the byte sums, the raw reasons per segment class.
-        kept = pub if False not in done else [x for x, ok in zip(pub, done) if ok]
-        acc.admitted.update([items[x][2] for x in kept])
-        acc.logical += sum([sizes[x] for x in kept])
-        acc.stored += sum([sizes[x] + HEADER_SIZE for x in kept])
+        if False not in done:
+            kept = pub
+            acc.admitted.update(pub_keys)
+            payload = sum(pub_sizes)
+        else:
+            kept = list(compress(pub, done))
+            acc.admitted.update(compress(pub_keys, done))
+            payload = sum(compress(pub_sizes, done))
         published = len(kept)
+        acc.logical += payload
+        acc.stored += payload + HEADER_SIZE * published
         reasons: collections.Counter[str] = collections.Counter()
         if published == k:  # every segment kept: a group's count is its length
             counts = zip([items[end - 1][1] for end in group_ends], np.diff(group_ends, prepend=0).tolist())

@@ -34,7 +34,7 @@ import os
 import re
 import threading
 import uuid
-from itertools import compress
+from itertools import accumulate, compress
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -286,17 +286,16 @@ class DramTier:
         carved into consecutive pieces where one is free (each piece is an extent of its own from then on:
         published, cancelled and freed alone), else one extent per size, evicting as needed; None for each
         size that found no room."""
-        units = [units_of(n) for n in sizes]
+        same = len(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)  # a batch of one segment size: no per-size work
+        units = [units_of(sizes[0])] * len(sizes) if same else [-(-n // UNIT) for n in sizes]
         with self.lock:
             total = sum(units)
             start = self.alloc.alloc(total)
             if start is not None:
                 self.reserved_bytes += total * UNIT
-                out: list[int | None] = []
-                for n in units:
-                    out.append(start * UNIT)
-                    start += n
-                return out
+                if same:
+                    return list(range(start * UNIT, (start + total) * UNIT, units[0] * UNIT))
+                return [x * UNIT for x in accumulate(units[:-1], initial=start)]
             out = []
             for n in units:
                 while True:
