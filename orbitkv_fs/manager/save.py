@@ -37,7 +37,7 @@ from .registry import _Engine, _Seg
 from .verify import _REP_NAMES
 
 _CHUNK, _SEG, _KEY = itemgetter(0), itemgetter(1), itemgetter(2)  # of a save item (chunk, segment, key)
-_BLOCKS = attrgetter("blocks")
+_BLOCKS, _KEY_OF = attrgetter("blocks"), attrgetter("key")
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -190,10 +190,11 @@ class SavePipeline:
             # is spread over more logical bytes.
             batches = self._run_batches(self._save_items(eng, chunks, todo, acc))
             self._save_batches(eng, batches, acc)
-            present, saved_chunks = acc.present, set()
-            for ch, _, kb in todo:
-                if kb in acc.admitted:
-                    saved_chunks.add(ch.key)
+            present, admitted = acc.present, acc.admitted
+            if len(admitted) == len(todo):  # every segment admitted (todo's keys are distinct then)
+                saved_chunks = set(map(_KEY_OF, map(_CHUNK, todo)))
+            else:
+                saved_chunks = {ch.key for ch, _, kb in todo if kb in admitted}
             dt = time.perf_counter() - t0
             self._cpu("save", time.thread_time() - c0, len(todo))
             self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
