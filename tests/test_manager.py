@@ -847,3 +847,32 @@ def test_an_exact_batch_with_some_segments_placed_publishes_those(engine, monkey
         assert all(np.array_equal(pages.array(n)[blocks].view(np.uint16), want[n][blocks].view(np.uint16))
                    for n in pages.tensors)
         assert_reservations_zero(m)
+
+
+def test_an_exact_batch_whose_key_turns_out_present_counts_only_what_it_published(engine, monkeypatch):
+    """A host batch where the index answers one key present at publish time (another save published it
+    between this batch's reservation and its publish): that extent goes back, the key is not counted as this
+    save's, the rest are published and counted, nothing stays reserved."""
+    from orbitkv_fs.index import ObjectIndex
+
+    pages, reg = engine
+    real = ObjectIndex.add_many
+
+    def first_present(self, keys, *columns):
+        rest = real(self, keys[1:], *(c[1:] for c in columns))
+        return [-1] + rest
+
+    with Manager(ManagerConfig(pool_size=64 << 20)) as m:
+        e = m.register_engine(reg)
+        monkeypatch.setattr(ObjectIndex, "add_many", first_present)
+        chunks = chunks_for(2, salt="present")
+        r = m.save(e.engine_id, chunks)
+        monkeypatch.undo()
+        total = 2 * 2 * L
+        assert r.segments == total - 1 and r.dropped_segments == 0
+        assert r.logical_bytes == (total - 1) * 2 * BLOCK_BYTES
+        assert r.stored_bytes == r.logical_bytes + (total - 1) * HEADER_SIZE
+        assert r.chunks_saved == 2  # each chunk had segments admitted by this save
+        assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == 0  # the first one lacks a key
+        assert_reservations_zero(m)
+        assert m.stats().pool_used_bytes == (total - 1) * ((HEADER_SIZE + 2 * BLOCK_BYTES + 511) // 512 * 512)
