@@ -637,8 +637,8 @@ def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[s
                  else _NO_SIGNS)
         units = rows_.encode_group(q, w, r0, code, sel, raw, c.ptr, c.slot, c.n, c.cap, c.fp16, c.head_dim, c.bits,
                                    c.role, c.nch, c.chunk0, c.tmp, signs, payload0, chunk_cap, base,
-                                   base + off.get("pay_len", 0), base + off.get("chunk_sizes", 0),
-                                   base + off.get("chunk_status", 0), km.CHUNK, km.TQ_VECTORS_PER_UNIT)
+                                   base + off["pay_len"], base + off["chunk_sizes"], base + off["chunk_status"],
+                                   km.CHUNK, km.TQ_VECTORS_PER_UNIT)
         rows[name] = (r0, units)
         r0 += k
     _put_rows(buf, at, q)

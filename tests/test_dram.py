@@ -239,6 +239,26 @@ def test_publish_many_is_publish_in_order(policy):
         many.close()
 
 
+@pytest.mark.parametrize("sizes", [[], [1000], [1000] * 5, [1, 512, 513, 4096, 3000, 512]])
+def test_reserve_many_carves_one_extent_in_order(sizes):
+    """A batch that fits is one extent carved in order, each piece its sizes' units long (one size or
+    mixed; none for none); a second batch lies apart; cancelling every piece returns every byte."""
+    t = DramTier(1 << 20, pin=False)
+    try:
+        units = [-(-n // UNIT) for n in sizes]
+        offs = t.reserve_many(sizes)
+        assert offs == [offs[0] + sum(units[:i]) * UNIT for i in range(len(sizes))]
+        assert t.reserved_bytes == sum(units) * UNIT
+        again = t.reserve_many(sizes)
+        ends = [o + u * UNIT for o, u in zip(offs, units)]
+        assert all(a >= max(ends) or a + u * UNIT <= min(offs) for a, u in zip(again, units))
+        for o, n in zip(offs + again, sizes + sizes):
+            t.cancel(o, n)
+        assert t.reserved_bytes == 0
+    finally:
+        t.close()
+
+
 def test_publish_many_raises_part_way_with_what_it_published_in_done():
     """A malformed key part way: the items before it are published (and in ``done``), it and the ones after
     stay reserved; cancelling those returns every byte."""

@@ -811,31 +811,52 @@ def test_an_exact_segment_over_the_bound_is_refused_before_any_reservation():
         pages.close()
 
 
+def _save_patched(monkeypatch, m: Manager, engine_id: str, chunks, owner, name: str, wrap):
+    """``m.save(engine_id, chunks)`` with ``owner.name`` replaced by ``wrap(the real one)`` for that save only."""
+    monkeypatch.setattr(owner, name, wrap(getattr(owner, name)))
+    try:
+        return m.save(engine_id, chunks)
+    finally:
+        monkeypatch.undo()
+
+
+def _assert_exact_bytes(r, segments: int) -> None:
+    """A save result's byte counts for ``segments`` exact segments of this module's 2-block chunks."""
+    assert r.logical_bytes == segments * 2 * BLOCK_BYTES
+    assert r.stored_bytes == r.logical_bytes + segments * HEADER_SIZE
+
+
+def _first_key_present(real):
+    """An ``ObjectIndex.add_many`` that answers a batch's first key present (another save published it between
+    this batch's reservation and its publish) and adds the others."""
+    def add_many(self, keys, *columns):
+        return [-1] + real(self, keys[1:], *(c[1:] for c in columns))
+    return add_many
+
+
 def test_an_exact_batch_with_some_segments_placed_publishes_those(engine, monkeypatch):
     """A host batch where DRAM found room for only some segments: those are published (their bytes
     restorable, the others dropped with no lower tier), the counts add up, nothing stays reserved."""
     from orbitkv_fs.tiers.dram import DramTier
 
     pages, reg = engine
-    real = DramTier.reserve_many
 
-    def every_other(self, sizes):
-        offs = real(self, sizes)
-        for i in range(1, len(offs), 2):  # no room for these: given back, answered None
-            self.cancel(offs[i], sizes[i])
-            offs[i] = None
-        return offs
+    def every_other(real):
+        def reserve_many(self, sizes):
+            offs = real(self, sizes)
+            for i in range(1, len(offs), 2):  # no room for these: given back, answered None
+                self.cancel(offs[i], sizes[i])
+                offs[i] = None
+            return offs
+        return reserve_many
 
     with Manager(ManagerConfig(pool_size=64 << 20)) as m:
         e = m.register_engine(reg)
-        monkeypatch.setattr(DramTier, "reserve_many", every_other)
         chunks = chunks_for(3, salt="half")
-        r = m.save(e.engine_id, chunks)
-        monkeypatch.undo()
+        r = _save_patched(monkeypatch, m, e.engine_id, chunks, DramTier, "reserve_many", every_other)
         total = 3 * 2 * L
         assert r.dropped_segments == total // 2 and r.segments == total - total // 2
-        assert r.logical_bytes == r.segments * 2 * BLOCK_BYTES
-        assert r.stored_bytes == r.logical_bytes + r.segments * HEADER_SIZE
+        _assert_exact_bytes(r, r.segments)
         assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == 0  # no chunk whole
         assert_reservations_zero(m)
         r2 = m.save(e.engine_id, chunks)  # the dropped half now: every chunk whole, its bytes the engine's
@@ -856,23 +877,32 @@ def test_an_exact_batch_whose_key_turns_out_present_counts_only_what_it_publishe
     from orbitkv_fs.index import ObjectIndex
 
     pages, reg = engine
-    real = ObjectIndex.add_many
-
-    def first_present(self, keys, *columns):
-        rest = real(self, keys[1:], *(c[1:] for c in columns))
-        return [-1] + rest
 
     with Manager(ManagerConfig(pool_size=64 << 20)) as m:
         e = m.register_engine(reg)
-        monkeypatch.setattr(ObjectIndex, "add_many", first_present)
         chunks = chunks_for(2, salt="present")
-        r = m.save(e.engine_id, chunks)
-        monkeypatch.undo()
+        r = _save_patched(monkeypatch, m, e.engine_id, chunks, ObjectIndex, "add_many", _first_key_present)
         total = 2 * 2 * L
         assert r.segments == total - 1 and r.dropped_segments == 0
-        assert r.logical_bytes == (total - 1) * 2 * BLOCK_BYTES
-        assert r.stored_bytes == r.logical_bytes + (total - 1) * HEADER_SIZE
+        _assert_exact_bytes(r, total - 1)
         assert r.chunks_saved == 2  # each chunk had segments admitted by this save
         assert m.lookup(e.engine_id, [c.key for c in chunks], lease=False).count == 0  # the first one lacks a key
         assert_reservations_zero(m)
         assert m.stats().pool_used_bytes == (total - 1) * ((HEADER_SIZE + 2 * BLOCK_BYTES + 511) // 512 * 512)
+
+
+def test_a_refused_exact_key_is_not_counted_in_the_raw_reasons(engine, monkeypatch):
+    """The same refusal with TurboQuant, whose policy-exact layers take the host path with reason ``policy``:
+    the refused segment is in neither the saved segments nor the raw reasons."""
+    from orbitkv_fs.index import ObjectIndex
+
+    pages, reg = engine
+
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec="turboquant-4")) as m:
+        e = m.register_engine(reg)
+        r = _save_patched(monkeypatch, m, e.engine_id, chunks_for(2, salt="policy"), ObjectIndex, "add_many",
+                          _first_key_present)
+        exact = 2 * 2 * 4  # two chunks, K and V of the first and last two of the L layers
+        assert r.segments == 2 * 2 * L - 1 and r.raw_segments == {"policy": exact - 1}
+        assert m.stats().raw_segments == {"policy": exact - 1}
+        assert_reservations_zero(m)

@@ -37,7 +37,7 @@ from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .device import _gather_host
 from .registry import _Seg
-from .save import _KEY, _SaveAcc
+from .save import _KEY, _SEG, _SaveAcc
 
 _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
@@ -201,20 +201,20 @@ class HostPath:
                         tids.append(template(seg, n))
                         live.append(i)
                     start = end
+            whole = len(live) == k  # every segment placed: live is range(k)
             if live:
                 tid = np.asarray(tids, dtype=np.intp)
                 pcrc = np.asarray(crcs, dtype=np.uint32)
                 heads = np.frombuffer(b"".join(rows), dtype=HEADER_DTYPE)[tid]
                 heads["payload_crc"] = pcrc
                 heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
-                whole = len(live) == k  # every segment placed: live is range(k)
                 _put_headers(buf, offs if whole else _pick(offs, live), sizes if whole else _pick(sizes, live), heads)
             # Request order (chunk-major; the copies went segment-major): the index places a chunk's new
             # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path,
             # and the eviction policy ages chunks in publication order.
             back = np.empty(k, dtype=np.intp)
             back[order] = np.arange(k)
-            if len(live) == k:  # the request's own keys and sizes, in its order
+            if whole:  # the request's own keys and sizes, in its order
                 pub = back.tolist()
                 pub_keys, pub_sizes = list(map(_KEY, req)), req_sizes
             else:
@@ -233,27 +233,16 @@ class HostPath:
                     self.dram.cancel(off, sizes[i] + HEADER_SIZE)
             raise
         # Admissions per batch: the keys as one set update, the byte sums, the raw reasons per segment class.
-        if False not in done:
-            kept = pub
-            acc.admitted.update(pub_keys)
-            payload = sum(pub_sizes)
-        else:
-            kept = list(compress(pub, done))
-            acc.admitted.update(compress(pub_keys, done))
-            payload = sum(compress(pub_sizes, done))
-        published = len(kept)
-        acc.logical += payload
-        acc.stored += payload + HEADER_SIZE * published
+        if False in done:  # some keys were present already: their extents went back
+            pub, pub_keys, pub_sizes = (list(compress(col, done)) for col in (pub, pub_keys, pub_sizes))
+        published = len(pub)
+        acc.admitted.update(pub_keys)
+        acc.logical += sum(pub_sizes)
+        acc.stored += sum(pub_sizes) + HEADER_SIZE * published
         reasons: collections.Counter[str] = collections.Counter()
-        if published == k:  # every segment kept: a group's count is its length
-            counts = zip([items[end - 1][1] for end in group_ends], np.diff(group_ends, prepend=0).tolist())
-        else:
-            by_id = {id(seg): seg for _, seg, _ in items}
-            counts = [(by_id[i], n) for i, n in collections.Counter([id(items[x][1]) for x in kept]).items()]
-        for seg, count in counts:
-            reason = seg.raw_reason
-            if reason != RawReason.NONE:
-                reasons[reason.name.lower()] += count
+        for seg, count in collections.Counter(map(_SEG, _pick(items, pub))).items():
+            if seg.raw_reason != RawReason.NONE:
+                reasons[seg.raw_reason.name.lower()] += count
         if published:
             self._count(self._codec_segments, "raw", published)
         for name, n in reasons.items():

@@ -287,7 +287,7 @@ class DramTier:
         published, cancelled and freed alone), else one extent per size, evicting as needed; None for each
         size that found no room."""
         same = len(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)  # a batch of one segment size: no per-size work
-        units = [units_of(sizes[0])] * len(sizes) if same else [-(-n // UNIT) for n in sizes]
+        units = [units_of(sizes[0])] * len(sizes) if same else [units_of(n) for n in sizes]
         with self.lock:
             total = sum(units)
             start = self.alloc.alloc(total)
