@@ -393,10 +393,15 @@ class SavePipeline:
             published = True
             done = self.dram.publish_many(keys, used_off, length[at].tolist(), original[at].tolist(),
                                           fmt[at].tolist())  # one lock round
-            kept = at if False not in done else at[np.fromiter(done, dtype=bool, count=len(done))]
-            acc.admitted.update(keys if kept is at else compress(keys, done))
-            acc.logical += int(original[kept].sum())
-            acc.stored += int(length[kept].sum())
+            if False in done:
+                ok = np.fromiter(done, dtype=bool, count=len(done))
+                acc.admitted.update(compress(keys, done))
+                acc.logical += int(original[at][ok].sum())
+                acc.stored += int(length[at][ok].sum())
+            else:
+                acc.admitted.update(keys)
+                acc.logical += int(original[at].sum())
+                acc.stored += int(length[at].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             if not published:  # nothing of the regions was published
                 used_off = used_len = np.zeros(0, np.int64)
