@@ -112,6 +112,7 @@ from . import rows as rows_
 from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 1024
+ANS_MARGIN = 0.04  # an encode batch downloads its ANS slots up to the previous batch's packed share plus this
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096
@@ -651,16 +652,23 @@ _NO_SIGNS = np.zeros((0, 8), dtype=np.uint32)
 
 
 def _write_headers(job: "EncodeJob", host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray,
-                   pcrc: np.ndarray, slots: np.ndarray, idx: np.ndarray, *, views: bool) -> np.ndarray:
+                   pcrc: np.ndarray, slots: np.ndarray, idx: np.ndarray, *, views: bool,
+                   stored: "np.ndarray | None" = None) -> np.ndarray:
     """Write the headers of a batch's GPU-encoded segments into their ``slots`` of ``host`` (the batch's output
     region) and their fields into ``job`` at ``idx``: each segment's template row (``templates[tid]``, headers
     with a zero payload CRC, from ``_template_ids``) with its payload CRC ``pcrc`` and its header CRC from the
-    template's ``bases``, written with one scatter. ``views``: ``job.out`` also gets each segment's view of
-    ``host``. Answers each segment's length (header and payload)."""
+    template's ``bases``, written with one scatter. ``stored``, when given: each segment's stored length, in
+    place of its template's (ANS: what nvCOMP made of it). ``views``: ``job.out`` also gets each segment's
+    view of ``host``. Answers each segment's length (header and payload)."""
     raw = templates[tid]  # (segments, 64) uint8: each segment's template
     hdr = raw.view(HEADER_DTYPE)[:, 0]
     hdr["payload_crc"] = pcrc
-    hdr["header_crc"] = header_crcs(bases[tid], pcrc)
+    if stored is None:
+        hdr["header_crc"] = header_crcs(bases[tid], pcrc)
+    else:
+        new = stored.astype(np.uint32)
+        hdr["header_crc"] = header_crcs(bases[tid], pcrc, hdr["stored_length"] ^ new)
+        hdr["stored_length"] = new
     if not (slots % HEADER_SIZE).any():  # slots on header-size boundaries (arena units): a scatter of rows
         host[:len(host) // HEADER_SIZE * HEADER_SIZE].reshape(-1, HEADER_SIZE)[slots // HEADER_SIZE] = raw
     else:
@@ -892,6 +900,7 @@ class GpuCodecEngine:
         self._classes: dict[tuple, _Enc] = {}
         self._rows: dict[tuple, tuple[bytes, int]] = {}
         self._class_sets: dict[tuple, _ClassSet] = {}  # encode_columns_submit's, by their classes' identities
+        self._ans_packed = 1.0  # the last encode batch's packed ANS bytes over their worst case (the download's guess)
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
         self.restore = Worker("restore", budget_bytes)
@@ -1059,16 +1068,20 @@ class GpuCodecEngine:
         """Bytes of one chunk's nvCOMP output buffer (worst case for 64 KiB)."""
         return _up(self.nvcomp().max_compressed_bytes(ans_format.CHUNK_BYTES, AnsType.BYTES))
 
-    def _enc_layout(self, plans: Sequence[_Enc], temp: int, align: int) -> tuple[dict[str, int], int]:
-        """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks."""
+    def _enc_layout(self, plans: Sequence[_Enc], temp: int, align: int,
+                    ans: Sequence[_Enc] = ()) -> tuple[dict[str, int], int]:
+        """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks: the ANS
+        segments' (``ans``, in their packing order) last, from ``off["ans_slot0"]``, at their worst case (the
+        region's size; ``okv_ans_place`` then packs them from there)."""
         k = len(plans)
-        ans = [p for p in plans if p.kind == "ans"]
+        order = [p for p in plans if p.kind != "ans"] + list(ans) if ans else plans
         n_desc = sum(p.kind in ("fp8", "tq") for p in plans) + sum(p.kind in ("raw", "tq", "ans") for p in plans)
         n_desc += len(ans)
-        sizes = np.fromiter([HEADER_SIZE + (p.cap if p.kind != "raw" else p.n) for p in plans], np.int64, count=k)
+        sizes = np.fromiter([HEADER_SIZE + (p.cap if p.kind != "raw" else p.n) for p in order], np.int64, count=k)
         lay, off, slots = _enc_offsets(k, n_desc, sum(p.nch for p in ans), len(ans), sizes, align)
-        for p, slot in zip(plans, slots.tolist()):
+        for p, slot in zip(order, slots.tolist()):
             p.slot = slot
+        off["ans_slot0"] = ans[0].slot if ans else off["region_end"] - off["meta"]
         cap = self._chunk_cap() if ans else 0
         for p in ans:
             p.tmp = lay.take(p.nch * cap)
@@ -1314,12 +1327,16 @@ class GpuCodecEngine:
         for p in ans:
             fill = fill.add(_Fill.of(0, p.nch, p.n, p.ans_type))
         temp = self._ans_temp(fill)
-        off, total = self._enc_layout(plans, temp, align)
+        off, total = self._enc_layout(plans, temp, align, ans)
+        off["align"] = align
+        # The download: the region up to the ANS slots' packed end as the previous batches suggest (their
+        # packed share of the worst case, plus a margin); _finish_encode fetches the rest should it be short.
+        worst = off["region_end"] - off["meta"] - off["ans_slot0"]
+        off["download"] = off["ans_slot0"] + min(worst, _up(int(worst * min(1.0, self._ans_packed + ANS_MARGIN)), align))
         base, upload = w.place(total)
         region = base + off["meta"]
         up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
         up[off["meta"]:] = 0
-        ans_index = {id(p): j for j, p in enumerate(ans)}
         chunk_cap = self._chunk_cap() if ans else 0
         cols = _enc_cols(plans)
         groups = _enc_groups(cols, np.fromiter((p.meta for p in ans), dtype=np.int64, count=len(ans)))
@@ -1333,19 +1350,20 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, ans, chunk, temp)
+        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, ans, chunk, temp, align)
         region_len = off["region_end"] - off["meta"]
         return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
-                                                                            ans, ans_index, device_sink), w.copies)
+                                                                            ans, device_sink), w.copies)
 
     def _launch_encode(self, base: int, off: dict[str, int], rows: dict[str, tuple[int, int]],
                        groups: Sequence[tuple[str, np.ndarray]], k: int,
                        out_region: "Callable[[int], np.ndarray | None] | None", ans: "Sequence[_Enc]" = (),
-                       chunk: int = 0, temp: int = 0) -> tuple[np.ndarray, bool]:
+                       chunk: int = 0, temp: int = 0, align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
         """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, nvCOMP over
-        the ANS chunks then their packing, the CRC32C pass; then the download of the output region (meta,
-        ANS payload lengths, slots) on the copy stream, into ``out_region``'s array or a pinned one of the
-        engine's. Answers that array, and whether it is the engine's."""
+        the ANS chunks then their placing and packing, the CRC32C pass; then the download of the output
+        region (meta, ANS payload lengths, slots; up to ``off["download"]`` when given) on the copy stream,
+        into ``out_region``'s array or a pinned one of the engine's. Answers that array, and whether it is
+        the engine's."""
         w, kern = self.save, self._kernels
         counts = {name: len(sel) for name, sel in groups}
         segs = base + off["desc"]
@@ -1366,6 +1384,8 @@ class GpuCodecEngine:
                             base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
             first, blocks = rows["okv_ans_pack"]
+            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, len(ans),
+                                                       region + off["ans_slot0"], align, w.stream)
             w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, region,
                      kern.crc_tables)
         if "okv_crc32c" in rows:
@@ -1378,13 +1398,13 @@ class GpuCodecEngine:
         if own:
             host = _pinned_array(region_len)
         w.handoff(w.copies, w.stream)  # the download runs beside the next batch's kernels
-        w.d2h(host, region, w.copies)
+        w.d2h(host[:off.get("download", region_len)], region, w.copies)
         w.stats["batches"] += 1
         w.stats["segments"] += k
         return host, own
 
     def _finish_encode(self, plans: list[_Enc], job: EncodeJob, off: dict[str, int], host: np.ndarray, region: int,
-                       region_len: int, ans: list[_Enc], ans_index: dict[int, int],
+                       region_len: int, ans: list[_Enc],
                        device_sink: "Callable[[int, Any], None] | None") -> None:
         """The host part of an encode batch whose stream work has completed: statuses, CRC32Cs, headers. The
         headers are written from template rows (one per distinct field set), the header CRCs computed as
@@ -1392,22 +1412,24 @@ class GpuCodecEngine:
         w, out = self.save, job.out
         k = len(plans)
         meta = host[:16 * k].view(km.META_DTYPE)
-        a_off = off["pay_len"] - off["meta"]
-        ans_sizes = host[a_off:a_off + 8 * len(ans)].view("<u8").tolist()
-        heads = [p.head for p in plans]
-        for p in ans:  # the stored length of an ANS payload is what nvCOMP made of it
-            heads[p.meta] = p.head[:3] + (ans_sizes[ans_index[id(p)]],) + p.head[4:]
-        walked = np.fromiter([h[3] for h in heads], dtype=np.int64, count=k)
-        crcs = finish_crc(meta["acc"], walked)
         status = meta["status"]
+        heads = [p.head for p in plans]  # the classes' tuples: one template each, ANS's stored length aside
+        walked = np.fromiter([h[3] for h in heads], dtype=np.int64, count=k)
+        bad = status != 0
+        if ans:  # the stored length of an ANS payload is what nvCOMP made of it
+            a_off = off["pay_len"] - off["meta"]
+            at = np.fromiter([p.meta for p in ans], dtype=np.int64, count=len(ans))
+            size = host[a_off:a_off + 8 * len(ans)].view("<u8").astype(np.int64)
+            # over the class's capacity (keep_capacity) is exactly what worth_keeping refuses
+            bad[at] |= (size == 0) | (size > walked[at])
+            walked[at] = size
+            self._packed_slots(ans, size, off, host, region)
+        crcs = finish_crc(meta["acc"], walked)
         keep = np.ones(k, dtype=bool)
-        for j in sorted(set(np.flatnonzero(status).tolist()) | {p.meta for p in ans}):
+        for j in np.flatnonzero(bad).tolist():
             p = plans[j]
             if p.kind == "ans":
-                st, size = int(status[j]), heads[j][3]
-                if not (st or size == 0 or size > p.cap or not worth_keeping(p.n, size)):
-                    continue
-                reason = RawReason.UNSUPPORTED if st & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
+                reason = RawReason.UNSUPPORTED if status[j] & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
             elif p.kind in ("fp8", "tq"):
                 reason = RawReason.NONFINITE if status[j] & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
             else:
@@ -1421,10 +1443,31 @@ class GpuCodecEngine:
         tids, rows, bases = self._template_ids([heads[j] for j in good.tolist()] if len(good) < k else heads)
         slots = np.fromiter(map(attrgetter("slot"), plans), dtype=np.int64, count=k)[good]
         idx = np.fromiter([p.i for p in plans], dtype=np.int64, count=k)[good]
-        length = _write_headers(job, host, rows, bases, tids, crcs[good], slots, idx, views=True)
+        length = _write_headers(job, host, rows, bases, tids, crcs[good], slots, idx, views=True,
+                                stored=walked[good] if ans else None)
         if device_sink is not None:
             self._sink_device([(plans[j], n) for j, n in zip(good.tolist(), length.tolist())], host, region,
                               region_len, device_sink)
+
+    def _packed_slots(self, ans: list[_Enc], size: np.ndarray, off: dict[str, int], host: np.ndarray,
+                      region: int) -> None:
+        """The ANS slots as ``okv_ans_place`` packed them (from the payload lengths ``size``, in ``ans`` order; a
+        zero length takes no room), set on the plans; and the bytes past the download, when the packed slots
+        end beyond it, fetched now (one synchronous copy). The next batch's download follows this batch's
+        packed share of the worst case."""
+        align = off["align"]
+        steps = np.where(size > 0, -(-(HEADER_SIZE + size) // align) * align, 0)
+        slots = off["ans_slot0"] + np.cumsum(steps) - steps
+        for p, slot in zip(ans, slots.tolist()):
+            p.slot = slot
+        end, got = off["ans_slot0"] + int(steps.sum()), off["download"]
+        worst = off["region_end"] - off["meta"] - off["ans_slot0"]
+        self._ans_packed = (end - off["ans_slot0"]) / worst if worst else 1.0
+        if end > got:
+            w = self.save
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data + got, region + got, end - got, _D2H, w.copies.ptr)
+            w.copies.synchronize()
+            w.stats["ans_tail_fetches"] += 1
 
     def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For header field tuples (``_Enc.head``'s ints, payload CRC aside): each one's row in the templates

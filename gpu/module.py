@@ -36,7 +36,7 @@ TQ_K_BUFFER = 64 * 64 + 512
 OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", f"-DOKV_TQ_KBUF={TQ_K_BUFFER}")
 KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode_k", "okv_tq_encode_v",
                 "okv_tq_decode",
-                "okv_ans_pack", "okv_copy_blocks")
+                "okv_ans_place", "okv_ans_pack", "okv_copy_blocks")
 
 # Dynamic shared memory of a kernel, bytes: okv_tq_encode_k's two pass buffers per warp, above the 48 KiB
 # a kernel may hold statically.
@@ -212,4 +212,14 @@ def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_pt
         args.append(table)
     grid = min(total, k.grids[name])
     k.fn(name)((grid,), (THREADS,), tuple(args), shared_mem=DYNAMIC_SMEM.get(name, 0), stream=stream)
+    return 1
+
+
+def launch_ans_place(k: Kernels, segs_ptr: int, nsegs: int, ans0: int, align: int, stream: cp.cuda.Stream) -> int:
+    """Launch ``okv_ans_place`` (one block) over the ``nsegs`` ANS packing rows at ``segs_ptr``: their packed
+    slots from device address ``ans0``, each rounded up to ``align``; returns launches made."""
+    if nsegs <= 0:
+        return 0
+    k.fn("okv_ans_place")((1,), (THREADS,), (np.uint64(segs_ptr), np.int32(nsegs), np.uint64(ans0), np.uint64(align)),
+                          stream=stream)
     return 1

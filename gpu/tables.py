@@ -5,7 +5,7 @@
   which let every thread fold its own 64-byte piece and the block combine the pieces
   (``kernels/common.cuh``, ``okv_crc_unit``).
 * :func:`finish_crc` / :func:`zero_crc` -- the host's last step: a kernel's raw CRC XOR the CRC32C of
-  as many zero bytes (memoised per length, so a batch costs microseconds).
+  as many zero bytes (a compiled pass over a batch's distinct lengths: microseconds a batch).
 * :func:`crc32c_model` -- a model of the older staged decomposition (64-byte pieces shifted to the
   segment's end); :func:`crc32c_braid_model` -- an emulation of the kernels' braided CRC (``okv_load_braid``,
   ``okv_crc8``, ``okv_crc_braid_unit``): per thread, lane and warp, every table word read through the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import numba
 import numpy as np
 
 from orbitkv_fs.codecs.turboquant import lloyd_max_boundaries, lloyd_max_centroids, rotation_signs
@@ -130,26 +131,36 @@ def x8n(n: "int | np.ndarray") -> np.ndarray:
     return gf_mul_vec(tab[XC_OFFSET + n // CHUNK], tab[XP_OFFSET + n % CHUNK])
 
 
-_ZERO_CRCS: dict[int, int] = {}  # byte count -> crc32c of that many zero bytes
+@numba.njit(cache=True)
+def _zero_crcs(n: np.ndarray, tab: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    out = np.empty(n.size, dtype=np.uint32)
+    for i in range(n.size):
+        # x^(8n) from the kernels' tables, then 0xFFFFFFFF times it: both as gf_mul_vec multiplies
+        x = np.uint32(0)
+        a, b = tab[XC_OFFSET + n[i] // CHUNK], tab[XP_OFFSET + n[i] % CHUNK]
+        for _ in range(32):
+            if a & np.uint32(0x80000000):
+                x ^= b
+            a = a << np.uint32(1)
+            b = (b >> np.uint32(1)) ^ (np.uint32(POLY) if b & np.uint32(1) else np.uint32(0))
+        p, a = np.uint32(0), np.uint32(0xFFFFFFFF)
+        for _ in range(32):
+            if a & np.uint32(0x80000000):
+                p ^= x
+            a = a << np.uint32(1)
+            x = (x >> np.uint32(1)) ^ (np.uint32(POLY) if x & np.uint32(1) else np.uint32(0))
+        out[i] = p ^ np.uint32(0xFFFFFFFF)
+    return out
 
 
 def zero_crc(n: "int | np.ndarray") -> np.ndarray:
-    """crc32c of n zero bytes: what turns a raw (zero-init) CRC into the standard one. Memoised per
-    length, the lengths not seen yet computed together: the 32-step carry-less multiply costs ~150 us per
-    call however many elements it has, and an ANS batch has a distinct payload length per segment."""
+    """crc32c of n zero bytes: what turns a raw (zero-init) CRC into the standard one. One compiled pass
+    over the distinct lengths (an ANS batch has one per segment; the numpy form of the same multiplies
+    cost about 150 us a call, which at 4 MiB was 25 us of host work per segment)."""
     n = np.asarray(n, dtype=np.int64)
-    # A batch repeats a few lengths (one per encode class): the memo is asked once per distinct one.
+    # A batch repeats a few lengths (one per encode class): each distinct one computed once.
     distinct, inv = np.unique(n, return_inverse=True)
-    flat = distinct.tolist()
-    memo = _ZERO_CRCS
-    missing = [x for x in flat if x not in memo]
-    if missing:
-        if len(memo) + len(missing) > 65536:
-            memo.clear()
-        got = gf_mul_vec(np.uint32(0xFFFFFFFF), x8n(np.asarray(missing, dtype=np.int64))) ^ np.uint32(0xFFFFFFFF)
-        memo.update(zip(missing, got.tolist()))
-    crcs = np.fromiter(map(memo.__getitem__, flat), dtype=np.uint32, count=len(flat))
-    return crcs[inv.reshape(-1)].reshape(n.shape)
+    return _zero_crcs(distinct, crc_tables())[inv.reshape(-1)].reshape(n.shape)
 
 
 def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:

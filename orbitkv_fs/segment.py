@@ -340,8 +340,8 @@ HEADER_DTYPE = np.dtype([
 assert HEADER_DTYPE.itemsize == HEADER_SIZE and HEADER_DTYPE.fields["payload_crc"][1] == _PAYLOAD_CRC_AT
 
 
-def _crc_tables() -> np.ndarray:
-    """``T[j, b]``: how byte ``b`` at byte ``j`` of the payload-CRC field changes a header's own CRC32C
+def _crc_tables(at: int) -> np.ndarray:
+    """``T[j, b]``: how byte ``b`` at byte ``j`` of the 4-byte field at ``at`` changes a header's own CRC32C
     (CRC32C of equal-length messages is affine: crc(a ^ b) = crc(a) ^ crc(b) ^ crc(zeros))."""
     zeros = bytes(_CRC_SPAN)
     z = _crc32c.crc32c(zeros)
@@ -349,13 +349,18 @@ def _crc_tables() -> np.ndarray:
     msg = bytearray(_CRC_SPAN)
     for j in range(4):
         for b in range(256):
-            msg[_PAYLOAD_CRC_AT + j] = b
+            msg[at + j] = b
             t[j, b] = _crc32c.crc32c(msg) ^ z
-        msg[_PAYLOAD_CRC_AT + j] = 0
+        msg[at + j] = 0
     return t
 
 
-_HEADER_CRC_TABLES = _crc_tables()
+_HEADER_CRC_TABLES = _crc_tables(_PAYLOAD_CRC_AT)
+_STORED_CRC_TABLES = _crc_tables(HEADER_DTYPE.fields["stored_length"][1])
+
+
+def _field_crcs(t: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return t[0][v & 0xFF] ^ t[1][(v >> 8) & 0xFF] ^ t[2][(v >> 16) & 0xFF] ^ t[3][v >> 24]
 
 
 def header_row(h: SegmentHeader) -> tuple[np.ndarray, int]:
@@ -366,13 +371,16 @@ def header_row(h: SegmentHeader) -> tuple[np.ndarray, int]:
     return np.frombuffer(raw, dtype=HEADER_DTYPE, count=1).copy(), _crc32c.crc32c(raw[:_CRC_SPAN])
 
 
-def header_crcs(template_crcs: np.ndarray, payload_crcs: np.ndarray) -> np.ndarray:
+def header_crcs(template_crcs: np.ndarray, payload_crcs: np.ndarray, stored_xor: "np.ndarray | None" = None) -> np.ndarray:
     """The header CRC32C of each row whose template (:func:`header_row`) had CRC ``template_crcs[i]``,
-    once its payload-CRC field is ``payload_crcs[i]`` (uint32 arrays of one length)."""
-    p = payload_crcs.astype(np.uint32, copy=False)
-    t = _HEADER_CRC_TABLES
-    return (template_crcs.astype(np.uint32, copy=False) ^ t[0][p & 0xFF] ^ t[1][(p >> 8) & 0xFF]
-            ^ t[2][(p >> 16) & 0xFF] ^ t[3][p >> 24])
+    once its payload-CRC field is ``payload_crcs[i]`` (uint32 arrays of one length) and, given
+    ``stored_xor``, its stored-length field is the template's XOR ``stored_xor[i]`` (a payload whose length
+    the encode found, as ANS's: one template for the class, not one per length)."""
+    crcs = template_crcs.astype(np.uint32, copy=False) ^ _field_crcs(_HEADER_CRC_TABLES,
+                                                                      payload_crcs.astype(np.uint32, copy=False))
+    if stored_xor is not None:
+        crcs ^= _field_crcs(_STORED_CRC_TABLES, stored_xor.astype(np.uint32, copy=False))
+    return crcs
 
 
 def parse_header(buf: "bytes | bytearray | memoryview") -> SegmentHeader:

@@ -18,7 +18,7 @@ from orbitkv_fs.codecs import decode_segment, encode_segment  # noqa: E402
 from orbitkv_fs.codecs.turboquant import TurboQuantCodec  # noqa: E402
 from orbitkv_fs.errors import LengthMismatch, OrbitKVError, PayloadChecksumMismatch, SegmentError  # noqa: E402
 from orbitkv_fs.gpu.engine import MAX_BATCH, EncodeItem, GpuCodecEngine  # noqa: E402
-from orbitkv_fs.segment import Format, RawReason, parse_segment  # noqa: E402
+from orbitkv_fs.segment import Format, RawReason, parse_header, parse_segment  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
@@ -228,6 +228,45 @@ def test_ans_round_trips_and_ratio(engine) -> None:
     assert engine.decode_batch(host, dsts) == [None] * len(xs)
     for x, d in zip(xs, dsts):
         assert np.array_equal(d.get(), np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
+def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
+    """ANS payloads lie one after another in the output region (each header and payload rounded up to the
+    slot alignment; one stored raw takes no room there), so the download moves the packed bytes, cut at the
+    previous batch's packed share: a batch that packs worse than that fetches its tail, and every segment
+    decodes to its source either way."""
+    from orbitkv_fs.gpu.engine import SLOT_ALIGN
+    from orbitkv_fs.hostmem import host_address
+
+    rng = np.random.default_rng(21)
+
+    def smooth(n: int) -> np.ndarray:  # BF16 of a few values: packs to a small share of the worst case
+        return rng.choice(np.array([0.5, 0.25, -0.5, 1.0], dtype=np.float32), n // 2).astype(BF16)
+
+    def normal(n: int) -> np.ndarray:  # BF16 normals: exponents compress, mantissas do not
+        return rng.standard_normal(n // 2).astype(BF16)
+
+    def check_packed(segs: list, xs: list) -> None:
+        ans = [(host_address(s), len(s)) for s in segs if parse_header(bytes(s[:64])).format == Format.ANS]
+        assert len(ans) >= 2
+        for (a, n), (b, _) in zip(ans, ans[1:]):
+            assert b - a == -(-n // SLOT_ALIGN) * SLOT_ALIGN  # the next ANS slot right after this one
+
+    with GpuCodecEngine(256 << 20, seed=SEED) as e:
+        xs = [smooth(n) for n in (1 << 20, 3 << 18, 1 << 19, 5 << 16, 1 << 20)]
+        segs = e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])
+        check_packed(segs, xs)
+        check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
+        assert e._ans_packed < 0.5 and e.stats["save_ans_tail_fetches"] == 0
+        rand = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # incompressible: raw, no room in the packed slots
+        xs = [normal(1 << 20), rand, normal(3 << 18), normal(1 << 20), smooth(1 << 19), normal(5 << 16)]
+        segs = e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])
+        assert e.stats["save_ans_tail_fetches"] == 1  # packed worse than the smooth batch before it
+        assert parse_segment(bytes(segs[1]))[0].raw_reason == RawReason.NOT_SMALLER
+        check_packed(segs, xs)
+        for x, s in zip(xs, segs):
+            assert np.array_equal(decode_segment(bytes(s)).view(np.uint8), x.reshape(-1).view(np.uint8))
+        check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
 
 
 def test_ans_damaged_chunks_are_per_segment_errors(engine) -> None:

@@ -217,3 +217,19 @@ def test_turboquant_cells_refuse_two_boundaries_in_a_cell(monkeypatch) -> None:
     monkeypatch.setattr(tables, "lloyd_max_boundaries", lambda bits: close)
     with pytest.raises(ValueError, match="boundaries"):
         tables.turboquant_cells(3)
+
+
+def test_zero_crc_is_crc32c_of_zeros_at_every_length_class() -> None:
+    """The compiled zero_crc against crc32c of that many zero bytes: both table halves (within a 16 KiB unit
+    and whole units), the largest stored segment, repeats and shapes; against the numpy multiplies too."""
+    rng = np.random.default_rng(11)
+    ns = np.concatenate([rng.integers(0, 1 << 22, 60), [0, 1, 63, 64, tables.CHUNK - 1, tables.CHUNK,
+                                                        tables.CHUNK + 1, (tables.XC_COUNT - 1) * tables.CHUNK]])
+    ns = np.concatenate([ns, ns[:9]]).astype(np.int64)
+    got = tables.zero_crc(ns)
+    assert got.dtype == np.uint32
+    assert got.tolist() == [crc32c.crc32c(bytes(int(n))) for n in ns]
+    numpy_form = tables.gf_mul_vec(np.uint32(0xFFFFFFFF), tables.x8n(ns)) ^ np.uint32(0xFFFFFFFF)
+    assert np.array_equal(got, numpy_form)
+    assert tables.zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(tables.zero_crc(5)) == crc32c.crc32c(bytes(5))
+    assert tables.finish_crc(np.uint32(0), 10).tolist() == crc32c.crc32c(bytes(10))

@@ -493,3 +493,23 @@ def test_defaults_check_value_and_views():
 ])
 def test_turboquant_source_dtype_and_whole_vectors(fields, err):
     expect(err, forge(**fields))
+
+
+def test_header_crcs_with_a_new_stored_length_equal_the_packed_headers():
+    """header_crcs from one template (ANS: one per class) and per-segment payload CRCs and stored lengths gives
+    the CRC pack_header writes; a stored length left out of the XOR (the template's kept) does not."""
+    import msgspec
+
+    from orbitkv_fs.segment import header_crcs, header_row
+
+    t = SegmentHeader(Format.ANS, np.dtype(ml_dtypes.bfloat16), 1 << 19, 458_688, 0, role=Role.KEY, layer=3,
+                      ans_type=AnsType.FLOAT16)
+    row, base = header_row(t)
+    rng = np.random.default_rng(3)
+    stored = rng.integers(1, 458_688, 50).astype(np.uint32)
+    pcrc = rng.integers(0, 1 << 32, 50, dtype=np.uint64).astype(np.uint32)
+    want = [struct.unpack_from("<I", pack_header(msgspec.structs.replace(t, stored_length=int(s), payload_crc=int(c))),
+                               60)[0] for s, c in zip(stored.tolist(), pcrc.tolist())]
+    bases = np.full(50, base, dtype=np.uint32)
+    assert header_crcs(bases, pcrc, row["stored_length"][0] ^ stored).tolist() == want
+    assert header_crcs(bases, pcrc).tolist() != want

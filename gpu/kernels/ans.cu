@@ -126,3 +126,51 @@ okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restric
     }
   }
 }
+
+// Packed ANS slots: one block, launched before okv_ans_pack over the same rows (segs, nsegs, in order).
+// Each segment's payload length as okv_ans_pack computes it -- zero when a chunk failed or the payload
+// exceeds the slot capacity (it is stored raw and takes no room here) -- and its slot: the earlier slots,
+// each header and payload rounded up to align, one after another from ans0 (the device address of the
+// batch's first ANS slot). Writes Seg.dst (the payload, after the 64-byte header) for okv_ans_pack. The
+// host computes the same slots from the payload lengths it downloads, so only the packed bytes cross
+// PCIe instead of every slot's worst case.
+extern "C" __global__ void __launch_bounds__(OKV_THREADS)
+okv_ans_place(Seg* __restrict__ segs, int nsegs, u64 ans0, u64 align) {
+  __shared__ u64 warp_sums[OKV_THREADS / 32];
+  __shared__ u64 carry_sh;
+  if (threadIdx.x == 0) carry_sh = 0;
+  __syncthreads();
+  const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int t0 = 0; t0 < nsegs; t0 += OKV_THREADS) {
+    const int i = t0 + (int)threadIdx.x;
+    u64 step = 0;
+    if (i < nsegs) {
+      const Seg& s = segs[i];
+      const u32 nch = (u32)((s.n + OKV_ANS_CHUNK - 1) / OKV_ANS_CHUNK);
+      const u64* sizes = reinterpret_cast<const u64*>(s.n_dev);
+      const int* st = reinterpret_cast<const int*>(s.st_dev);
+      u64 len = okv_al8(8 + 4ull * nch);
+      bool bad = false;
+      for (u32 c = 0; c < nch; ++c) {
+        const u64 z = sizes[c];
+        if (st[c] != 0 || z == 0 || z > s.expect_crc) bad = true;
+        len += okv_al8(z);
+      }
+      if (!bad && len <= s.bits) step = (64 + len + align - 1) / align * align;
+    }
+    u64 x = step;  // inclusive scan within the warp, then over the warps' sums
+    for (u32 o = 1; o < 32; o <<= 1) {
+      const u64 y = __shfl_up_sync(OKV_FULL, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    u64 before = carry_sh;
+    for (u32 w = 0; w < warp; ++w) before += warp_sums[w];
+    const u64 excl = before + x - step;
+    if (i < nsegs) segs[i].dst = ans0 + excl + 64;
+    __syncthreads();  // every thread has read carry_sh and warp_sums
+    if (threadIdx.x == OKV_THREADS - 1) carry_sh = excl + step;
+    __syncthreads();
+  }
+}
