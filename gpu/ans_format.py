@@ -83,11 +83,13 @@ def parse_table(head: "bytes | memoryview", payload_length: int, original_length
     start = data_start(n)
     if payload_length < start or len(mv) < 8 + 4 * n:
         raise LengthMismatch("ans chunk table is truncated")
-    sizes = np.frombuffer(mv[8:8 + 4 * n], dtype="<u4").astype(np.int64)
+    sizes = np.frombuffer(mv, dtype="<u4", count=n, offset=8).astype(np.int64)
+    # cumsum from the data start: the chunks' ends; one pass each (a restore parses every ANS segment's table)
+    padded = (sizes + 7) & ~7
+    ends = padded.cumsum()
+    ends += start
+    if int(ends[-1]) != payload_length:
+        raise LengthMismatch(f"ans chunks end at {int(ends[-1])}, payload has {payload_length} bytes")
     if not sizes.all():
         raise LengthMismatch("ans chunk of zero bytes")
-    padded = _al8(sizes)
-    ends = padded.cumsum()
-    if start + int(ends[-1]) != payload_length:
-        raise LengthMismatch(f"ans chunks end at {start + int(ends[-1])}, payload has {payload_length} bytes")
-    return ends - padded + start, sizes
+    return ends - padded, sizes

@@ -240,8 +240,10 @@ def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
 
     rng = np.random.default_rng(21)
 
-    def smooth(n: int) -> np.ndarray:  # BF16 of a few values: packs to a small share of the worst case
-        return rng.choice(np.array([0.5, 0.25, -0.5, 1.0], dtype=np.float32), n // 2).astype(BF16)
+    def smooth(n: int) -> np.ndarray:  # BF16, nearly all zeros: packs to a small share of the worst case
+        x = np.zeros(n // 2, dtype=np.float32)
+        x[::997] = 1.0
+        return x.astype(BF16)
 
     def normal(n: int) -> np.ndarray:  # BF16 normals: exponents compress, mantissas do not
         return rng.standard_normal(n // 2).astype(BF16)
@@ -257,7 +259,7 @@ def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
         segs = e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])
         check_packed(segs, xs)
         check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
-        assert e._ans_packed < 0.5 and e.stats["save_ans_tail_fetches"] == 0
+        assert e._ans_packed < 0.3 and e.stats["save_ans_tail_fetches"] == 0
         rand = rng.integers(0, 256, 1 << 20, dtype=np.uint8)  # incompressible: raw, no room in the packed slots
         xs = [normal(1 << 20), rand, normal(3 << 18), normal(1 << 20), smooth(1 << 19), normal(5 << 16)]
         segs = e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])
