@@ -20,14 +20,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   segment: its slots, headers and verdicts are numpy passes over columns (``_EncCols``, ``_DecCols``), its
   descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
-  sequence (``_ClassSet``): a save's batches pass the same one again. ANS too: its chunk arrays from the
-  class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
-  (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
-  (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
-  ``encode_submit`` / ``decode_submit`` then do.
-* ANS payloads packed: ``okv_ans_place`` lays a batch's ANS slots one after another once nvCOMP has sized
-  them, so the download (cut at the previous batch's packed share, the rest fetched when short) and the
-  arena hold the packed bytes, not each slot's worst case.
+  sequence (``_ClassSet``): a save's batches pass the same one again. They answer None for what they do not
+  take (ANS, host-decided encodes, a segment over half the workspace): ``encode_submit`` / ``decode_submit``
+  then do.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
   ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, read by the kernel from a pinned buffer of its own). Sources and
@@ -597,7 +592,6 @@ class _ClassSet(NamedTuple):
     stored: np.ndarray
     templates: np.ndarray  # (classes, 64) uint8: each class's header with a zero payload CRC
     bases: np.ndarray  # their 60-byte CRC32Cs
-    ans_type: np.ndarray  # ANS: nvCOMP's data type (the AnsType)
 
 
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
@@ -885,26 +879,6 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
     return out
 
 
-def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int,
-                  temp_of: Callable[[np.ndarray], int]) -> "list | None":
-    """Rows ``0..n-1`` cut as :func:`_prefix_batches` cuts them by ``sizes``, each batch also holding nvCOMP's
-    temp (``temp_of(rows)``, growing with a batch's chunks and bytes): cut against the limit less the largest
-    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink).
-    None when no cut fits."""
-    rows, temp = np.arange(len(sizes)), 0
-    for _ in range(4):
-        if limit - temp <= 0:
-            return None
-        batches = _prefix_batches(rows, sizes, fixed, limit - temp)
-        if batches is None:
-            return None
-        need = max(temp_of(b) for b in batches)
-        if need <= temp:
-            return batches
-        temp = need
-    return None
-
-
 def _item(obj: Any) -> EncodeItem:
     if isinstance(obj, EncodeItem):
         return obj
@@ -1121,12 +1095,6 @@ class GpuCodecEngine:
         nv = self.nvcomp()
         return max(nv.compress_temp_bytes(fill.chunks, ans_format.CHUNK_BYTES, fill.ans_bytes, t) for t in fill.types)
 
-    def _ans_temp_of(self, types: np.ndarray, nch: np.ndarray, n: np.ndarray) -> int:
-        """:meth:`_ans_temp` of ANS segments of these types, chunk counts and source lengths."""
-        chunks, total = int(nch.sum()), int(n.sum())
-        return max(self.nvcomp().compress_temp_bytes(chunks, ans_format.CHUNK_BYTES, total, AnsType(t))
-                   for t in np.unique(types).tolist())
-
     def _enc_estimate(self, fill: "_Fill", align: int) -> int:
         """Upper bound of :meth:`_enc_layout` 's total for a batch of these totals (``fill.bytes``: slots)."""
         k, na, chunks = fill.k, fill.ans, fill.chunks
@@ -1213,26 +1181,16 @@ class GpuCodecEngine:
         ``ptrs[i]`` (a device address, C-contiguous) of class ``classes[cls[i]]`` (:meth:`encode_class`).
         The job's ``out`` holds a segment only where it lies outside ``out_region`` 's arrays (a raw fallback,
         or a batch the region could not take); the others are described by the job's arrays (``addr``,
-        ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode (one the host codec
-        decides) or a segment needs more than half the workspace alone: :meth:`encode_submit` takes those."""
+        ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode without ANS (ANS,
+        or one the host codec decides) or a segment needs more than half the workspace alone:
+        :meth:`encode_submit` takes those."""
         cs = self._class_set(classes)
         if cs is None:
             return None
         cls = np.asarray(cls, dtype=np.int64)
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
-        is_ans = cs.table.kind[cls] == _KIND["ans"]
-        if is_ans.any():  # each ANS segment's chunk buffers and payload length too, and each batch nvCOMP's temp
-            nch, n = np.where(is_ans, cs.table.nch[cls], 0), cs.table.n[cls]
-            sizes = -(-cs.size[cls] // slot_align) * slot_align + np.where(is_ans, nch * (self._chunk_cap() + 36) + 8, 0)
-            fixed = _enc_fixed(slot_align)
-
-            def temp_of(b: np.ndarray) -> int:
-                b = b[is_ans[b]]
-                return self._ans_temp_of(cs.ans_type[cls[b]], nch[b], n[b]) if len(b) else 0
-            batches = _temp_batches(sizes, lambda m: fixed(m) + 3 * 256, self.budget_bytes // 2, temp_of)
-        else:
-            batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
+        batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
         if batches is None:
             return None
         job = EncodeJob.of(k)
@@ -1249,11 +1207,11 @@ class GpuCodecEngine:
 
     def _class_set(self, classes: Sequence[_Enc]) -> "_ClassSet | None":
         """The :class:`_ClassSet` of ``classes`` (made on first sight of the sequence, by the identities of its
-        classes); None when one is not a GPU encode (one the host codec decides)."""
+        classes); None when one is not a GPU encode without ANS."""
         key = tuple(map(id, classes))
         cs = self._class_sets.get(key)
         if cs is None:
-            if any(t.kind not in ("raw", "fp8", "tq", "ans") for t in classes):
+            if any(t.kind not in ("raw", "fp8", "tq") for t in classes):
                 return None
             size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes),
                                dtype=np.int64, count=len(classes))
@@ -1262,116 +1220,57 @@ class GpuCodecEngine:
             if len(self._class_sets) >= 256:
                 self._class_sets.clear()
             cs = self._class_sets[key] = _ClassSet(tuple(classes), _enc_cols(classes), size, stored, rows[tids],
-                                                   bases[tids], _ints(classes, "ans_type"))
+                                                   bases[tids])
         return cs
 
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
                             out_region: "Callable[[int], np.ndarray | None] | None", align: int) -> _Flight:
         """Queue one encode batch of :meth:`encode_columns_submit` (``rows``: its sources' indices there): its
-        columns from the class table, its descriptors (and ANS chunk arrays) up, the kernels and nvCOMP, the
-        download into ``out_region``. ANS segments as :meth:`_run_encode` lays them out: by type, their slots
-        last (packed on the GPU), their chunks and nvCOMP buffers in that order."""
+        columns from the class table, its descriptors up, the kernels, the download into ``out_region``."""
         w, table = self.save, cs.table
         c = cls[rows]
-        k = len(rows)
         kind = table.kind[c]
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
-        a = np.flatnonzero(kind == _KIND["ans"])
-        chunk, calls, temp = 0, [], 0
-        if len(a):
-            a = a[np.argsort(cs.ans_type[c[a]], kind="stable")]
-            order = np.concatenate([np.flatnonzero(kind != _KIND["ans"]), a])
-            nch = table.nch[c[a]]
-            chunk = int(nch.sum())
-            c0 = np.cumsum(nch) - nch
-            types = cs.ans_type[c[a]]
-            for t in np.unique(types).tolist():
-                sel = np.flatnonzero(types == t)
-                calls.append((AnsType(t), int(c0[sel[0]]), int(nch[sel].sum())))
-            temp = self._ans_temp_of(types, nch, table.n[c[a]])
-        lay, off, slot_o = _enc_offsets(k, n_desc, chunk, len(a), cs.size[c[order]] if len(a) else cs.size[c], align)
-        if len(a):
-            slots = np.empty(k, dtype=np.int64)
-            slots[order] = slot_o
-        else:
-            slots = slot_o
-        off["ans_slot0"] = int(slots[a[0]]) if len(a) else off["region_end"] - off["meta"]
-        chunk_cap = self._chunk_cap() if len(a) else 0
-        tmp, chunk0 = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
-        if len(a):
-            step = nch * chunk_cap
-            tmp[a] = lay.take(0) + np.cumsum(step) - step
-            lay.end = int(tmp[a[-1]] + step[-1])
-            chunk0[a] = c0
-        off["temp"] = lay.take(temp)
-        off["align"] = align
-        if len(a):  # the download up to the packed end the previous batch suggests (as _run_encode)
-            worst = off["region_end"] - off["meta"] - off["ans_slot0"]
-            off["download"] = off["ans_slot0"] + min(worst, _up(int(worst * min(1.0, self._ans_packed + ANS_MARGIN)),
-                                                                align))
+        lay, off, slots = _enc_offsets(len(rows), n_desc, 0, 0, cs.size[c], align)
+        off["temp"] = lay.take(0)
         total = lay.end
         base, upload = w.place(total)
         region = base + off["meta"]
-        src = ptrs[rows]
-        cols = _EncCols(kind, src, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
-                        table.bits[c], table.role[c], table.layer[c], table.nch[c], chunk0, tmp)
-        up = upload.get(off["pay_len"] + 8 * max(len(a), 1))
+        cols = _EncCols(kind, ptrs[rows], slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
+                        table.bits[c], table.role[c], table.layer[c], table.nch[c], table.chunk0[c], table.tmp[c])
+        up = upload.get(off["pay_len"] + 8)
         up[off["meta"]:] = 0
-        groups = _enc_groups(cols, a)
-        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off)
-        if len(a):  # per chunk: source address, source bytes, output buffer
-            arr = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
-            cb = ans_format.CHUNK_BYTES
-            at = _within(nch)
-            arr[0] = np.repeat(src[a], nch) + cb * at
-            arr[1] = np.minimum(cb, np.repeat(table.n[c[a]], nch) - cb * at)
-            arr[2] = np.repeat(base + tmp[a], nch) + chunk_cap * at
+        groups = _enc_groups(cols)
+        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, 0, base, off)
         w.h2d(base, up)
-        host, own = self._launch_encode(base, off, got, groups, k, out_region, calls, chunk, temp, align)
+        host, own = self._launch_encode(base, off, got, groups, len(rows), out_region)
         return w.launched(base, total, upload, lambda: self._finish_encode_columns(
-            cs, c, rows, src, slots, job, host, own, off, a, region), w.copies)
+            cs, c, rows, ptrs[rows], slots, job, host, own), w.copies)
 
     def _finish_encode_columns(self, cs: _ClassSet, c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
-                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool,
-                               off: "dict[str, int] | None" = None, a: "np.ndarray | None" = None,
-                               region: int = 0) -> None:
+                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool) -> None:
         """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
-        and headers as arrays (a template per class; ANS stored lengths as a column, their slots as the GPU
-        packed them); per-segment Python only for a segment that falls back to raw storage. ``views``: the
-        region is the engine's own array, so ``out`` gets each segment's view."""
+        and headers as arrays (a template per class); per-segment Python only for a segment that falls back to
+        raw storage. ``views``: the region is the engine's own array, so ``out`` gets each segment's view."""
         w, out = self.save, job.out
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
-        status = meta["status"]
-        kind = cs.table.kind[c]
-        walked = cs.stored[c]
-        bad = (status != 0) & (kind != _KIND["raw"])
-        ans = a is not None and len(a) > 0
-        if ans:
-            a_off = off["pay_len"] - off["meta"]
-            size = host[a_off:a_off + 8 * len(a)].view("<u8").astype(np.int64)
-            walked = walked.copy()
-            bad[a] |= (size == 0) | (size > walked[a])  # over the class's capacity: not worth keeping
-            walked[a] = size
-            slots = slots.copy()
-            slots[a] = self._packed_slots(size, off, host, region)
-        crcs = finish_crc(meta["acc"], walked)
-        keep = ~bad
-        for j in np.flatnonzero(bad).tolist():
+        crcs = finish_crc(meta["acc"], cs.stored[c])
+        keep = np.ones(k, dtype=bool)
+        for j in np.flatnonzero(meta["status"]).tolist():
             t = cs.classes[int(c[j])]
-            st = int(status[j])
-            if t.kind == "ans":
-                reason = RawReason.UNSUPPORTED if st & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
-            else:
-                reason = RawReason.NONFINITE if st & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
+            if t.kind == "raw":
+                continue
+            keep[j] = False
             w.stats["raw_fallbacks"] += 1
+            st = int(meta["status"][j])
+            reason = RawReason.NONFINITE if st & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
             p = msgspec.structs.replace(t, i=int(rows[j]), ptr=int(ptrs[j]))
             out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views,
-                       stored=walked[good] if ans else None)
+        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
@@ -1451,18 +1350,15 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        calls = [(t, min(p.chunk0 for p in ans if p.ans_type == t), sum(p.nch for p in ans if p.ans_type == t))
-                 for t in sorted({p.ans_type for p in ans})]
-        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, calls, chunk, temp, align)
+        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, ans, chunk, temp, align)
         region_len = off["region_end"] - off["meta"]
         return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
                                                                             ans, device_sink), w.copies)
 
     def _launch_encode(self, base: int, off: dict[str, int], rows: dict[str, tuple[int, int]],
                        groups: Sequence[tuple[str, np.ndarray]], k: int,
-                       out_region: "Callable[[int], np.ndarray | None] | None",
-                       calls: "Sequence[tuple[int, int, int]]" = (), chunk: int = 0, temp: int = 0,
-                       align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
+                       out_region: "Callable[[int], np.ndarray | None] | None", ans: "Sequence[_Enc]" = (),
+                       chunk: int = 0, temp: int = 0, align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
         """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, nvCOMP over
         the ANS chunks then their placing and packing, the CRC32C pass; then the download of the output
         region (meta, ANS payload lengths, slots; up to ``off["download"]`` when given) on the copy stream,
@@ -1477,19 +1373,20 @@ class GpuCodecEngine:
                 first, blocks = rows[name]
                 table = kern.crc_tables if name == "okv_fp8_encode" else kern.tq_tables
                 w.launch(kern, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, region, table)
-        if calls:  # an (ANS type, first chunk, chunks) per nvCOMP call
+        if ans:
             nv = self.nvcomp()
             col = base + off["chunk_in"]
-            nans = counts["okv_ans_pack"]
-            for t, c0, cn in calls:
+            for t in sorted({p.ans_type for p in ans}):
+                group = [p for p in ans if p.ans_type == t]
+                c0, cn = group[0].chunk0, sum(p.nch for p in group)
                 nv.compress(col + 8 * c0, col + 8 * (chunk + c0), ans_format.CHUNK_BYTES, cn,
                             base + off["temp"] if temp else 0, temp, col + 8 * (2 * chunk + c0),
                             base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
             first, blocks = rows["okv_ans_pack"]
-            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, nans,
+            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, len(ans),
                                                        region + off["ans_slot0"], align, w.stream)
-            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, nans, blocks, region,
+            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, region,
                      kern.crc_tables)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
@@ -1526,8 +1423,7 @@ class GpuCodecEngine:
             # over the class's capacity (keep_capacity) is exactly what worth_keeping refuses
             bad[at] |= (size == 0) | (size > walked[at])
             walked[at] = size
-            for p, slot in zip(ans, self._packed_slots(size, off, host, region).tolist()):
-                p.slot = slot
+            self._packed_slots(ans, size, off, host, region)
         crcs = finish_crc(meta["acc"], walked)
         keep = np.ones(k, dtype=bool)
         for j in np.flatnonzero(bad).tolist():
@@ -1553,14 +1449,17 @@ class GpuCodecEngine:
             self._sink_device([(plans[j], n) for j, n in zip(good.tolist(), length.tolist())], host, region,
                               region_len, device_sink)
 
-    def _packed_slots(self, size: np.ndarray, off: dict[str, int], host: np.ndarray, region: int) -> np.ndarray:
-        """The ANS slots as ``okv_ans_place`` packed them (from the payload lengths ``size``, in packing order; a
-        zero length takes no room); and the bytes past the download, when the packed slots end beyond it,
-        fetched now (one synchronous copy). The next batch's download follows this batch's packed share of
-        the worst case."""
+    def _packed_slots(self, ans: list[_Enc], size: np.ndarray, off: dict[str, int], host: np.ndarray,
+                      region: int) -> None:
+        """The ANS slots as ``okv_ans_place`` packed them (from the payload lengths ``size``, in ``ans`` order; a
+        zero length takes no room), set on the plans; and the bytes past the download, when the packed slots
+        end beyond it, fetched now (one synchronous copy). The next batch's download follows this batch's
+        packed share of the worst case."""
         align = off["align"]
         steps = np.where(size > 0, -(-(HEADER_SIZE + size) // align) * align, 0)
         slots = off["ans_slot0"] + np.cumsum(steps) - steps
+        for p, slot in zip(ans, slots.tolist()):
+            p.slot = slot
         end, got = off["ans_slot0"] + int(steps.sum()), off["download"]
         worst = off["region_end"] - off["meta"] - off["ans_slot0"]
         self._ans_packed = (end - off["ans_slot0"]) / worst if worst else 1.0
@@ -1569,7 +1468,6 @@ class GpuCodecEngine:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data + got, region + got, end - got, _D2H, w.copies.ptr)
             w.copies.synchronize()
             w.stats["ans_tail_fetches"] += 1
-        return slots
 
     def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For header field tuples (``_Enc.head``'s ints, payload CRC aside): each one's row in the templates
@@ -1834,57 +1732,31 @@ class GpuCodecEngine:
                 raise
         return job
 
-    def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray, dst_bytes: np.ndarray, *,
-                              within: "np.ndarray | None" = None) -> "DecodeJob | None":
+    def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                              dst_bytes: np.ndarray) -> "DecodeJob | None":
         """:meth:`decode_submit` of segments given as arrays, with no Python per segment: ``heads``
         (``[n, 64]`` uint8) their headers, verified by the caller (only the payload CRC32C is checked here),
         ``src`` the host address of each payload (the byte after its header) in pinned memory, ``dst`` the
         device address of each destination and ``dst_bytes`` its size (a destination of another size than
-        the header's source length is a :class:`LengthMismatch`, left untouched). ANS payloads must lie in
-        ``within`` (a uint8 array, the caller's pinned pool): their chunk tables are parsed from it in one
-        pass (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`; a table that does not parse is that segment's
-        error). Payloads and destinations must stay untouched until :meth:`decode_collect`. Answers None,
-        queueing nothing, when a segment is ANS and ``within`` is not given, or a segment needs more than half
-        the workspace alone: :meth:`decode_submit` takes those."""
+        the header's source length is a :class:`LengthMismatch`, left untouched). Payloads and destinations
+        must stay untouched until :meth:`decode_collect`. Answers None, queueing nothing, when a segment is
+        ANS (its chunk tables are read per segment) or needs more than half the workspace alone:
+        :meth:`decode_submit` takes those."""
         h = np.ascontiguousarray(heads, dtype=np.uint8).view(HEADER_DTYPE).reshape(-1)
         n = len(h)
         fmt = h["format"]
-        ans = fmt == Format.ANS
-        if not (np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)) | ans).all() or (ans.any() and within is None):
+        if not np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)).all():
+            return None
+        batches = self._dec_cuts(np.arange(n), h["stored_length"].astype(np.int64))
+        if batches is None:
             return None
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
-        stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
         job = DecodeJob([None] * n)
-        wrong = np.asarray(dst_bytes, dtype=np.int64) != orig
+        wrong = np.asarray(dst_bytes, dtype=np.int64) != h["original_length"]
         for i in np.flatnonzero(wrong).tolist():
             job.results[i] = LengthMismatch(f"destination {i} holds {int(dst_bytes[i])} bytes; the segment "
-                                            f"decodes to {int(orig[i])}")
-        tables = None
-        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
-        limit = self.budget_bytes // 2
-        if ans.any():
-            at = np.flatnonzero(ans)
-            tables = ans_format.parse_tables(within, src[at] - within.ctypes.data, stored[at], orig[at])
-            for j in np.flatnonzero(tables.err).tolist():
-                i = int(at[j])
-                if not wrong[i]:
-                    job.results[i] = ans_format.table_error(tables, j, int(stored[i]), int(orig[i]))
-                wrong[i] = True
-            # ... and its scratch (the decompressed bytes) and chunk arrays; and each batch nvCOMP's temp
-            nch = np.zeros(n, dtype=np.int64)
-            nch[at] = tables.nch
-            sizes[at] += -(-orig[at] // SLOT_ALIGN) * SLOT_ALIGN + 44 * tables.nch
-            atype = h["ans_type"].astype(np.int64)
-
-            def temp_of(b: np.ndarray) -> int:
-                b = b[ans[b]]
-                return self._dec_temp_of(atype[b], nch[b], orig[b]) if len(b) else 0
-            batches = _temp_batches(sizes, _dec_fixed, limit, temp_of)
-        else:
-            batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit)
-        if batches is None:
-            return None
+                                            f"decodes to {int(h['original_length'][i])}")
         w = self.restore
         with w.lock:
             w.wait_for_current()
@@ -1893,99 +1765,39 @@ class GpuCodecEngine:
                     if wrong.any():
                         rows = rows[~wrong[rows]]
                     if len(rows):
-                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results,
-                                                                    tables, ans))
+                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
                 raise
         return job
 
-    def _dec_temp_of(self, types: np.ndarray, nch: np.ndarray, orig: np.ndarray) -> int:
-        """nvCOMP's decompression temp bytes for ANS segments of these types, chunk counts and original lengths:
-        as :meth:`_dec_temp`, the largest over their types of the temp for all their chunks."""
-        chunks, total = int(nch.sum()), int(orig.sum())
-        return max(self.nvcomp().decompress_temp_bytes(chunks, ans_format.CHUNK_BYTES, total, AnsType(t))
-                   for t in np.unique(types).tolist())
-
     def _run_decode_columns(self, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
-                            results: list, tables: "ans_format.Tables | None" = None,
-                            is_ans: "np.ndarray | None" = None) -> _Flight:
+                            results: list) -> _Flight:
         """Queue one decode batch of :meth:`decode_columns_submit` (``rows``: its segments' indices there):
-        the descriptors (and ANS chunk arrays) up, each run of neighbouring payloads up in one copy from where
-        it lies, the kernels and nvCOMP; its verdicts are made when the flight is finished. ``tables``: the
-        request's ANS chunk tables, row ``j`` of them the request's ``j``-th ANS segment (``is_ans``)."""
+        the descriptors up, each run of neighbouring payloads up in one copy from where it lies, the kernels;
+        its verdicts are made when the flight is finished."""
         w = self.restore
-        k = len(h)
-        stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
-        a = np.flatnonzero(h["format"] == Format.ANS)
-        chunks, calls = 0, []
-        if len(a):  # one nvCOMP call per ANS type: each type's chunks together, in batch order within it
-            a = a[np.argsort(h["ans_type"][a], kind="stable")]
-            t_of = np.cumsum(is_ans)[rows[a]] - 1  # each one's row in the tables
-            nch = tables.nch[t_of]
-            chunks = int(nch.sum())
-            c0 = np.cumsum(nch) - nch
-            types = h["ans_type"][a].astype(np.int64)
-            for t in np.unique(types).tolist():
-                sel = np.flatnonzero(types == t)
-                calls.append((AnsType(t), int(c0[sel[0]]), int(nch[sel].sum())))
-        lay, off = _dec_layout_fixed(k, chunks)
+        stored = h["stored_length"].astype(np.int64)
+        lay, off = _dec_layout_fixed(len(h), 0)
         staged, runs = _mirror(host, stored, lay)
-        scratch = np.zeros(k, dtype=np.int64)
-        if len(a):
-            step = -(-orig[a] // SLOT_ALIGN) * SLOT_ALIGN
-            scratch[a] = lay.take(0) + np.cumsum(step) - step
-            lay.end = int(scratch[a[-1]] + step[-1])
-            temp = self._dec_temp_of(types, nch, orig[a])
-            off["temp"], off["temp_bytes"] = lay.take(temp), temp
         total = lay.end
         base, upload = w.place(total)
         up = upload.get(off["down_end"])
         up[off["meta"]:] = 0
         cols = _header_cols(h, base + staged, dst)
-        if len(a):
-            chunk0 = np.zeros(k, dtype=np.int64)
-            chunk0[a] = c0
-            cols = cols._replace(scratch=np.where(scratch > 0, base + scratch, 0), chunk0=chunk0)
-            # per chunk: payload address, compressed bytes, decoded bytes, scratch address
-            at = _within(nch)
-            idx = np.repeat(tables.chunk0[t_of], nch) + at
-            cb = ans_format.CHUNK_BYTES
-            arr = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
-            arr[0] = np.repeat(base + staged[a], nch) + tables.offsets[idx]
-            arr[1] = tables.sizes[idx]
-            arr[2] = np.minimum(cb, np.repeat(orig[a], nch) - cb * at)
-            arr[3] = np.repeat(base + scratch[a], nch) + cb * at
         firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
         cs = w.copies
         w.h2d(base, up, cs)
-        for r0, r1 in runs:
-            w.h2d_raw(base + int(staged[r0]), int(host[r0]), int(staged[r1 - 1] + stored[r1 - 1] - staged[r0]), cs)
+        for a, b in runs:
+            w.h2d_raw(base + int(staged[a]), int(host[a]), int(staged[b - 1] + stored[b - 1] - staged[a]), cs)
         w.handoff(w.stream, cs)
-        meta = self._launch_decode(base, off, firsts, k, calls, chunks)
+        meta = self._launch_decode(base, off, firsts, len(h))
 
         def finish() -> None:
-            acc = meta[:16 * k].view(km.META_DTYPE)["acc"]
-            bad = acc != cols.expect
-            for j in np.flatnonzero(bad).tolist():
+            acc = meta[:16 * len(h)].view(km.META_DTYPE)["acc"]
+            for j in np.flatnonzero(acc != cols.expect).tolist():
                 i = int(rows[j])
                 results[i] = PayloadChecksumMismatch(f"segment {i}: payload CRC32C mismatch")
-            if not len(a):
-                return
-            a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
-            actual = meta[a_off:a_off + 8 * chunks].view("<u8")
-            status = meta[s_off:s_off + 4 * chunks].view("<i4")
-            got = np.add.reduceat(actual, c0)
-            failed = np.logical_or.reduceat(status != 0, c0)
-            for j in np.flatnonzero((failed | (got != orig[a])) & ~bad[a]).tolist():
-                i = int(rows[a[j]])
-                if failed[j]:
-                    sl = status[c0[j]:c0[j] + nch[j]]
-                    results[i] = SegmentError(f"segment {i}: nvCOMP ANS decompression failed "
-                                              f"({self.nvcomp().status_name(int(sl[np.flatnonzero(sl)[0]]))})")
-                else:
-                    results[i] = LengthMismatch(f"segment {i}: ANS decompressed {int(got[j])} bytes, "
-                                                f"header says {int(orig[a[j]])}")
 
         return w.launched(base, total, upload, finish)
 
@@ -2097,18 +1909,16 @@ class GpuCodecEngine:
         for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy
             if p.dev and not p.inplace and p.h.stored_length:
                 cp.cuda.runtime.memcpyAsync(base + p.staged, p.dev, p.h.stored_length, _D2D, w.stream.ptr)
-        calls = [(t, min(p.chunk0 for p in ans if p.h.ans_type == t),
-                  sum(int(p.sizes.size) for p in ans if p.h.ans_type == t)) for t in sorted({p.h.ans_type for p in ans})]
-        host = self._launch_decode(base, off, firsts, len(plans), calls, chunks)
+        host = self._launch_decode(base, off, firsts, len(plans), ans, chunks)
         return w.launched(base, total, upload,
                           lambda: self._finish_decode(plans, results, off, host, cols.expect, chunks))
 
     def _launch_decode(self, base: int, off: dict[str, int], firsts: dict[str, tuple[int, int, int]], k: int,
-                       calls: "Sequence[tuple[int, int, int]]" = (), chunks: int = 0) -> np.ndarray:
+                       ans: "Sequence[_Dec]" = (), chunks: int = 0) -> np.ndarray:
         """Queue a decode batch's kernels on the restore stream (its descriptors and payloads are up): the
-        CRC32C check, the FP8 and TurboQuant decodes, nvCOMP for the ANS chunks (``calls``: an (ANS type,
-        first chunk, chunks) per nvCOMP call, their chunk arrays at ``chunk_in``), the checked copies; then
-        the download of the meta and chunk statuses into the pinned array answered."""
+        CRC32C check, the FP8 and TurboQuant decodes, nvCOMP for the ANS chunks (``ans``, their chunk arrays
+        at ``chunk_in``), the checked copies; then the download of the meta and chunk statuses into the
+        pinned array answered."""
         w, kern = self.restore, self._kernels
         meta_ptr = base + off["meta"]
         segs = base + off["desc"]
@@ -2119,9 +1929,11 @@ class GpuCodecEngine:
             first, count, blocks = firsts[name]
             if count:
                 w.launch(kern, name, segs + first * size, count, blocks, meta_ptr, table)
-        if calls:
+        if ans:
             nv, temp, col = self.nvcomp(), off["temp_bytes"], base + off["chunk_in"]
-            for t, c0, cn in calls:
+            for t in sorted({p.h.ans_type for p in ans}):
+                group = [p for p in ans if p.h.ans_type == t]
+                c0, cn = group[0].chunk0, sum(int(p.sizes.size) for p in group)
                 nv.decompress(col + 8 * c0, col + 8 * (chunks + c0), col + 8 * (2 * chunks + c0),
                               base + off["chunk_actual"] + 8 * c0, cn, base + off["temp"] if temp else 0, temp,
                               col + 8 * (3 * chunks + c0), t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
