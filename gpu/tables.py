@@ -131,25 +131,24 @@ def x8n(n: "int | np.ndarray") -> np.ndarray:
     return gf_mul_vec(tab[XC_OFFSET + n // CHUNK], tab[XP_OFFSET + n % CHUNK])
 
 
+@numba.njit(cache=True, inline="always")
+def _gf_mul_nb(a: np.uint32, b: np.uint32) -> np.uint32:  # pragma: no cover - compiled
+    """:func:`gf_mul` compiled: a * b mod P, reflected."""
+    p = np.uint32(0)
+    for _ in range(32):
+        if a & np.uint32(0x80000000):
+            p ^= b
+        a = a << np.uint32(1)
+        b = (b >> np.uint32(1)) ^ (np.uint32(POLY) if b & np.uint32(1) else np.uint32(0))
+    return p
+
+
 @numba.njit(cache=True)
 def _zero_crcs(n: np.ndarray, tab: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.empty(n.size, dtype=np.uint32)
-    for i in range(n.size):
-        # x^(8n) from the kernels' tables, then 0xFFFFFFFF times it: both as gf_mul_vec multiplies
-        x = np.uint32(0)
-        a, b = tab[XC_OFFSET + n[i] // CHUNK], tab[XP_OFFSET + n[i] % CHUNK]
-        for _ in range(32):
-            if a & np.uint32(0x80000000):
-                x ^= b
-            a = a << np.uint32(1)
-            b = (b >> np.uint32(1)) ^ (np.uint32(POLY) if b & np.uint32(1) else np.uint32(0))
-        p, a = np.uint32(0), np.uint32(0xFFFFFFFF)
-        for _ in range(32):
-            if a & np.uint32(0x80000000):
-                p ^= x
-            a = a << np.uint32(1)
-            x = (x >> np.uint32(1)) ^ (np.uint32(POLY) if x & np.uint32(1) else np.uint32(0))
-        out[i] = p ^ np.uint32(0xFFFFFFFF)
+    for i in range(n.size):  # x^(8n) from the kernels' tables (as x8n), then 0xFFFFFFFF times it
+        x = _gf_mul_nb(tab[XC_OFFSET + n[i] // CHUNK], tab[XP_OFFSET + n[i] % CHUNK])
+        out[i] = _gf_mul_nb(np.uint32(0xFFFFFFFF), x) ^ np.uint32(0xFFFFFFFF)
     return out
 
 

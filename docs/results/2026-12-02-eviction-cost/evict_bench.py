@@ -16,19 +16,22 @@ blocks, layers = 512, 8
 pages, reg = _engine(blocks, layers)
 seg_bytes = BLOCK_BYTES  # 32 KiB per layer/role
 nseg = blocks * layers * 2
-for mode in sys.argv[1:]:
-    pool = (nseg * (seg_bytes + 512) * (1 if mode == "pressure" else 3)) + (16 << 20)
-    with Manager(ManagerConfig(pool_size=pool, device="cpu")) as m:
-        e = m.register_engine(reg)
-        ts, cpu = [], []
-        for rep in range(8):
-            chunks = [ChunkBlocks(chunk_key(f"{mode}-{rep}-{i}"), [i]) for i in range(blocks)]
-            if mode == "fresh":
-                m.invalidate(all=True)
-            c0, t0 = time.thread_time(), time.perf_counter()
-            r = m.save(e.engine_id, chunks)
-            ts.append(time.perf_counter() - t0); cpu.append(time.thread_time() - c0)
-            assert r.segments == nseg, (r.segments, r.dropped_segments)
-        print(f"{mode:>9}: save median {statistics.median(ts) * 1e3:.1f} ms, "
-              f"{statistics.median(cpu) / nseg * 1e6:.2f} us CPU per segment, "
-              f"{nseg * seg_bytes / statistics.median(ts) / 1e9:.2f} GB/s")
+try:
+    for mode in sys.argv[1:]:
+        pool = (nseg * (seg_bytes + 512) * (1 if mode == "pressure" else 3)) + (16 << 20)
+        with Manager(ManagerConfig(pool_size=pool, device="cpu")) as m:
+            e = m.register_engine(reg)
+            ts, cpu = [], []
+            for rep in range(8):
+                chunks = [ChunkBlocks(chunk_key(f"{mode}-{rep}-{i}"), [i]) for i in range(blocks)]
+                if mode == "fresh":
+                    m.invalidate(all=True)
+                c0, t0 = time.thread_time(), time.perf_counter()
+                r = m.save(e.engine_id, chunks)
+                ts.append(time.perf_counter() - t0); cpu.append(time.thread_time() - c0)
+                assert r.segments == nseg, (r.segments, r.dropped_segments)
+            print(f"{mode:>9}: save median {statistics.median(ts) * 1e3:.1f} ms, "
+                  f"{statistics.median(cpu) / nseg * 1e6:.2f} us CPU per segment, "
+                  f"{nseg * seg_bytes / statistics.median(ts) / 1e9:.2f} GB/s")
+finally:
+    pages.close()  # its /dev/shm file goes with it
