@@ -8,6 +8,9 @@ Host-only (numpy), shared by the batched engine, :mod:`orbitkv_fs.gpu.ans` and t
   length; every inconsistency is a typed :class:`~orbitkv_fs.errors.SegmentError`.
 * :func:`parse_table` -- the same from the chunk table and the payload length alone (a payload in device
   memory: only its table comes to the host).
+* :func:`parse_tables` -- :func:`parse_table` of a batch of payloads lying in one host array, one compiled
+  pass (a restore batch's ANS segments as arrays): the chunks of all of them, and a typed error per payload
+  that does not parse (:func:`table_error`).
 * :func:`keep_capacity` -- the largest payload the keep-or-raw rule would keep for a source length.
 
 Layout (little-endian): ``u32 chunk_bytes`` (65536), ``u32 nchunks`` (ceil(original / 65536)),
@@ -21,7 +24,9 @@ hundreds.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
+import numba
 import numpy as np
 
 from orbitkv_fs.errors import LengthMismatch, UnknownFormat
@@ -93,3 +98,89 @@ def parse_table(head: "bytes | memoryview", payload_length: int, original_length
     if not sizes.all():
         raise LengthMismatch("ans chunk of zero bytes")
     return ends - padded, sizes
+
+
+class Tables(NamedTuple):
+    """:func:`parse_tables` 's answer: per payload its chunk count (from its original length), its first chunk in
+    ``offsets`` / ``sizes`` (the chunks' offsets in their payload and compressed sizes, payload after payload)
+    and an error code (0: parsed; else :func:`table_error` tells which) with the value it concerns."""
+
+    nch: np.ndarray
+    chunk0: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    err: np.ndarray
+    value: np.ndarray
+
+
+# parse_tables' error codes, in parse_table's order of checks
+_NO_TABLE, _CHUNK_SIZE, _COUNT, _TRUNCATED, _ENDS, _ZERO, _OUTSIDE = 1, 2, 3, 4, 5, 6, 7
+
+
+@numba.njit(cache=True, nogil=True)
+def _u32(buf: np.ndarray, at: int) -> int:  # pragma: no cover - compiled
+    return (np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8) | (np.int64(buf[at + 2]) << 16)
+            | (np.int64(buf[at + 3]) << 24))
+
+
+@numba.njit(cache=True, nogil=True)
+def _parse_tables(buf: np.ndarray, off: np.ndarray, stored: np.ndarray, nch: np.ndarray, chunk0: np.ndarray,
+                  offsets: np.ndarray, sizes: np.ndarray, err: np.ndarray, value: np.ndarray) -> None:  # pragma: no cover
+    for i in range(len(off)):
+        o, length = off[i], stored[i]
+        if o < 0 or length < 0 or o + length > len(buf):
+            err[i] = _OUTSIDE
+            continue
+        if length < 8:
+            err[i] = _NO_TABLE
+            continue
+        chunk, n = _u32(buf, o), _u32(buf, o + 4)
+        if chunk != CHUNK_BYTES:
+            err[i], value[i] = _CHUNK_SIZE, chunk
+            continue
+        if n != nch[i] or n == 0:
+            err[i], value[i] = _COUNT, n
+            continue
+        pos = (8 + 4 * n + 7) // 8 * 8
+        if length < pos:
+            err[i] = _TRUNCATED
+            continue
+        zero = False
+        for j in range(n):
+            z = _u32(buf, o + 8 + 4 * j)
+            zero |= z == 0
+            offsets[chunk0[i] + j] = pos
+            sizes[chunk0[i] + j] = z
+            pos += (z + 7) // 8 * 8
+        if pos != length:
+            err[i], value[i] = _ENDS, pos
+        elif zero:
+            err[i] = _ZERO
+
+
+def parse_tables(buf: np.ndarray, off: np.ndarray, stored: np.ndarray, original: np.ndarray) -> Tables:
+    """:func:`parse_table` of each payload ``buf[off[i]:off[i] + stored[i]]`` (``buf``: a uint8 array holding
+    them all) whose segment decodes to ``original[i]`` bytes, in one compiled pass; a payload outside ``buf``
+    is an error too, never read."""
+    off, stored, original = (np.asarray(x, dtype=np.int64) for x in (off, stored, original))
+    nch = -(-original // CHUNK_BYTES)
+    chunk0 = np.cumsum(nch) - nch
+    total = int(nch.sum())
+    offsets, sizes = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
+    err, value = np.zeros(len(off), dtype=np.int8), np.zeros(len(off), dtype=np.int64)
+    _parse_tables(buf, off, stored, nch, chunk0, offsets, sizes, err, value)
+    return Tables(nch, chunk0, offsets, sizes, err, value)
+
+
+def table_error(t: Tables, i: int, stored: int, original: int) -> "UnknownFormat | LengthMismatch":
+    """The error of payload ``i`` of :func:`parse_tables` (``t.err[i]`` nonzero), as :func:`parse_table` raises it."""
+    code, v = int(t.err[i]), int(t.value[i])
+    if code == _CHUNK_SIZE:
+        return UnknownFormat(f"ans chunk size {v} (this build reads {CHUNK_BYTES})")
+    return LengthMismatch({
+        _NO_TABLE: f"ans payload of {stored} bytes has no chunk table",
+        _COUNT: f"ans payload has {v} chunks; {original} bytes need {chunk_count(original)}",
+        _TRUNCATED: "ans chunk table is truncated",
+        _ENDS: f"ans chunks end at {v}, payload has {stored} bytes",
+        _ZERO: "ans chunk of zero bytes",
+    }.get(code, f"ans payload of {stored} bytes lies outside the memory given"))

@@ -1732,31 +1732,49 @@ class GpuCodecEngine:
                 raise
         return job
 
-    def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray,
-                              dst_bytes: np.ndarray) -> "DecodeJob | None":
+    def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray, dst_bytes: np.ndarray, *,
+                              within: "np.ndarray | None" = None) -> "DecodeJob | None":
         """:meth:`decode_submit` of segments given as arrays, with no Python per segment: ``heads``
         (``[n, 64]`` uint8) their headers, verified by the caller (only the payload CRC32C is checked here),
         ``src`` the host address of each payload (the byte after its header) in pinned memory, ``dst`` the
         device address of each destination and ``dst_bytes`` its size (a destination of another size than
-        the header's source length is a :class:`LengthMismatch`, left untouched). Payloads and destinations
-        must stay untouched until :meth:`decode_collect`. Answers None, queueing nothing, when a segment is
-        ANS (its chunk tables are read per segment) or needs more than half the workspace alone:
-        :meth:`decode_submit` takes those."""
+        the header's source length is a :class:`LengthMismatch`, left untouched). ANS payloads must lie in
+        ``within`` (a uint8 array, the caller's pinned pool): their chunk tables are parsed from it in one
+        pass (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`; a table that does not parse is that segment's
+        error). Payloads and destinations must stay untouched until :meth:`decode_collect`. Answers None,
+        queueing nothing, when a segment is ANS and ``within`` is not given, or a segment needs more than half
+        the workspace alone: :meth:`decode_submit` takes those."""
         h = np.ascontiguousarray(heads, dtype=np.uint8).view(HEADER_DTYPE).reshape(-1)
         n = len(h)
         fmt = h["format"]
-        if not np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)).all():
-            return None
-        batches = self._dec_cuts(np.arange(n), h["stored_length"].astype(np.int64))
-        if batches is None:
+        ans = fmt == Format.ANS
+        if not (np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)) | ans).all() or (ans.any() and within is None):
             return None
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)
+        stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
         job = DecodeJob([None] * n)
-        wrong = np.asarray(dst_bytes, dtype=np.int64) != h["original_length"]
+        wrong = np.asarray(dst_bytes, dtype=np.int64) != orig
         for i in np.flatnonzero(wrong).tolist():
             job.results[i] = LengthMismatch(f"destination {i} holds {int(dst_bytes[i])} bytes; the segment "
-                                            f"decodes to {int(h['original_length'][i])}")
+                                            f"decodes to {int(orig[i])}")
+        tables = None
+        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
+        limit = self.budget_bytes // 2
+        if ans.any():
+            at = np.flatnonzero(ans)
+            tables = ans_format.parse_tables(within, src[at] - within.ctypes.data, stored[at], orig[at])
+            for j in np.flatnonzero(tables.err).tolist():
+                i = int(at[j])
+                if not wrong[i]:
+                    job.results[i] = ans_format.table_error(tables, j, int(stored[i]), int(orig[i]))
+                wrong[i] = True
+            # ... and its scratch (the decompressed bytes) and chunk arrays; nvCOMP's temp once for the lot
+            sizes[at] += -(-orig[at] // SLOT_ALIGN) * SLOT_ALIGN + 44 * tables.nch
+            limit -= self._dec_temp_of(h["ans_type"][at], tables.nch, orig[at])
+        batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit) if limit > 0 else None
+        if batches is None:
+            return None
         w = self.restore
         with w.lock:
             w.wait_for_current()
@@ -1765,39 +1783,99 @@ class GpuCodecEngine:
                     if wrong.any():
                         rows = rows[~wrong[rows]]
                     if len(rows):
-                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results))
+                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results,
+                                                                    tables, ans))
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
                 raise
         return job
 
+    def _dec_temp_of(self, types: np.ndarray, nch: np.ndarray, orig: np.ndarray) -> int:
+        """nvCOMP's decompression temp bytes for ANS segments of these types, chunk counts and original lengths:
+        as :meth:`_dec_temp`, the largest over their types of the temp for all their chunks."""
+        chunks, total = int(nch.sum()), int(orig.sum())
+        return max(self.nvcomp().decompress_temp_bytes(chunks, ans_format.CHUNK_BYTES, total, AnsType(t))
+                   for t in np.unique(types).tolist())
+
     def _run_decode_columns(self, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
-                            results: list) -> _Flight:
+                            results: list, tables: "ans_format.Tables | None" = None,
+                            is_ans: "np.ndarray | None" = None) -> _Flight:
         """Queue one decode batch of :meth:`decode_columns_submit` (``rows``: its segments' indices there):
-        the descriptors up, each run of neighbouring payloads up in one copy from where it lies, the kernels;
-        its verdicts are made when the flight is finished."""
+        the descriptors (and ANS chunk arrays) up, each run of neighbouring payloads up in one copy from where
+        it lies, the kernels and nvCOMP; its verdicts are made when the flight is finished. ``tables``: the
+        request's ANS chunk tables, row ``j`` of them the request's ``j``-th ANS segment (``is_ans``)."""
         w = self.restore
-        stored = h["stored_length"].astype(np.int64)
-        lay, off = _dec_layout_fixed(len(h), 0)
+        k = len(h)
+        stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
+        a = np.flatnonzero(h["format"] == Format.ANS)
+        chunks, calls = 0, []
+        if len(a):  # one nvCOMP call per ANS type: each type's chunks together, in batch order within it
+            a = a[np.argsort(h["ans_type"][a], kind="stable")]
+            t_of = np.cumsum(is_ans)[rows[a]] - 1  # each one's row in the tables
+            nch = tables.nch[t_of]
+            chunks = int(nch.sum())
+            c0 = np.cumsum(nch) - nch
+            types = h["ans_type"][a].astype(np.int64)
+            for t in np.unique(types).tolist():
+                sel = np.flatnonzero(types == t)
+                calls.append((AnsType(t), int(c0[sel[0]]), int(nch[sel].sum())))
+        lay, off = _dec_layout_fixed(k, chunks)
         staged, runs = _mirror(host, stored, lay)
+        scratch = np.zeros(k, dtype=np.int64)
+        if len(a):
+            step = -(-orig[a] // SLOT_ALIGN) * SLOT_ALIGN
+            scratch[a] = lay.take(0) + np.cumsum(step) - step
+            lay.end = int(scratch[a[-1]] + step[-1])
+            temp = self._dec_temp_of(types, nch, orig[a])
+            off["temp"], off["temp_bytes"] = lay.take(temp), temp
         total = lay.end
         base, upload = w.place(total)
         up = upload.get(off["down_end"])
         up[off["meta"]:] = 0
         cols = _header_cols(h, base + staged, dst)
+        if len(a):
+            chunk0 = np.zeros(k, dtype=np.int64)
+            chunk0[a] = c0
+            cols = cols._replace(scratch=np.where(scratch > 0, base + scratch, 0), chunk0=chunk0)
+            # per chunk: payload address, compressed bytes, decoded bytes, scratch address
+            at = _within(nch)
+            idx = np.repeat(tables.chunk0[t_of], nch) + at
+            cb = ans_format.CHUNK_BYTES
+            arr = up[off["chunk_in"]:off["chunk_in"] + 32 * chunks].view("<u8").reshape(4, chunks)
+            arr[0] = np.repeat(base + staged[a], nch) + tables.offsets[idx]
+            arr[1] = tables.sizes[idx]
+            arr[2] = np.minimum(cb, np.repeat(orig[a], nch) - cb * at)
+            arr[3] = np.repeat(base + scratch[a], nch) + cb * at
         firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
         cs = w.copies
         w.h2d(base, up, cs)
-        for a, b in runs:
-            w.h2d_raw(base + int(staged[a]), int(host[a]), int(staged[b - 1] + stored[b - 1] - staged[a]), cs)
+        for r0, r1 in runs:
+            w.h2d_raw(base + int(staged[r0]), int(host[r0]), int(staged[r1 - 1] + stored[r1 - 1] - staged[r0]), cs)
         w.handoff(w.stream, cs)
-        meta = self._launch_decode(base, off, firsts, len(h))
+        meta = self._launch_decode(base, off, firsts, k, calls, chunks)
 
         def finish() -> None:
-            acc = meta[:16 * len(h)].view(km.META_DTYPE)["acc"]
-            for j in np.flatnonzero(acc != cols.expect).tolist():
+            acc = meta[:16 * k].view(km.META_DTYPE)["acc"]
+            bad = acc != cols.expect
+            for j in np.flatnonzero(bad).tolist():
                 i = int(rows[j])
                 results[i] = PayloadChecksumMismatch(f"segment {i}: payload CRC32C mismatch")
+            if not len(a):
+                return
+            a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
+            actual = meta[a_off:a_off + 8 * chunks].view("<u8")
+            status = meta[s_off:s_off + 4 * chunks].view("<i4")
+            got = np.add.reduceat(actual, c0)
+            failed = np.logical_or.reduceat(status != 0, c0)
+            for j in np.flatnonzero((failed | (got != orig[a])) & ~bad[a]).tolist():
+                i = int(rows[a[j]])
+                if failed[j]:
+                    sl = status[c0[j]:c0[j] + nch[j]]
+                    results[i] = SegmentError(f"segment {i}: nvCOMP ANS decompression failed "
+                                              f"({self.nvcomp().status_name(int(sl[np.flatnonzero(sl)[0]]))})")
+                else:
+                    results[i] = LengthMismatch(f"segment {i}: ANS decompressed {int(got[j])} bytes, "
+                                                f"header says {int(orig[a[j]])}")
 
         return w.launched(base, total, upload, finish)
 
@@ -1909,16 +1987,18 @@ class GpuCodecEngine:
         for p in plans:  # device payloads the kernels cannot read in place: one device-to-device copy
             if p.dev and not p.inplace and p.h.stored_length:
                 cp.cuda.runtime.memcpyAsync(base + p.staged, p.dev, p.h.stored_length, _D2D, w.stream.ptr)
-        host = self._launch_decode(base, off, firsts, len(plans), ans, chunks)
+        calls = [(t, min(p.chunk0 for p in ans if p.h.ans_type == t),
+                  sum(int(p.sizes.size) for p in ans if p.h.ans_type == t)) for t in sorted({p.h.ans_type for p in ans})]
+        host = self._launch_decode(base, off, firsts, len(plans), calls, chunks)
         return w.launched(base, total, upload,
                           lambda: self._finish_decode(plans, results, off, host, cols.expect, chunks))
 
     def _launch_decode(self, base: int, off: dict[str, int], firsts: dict[str, tuple[int, int, int]], k: int,
-                       ans: "Sequence[_Dec]" = (), chunks: int = 0) -> np.ndarray:
+                       calls: "Sequence[tuple[int, int, int]]" = (), chunks: int = 0) -> np.ndarray:
         """Queue a decode batch's kernels on the restore stream (its descriptors and payloads are up): the
-        CRC32C check, the FP8 and TurboQuant decodes, nvCOMP for the ANS chunks (``ans``, their chunk arrays
-        at ``chunk_in``), the checked copies; then the download of the meta and chunk statuses into the
-        pinned array answered."""
+        CRC32C check, the FP8 and TurboQuant decodes, nvCOMP for the ANS chunks (``calls``: an (ANS type,
+        first chunk, chunks) per nvCOMP call, their chunk arrays at ``chunk_in``), the checked copies; then
+        the download of the meta and chunk statuses into the pinned array answered."""
         w, kern = self.restore, self._kernels
         meta_ptr = base + off["meta"]
         segs = base + off["desc"]
@@ -1929,11 +2009,9 @@ class GpuCodecEngine:
             first, count, blocks = firsts[name]
             if count:
                 w.launch(kern, name, segs + first * size, count, blocks, meta_ptr, table)
-        if ans:
+        if calls:
             nv, temp, col = self.nvcomp(), off["temp_bytes"], base + off["chunk_in"]
-            for t in sorted({p.h.ans_type for p in ans}):
-                group = [p for p in ans if p.h.ans_type == t]
-                c0, cn = group[0].chunk0, sum(int(p.sizes.size) for p in group)
+            for t, c0, cn in calls:
                 nv.decompress(col + 8 * c0, col + 8 * (chunks + c0), col + 8 * (2 * chunks + c0),
                               base + off["chunk_actual"] + 8 * c0, cn, base + off["temp"] if temp else 0, temp,
                               col + 8 * (3 * chunks + c0), t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)

@@ -351,3 +351,117 @@ def test_encode_headers_are_pack_headers_bytes(align):
         assert len(v) == length[j] and bytes(v[:HEADER_SIZE]) == want[j]
     with pytest.raises(errors.LengthMismatch):  # a raw header whose stored length is not its source's
         eng._template_ids([(int(Format.RAW), dtype_code(np.dtype(np.uint8)), 4, 5, 0, 0, 0, 0, 0, 0, 0, 0)])
+
+
+class _RecordingWorker:
+    """A Worker's interface recording what a decode batch sends to the GPU (the upload buffer's bytes, the
+    copies from pinned memory, the launches): no CUDA behind it, flights never finish."""
+
+    def __init__(self) -> None:
+        import threading
+        from collections import Counter
+
+        self.lock, self.stats, self.log = threading.Lock(), Counter(), []
+        self.stream = self.copies = types.SimpleNamespace(ptr=0)
+        self.buffers = [np.zeros(32 << 20, np.uint8) for _ in range(2)]
+        self.n = 0
+
+    def wait_for_current(self) -> None:
+        pass
+
+    def place(self, nbytes: int):
+        buf = self.buffers[self.n % 2]
+        self.n += 1
+        return 1 << 40, types.SimpleNamespace(get=lambda n, b=buf: b[:n])
+
+    def h2d(self, dst: int, src: np.ndarray, stream=None) -> None:
+        self.log.append(("h2d", dst, src.tobytes()))
+
+    def h2d_raw(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        self.log.append(("h2d_raw", dst, src, nbytes))
+
+    def d2h(self, *a) -> None:
+        pass
+
+    def handoff(self, *a) -> None:
+        pass
+
+    def launch(self, k, name, segs, nsegs, total, meta, table=None) -> None:
+        self.log.append(("launch", name, segs, nsegs, total, meta))
+
+    def launched(self, base, nbytes, upload, finish, last=None):
+        return E._Flight(0, nbytes, 0, None, finish)
+
+
+class _RecordingNvcomp:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def decompress_temp_bytes(self, chunks: int, chunk: int, total: int, t) -> int:
+        return 4096 + 16 * chunks + total // 64
+
+    def decompress(self, *args) -> None:
+        self.log.append(("nvcomp",) + args[:-1])
+
+
+def _ans_arena(rng: np.random.Generator, k: int) -> "tuple[np.ndarray, list, list[int]]":
+    """``k`` ANS segments (random chunk bytes: their tables are what is read here) one after another in a
+    uint8 array as a save batch leaves them in the arena (slots 512 bytes apart), mixed ANS types."""
+    arena = np.zeros(k * (300 << 10), np.uint8)
+    views, offs, pos = [], [], 0
+    for i in range(k):
+        orig = int(rng.integers(1, 5) * ans_format.CHUNK_BYTES - 8 * rng.integers(0, 600))
+        chunks = [rng.integers(0, 256, int(rng.integers(100, 40000)), dtype=np.uint8)
+                  for _ in range(ans_format.chunk_count(orig))]
+        payload = ans_format.pack(chunks)
+        t = AnsType.FLOAT16 if i % 3 else AnsType.BYTES
+        h = SegmentHeader(Format.ANS, BF16 if t == AnsType.FLOAT16 else np.dtype(np.uint8), orig, len(payload),
+                          int(rng.integers(0, 1 << 32)), role=Role.KEY, layer=i, ans_type=t)
+        blob = pack_header(h) + payload
+        arena[pos:pos + len(blob)] = np.frombuffer(blob, np.uint8)
+        views.append(memoryview(arena)[pos:pos + len(blob)])
+        offs.append(pos)
+        pos = -(-(pos + len(blob)) // 512) * 512
+    return arena, views, offs
+
+
+def _recording_engine() -> "E.GpuCodecEngine":
+    eng = _bare_engine(64 << 20)
+    eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
+    eng.restore = _RecordingWorker()
+    eng._nvcomp = _RecordingNvcomp(eng.restore.log)
+    return eng
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ans_decode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
+    """decode_columns_submit of ANS segments in an arena (chunk tables parsed in one pass from it) uploads the
+    same descriptors and chunk arrays, copies the same runs of payloads and makes the same nvCOMP calls as the
+    per-segment decode_submit of the same segments; a damaged chunk table is the same typed error in both,
+    and the other segments still go."""
+    monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
+    rng = np.random.default_rng(seed)
+    arena, views, offs = _ans_arena(rng, 9)
+    if seed % 2:  # a damaged table: chunk count off by one
+        arena[offs[4] + HEADER_SIZE + 4] += 1
+    heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs])
+    h = heads.view(HEADER_DTYPE).reshape(-1)
+    orig = h["original_length"].astype(np.int64)
+    dst = (1 << 42) + np.cumsum(orig) - orig
+    # the item path sorts the ANS types apart; feed both paths the same segments type-sorted so their scratch
+    # (laid out in batch order by the item path, in type order by the array path) can be compared
+    order = np.argsort(h["ans_type"], kind="stable")
+    item = _recording_engine()
+    job_i = item.decode_submit([views[j] for j in order],
+                               [E.DeviceSpan(int(dst[j]), int(orig[j]), (int(orig[j]),)) for j in order],
+                               pinned=[True] * len(order))
+    cols = _recording_engine()
+    src = arena.ctypes.data + np.asarray(offs, dtype=np.int64)[order] + HEADER_SIZE
+    job_c = cols.decode_columns_submit(heads[order], src, dst[order], orig[order], within=arena)
+    assert job_c is not None
+    assert [type(r) for r in job_c.results] == [type(r) for r in job_i.results]
+    assert [str(r) for r in job_c.results] == [str(r) for r in job_i.results]
+    assert (seed % 2 == 1) == any(r is not None for r in job_c.results)
+    assert cols.restore.log == item.restore.log
+    assert sum(e[0] == "nvcomp" for e in cols.restore.log) == 2  # one call per ANS type
+    assert cols.decode_columns_submit(heads[order], src, dst[order], orig[order]) is None  # no arena: items

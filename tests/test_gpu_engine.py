@@ -271,6 +271,47 @@ def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
         check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
 
 
+def test_ans_decode_as_arrays_from_one_host_array() -> None:
+    """decode_columns_submit of ANS segments lying in one host array (as the Manager's arena holds them): each
+    decodes to its source; a damaged chunk table is that segment's LengthMismatch (its destination untouched),
+    a damaged bitstream (CRC recomputed) its error or other bytes; the others decode all the same."""
+    from orbitkv_fs.segment import HEADER_SIZE, build_segment
+
+    rng = np.random.default_rng(33)
+    xs = [rng.standard_normal(n // 2).astype(BF16) for n in (3 << 16, 1 << 20, 5 << 16, 3 << 16, (1 << 19) + 4096)]
+    with GpuCodecEngine(256 << 20, seed=SEED) as e:
+        segs = [bytes(s) for s in e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])]
+        assert all(parse_header(s).format == Format.ANS for s in segs)
+        h2, p2 = parse_segment(segs[2])
+        bad_table = bytearray(p2)
+        bad_table[4] += 1  # one chunk more than the length needs
+        segs[2] = build_segment(h2, bytes(bad_table))
+        h3, p3 = parse_segment(segs[3])
+        bad_stream = bytearray(p3)
+        bad_stream[40:400] = bytes(360)
+        segs[3] = build_segment(h3, bytes(bad_stream))
+        arena = np.zeros(sum(len(s) + 512 for s in segs), np.uint8)
+        offs, pos = [], 0
+        for s in segs:
+            arena[pos:pos + len(s)] = np.frombuffer(s, np.uint8)
+            offs.append(pos)
+            pos = -(-(pos + len(s)) // 512) * 512
+        heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs])
+        dsts = [cp.full(x.nbytes, 0xA5, dtype=np.uint8) for x in xs]
+        job = e.decode_columns_submit(heads, arena.ctypes.data + np.array(offs) + HEADER_SIZE,
+                                      np.array([int(d.data.ptr) for d in dsts]), np.array([x.nbytes for x in xs]),
+                                      within=arena)
+        assert job is not None
+        errs = e.decode_collect(job)
+        for j in (0, 1, 4):
+            assert errs[j] is None and np.array_equal(dsts[j].get(), xs[j].view(np.uint8)), j
+        assert isinstance(errs[2], LengthMismatch) and bool((dsts[2] == 0xA5).all())
+        if errs[3] is None:  # nvCOMP may decode garbage without complaint; then the bytes differ
+            assert not np.array_equal(dsts[3].get(), xs[3].view(np.uint8))
+        else:
+            assert isinstance(errs[3], SegmentError)
+
+
 def test_ans_damaged_chunks_are_per_segment_errors(engine) -> None:
     k, _ = real_kv()
     x = k.reshape(-1)[: 3 * 65536]

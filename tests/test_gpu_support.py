@@ -233,3 +233,62 @@ def test_zero_crc_is_crc32c_of_zeros_at_every_length_class() -> None:
     assert np.array_equal(got, numpy_form)
     assert tables.zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(tables.zero_crc(5)) == crc32c.crc32c(bytes(5))
     assert tables.finish_crc(np.uint32(0), 10).tolist() == crc32c.crc32c(bytes(10))
+
+
+def test_parse_tables_equals_parse_table_payload_by_payload() -> None:
+    """The compiled batch parse against the per-payload one on valid and damaged chunk tables (chunk size,
+    count, one size, truncation, trailing bytes, a zero size): the same chunks, or the same error type and
+    message; a payload outside the array is an error without a read."""
+    from orbitkv_fs.gpu import ans_format as A
+
+    rng = np.random.default_rng(7)
+    blobs, origs, storeds = [], [], []
+    for case in range(400):
+        orig = int(rng.integers(1, 40 * A.CHUNK_BYTES))
+        n = A.chunk_count(orig)
+        payload = bytearray(A.pack([rng.integers(0, 256, int(rng.integers(1, 3000)), dtype=np.uint8) for _ in range(n)]))
+        stored = len(payload)
+        kind = case % 8
+        if kind == 1:
+            payload[0] ^= 1  # chunk size
+        elif kind == 2:
+            payload[4] += 1  # chunk count
+        elif kind == 3:
+            payload[8 + 4 * int(rng.integers(0, n))] ^= 8  # one chunk's size: the ends no longer add up
+        elif kind == 4:
+            stored = int(rng.integers(0, min(stored, 8 + 4 * n + 8)))  # truncated table
+        elif kind == 5:
+            payload += bytes(8)  # trailing bytes
+            stored += 8
+        elif kind == 6 and n > 1:  # a zero size whose padded bytes move to the next chunk: the ends still add up
+            j = 8 + 4 * int(rng.integers(0, n - 1))
+            z = int.from_bytes(payload[j:j + 4], "little")
+            payload[j:j + 4] = bytes(4)
+            payload[j + 4:j + 8] = (int.from_bytes(payload[j + 4:j + 8], "little") + (z + 7) // 8 * 8).to_bytes(4, "little")
+        blobs.append(bytes(payload))
+        origs.append(orig)
+        storeds.append(stored)
+    buf = np.zeros(sum(len(b) for b in blobs) + 64 * len(blobs) + 16, dtype=np.uint8)
+    offs, pos = [], 3
+    for b in blobs:
+        buf[pos:pos + len(b)] = np.frombuffer(b, np.uint8)
+        offs.append(pos)
+        pos += len(b) + int(rng.integers(0, 64))
+    offs.append(len(buf) - 10)  # a payload past the array's end
+    storeds.append(100)
+    origs.append(A.CHUNK_BYTES)
+    t = A.parse_tables(buf, np.array(offs), np.array(storeds), np.array(origs))
+    kinds = set()
+    for i, (o, stored, orig) in enumerate(zip(offs[:-1], storeds, origs)):
+        try:
+            want = A.parse_table(memoryview(buf)[o:o + stored], stored, orig)
+        except (A.LengthMismatch, A.UnknownFormat) as e:
+            got = A.table_error(t, i, stored, orig)
+            assert type(got) is type(e) and str(got) == str(e), (i, got, e)
+            kinds.add("".join(c for c in str(e) if not c.isdigit()))
+            continue
+        assert t.err[i] == 0
+        c0, n = int(t.chunk0[i]), int(t.nch[i])
+        assert np.array_equal(t.offsets[c0:c0 + n], want[0]) and np.array_equal(t.sizes[c0:c0 + n], want[1])
+    assert t.err[-1] != 0 and "outside" in str(A.table_error(t, len(offs) - 1, 100, A.CHUNK_BYTES))
+    assert len(kinds) == 6 and (t.err[:-1] == 0).sum() >= 100, kinds  # every kind of damage met, and valid ones

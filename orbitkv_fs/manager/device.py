@@ -192,10 +192,12 @@ class _GpuCodecs:
         return db
 
     def decode_rows_submit(self, targets: _Targets, rows: np.ndarray, heads: np.ndarray, src: np.ndarray,
-                           seed: int) -> "_DecodeRows | None":
+                           seed: int, *, within: "np.ndarray | None" = None) -> "_DecodeRows | None":
         """Start decoding restore ``rows`` (of ``targets``) given as arrays: their verified header rows and the
-        pinned host address of each payload (the engine's ``decode_columns_submit``, no Python per row).
-        None (nothing started) when the engine leaves the batch to :meth:`decode_submit` (ANS)."""
+        pinned host address of each payload, lying in ``within`` (the arena; ANS chunk tables are read from it)
+        (the engine's ``decode_columns_submit``, no Python per row). None (nothing started) when the engine
+        leaves the batch to :meth:`decode_submit` (a segment over half its workspace, or ANS without
+        ``within``)."""
         engine = self.engine(seed)
         ci, si = np.divmod(rows, len(targets.geo))
         nbytes, direct, dst, pos, size = targets.places(ci, si)
@@ -203,7 +205,7 @@ class _GpuCodecs:
         if size:
             temp = engine.block_buffer(size, restore=True)
             dst[~direct] = int(temp.data.ptr) + pos
-        job = engine.decode_columns_submit(heads, src, dst, nbytes)
+        job = engine.decode_columns_submit(heads, src, dst, nbytes, within=within)
         return None if job is None else _DecodeRows(engine, job, targets, ci, si, direct, temp, pos)
 
     def decode_rows_finish(self, db: _DecodeRows) -> tuple[list, object]:

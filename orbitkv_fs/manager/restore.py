@@ -410,9 +410,10 @@ class RestorePipeline:
     def _decode_gpu_rows(self, eng: _Engine, rows: "_Rows", bad: dict[int, str]) -> tuple[list, tuple[int, int, int]]:
         """:meth:`_decode_gpu` of a restore given as :class:`_Rows`: batches cut from the size arrays, each
         batch's headers verified as one array (:meth:`_verified_rows`) while the GPU works on the previous
-        batch, and decoded from the arena as arrays (``decode_rows_submit``); a batch the engine leaves to
-        its per-segment path (ANS), or any batch when the arena is not pinned or the pages are not regular
-        rows, goes through :meth:`_decode_start` as items. Answers as :meth:`_decode_gpu`."""
+        batch, and decoded from the arena as arrays (``decode_rows_submit``; ANS chunk tables parsed from the
+        arena in one pass); a batch the engine leaves to its per-segment path (a segment over half its
+        workspace), or any batch when the arena is not pinned or the pages are not regular rows, goes through
+        :meth:`_decode_start` as items. Answers as :meth:`_decode_gpu`."""
         seed = eng.reg.rotation_seed
         geo = eng.geometry if rows.segs is eng.segs else None  # a layer-by-layer restore names fewer segments
         targets = _Targets.of(rows.chunks, rows.segs, geo) if self.dram.arena.pinned else None
@@ -424,14 +425,14 @@ class RestorePipeline:
             if got is None:
                 return None
             at, tid, templates = got
-            # ANS segments are read per segment (their chunk tables): the items path takes their batches.
-            if targets is not None and not (rows.formats[at] == Format.ANS).any():
+            if targets is not None:
                 ws = int(rows.sizes[at, 1].sum())
                 self._workspace_delta(ws)
                 t0 = time.perf_counter()
                 src = self.dram.arena.base_address + HEADER_SIZE + rows.sizes[at, 4]
                 try:
-                    db = self._gpu_codecs.decode_rows_submit(targets, at, rows.heads[at], src, seed)
+                    db = self._gpu_codecs.decode_rows_submit(targets, at, rows.heads[at], src, seed,
+                                                             within=self.dram.arena.buf)
                 except Exception as e:  # the engine failed as a whole: every segment of the batch misses
                     db = e
                 if db is not None:
