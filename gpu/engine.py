@@ -879,6 +879,26 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
     return out
 
 
+def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int,
+                  temp_of: Callable[[np.ndarray], int]) -> "list | None":
+    """Rows ``0..n-1`` cut as :func:`_prefix_batches` cuts them by ``sizes``, each batch also holding nvCOMP's
+    temp (``temp_of(rows)``, growing with a batch's chunks and bytes): cut against the limit less the largest
+    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink).
+    None when no cut fits."""
+    rows, temp = np.arange(len(sizes)), 0
+    for _ in range(4):
+        if limit - temp <= 0:
+            return None
+        batches = _prefix_batches(rows, sizes, fixed, limit - temp)
+        if batches is None:
+            return None
+        need = max(temp_of(b) for b in batches)
+        if need <= temp:
+            return batches
+        temp = need
+    return None
+
+
 def _item(obj: Any) -> EncodeItem:
     if isinstance(obj, EncodeItem):
         return obj
@@ -1769,10 +1789,18 @@ class GpuCodecEngine:
                 if not wrong[i]:
                     job.results[i] = ans_format.table_error(tables, j, int(stored[i]), int(orig[i]))
                 wrong[i] = True
-            # ... and its scratch (the decompressed bytes) and chunk arrays; nvCOMP's temp once for the lot
+            # ... and its scratch (the decompressed bytes) and chunk arrays; and each batch nvCOMP's temp
+            nch = np.zeros(n, dtype=np.int64)
+            nch[at] = tables.nch
             sizes[at] += -(-orig[at] // SLOT_ALIGN) * SLOT_ALIGN + 44 * tables.nch
-            limit -= self._dec_temp_of(h["ans_type"][at], tables.nch, orig[at])
-        batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit) if limit > 0 else None
+            atype = h["ans_type"].astype(np.int64)
+
+            def temp_of(b: np.ndarray) -> int:
+                b = b[ans[b]]
+                return self._dec_temp_of(atype[b], nch[b], orig[b]) if len(b) else 0
+            batches = _temp_batches(sizes, _dec_fixed, limit, temp_of)
+        else:
+            batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit)
         if batches is None:
             return None
         w = self.restore

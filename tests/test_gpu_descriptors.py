@@ -465,3 +465,23 @@ def test_ans_decode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
     assert cols.restore.log == item.restore.log
     assert sum(e[0] == "nvcomp" for e in cols.restore.log) == 2  # one call per ANS type
     assert cols.decode_columns_submit(heads[order], src, dst[order], orig[order]) is None  # no arena: items
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_temp_batches_hold_their_own_temp(seed):
+    """_temp_batches: consecutive batches covering every row in order, each within the limit once its own
+    temp (here growing with its bytes, as nvCOMP's does with chunks and bytes) is counted; None when a row
+    cannot fit beside its temp."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1 << 10, 1 << 20, int(rng.integers(1, 300)))
+    fixed = E._dec_fixed
+    limit = int(rng.integers(2 << 20, 64 << 20))
+
+    def temp_of(b: np.ndarray) -> int:
+        return 4096 + int(sizes[b].sum()) // 4
+
+    batches = E._temp_batches(sizes, fixed, limit, temp_of)  # a row and its temp always fit 2 MiB here
+    assert batches is not None and np.array_equal(np.concatenate(batches), np.arange(len(sizes)))
+    for b in batches:
+        assert int(fixed(np.array([len(b)]))[0] + sizes[b].sum()) + temp_of(b) <= limit
+    assert E._temp_batches(sizes, fixed, int(sizes.max()), temp_of) is None
