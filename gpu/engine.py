@@ -20,9 +20,14 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   segment: its slots, headers and verdicts are numpy passes over columns (``_EncCols``, ``_DecCols``), its
   descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
-  sequence (``_ClassSet``): a save's batches pass the same one again. They answer None for what they do not
-  take (ANS, host-decided encodes, a segment over half the workspace): ``encode_submit`` / ``decode_submit``
-  then do.
+  sequence (``_ClassSet``): a save's batches pass the same one again. ANS too: its chunk arrays from the
+  class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
+  (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
+  (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
+  ``encode_submit`` / ``decode_submit`` then do.
+* ANS payloads packed: ``okv_ans_place`` lays a batch's ANS slots one after another once nvCOMP has sized
+  them, so the download (cut at the previous batch's packed share, the rest fetched when short) and the
+  arena hold the packed bytes, not each slot's worst case.
 * Page blocks: :meth:`GpuCodecEngine.gather_blocks` / ``scatter_blocks`` move every block of a batch
   between an engine's pages and a contiguous buffer in one ``okv_copy_blocks`` launch (a table of
   ``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows, read by the kernel from a pinned buffer of its own). Sources and
@@ -592,6 +597,7 @@ class _ClassSet(NamedTuple):
     stored: np.ndarray
     templates: np.ndarray  # (classes, 64) uint8: each class's header with a zero payload CRC
     bases: np.ndarray  # their 60-byte CRC32Cs
+    ans_type: np.ndarray  # ANS: nvCOMP's data type (the AnsType)
 
 
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
@@ -1115,6 +1121,12 @@ class GpuCodecEngine:
         nv = self.nvcomp()
         return max(nv.compress_temp_bytes(fill.chunks, ans_format.CHUNK_BYTES, fill.ans_bytes, t) for t in fill.types)
 
+    def _ans_temp_of(self, types: np.ndarray, nch: np.ndarray, n: np.ndarray) -> int:
+        """:meth:`_ans_temp` of ANS segments of these types, chunk counts and source lengths."""
+        chunks, total = int(nch.sum()), int(n.sum())
+        return max(self.nvcomp().compress_temp_bytes(chunks, ans_format.CHUNK_BYTES, total, AnsType(t))
+                   for t in np.unique(types).tolist())
+
     def _enc_estimate(self, fill: "_Fill", align: int) -> int:
         """Upper bound of :meth:`_enc_layout` 's total for a batch of these totals (``fill.bytes``: slots)."""
         k, na, chunks = fill.k, fill.ans, fill.chunks
@@ -1201,16 +1213,26 @@ class GpuCodecEngine:
         ``ptrs[i]`` (a device address, C-contiguous) of class ``classes[cls[i]]`` (:meth:`encode_class`).
         The job's ``out`` holds a segment only where it lies outside ``out_region`` 's arrays (a raw fallback,
         or a batch the region could not take); the others are described by the job's arrays (``addr``,
-        ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode without ANS (ANS,
-        or one the host codec decides) or a segment needs more than half the workspace alone:
-        :meth:`encode_submit` takes those."""
+        ``length``, ...). Answers None, queueing nothing, when a class is not a GPU encode (one the host codec
+        decides) or a segment needs more than half the workspace alone: :meth:`encode_submit` takes those."""
         cs = self._class_set(classes)
         if cs is None:
             return None
         cls = np.asarray(cls, dtype=np.int64)
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
-        batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
+        is_ans = cs.table.kind[cls] == _KIND["ans"]
+        if is_ans.any():  # each ANS segment's chunk buffers and payload length too, and each batch nvCOMP's temp
+            nch, n = np.where(is_ans, cs.table.nch[cls], 0), cs.table.n[cls]
+            sizes = -(-cs.size[cls] // slot_align) * slot_align + np.where(is_ans, nch * (self._chunk_cap() + 36) + 8, 0)
+            fixed = _enc_fixed(slot_align)
+
+            def temp_of(b: np.ndarray) -> int:
+                b = b[is_ans[b]]
+                return self._ans_temp_of(cs.ans_type[cls[b]], nch[b], n[b]) if len(b) else 0
+            batches = _temp_batches(sizes, lambda m: fixed(m) + 3 * 256, self.budget_bytes // 2, temp_of)
+        else:
+            batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
         if batches is None:
             return None
         job = EncodeJob.of(k)
@@ -1227,11 +1249,11 @@ class GpuCodecEngine:
 
     def _class_set(self, classes: Sequence[_Enc]) -> "_ClassSet | None":
         """The :class:`_ClassSet` of ``classes`` (made on first sight of the sequence, by the identities of its
-        classes); None when one is not a GPU encode without ANS."""
+        classes); None when one is not a GPU encode (one the host codec decides)."""
         key = tuple(map(id, classes))
         cs = self._class_sets.get(key)
         if cs is None:
-            if any(t.kind not in ("raw", "fp8", "tq") for t in classes):
+            if any(t.kind not in ("raw", "fp8", "tq", "ans") for t in classes):
                 return None
             size = np.fromiter((HEADER_SIZE + (t.n if t.kind == "raw" else t.cap) for t in classes),
                                dtype=np.int64, count=len(classes))
@@ -1240,57 +1262,116 @@ class GpuCodecEngine:
             if len(self._class_sets) >= 256:
                 self._class_sets.clear()
             cs = self._class_sets[key] = _ClassSet(tuple(classes), _enc_cols(classes), size, stored, rows[tids],
-                                                   bases[tids])
+                                                   bases[tids], _ints(classes, "ans_type"))
         return cs
 
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
                             out_region: "Callable[[int], np.ndarray | None] | None", align: int) -> _Flight:
         """Queue one encode batch of :meth:`encode_columns_submit` (``rows``: its sources' indices there): its
-        columns from the class table, its descriptors up, the kernels, the download into ``out_region``."""
+        columns from the class table, its descriptors (and ANS chunk arrays) up, the kernels and nvCOMP, the
+        download into ``out_region``. ANS segments as :meth:`_run_encode` lays them out: by type, their slots
+        last (packed on the GPU), their chunks and nvCOMP buffers in that order."""
         w, table = self.save, cs.table
         c = cls[rows]
+        k = len(rows)
         kind = table.kind[c]
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
-        lay, off, slots = _enc_offsets(len(rows), n_desc, 0, 0, cs.size[c], align)
-        off["temp"] = lay.take(0)
+        a = np.flatnonzero(kind == _KIND["ans"])
+        chunk, calls, temp = 0, [], 0
+        if len(a):
+            a = a[np.argsort(cs.ans_type[c[a]], kind="stable")]
+            order = np.concatenate([np.flatnonzero(kind != _KIND["ans"]), a])
+            nch = table.nch[c[a]]
+            chunk = int(nch.sum())
+            c0 = np.cumsum(nch) - nch
+            types = cs.ans_type[c[a]]
+            for t in np.unique(types).tolist():
+                sel = np.flatnonzero(types == t)
+                calls.append((AnsType(t), int(c0[sel[0]]), int(nch[sel].sum())))
+            temp = self._ans_temp_of(types, nch, table.n[c[a]])
+        lay, off, slot_o = _enc_offsets(k, n_desc, chunk, len(a), cs.size[c[order]] if len(a) else cs.size[c], align)
+        if len(a):
+            slots = np.empty(k, dtype=np.int64)
+            slots[order] = slot_o
+        else:
+            slots = slot_o
+        off["ans_slot0"] = int(slots[a[0]]) if len(a) else off["region_end"] - off["meta"]
+        chunk_cap = self._chunk_cap() if len(a) else 0
+        tmp, chunk0 = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
+        if len(a):
+            step = nch * chunk_cap
+            tmp[a] = lay.take(0) + np.cumsum(step) - step
+            lay.end = int(tmp[a[-1]] + step[-1])
+            chunk0[a] = c0
+        off["temp"] = lay.take(temp)
+        off["align"] = align
+        if len(a):  # the download up to the packed end the previous batch suggests (as _run_encode)
+            worst = off["region_end"] - off["meta"] - off["ans_slot0"]
+            off["download"] = off["ans_slot0"] + min(worst, _up(int(worst * min(1.0, self._ans_packed + ANS_MARGIN)),
+                                                                align))
         total = lay.end
         base, upload = w.place(total)
         region = base + off["meta"]
-        cols = _EncCols(kind, ptrs[rows], slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
-                        table.bits[c], table.role[c], table.layer[c], table.nch[c], table.chunk0[c], table.tmp[c])
-        up = upload.get(off["pay_len"] + 8)
+        src = ptrs[rows]
+        cols = _EncCols(kind, src, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
+                        table.bits[c], table.role[c], table.layer[c], table.nch[c], chunk0, tmp)
+        up = upload.get(off["pay_len"] + 8 * max(len(a), 1))
         up[off["meta"]:] = 0
-        groups = _enc_groups(cols)
-        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, 0, base, off)
+        groups = _enc_groups(cols, a)
+        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off)
+        if len(a):  # per chunk: source address, source bytes, output buffer
+            arr = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
+            cb = ans_format.CHUNK_BYTES
+            at = _within(nch)
+            arr[0] = np.repeat(src[a], nch) + cb * at
+            arr[1] = np.minimum(cb, np.repeat(table.n[c[a]], nch) - cb * at)
+            arr[2] = np.repeat(base + tmp[a], nch) + chunk_cap * at
         w.h2d(base, up)
-        host, own = self._launch_encode(base, off, got, groups, len(rows), out_region)
+        host, own = self._launch_encode(base, off, got, groups, k, out_region, calls, chunk, temp, align)
         return w.launched(base, total, upload, lambda: self._finish_encode_columns(
-            cs, c, rows, ptrs[rows], slots, job, host, own), w.copies)
+            cs, c, rows, src, slots, job, host, own, off, a, region), w.copies)
 
     def _finish_encode_columns(self, cs: _ClassSet, c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
-                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool) -> None:
+                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool,
+                               off: "dict[str, int] | None" = None, a: "np.ndarray | None" = None,
+                               region: int = 0) -> None:
         """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
-        and headers as arrays (a template per class); per-segment Python only for a segment that falls back to
-        raw storage. ``views``: the region is the engine's own array, so ``out`` gets each segment's view."""
+        and headers as arrays (a template per class; ANS stored lengths as a column, their slots as the GPU
+        packed them); per-segment Python only for a segment that falls back to raw storage. ``views``: the
+        region is the engine's own array, so ``out`` gets each segment's view."""
         w, out = self.save, job.out
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
-        crcs = finish_crc(meta["acc"], cs.stored[c])
-        keep = np.ones(k, dtype=bool)
-        for j in np.flatnonzero(meta["status"]).tolist():
+        status = meta["status"]
+        kind = cs.table.kind[c]
+        walked = cs.stored[c]
+        bad = (status != 0) & (kind != _KIND["raw"])
+        ans = a is not None and len(a) > 0
+        if ans:
+            a_off = off["pay_len"] - off["meta"]
+            size = host[a_off:a_off + 8 * len(a)].view("<u8").astype(np.int64)
+            walked = walked.copy()
+            bad[a] |= (size == 0) | (size > walked[a])  # over the class's capacity: not worth keeping
+            walked[a] = size
+            slots = slots.copy()
+            slots[a] = self._packed_slots(size, off, host, region)
+        crcs = finish_crc(meta["acc"], walked)
+        keep = ~bad
+        for j in np.flatnonzero(bad).tolist():
             t = cs.classes[int(c[j])]
-            if t.kind == "raw":
-                continue
-            keep[j] = False
+            st = int(status[j])
+            if t.kind == "ans":
+                reason = RawReason.UNSUPPORTED if st & km.ST_ANS_FAILED else RawReason.NOT_SMALLER
+            else:
+                reason = RawReason.NONFINITE if st & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
             w.stats["raw_fallbacks"] += 1
-            st = int(meta["status"][j])
-            reason = RawReason.NONFINITE if st & km.ST_NONFINITE else RawReason.OUT_OF_RANGE
             p = msgspec.structs.replace(t, i=int(rows[j]), ptr=int(ptrs[j]))
             out[p.i] = raw_segment(self._host_source(p), role=p.role, layer=p.layer, reason=reason)
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views)
+        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views,
+                       stored=walked[good] if ans else None)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
@@ -1370,15 +1451,18 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, ans, chunk, temp, align)
+        calls = [(t, min(p.chunk0 for p in ans if p.ans_type == t), sum(p.nch for p in ans if p.ans_type == t))
+                 for t in sorted({p.ans_type for p in ans})]
+        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, calls, chunk, temp, align)
         region_len = off["region_end"] - off["meta"]
         return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
                                                                             ans, device_sink), w.copies)
 
     def _launch_encode(self, base: int, off: dict[str, int], rows: dict[str, tuple[int, int]],
                        groups: Sequence[tuple[str, np.ndarray]], k: int,
-                       out_region: "Callable[[int], np.ndarray | None] | None", ans: "Sequence[_Enc]" = (),
-                       chunk: int = 0, temp: int = 0, align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
+                       out_region: "Callable[[int], np.ndarray | None] | None",
+                       calls: "Sequence[tuple[int, int, int]]" = (), chunk: int = 0, temp: int = 0,
+                       align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
         """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, nvCOMP over
         the ANS chunks then their placing and packing, the CRC32C pass; then the download of the output
         region (meta, ANS payload lengths, slots; up to ``off["download"]`` when given) on the copy stream,
@@ -1393,20 +1477,19 @@ class GpuCodecEngine:
                 first, blocks = rows[name]
                 table = kern.crc_tables if name == "okv_fp8_encode" else kern.tq_tables
                 w.launch(kern, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, region, table)
-        if ans:
+        if calls:  # an (ANS type, first chunk, chunks) per nvCOMP call
             nv = self.nvcomp()
             col = base + off["chunk_in"]
-            for t in sorted({p.ans_type for p in ans}):
-                group = [p for p in ans if p.ans_type == t]
-                c0, cn = group[0].chunk0, sum(p.nch for p in group)
+            nans = counts["okv_ans_pack"]
+            for t, c0, cn in calls:
                 nv.compress(col + 8 * c0, col + 8 * (chunk + c0), ans_format.CHUNK_BYTES, cn,
                             base + off["temp"] if temp else 0, temp, col + 8 * (2 * chunk + c0),
                             base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
                 w.stats["launches"] += 1
             first, blocks = rows["okv_ans_pack"]
-            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, len(ans),
+            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, nans,
                                                        region + off["ans_slot0"], align, w.stream)
-            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, len(ans), blocks, region,
+            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, nans, blocks, region,
                      kern.crc_tables)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
@@ -1443,7 +1526,8 @@ class GpuCodecEngine:
             # over the class's capacity (keep_capacity) is exactly what worth_keeping refuses
             bad[at] |= (size == 0) | (size > walked[at])
             walked[at] = size
-            self._packed_slots(ans, size, off, host, region)
+            for p, slot in zip(ans, self._packed_slots(size, off, host, region).tolist()):
+                p.slot = slot
         crcs = finish_crc(meta["acc"], walked)
         keep = np.ones(k, dtype=bool)
         for j in np.flatnonzero(bad).tolist():
@@ -1469,17 +1553,14 @@ class GpuCodecEngine:
             self._sink_device([(plans[j], n) for j, n in zip(good.tolist(), length.tolist())], host, region,
                               region_len, device_sink)
 
-    def _packed_slots(self, ans: list[_Enc], size: np.ndarray, off: dict[str, int], host: np.ndarray,
-                      region: int) -> None:
-        """The ANS slots as ``okv_ans_place`` packed them (from the payload lengths ``size``, in ``ans`` order; a
-        zero length takes no room), set on the plans; and the bytes past the download, when the packed slots
-        end beyond it, fetched now (one synchronous copy). The next batch's download follows this batch's
-        packed share of the worst case."""
+    def _packed_slots(self, size: np.ndarray, off: dict[str, int], host: np.ndarray, region: int) -> np.ndarray:
+        """The ANS slots as ``okv_ans_place`` packed them (from the payload lengths ``size``, in packing order; a
+        zero length takes no room); and the bytes past the download, when the packed slots end beyond it,
+        fetched now (one synchronous copy). The next batch's download follows this batch's packed share of
+        the worst case."""
         align = off["align"]
         steps = np.where(size > 0, -(-(HEADER_SIZE + size) // align) * align, 0)
         slots = off["ans_slot0"] + np.cumsum(steps) - steps
-        for p, slot in zip(ans, slots.tolist()):
-            p.slot = slot
         end, got = off["ans_slot0"] + int(steps.sum()), off["download"]
         worst = off["region_end"] - off["meta"] - off["ans_slot0"]
         self._ans_packed = (end - off["ans_slot0"]) / worst if worst else 1.0
@@ -1488,6 +1569,7 @@ class GpuCodecEngine:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data + got, region + got, end - got, _D2H, w.copies.ptr)
             w.copies.synchronize()
             w.stats["ans_tail_fetches"] += 1
+        return slots
 
     def _template_ids(self, heads: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For header field tuples (``_Enc.head``'s ints, payload CRC aside): each one's row in the templates

@@ -485,3 +485,119 @@ def test_temp_batches_hold_their_own_temp(seed):
     for b in batches:
         assert int(fixed(np.array([len(b)]))[0] + sizes[b].sum()) + temp_of(b) <= limit
     assert E._temp_batches(sizes, fixed, int(sizes.max()), temp_of) is None
+
+
+class _RecordingSaveWorker(_RecordingWorker):
+    """The save side: flights kept until finished (two in flight at most, as the Worker's place does), the
+    downloads recorded by size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inflight: list = []
+
+    def place(self, nbytes: int):
+        while len(self.inflight) > 1:
+            self.finish(self.inflight[0])
+        return super().place(nbytes)
+
+    def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
+        self.log.append(("d2h", src, dst.nbytes))
+
+    def launched(self, base, nbytes, upload, finish, last=None):
+        f = super().launched(base, nbytes, upload, finish, last)
+        self.inflight.append(f)
+        return f
+
+    def finish(self, f) -> None:
+        if f in self.inflight:
+            self.inflight.remove(f)
+            f.finish()
+
+    def drop(self, flights) -> None:
+        for f in flights:
+            if f in self.inflight:
+                self.inflight.remove(f)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
+    """encode_columns_submit of a save batch with ANS segments (bytes and 16-bit: two nvCOMP types; exact and FP8
+    among them) uploads the same descriptors and chunk arrays, launches the same kernels, makes the same nvCOMP
+    and okv_ans_place calls and downloads as much as the per-segment encode_submit of the same sources; given
+    the same payload lengths from nvCOMP (one of them over its capacity: stored raw), both answer the same
+    segments at the same places of their regions, headers byte for byte."""
+    monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
+    rng = np.random.default_rng(seed)
+    sizes_of = {}  # a source's payload length as nvCOMP would give it, by its index in the batch
+
+    active: dict = {}  # the log of the engine now encoding
+    monkeypatch.setattr(E.km, "launch_ans_place", lambda k, segs, nsegs, ans0, align, stream:
+                        active["log"].append(("place", segs, nsegs, ans0, align)) or 1)
+
+    def with_lengths(idx_of):
+        def wrap(finish):
+            def run(self, *args, **kw):
+                host, off, idx = idx_of(args, kw)
+                at = off["pay_len"] - off["meta"]
+                host[at:at + 8 * len(idx)] = np.array([sizes_of[i] for i in idx], dtype="<u8").view(np.uint8)
+                return finish(self, *args, **kw)
+            return run
+        return wrap
+
+    monkeypatch.setattr(E.GpuCodecEngine, "_finish_encode", with_lengths(
+        lambda a, kw: (a[3], a[2], [p.i for p in a[6]]))(E.GpuCodecEngine._finish_encode))
+    monkeypatch.setattr(E.GpuCodecEngine, "_finish_encode_columns", with_lengths(
+        lambda a, kw: (a[6], a[8], a[2][a[9]].tolist()))(E.GpuCodecEngine._finish_encode_columns))
+    monkeypatch.setattr(E.GpuCodecEngine, "_host_source",
+                        lambda self, p: np.zeros(p.n, np.uint8).view(p.dtype).reshape(p.shape or (-1,)))
+
+    def engine():
+        eng = _bare_engine(256 << 20)
+        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 7, {}, {}, {}, 1.0
+        eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
+        eng.save = _RecordingSaveWorker()
+        eng._nvcomp = types.SimpleNamespace(
+            max_compressed_bytes=lambda n, t: n + 1500, compress_temp_bytes=lambda c, cb, total, t: 8192 + 8 * c + t,
+            compress=lambda *args: eng.save.log.append(("nvcomp",) + args[:-1]))
+        return eng
+
+    shapes = [(int(rng.integers(16, 160)), 8, 128) for _ in range(5)]  # 32-320 KiB: one to five ANS chunks
+    kinds = [("ans", BF16), ("ans", np.dtype(np.uint8)), ("none", BF16), ("fp8", BF16), ("ans", FP16)]
+    item_engine, col_engine = engine(), engine()
+    classes = [col_engine.encode_class(E.EncodeItem(E.DeviceSpan(0, int(np.prod(s)) * dt.itemsize, s), codec, Role.KEY,
+                                                    3, dt)) for s, (codec, dt) in zip(shapes, kinds)]
+    cls = rng.integers(0, len(classes), 40)
+    nbytes = np.array([classes[c].n for c in cls], dtype=np.int64)
+    ptrs = (1 << 41) + np.cumsum(nbytes + 4096) - nbytes
+    for i, c in enumerate(cls.tolist()):
+        n = classes[c].n
+        sizes_of[i] = (int(n * rng.uniform(0.5, 0.85)) + 7) // 8 * 8 if i != 5 else n  # i = 5: over the capacity
+    arenas = [np.zeros(64 << 20, np.uint8) for _ in range(2)]
+    used = [0, 0]
+
+    def region_of(j):
+        def region(nb):
+            r = arenas[j][used[j]:used[j] + nb]
+            used[j] = -(-(used[j] + nb) // 4096) * 4096
+            return r
+        return region
+
+    items = [E.EncodeItem(E.DeviceSpan(int(p), int(nbytes[i]), shapes[c]), kinds[c][0], Role.KEY, 3, kinds[c][1])
+             for i, (p, c) in enumerate(zip(ptrs.tolist(), cls.tolist()))]
+    active["log"] = item_engine.save.log
+    out_i = item_engine.encode_collect(item_engine.encode_submit(items, out_region=region_of(0), slot_align=512))
+    active["log"] = col_engine.save.log
+    job = col_engine.encode_columns_submit(classes, cls, ptrs, out_region=region_of(1), slot_align=512)
+    assert job is not None
+    out_c = col_engine.encode_collect(job)
+    assert col_engine.save.log == item_engine.save.log
+    assert sum(e[0] == "nvcomp" for e in col_engine.save.log) == 2 and any(e[0] == "place" for e in col_engine.save.log)
+    for i in range(len(items)):
+        if out_c[i] is not None:  # a raw fallback (only the one over its capacity, if it is ANS)
+            assert bytes(out_c[i]) == bytes(out_i[i]) and i == 5
+            continue
+        a = int(job.addr[i]) - arenas[1].ctypes.data
+        b = E.host_address(out_i[i]) - arenas[0].ctypes.data
+        n = int(job.length[i])
+        assert a == b and n == len(out_i[i]), i
+        assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i

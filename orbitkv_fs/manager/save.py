@@ -76,7 +76,7 @@ class _SaveBatch:
 
 def _classes_of(eng: _Engine, make: Callable, uniq: np.ndarray) -> "list | None":
     """The encode classes of (segment index << 32 | blocks per chunk) values ``uniq``, each made once per
-    registration (``make(segment, blocks)``); None when one is not a GPU encode without ANS. The batches of
+    registration (``make(segment, blocks)``); None when one is not a GPU encode (one the host codec decides). The batches of
     a save meet the same sets again (a chunk at a time, in segment order): a set's answer is kept by its
     bytes, and shared (not to be changed)."""
     key = uniq.tobytes()
@@ -92,7 +92,7 @@ def _classes_of(eng: _Engine, make: Callable, uniq: np.ndarray) -> "list | None"
         t = known.get(pair)
         if t is None:
             t = known[pair] = make(eng.segs[pair[0]], pair[1])
-        if t.kind not in ("raw", "fp8", "tq"):
+        if t.kind not in ("raw", "fp8", "tq", "ans"):
             classes = None
             break
         classes.append(t)
@@ -271,8 +271,8 @@ class SavePipeline:
 
     def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
-        done here with the host codecs. Sources of GPU pages whose codecs the engine runs without ANS go to
-        it as arrays (:meth:`_save_columns`: sources, classes), the others as one item per segment."""
+        done here with the host codecs. Sources of GPU pages whose codecs the engine runs go to it as arrays
+        (:meth:`_save_columns`: sources, classes), the others as one item per segment."""
         c0 = time.thread_time()
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
@@ -326,8 +326,8 @@ class SavePipeline:
     def _save_columns(self, eng: _Engine, engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "tuple | None":
         """A batch of GPU pages as arrays for the engine's ``encode_columns_submit``: the chunks' targets, the
         encode classes met (one per segment and chunk size, made once per engine registration) and per
-        segment its class, chunk and segment index. None when a class is not a GPU encode without ANS, or the
-        pages are not regular rows (the batch then goes as items)."""
+        segment its class, chunk and segment index. None when a class is not a GPU encode (the host codec
+        decides it), or the pages are not regular rows (the batch then goes as items)."""
         if eng.geometry is None:
             return None
         k = len(batch)

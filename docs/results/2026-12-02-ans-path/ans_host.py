@@ -1,10 +1,11 @@
 """The GPU engine's host work for an `ans` save batch, without a GPU: ``encode_submit`` + ``encode_collect`` of
-``--segments`` BF16 segments of ``--kib`` KiB through the engine's item path (ANS is not on the array path),
+``--segments`` BF16 segments of ``--kib`` KiB through the engine's item path (``--path items``) or
+``encode_columns_submit`` (``--path columns``, where the tree has ANS on it; one class per (layer, role)),
 the worker's CUDA calls and nvCOMP replaced by no-ops (engine_host.py's NullWorker; a fake nvCOMP with a 64 KiB
 temp), each batch's payload lengths set as nvCOMP would leave them (``--ratio`` of the source, plus up to 4 KiB
 at random, so every batch has new lengths, as real ones do). Needs cupy importable, not a GPU.
 
-Usage: python ans_host.py [--kib 512] [--segments 200] [--ratio 0.69] [--repeat 20]"""
+Usage: python ans_host.py [--kib 512] [--segments 200] [--ratio 0.69] [--repeat 20] [--path items|columns]"""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--segments", type=int, default=200)
     ap.add_argument("--ratio", type=float, default=0.69)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--path", choices=("items", "columns"), default="items")
     a = ap.parse_args()
     E._pinned_array = lambda n: np.zeros(max(n, 1), np.uint8)
     E.cp.cuda.runtime.memcpyAsync = lambda *args: None
@@ -61,6 +63,17 @@ def main() -> None:
         return finish(self, plans, job, off, host, *rest)
 
     E.GpuCodecEngine._finish_encode = with_lengths
+    finish_cols = getattr(E.GpuCodecEngine, "_finish_encode_columns", None)
+
+    def cols_with_lengths(self, cs, c, rows, ptrs, slots, job, host, views, off=None, a=None, region=0):
+        if a is not None and len(a):
+            at = off["pay_len"] - off["meta"]
+            sizes = [(int(cs.table.n[c[j]] * a_.ratio) + int(rng.integers(0, 4096)) + 7) // 8 * 8 for j in a.tolist()]
+            host[at:at + 8 * len(a)] = np.array(sizes, dtype="<u8").view(np.uint8)
+        return finish_cols(self, cs, c, rows, ptrs, slots, job, host, views, off, a, region)
+
+    a_ = a
+    E.GpuCodecEngine._finish_encode_columns = cols_with_lengths
     n = a.kib << 10
     items = [E.EncodeItem(E.DeviceSpan((1 << 41) + i * (n + 4096), n, (n // 2048, 8, 128)), "ans",
                           Role.KEY if i % 2 else Role.VALUE, i // 2 % 36, H.BF16) for i in range(a.segments)]
@@ -72,14 +85,23 @@ def main() -> None:
         used[0] = (used[0] + nbytes + 4095) // 4096 * 4096
         return r
 
+    if a.path == "columns":
+        classes = [eng.encode_class(items[j]) for j in range(min(72, a.segments))]  # one per (layer, role)
+        cls = np.arange(a.segments) % len(classes)
+        ptrs = np.array([it.array.ptr for it in items], dtype=np.int64)
     ts = []
     for _ in range(a.repeat):
         used[0] = 0
         t = time.perf_counter()
-        eng.encode_collect(eng.encode_submit(items, out_region=region, slot_align=512))
+        if a.path == "columns":
+            job = eng.encode_columns_submit(classes, cls, ptrs, out_region=region, slot_align=512)
+            assert job is not None
+            eng.encode_collect(job)
+        else:
+            eng.encode_collect(eng.encode_submit(items, out_region=region, slot_align=512))
         ts.append(time.perf_counter() - t)
     m = statistics.median(ts)
-    print(f"ans {a.kib} KiB x {a.segments}, {eng.save.stats['batches'] // a.repeat} engine batches a call: "
+    print(f"ans {a.kib} KiB x {a.segments} ({a.path}), {eng.save.stats['batches'] // a.repeat} engine batches a call: "
           f"best {min(ts) * 1e6:.0f} us, median {m * 1e6:.0f} us, {m * 1e6 / a.segments:.2f} us per segment")
 
 
