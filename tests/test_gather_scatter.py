@@ -231,7 +231,7 @@ def test_save_columns_pairs_and_classes():
     """A save batch of GPU pages as arrays (``SavePipeline._save_columns``): each item's chunk and segment
     index, and its encode class, made once per (segment, chunk size) for the registration, whatever the
     batches; chunks of different sizes and partly cached chunks in one batch; a class the array path does
-    not take (ANS) sends the batch to the item path."""
+    not take (one the host codec decides) sends the batch to the item path."""
     from types import SimpleNamespace
 
     from orbitkv_fs.manager.save import SavePipeline
@@ -245,7 +245,8 @@ def test_save_columns_pairs_and_classes():
 
     def encode_class(engine, seg, blocks):
         made.append((segs.index(seg), blocks))
-        return SimpleNamespace(kind="ans" if seg.layer == 9 else "fp8", key=(segs.index(seg), blocks))
+        return SimpleNamespace(kind="host" if seg.layer == 9 else ("ans" if seg.layer == 1 else "fp8"),
+                               key=(segs.index(seg), blocks))
 
     p = SimpleNamespace(_gpu_codecs=SimpleNamespace(encode_class=encode_class))
     chunks = [ChunkBlocks(bytes([c]) * 16, list(range(4 * c, 4 * c + n))) for c, n in enumerate((2, 3, 2, 1))]
@@ -260,7 +261,7 @@ def test_save_columns_pairs_and_classes():
         assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
     assert len(made) == len(set(made))  # each class made once, whatever the batches
     assert len(eng.enc_batches) == 3  # the class sets met: the fourth batch's was the first's
-    segs[3].layer = 9  # its class is ANS: the whole batch goes to the item path (a new registration)
+    segs[3].layer = 9  # its class is the host codec's: the whole batch goes to the item path (a new registration)
     eng.enc_classes.clear()
     eng.enc_batches.clear()
     assert SavePipeline._save_columns(p, eng, None, items) is None
