@@ -601,3 +601,66 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
         n = int(job.length[i])
         assert a == b and n == len(out_i[i]), i
         assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ans_decode_verdicts_as_arrays_are_the_item_paths(seed, monkeypatch):
+    """The verdicts of an ANS restore batch decoded as arrays, from what the GPU answers (each segment's CRC
+    accumulator, each chunk's nvCOMP status and decoded size), are the item path's for the same answers: a
+    payload CRC mismatch first, then a failed chunk (with nvCOMP's status name), then a decoded size that is
+    not the header's, else None."""
+    got_meta: list = []
+
+    def pinned(n: int) -> np.ndarray:  # the meta downloads, kept to fill as the GPU would
+        a = np.zeros(max(n, 1), np.uint8)
+        got_meta.append(a)
+        return a
+
+    monkeypatch.setattr(E, "_pinned_array", pinned)
+    rng = np.random.default_rng(seed)
+    arena, views, offs = _ans_arena(rng, 12)
+    heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs])
+    h = heads.view(HEADER_DTYPE).reshape(-1)
+    order = np.argsort(h["ans_type"], kind="stable")
+    heads, h = heads[order], h[order]
+    orig = h["original_length"].astype(np.int64)
+    dst = (1 << 42) + np.cumsum(orig) - orig
+    src = arena.ctypes.data + np.asarray(offs, dtype=np.int64)[order] + HEADER_SIZE
+    nch = -(-orig // ans_format.CHUNK_BYTES)
+    # what the GPU answers: per segment 0 good, 1 CRC mismatch, 2 a failed chunk, 3 a short decode
+    fate = rng.integers(0, 4, len(h))
+    expect = (h["payload_crc"].astype(np.int64) ^ zero_crc(h["stored_length"].astype(np.int64)).astype(np.int64))
+    c0 = np.cumsum(nch) - nch
+
+    def answer(meta: np.ndarray) -> None:
+        k, chunks = len(h), int(nch.sum())
+        m = meta[:16 * k].view(km.META_DTYPE)
+        m["acc"] = np.where(fate == 1, expect ^ 1, expect)
+        _, off = E._dec_layout_fixed(k, chunks)
+        actual = meta[off["chunk_actual"] - off["meta"]:][:8 * chunks].view("<u8")
+        status = meta[off["chunk_status"] - off["meta"]:][:4 * chunks].view("<i4")
+        at = E._within(nch)
+        actual[:] = np.minimum(ans_format.CHUNK_BYTES, np.repeat(orig, nch) - ans_format.CHUNK_BYTES * at)
+        for j in np.flatnonzero(fate == 2).tolist():
+            status[c0[j] + int(rng.integers(0, nch[j]))] = 7
+        for j in np.flatnonzero(fate == 3).tolist():
+            actual[c0[j]] -= 8
+
+    results = []
+    for path in ("items", "columns"):
+        eng = _recording_engine()
+        eng._nvcomp.status_name = lambda st: f"status {st}"
+        got_meta.clear()
+        if path == "items":
+            job = eng.decode_submit([views[j] for j in order],
+                                    [E.DeviceSpan(int(d), int(n), (int(n),)) for d, n in zip(dst, orig)],
+                                    pinned=[True] * len(h))
+        else:
+            job = eng.decode_columns_submit(heads, src, dst, orig, within=arena)
+        assert len(job.flights) == 1 and len(got_meta) == 1
+        answer(got_meta[0])
+        job.flights[0].finish()
+        results.append([(type(r).__name__, str(r)) if r is not None else None for r in job.results])
+    assert results[0] == results[1]
+    kinds = [r[0] if r else None for r in results[1]]
+    assert kinds == [{0: None, 1: "PayloadChecksumMismatch", 2: "SegmentError", 3: "LengthMismatch"}[f] for f in fate]
