@@ -16,7 +16,7 @@ lay_out "$base" /tmp/ab/base && lay_out "$root" /tmp/ab/new || exit 1
 python3 -m pip uninstall -y -q orbitkv-fs >/dev/null 2>&1
 cd /tmp
 for v in new base; do
-  PYTHONPATH=/tmp/ab/$v timeout 40 python3 -m orbitkv_fs.tools.bench pipeline --device gpu --only throughput --blocks 512 \
+  PYTHONPATH=/tmp/ab/$v${PYTHONPATH:+:$PYTHONPATH} timeout 40 python3 -m orbitkv_fs.tools.bench pipeline --device gpu --only throughput --blocks 512 \
     --layers 36 --segment-kib 512,4096 --codecs none,fp8,turboquant-4,ans --block-order shuffled \
     --storage-codec-budget-mib 256 --repeat 3 --out "$out/runs/$v-1" > "$out/runs-$v.txt" 2>&1
   grep "KiB  save" "$out/runs-$v.txt"

@@ -2,10 +2,11 @@
 rounds of new / base GB/s and host work per segment (CPU less GPU waits), and each tree's median GB/s and
 share of the bound. Usage: paired.py RUNS_DIR... > paired.md"""
 
+import os
 import statistics
 import sys
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/2026-12-02-batch-1024")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "2026-12-02-batch-1024"))
 from summarize import rows  # noqa: E402
 
 pairs: dict[tuple[str, int], list[tuple[dict, dict]]] = {}
