@@ -18,7 +18,8 @@ layer, role) plus a reference to its chunk's prefix; there is no per-segment key
 Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.add_many` (a save batch: a chunk new to the index
 placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add`'s path, with the same
 slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
-:meth:`~ObjectIndex.free`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
+:meth:`~ObjectIndex.hide_many` (an eviction's victims: whole chunks in one step), :meth:`~ObjectIndex.free`,
+:meth:`~ObjectIndex.free_many`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
 :meth:`~ObjectIndex.items`, and :func:`put_rows` / :func:`put_columns` (``array`` columns written at many rows).
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
@@ -467,12 +468,45 @@ class ObjectIndex:
         self.state[slot] = HIDDEN
         self._live -= 1
 
+    def hide_many(self, slots: Sequence[int]) -> None:
+        """:meth:`hide` of each of ``slots`` (distinct, LIVE): a run of them that is all of its chunk's LIVE
+        slots (an eviction's victims come chunk by chunk, as a save batch published them) drops the chunk in
+        one step; other runs go slot by slot."""
+        pre = self._prefix
+        whole: list[int] = []
+        for prefix, run in groupby(slots, pre.__getitem__):
+            run = list(run)
+            if self.chunks[prefix] == len(run):
+                del self.chunks[prefix], self._segs[prefix]
+                whole += run
+            else:
+                for slot in run:
+                    self.hide(slot)
+        if whole:
+            at = np.asarray(whole, dtype=np.intp)
+            state = np.frombuffer(self.state, dtype=np.uint8)
+            assert (state[at] == LIVE).all()
+            state[at] = HIDDEN
+            del state  # a view: the column may grow once it is gone
+            self._live -= len(whole)
+
     def free(self, slot: int) -> None:
         """HIDDEN -> FREE (the caller frees the extent)."""
         assert self.state[slot] == HIDDEN and self.leases[slot] == 0
         self._prefix[slot] = None
         self.state[slot] = FREE
         self._free.append(slot)
+
+    def free_many(self, slots: Sequence[int]) -> None:
+        """:meth:`free` of each of ``slots``, in order (the free list gives the last one back first)."""
+        at = np.asarray(slots, dtype=np.intp)
+        assert (np.frombuffer(self.state, dtype=np.uint8)[at] == HIDDEN).all()
+        assert not np.frombuffer(self.leases, dtype=np.uint32)[at].any()
+        pre = self._prefix
+        for slot in slots:
+            pre[slot] = None
+        put_rows(self.state, slots, [FREE] * len(slots))
+        self._free.extend(slots)
 
     def slots(self) -> Iterator[int]:
         """Slots of the LIVE objects, chunk by chunk (snapshot; safe to hide while iterating)."""

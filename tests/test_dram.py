@@ -7,9 +7,12 @@ import os
 import random
 import subprocess
 import sys
+from collections import OrderedDict
 
+import numpy as np
 import pytest
 
+from orbitkv_fs.index import FREE, LIVE
 from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.segment import Role
 from orbitkv_fs.tiers.dram import UNIT, Allocator, DramTier, reclaim_stale_arenas
@@ -277,5 +280,159 @@ def test_publish_many_raises_part_way_with_what_it_published_in_done():
         for _, off, n, _, _ in items[len(done):]:
             t.cancel(off, n)
         assert t.reserved_bytes == 0 and t.used_bytes == 3 * 2 * UNIT
+    finally:
+        t.close()
+
+
+def test_allocator_free_many_is_free_of_each():
+    """Extents freed as a batch (neighbours among them merged first, in any order) leave the same free
+    extents as freeing them one by one."""
+    rnd = random.Random(3)
+    for _ in range(50):
+        one, many = Allocator(2000), Allocator(2000)
+        live = []
+        while (n := rnd.randint(1, 30)) and (s := one.alloc(n)) is not None:
+            assert many.alloc(n) == s
+            live.append((s, n))
+        for _ in range(3):
+            batch = rnd.sample(live, rnd.randrange(len(live) + 1))
+            live = [x for x in live if x not in batch]
+            for s, n in batch:
+                one.free(s, n)
+            many.free_many(np.array([s for s, _ in batch], dtype=np.uint32),
+                           np.array([n for _, n in batch], dtype=np.int64))
+            assert (many._by_start, many._by_end, many.used) == (one._by_start, one._by_end, one.used)
+            assert [sorted(b) for b in many._bins] == [sorted(b) for b in one._bins]
+
+
+def _fill(k: bytes) -> int:
+    return (hash(k) & 0xFF) or 1
+
+
+def _check_books(t: DramTier) -> None:
+    """The tier's counters against its index: allocated units, resident bytes per representation, logical
+    bytes, the policy's size."""
+    ix = t.index
+    rows = [s for s in range(len(ix.state)) if ix.state[s] != FREE]
+    live = [s for s in rows if ix.state[s] == LIVE]
+    assert t.alloc.used * UNIT == sum(ix.units[s] for s in rows) * UNIT + t.reserved_bytes
+    resident: dict[int, int] = {}
+    for s in live:
+        resident[ix.rep[s]] = resident.get(ix.rep[s], 0) + ix.units[s] * UNIT
+    assert {r: n for r, n in t.resident_bytes.items() if n} == resident
+    assert t.resident_logical == sum(ix.logical[s] for s in live)
+    assert len(t.policy) == len(ix) == len(live)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
+    """Save batches (chunks of several segments, one size or mixed) into a full tier with leases, chunk pins,
+    invalidations: each evicted object was neither leased nor pinned and was demoted with its own bytes; what
+    stays reads back its bytes; the counters match the index after every step; with LRU the victims are the
+    least recently used objects not held, and the held ones met on the way become the most recent."""
+    rnd = random.Random(21)
+    demoted: list[tuple[bytes, bytes]] = []
+    t = DramTier(96 * 1024, policy=policy, pin=False, demote=lambda k, b: demoted.append((k.pack(), b)) is None)
+    lru: OrderedDict[bytes, None] = OrderedDict()  # least recent first
+    leases: list[tuple[bytes, tuple[int, int]]] = []
+    pins: list[bytes] = []
+    chunk = 0
+    try:
+        for step in range(300):
+            keys = [ObjectKey(b"n" * 16, (chunk + c).to_bytes(16, "little"), layer, role).pack()
+                    for c in range(rnd.randrange(1, 4)) for layer in range(rnd.randrange(1, 4))
+                    for role in (Role.KEY, Role.VALUE)]
+            chunk += 8
+            size = rnd.randrange(100, 4000)
+            sizes = [size] * len(keys) if rnd.random() < 0.7 else [rnd.randrange(100, 4000) for _ in keys]
+            held = {k for k, _ in leases} | {k for k in lru if k[:32] in pins}
+            before = len(demoted)
+            offs = t.reserve_many(sizes)
+            victims = [k for k, _ in demoted[before:]]
+            assert not held & set(victims)
+            for k, b in demoted[before:]:
+                assert b == bytes([_fill(k)]) * len(b)
+            if policy == "lru":  # the oldest not held, in order; the held ones met on the way become the newest
+                assert victims == [k for k in lru if k not in held][:len(victims)]
+                if victims:
+                    met = list(lru)[:list(lru).index(victims[-1])]
+                    for k in met:
+                        if k in held:
+                            lru.move_to_end(k)
+            for k in victims:
+                lru.pop(k)
+            for k, off, n in zip(keys, offs, sizes):
+                if off is not None:
+                    t.view(off, n)[:] = _fill(k)
+            ok = [off is not None for off in offs]
+            pub = [x for x, good in zip(zip(keys, offs, sizes), ok) if good]
+            if pub:
+                ks, os_, ns = zip(*pub)
+                assert t.publish_many(list(ks), list(os_), list(ns), [2 * n for n in ns],
+                                      [rnd.choice((0, 2)) for _ in ks]) == [True] * len(ks)
+                lru.update(dict.fromkeys(ks))
+            _check_books(t)
+            op = rnd.random()
+            if op < 0.3 and lru:
+                k = rnd.choice(list(lru))
+                (got,) = t.lease([k])
+                leases.append((k, got[:2]))
+                lru.move_to_end(k)
+            elif op < 0.5 and leases:
+                k, entry = leases.pop(rnd.randrange(len(leases)))
+                t.unlease([entry])
+            elif op < 0.6 and lru:
+                p = rnd.choice(list(lru))[:32]
+                t.pin_chunks([p])
+                pins.append(p)
+            elif op < 0.7 and pins:
+                t.unpin_chunks([pins.pop(rnd.randrange(len(pins)))])
+            elif op < 0.8 and lru:
+                p = rnd.choice(list(lru))[:32]
+                n = t.invalidate(lambda x: x[:32] == p)[0]
+                gone = [k for k in lru if k[:32] == p]
+                assert n == len(gone)
+                for k in gone:
+                    lru.pop(k)
+            for k in rnd.sample(list(lru), min(3, len(lru))):
+                assert t.read(k) == bytes([_fill(k)]) * len(t.read(k))
+            _check_books(t)
+        assert t.evictions == len(demoted) > 100
+        for _, entry in leases:
+            t.unlease([entry])
+        t.unpin_chunks(pins)
+        assert t.invalidate(lambda x: True)[0] == len(lru)
+        assert t.alloc.used == t.reserved_bytes == 0 and t.alloc.largest_free() == t.alloc.total
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_a_full_tier_gives_a_batch_the_oldest_batch_s_room_in_one_extent(policy):
+    """The steady state of an engine whose prefixes outgrow DRAM: same-size save batches into a full tier.
+    Each batch evicts exactly the oldest batch (whole chunks, one step: no more than it lacks) and is carved
+    from one extent, the room those victims leave side by side; prefetched objects evicted unserved count
+    as wasted."""
+    # 16 batches of 8 segments of 4 units, and room for half a batch more: short of room by half a batch,
+    # a batch evicts a whole one (evicting half would leave holes all over the oldest batch)
+    t = DramTier(16 * 8 * 2048 + 4 * 2048, policy=policy, pin=False)
+    batches = []
+    try:
+        for b in range(40):
+            keys = [ObjectKey(b"n" * 16, (b * 4 + c).to_bytes(16, "little"), layer, Role.KEY).pack()
+                    for c in range(4) for layer in range(2)]
+            evictions = t.evictions
+            offs = t.reserve_many([2048] * 8)
+            assert offs == [offs[0] + i * 2048 for i in range(8)]
+            assert t.evictions - evictions == (8 if b >= 16 else 0)
+            if b >= 16:  # the oldest batch went, all of it
+                assert not any(t.contains_many(batches[b - 16])) and all(t.contains_many(batches[b - 15]))
+            assert t.publish_many(keys, offs, [2048] * 8, [4096] * 8, [0] * 8) == [True] * 8
+            if b % 2:
+                t.prefetched.update(t.index.get(k) for k in keys[:2])
+            batches.append(keys)
+            _check_books(t)
+        assert t.evictions == 24 * 8 and t.evicted_bytes == 24 * 8 * 2048
+        assert t.prefetch_wasted == 12 * 2 and len(t.index.chunks) == 16 * 4
     finally:
         t.close()

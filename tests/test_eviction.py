@@ -4,6 +4,7 @@ policy ever naming a pinned slot."""
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import OrderedDict
 
@@ -150,3 +151,72 @@ def test_insert_many_is_insert_in_order(name):
             one.touch(t)
             many.touch(t)
         assert _lists_state(many) == _lists_state(one)
+
+
+def _linked_state(p) -> tuple:
+    """What a policy holds: each queue head to tail, the linked slots' queue, size and frequency, the counts,
+    byte totals and ghosts (an unlinked row's links are stale, whatever they say)."""
+    l = p._l
+    order = [queue_order(l, q) for q in range(len(l.head))]
+    rows = sorted(s for q in order for s in q)
+    return (order, [(l.queue[s], l.size[s] if l.weighted else 0, l.freq[s] if l.weighted else 0) for s in rows],
+            sum(q >= 0 for q in l.queue) - len(rows), l.count, l.bytes, list(getattr(p, "_ghost", {})))
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+def test_take_is_victim_and_remove_until_the_need(name):
+    """take(need) names the victims victim() and remove() of each would, in that order, stopping once their
+    units reach the need; the lists, counts, frequencies and ghosts after it are those of the one-by-one
+    evictions (also with pinned slots met on the way, and when pinned slots leave fewer than the need)."""
+    rnd = random.Random(7)
+    one, many = make_policy(name), make_policy(name)
+    units = [rnd.randrange(1, 9) for _ in range(400)]
+    linked: set[int] = set()
+    short = 0
+    for _ in range(300):
+        free = [s for s in range(400) if s not in linked]
+        slots = rnd.sample(free, min(len(free), rnd.randrange(0, 40)))
+        hashes = [rnd.randrange(60) for _ in slots]
+        for p in (one, many):
+            p.insert_many(slots, [512 * units[s] for s in slots], iter(hashes))
+        linked.update(slots)
+        for t in rnd.sample(sorted(linked), min(len(linked), rnd.randrange(0, 20))):
+            one.touch(t)
+            many.touch(t)
+        pinned = set(rnd.sample(range(400), rnd.choice((0, 10, 200, 390))))
+        need = rnd.randrange(0, 60)
+        want, got = [], 0
+        while got < need:
+            v = one.victim(pinned.__contains__)
+            if v is None:
+                break
+            one.remove(v)
+            want.append(v)
+            got += units[v]
+        taken = many.take(need, units, pinned.__contains__)
+        assert taken == want
+        linked.difference_update(taken)
+        short += got < need
+        if got >= need:  # both walked the same slots: the same lists
+            assert _linked_state(many) == _linked_state(one)
+        else:  # only pinned slots left: the same ones linked, rotated in another order maybe
+            assert len(many) == len(one) == len(linked)
+            many = copy.deepcopy(one)  # go on from one state
+        hs = [rnd.randrange(60) for _ in taken]
+        for p in (one, many):
+            p.remember_many(iter(hs))
+        assert _linked_state(many) == _linked_state(one)
+    assert short > 3
+
+
+def test_lru_take_cuts_the_tail_run_and_leaves_a_consistent_list():
+    """After take, the list walks the same from head and from tail, counts what it holds, and a taken slot
+    can be inserted again (its queue entry says unlinked); taking everything empties it."""
+    p = LruPolicy()
+    p.insert_many(list(range(10)), [512] * 10, iter(range(10)))
+    assert p.take(3, [1] * 10, lambda s: s == 1) == [0, 2, 3]
+    assert queue_order(p._l) == [1, 9, 8, 7, 6, 5, 4] and len(p) == 7
+    p.insert(2, 512, 2)
+    assert queue_order(p._l)[0] == 2 and len(p) == 8
+    assert p.take(100, [1] * 10, lambda s: False) == [4, 5, 6, 7, 8, 9, 1, 2]
+    assert queue_order(p._l) == [] and len(p) == 0 and p.victim(lambda s: False) is None

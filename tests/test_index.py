@@ -279,3 +279,46 @@ def test_add_many_stops_before_a_malformed_key():
             one.add(bad, 0, 0, 0, 0, 0)
         assert _state(many) == _state(one)
         assert many.get(good[2]) is None and many.add_many([bad], [0], [0], [0], [0], [0]) == []
+
+
+def _index_state(ix: ObjectIndex) -> tuple:
+    segs = {p: (s if isinstance(s, int) else list(s)) for p, s in ix._segs.items()}
+    return (dict(ix.chunks), segs, list(ix.state), list(ix._prefix), list(ix._free), len(ix))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hide_many_and_free_many_are_hide_and_free_of_each(seed):
+    """Batches of slots to hide, as an eviction takes them (whole chunks in publish order, parts of chunks,
+    chunks interleaved, a chunk in two runs), leave the same chunk counts, segment arrays (trimmed, back to
+    one slot), states and live count as hide of each in order; free_many the same prefixes, states and free
+    list (its order: the slots reused next) as free of each."""
+    rnd = random.Random(seed)
+    one, many = ObjectIndex(), ObjectIndex()
+    live: list[int] = []
+    for step in range(60):
+        keys = [key(c, layer, r) for c in rnd.sample(range(40), 4) for layer in sorted(rnd.sample(range(12), 5))
+                for r in (Role.KEY, Role.VALUE)]
+        got = [one.add_many([k], [0], [1], [1], [1], [0]) for k in keys]
+        assert many.add_many(keys, [0] * len(keys), [1] * len(keys), [1] * len(keys), [1] * len(keys),
+                             [0] * len(keys)) == [g[0] for g in got]
+        live += [g[0] for g in got if g[0] >= 0]
+        shape = rnd.choice(("whole", "part", "shuffled"))
+        k = rnd.randrange(1, len(live) + 1)
+        batch = live[:k] if shape != "part" else sorted(rnd.sample(live, k))
+        if shape == "shuffled":
+            rnd.shuffle(batch)
+        for s in batch:
+            one.hide(s)
+        many.hide_many(batch)
+        assert _index_state(many) == _index_state(one)
+        live = [s for s in live if s not in set(batch)]
+        freed = [s for s in batch if rnd.random() < 0.8]
+        for s in freed:
+            one.free(s)
+        many.free_many(freed)
+        assert _index_state(many) == _index_state(one)
+        for s in batch:
+            if s not in freed:
+                one.free(s)
+                many.free(s)
+        check(many, {many.keys[s]: s for s in live}, set())

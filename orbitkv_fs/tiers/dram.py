@@ -11,8 +11,11 @@ Primitives:
   (SIGKILL, the OOM killer): a tmpfs file holds its memory until it is removed. :class:`DramTier` runs it
   on its directory before it makes its own arena.
 * :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
-  to the lower tier through a callback. A save batch publishes with :meth:`DramTier.publish_many`: one
-  lock round, the index's ``add_many`` and the policy's ``insert_many``, byte accounting per batch.
+  to the lower tier through a callback. A save batch reserves with :meth:`DramTier.reserve_many` and
+  publishes with :meth:`DramTier.publish_many`: one lock round each, the index's ``add_many`` and the
+  policy's ``insert_many``, byte accounting per batch. Eviction is per batch too: the policy's ``take``
+  names a batch's worth of victims in one walk, and they leave the index (``hide_many``, ``free_many``),
+  the counters and the allocator (``free_many``: neighbours merged) as array passes.
 
 Invariants (all under :attr:`DramTier.lock`):
 
@@ -34,12 +37,13 @@ import os
 import re
 import threading
 import uuid
+from bisect import bisect_right
 from itertools import accumulate, compress
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..index import HIDDEN, LIVE, ObjectIndex
+from ..index import HIDDEN, ObjectIndex
 from ..keys import ObjectKey
 from .eviction import make_policy
 
@@ -107,8 +111,28 @@ class Allocator:
             n += self._remove(end)
         self._insert(start, n)
 
+    def free_many(self, starts: np.ndarray, units: np.ndarray) -> None:
+        """:meth:`free` of each extent (``starts[i]``, ``units[i]``), disjoint and allocated: neighbours among
+        them (an eviction's victims of one save batch lie side by side) merged first, one :meth:`free` a run."""
+        if not len(starts):
+            return
+        order = np.argsort(starts, kind="stable")
+        s = starts[order].astype(np.int64)
+        e = s + units[order]
+        cut = np.flatnonzero(e[:-1] != s[1:]) + 1
+        for a, b in zip(s[np.r_[0, cut]].tolist(), e[np.r_[cut - 1, len(s) - 1]].tolist()):
+            self.free(a, b - a)
+
+    @property
+    def free_units(self) -> int:
+        return self.total - self.used
+
     def largest_free(self) -> int:
-        return max(self._by_start.values(), default=0)
+        """Units of the largest free extent: the top bin's largest (a bin holds sizes within 2x)."""
+        for b in reversed(self._bins):
+            if b:
+                return max(map(self._by_start.__getitem__, b))
+        return 0
 
 
 class Arena:
@@ -273,41 +297,73 @@ class DramTier:
         leased objects leave no room."""
         n = units_of(nbytes)
         with self.lock:
-            while True:
-                start = self.alloc.alloc(n)
-                if start is not None:
-                    self.reserved_bytes += n * UNIT
-                    return start * UNIT
-                if not self._evict_one():
-                    return None
+            return self._reserve_one(n)
+
+    def _reserve_one(self, n: int) -> int | None:
+        alloc = self.alloc
+        while True:
+            start = alloc.alloc(n)
+            if start is not None:
+                self.reserved_bytes += n * UNIT
+                return start * UNIT
+            # The units missing, or one victim where they are free but apart
+            if not self._evict(max(n - alloc.free_units, 1)):
+                return None
 
     def reserve_many(self, sizes: Sequence[int]) -> list[int | None]:
-        """:meth:`reserve` of each of ``sizes`` under one lock round (a save batch's segments): one extent
-        carved into consecutive pieces where one is free (each piece is an extent of its own from then on:
-        published, cancelled and freed alone), else one extent per size, evicting as needed; None for each
-        size that found no room."""
+        """:meth:`reserve` of each of ``sizes`` under one lock round (a save batch's segments): the pieces
+        carved in order from one extent where one holds them all (after evicting a batch's worth in one step
+        where the free room is short), else from as few free extents as hold them (each piece is an extent
+        of its own from then on: published, cancelled and freed alone), evicting again where no free extent
+        holds the next piece; None for each size that found no room."""
         same = len(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)  # a batch of one segment size: no per-size work
         units = [units_of(sizes[0])] * len(sizes) if same else [units_of(n) for n in sizes]
         with self.lock:
             total = sum(units)
             start = self.alloc.alloc(total)
+            if start is None and total > self.alloc.free_units:
+                # A batch's worth of the oldest objects, not only the units missing: in the steady state
+                # of a full tier those are the oldest batch, whose extent is one piece of room for this
+                # one. Evicting just the shortfall frees parts of it, scattered (a batch is published
+                # chunk by chunk but laid out layer by layer), and every later batch would be carved
+                # from more pieces than the one before.
+                self._evict(total)
+                start = self.alloc.alloc(total)
             if start is not None:
                 self.reserved_bytes += total * UNIT
-                if same:
-                    return list(range(start * UNIT, (start + total) * UNIT, units[0] * UNIT))
-                return [x * UNIT for x in accumulate(units[:-1], initial=start)]
-            out = []
-            for n in units:
-                while True:
-                    start = self.alloc.alloc(n)
-                    if start is not None:
-                        self.reserved_bytes += n * UNIT
-                        out.append(start * UNIT)
-                        break
-                    if not self._evict_one():
-                        out.append(None)
-                        break
-            return out
+                return self._pieces(start, units, same)
+            return self._carve(units, same)
+
+    @staticmethod
+    def _pieces(start: int, units: Sequence[int], same: bool) -> list[int]:
+        """Byte offsets of ``units`` laid end to end from unit ``start``."""
+        if same:
+            return list(range(start * UNIT, (start + len(units) * units[0]) * UNIT, units[0] * UNIT))
+        return [x * UNIT for x in accumulate(units[:-1], initial=start)]
+
+    def _carve(self, units: list[int], same: bool) -> list[int | None]:
+        """:meth:`reserve_many`'s pieces where no free extent holds them all: runs of consecutive pieces, each
+        from the largest free extent then; an eviction where that extent holds not even the next piece."""
+        alloc = self.alloc
+        cum = list(accumulate(units))
+        out: list[int | None] = []
+        i, base = 0, 0  # the next piece, the units before it
+        while i < len(units):
+            k = bisect_right(cum, base + alloc.largest_free(), lo=i) - i  # how many of the next pieces fit there
+            if not k:
+                if not self._evict(max(units[i] - alloc.free_units, 1)):
+                    out.append(None)  # no room for this one; a smaller one after it may still fit
+                    base = cum[i]
+                    i += 1
+                continue
+            n = cum[i + k - 1] - base
+            start = alloc.alloc(n)
+            assert start is not None  # the largest extent holds n
+            self.reserved_bytes += n * UNIT
+            out += self._pieces(start, units[i:i + k], same)
+            i += k
+            base = cum[i - 1]
+        return out
 
     def cancel(self, offset: int, nbytes: int) -> None:
         n = units_of(nbytes)
@@ -524,19 +580,34 @@ class DramTier:
 
     # -- removal -------------------------------------------------------------------------------------
 
-    def _drop(self, slot: int) -> None:
-        """Unpublish ``slot``; free its extent now, or when its last lease goes."""
+    def _drop_many(self, slots: list[int], *, linked: bool) -> None:
+        """Unpublish ``slots`` (distinct, LIVE; still in the policy's lists when ``linked``): their extents
+        freed now, or each when its last lease goes; the counters as array passes."""
+        if not slots:
+            return
         ix = self.index
-        if slot in self.prefetched:
-            self.prefetched.discard(slot)
-            self.prefetch_wasted += 1
-        self.policy.remove(slot)
-        ix.hide(slot)
-        n = ix.units[slot] * UNIT
-        self.resident_bytes[ix.rep[slot]] -= n
-        self.resident_logical -= ix.logical[slot]
-        if ix.leases[slot] == 0:
-            self._free_slot(slot)
+        if self.prefetched:
+            wasted = self.prefetched.intersection(slots)
+            self.prefetched -= wasted
+            self.prefetch_wasted += len(wasted)
+        if linked:
+            for slot in slots:
+                self.policy.remove(slot)
+        ix.hide_many(slots)
+        at = np.asarray(slots, dtype=np.intp)
+        units = np.frombuffer(ix.units, dtype=np.uint32)[at].astype(np.int64)
+        reps = np.frombuffer(ix.rep, dtype=np.uint8)[at]
+        resident = self.resident_bytes
+        for rep, n in enumerate(np.bincount(reps, weights=units).tolist()):
+            if n:
+                resident[rep] -= int(n) * UNIT
+        self.resident_logical -= int(np.frombuffer(ix.logical, dtype=np.uint32)[at].sum(dtype=np.int64))
+        free = np.frombuffer(ix.leases, dtype=np.uint32)[at] == 0
+        if free.any():
+            if not free.all():
+                at, units = at[free], units[free]
+            self.alloc.free_many(np.frombuffer(ix.offset, dtype=np.uint32)[at], units)
+            ix.free_many(at.tolist())
 
     def _free_slot(self, slot: int) -> None:
         ix = self.index
@@ -548,36 +619,38 @@ class DramTier:
         off = ix.offset[slot] * UNIT
         return self.arena.buf[off:off + ix.length[slot]].tobytes()
 
-    def _evict_one(self) -> bool:
+    def _evict(self, need: int) -> int:
+        """Evict unpinned objects in the policy's order until ``need`` units are evicted or none is left;
+        how many were. Each is demoted (a copy of its bytes) before it goes."""
         ix = self.index
-        slot = self.policy.victim(self._pinned)
-        if slot is None:
-            return False
-        key = ix.keys[slot]
-        assert key is not None and ix.state[slot] == LIVE
-        self.evictions += 1
-        self.evicted_bytes += ix.units[slot] * UNIT
-        if self.demote is not None and self.demote(ObjectKey.unpack(key), self._copy_out(slot)):
-            self.demoted += 1
-        self.policy.remember(hash(key))
-        self._drop(slot)
-        return True
+        slots = self.policy.take(need, ix.units, self._pinned)
+        if not slots:
+            return 0
+        keys = ix.keys
+        if self.demote is not None:
+            for slot in slots:
+                if self.demote(ObjectKey.unpack(keys[slot]), self._copy_out(slot)):
+                    self.demoted += 1
+        self.policy.remember_many(map(hash, map(keys.__getitem__, slots)))
+        self.evictions += len(slots)
+        self.evicted_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
+        self._drop_many(slots, linked=False)
+        return len(slots)
 
     def invalidate(self, match: Callable[[bytes], bool]) -> tuple[int, int]:
         """Unpublish every object whose packed key ``match``es; ``(objects, stored bytes)``."""
-        count = nbytes = 0
         with self.lock:
-            for key, slot in self.index.items():
-                if match(key):
-                    count += 1
-                    nbytes += self.index.length[slot]
-                    self._drop(slot)
-        return count, nbytes
+            ix = self.index
+            slots = [slot for key, slot in ix.items() if match(key)]
+            nbytes = sum(map(ix.length.__getitem__, slots))
+            self._drop_many(slots, linked=True)
+        return len(slots), nbytes
 
     def drain(self, max_bytes: int) -> tuple[list[tuple[ObjectKey, bytes]], int]:
         """Remove unleased objects, up to about ``max_bytes`` of them, and return copies of their bytes;
         also the number of leased (or pinned) objects passed over. An empty list: nothing left to take."""
         out: list[tuple[ObjectKey, bytes]] = []
+        slots: list[int] = []
         leased = taken = 0
         with self.lock:
             for key, slot in self.index.items():
@@ -588,7 +661,8 @@ class DramTier:
                     break
                 taken += self.index.length[slot]
                 out.append((ObjectKey.unpack(key), self._copy_out(slot)))
-                self._drop(slot)
+                slots.append(slot)
+            self._drop_many(slots, linked=True)
         return out, leased
 
     def read(self, key: bytes) -> bytes | None:

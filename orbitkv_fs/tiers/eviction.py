@@ -3,7 +3,9 @@
 A policy orders slot ids (small ints owned by :class:`orbitkv_fs.index.ObjectIndex`) and, asked for a
 victim, names the next slot to evict. Primitives: ``insert(slot, nbytes, key_hash)`` (and ``insert_many``
 of a batch's slots, in order), ``touch(slot)``, ``touch_many(slots)`` (``touch`` of each, in order), ``remove(slot)``,
-``victim(pinned) -> slot | None`` and :func:`make_policy`.
+``victim(pinned) -> slot | None``, ``take(need, units, pinned) -> slots`` (the victims, removed, until their
+units reach ``need``: a save batch's room in one call), ``remember(key_hash)`` / ``remember_many(key_hashes)``
+and :func:`make_policy`.
 
 * ``lru``: one doubly linked list; touch moves to the head, victims come from the tail.
 * ``s3fifo`` (Yang et al., SOSP '23): a small FIFO (10% of the bytes), a main FIFO and a ghost FIFO of
@@ -205,6 +207,43 @@ class LruPolicy:
     def remember(self, key_hash: int) -> None:
         """LRU keeps no history of evicted keys."""
 
+    def remember_many(self, key_hashes: Iterable[int]) -> None:
+        """Nothing, as :meth:`remember` (``key_hashes`` is not read: it may be a lazy map)."""
+
+    def take(self, need: int, units: Sequence[int], pinned: Callable[[int], bool]) -> list[int]:
+        """Victims, least recent first, removed from the list, until their ``units[slot]`` sum to ``need`` or
+        more (fewer when only pinned slots are left): what :meth:`victim` and :meth:`remove` of each would
+        give, the pinned slots met on the way rotated to the head in the order met. One walk from the tail;
+        the victims, a run at the tail once the pinned ones have left it, are cut off in one step."""
+        l = self._l
+        prev = l.prev
+        out: list[int] = []
+        rotate: list[int] = []
+        got = 0
+        s = l.tail[0]
+        for _ in range(l.count[0]):
+            if got >= need:
+                break
+            if pinned(s):
+                rotate.append(s)
+            else:
+                out.append(s)
+                got += units[s]
+            s = prev[s]
+        for s in rotate:
+            l.to_head(0, s)
+        if out:
+            last = out[-1]  # the victim nearest the head: the list goes on from its prev
+            p = prev[last]
+            if p == _NIL:
+                l.head[0] = l.tail[0] = _NIL
+            else:
+                l.next[p] = _NIL
+                l.tail[0] = p
+            put_rows(l.queue, out, [-1] * len(out))
+            l.count[0] -= len(out)
+        return out
+
     def victim(self, pinned: Callable[[int], bool]) -> int | None:
         l = self._l
         for _ in range(l.count[0]):
@@ -279,10 +318,30 @@ class S3FifoPolicy:
 
     def remember(self, key_hash: int) -> None:
         """Record an evicted key's hash in the ghost FIFO (bounded by the main queue's length)."""
+        self.remember_many((key_hash,))
+
+    def remember_many(self, key_hashes: Iterable[int]) -> None:
+        """:meth:`remember` of each, in order."""
         g = self._ghost
-        g[key_hash] = None
-        while len(g) > max(self._l.count[_MAIN], 1024):
-            g.popitem(last=False)
+        limit = max(self._l.count[_MAIN], 1024)
+        for h in key_hashes:
+            g[h] = None
+            if len(g) > limit:
+                g.popitem(last=False)
+
+    def take(self, need: int, units: Sequence[int], pinned: Callable[[int], bool]) -> list[int]:
+        """:meth:`victim` and :meth:`remove` of each until the victims' ``units[slot]`` sum to ``need`` or more
+        (fewer when :meth:`victim` finds none)."""
+        out: list[int] = []
+        got = 0
+        while got < need:
+            s = self.victim(pinned)
+            if s is None:
+                break
+            self._l.unlink(s)
+            out.append(s)
+            got += units[s]
+        return out
 
     def victim(self, pinned: Callable[[int], bool]) -> int | None:
         l = self._l
