@@ -48,6 +48,8 @@ from ..keys import ObjectKey
 from .eviction import make_policy
 
 UNIT = 512
+#: A pool of at least this many of a batch's units gives a batch short of room a batch's worth of victims.
+BATCHES_FOR_WHOLE = 16
 
 
 def units_of(nbytes: int) -> int:
@@ -312,22 +314,25 @@ class DramTier:
 
     def reserve_many(self, sizes: Sequence[int]) -> list[int | None]:
         """:meth:`reserve` of each of ``sizes`` under one lock round (a save batch's segments): the pieces
-        carved in order from one extent where one holds them all (after evicting a batch's worth in one step
-        where the free room is short), else from as few free extents as hold them (each piece is an extent
-        of its own from then on: published, cancelled and freed alone), evicting again where no free extent
-        holds the next piece; None for each size that found no room."""
+        carved in order from one extent where one holds them all (after evicting in one step what the free
+        room lacks, or a batch's worth in a pool of many batches), else from as few free extents as hold
+        them (each piece is an extent of its own from then on: published, cancelled and freed alone),
+        evicting again where no free extent holds the next piece; None for each size that found no room."""
         same = len(sizes) > 0 and sizes.count(sizes[0]) == len(sizes)  # a batch of one segment size: no per-size work
         units = [units_of(sizes[0])] * len(sizes) if same else [units_of(n) for n in sizes]
         with self.lock:
             total = sum(units)
             start = self.alloc.alloc(total)
-            if start is None and total > self.alloc.free_units:
-                # A batch's worth of the oldest objects, not only the units missing: in the steady state
-                # of a full tier those are the oldest batch, whose extent is one piece of room for this
-                # one. Evicting just the shortfall frees parts of it, scattered (a batch is published
-                # chunk by chunk but laid out layer by layer), and every later batch would be carved
-                # from more pieces than the one before.
-                self._evict(total)
+            short = total - self.alloc.free_units
+            if start is None and short > 0:
+                # In a pool of many batches, a batch's worth of the oldest objects, not only the units
+                # missing: in the steady state of a full tier those are the oldest batch, whose extent is one
+                # piece of room for this one. Evicting just the shortfall frees parts of it, scattered (a
+                # batch is published chunk by chunk but laid out layer by layer), and every later batch would
+                # be carved from more pieces than the one before. What that leaves free beyond the need
+                # (less than a batch) is at most 1/BATCHES_FOR_WHOLE of the pool; a smaller pool, where that
+                # would cost a chunk that fits exactly, evicts the shortfall only.
+                self._evict(total if total * BATCHES_FOR_WHOLE <= self.alloc.total else short)
                 start = self.alloc.alloc(total)
             if start is not None:
                 self.reserved_bytes += total * UNIT
