@@ -74,7 +74,7 @@ def test_ans_encode_host_part_packs_slots_and_fetches_a_short_downloads_tail(sho
     log: list = []
     monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
     monkeypatch.setattr(E.km, "launch_ans_place", lambda *a: log.append(("place",) + a[1:5]) or 1)
-    monkeypatch.setattr(E.cp.cuda.runtime, "memcpyAsync", lambda *a: log.append(("tail",) + a[:4]))
+    monkeypatch.setattr(E.cp.cuda.runtime, "memcpyAsync", lambda *a: log.append(("copy",) + a[:4]))
     monkeypatch.setattr(E.GpuCodecEngine, "_host_source",
                         lambda self, p: np.zeros(p.n, np.uint8).view(p.dtype).reshape(p.shape or (-1,)))
     eng = object.__new__(E.GpuCodecEngine)
@@ -82,6 +82,7 @@ def test_ans_encode_host_part_packs_slots_and_fetches_a_short_downloads_tail(sho
     eng._ans_packed = 0.1 if short else 1.0
     eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
     eng.save = _Worker()
+    eng.save.fetch = lambda dst, src, n: log.append(("tail", dst, src, n))  # the worker's own stream: see Worker.fetch
     eng._nvcomp = types.SimpleNamespace(max_compressed_bytes=lambda n, t: n + 1500,
                                         compress_temp_bytes=lambda *a: 8192, compress=lambda *a: None)
     shapes = [(int(rng.integers(16, 160)), 8, 128) for _ in range(12)]
@@ -107,7 +108,7 @@ def test_ans_encode_host_part_packs_slots_and_fetches_a_short_downloads_tail(sho
     region_len = off["region_end"] - off["meta"]
     assert off["download"] < region_len if short else off["download"] == region_len  # the first batch: all
     tails = [e for e in log if e[0] == "tail"]
-    assert len(tails) == int(short)
+    assert len(tails) == int(short) and not [e for e in log if e[0] == "copy"]  # none on the batches' streams
     placed = [(i, E.host_address(s) - region.ctypes.data, len(s)) for i, s in enumerate(out) if isinstance(s, memoryview)]
     ans_slots = [(a, n) for i, a, n in placed if codecs[i] == "ans"]
     assert ans_slots[0][0] == off["ans_slot0"]

@@ -42,14 +42,17 @@ TARGETS = {
                               "GpuCodecEngine.encode_submit", "GpuCodecEngine._run_encode",
                               "GpuCodecEngine._finish_encode", "GpuCodecEngine.decode_submit",
                               "GpuCodecEngine._run_decode", "GpuCodecEngine._enc_layout", "GpuCodecEngine._dec_layout",
-                              "GpuCodecEngine._ans_temp", "GpuCodecEngine._classify"],
+                              "GpuCodecEngine._ans_temp", "GpuCodecEngine._classify", "_temp_batches",
+                              "GpuCodecEngine._packed_slots", "GpuCodecEngine._ans_temp_of", "_enc_offsets",
+                              "GpuCodecEngine._class_set"],
     "orbitkv_fs.gpu.nvcomp": ["Nvcomp.compress", "Nvcomp.decompress"],
-    "orbitkv_fs.gpu.ans_format": ["parse_table"],
+    "orbitkv_fs.gpu.ans_format": ["parse_table", "parse_tables"],
     "orbitkv_fs.gpu.tables": ["finish_crc"],
     "orbitkv_fs.segment": ["header_crcs"],
 }
 # the engine's workspace (its class name differs between trees: matched by attribute)
-WORKER_METHODS = ["place", "finish", "h2d", "d2h", "launch", "launched", "handoff", "wait_for_current", "copy_blocks"]
+WORKER_METHODS = ["place", "finish", "h2d", "d2h", "launch", "launched", "handoff", "wait_for_current", "copy_blocks",
+                  "fetch"]
 
 stats: dict[str, list] = {}
 
