@@ -11,6 +11,7 @@ from collections import Counter
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_fakes import InFlight
 
 pytest.importorskip("cupy")
 
@@ -20,7 +21,7 @@ from orbitkv_fs.segment import RawReason, Role, parse_header  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-class _Worker:
+class _Worker(InFlight):
     """The save Worker's interface with no CUDA behind it: uploads and launches do nothing, a flight finishes
     when the engine asks (collect, or place when two are in flight)."""
 
@@ -33,8 +34,7 @@ class _Worker:
         pass
 
     def place(self, nbytes: int):
-        while len(self.inflight) > 1:
-            self.finish(self.inflight[0])
+        self.make_room()
         buf = self.buffers[len(self.inflight)]
         return 1 << 40, types.SimpleNamespace(get=lambda n: buf[:n])
 
@@ -47,19 +47,7 @@ class _Worker:
         pass
 
     def launched(self, base, nbytes, upload, finish, last=None):
-        f = E._Flight(0, nbytes, 0, None, finish)
-        self.inflight.append(f)
-        return f
-
-    def finish(self, f) -> None:
-        if f in self.inflight:
-            self.inflight.remove(f)
-            f.finish()
-
-    def drop(self, flights) -> None:
-        for f in flights:
-            if f in self.inflight:
-                self.inflight.remove(f)
+        return self.track(E._Flight(0, nbytes, 0, None, finish))
 
 
 @pytest.mark.parametrize("short", [False, True])

@@ -12,6 +12,7 @@ import types
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_fakes import InFlight
 
 pytest.importorskip("cupy")
 
@@ -487,7 +488,7 @@ def test_temp_batches_hold_their_own_temp(seed):
     assert E._temp_batches(sizes, fixed, int(sizes.max()), temp_of) is None
 
 
-class _RecordingSaveWorker(_RecordingWorker):
+class _RecordingSaveWorker(InFlight, _RecordingWorker):
     """The save side: flights kept until finished (two in flight at most, as the Worker's place does), the
     downloads recorded by size."""
 
@@ -496,27 +497,14 @@ class _RecordingSaveWorker(_RecordingWorker):
         self.inflight: list = []
 
     def place(self, nbytes: int):
-        while len(self.inflight) > 1:
-            self.finish(self.inflight[0])
+        self.make_room()
         return super().place(nbytes)
 
     def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
         self.log.append(("d2h", src, dst.nbytes))
 
     def launched(self, base, nbytes, upload, finish, last=None):
-        f = super().launched(base, nbytes, upload, finish, last)
-        self.inflight.append(f)
-        return f
-
-    def finish(self, f) -> None:
-        if f in self.inflight:
-            self.inflight.remove(f)
-            f.finish()
-
-    def drop(self, flights) -> None:
-        for f in flights:
-            if f in self.inflight:
-                self.inflight.remove(f)
+        return self.track(super().launched(base, nbytes, upload, finish, last))
 
 
 @pytest.mark.parametrize("seed", range(6))
