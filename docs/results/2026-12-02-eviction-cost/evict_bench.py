@@ -17,9 +17,10 @@ pages, reg = _engine(blocks, layers)
 seg_bytes = BLOCK_BYTES  # 32 KiB per layer/role
 nseg = blocks * layers * 2
 try:
-    for mode in sys.argv[1:]:
+    for arg in sys.argv[1:]:
+        mode, _, policy = arg.partition(":")
         pool = (nseg * (seg_bytes + 512) * (1 if mode == "pressure" else 3)) + (16 << 20)
-        with Manager(ManagerConfig(pool_size=pool, device="cpu")) as m:
+        with Manager(ManagerConfig(pool_size=pool, device="cpu", eviction=policy or "lru")) as m:
             e = m.register_engine(reg)
             ts, cpu = [], []
             for rep in range(8):
@@ -30,7 +31,7 @@ try:
                 r = m.save(e.engine_id, chunks)
                 ts.append(time.perf_counter() - t0); cpu.append(time.thread_time() - c0)
                 assert r.segments == nseg, (r.segments, r.dropped_segments)
-            print(f"{mode:>9}: save median {statistics.median(ts) * 1e3:.1f} ms, "
+            print(f"{arg:>16}: save median {statistics.median(ts) * 1e3:.1f} ms, "
                   f"{statistics.median(cpu) / nseg * 1e6:.2f} us CPU per segment, "
                   f"{nseg * seg_bytes / statistics.median(ts) / 1e9:.2f} GB/s")
 finally:
