@@ -407,32 +407,39 @@ def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
         t.close()
 
 
+@pytest.mark.parametrize("per_batch", [8, 64])  # victims dropped one by one, and as array passes
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
-def test_a_full_tier_gives_a_batch_the_oldest_batch_s_room_in_one_extent(policy):
+def test_a_full_tier_gives_a_batch_the_oldest_batch_s_room_in_one_extent(policy, per_batch):
     """The steady state of an engine whose prefixes outgrow DRAM: same-size save batches into a full tier.
     Each batch evicts exactly the oldest batch (whole chunks, one step: no more than it lacks) and is carved
     from one extent, the room those victims leave side by side; prefetched objects evicted unserved count
-    as wasted."""
-    # 16 batches of 8 segments of 4 units, and room for half a batch more: short of room by half a batch,
+    as wasted. Also for one reservation per batch (a GPU batch's output region): the oldest region's room."""
+    # 16 batches of segments of 4 units, and room for half a batch more: short of room by half a batch,
     # a batch evicts a whole one (evicting half would leave holes all over the oldest batch)
-    t = DramTier(16 * 8 * 2048 + 4 * 2048, policy=policy, pin=False)
+    t = DramTier(16 * per_batch * 2048 + per_batch // 2 * 2048, policy=policy, pin=False)
+    chunks = per_batch // 2
     batches = []
     try:
         for b in range(40):
-            keys = [ObjectKey(b"n" * 16, (b * 4 + c).to_bytes(16, "little"), layer, Role.KEY).pack()
-                    for c in range(4) for layer in range(2)]
+            keys = [ObjectKey(b"n" * 16, (b * chunks + c).to_bytes(16, "little"), layer, Role.KEY).pack()
+                    for c in range(chunks) for layer in range(2)]
             evictions = t.evictions
-            offs = t.reserve_many([2048] * 8)
-            assert offs == [offs[0] + i * 2048 for i in range(8)]
-            assert t.evictions - evictions == (8 if b >= 16 else 0)
+            if b % 3 == 2:  # one region, published in pieces
+                at = t.reserve(per_batch * 2048)
+                offs = [at + i * 2048 for i in range(per_batch)]
+            else:
+                offs = t.reserve_many([2048] * per_batch)
+            assert offs == [offs[0] + i * 2048 for i in range(per_batch)]
+            assert t.evictions - evictions == (per_batch if b >= 16 else 0)
             if b >= 16:  # the oldest batch went, all of it
                 assert not any(t.contains_many(batches[b - 16])) and all(t.contains_many(batches[b - 15]))
-            assert t.publish_many(keys, offs, [2048] * 8, [4096] * 8, [0] * 8) == [True] * 8
+            n = per_batch
+            assert t.publish_many(keys, offs, [2048] * n, [4096] * n, [0] * n) == [True] * n
             if b % 2:
                 t.prefetched.update(t.index.get(k) for k in keys[:2])
             batches.append(keys)
             _check_books(t)
-        assert t.evictions == 24 * 8 and t.evicted_bytes == 24 * 8 * 2048
-        assert t.prefetch_wasted == 12 * 2 and len(t.index.chunks) == 16 * 4
+        assert t.evictions == 24 * per_batch and t.evicted_bytes == 24 * per_batch * 2048
+        assert t.prefetch_wasted == 12 * 2 and len(t.index.chunks) == 16 * chunks
     finally:
         t.close()

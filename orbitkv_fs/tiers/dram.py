@@ -50,6 +50,8 @@ from .eviction import make_policy
 UNIT = 512
 #: A pool of at least this many of a batch's units gives a batch short of room a batch's worth of victims.
 BATCHES_FOR_WHOLE = 16
+#: Victims dropped one by one: below this many the array passes cost more than they save.
+_DROP_LOOP = 16
 
 
 def units_of(nbytes: int) -> int:
@@ -116,7 +118,9 @@ class Allocator:
     def free_many(self, starts: np.ndarray, units: np.ndarray) -> None:
         """:meth:`free` of each extent (``starts[i]``, ``units[i]``), disjoint and allocated: neighbours among
         them (an eviction's victims of one save batch lie side by side) merged first, one :meth:`free` a run."""
-        if not len(starts):
+        if len(starts) <= 16:  # a few victims: the array passes would cost more than they save
+            for a, n in zip(starts.tolist(), units.tolist()):
+                self.free(a, n)
             return
         order = np.argsort(starts, kind="stable")
         s = starts[order].astype(np.int64)
@@ -303,13 +307,18 @@ class DramTier:
 
     def _reserve_one(self, n: int) -> int | None:
         alloc = self.alloc
+        whole = n * BATCHES_FOR_WHOLE <= alloc.total  # an extent of many segments (a GPU batch's region)
         while True:
             start = alloc.alloc(n)
             if start is not None:
                 self.reserved_bytes += n * UNIT
                 return start * UNIT
-            # The units missing, or one victim where they are free but apart
-            if not self._evict(max(n - alloc.free_units, 1)):
+            # First, in a pool of many such extents, n units of the oldest objects (as reserve_many: the
+            # oldest batch's room); then what the largest free extent lacks, at least one victim, until
+            # one holds n.
+            need = n if whole else max(n - alloc.largest_free(), 1)
+            whole = False
+            if not self._evict(need):
                 return None
 
     def reserve_many(self, sizes: Sequence[int]) -> list[int | None]:
@@ -598,6 +607,15 @@ class DramTier:
         if linked:
             for slot in slots:
                 self.policy.remove(slot)
+        if len(slots) <= _DROP_LOOP:
+            for slot in slots:
+                ix.hide(slot)
+                n = ix.units[slot] * UNIT
+                self.resident_bytes[ix.rep[slot]] -= n
+                self.resident_logical -= ix.logical[slot]
+                if ix.leases[slot] == 0:
+                    self._free_slot(slot)
+            return
         ix.hide_many(slots)
         at = np.asarray(slots, dtype=np.intp)
         units = np.frombuffer(ix.units, dtype=np.uint32)[at].astype(np.int64)
@@ -638,7 +656,7 @@ class DramTier:
                     self.demoted += 1
         self.policy.remember_many(map(hash, map(keys.__getitem__, slots)))
         self.evictions += len(slots)
-        self.evicted_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
+        self.evicted_bytes += sum(map(ix.units.__getitem__, slots)) * UNIT
         self._drop_many(slots, linked=False)
         return len(slots)
 
