@@ -220,3 +220,21 @@ def test_lru_take_cuts_the_tail_run_and_leaves_a_consistent_list():
     assert queue_order(p._l)[0] == 2 and len(p) == 8
     assert p.take(100, [1] * 10, lambda s: False) == [4, 5, 6, 7, 8, 9, 1, 2]
     assert queue_order(p._l) == [] and len(p) == 0 and p.victim(lambda s: False) is None
+
+
+def test_s3fifo_ghosts_stay_within_the_main_queue_s_bound_when_it_shrinks():
+    """remember_many trims the ghost FIFO to its bound (the main queue's length, at least 1024) as remember
+    does, also when the main queue shrank since the last eviction: the oldest ghosts go first."""
+    p = S3FifoPolicy()
+    p.insert_many(list(range(3000)), [512] * 3000, iter(range(3000)))
+    p.touch_many(list(range(3000)))  # touched once: a victim search moves them to the main queue
+    p.remove(p.victim(lambda s: False))
+    main = p._l.count[1]
+    assert main > 1024
+    p.remember_many(iter(range(10_000, 10_000 + main)))
+    assert len(p._ghost) == main
+    for s in queue_order(p._l, 1)[:main - 1100]:  # the main queue shrinks below its ghosts
+        p.remove(s)
+    p.remember_many(iter([99_999]))
+    assert len(p._ghost) == max(p._l.count[1], 1024) and next(reversed(p._ghost)) == 99_999
+    assert next(iter(p._ghost)) == 10_000 + main - len(p._ghost) + 1

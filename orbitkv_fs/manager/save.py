@@ -76,9 +76,9 @@ class _SaveBatch:
 
 def _classes_of(eng: _Engine, make: Callable, uniq: np.ndarray) -> "list | None":
     """The encode classes of (segment index << 32 | blocks per chunk) values ``uniq``, each made once per
-    registration (``make(segment, blocks)``); None when one is not a GPU encode (one the host codec decides). The batches of
-    a save meet the same sets again (a chunk at a time, in segment order): a set's answer is kept by its
-    bytes, and shared (not to be changed)."""
+    registration (``make(segment, blocks)``); None when one is not a GPU encode (one the host codec decides).
+    The batches of a save meet the same sets again (a chunk at a time, in segment order): a set's answer is
+    kept by its bytes, and shared (not to be changed)."""
     key = uniq.tobytes()
     batches = eng.enc_batches
     if key in batches:

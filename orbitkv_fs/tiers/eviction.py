@@ -326,7 +326,7 @@ class S3FifoPolicy:
         limit = max(self._l.count[_MAIN], 1024)
         for h in key_hashes:
             g[h] = None
-            if len(g) > limit:
+            while len(g) > limit:  # the main queue may have shrunk since the last one: down to its bound
                 g.popitem(last=False)
 
     def take(self, need: int, units: Sequence[int], pinned: Callable[[int], bool]) -> list[int]:
