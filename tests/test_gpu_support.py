@@ -274,12 +274,13 @@ def test_parse_tables_equals_parse_table_payload_by_payload() -> None:
         buf[pos:pos + len(b)] = np.frombuffer(b, np.uint8)
         offs.append(pos)
         pos += len(b) + int(rng.integers(0, 64))
-    offs.append(len(buf) - 10)  # a payload past the array's end
-    storeds.append(100)
-    origs.append(A.CHUNK_BYTES)
+    # payloads past the array's end, and before its start (an address a peer or a caller got wrong)
+    offs += [len(buf) - 10, -8]
+    storeds += [100, 100]
+    origs += [A.CHUNK_BYTES, A.CHUNK_BYTES]
     t = A.parse_tables(buf, np.array(offs), np.array(storeds), np.array(origs))
     kinds = set()
-    for i, (o, stored, orig) in enumerate(zip(offs[:-1], storeds, origs)):
+    for i, (o, stored, orig) in enumerate(zip(offs[:-2], storeds, origs)):
         try:
             want = A.parse_table(memoryview(buf)[o:o + stored], stored, orig)
         except (A.LengthMismatch, A.UnknownFormat) as e:
@@ -290,5 +291,6 @@ def test_parse_tables_equals_parse_table_payload_by_payload() -> None:
         assert t.err[i] == 0
         c0, n = int(t.chunk0[i]), int(t.nch[i])
         assert np.array_equal(t.offsets[c0:c0 + n], want[0]) and np.array_equal(t.sizes[c0:c0 + n], want[1])
-    assert t.err[-1] != 0 and "outside" in str(A.table_error(t, len(offs) - 1, 100, A.CHUNK_BYTES))
-    assert len(kinds) == 6 and (t.err[:-1] == 0).sum() >= 100, kinds  # every kind of damage met, and valid ones
+    for i in (len(offs) - 2, len(offs) - 1):
+        assert t.err[i] != 0 and "outside" in str(A.table_error(t, i, 100, A.CHUNK_BYTES))
+    assert len(kinds) == 6 and (t.err[:-2] == 0).sum() >= 100, kinds  # every kind of damage met, and valid ones
