@@ -422,17 +422,32 @@ class ObjectIndex:
             out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
             return out
         segs_get = self._segs.get
-        for i, j in zip(starts, starts[1:] + [n]):
+        # The runs' segment arrays side by side: each key's slot is one gather from them.
+        ends = starts[1:] + [n]
+        firsts, lens, bufs = [], [], []
+        base = 0
+        for i, j in zip(starts, ends):
             have = segs_get(keys[i][:_KEY_NS_CHUNK])
-            if have is None:
-                continue
-            want = sub[i:j]
             if type(have) is int:
-                out[i:j][want == self._sub(have)] = have
+                out[i:j][sub[i:j] == self._sub(have)] = have
+                have = None
+            if have is None:  # a run that matches nothing
+                firsts.append(0)
+                lens.append(0)
                 continue
-            at = want - have[0] + 1
-            ok = (want >= 0) & (at >= 1) & (at < len(have))
-            out[i:j][ok] = np.frombuffer(have, dtype=np.int32)[at[ok]]  # -1 where a hole
+            firsts.append(have[0] - 1 - base)  # so that sub - first is the key's place in the joined arrays
+            lens.append(len(have))
+            bufs.append(have)
+            base += len(have)
+        if not bufs:
+            return out
+        counts = np.diff(np.asarray(starts + [n], dtype=np.int64))
+        first = np.repeat(np.asarray(firsts, dtype=np.int64), counts)
+        at = sub - first  # the place in the joined arrays
+        within = at - (np.repeat(np.cumsum(lens, dtype=np.int64) - np.asarray(lens, dtype=np.int64), counts))
+        ok = (sub >= 0) & (within >= 1) & (within < np.repeat(np.asarray(lens, dtype=np.int64), counts))
+        joined = np.frombuffer(b"".join(bufs), dtype=np.int32)
+        out[ok] = joined[at[ok]]  # -1 where a hole
         return out
 
     def chunk_count(self, ns_chunk: bytes) -> int:

@@ -18,6 +18,7 @@ from orbitkv_fs.index import ObjectIndex
 from orbitkv_fs.keys import key_tails, pack_key, segment_keys
 from orbitkv_fs.manager.api import ChunkBlocks
 from orbitkv_fs.manager.batching import Batching
+from orbitkv_fs.manager.leases import Spans
 from orbitkv_fs.manager.restore import RestorePipeline, _Rows
 from orbitkv_fs.manager.verify import (
     _header_rows,
@@ -64,7 +65,9 @@ def test_get_many_is_get_of_each_key():
     probes = [pack_key(NS, bytes([c]) * 16, layer, role) for c in range(22) for layer in range(42)
               for role in Role]
     probes += [k[:35] + b"\x01" for k in keys[:5]] + [b"short", keys[0] + b"x"]  # not packed keys
-    for order in (probes, sorted(probes), rng.sample(probes, len(probes)), probes[:7]):
+    packed = probes[:-2]  # every key 36 bytes: the array path (the two others send a call to the per-key one)
+    for order in (probes, sorted(probes), rng.sample(probes, len(probes)), probes[:7], packed, sorted(packed),
+                  rng.sample(packed, len(packed)), keys, sorted(keys)):
         assert ix.get_many(order).tolist() == [-1 if (s := ix.get(k)) is None else s for k in order]
 
 
@@ -341,7 +344,13 @@ def test_device_batch_checks_are_the_per_segment_checks(tmp_path):
                 dram.publish(kb, off, len(blob), 4096, 0)
                 spans[kb] = (off, len(blob))
         chunks[5] = ChunkBlocks(chunks[5].key, [10, 11, 12])  # every segment of it too small for 3 blocks
-        fit, heads, sizes = p._check_device_batch(chunks, segs, keys, spans)
+        flat = [kb for ks in keys for kb in ks]
+        hit = np.asarray([kb in spans for kb in flat])
+        leased = Spans()
+        leased.fill(flat, hit, np.asarray([spans[kb][0] for kb in flat if kb in spans], dtype=np.int64),
+                    np.asarray([spans[kb][1] for kb in flat if kb in spans], dtype=np.int64))
+        assert len(leased) == len(spans) and all(leased.get(kb) == spans.get(kb) for kb in flat)
+        fit, heads, sizes = p._check_device_batch(chunks, segs, keys, leased)
         assert sum(fit) > len(fit) // 3
         truth = {}
         for ci, (ch, ks) in enumerate(zip(chunks, keys)):

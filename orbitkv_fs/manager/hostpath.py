@@ -35,6 +35,7 @@ from ..codecs import raw_segment
 from ..segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, Format, RawReason, header_crcs
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
+from .leases import Spans
 from .device import _gather_host
 from .registry import _Seg
 from .save import _KEY, _SEG, _SaveAcc
@@ -258,28 +259,22 @@ class HostPath:
         self._cpu("save_publish", c2 - c1, k)
 
     def _check_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                          spans: dict[bytes, tuple[int, int]]) -> HostRows:
-        """The chunks of a restore into host pages whose every segment is a DRAM extent (``spans``: key ->
-        offset, length) holding exactly the raw segment its destination expects: header bytes equal to its
-        template row but for the payload CRC, the header's CRC32C right, the extent exactly header plus
-        payload. Answers those chunks as :class:`HostRows` (payload CRCs still to be checked); the other
+                          spans: Spans) -> HostRows:
+        """The chunks of a restore into host pages whose every segment is a DRAM extent (``spans``: the
+        extents of ``keys``, chunk-major) holding exactly the raw segment its destination expects: header bytes
+        equal to its template row but for the payload CRC, the header's CRC32C right, the extent exactly header
+        plus payload. Answers those chunks as :class:`HostRows` (payload CRCs still to be checked); the other
         chunks are for the per-segment path."""
         nseg = len(segs)
         if not chunks or not nseg or len(spans) < nseg:
             return HostRows.none(nseg)
-        cand: list[int] = []
-        offs: list[int] = []
-        lens: list[int] = []
-        for ci, ks in enumerate(keys):
-            got = [spans.get(kb) for kb in ks]
-            if None in got:
-                continue
-            cand.append(ci)
-            for off, length in got:
-                offs.append(off)
-                lens.append(length)
+        assert len(spans.hit) == len(chunks) * nseg, "spans of another request"
+        whole = spans.hit.reshape(len(chunks), nseg).all(axis=1)
+        cand = np.flatnonzero(whole).tolist()
         if not cand:
             return HostRows.none(nseg)
+        picked = np.repeat(whole, nseg)
+        offs, lens = spans.offs[picked], spans.lens[picked]
         m = len(cand)
         # template rows: one per (seg, blocks in the chunk)
         nblocks = [len(chunks[ci].blocks) for ci in cand]
@@ -291,13 +286,13 @@ class HostPath:
         tid = (np.asarray([order[nb] for nb in nblocks], dtype=np.intp)[:, None] * nseg
                + np.arange(nseg, dtype=np.intp)).reshape(-1)
         sizes = np.concatenate([sizes_of[nb] for nb in sizes_of])[tid]
-        at = np.asarray(offs, dtype=np.int64)
+        at = offs
         got = self.dram.arena.buf[at[:, None] + _ROW]  # every header of the request, one gather
         ok = (got[:, _FIXED] == rows[tid][:, _FIXED]).all(axis=1)
         h = got.view(HEADER_DTYPE).reshape(-1)
         pcrc = h["payload_crc"]
         ok &= h["header_crc"] == header_crcs(bases[tid], pcrc)
-        ok &= np.asarray(lens, dtype=np.int64) == sizes + HEADER_SIZE
+        ok &= lens == sizes + HEADER_SIZE
         whole = ok.reshape(m, nseg).all(axis=1)
         return HostRows(np.asarray(cand, dtype=np.intp)[whole].tolist(), at.reshape(m, nseg)[whole],
                         sizes.reshape(m, nseg)[whole], pcrc.reshape(m, nseg)[whole])

@@ -1,8 +1,9 @@
 """Leases: what keeps DRAM extents from being evicted or overwritten while someone reads them.
 
-Primitives: :class:`_Lease` (pinned chunks and leased (slot, generation) entries), :meth:`Leases._hand_out`
-(an id and an expiry), :meth:`~Leases.release`, :meth:`~Leases._drop_lease`, :meth:`~Leases._lease_dram`
-(a request's DRAM extents under one hold), :meth:`~Leases._expire_leases` (the housekeeping round).
+Primitives: :class:`_Lease` (pinned chunks and leased (slot, generation) entries, one by one or as arrays),
+:meth:`Leases._hand_out` (an id and an expiry), :meth:`~Leases.release`, :meth:`~Leases._drop_lease`,
+:meth:`~Leases._lease_dram` (a request's DRAM extents under one hold: views, or :class:`Spans`, their places
+as arrays in the request's key order), :meth:`~Leases._expire_leases` (the housekeeping round).
 
 State owned: ``_leases``, ``_lease_ids``, ``_expired`` (recently expired ids, so a late restore under one
 is served). Invariants: an extent under a lease is never freed, evicted or overwritten; every lease is
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import compress
+from typing import Sequence
+
+import numpy as np
 
 from ..access import Caller, authorize
 from .api import LeaseError, UnknownEngine
@@ -22,13 +27,55 @@ log = logging.getLogger("orbitkv_fs.manager")
 
 
 class _Lease:
-    __slots__ = ("engine_id", "chunks", "entries", "expires")
+    __slots__ = ("engine_id", "chunks", "entries", "rows", "expires")
 
     def __init__(self, engine_id: str | None) -> None:
         self.engine_id = engine_id
         self.chunks: list[bytes] = []  # pinned (namespace + chunk)
         self.entries: list[tuple[int, int]] = []  # leased (slot, generation)
+        self.rows: list[tuple[np.ndarray, np.ndarray]] = []  # leased slots and their generations, as arrays
         self.expires = float("inf")  # time.monotonic() deadline once handed out (lease_ttl)
+
+
+class Spans:
+    """The DRAM extents a request leased, as arrays in its key order: ``offs[i]``, ``lens[i]`` are the arena
+    offset and length of ``keys[i]``, -1 where DRAM had no object for it; ``hit`` says which. The batch checks
+    read the arrays; the per-segment paths ask one key at a time (``get``, ``in``, ``[]``: a key -> position
+    dict, made on first use)."""
+
+    __slots__ = ("keys", "hit", "offs", "lens", "_at")
+
+    def __init__(self) -> None:
+        self.keys: Sequence[bytes] = ()
+        self.hit = np.zeros(0, dtype=bool)
+        self.offs = self.lens = np.zeros(0, dtype=np.int64)
+        self._at: dict[bytes, int] | None = None
+
+    def fill(self, keys: Sequence[bytes], hit: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> None:
+        """``keys`` and, for those ``hit``, their extents (``offs``, ``lens`` of the hits, in key order)."""
+        self.keys, self.hit, self._at = keys, hit, None
+        self.offs = np.full(len(keys), -1, dtype=np.int64)
+        self.lens = np.full(len(keys), -1, dtype=np.int64)
+        self.offs[hit] = offs
+        self.lens[hit] = lens
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.hit))
+
+    def get(self, kb: bytes, default: "tuple[int, int] | None" = None) -> "tuple[int, int] | None":
+        if self._at is None:
+            self._at = dict(zip(compress(self.keys, self.hit.tolist()), np.flatnonzero(self.hit).tolist()))
+        i = self._at.get(kb)
+        return default if i is None else (int(self.offs[i]), int(self.lens[i]))
+
+    def __contains__(self, kb: bytes) -> bool:
+        return self.get(kb) is not None
+
+    def __getitem__(self, kb: bytes) -> tuple[int, int]:
+        got = self.get(kb)
+        if got is None:
+            raise KeyError(kb)
+        return got
 
 
 #: Expired lease ids remembered so that a late restore under one is served, not refused.
@@ -96,11 +143,18 @@ class Leases:
         if lease.entries:
             self.dram.unlease(lease.entries)
             lease.entries = []
+        while lease.rows:
+            self.dram.unlease_rows(*lease.rows.pop())
 
-    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict,
-                    spans: dict[bytes, tuple[int, int]] | None = None) -> list[bytes]:
+    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict, spans: Spans | None = None) -> list[bytes]:
         """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out`` (or, with ``spans``,
-        their arena ``(offset, length)`` into ``spans`` instead); the keys not there."""
+        their arena extents into ``spans`` instead, as arrays: nothing per key); the keys not there."""
+        if spans is not None:
+            got = self.dram.lease_rows(kbs)
+            if len(got.slots):
+                held.rows.append((got.slots, got.gens))
+            spans.fill(kbs, got.hit, got.offs, got.lens)
+            return [] if len(got.slots) == len(kbs) else list(compress(kbs, (~got.hit).tolist()))
         missing = []
         for kb, f in zip(kbs, self.dram.lease(kbs)):
             if f is None:
@@ -108,8 +162,5 @@ class Leases:
                 continue
             slot, gen, off, length = f
             held.entries.append((slot, gen))
-            if spans is None:
-                out[kb] = memoryview(self.dram.view(off, length))
-            else:
-                spans[kb] = (off, length)
+            out[kb] = memoryview(self.dram.view(off, length))
         return missing

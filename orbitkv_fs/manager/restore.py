@@ -32,7 +32,7 @@ from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_sou
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
 from .batching import BATCH_EXPANSION, _decode_bound, _pipelined
 from .device import _Targets
-from .leases import _Lease
+from .leases import Spans, _Lease
 from .registry import _Engine, _Seg
 from .verify import _header_rows_at, _verify, _verify_header, _verify_headers
 
@@ -75,6 +75,15 @@ def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[S
     pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
     replace = msgspec.structs.replace
     return [replace(templates[t], payload_crc=c) for t, c in zip(tid.tolist(), pcrc)]
+
+
+def _misses(keys: list[list[bytes]], sources: dict, spans: Spans | None, served: "set[bytes] | dict") -> int:
+    """The keys of a restore that no source served: not leased from DRAM (``spans``), not in ``sources``
+    (lower tier, peers, views), not ``served`` by the direct SSD path."""
+    if spans is not None and spans.hit.all() and len(spans.hit) == sum(map(len, keys)):
+        return 0
+    found = spans if spans is not None else {}
+    return sum(1 for ks in keys for k in ks if k not in sources and k not in found and k not in served)
 
 
 class RestorePipeline:
@@ -128,7 +137,7 @@ class RestorePipeline:
             gpu_checks = gpu is not None and on_device
             # The DRAM extents' places, for the batch checks: of exact segments of host pages
             # (_check_host_batch), of the headers of segments bound for the GPU engine (_check_device_batch).
-            spans: dict[bytes, tuple[int, int]] | None = None if on_device and not gpu_checks else {}
+            spans = None if on_device and not gpu_checks else Spans()
             c1 = time.thread_time()
             sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device, spans)
             c2 = time.thread_time()
@@ -257,9 +266,7 @@ class RestorePipeline:
                 logical += h.original_length
                 stored += HEADER_SIZE + h.stored_length
             misses = [Miss(chunks[i].key, r) for i, r in sorted(bad.items())]
-            found = spans or {}
-            self._add(misses=sum(1 for ks in keys for k in ks if k not in sources and k not in found
-                                 and k not in served_ssd))
+            self._add(misses=_misses(keys, sources, spans, served_ssd))
             dt = time.perf_counter() - t0
             self._cpu("restore", time.thread_time() - c0, nkeys)
             self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
@@ -280,14 +287,14 @@ class RestorePipeline:
                  tally: dict[str, int] | None = None,
                  fresh: set[bytes] | None = None,
                  device: set[bytes] | None = None,
-                 spans: dict[bytes, tuple[int, int]] | None = None) -> dict[bytes, "memoryview | bytes"]:
+                 spans: Spans | None = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
         the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
         direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
         (counted in ``tally["lower"]``): the caller reads them into device memory itself. With ``spans``,
-        the DRAM extents leased are not in the answer: ``spans`` gets their arena ``(offset, length)``."""
+        the DRAM extents leased are not in the answer: ``spans`` gets their arena extents (``kbs`` in order)."""
         out: dict[bytes, memoryview | bytes] = {}
         missing = self._lease_dram(kbs, held, out, spans)
         self._count(self._hits, "dram", len(kbs) - len(missing))
@@ -524,25 +531,24 @@ class RestorePipeline:
             i = j
 
     def _check_device_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                            spans: dict[bytes, tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                            spans: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The size fields of a restore's DRAM-leased sources bound for the GPU engine, read as one array: the
         dtype and source length each header names against what its destination blocks take, its stored
         length against its extent. Answers per segment (chunk-major) whether they fit (False: not in DRAM, or
         fields that do not fit: the per-segment path says why, and whether it is a miss or a wrong request),
         the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound`), decoded bytes,
         stored bytes, extent length and arena offset, ``[n, 5]``. The rest of each header is verified batch by
-        batch (:meth:`_verified_rows`)."""
+        batch (:meth:`_verified_rows`). ``spans`` holds the extents of ``keys`` (chunk-major, as leased)."""
         nseg = len(segs)
         n = len(chunks) * nseg
-        got = [spans.get(kb) for ks in keys for kb in ks]
+        assert len(spans.hit) == n, "spans of another request"
         sizes = np.zeros((n, 5), dtype=np.int64)
         heads = np.zeros((n, HEADER_SIZE), dtype=np.uint8)
         fit = np.zeros(n, dtype=bool)
-        rows = [i for i, g in enumerate(got) if g is not None] if None in got else list(range(n))
-        if not rows:
+        at = np.flatnonzero(spans.hit)
+        if not len(at):
             return fit, heads, sizes
-        offs, lens = np.array([got[i] for i in rows] if len(rows) < n else got, dtype=np.int64).T
-        at = np.asarray(rows, dtype=np.int64)
+        offs, lens = spans.offs[at], spans.lens[at]
         heads[at] = _header_rows_at(self.dram.arena.buf, offs)
         si, ci = at % nseg, at // nseg
         seg_code = np.asarray([-1 if s.dtype_code is None else s.dtype_code for s in segs], dtype=np.int64)[si]

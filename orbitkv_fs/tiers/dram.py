@@ -10,7 +10,8 @@ Primitives:
 * :func:`reclaim_stale_arenas` -- unlink the arena files of Managers that were killed before they could
   (SIGKILL, the OOM killer): a tmpfs file holds its memory until it is removed. :class:`DramTier` runs it
   on its directory before it makes its own arena.
-* :class:`DramTier` -- reserve -> write -> publish, lease/unlease, hide/invalidate, eviction with demotion
+* :class:`DramTier` -- reserve -> write -> publish, lease/unlease (a request's keys as arrays:
+  :meth:`DramTier.lease_rows` -> :class:`Leased`, :meth:`DramTier.unlease_rows`), hide/invalidate, eviction with demotion
   to the lower tier through a callback. A save batch reserves with :meth:`DramTier.reserve_many` and
   publishes with :meth:`DramTier.publish_many`: one lock round each, the index's ``add_many`` and the
   policy's ``insert_many``, byte accounting per batch. Eviction is per batch too: the policy's ``take``
@@ -39,7 +40,7 @@ import threading
 import uuid
 from bisect import bisect_right
 from itertools import accumulate, compress
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -53,6 +54,22 @@ BATCHES_FOR_WHOLE = 16
 #: Victims (or their extents) handled one by one up to this many: below it the array passes cost more than
 #: they save (about 40 us a call).
 _DROP_LOOP = 16
+
+
+class Leased(NamedTuple):
+    """What :meth:`DramTier.lease_rows` leased: ``hit[i]`` whether ``keys[i]`` was found; for the keys found,
+    in key order, their slots, generations, arena offsets and stored lengths (int64 arrays)."""
+
+    hit: np.ndarray
+    slots: np.ndarray
+    gens: np.ndarray
+    offs: np.ndarray
+    lens: np.ndarray
+
+    @classmethod
+    def none(cls, n: int) -> "Leased":
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(n, dtype=bool), empty, empty, empty, empty)
 
 
 def units_of(nbytes: int) -> int:
@@ -481,17 +498,30 @@ class DramTier:
             self.prefetch_hits += 1
 
     def lease(self, keys: Sequence[bytes]) -> list[tuple[int, int, int, int] | None]:
-        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None. As a
-        batch: the slots found at once (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), the lease counts,
-        prefetch hits and byte counters updated per batch, the policy touched in key order (the same state
-        as leasing the keys one by one)."""
+        """``(slot, generation, offset, length)`` per key under one new lease reference each, or None
+        (:meth:`lease_rows` as one tuple per key)."""
+        got = self.lease_rows(keys)
+        rows = zip(got.slots.tolist(), got.gens.tolist(), got.offs.tolist(), got.lens.tolist())
+        if len(got.slots) == len(keys):
+            return list(rows)
+        out: list[tuple[int, int, int, int] | None] = [None] * len(keys)
+        for i, row in zip(np.flatnonzero(got.hit).tolist(), rows):
+            out[i] = row
+        return out
+
+    def lease_rows(self, keys: Sequence[bytes]) -> Leased:
+        """One new lease reference on each key's object, as arrays (:class:`Leased`: which keys were found,
+        and the slots, generations, offsets and lengths of those, in key order). As a batch: the slots found
+        at once (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), the lease counts, prefetch hits and byte
+        counters updated per batch, the policy touched in key order (the same state as leasing the keys one
+        by one). Drop the references with :meth:`unlease_rows`."""
         ix = self.index
         with self.lock:
             found = ix.get_many(keys)
             hit = found >= 0
             slots = found[hit]
             if not len(slots):
-                return [None] * len(keys)
+                return Leased.none(len(keys))
             at = slots.tolist()
             if self.prefetched:
                 served = self.prefetched.intersection(at)
@@ -505,24 +535,25 @@ class DramTier:
             self.leases_active += len(at)
             self.leased_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
             self.policy.touch_many(at)
-            rows = zip(at, np.frombuffer(ix.generation, dtype=np.uint64)[slots].tolist(),
-                       (np.frombuffer(ix.offset, dtype=np.uint32)[slots].astype(np.int64) * UNIT).tolist(),
-                       np.frombuffer(ix.length, dtype=np.uint32)[slots].tolist())
-        if len(at) == len(keys):
-            return list(rows)
-        out: list[tuple[int, int, int, int] | None] = [None] * len(keys)
-        for i, row in zip(np.flatnonzero(hit).tolist(), rows):
-            out[i] = row
-        return out
+            # copies, not views: an index column may grow (and move) once the lock is released
+            return Leased(hit, slots, np.frombuffer(ix.generation, dtype=np.uint64)[slots].astype(np.int64),
+                          np.frombuffer(ix.offset, dtype=np.uint32)[slots].astype(np.int64) * UNIT,
+                          np.frombuffer(ix.length, dtype=np.uint32)[slots].astype(np.int64))
 
     def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
-        """Drop one lease reference on each ``(slot, generation)``: as a batch (the counters per batch, a slot
-        named twice dropped twice), the hidden slots left without a lease freed."""
-        ix = self.index
+        """Drop one lease reference on each ``(slot, generation)`` (:meth:`unlease_rows`)."""
         entries = entries if isinstance(entries, list) else list(entries)
-        if not entries:
+        if entries:
+            at, gens = np.array(entries, dtype=np.int64).reshape(-1, 2).T
+            self.unlease_rows(at, gens)
+
+    def unlease_rows(self, at: np.ndarray, gens: np.ndarray) -> None:
+        """Drop one lease reference on each slot of ``at`` (int64), leased at generation ``gens``: as a batch
+        (the counters per batch, a slot named twice dropped twice), the hidden slots left without a lease
+        freed."""
+        if not len(at):
             return
-        at, gens = np.array(entries, dtype=np.int64).reshape(-1, 2).T
+        ix = self.index
         with self.lock:
             # No view of an index column outlives an expression: a column cannot grow while one is held.
             assert (np.frombuffer(ix.generation, dtype=np.uint64)[at] == gens.astype(np.uint64)).all(), \
