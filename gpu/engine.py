@@ -455,19 +455,25 @@ class Worker:
     def place(self, nbytes: int) -> "tuple[int, _Pinned]":
         """Workspace address and pinned upload buffer (``_Pinned``) for a new batch of ``nbytes``: beside the
         batch still in flight when both fit in the workspace, else after finishing it (the workspace may
-        then grow, which needs nothing in flight)."""
+        then grow, which needs nothing in flight).
+
+        Double-ended: a batch goes below the one in flight when it fits there, else at the top of the
+        workspace, so that any two consecutive batches that fit in it together run side by side (batches
+        packed one after the other leave a new batch no room below a batch in the middle)."""
         while len(self.inflight) > 1:
             self.finish(self.inflight[0])
         if self.inflight:
             f = self.inflight[0]
             if nbytes <= f.start:
                 return self.ws.ptr, self.uploads[1 - f.upload]
+            top = (self.ws.size - nbytes) & ~((1 << 16) - 1)
             at = _up(f.end, 1 << 16)
-            if at + nbytes <= self.ws.size:
-                return self.ws.ptr + at, self.uploads[1 - f.upload]
+            if top >= at:
+                return self.ws.ptr + top, self.uploads[1 - f.upload]
             self.finish(f)
-            if at + nbytes <= self.ws.budget:  # grow now so that the next pair fits side by side
-                return self.ws.reserve(at + nbytes), self.uploads[0]
+            pair = _up(f.end - f.start, 1 << 16) + nbytes
+            if pair <= self.ws.budget:  # grow now so that the next pair fits side by side
+                return self.ws.reserve(pair), self.uploads[0]
         return self.ws.reserve(nbytes), self.uploads[0]
 
     def drop(self, flights: "Sequence[_Flight]") -> None:
