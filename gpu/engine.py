@@ -114,6 +114,7 @@ from orbitkv_fs.segment import (
 from . import ans_format
 from . import module as km
 from . import rows as rows_
+from .placement import pair_bytes, place_beside
 from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 1024
@@ -457,21 +458,18 @@ class Worker:
         batch still in flight when both fit in the workspace, else after finishing it (the workspace may
         then grow, which needs nothing in flight).
 
-        Double-ended: a batch goes below the one in flight when it fits there, else at the top of the
-        workspace, so that any two consecutive batches that fit in it together run side by side (batches
-        packed one after the other leave a new batch no room below a batch in the middle)."""
+        Double-ended (:func:`~orbitkv_fs.gpu.placement.place_beside`): below the batch in flight, else at the
+        top of the workspace, so that any two consecutive batches that fit in it together run side by side
+        (packed one after the other, a batch found no room beside a batch in the middle)."""
         while len(self.inflight) > 1:
             self.finish(self.inflight[0])
         if self.inflight:
             f = self.inflight[0]
-            if nbytes <= f.start:
-                return self.ws.ptr, self.uploads[1 - f.upload]
-            top = (self.ws.size - nbytes) & ~((1 << 16) - 1)
-            at = _up(f.end, 1 << 16)
-            if top >= at:
-                return self.ws.ptr + top, self.uploads[1 - f.upload]
+            at = place_beside(self.ws.size, f.start, f.end, nbytes)
+            if at is not None:
+                return self.ws.ptr + at, self.uploads[1 - f.upload]
             self.finish(f)
-            pair = _up(f.end - f.start, 1 << 16) + nbytes
+            pair = pair_bytes(f.start, f.end, nbytes)
             if pair <= self.ws.budget:  # grow now so that the next pair fits side by side
                 return self.ws.reserve(pair), self.uploads[0]
         return self.ws.reserve(nbytes), self.uploads[0]
