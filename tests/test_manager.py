@@ -906,3 +906,30 @@ def test_a_refused_exact_key_is_not_counted_in_the_raw_reasons(engine, monkeypat
         assert r.segments == 2 * 2 * L - 1 and r.raw_segments == {"policy": exact - 1}
         assert m.stats().raw_segments == {"policy": exact - 1}
         assert_reservations_zero(m)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_restore_naming_a_chunk_twice_and_a_missing_one(engine, codec):
+    """A restore whose request names one chunk twice (into two block sets) around a chunk never saved: the
+    leased extents are found per key in request order (duplicates leased twice, dropped twice), both copies
+    are written as saved, the absent chunk is a miss counted once per segment, and every lease goes back."""
+    pages, reg = engine
+    orig = snapshot(pages)
+    with Manager(ManagerConfig(pool_size=8 << 20, storage_codec=codec)) as m:
+        e = m.register_engine(reg)
+        saved = ChunkBlocks(chunk_key("twice"), [0, 1])
+        m.save(e.engine_id, [saved])
+        zero(pages)
+        again = ChunkBlocks(saved.key, [4, 5])
+        absent = ChunkBlocks(chunk_key("never"), [2, 3])
+        misses0 = m.stats().misses
+        r = m.restore(e.engine_id, [saved, absent, again])
+        assert r.restored == [True, False, True] and [x.key for x in r.misses] == [absent.key]
+        assert m.stats().misses - misses0 == 2 * L  # every segment of the absent chunk, once
+        for name in pages.tensors:
+            a = pages.array(name)
+            if codec == "none":
+                assert np.array_equal(a[[0, 1]].view(np.uint16), orig[name][[0, 1]].view(np.uint16))
+            assert np.array_equal(a[[4, 5]].view(np.uint16), a[[0, 1]].view(np.uint16))  # the same segment twice
+            assert not a[[2, 3]].view(np.uint16).any()
+        assert_reservations_zero(m)
