@@ -431,7 +431,7 @@ class ObjectIndex:
             if type(have) is int:
                 out[i:j][sub[i:j] == self._sub(have)] = have
                 have = None
-            if have is None:  # a run that matches nothing
+            if have is None:  # nothing to gather for this run (absent, or its one slot set above)
                 firsts.append(0)
                 lens.append(0)
                 continue

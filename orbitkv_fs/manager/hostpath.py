@@ -269,15 +269,14 @@ class HostPath:
         if not chunks or not nseg or len(spans) < nseg:
             return HostRows.none(nseg)
         assert len(spans.hit) == len(chunks) * nseg, "spans of another request"
-        whole = spans.hit.reshape(len(chunks), nseg).all(axis=1)
-        cand = np.flatnonzero(whole).tolist()
-        if not cand:
+        leased = spans.hit.reshape(len(chunks), nseg).all(axis=1)  # chunks whose every segment is in DRAM
+        cand = np.flatnonzero(leased)
+        if not len(cand):
             return HostRows.none(nseg)
-        picked = np.repeat(whole, nseg)
-        offs, lens = spans.offs[picked], spans.lens[picked]
+        at, lens = spans.offs[np.repeat(leased, nseg)], spans.lens[np.repeat(leased, nseg)]
         m = len(cand)
         # template rows: one per (seg, blocks in the chunk)
-        nblocks = [len(chunks[ci].blocks) for ci in cand]
+        nblocks = [len(chunks[ci].blocks) for ci in cand.tolist()]
         sizes_of = {nb: np.asarray([nb * s.block_bytes for s in segs], dtype=np.int64) for nb in set(nblocks)}
         order = {nb: j for j, nb in enumerate(sizes_of)}
         heads = [s.raw_header(int(n)) for nb in sizes_of for s, n in zip(segs, sizes_of[nb])]
@@ -286,7 +285,6 @@ class HostPath:
         tid = (np.asarray([order[nb] for nb in nblocks], dtype=np.intp)[:, None] * nseg
                + np.arange(nseg, dtype=np.intp)).reshape(-1)
         sizes = np.concatenate([sizes_of[nb] for nb in sizes_of])[tid]
-        at = offs
         got = self.dram.arena.buf[at[:, None] + _ROW]  # every header of the request, one gather
         ok = (got[:, _FIXED] == rows[tid][:, _FIXED]).all(axis=1)
         h = got.view(HEADER_DTYPE).reshape(-1)
@@ -294,7 +292,7 @@ class HostPath:
         ok &= h["header_crc"] == header_crcs(bases[tid], pcrc)
         ok &= lens == sizes + HEADER_SIZE
         whole = ok.reshape(m, nseg).all(axis=1)
-        return HostRows(np.asarray(cand, dtype=np.intp)[whole].tolist(), at.reshape(m, nseg)[whole],
+        return HostRows(cand[whole].tolist(), at.reshape(m, nseg)[whole],
                         sizes.reshape(m, nseg)[whole], pcrc.reshape(m, nseg)[whole])
 
     def _write_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], checked: HostRows,
