@@ -34,7 +34,6 @@ from __future__ import annotations
 import struct
 from array import array
 from itertools import groupby
-from operator import itemgetter
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -46,7 +45,6 @@ _TAIL = struct.Struct("<HB1x")  # layer, role, pad: the packed key after the pre
 _ROLES = 3  # Role.OPAQUE, KEY, VALUE: sub = layer * 3 + role is one-to-one
 #: get_many looks keys up one by one when its runs of one chunk are shorter than this on average.
 _RUN_MIN = 8
-_PREFIX = itemgetter(slice(0, _KEY_NS_CHUNK))
 #: Rows a scatter writes one at a time; past this numpy's fixed cost is the smaller one.
 _SCATTER_LOOP = 48
 
@@ -58,17 +56,18 @@ def _sub_of(key: bytes) -> int:
     return (key[32] | key[33] << 8) * _ROLES + key[34]
 
 
-def _well_formed(keys: Sequence[bytes]) -> int:
-    """How many leading ``keys`` are packed keys (:func:`_sub_of` is not -1)."""
+def _well_formed(keys: Sequence[bytes]) -> tuple[int, bytes]:
+    """How many leading ``keys`` are packed keys (:func:`_sub_of` is not -1), and those keys joined."""
     n = len(keys)
-    if n and set(map(len, keys)) == {_KEY_SIZE}:
-        raw = b"".join(keys)  # every 36th byte from 35 is a pad (zero), from 34 a role
+    raw = b"".join(keys)
+    if n and len(raw) == n * _KEY_SIZE and set(map(len, keys)) == {_KEY_SIZE}:
+        # every 36th byte from 35 is a pad (zero), from 34 a role
         if raw[35::_KEY_SIZE].count(0) == n and not raw[34::_KEY_SIZE].translate(None, bytes(range(_ROLES))):
-            return n
+            return n, raw
     for i, k in enumerate(keys):
         if _sub_of(k) < 0:
-            return i
-    return n
+            return i, b"".join(keys[:i])
+    return n, raw
 
 
 def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
@@ -79,9 +78,18 @@ def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
 def put_columns(cols: Sequence[array], rows: Sequence[int], values: Sequence[Sequence[int]]) -> None:
     """``cols[i][r] = values[i][j]`` for each column and each row ``r = rows[j]``: slice assignments where
     the rows are consecutive (ascending, or descending as the free list gives back slots freed in order),
-    else a loop for a few rows and a numpy scatter for many; the rows' shape is found once for all columns."""
+    else a loop for a few rows and a numpy scatter for many; the rows' shape is found once for all columns.
+    Rows given as an array (a batch's) are written with numpy, each value an array of the rows or a scalar."""
     k = len(rows)
     if not k:
+        return
+    if isinstance(rows, np.ndarray):
+        at = rows.astype(np.intp, copy=False)
+        first = int(at[0])
+        if int(at[-1]) - first == k - 1 and (k < 3 or (np.diff(at) == 1).all()):
+            at = slice(first, first + k)
+        for col, vals in zip(cols, values):
+            np.frombuffer(col, dtype=col.typecode)[at] = vals
         return
     first, last = rows[0], rows[k - 1]
     if last - first == k - 1 and (k < 3 or list(rows) == list(range(first, first + k))):
@@ -153,32 +161,39 @@ class ObjectIndex:
         return self._add(key[:_KEY_NS_CHUNK], sub, offset, units, length, logical, rep)
 
     def add_many(self, keys: Sequence[bytes], offset: Sequence[int], units: Sequence[int], length: Sequence[int],
-                 logical: Sequence[int], rep: Sequence[int]) -> list[int]:
+                 logical: Sequence[int], rep: Sequence[int]) -> np.ndarray:
         """:meth:`add` of each key, in order, at its offset (the other sequences are columns of the same
-        rows), as one batch. Answers each key's slot, -1 for a key LIVE already (nothing changed for it: a
-        key twice in ``keys`` is added at its first place). Stops before the first malformed key: an answer
-        shorter than ``keys`` means ``keys[len(answer)]`` is not a packed key and nothing from it on was added.
+        rows: lists or arrays), as one batch. Answers each key's slot (int64), -1 for a key LIVE already
+        (nothing changed for it: a key twice in ``keys`` is added at its first place). Stops before the first
+        malformed key: an answer shorter than ``keys`` means ``keys[len(answer)]`` is not a packed key and
+        nothing from it on was added.
 
         The same slots (free list first, last freed first, then new rows), generations and chunk arrays as
-        :meth:`add` one key at a time. A run of keys of a chunk new to the index, each once (a save batch's
-        whole chunks), is placed in one step and its rows written per column; other keys go through
+        :meth:`add` one key at a time. The keys are read as one array (runs of one chunk found by comparing
+        neighbours, not per key); a run of keys of a chunk new to the index, each once (a save batch's whole
+        chunks), is placed in one step and its rows written per column as arrays; other keys go through
         :meth:`add`'s own path."""
         if len(keys) == 1:  # a lone publish (a promotion, a fallback)
             sub = _sub_of(keys[0])
             if sub < 0:
-                return []
-            got = self._add(keys[0][:_KEY_NS_CHUNK], sub, offset[0], units[0], length[0], logical[0], rep[0])
-            return [-1 if got is None else got[0]]
-        n = _well_formed(keys)
+                return np.zeros(0, np.int64)
+            got = self._add(keys[0][:_KEY_NS_CHUNK], sub, int(offset[0]), int(units[0]), int(length[0]),
+                            int(logical[0]), int(rep[0]))
+            return np.array([-1 if got is None else got[0]], np.int64)
+        n, raw = _well_formed(keys)
+        if not n:
+            return np.zeros(0, np.int64)
         if n < len(keys):
             keys = keys[:n]
-        raw = b"".join(keys)
-        words = np.frombuffer(raw, dtype="<u2").reshape(-1, _KEY_SIZE // 2)
-        layer_col = words[:, 16]  # bytes 32-33 of each key
-        layers = layer_col.tolist()
-        roles = raw[34::_KEY_SIZE]
-        subs = (layer_col.astype(np.int64) * _ROLES + (words[:, 17] & 0xFF)).tolist()
-        out: list[int] = []
+        columns = tuple(np.asarray(c[:n] if len(c) > n else c, dtype=np.int64) for c in (offset, units, length,
+                                                                                        logical, rep))
+        a = np.frombuffer(raw, dtype=np.uint8).reshape(n, _KEY_SIZE)
+        layers = a[:, 32].astype(np.int64) | a[:, 33].astype(np.int64) << 8
+        roles = a[:, 34].astype(np.int64)
+        subs = layers * _ROLES + roles
+        pre = a[:, :_KEY_NS_CHUNK].view("V32").reshape(n)
+        bounds = np.flatnonzero(np.r_[True, pre[1:] != pre[:-1]]).tolist() + [n]
+        parts: list[np.ndarray] = []
         segs_of = self._segs
         # Rows from the free list that the placements took, and their values per column: written once at the
         # end (nothing reads them before: a chunk placed here is an array, so _add never asks such a row its sub).
@@ -187,48 +202,44 @@ class ObjectIndex:
         # together by _add_fresh once the layout changes or another kind of run comes.
         # (a dict: ordered, and a chunk twice in a batch is found in it: placed once, then merged)
         fresh: dict[bytes, None] = {}
-        pattern: list[int] = []
+        pattern = b""  # the layout of the fresh runs: their subs' bytes
         start = 0  # key index of the first fresh run
-        i = 0
-        for prefix, run in groupby(keys, _PREFIX):
-            k = len(tuple(run))
-            j = i + k
+        rest = (layers, roles) + columns
+        for i, j in zip(bounds[:-1], bounds[1:]):
+            k = j - i
+            prefix = keys[i][:_KEY_NS_CHUNK]
             sub = subs[i:j]
             have = segs_of.get(prefix)
-            if k > 1 and have is None and prefix not in fresh and (sub == pattern or len(set(sub)) == k):
-                if fresh and sub != pattern:
-                    out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units,
-                                           length, logical, rep)
-                    fresh = {}
-                if not fresh:
-                    pattern, start = sub, i
-                fresh[prefix] = None
-                i = j
-                continue
+            if k > 1 and have is None and prefix not in fresh:
+                layout = sub.tobytes()
+                if layout == pattern or len(set(sub.tolist())) == k:
+                    if fresh and layout != pattern:
+                        parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8],
+                                                     start, *rest))
+                        fresh = {}
+                    if not fresh:
+                        pattern, start = layout, i
+                    fresh[prefix] = None
+                    continue
             if fresh:
-                out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units, length,
-                                       logical, rep)
+                parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8], start,
+                                             *rest))
                 fresh = {}
                 have = segs_of.get(prefix)
-            if k > 1 and len(set(sub)) == k and self._absent(have, sub):
-                out += self._add_chunk(reused, prefix, sub, layers[i:j], roles[i:j], offset[i:j], units[i:j],
-                                       length[i:j], logical[i:j], rep[i:j])
+            if k > 1 and len(set(sub.tolist())) == k and self._absent(have, sub.tolist()):
+                parts.append(self._add_chunk(reused, prefix, sub, *(c[i:j] for c in rest)))
             else:
-                for x in range(i, j):
-                    got = self._add(prefix, subs[x], offset[x], units[x], length[x], logical[x], rep[x])
-                    out.append(-1 if got is None else got[0])
-            i = j
+                got = [self._add(prefix, s, *row) for s, *row in zip(sub.tolist(), *(c[i:j].tolist() for c in columns))]
+                parts.append(np.array([-1 if g is None else g[0] for g in got], np.int64))
         if fresh:
-            out += self._add_fresh(reused, list(fresh), pattern, start, layers, roles, offset, units, length, logical,
-                                   rep)
+            parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8], start, *rest))
         if reused[0]:
-            rows = reused[0]
-            put_columns(self._columns() + (self.leases, self.state), rows,
-                        reused[1:] + ([0] * len(rows), [LIVE] * len(rows)))
-        return out
+            put_columns(self._columns() + (self.leases, self.state), np.concatenate(reused[0]),
+                        [np.concatenate(v) for v in reused[1:]] + [0, LIVE])
+        return np.concatenate(parts)
 
     def _columns(self) -> tuple[array, ...]:
-        """The columns :meth:`_add_chunk` writes from its arguments, in their order."""
+        """The columns :meth:`_place` writes, in its order."""
         return (self.offset, self.units, self.length, self.logical, self.rep, self.generation, self.layer, self.role)
 
     def _add(self, prefix: bytes, sub: int, offset: int, units: int, length: int, logical: int,
@@ -291,61 +302,63 @@ class ObjectIndex:
         base, n = have[0], len(have) - 1
         return all(not 0 <= b - base < n or have[1 + b - base] < 0 for b in subs)
 
-    def _take(self, n: int) -> tuple[list[int], int]:
-        """The slots ``n`` adds take, in order: the free list's last first, then new rows; and how many of
-        them came from the free list (removed from it here)."""
+    def _take(self, n: int) -> tuple[np.ndarray, int]:
+        """The slots ``n`` adds take, in order (int64): the free list's last first, then new rows; and how
+        many of them came from the free list (removed from it here)."""
         free = self._free
         take = min(n, len(free))
-        slots = free[len(free) - take:][::-1].tolist()  # what n pops give
-        del free[len(free) - take:]
         rows = len(self._prefix)
-        slots += range(rows, rows + n - take)
+        slots = np.empty(n, dtype=np.int64)
+        if take:
+            slots[:take] = np.frombuffer(free, dtype=np.int32)[len(free) - take:][::-1]  # what n pops give
+            del free[len(free) - take:]
+        slots[take:] = np.arange(rows, rows + n - take)
         return slots, take
 
-    def _place(self, reused: tuple[list, ...], slots: list[int], take: int, prefixes: list[bytes],
-               columns: Sequence[Sequence[int]]) -> None:
+    def _place(self, reused: tuple[list, ...], slots: np.ndarray, take: int, prefixes: list[bytes],
+               columns: Sequence[np.ndarray]) -> None:
         """Write ``slots`` (the first ``take`` from the free list, the rest new rows, as :meth:`_take`
         gives them), their prefix objects ``prefixes`` (one per slot) and ``columns`` (:meth:`_columns`'
-        order, without generation, layer, role: those follow): new rows appended here, free-list rows to
-        ``reused`` for the caller to write."""
+        order, without generation, layer, role: those follow; arrays): new rows appended here, free-list
+        rows to ``reused`` for the caller to write."""
         k = len(slots)
         gen = self._next_gen
         self._next_gen += k
-        values = tuple(columns[:5]) + (range(gen, gen + k),) + tuple(columns[5:])
+        values = tuple(columns[:5]) + (np.arange(gen, gen + k, dtype=np.int64),) + tuple(columns[5:])
         if take:
-            hi, lo = slots[0], slots[take - 1]
-            if hi - lo == take - 1 and slots[:take] == list(range(hi, lo - 1, -1)):  # slots freed in order
+            hi, lo = int(slots[0]), int(slots[take - 1])
+            if hi - lo == take - 1 and (take == 1 or (np.diff(slots[:take]) == -1).all()):  # slots freed in order
                 self._prefix[lo:hi + 1] = prefixes[take - 1::-1]
             else:
-                for s, p in zip(slots[:take], prefixes):
-                    self._prefix[s] = p
-            reused[0].extend(slots[:take])
+                pre = self._prefix
+                for s, p in zip(slots[:take].tolist(), prefixes):
+                    pre[s] = p
+            reused[0].append(slots[:take])
             for acc, vals in zip(reused[1:], values):
-                acc.extend(vals[:take])
+                acc.append(vals[:take])
         if take < k:
             self._prefix += prefixes[take:] if take else prefixes
             for col, vals in zip(self._columns(), values):
-                col.extend(vals[take:] if take else vals)
-            # extend, not frombytes: a row at a time, so the columns over-allocate as add's appends do
-            self.leases.extend((0,) * (k - take))
-            self.state.extend((LIVE,) * (k - take))
+                col.frombytes(vals[take:].astype(col.typecode).tobytes())
+            self.leases.frombytes(bytes(self.leases.itemsize * (k - take)))
+            self.state.frombytes(bytes((LIVE,)) * (k - take))
         self._live += k
 
-    def _add_fresh(self, reused: tuple[list, ...], prefixes: list[bytes], subs: list[int], first: int,
-                   layers: list[int], roles: bytes, *columns: Sequence[int]) -> list[int]:
+    def _add_fresh(self, reused: tuple[list, ...], prefixes: list[bytes], subs: np.ndarray, first: int,
+                   layers: np.ndarray, roles: np.ndarray, *columns: np.ndarray) -> np.ndarray:
         """Add whole chunks new to the index, ``prefixes`` (distinct), each with the ``k > 1`` distinct
-        ``subs``: the keys ``first .. first + len(prefixes) * k`` of ``columns`` (offset, units, length,
-        logical, rep). :meth:`_add_chunk` of each in turn, in one step: one chunk array built per chunk from
-        a template, the rows written per column for all. Answers the slots."""
+        ``subs``: the keys ``first .. first + len(prefixes) * k`` of ``layers``, ``roles`` and ``columns``
+        (offset, units, length, logical, rep). :meth:`_add_chunk` of each in turn, in one step: one chunk
+        array built per chunk from a template, the rows written per column for all. Answers the slots."""
         k, c = len(subs), len(prefixes)
         n = k * c
         last = first + n
         slots, take = self._take(n)
-        base = min(subs)
-        width = max(subs) - base + 2
+        base = int(subs.min())
+        width = int(subs.max()) - base + 2
         grid = np.full((c, width), -1, dtype=np.int32)
         grid[:, 0] = base
-        grid[:, [1 + b - base for b in subs]] = np.asarray(slots, dtype=np.int32).reshape(c, k)
+        grid[:, subs - (base - 1)] = slots.reshape(c, k)
         raw = grid.tobytes()
         step = 4 * width
         segs_of = self._segs
@@ -358,8 +371,8 @@ class ObjectIndex:
                     [col[first:last] for col in columns] + [layers[first:last], roles[first:last]])
         return slots
 
-    def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: list[int], layers: list[int], roles: bytes,
-                   *columns: Sequence[int]) -> list[int]:
+    def _add_chunk(self, reused: tuple[list, ...], prefix: bytes, subs: np.ndarray, layers: np.ndarray,
+                   roles: np.ndarray, *columns: np.ndarray) -> np.ndarray:
         """Add the ``k > 1`` distinct ``subs`` of chunk ``prefix``, none of them in the index (the chunk may
         hold others: the rest of a chunk that a batch boundary split), with rows of ``columns`` (offset,
         units, length, logical, rep): :meth:`_add` of each, in one step, to the same chunk array. Answers
@@ -374,13 +387,14 @@ class ObjectIndex:
             else:
                 old = [(have[0] + i, s) for i, s in enumerate(have[1:]) if s >= 0]
                 prefix = self._prefix[have[1]]
-        base = min(min(subs), old[0][0]) if old else min(subs)
-        top = max(max(subs), old[-1][0]) if old else max(subs)
+        lo, hi = int(subs.min()), int(subs.max())
+        base = min(lo, old[0][0]) if old else lo
+        top = max(hi, old[-1][0]) if old else hi
         segs = array("i", [-1]) * (top - base + 2)
         segs[0] = base
         for b, s in old:
             segs[1 + b - base] = s
-        for b, s in zip(subs, slots):
+        for b, s in zip(subs.tolist(), slots.tolist()):
             segs[1 + b - base] = s
         self._segs[prefix] = segs
         self.chunks[prefix] = k + len(old)

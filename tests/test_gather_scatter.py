@@ -235,6 +235,7 @@ def test_save_columns_pairs_and_classes():
     from types import SimpleNamespace
 
     from orbitkv_fs.manager.save import SavePipeline
+    from save_rows import rows_of
 
     segs = [SimpleNamespace(layer=i // 2, block_bytes=4096, block_shape=(16, 128), copy=(1 << 30 + i, 4096, 1, 4096, 4096))
             for i in range(6)]
@@ -254,7 +255,7 @@ def test_save_columns_pairs_and_classes():
              for s in picked]
     # a chunk split over two batches, then all at once, then the first batch's set again (from the cache)
     for batch in (items[:7], items[7:], items, items[:7]):
-        targets, classes, cls, ci, si = SavePipeline._save_columns(p, eng, None, batch)
+        targets, classes, cls, ci, si = SavePipeline._save_columns(p, eng, None, rows_of(batch, segs))
         assert [segs[s] for s in si.tolist()] == [it[1] for it in batch]
         assert [targets.counts[c] for c in ci.tolist()] == [len(it[0].blocks) for it in batch]
         assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
@@ -264,12 +265,12 @@ def test_save_columns_pairs_and_classes():
     segs[3].layer = 9  # its class is the host codec's: the whole batch goes to the item path (a new registration)
     eng.enc_classes.clear()
     eng.enc_batches.clear()
-    assert SavePipeline._save_columns(p, eng, None, items) is None
+    assert SavePipeline._save_columns(p, eng, None, rows_of(items, segs)) is None
     eng.geometry = None  # pages the block-copy kernel cannot move: the item path
     segs[3].layer = 1
     eng.enc_classes.clear()
     eng.enc_batches.clear()
-    assert SavePipeline._save_columns(p, eng, None, items) is None
+    assert SavePipeline._save_columns(p, eng, None, rows_of(items, segs)) is None
 
 
 @pytest.mark.parametrize("counts", [[16, 16, 16, 16], [4, 1, 7, 2], [3]])

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from array import array
 
+import numpy as np
 import pytest
 
-from orbitkv_fs.index import FREE, HIDDEN, LIVE, ObjectIndex
+from orbitkv_fs.index import FREE, HIDDEN, LIVE, ObjectIndex, put_columns
 from orbitkv_fs.keys import ObjectKey, chunk_key
 from orbitkv_fs.segment import Role
 from orbitkv_fs.tiers.eviction import make_policy
@@ -215,9 +217,10 @@ def _state(ix: ObjectIndex) -> tuple:
             len(ix))
 
 
+@pytest.mark.parametrize("columns", ["lists", "arrays"])
 @pytest.mark.parametrize("layout", ["random", "whole"])
 @pytest.mark.parametrize("seed", range(4))
-def test_add_many_is_add_one_key_at_a_time(seed, layout, monkeypatch):
+def test_add_many_is_add_one_key_at_a_time(seed, layout, columns, monkeypatch):
     """Random batches (whole new chunks, chunks present in part, keys twice in a batch and keys LIVE
     already, slots freed in between and reused) give the same answers, slots, generations, columns, chunk
     arrays and shared prefix objects as add of each key in order. "whole": most runs are whole chunks of
@@ -246,7 +249,8 @@ def test_add_many_is_add_one_key_at_a_time(seed, layout, monkeypatch):
         for i, k in enumerate(keys):
             got = one.add(k, *(c[i] for c in cols))
             want.append(-1 if got is None else got[0])
-        assert many.add_many(keys, *cols) == want
+        given = cols if columns == "lists" else [np.asarray(c, dtype=np.int64) for c in cols]  # as a save batch
+        assert many.add_many(keys, *given).tolist() == want
         assert _state(many) == _state(one)
         # Hide and free some (the same ones in both): the next batch reuses their slots.
         live = sorted(s for s in range(len(one._prefix)) if one.state[s] == LIVE)
@@ -265,6 +269,37 @@ def test_add_many_is_add_one_key_at_a_time(seed, layout, monkeypatch):
         assert together and max(together) >= 3
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_put_columns_writes_every_row_whatever_their_shape(seed):
+    """put_columns of rows ascending and consecutive, descending and consecutive (a free list's), a few and
+    many scattered, as lists or as an array (values as lists, arrays or one scalar): each column as a row
+    by row assignment leaves it; rows outside those keep their values."""
+    rnd = random.Random(seed)
+    for _ in range(200):
+        n = rnd.randrange(1, 300)
+        cols = [array("I", range(n)), array("B", [7] * n), array("Q", [1 << 40] * n)]
+        k = rnd.randrange(1, n + 1)
+        shape = rnd.choice(("up", "down", "scattered"))
+        if shape == "up":
+            a = rnd.randrange(n - k + 1)
+            rows = list(range(a, a + k))
+        elif shape == "down":
+            a = rnd.randrange(k - 1, n)
+            rows = list(range(a, a - k, -1))
+        else:
+            rows = rnd.sample(range(n), k)
+        vals = [[rnd.randrange(1 << 32) for _ in rows], [rnd.randrange(256) for _ in rows], 5]
+        want = [list(c) for c in cols]
+        for w, v in zip(want, vals):
+            for j, r in enumerate(rows):
+                w[r] = v if isinstance(v, int) else v[j]
+        if rnd.random() < 0.5:
+            put_columns(cols, np.asarray(rows, dtype=np.int64), [np.asarray(vals[0]), vals[1], vals[2]])
+        else:
+            put_columns(cols, rows, [vals[0], vals[1], [5] * k])
+        assert [list(c) for c in cols] == want
+
+
 def test_add_many_stops_before_a_malformed_key():
     one, many = ObjectIndex(), ObjectIndex()
     good = [key(1, layer, Role.KEY) for layer in range(4)]
@@ -278,7 +313,7 @@ def test_add_many_stops_before_a_malformed_key():
         with pytest.raises(ValueError):
             one.add(bad, 0, 0, 0, 0, 0)
         assert _state(many) == _state(one)
-        assert many.get(good[2]) is None and many.add_many([bad], [0], [0], [0], [0], [0]) == []
+        assert many.get(good[2]) is None and many.add_many([bad], [0], [0], [0], [0], [0]).tolist() == []
 
 
 def _index_state(ix: ObjectIndex) -> tuple:
@@ -298,10 +333,10 @@ def test_hide_many_and_free_many_are_hide_and_free_of_each(seed):
     for step in range(60):
         keys = [key(c, layer, r) for c in rnd.sample(range(40), 4) for layer in sorted(rnd.sample(range(12), 5))
                 for r in (Role.KEY, Role.VALUE)]
-        got = [one.add_many([k], [0], [1], [1], [1], [0]) for k in keys]
+        got = [int(one.add_many([k], [0], [1], [1], [1], [0])[0]) for k in keys]
         assert many.add_many(keys, [0] * len(keys), [1] * len(keys), [1] * len(keys), [1] * len(keys),
-                             [0] * len(keys)) == [g[0] for g in got]
-        live += [g[0] for g in got if g[0] >= 0]
+                             [0] * len(keys)).tolist() == got
+        live += [g for g in got if g >= 0]
         shape = rnd.choice(("whole", "part", "shuffled"))
         k = rnd.randrange(1, len(live) + 1)
         batch = live[:k] if shape != "part" else sorted(rnd.sample(live, k))

@@ -20,6 +20,7 @@ from orbitkv_fs.tiers.ssd.record import (BLOCK, RECORD_HEAD_BYTES, RECORD_HEADER
 from orbitkv_fs.tiers.ssd.recovery import Fate, recover_shard
 from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.segment import crc32c
+from save_rows import rows_of
 from test_ssd_common import direct_io_dir, flip, key, segment, shard_key
 
 
@@ -190,18 +191,18 @@ def test_only_complete_state_groups_go_straight_to_the_ssd():
         batch = ([(a, s, pack_key(ns, a.key, s.layer, s.role)) for s in segs]
                  + [(b, s, pack_key(ns, b.key, s.layer, s.role)) for s in segs[:3]]
                  + [(c, s, pack_key(ns, c.key, s.layer, s.role)) for s in segs])
-        assert m._ssd_direct_sink(eng, batch) == (None, set())  # no GPU codec engine: never
+        assert m._ssd_direct_sink(eng, rows_of(batch, segs)) == (None, set())  # no GPU codec engine: never
         m._gpu_codecs = object()  # what _ssd_direct checks for; nothing is encoded here
         try:
-            sink, written = m._ssd_direct_sink(eng, batch)
+            sink, written = m._ssd_direct_sink(eng, rows_of(batch, segs))
             for i in range(len(batch)):
                 sink(i, b"device bytes")
             assert written == set(range(4)) | set(range(7, 11))
             assert {k.chunk for k in lower.direct} == {a.key, c.key}
             host = types.SimpleNamespace(info=types.SimpleNamespace(device="host"), segs=segs)
-            assert m._ssd_direct_sink(host, batch) == (None, set())  # host pages: DRAM and io_uring
+            assert m._ssd_direct_sink(host, rows_of(batch, segs)) == (None, set())  # host pages: DRAM and io_uring
             lower.device_io = False
-            assert m._ssd_direct_sink(eng, batch) == (None, set())  # io_uring backend
+            assert m._ssd_direct_sink(eng, rows_of(batch, segs)) == (None, set())  # io_uring backend
         finally:
             m._gpu_codecs = None
             m.lower = None

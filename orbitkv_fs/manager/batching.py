@@ -102,33 +102,37 @@ class Batching:
         if batch:
             yield batch
 
-    def _run_batches(self, runs: Iterable[tuple[list, Sequence[int], Sequence[int]]]) -> Iterator[list]:
-        """:meth:`_codec_batches` of items that come in runs (a save's chunks): each run is ``(items, nbytes,
-        logical)`` with the cumulative sums of its items' counted and logical bytes (``nbytes[j]``: the
-        first ``j`` items). The same batches, cut with a few bisections per run instead of a test per item."""
+    def _run_batches(self, runs: Iterable[tuple[object, Sequence[int], Sequence[int]]]) -> Iterator[list]:
+        """:meth:`_codec_batches` of items that come in runs (a save's chunks), as slices of the runs: each
+        run is ``(run, nbytes, logical)``, the cumulative sums of its items' counted and logical bytes
+        (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each batch a list of pieces
+        ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a few bisections per
+        run instead of a test per item."""
         budget = self._batch_budget()
         cap, most = self._config.batch_segments, BATCH_EXPANSION * budget
         batch: list = []
-        size = total = 0
-        for items, cn, cm in runs:
-            k = len(items)
+        count = size = total = 0
+        for run, cn, cm in runs:
+            k = len(cn) - 1
             j = 0
             while j < k:
-                if not batch:  # the first item of a batch goes in whatever its size
-                    batch.append(items[j])
-                    size, total = cn[j + 1] - cn[j], cm[j + 1] - cm[j]
+                lo = j
+                if not count:  # the first item of a batch goes in whatever its size
+                    size, total, count = cn[j + 1] - cn[j], cm[j + 1] - cm[j], 1
                     j += 1
                 # the items j..j+t-1 that fit: the count, the budget and the logical cap, each a prefix
-                t = min(cap - len(batch), k - j,
+                t = min(cap - count, k - j,
                         bisect_right(cn, budget - size + cn[j], j, k + 1) - 1 - j,
                         bisect_right(cm, most - total + cm[j], j, k + 1) - 1 - j)
                 if t > 0:
-                    batch += items[j:j + t]
                     size += cn[j + t] - cn[j]
                     total += cm[j + t] - cm[j]
+                    count += t
                     j += t
+                if j > lo:
+                    batch.append((run, lo, j))
                 if j < k:
                     yield batch
-                    batch, size, total = [], 0, 0
+                    batch, count, size, total = [], 0, 0, 0
         if batch:
             yield batch

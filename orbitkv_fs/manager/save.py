@@ -1,11 +1,12 @@
 """The save pipeline: engine pages -> segments -> DRAM (or straight to the lower tier).
 
 Primitives: :meth:`SavePipeline.save`, :meth:`~SavePipeline._save_items` (the segments not cached yet, a
-chunk at a time, keys and sizes from the engine's :class:`SavePlan`),
+chunk at a time, keys and sizes from the engine's :class:`SavePlan`), :class:`SaveRows` (a codec batch as
+columns: its chunks, and per segment its chunk, segment index and key),
 exact segments of host pages go to :meth:`~orbitkv_fs.manager.hostpath.HostPath._save_raw_batch`,
 :meth:`~SavePipeline._save_submit` / :meth:`~SavePipeline._save_finish` / :meth:`~SavePipeline._save_abort`
 (one codec batch: gather and encode, then publish), :meth:`~SavePipeline._save_columns` (a batch of GPU
-pages as arrays: encode classes, sources), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
+pages for the engine: encode classes, sources), :meth:`~SavePipeline._ssd_direct_sink` (the cuFile
 direct path), :meth:`~SavePipeline._demote_direct` (DRAM full of leased objects). :class:`_SaveAcc` sums
 a request's admissions; :class:`_SaveBatch` is one batch in flight.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, compress
 from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -56,13 +57,44 @@ class _SaveAcc:
         self.stored += stored
 
 
+class SaveRows:
+    """One codec batch of a save as columns: ``chunks``, the chunk runs it holds (a chunk once per run, in
+    order), and per segment (row) ``ci``, its run's place in ``chunks``, ``si``, its segment's index in the
+    registration (int64 arrays), and ``keys``, its packed key. Built per batch from the runs' slices
+    (:meth:`join`); a per-segment path asks for :meth:`items`."""
+
+    __slots__ = ("chunks", "ci", "si", "keys")
+
+    def __init__(self, chunks: list[ChunkBlocks], ci: np.ndarray, si: np.ndarray, keys: list[bytes]) -> None:
+        self.chunks, self.ci, self.si, self.keys = chunks, ci, si, keys
+
+    @classmethod
+    def join(cls, pieces: Sequence[tuple[tuple[ChunkBlocks, np.ndarray, list[bytes]], int, int]]) -> "SaveRows":
+        """The rows of :meth:`~orbitkv_fs.manager.batching.Batching._run_batches`' pieces: ``(run, lo,
+        hi)``, rows ``lo .. hi`` of a run ``(chunk, segment indices, keys)``."""
+        keys: list[bytes] = []
+        for (_, _, ks), lo, hi in pieces:
+            keys += ks[lo:hi]
+        si = np.concatenate([run[1][lo:hi] for run, lo, hi in pieces])
+        ci = np.repeat(np.arange(len(pieces)), [hi - lo for _, lo, hi in pieces])
+        return cls([run[0] for run, _, _ in pieces], ci, si, keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def items(self, segs: Sequence[_Seg]) -> list[tuple[ChunkBlocks, _Seg, bytes]]:
+        """``(chunk, segment, key)`` per row: what the per-segment paths take."""
+        chunks = self.chunks
+        return [(chunks[c], segs[s], k) for c, s, k in zip(self.ci.tolist(), self.si.tolist(), self.keys)]
+
+
 class _SaveBatch:
     """One save batch between :meth:`Manager._save_submit` and :meth:`Manager._save_finish`."""
 
-    __slots__ = ("batch", "srcs", "buffer", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
+    __slots__ = ("rows", "srcs", "buffer", "ws", "regions", "direct", "engine", "job", "blobs", "seconds")
 
-    def __init__(self, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> None:
-        self.batch = batch
+    def __init__(self, rows: SaveRows) -> None:
+        self.rows = rows
         self.srcs: list = []  # gathered sources ...
         self.buffer = None  # ... and the device buffer behind the spans: alive until the GPU has read them
         self.ws = 0  # workspace bytes counted for it
@@ -107,26 +139,19 @@ class SavePlan:
     segment ``i`` (of ``segs``) takes the host path of exact segments; ``bound[i]`` and ``source[i]``, its
     coded bound and source bytes; for a whole chunk, the cumulative sums over its coded segments, in order
     (what :meth:`~orbitkv_fs.manager.batching.Batching._run_batches` cuts batches with), and the source
-    bytes of its host-path ones."""
+    bytes of its host-path ones; ``coded``, the indices of the segments that are not (``coded_si``: as an array)."""
 
-    __slots__ = ("raw", "bound", "source", "cum_bound", "cum_source", "raw_bytes", "_coded")
+    __slots__ = ("raw", "bound", "source", "cum_bound", "cum_source", "raw_bytes", "coded", "coded_si")
 
     def __init__(self, segs: Sequence[_Seg], blocks: int, raw_on_host: bool) -> None:
         self.raw = [seg.codec is None and raw_on_host for seg in segs]
         self.bound = [seg.coded_bound(blocks) for seg in segs]
         self.source = [blocks * seg.block_bytes for seg in segs]
-        self._coded = [i for i, r in enumerate(self.raw) if not r]
-        self.cum_bound = list(accumulate((self.bound[i] for i in self._coded), initial=0))
-        self.cum_source = list(accumulate((self.source[i] for i in self._coded), initial=0))
+        self.coded = [i for i, r in enumerate(self.raw) if not r]  # the segments the codecs take, in order
+        self.coded_si = np.asarray(self.coded, dtype=np.int64)
+        self.cum_bound = list(accumulate((self.bound[i] for i in self.coded), initial=0))
+        self.cum_source = list(accumulate((self.source[i] for i in self.coded), initial=0))
         self.raw_bytes = sum(n for n, r in zip(self.source, self.raw) if r)
-
-    def split(self, items: list) -> tuple[list, list]:
-        """A whole chunk's items (one per segment, in order): (host path, coded)."""
-        if len(self._coded) == len(items):
-            return [], items
-        if not self._coded:
-            return items, []
-        return [it for it, r in zip(items, self.raw) if r], [items[i] for i in self._coded]
 
 
 def _gaps(regions: list[tuple[int, int]], off: np.ndarray, size: np.ndarray) -> list[tuple[int, int]]:
@@ -182,21 +207,22 @@ class SavePipeline:
         try:
             self._check_chunks(eng, chunks)
             self._remember_prefix(eng, [ch.key for ch in chunks])
-            todo: list[tuple[ChunkBlocks, _Seg, bytes]] = []
+            todo: list[tuple[ChunkBlocks, list[bytes]]] = []
             acc = _SaveAcc()
             # A batch closes before its encoded bytes would pass the budget (two of them must fit side by
             # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
             # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
             # is spread over more logical bytes.
-            batches = self._run_batches(self._save_items(eng, chunks, todo, acc))
+            batches = map(SaveRows.join, self._run_batches(self._save_items(eng, chunks, todo, acc)))
             self._save_batches(eng, batches, acc)
             present, admitted = acc.present, acc.admitted
-            if len(admitted) == len(todo):  # every segment admitted (todo's keys are distinct then)
+            segments = sum(len(ks) for _, ks in todo)
+            if len(admitted) == segments:  # every segment admitted (todo's keys are distinct then)
                 saved_chunks = set(map(_KEY_OF, map(_CHUNK, todo)))
             else:
-                saved_chunks = {ch.key for ch, _, kb in todo if kb in admitted}
+                saved_chunks = {ch.key for ch, ks in todo if not admitted.isdisjoint(ks)}
             dt = time.perf_counter() - t0
-            self._cpu("save", time.thread_time() - c0, len(todo))
+            self._cpu("save", time.thread_time() - c0, segments)
             self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
                       dropped_segments=acc.dropped)
             return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=len(acc.admitted),
@@ -206,13 +232,14 @@ class SavePipeline:
             self._exit(eng)
 
     def _save_items(self, eng: _Engine, chunks: Sequence[ChunkBlocks], todo: list,
-                    acc: "_SaveAcc") -> Iterator[tuple[list, list[int], list[int]]]:
-        """The ``(chunk, seg, key)`` segments of a save that go through the codecs, a chunk at a time, as
-        runs for :meth:`_run_batches` (items, cumulative coded bounds, cumulative source bytes), generated as
-        the pipeline's batches ask for them (the first batch goes to the GPU before the later chunks are
-        looked at). Every segment not cached yet is also appended to ``todo``; exact segments of host pages
-        are saved here, straight into the arena, a batch at a time; ``acc.present`` counts the chunks
-        present in full already. A chunk's keys and sizes come from its engine's :class:`SavePlan`."""
+                    acc: "_SaveAcc") -> Iterator[tuple[tuple[ChunkBlocks, np.ndarray, list[bytes]], list[int], list[int]]]:
+        """The segments of a save that go through the codecs, a chunk at a time, as runs for
+        :meth:`_run_batches`: ``((chunk, segment indices, keys), cumulative coded bounds, cumulative source
+        bytes)``, generated as the pipeline's batches ask for them (the first batch goes to the GPU before the
+        later chunks are looked at). Every chunk with segments not cached yet is also appended to ``todo``
+        with their keys; exact segments of host pages are saved here, straight into the arena, a batch at a
+        time; ``acc.present`` counts the chunks present in full already. A chunk's keys and sizes come from
+        its engine's :class:`SavePlan`."""
         segs, nseg = eng.segs, len(eng.segs)
         # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
         # device-to-host copy into the arena per batch) rather than a host copy per block.
@@ -232,21 +259,19 @@ class SavePipeline:
             if plan is None:
                 plan = plans[(len(ch.blocks), raw_on_host)] = SavePlan(segs, len(ch.blocks), raw_on_host)
             keys = list(map(prefix.__add__, tails))
-            items = list(zip(repeat(ch), segs, keys))
             if have:  # partly cached: the segments it lacks, one lock round (none cached: no test at all)
                 picked = list(compress(range(nseg), [not c for c in self.dram.contains_many(keys)]))
-                items = [items[i] for i in picked]
-                todo += items
-                raws = [it for it, i in zip(items, picked) if plan.raw[i]]
-                coded = [it for it, i in zip(items, picked) if not plan.raw[i]]
-                rows = [i for i in picked if not plan.raw[i]]
-                cn = list(accumulate((plan.bound[i] for i in rows), initial=0))
-                cm = list(accumulate((plan.source[i] for i in rows), initial=0))
+                todo.append((ch, [keys[i] for i in picked]))
+                raws = [(ch, segs[i], keys[i]) for i in picked if plan.raw[i]]
+                coded = [i for i in picked if not plan.raw[i]]
+                si = np.asarray(coded, dtype=np.int64)
+                cn = list(accumulate((plan.bound[i] for i in coded), initial=0))
+                cm = list(accumulate((plan.source[i] for i in coded), initial=0))
                 n = sum(plan.source[i] for i in picked if plan.raw[i])
             else:
-                todo += items
-                raws, coded = plan.split(items)
-                cn, cm, n = plan.cum_bound, plan.cum_source, plan.raw_bytes
+                todo.append((ch, keys))
+                coded, si, cn, cm, n = plan.coded, plan.coded_si, plan.cum_bound, plan.cum_source, plan.raw_bytes
+                raws = [(ch, segs[i], keys[i]) for i in range(nseg) if plan.raw[i]] if len(coded) < nseg else []
             if raws:
                 if len(raw) + len(raws) < cap_segments and raw_bytes + n < cap_bytes:  # no flush on the way
                     raw += raws
@@ -259,33 +284,34 @@ class SavePipeline:
                             self._save_raw_batch(raw, acc)
                             raw, raw_bytes = [], 0
             if coded:
-                yield coded, cn, cm
+                yield (ch, si, keys if len(coded) == nseg else [keys[i] for i in coded]), cn, cm
         if raw:
             self._save_raw_batch(raw, acc)
 
-    def _save_batches(self, eng: _Engine, batches: Iterable[list[tuple[ChunkBlocks, _Seg, bytes]]],
-                      acc: "_SaveAcc") -> None:
+    def _save_batches(self, eng: _Engine, batches: Iterable[SaveRows], acc: "_SaveAcc") -> None:
         """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: batch i+1 is formed,
         gathered and queued on the GPU before the host waits for batch i and publishes its segments."""
         _pipelined(batches, lambda b: self._save_submit(eng, b), lambda sb: self._save_finish(eng, sb, acc))
 
-    def _save_submit(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "_SaveBatch":
+    def _save_submit(self, eng: _Engine, rows: SaveRows) -> "_SaveBatch":
         """Gather and encode one batch: queued on the GPU engine (finished by :meth:`_save_finish`), or
         done here with the host codecs. Sources of GPU pages whose codecs the engine runs go to it as arrays
         (:meth:`_save_columns`: sources, classes), the others as one item per segment."""
         c0 = time.thread_time()
         gpu = self._gpu_codecs
         on_device = gpu is not None and eng.info.device != "host"
-        sb = _SaveBatch(batch)
+        sb = _SaveBatch(rows)
         if gpu is not None:
             sb.engine = engine = gpu.engine(eng.reg.rotation_seed)
-        sink, sb.direct = self._ssd_direct_sink(eng, batch)
-        cols = self._save_columns(eng, engine, batch) if on_device and sink is None and self.dram.arena.pinned else None
+        sink, sb.direct = self._ssd_direct_sink(eng, rows)
+        cols = self._save_columns(eng, engine, rows) if on_device and sink is None and self.dram.arena.pinned else None
+        batch: list[tuple[ChunkBlocks, _Seg, bytes]] = []
         if cols is not None:
             targets, classes, cls, ci, si = cols
             ptrs, sb.buffer = gpu.gather_rows(engine, targets, ci, si)
             sb.ws = int((targets.counts[ci] * targets.block_bytes[si]).sum())
         else:
+            batch = rows.items(eng.segs)
             if on_device:
                 sb.srcs, sb.buffer = _gather_batch([(seg, ch.blocks) for ch, seg, _ in batch],
                                                    lambda n: engine.block_buffer(n, restore=False), engine.gather_blocks)
@@ -320,30 +346,24 @@ class SavePipeline:
             self._save_abort(sb)
             raise
         sb.seconds = time.perf_counter() - t0
-        self._cpu("save_encode", time.thread_time() - c0, len(batch))
+        self._cpu("save_encode", time.thread_time() - c0, len(rows))
         return sb
 
-    def _save_columns(self, eng: _Engine, engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]) -> "tuple | None":
-        """A batch of GPU pages as arrays for the engine's ``encode_columns_submit``: the chunks' targets, the
-        encode classes met (one per segment and chunk size, made once per engine registration) and per
-        segment its class, chunk and segment index. None when a class is not a GPU encode (the host codec
-        decides it), or the pages are not regular rows (the batch then goes as items)."""
+    def _save_columns(self, eng: _Engine, engine, rows: SaveRows) -> "tuple | None":
+        """A batch of GPU pages for the engine's ``encode_columns_submit``: the chunks' targets, the encode
+        classes met (one per segment and chunk size, made once per engine registration), and per segment its
+        class, chunk and segment index. None when a class is not a GPU encode (the host codec decides it), or
+        the pages are not regular rows (the batch then goes as items)."""
         if eng.geometry is None:
             return None
-        k = len(batch)
-        si = np.fromiter(map(eng.seg_index.__getitem__, map(id, map(_SEG, batch))), dtype=np.int64, count=k)
-        ids = np.fromiter(map(id, map(_CHUNK, batch)), dtype=np.int64, count=k)
-        first = np.ones(k, dtype=bool)
-        first[1:] = ids[1:] != ids[:-1]  # a save batch holds each chunk's segments together
-        ci = np.cumsum(first) - 1
-        chunks = [batch[j][0] for j in np.flatnonzero(first).tolist()]
-        blocks = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
+        ci, si = rows.ci, rows.si
+        blocks = np.fromiter(map(len, map(_BLOCKS, rows.chunks)), dtype=np.int64, count=len(rows.chunks))
         uniq, cls = np.unique((si << 32) | blocks[ci], return_inverse=True)
         gpu = self._gpu_codecs
         classes = _classes_of(eng, lambda seg, blocks: gpu.encode_class(engine, seg, blocks), uniq)
         if classes is None:
             return None
-        return _Targets(chunks, eng.segs, eng.geometry), classes, cls.reshape(-1), ci, si
+        return _Targets(rows.chunks, eng.segs, eng.geometry), classes, cls.reshape(-1), ci, si
 
     def _save_abort(self, sb: "_SaveBatch") -> None:
         """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
@@ -383,16 +403,16 @@ class SavePipeline:
         used_off = used_len = np.zeros(0, np.int64)  # arena extents of the batch's regions, published in place
         published = False
         try:
+            all_keys = sb.rows.keys
             for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
-                self._admit_copy(sb.batch[j][2], blobs[j], int(original[j]), int(fmt[j]), acc)
+                self._admit_copy(all_keys[j], blobs[j], int(original[j]), int(fmt[j]), acc)
             at = np.flatnonzero(placed)
             whole = len(at) == len(blobs)  # every segment in place (the usual batch): no per-key selection
-            keys = list(map(_KEY, sb.batch)) if whole else [sb.batch[j][2] for j in at.tolist()]
+            keys = all_keys if whole else [all_keys[j] for j in at.tolist()]
             used_off, used_len = off[at], -(-length[at] // UNIT) * UNIT
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
-            done = self.dram.publish_many(keys, used_off, length[at].tolist(), original[at].tolist(),
-                                          fmt[at].tolist())  # one lock round
+            done = self.dram.publish_many(keys, used_off, length[at], original[at], fmt[at])  # one lock round
             if False in done:
                 ok = np.fromiter(done, dtype=bool, count=len(done))
                 acc.admitted.update(compress(keys, done))
@@ -420,7 +440,7 @@ class SavePipeline:
                 self._raw[name] = self._raw.get(name, 0) + n
         for name, n in raws.items():
             acc.raw[name] = acc.raw.get(name, 0) + n
-        self._cpu("save_publish", time.thread_time() - c0, len(sb.batch))
+        self._cpu("save_publish", time.thread_time() - c0, len(sb.rows))
 
     def _admit_copy(self, kb: bytes, blob, logical: int, fmt: int, acc: "_SaveAcc") -> None:
         """Admit a segment that lies outside the arena (a host fallback): into an extent of its own,
@@ -445,9 +465,9 @@ class SavePipeline:
         return (self._gpu_codecs is not None and eng.info.device != "host"
                 and bool(getattr(self.lower, "device_io", False)))
 
-    def _ssd_direct_sink(self, eng: _Engine, batch: list[tuple[ChunkBlocks, _Seg, bytes]]):
+    def _ssd_direct_sink(self, eng: _Engine, rows: SaveRows):
         """For :meth:`_save_submit`: a ``device_sink`` for the GPU engine that writes the complete state
-        groups of ``batch`` (chunks whose every (layer, role) segment is in this batch) from device
+        groups of ``rows`` (chunks whose every (layer, role) segment is in this batch) from device
         memory straight to the SSD tier (``submit_device``), and the set it fills with the batch indices
         written that way; (None, empty set) when the direct path does not apply. Fragmented groups (a
         chunk split over batches, or partly cached already) and segments the engine coded on the host
@@ -456,21 +476,24 @@ class SavePipeline:
         written: set[int] = set()
         if not self._ssd_direct(eng):
             return None, written
-        count = collections.Counter(ch.key for ch, _, _ in batch)
+        count: collections.Counter = collections.Counter()
+        for ch, n in zip(rows.chunks, np.bincount(rows.ci, minlength=len(rows.chunks)).tolist()):
+            count[ch.key] += n  # by key: a chunk named twice in a batch is not one state group
         nseg = len(eng.segs)
-        complete = {i for i, (ch, _, _) in enumerate(batch) if count[ch.key] == nseg}
+        whole = np.fromiter((count[ch.key] == nseg for ch in rows.chunks), dtype=bool, count=len(rows.chunks))
+        complete = set(np.flatnonzero(whole[rows.ci]).tolist())
         if not complete:
             return None, written
-        lower = self.lower
+        lower, keys = self.lower, rows.keys
 
         def sink(i: int, segment) -> None:
             if i not in complete:
                 return
             try:
-                if lower.submit_device(ObjectKey.unpack(batch[i][2]), segment):
+                if lower.submit_device(ObjectKey.unpack(keys[i]), segment):
                     written.add(i)
             except Exception as e:  # the writeback path still has the segment: never fail the save
-                log.warning("direct SSD write of %s failed: %s", ObjectKey.unpack(batch[i][2]), e)
+                log.warning("direct SSD write of %s failed: %s", ObjectKey.unpack(keys[i]), e)
 
         return sink, written
 

@@ -418,63 +418,60 @@ class DramTier:
     def publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
                      logical: Sequence[int], reps: Sequence[int], done: list[bool] | None = None) -> list[bool]:
         """:meth:`publish` of each key at its offset (the other sequences are columns of the same rows:
-        stored length, logical bytes, representation) under one lock round (a save batch's segments); per
-        key, whether it was published (False: present already, reservation freed). With ``done``, the
-        answers are appended to it: should this raise part way (a malformed key), the keys past
-        ``len(done)`` were not published and are still reserved."""
+        stored length, logical bytes, representation; lists or arrays) under one lock round (a save batch's
+        segments); per key, whether it was published (False: present already, reservation freed). With
+        ``done``, the answers are appended to it: should this raise part way (a malformed key), the keys
+        past ``len(done)`` were not published and are still reserved."""
         out = [] if done is None else done
         with self.lock:
             slots = self._publish_many(keys, offsets, lengths, logical, reps)
-        out += [s >= 0 for s in slots] if -1 in slots else [True] * len(slots)
+        out += (slots >= 0).tolist()
         if len(slots) < len(keys):
             raise ValueError(f"not a packed object key: {keys[len(slots)]!r}")
         return out
 
     def _publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
-                      logical: Sequence[int], reps: Sequence[int]) -> list[int]:
+                      logical: Sequence[int], reps: Sequence[int]) -> np.ndarray:
         """The index's :meth:`~orbitkv_fs.index.ObjectIndex.add_many` of the rows with the tier's
-        accounting: each row's slot (-1: present already, its extent freed); an answer shorter than
-        ``keys`` stops before a malformed key (that row and the ones after it stay reserved)."""
+        accounting, the rows as arrays: each row's slot (-1: present already, its extent freed); an answer
+        shorter than ``keys`` stops before a malformed key (that row and the ones after it stay reserved)."""
         if len(keys) <= 1:
             if not keys:
-                return []
+                return np.zeros(0, np.int64)
             try:
                 added = self._publish(keys[0], int(offsets[0]), int(lengths[0]), int(logical[0]), int(reps[0]))
             except ValueError:
-                return []
-            return [-1 if added is None else added[0]]
-        # The units as one array pass: a save batch publishes hundreds of rows.
-        unit_col = -(-np.asarray(lengths, dtype=np.int64) // UNIT)
-        units = unit_col.tolist()
-        starts = (np.asarray(offsets, dtype=np.int64) // UNIT).tolist()
-        slots = self.index.add_many(keys, starts, units, lengths, logical, reps)
+                return np.zeros(0, np.int64)
+            return np.array([-1 if added is None else added[0]], np.int64)
+        length = np.asarray(lengths, dtype=np.int64)
+        units = -(-length // UNIT)
+        starts = np.asarray(offsets, dtype=np.int64) // UNIT
+        logical, reps = np.asarray(logical, dtype=np.int64), np.asarray(reps, dtype=np.int64)
+        slots = self.index.add_many(keys, starts, units, length, logical, reps)
         k = len(slots)
         if k < len(keys):
             keys, units, starts, logical, reps = keys[:k], units[:k], starts[:k], logical[:k], reps[:k]
-            unit_col = unit_col[:k]
-        self.reserved_bytes -= int(unit_col.sum()) * UNIT
-        if -1 in slots:  # present already: the reservation goes back
-            keep = [s >= 0 for s in slots]
-            for s, start, n in zip(slots, starts, units):
-                if s < 0:
-                    self.alloc.free(start, n)
-            added = list(compress(slots, keep))
-            keys, units = list(compress(keys, keep)), list(compress(units, keep))
-            logical, reps = list(compress(logical, keep)), list(compress(reps, keep))
-        else:
-            added = slots
-        if not added:
+        self.reserved_bytes -= int(units.sum()) * UNIT
+        added = slots
+        if k and int(slots.min()) < 0:  # present already: the reservation goes back
+            keep = slots >= 0
+            for start, n in zip(starts[~keep].tolist(), units[~keep].tolist()):
+                self.alloc.free(start, n)
+            added, units, logical, reps = slots[keep], units[keep], logical[keep], reps[keep]
+            keys = list(compress(keys, keep.tolist()))
+        if not len(added):
             return slots
-        nbytes = [n * UNIT for n in units] if len(added) < k else (unit_col * UNIT).tolist()
+        nbytes = units * UNIT
         self.policy.insert_many(added, nbytes, map(hash, keys))
         resident = self.resident_bytes
-        rep = reps[0]
-        if reps.count(rep) == len(reps):
-            resident[rep] = resident.get(rep, 0) + sum(nbytes)
+        rep = int(reps[0])
+        if (reps == rep).all():
+            resident[rep] = resident.get(rep, 0) + int(nbytes.sum())
         else:
-            for rep, n in zip(reps, nbytes):
-                resident[rep] = resident.get(rep, 0) + n
-        self.resident_logical += sum(logical)
+            kinds, at = np.unique(reps, return_inverse=True)
+            for rep, n in zip(kinds.tolist(), np.bincount(at, weights=nbytes).tolist()):
+                resident[rep] = resident.get(rep, 0) + int(n)
+        self.resident_logical += int(logical.sum())
         return slots
 
     def _publish(self, key: bytes, offset: int, length: int, logical: int, rep: int) -> tuple[int, int] | None:

@@ -88,18 +88,23 @@ class _Lists:
         k = len(slots)
         if k <= 1:
             if k:
-                self.push_head(q, slots[0], nbytes[0])
+                self.push_head(q, int(slots[0]), int(nbytes[0]))
             return
-        self._grow(max(slots))
+        array_rows = isinstance(slots, np.ndarray)  # a save batch's: written with numpy
+        self._grow(int(slots.max()) if array_rows else max(slots))
         h = self.head[q]
-        first, last = slots[0], slots[k - 1]
+        first, last = int(slots[0]), int(slots[k - 1])
         # In order: each slot's next is the one pushed before it (the old head for the first), its prev the
         # one pushed after it (none for the last).
-        cols, vals = [self.next, self.prev, self.queue], [[h, *slots[:k - 1]], [*slots[1:], _NIL], [q] * k]
+        cols: list = [self.next, self.prev, self.queue]
+        if array_rows:
+            vals: list = [np.concatenate(([h], slots[:k - 1])), np.concatenate((slots[1:], [_NIL])), q]
+        else:
+            vals = [[h, *slots[:k - 1]], [*slots[1:], _NIL], [q] * k]
         if self.weighted:
             cols.append(self.size)
             vals.append(nbytes)
-            self.bytes[q] += sum(nbytes)
+            self.bytes[q] += int(np.sum(nbytes))
         put_columns(cols, slots, vals)
         if h != _NIL:
             self.prev[h] = first
