@@ -2,7 +2,8 @@
 
 Primitives: :meth:`Batching._codec_batches` (at most ``batch_segments`` segments, the codec budget in
 workspace bytes, ``BATCH_EXPANSION`` budgets of source bytes), :meth:`Batching._run_batches` (the same cut
-of items that come in runs with their cumulative sizes: a save's chunks), :meth:`Batching._batch_budget` (half the
+of items that come in runs with their cumulative sizes, a save's chunks: each batch as slices of the runs),
+:meth:`Batching._batch_budget` (half the
 budget with the GPU engine: two batches share its workspace), :func:`_pipelined` (batch i+1 started before
 batch i ends), :func:`_coded_bound` / :func:`_decode_bound` (the workspace a segment takes).
 

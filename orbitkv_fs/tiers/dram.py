@@ -14,7 +14,8 @@ Primitives:
   :meth:`DramTier.lease_rows` -> :class:`Leased`, :meth:`DramTier.unlease_rows`), hide/invalidate,
   eviction with demotion to the lower tier through a callback. A save batch reserves with
   :meth:`DramTier.reserve_many` and publishes with :meth:`DramTier.publish_many`: one lock round each, the
-  index's ``add_many`` and the policy's ``insert_many``, byte accounting per batch. Eviction is per batch
+  index's ``add_many`` and the policy's ``insert_many`` on the batch's columns as arrays, byte accounting per
+  batch. Eviction is per batch
   too: the policy's ``take`` names a batch's worth of victims in one walk, and they leave the index
   (``hide_many``, ``free_many``), the counters and the allocator (``free_many``: neighbours merged) as
   array passes.
