@@ -934,3 +934,45 @@ def test_restore_naming_a_chunk_twice_and_a_missing_one(engine, codec):
             assert np.array_equal(a[[4, 5]].view(np.uint16), a[[0, 1]].view(np.uint16))  # the same segment twice
             assert not a[[2, 3]].view(np.uint16).any()
         assert_reservations_zero(m)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_a_save_naming_a_chunk_twice_stores_it_once(engine, codec):
+    """A save whose request names one chunk twice (from two block sets), around another chunk, with batches
+    small enough that the two copies land in different batches and large enough for one: each segment is
+    published once (the second copy's extents go back), the result counts it once, a restore gives what the
+    first copy alone restores, and nothing stays reserved."""
+    pages, reg = engine
+    orig = snapshot(pages)
+    first, other = ChunkBlocks(chunk_key("dup"), [0, 1]), ChunkBlocks(chunk_key("other"), [2, 3])
+    second = ChunkBlocks(first.key, [4, 5])  # the same key from other blocks: a request naming the chunk twice
+    into = [ChunkBlocks(first.key, [6, 7])]
+
+    def restored(m: Manager, engine_id: str) -> dict:
+        for n in pages.tensors:
+            pages.array(n)[6:8] = 0
+        assert m.restore(engine_id, into).restored == [True]
+        got = {n: pages.array(n)[6:8].copy() for n in pages.tensors}
+        for n in pages.tensors:
+            pages.array(n)[...] = orig[n]
+        return got
+
+    with Manager(ManagerConfig(pool_size=8 << 20, storage_codec=codec)) as ref:
+        e = ref.register_engine(reg)
+        ref.save(e.engine_id, [first])
+        want = restored(ref, e.engine_id)
+    assert any(not np.array_equal(orig[n][[0, 1]], orig[n][[4, 5]]) for n in pages.tensors)  # the copies differ
+    for per_batch in (3, 64):
+        with Manager(ManagerConfig(pool_size=8 << 20, storage_codec=codec, batch_segments=per_batch)) as m:
+            e = m.register_engine(reg)
+            eng = m._engines[e.engine_id]
+            r = m.save(e.engine_id, [first, other, second])
+            nseg = len(eng.segs)
+            assert r.segments == 2 * nseg and m.dram.chunk_count(eng.ns + first.key) == nseg
+            # chunks saved count distinct keys; the second copy is present when the first was published before
+            assert r.chunks_saved == 2 and r.chunks_present in (0, 1)
+            assert_reservations_zero(m)
+            assert m.dram.used_bytes == sum(m.dram.resident_bytes.values())  # the second copy's extents freed
+            got = restored(m, e.engine_id)
+            assert all(np.array_equal(got[n].view(np.uint8), want[n].view(np.uint8)) for n in pages.tensors)
+            assert_reservations_zero(m)
