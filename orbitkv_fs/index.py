@@ -205,6 +205,11 @@ class ObjectIndex:
         pattern = b""  # the layout of the fresh runs: their subs' bytes
         start = 0  # key index of the first fresh run
         rest = (layers, roles) + columns
+
+        def place_fresh() -> None:
+            parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8], start, *rest))
+            fresh.clear()
+
         for i, j in zip(bounds[:-1], bounds[1:]):
             k = j - i
             prefix = keys[i][:_KEY_NS_CHUNK]
@@ -214,17 +219,13 @@ class ObjectIndex:
                 layout = sub.tobytes()
                 if layout == pattern or len(set(sub.tolist())) == k:
                     if fresh and layout != pattern:
-                        parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8],
-                                                     start, *rest))
-                        fresh = {}
+                        place_fresh()
                     if not fresh:
                         pattern, start = layout, i
                     fresh[prefix] = None
                     continue
             if fresh:
-                parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8], start,
-                                             *rest))
-                fresh = {}
+                place_fresh()
                 have = segs_of.get(prefix)
             if k > 1 and len(set(sub.tolist())) == k and self._absent(have, sub.tolist()):
                 parts.append(self._add_chunk(reused, prefix, sub, *(c[i:j] for c in rest)))
@@ -232,7 +233,7 @@ class ObjectIndex:
                 got = [self._add(prefix, s, *row) for s, *row in zip(sub.tolist(), *(c[i:j].tolist() for c in columns))]
                 parts.append(np.array([-1 if g is None else g[0] for g in got], np.int64))
         if fresh:
-            parts.append(self._add_fresh(reused, list(fresh), subs[start:start + len(pattern) // 8], start, *rest))
+            place_fresh()
         if reused[0]:
             put_columns(self._columns() + (self.leases, self.state), np.concatenate(reused[0]),
                         [np.concatenate(v) for v in reused[1:]] + [0, LIVE])

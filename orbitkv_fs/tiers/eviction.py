@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from itertools import compress
 from typing import Callable, Iterable, Sequence
 
 from ..index import put_columns, put_rows
@@ -90,17 +89,14 @@ class _Lists:
             if k:
                 self.push_head(q, int(slots[0]), int(nbytes[0]))
             return
-        array_rows = isinstance(slots, np.ndarray)  # a save batch's: written with numpy
-        self._grow(int(slots.max()) if array_rows else max(slots))
+        slots = np.asarray(slots, dtype=np.int64)  # a save batch's arrays, or a list: written with numpy
+        self._grow(int(slots.max()))
         h = self.head[q]
         first, last = int(slots[0]), int(slots[k - 1])
         # In order: each slot's next is the one pushed before it (the old head for the first), its prev the
         # one pushed after it (none for the last).
         cols: list = [self.next, self.prev, self.queue]
-        if array_rows:
-            vals: list = [np.concatenate(([h], slots[:k - 1])), np.concatenate((slots[1:], [_NIL])), q]
-        else:
-            vals = [[h, *slots[:k - 1]], [*slots[1:], _NIL], [q] * k]
+        vals: list = [np.concatenate(([h], slots[:k - 1])), np.concatenate((slots[1:], [_NIL])), q]
         if self.weighted:
             cols.append(self.size)
             vals.append(nbytes)
@@ -289,9 +285,10 @@ class S3FifoPolicy:
                     del ghost[h]
                 to_main.append(hit)
             if any(to_main):
-                small = [not x for x in to_main]
-                l.push_head_many(_SMALL, list(compress(slots, small)), list(compress(nbytes, small)))
-                l.push_head_many(_MAIN, list(compress(slots, to_main)), list(compress(nbytes, to_main)))
+                main = np.asarray(to_main)
+                slots, nbytes = np.asarray(slots, dtype=np.int64), np.asarray(nbytes, dtype=np.int64)
+                l.push_head_many(_SMALL, slots[~main], nbytes[~main])
+                l.push_head_many(_MAIN, slots[main], nbytes[main])
                 put_rows(l.freq, slots, [0] * len(slots))
                 return
         l.push_head_many(_SMALL, slots, nbytes)
