@@ -38,9 +38,11 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   drains them before freeing.
 * Descriptor batches of at most :data:`MAX_BATCH` (1024) segments. One encode batch is: one
   host-to-device copy (descriptors, ANS chunk arrays, zeroed meta), one launch per kernel kind present
-  (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; nvCOMP ANS compression of the 64 KiB
-  chunks, one call per nvCOMP data type, then ``okv_ans_pack``, which also computes the ANS payloads'
-  CRC32C; CRC32C -- with the copy for raw segments -- over raw and TurboQuant payloads), one
+  (FP8 encode with fused CRC32C; TurboQuant encode of K and of V; ANS in rounds (:class:`_AnsRounds`), each
+  nvCOMP's compression of its 64 KiB chunks, one call per nvCOMP data type, into one set of worst-case chunk
+  buffers that every round of the batch reuses, then ``okv_ans_place`` and ``okv_ans_pack``, which moves the
+  round into its slots and computes the ANS payloads' CRC32C; CRC32C -- with the copy for raw segments -- over
+  raw and TurboQuant payloads), one
   device-to-host copy of [meta | ANS payload lengths | segment slots] on the copy stream -- statuses,
   raw CRCs, sizes and payloads together -- and one wait for the event after it. The host then
   finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
@@ -75,6 +77,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+from bisect import bisect_left, bisect_right
 import threading
 import time
 from collections import Counter
@@ -119,6 +122,11 @@ from .tables import finish_crc, sign_words, zero_crc
 
 MAX_BATCH = 1024
 ANS_MARGIN = 0.04  # an encode batch downloads its ANS slots up to the previous batch's packed share plus this
+# An encode batch compresses its ANS segments in rounds that reuse one set of nvCOMP chunk output buffers (a 64
+# KiB chunk's worst case is 89,288 bytes): at most this share of the half workspace a batch may take, unless one
+# segment needs more. Buffers for the whole batch made an ANS segment take 2.2x its size of workspace (its slot
+# and its chunks' buffers), so that ANS batches held half the segments of raw ones.
+ANS_ROUND_SHARE = 4
 DEFAULT_BUDGET_BYTES = 64 << 20
 SLOT_ALIGN = 256  # slot starts; the payload (slot + 64) is then 64-byte aligned, as the CRC units need
 ANS_MIN_BYTES = 4096
@@ -336,7 +344,8 @@ class _Layout:
 class _Fill(NamedTuple):
     """Running totals of a batch being filled, so that each segment's fit check is O(1) rather than a
     re-sum of the batch so far: segments, bytes (slots on encode, staging on decode), and the ANS
-    segments' chunks, source (encode) or decoded (decode) bytes and nvCOMP data types."""
+    segments' chunks, source (encode) or decoded (decode) bytes, nvCOMP data types and the most chunks of
+    one segment."""
 
     k: int = 0
     bytes: int = 0
@@ -344,22 +353,24 @@ class _Fill(NamedTuple):
     chunks: int = 0
     ans_bytes: int = 0
     types: frozenset = frozenset()
+    widest: int = 0
 
     @classmethod
     def of(cls, nbytes: int, chunks: int = 0, ans_bytes: int = 0, ans_type: "AnsType | None" = None) -> "_Fill":
         """The totals of one segment (an ANS one when ``ans_type`` is given)."""
         if ans_type is None:
             return cls(1, nbytes)
-        return cls(1, nbytes, 1, chunks, ans_bytes, frozenset((AnsType(ans_type),)))
+        return cls(1, nbytes, 1, chunks, ans_bytes, frozenset((AnsType(ans_type),)), chunks)
 
     def plus(self, nbytes: int) -> "_Fill":
         """These totals and one more non-ANS segment of ``nbytes`` (``add(_Fill.of(nbytes))`` with one tuple,
         not three: the fit check runs once per segment)."""
-        return _Fill(self.k + 1, self.bytes + nbytes, self.ans, self.chunks, self.ans_bytes, self.types)
+        return _Fill(self.k + 1, self.bytes + nbytes, self.ans, self.chunks, self.ans_bytes, self.types, self.widest)
 
     def add(self, other: "_Fill") -> "_Fill":
         return _Fill(self.k + other.k, self.bytes + other.bytes, self.ans + other.ans, self.chunks + other.chunks,
-                     self.ans_bytes + other.ans_bytes, self.types | other.types if other.types else self.types)
+                     self.ans_bytes + other.ans_bytes, self.types | other.types if other.types else self.types,
+                     max(self.widest, other.widest))
 
 
 @dataclass(eq=False)
@@ -639,12 +650,14 @@ def _enc_groups(c: _EncCols, ans: "np.ndarray | None" = None) -> tuple[tuple[str
 
 
 def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[str, np.ndarray]], payload0: int,
-                 seed: int, chunk_cap: int, base: int, off: dict[str, int]) -> dict[str, tuple[int, int]]:
+                 seed: int, chunk_cap: int, base: int, off: dict[str, int],
+                 rounds: "_AnsRounds | None" = None) -> dict[str, tuple[int, int]]:
     """An encode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``, kernel by kernel
     in the order of ``groups`` (kernel name, the rows of ``c`` it takes). A segment's payload goes to
     ``payload0 + slot`` (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing
     rows (the j-th of its group: its payload length lands in pay_len[j]) the nvCOMP chunk outputs
-    (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base + off[...]``.
+    (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base + off[...]``, their
+    work units counted within their round of ``rounds`` (each round is a launch of its own).
     Answers, per kernel with segments, (first row, work units). One :func:`~orbitkv_fs.gpu.rows.encode_group`
     call per kernel over the whole batch, not a row at a time."""
     q, w = _row_views(sum(len(sel) for _, sel in groups))
@@ -662,6 +675,8 @@ def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[s
                                    c.role, c.nch, c.chunk0, c.tmp, signs, payload0, chunk_cap, base,
                                    base + off["pay_len"], base + off["chunk_sizes"], base + off["chunk_status"],
                                    km.CHUNK, km.TQ_VECTORS_PER_UNIT)
+        if code == rows_.ENC_ANS and rounds is not None:
+            w[r0:r0 + k, rows_.W_BLOCK0] = rounds.at
         rows[name] = (r0, units)
         r0 += k
     _put_rows(buf, at, q)
@@ -717,7 +732,7 @@ def _enc_offsets(k: int, n_desc: int, chunks: int, nans: int, sizes: np.ndarray,
     lay = _Layout()
     off = {"desc": lay.take(max(n_desc, 1) * km.SEG_DTYPE.itemsize), "chunk_in": lay.take(24 * max(chunks, 1))}
     off["meta"] = lay.take(16 * k, align)
-    off["pay_len"] = lay.take(8 * max(nans, 1), 8)
+    off["pay_len"] = lay.take(8 * (nans + 1), 8)  # and the rounds' carry (okv_ans_place) after the lengths
     # From an aligned start, a slot's start is the previous one's plus its size rounded up.
     first = _up(lay.end, align)
     steps = -(-sizes // align) * align
@@ -879,16 +894,20 @@ def _mirror(host: np.ndarray, stored: np.ndarray, lay: _Layout) -> "tuple[np.nda
 _FIXED_PARTS: dict[Callable[[np.ndarray], np.ndarray], np.ndarray] = {}
 
 
-def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int) -> "list | None":
-    """``plans`` cut into batches as the per-segment fit rule cuts them: each as long as ``fixed(count) + its
-    sizes`` stays within ``limit``, at most MAX_BATCH; one cumulative sum instead of an estimate per segment.
-    None when some plan does not fit alone (the per-segment rule then decides what to do with it)."""
+def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int,
+                    extra: int = 0, even: bool = False) -> "list | None":
+    """``plans`` cut into batches as the per-segment fit rule cuts them: each as long as ``fixed(count) + extra +
+    its sizes`` stays within ``limit``, at most MAX_BATCH; one cumulative sum instead of an estimate per segment.
+    None when some plan does not fit alone (the per-segment rule then decides what to do with it). ``fixed``'s
+    table is kept per function: pass a module-level one, not a new closure per call. ``even``: as many batches,
+    cut at equal shares of the bytes where those fit too."""
     k = len(plans)
     tab = _FIXED_PARTS.get(fixed)
     if tab is None:  # the fixed part of every batch size, once per rule
         tab = _FIXED_PARTS[fixed] = fixed(np.arange(1, MAX_BATCH + 1, dtype=np.int64))
-    if k and int(tab[0] + sizes.max()) > limit:
+    if k and int(tab[0] + extra + sizes.max()) > limit:
         return None
+    limit -= extra
     ends = np.cumsum(sizes)
     out = []
     start = 0
@@ -898,6 +917,14 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
         count = int(np.count_nonzero(est <= limit))  # est grows with the count: its prefix fits
         out.append(plans[start:start + count])
         start += count
+    if even and len(out) > 1:
+        m = len(out)
+        cuts = np.concatenate([[0], np.searchsorted(ends, ends[-1] * np.arange(1, m) / m) + 1, [k]])
+        count = np.diff(cuts)
+        if (count > 0).all() and (count <= MAX_BATCH).all():
+            part = ends[cuts[1:] - 1] - np.concatenate([[0], ends[cuts[1:-1] - 1]])
+            if (tab[count - 1] + part <= limit).all():
+                return [plans[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())]
     return out
 
 
@@ -919,6 +946,46 @@ def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], 
             return batches
         temp = need
     return None
+
+
+class _AnsRounds(NamedTuple):
+    """An encode batch's ANS segments (in packing order: by nvCOMP type) cut into rounds that share one set of
+    chunk output buffers: nvCOMP compresses a round's chunks into them, ``okv_ans_place`` and ``okv_ans_pack``
+    move the round into its slots, then the next round reuses them (one stream orders the three)."""
+
+    chunk0: np.ndarray  # each segment's first chunk in the batch's chunk arrays
+    at: np.ndarray  # each segment's first chunk buffer within the round's buffers
+    rounds: "list[tuple[int, int, int, list[tuple[AnsType, int, int]]]]"  # lo, hi, chunks, nvCOMP calls
+    chunks: int  # chunk buffers (the largest round's chunks)
+
+
+def _ans_rounds(nch: np.ndarray, types: np.ndarray, limit: int) -> _AnsRounds:
+    """The rounds of ANS segments of ``nch`` chunks and nvCOMP ``types`` each (sorted by type): consecutive
+    segments, as many as keep a round's chunks within ``limit`` (a wider segment alone), and per round one nvCOMP
+    call per type (its type, first chunk and chunk count). Per round, not per segment: bisections over the
+    chunk counts' running sums."""
+    ends = np.cumsum(nch)
+    chunk0 = ends - nch
+    e, k = ends.tolist(), len(nch)
+    cuts = [0]
+    while cuts[-1] < k:
+        lo = cuts[-1]
+        cuts.append(max(lo + 1, bisect_right(e, (e[lo - 1] if lo else 0) + limit, lo, k)))
+    if len(cuts) == 2:
+        at = chunk0
+    else:
+        cut = np.asarray(cuts)
+        at = chunk0 - np.repeat(chunk0[cut[:-1]], np.diff(cut))
+    changes = (np.flatnonzero(types[1:] != types[:-1]) + 1).tolist()  # where the type changes (sorted)
+    tl = types[[0] + changes].tolist()  # the type from each change on
+    rounds = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        starts = [lo] + changes[bisect_right(changes, lo):bisect_left(changes, hi)]
+        first = [e[x - 1] if x else 0 for x in starts]
+        last = first[1:] + [e[hi - 1]]
+        calls = [(AnsType(tl[bisect_right(changes, x)]), f, m - f) for x, f, m in zip(starts, first, last)]
+        rounds.append((lo, hi, last[-1] - first[0], calls))
+    return _AnsRounds(chunk0, at, rounds, max(r[2] for r in rounds))
 
 
 def _item(obj: Any) -> EncodeItem:
@@ -964,7 +1031,8 @@ class GpuCodecEngine:
     def stats(self) -> dict[str, int]:
         """Counters: launches, h2d_copies, d2h_copies, syncs, wait_ns (the host blocked on this worker's
         streams: a CUDA wait spins, so thread CPU time counts it too), batches, segments (in GPU batches),
-        cpu_fallbacks, raw_fallbacks, and the workspace size and grows (per worker)."""
+        cpu_fallbacks, raw_fallbacks, ans_rounds (rounds of ANS compression, see _AnsRounds), ans_tail_fetches,
+        and the workspace size and grows (per worker)."""
         out: dict[str, int] = {}
         for w in (self.save, self.restore):
             for key, v in w.stats.items():
@@ -1110,11 +1178,12 @@ class GpuCodecEngine:
         """Bytes of one chunk's nvCOMP output buffer (worst case for 64 KiB)."""
         return _up(self.nvcomp().max_compressed_bytes(ans_format.CHUNK_BYTES, AnsType.BYTES))
 
-    def _enc_layout(self, plans: Sequence[_Enc], temp: int, align: int,
-                    ans: Sequence[_Enc] = ()) -> tuple[dict[str, int], int]:
-        """Offsets of one encode batch in the workspace, and its total size. Assigns slots and chunks: the ANS
-        segments' (``ans``, in their packing order) last, from ``off["ans_slot0"]``, at their worst case (the
-        region's size; ``okv_ans_place`` then packs them from there)."""
+    def _enc_layout(self, plans: Sequence[_Enc], align: int,
+                    ans: Sequence[_Enc] = ()) -> "tuple[dict[str, int], int, _AnsRounds | None]":
+        """Offsets of one encode batch in the workspace, its total size and its ANS rounds. Assigns slots and
+        chunks: the ANS segments' (``ans``, in their packing order) last, from ``off["ans_slot0"]``, at their
+        worst case (the region's size; ``okv_ans_place`` then packs them from there); their chunk buffers
+        within one round's (``_AnsRounds``), then nvCOMP's temp for a round."""
         k = len(plans)
         order = [p for p in plans if p.kind != "ans"] + list(ans) if ans else plans
         n_desc = sum(p.kind in ("fp8", "tq") for p in plans) + sum(p.kind in ("raw", "tq", "ans") for p in plans)
@@ -1124,33 +1193,44 @@ class GpuCodecEngine:
         for p, slot in zip(order, slots.tolist()):
             p.slot = slot
         off["ans_slot0"] = ans[0].slot if ans else off["region_end"] - off["meta"]
-        cap = self._chunk_cap() if ans else 0
-        for p in ans:
-            p.tmp = lay.take(p.nch * cap)
-        off["temp"] = lay.take(temp)
-        return off, lay.end
+        if not ans:
+            off["temp"], off["temp_len"] = lay.take(0), 0
+            return off, lay.end, None
+        nch = np.fromiter((p.nch for p in ans), dtype=np.int64, count=len(ans))
+        types = np.fromiter((p.ans_type for p in ans), dtype=np.int64, count=len(ans))
+        rounds = _ans_rounds(nch, types, self._round_chunks(int(nch.max())))
+        cap = self._chunk_cap()
+        buf = lay.take(rounds.chunks * cap)
+        for p, c0, at in zip(ans, rounds.chunk0.tolist(), rounds.at.tolist()):
+            p.chunk0, p.tmp = c0, buf + cap * at
+        off["temp_len"] = self._round_temp(rounds.chunks, types.tolist())
+        off["temp"] = lay.take(off["temp_len"])
+        return off, lay.end, rounds
 
-    def _ans_temp(self, fill: "_Fill") -> int:
-        """nvCOMP's compression temp bytes for a batch's ANS segments (the largest over their data types)."""
-        if not fill.ans:
-            return 0
-        nv = self.nvcomp()
-        return max(nv.compress_temp_bytes(fill.chunks, ans_format.CHUNK_BYTES, fill.ans_bytes, t) for t in fill.types)
+    def _round_chunks(self, widest: int) -> int:
+        """The most chunks of one round of a batch's ANS compression (:class:`_AnsRounds`): ANS_ROUND_SHARE of
+        the half workspace, or ``widest`` (one segment's chunks) when more."""
+        return max(widest, self.budget_bytes // 2 // ANS_ROUND_SHARE // self._chunk_cap())
 
-    def _ans_temp_of(self, types: np.ndarray, nch: np.ndarray, n: np.ndarray) -> int:
-        """:meth:`_ans_temp` of ANS segments of these types, chunk counts and source lengths."""
-        chunks, total = int(nch.sum()), int(n.sum())
-        return max(self.nvcomp().compress_temp_bytes(chunks, ans_format.CHUNK_BYTES, total, AnsType(t))
-                   for t in np.unique(types).tolist())
+    def _round_temp(self, chunks: int, types: "Iterable[int]") -> int:
+        """nvCOMP's compression temp bytes for a round of ``chunks`` chunks (the largest over its data types)."""
+        nv, cb = self.nvcomp(), ans_format.CHUNK_BYTES
+        return max(nv.compress_temp_bytes(chunks, cb, chunks * cb, AnsType(t)) for t in set(types))
+
+    def _round_bytes(self, widest: int, types: "Iterable[int]") -> int:
+        """The workspace an encode batch's ANS rounds take besides their slots and chunk arrays, at most: one
+        round's chunk buffers and nvCOMP temp, each aligned (``widest``: the most chunks of one segment)."""
+        rc = self._round_chunks(widest)
+        return rc * self._chunk_cap() + self._round_temp(rc, types) + 2 * SLOT_ALIGN
 
     def _enc_estimate(self, fill: "_Fill", align: int) -> int:
         """Upper bound of :meth:`_enc_layout` 's total for a batch of these totals (``fill.bytes``: slots)."""
         k, na, chunks = fill.k, fill.ans, fill.chunks
-        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * max(na, 1)) + 4 * 256
+        fixed = _up(4 * k * km.SEG_DTYPE.itemsize) + _up(16 * k) + _up(8 * (na + 1)) + 4 * 256
         fixed += align - SLOT_ALIGN  # the region starts at a slot boundary
         if not na:
             return fixed + fill.bytes
-        return fixed + fill.bytes + chunks * (self._chunk_cap() + 36) + 3 * 256 + self._ans_temp(fill)
+        return fixed + fill.bytes + chunks * 36 + 3 * 256 + self._round_bytes(fill.widest, fill.types)
 
     def encode_batch(self, items: Sequence[Any], *, out_region: "Callable[[int], np.ndarray | None] | None" = None,
                      slot_align: int = SLOT_ALIGN,
@@ -1238,15 +1318,9 @@ class GpuCodecEngine:
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
         is_ans = cs.table.kind[cls] == _KIND["ans"]
-        if is_ans.any():  # each ANS segment's chunk buffers and payload length too, and each batch nvCOMP's temp
-            nch, n = np.where(is_ans, cs.table.nch[cls], 0), cs.table.n[cls]
-            sizes = -(-cs.size[cls] // slot_align) * slot_align + np.where(is_ans, nch * (self._chunk_cap() + 36) + 8, 0)
-            fixed = _enc_fixed(slot_align)
-
-            def temp_of(b: np.ndarray) -> int:
-                b = b[is_ans[b]]
-                return self._ans_temp_of(cs.ans_type[cls[b]], nch[b], n[b]) if len(b) else 0
-            batches = _temp_batches(sizes, lambda m: fixed(m) + 3 * 256, self.budget_bytes // 2, temp_of)
+        if is_ans.any():
+            batches = self._ans_cuts(np.arange(k), cs.size[cls], np.where(is_ans, cs.table.nch[cls], 0),
+                                     np.unique(cs.ans_type[cls[is_ans]]).tolist(), slot_align)
         else:
             batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
         if batches is None:
@@ -1293,18 +1367,15 @@ class GpuCodecEngine:
         kind = table.kind[c]
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
         a = np.flatnonzero(kind == _KIND["ans"])
-        chunk, calls, temp = 0, [], 0
+        chunk, rounds, temp = 0, None, 0
         if len(a):
             a = a[np.argsort(cs.ans_type[c[a]], kind="stable")]
             order = np.concatenate([np.flatnonzero(kind != _KIND["ans"]), a])
             nch = table.nch[c[a]]
             chunk = int(nch.sum())
-            c0 = np.cumsum(nch) - nch
             types = cs.ans_type[c[a]]
-            for t in np.unique(types).tolist():
-                sel = np.flatnonzero(types == t)
-                calls.append((AnsType(t), int(c0[sel[0]]), int(nch[sel].sum())))
-            temp = self._ans_temp_of(types, nch, table.n[c[a]])
+            rounds = _ans_rounds(nch, types, self._round_chunks(int(nch.max())))
+            temp = self._round_temp(rounds.chunks, np.unique(types).tolist())
         lay, off, slot_o = _enc_offsets(k, n_desc, chunk, len(a), cs.size[c[order]] if len(a) else cs.size[c], align)
         if len(a):
             slots = np.empty(k, dtype=np.int64)
@@ -1314,11 +1385,9 @@ class GpuCodecEngine:
         off["ans_slot0"] = int(slots[a[0]]) if len(a) else off["region_end"] - off["meta"]
         chunk_cap = self._chunk_cap() if len(a) else 0
         tmp, chunk0 = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
-        if len(a):
-            step = nch * chunk_cap
-            tmp[a] = lay.take(0) + np.cumsum(step) - step
-            lay.end = int(tmp[a[-1]] + step[-1])
-            chunk0[a] = c0
+        if rounds is not None:
+            tmp[a] = lay.take(rounds.chunks * chunk_cap) + chunk_cap * rounds.at
+            chunk0[a] = rounds.chunk0
         off["temp"] = lay.take(temp)
         off["align"] = align
         if len(a):  # the download up to the packed end the previous batch suggests (as _run_encode)
@@ -1331,10 +1400,10 @@ class GpuCodecEngine:
         src = ptrs[rows]
         cols = _EncCols(kind, src, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
                         table.bits[c], table.role[c], table.layer[c], table.nch[c], chunk0, tmp)
-        up = upload.get(off["pay_len"] + 8 * max(len(a), 1))
+        up = upload.get(off["pay_len"] + 8 * (len(a) + 1))
         up[off["meta"]:] = 0
         groups = _enc_groups(cols, a)
-        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off)
+        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off, rounds)
         if len(a):  # per chunk: source address, source bytes, output buffer
             arr = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
             cb = ans_format.CHUNK_BYTES
@@ -1343,7 +1412,7 @@ class GpuCodecEngine:
             arr[1] = np.minimum(cb, np.repeat(table.n[c[a]], nch) - cb * at)
             arr[2] = np.repeat(base + tmp[a], nch) + chunk_cap * at
         w.h2d(base, up)
-        host, own = self._launch_encode(base, off, got, groups, k, out_region, calls, chunk, temp, align)
+        host, own = self._launch_encode(base, off, got, groups, k, out_region, rounds, chunk, temp, align)
         return w.launched(base, total, upload, lambda: self._finish_encode_columns(
             cs, c, rows, src, slots, job, host, own, off, a, region), w.copies)
 
@@ -1390,15 +1459,32 @@ class GpuCodecEngine:
                        stored=walked[good] if ans else None)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
-        """The GPU batches of ``plans`` when none is ANS or host-encoded and each fits half the workspace
-        alone: the batches the per-segment fit check of :meth:`encode_submit` would form (each as long as
-        its estimate stays within half the workspace, at most MAX_BATCH), found with one cumulative sum.
-        None otherwise (that loop then decides)."""
-        if any(p.kind == "ans" or p.kind == "host" for p in plans):
+        """The GPU batches of ``plans`` when none is host-encoded and each fits half the workspace alone, found
+        with one cumulative sum: with no ANS segment the batches the per-segment fit check of
+        :meth:`encode_submit` would form (each as long as its estimate stays within half the workspace, at most
+        MAX_BATCH); with ANS segments :meth:`_ans_cuts`, as :meth:`encode_columns_submit` cuts them. None
+        otherwise (that loop then decides)."""
+        if any(p.kind == "host" for p in plans):
             return None
         k = len(plans)
-        return self._enc_cuts(plans, np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans],
-                                                 np.int64, count=k), align)
+        sizes = np.fromiter([HEADER_SIZE + (p.n if p.kind == "raw" else p.cap) for p in plans], np.int64, count=k)
+        ans = [p for p in plans if p.kind == "ans"]
+        if not ans:
+            return self._enc_cuts(plans, sizes, align)
+        nch = np.fromiter([p.nch if p.kind == "ans" else 0 for p in plans], np.int64, count=k)
+        return self._ans_cuts(plans, sizes, nch, {p.ans_type for p in ans}, align)
+
+    def _ans_cuts(self, items: Sequence, sizes: np.ndarray, nch: np.ndarray, types: "Iterable[int]",
+                  align: int) -> "list | None":
+        """``items``, ANS ones among them (``nch``: each one's chunks, 0 for the others), cut into GPU batches by
+        their segments' ``sizes``: each slot rounded up to ``align``, an ANS segment's chunk arrays and payload
+        length beside it, and per batch one round's chunk buffers and nvCOMP temp (:class:`_AnsRounds`), against
+        half the workspace (:func:`_prefix_batches`), then evened out: as many batches, of about equal bytes. A
+        save hands over one Manager batch at a time; a short last flight of it left the copies idle while the
+        host formed the next (docs/results/2026-12-03-ans-rounds)."""
+        slots = -(-sizes // align) * align + np.where(nch > 0, nch * 36 + 8, 0)
+        extra = 4 * 256 + self._round_bytes(int(nch.max()), types)
+        return _prefix_batches(items, slots, _enc_fixed(align), self.budget_bytes // 2, extra, even=True)
 
     def _enc_cuts(self, items: Sequence, sizes: np.ndarray, align: int) -> "list | None":
         """``items`` (none ANS) cut into GPU batches by their segments' ``sizes`` (header and payload), each
@@ -1436,15 +1522,8 @@ class GpuCodecEngine:
         for j, p in enumerate(plans):
             p.meta = j
         ans = sorted((p for p in plans if p.kind == "ans"), key=lambda p: p.ans_type)
-        chunk = 0
-        for p in ans:
-            p.chunk0 = chunk
-            chunk += p.nch
-        fill = _Fill()
-        for p in ans:
-            fill = fill.add(_Fill.of(0, p.nch, p.n, p.ans_type))
-        temp = self._ans_temp(fill)
-        off, total = self._enc_layout(plans, temp, align, ans)
+        chunk = sum(p.nch for p in ans)
+        off, total, rounds = self._enc_layout(plans, align, ans)
         off["align"] = align
         # The download: the region up to the ANS slots' packed end as the previous batches suggest (their
         # packed share of the worst case, plus a margin); _finish_encode fetches the rest should it be short.
@@ -1452,12 +1531,13 @@ class GpuCodecEngine:
         off["download"] = off["ans_slot0"] + min(worst, _up(int(worst * min(1.0, self._ans_packed + ANS_MARGIN)), align))
         base, upload = w.place(total)
         region = base + off["meta"]
-        up = upload.get(off["pay_len"] + 8 * max(len(ans), 1))
+        up = upload.get(off["pay_len"] + 8 * (len(ans) + 1))
         up[off["meta"]:] = 0
         chunk_cap = self._chunk_cap() if ans else 0
         cols = _enc_cols(plans)
         groups = _enc_groups(cols, np.fromiter((p.meta for p in ans), dtype=np.int64, count=len(ans)))
-        rows = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off)
+        rows = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off,
+                            rounds)
         if ans:  # per chunk: source address, source bytes, output buffer (whole-batch numpy passes)
             a = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
             cb = ans_format.CHUNK_BYTES
@@ -1467,9 +1547,8 @@ class GpuCodecEngine:
             a[1] = np.minimum(cb, np.repeat(np.array([p.n for p in ans], dtype=np.int64), nch) - cb * at)
             a[2] = np.repeat(np.array([base + p.tmp for p in ans], dtype=np.int64), nch) + chunk_cap * at
         w.h2d(base, up)
-        calls = [(t, min(p.chunk0 for p in ans if p.ans_type == t), sum(p.nch for p in ans if p.ans_type == t))
-                 for t in sorted({p.ans_type for p in ans})]
-        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, calls, chunk, temp, align)
+        host, _ = self._launch_encode(base, off, rows, groups, len(plans), out_region, rounds, chunk,
+                                      off["temp_len"], align)
         region_len = off["region_end"] - off["meta"]
         return w.launched(base, total, upload, lambda: self._finish_encode(plans, job, off, host, region, region_len,
                                                                             ans, device_sink), w.copies)
@@ -1477,10 +1556,10 @@ class GpuCodecEngine:
     def _launch_encode(self, base: int, off: dict[str, int], rows: dict[str, tuple[int, int]],
                        groups: Sequence[tuple[str, np.ndarray]], k: int,
                        out_region: "Callable[[int], np.ndarray | None] | None",
-                       calls: "Sequence[tuple[int, int, int]]" = (), chunk: int = 0, temp: int = 0,
+                       rounds: "_AnsRounds | None" = None, chunk: int = 0, temp: int = 0,
                        align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
-        """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, nvCOMP over
-        the ANS chunks then their placing and packing, the CRC32C pass; then the download of the output
+        """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, per ANS round
+        nvCOMP over its chunks then their placing and packing, the CRC32C pass; then the download of the output
         region (meta, ANS payload lengths, slots; up to ``off["download"]`` when given) on the copy stream,
         into ``out_region``'s array or a pinned one of the engine's. Answers that array, and whether it is
         the engine's."""
@@ -1493,20 +1572,23 @@ class GpuCodecEngine:
                 first, blocks = rows[name]
                 table = kern.crc_tables if name == "okv_fp8_encode" else kern.tq_tables
                 w.launch(kern, name, segs + first * km.SEG_DTYPE.itemsize, counts[name], blocks, region, table)
-        if calls:  # an (ANS type, first chunk, chunks) per nvCOMP call
+        if rounds is not None:  # each round: nvCOMP per type (type, first chunk, chunks), place, pack
             nv = self.nvcomp()
             col = base + off["chunk_in"]
-            nans = counts["okv_ans_pack"]
-            for t, c0, cn in calls:
-                nv.compress(col + 8 * c0, col + 8 * (chunk + c0), ans_format.CHUNK_BYTES, cn,
-                            base + off["temp"] if temp else 0, temp, col + 8 * (2 * chunk + c0),
-                            base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0, w.stream.ptr)
-                w.stats["launches"] += 1
-            first, blocks = rows["okv_ans_pack"]
-            w.stats["launches"] += km.launch_ans_place(kern, segs + first * km.SEG_DTYPE.itemsize, nans,
-                                                       region + off["ans_slot0"], align, w.stream)
-            w.launch(kern, "okv_ans_pack", segs + first * km.SEG_DTYPE.itemsize, nans, blocks, region,
-                     kern.crc_tables)
+            first, _ = rows["okv_ans_pack"]
+            carry = base + off["pay_len"] + 8 * counts["okv_ans_pack"]
+            w.stats["ans_rounds"] += len(rounds.rounds)
+            for lo, hi, blocks, calls in rounds.rounds:
+                for t, c0, cn in calls:
+                    nv.compress(col + 8 * c0, col + 8 * (chunk + c0), ans_format.CHUNK_BYTES, cn,
+                                base + off["temp"] if temp else 0, temp, col + 8 * (2 * chunk + c0),
+                                base + off["chunk_sizes"] + 8 * c0, t, base + off["chunk_status"] + 4 * c0,
+                                w.stream.ptr)
+                    w.stats["launches"] += 1
+                at = segs + (first + lo) * km.SEG_DTYPE.itemsize
+                w.stats["launches"] += km.launch_ans_place(kern, at, hi - lo, region + off["ans_slot0"], align, carry,
+                                                           w.stream)
+                w.launch(kern, "okv_ans_pack", at, hi - lo, blocks, region, kern.crc_tables)
         if "okv_crc32c" in rows:
             first, blocks = rows["okv_crc32c"]
             w.launch(kern, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, region,

@@ -215,11 +215,13 @@ def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_pt
     return 1
 
 
-def launch_ans_place(k: Kernels, segs_ptr: int, nsegs: int, ans0: int, align: int, stream: cp.cuda.Stream) -> int:
+def launch_ans_place(k: Kernels, segs_ptr: int, nsegs: int, ans0: int, align: int, carry: int,
+                     stream: cp.cuda.Stream) -> int:
     """Launch ``okv_ans_place`` (one block) over the ``nsegs`` ANS packing rows at ``segs_ptr``: their packed
-    slots from device address ``ans0``, each rounded up to ``align``; returns launches made."""
+    slots from device address ``ans0`` plus the u64 at device address ``carry`` (the bytes earlier rounds of
+    the batch placed; advanced past this round's), each rounded up to ``align``; returns launches made."""
     if nsegs <= 0:
         return 0
-    k.fn("okv_ans_place")((1,), (THREADS,), (np.uint64(segs_ptr), np.int32(nsegs), np.uint64(ans0), np.uint64(align)),
-                          stream=stream)
+    k.fn("okv_ans_place")((1,), (THREADS,), (np.uint64(segs_ptr), np.int32(nsegs), np.uint64(ans0), np.uint64(align),
+                                             np.uint64(carry)), stream=stream)
     return 1

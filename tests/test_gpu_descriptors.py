@@ -280,11 +280,32 @@ def test_plain_decode_batches_are_the_per_segment_rule(seed):
     assert [[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want]
 
 
-def test_plain_batches_leave_ans_to_the_per_segment_rule():
+def test_plain_batches_leave_host_encodes_to_the_per_segment_rule():
     eng = _bare_engine(64 << 20)
-    plans = [types.SimpleNamespace(kind="raw", n=4096, cap=0), types.SimpleNamespace(kind="ans", n=4096, cap=4096)]
+    plans = [types.SimpleNamespace(kind="raw", n=4096, cap=0), types.SimpleNamespace(kind="host", n=4096, cap=4096)]
     assert eng._plain_batches(plans, E.SLOT_ALIGN) is None
     assert eng._plain_dec_batches([types.SimpleNamespace(kind="ans", h=None)]) is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_even_batches_are_as_many_and_each_fits(seed):
+    """_prefix_batches(even=True): as many batches as the greedy cut, every row once and in order, each batch
+    within the limit and MAX_BATCH, none holding more than an equal share of the bytes plus one row (the
+    greedy cut's last batch may hold a sliver)."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 3000))
+    sizes = rng.integers(1 << 10, 1 << 21, k) if seed % 3 else np.full(k, 1 << 19)
+    fixed, extra = E._enc_fixed(E.SLOT_ALIGN), int(rng.integers(0, 8 << 20))
+    limit = int(sizes.max()) + extra + (8 << 20) + int(rng.integers(0, 128 << 20))
+    greedy = E._prefix_batches(np.arange(k), sizes, fixed, limit, extra)
+    even = E._prefix_batches(np.arange(k), sizes, fixed, limit, extra, even=True)
+    assert len(even) == len(greedy) and np.array_equal(np.concatenate(even), np.arange(k))
+    share = sizes.sum() / len(even)
+    for b in even:
+        assert 0 < len(b) <= E.MAX_BATCH
+        assert int(fixed(np.array([len(b)]))[0]) + extra + int(sizes[b].sum()) <= limit
+        if len(even) > 1 and len(greedy[-1]) < E.MAX_BATCH:
+            assert sizes[b].sum() <= share + sizes.max()
 
 
 def test_zero_crc_of_many_new_lengths_at_once():
@@ -503,24 +524,96 @@ class _RecordingSaveWorker(InFlight, _RecordingWorker):
     def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
         self.log.append(("d2h", src, dst.nbytes))
 
+    def fetch(self, dst: int, src: int, nbytes: int) -> None:  # a download's tail, past the packed share guessed
+        self.log.append(("fetch", src, nbytes))
+
     def launched(self, base, nbytes, upload, finish, last=None):
         return self.track(super().launched(base, nbytes, upload, finish, last))
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_ans_rounds_cut_a_batch_into_consecutive_rounds(seed):
+    """_ans_rounds: every ANS segment in one round, in order; a round as long as its chunks fit the limit (a wider
+    segment alone), so each round ends where the next segment would not fit; per round one nvCOMP call per run
+    of one type, the calls covering the round's chunks; each segment's chunk buffers from zero within its round;
+    the buffers, the largest round."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 200))
+    nch = rng.integers(1, 70, k)
+    types = np.sort(rng.choice([0, 1, 2], k))
+    limit = int(rng.integers(1, 400))
+    r = E._ans_rounds(nch, types, limit)
+    chunk0 = np.cumsum(nch) - nch
+    assert np.array_equal(r.chunk0, chunk0)
+    assert r.rounds[0][0] == 0 and r.rounds[-1][1] == k
+    for (lo, hi, chunks, calls), nxt in zip(r.rounds, r.rounds[1:] + [None]):
+        assert chunks == nch[lo:hi].sum() and (chunks <= limit or hi == lo + 1)
+        if nxt is not None:
+            assert nxt[0] == hi and chunks + nch[hi] > limit
+        assert np.array_equal(r.at[lo:hi], chunk0[lo:hi] - chunk0[lo])
+        assert [c[1] for c in calls] == [chunk0[lo]] + [chunk0[lo] + sum(c[2] for c in calls[:i]) for i in
+                                                         range(1, len(calls))]
+        assert sum(c[2] for c in calls) == chunks
+        assert [int(c[0]) for c in calls] == [int(t) for t in dict.fromkeys(types[lo:hi].tolist())]
+    assert r.chunks == max(x[2] for x in r.rounds)
+
+
+def _check_rounds(log: list, cap: int, half: int) -> int:
+    """What a save's encode batches sent (a recording worker's log) against the ANS round rules: each round's
+    nvCOMP calls cover its segments' chunks, whose output buffers lie one after another from one base shared by
+    every round of the batch, ``cap`` bytes apart; then okv_ans_place and okv_ans_pack over the round's rows
+    (consecutive, work units counted from zero within the round), the place carrying the batch's one u64 after
+    its payload lengths; each batch within ``half``. Answers the number of rounds seen."""
+    base, rounds = 1 << 40, 0
+    batches = [i for i, e in enumerate(log) if e[0] == "h2d"] + [len(log)]
+    for b0, b1 in zip(batches, batches[1:]):
+        up = np.frombuffer(log[b0][2], np.uint8)
+        assert len(up) <= half
+        calls, bufs, carries = [], set(), set()
+        for e in log[b0 + 1:b1]:
+            if e[0] == "nvcomp":
+                calls.append(e)
+            elif e[0] == "place":
+                _, segs, nsegs, _, _, carry = e
+                rows = np.frombuffer(up, E.km.SEG_DTYPE, count=nsegs, offset=segs - base)
+                assert rows["block0"][0] == 0
+                assert np.array_equal(rows["block0"][1:], np.cumsum(rows["nblocks"])[:-1])
+                chunks = int(rows["nblocks"].sum())
+                # this round's calls: its chunks, in order, their outputs where the rows read them
+                n_dev = int(rows["n_dev"][0])
+                got = [(c[8] - n_dev) // 8 for c in calls]  # first chunk of each call, from the round's first
+                assert got[0] == 0 and sum(c[4] for c in calls) == chunks
+                assert got == np.cumsum([0] + [c[4] for c in calls])[:-1].tolist()
+                assert np.array_equal(rows["n_dev"] - n_dev, 8 * rows["block0"].astype(np.uint64))
+                first = calls[0]
+                outs = np.frombuffer(up, "<u8", count=chunks, offset=first[7] - base)
+                assert np.array_equal(np.diff(outs.astype(np.int64)), np.full(chunks - 1, cap))
+                assert np.array_equal(rows["src"], outs[rows["block0"]])
+                bufs.add(int(outs[0]))
+                pay = int(rows["signs"][0, 0]) + (int(rows["signs"][0, 1]) << 32)  # its first payload length
+                carries.add(carry)
+                assert carry > pay and (carry - pay) % 8 == 0
+                calls, rounds = [], rounds + 1
+        assert len(bufs) <= 1 and len(carries) <= 1  # every round of a batch: the same buffers, the same carry
+    return rounds
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
+@pytest.mark.parametrize("budget", [256 << 20, 4 << 20], ids=["one-round", "rounds"])
+def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monkeypatch):
     """encode_columns_submit of a save batch with ANS segments (bytes and 16-bit: two nvCOMP types; exact and FP8
     among them) uploads the same descriptors and chunk arrays, launches the same kernels, makes the same nvCOMP
     and okv_ans_place calls and downloads as much as the per-segment encode_submit of the same sources; given
     the same payload lengths from nvCOMP (one of them over its capacity: stored raw), both answer the same
-    segments at the same places of their regions, headers byte for byte."""
+    segments at the same places of their regions, headers byte for byte. With a 4 MiB workspace a batch's ANS
+    segments are compressed in rounds that reuse one set of chunk buffers (``_check_rounds``)."""
     monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
     rng = np.random.default_rng(seed)
     sizes_of = {}  # a source's payload length as nvCOMP would give it, by its index in the batch
 
     active: dict = {}  # the log of the engine now encoding
-    monkeypatch.setattr(E.km, "launch_ans_place", lambda k, segs, nsegs, ans0, align, stream:
-                        active["log"].append(("place", segs, nsegs, ans0, align)) or 1)
+    monkeypatch.setattr(E.km, "launch_ans_place", lambda k, segs, nsegs, ans0, align, carry, stream:
+                        active["log"].append(("place", segs, nsegs, ans0, align, carry)) or 1)
 
     def with_lengths(idx_of):
         def wrap(finish):
@@ -540,7 +633,7 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
                         lambda self, p: np.zeros(p.n, np.uint8).view(p.dtype).reshape(p.shape or (-1,)))
 
     def engine():
-        eng = _bare_engine(256 << 20)
+        eng = _bare_engine(budget)
         eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 7, {}, {}, {}, 1.0
         eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
         eng.save = _RecordingSaveWorker()
@@ -579,7 +672,11 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
     assert job is not None
     out_c = col_engine.encode_collect(job)
     assert col_engine.save.log == item_engine.save.log
-    assert sum(e[0] == "nvcomp" for e in col_engine.save.log) == 2 and any(e[0] == "place" for e in col_engine.save.log)
+    rounds = _check_rounds(col_engine.save.log, E._up(ans_format.CHUNK_BYTES + 1500), budget // 2)
+    if budget > 16 << 20:  # one batch, one round: one nvCOMP call per type
+        assert sum(e[0] == "nvcomp" for e in col_engine.save.log) == 2 and rounds == 1
+    else:
+        assert rounds > sum(e[0] == "h2d" for e in col_engine.save.log) > 1
     for i in range(len(items)):
         if out_c[i] is not None:  # a raw fallback (only the one over its capacity, if it is ANS)
             assert bytes(out_c[i]) == bytes(out_i[i]) and i == 5
@@ -589,6 +686,9 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
         n = int(job.length[i])
         assert a == b and n == len(out_i[i]), i
         assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
+    rules = len(E._FIXED_PARTS)  # the batch rule's table is kept once, not once per save
+    col_engine.encode_collect(col_engine.encode_columns_submit(classes, cls, ptrs, slot_align=512))
+    assert len(E._FIXED_PARTS) == rules
 
 
 @pytest.mark.parametrize("seed", range(4))

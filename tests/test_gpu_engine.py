@@ -271,6 +271,61 @@ def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
         check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
 
 
+def test_ans_rounds_in_a_small_workspace_round_trip() -> None:
+    """A workspace that holds only a few ANS chunks' worst-case nvCOMP buffers: each encode batch compresses its
+    ANS segments in rounds that reuse one set of buffers, its payloads still packed one after another. Through
+    the item path and the column path, every segment decodes to its source and takes the format a workspace of
+    one round per batch gives it (an incompressible one raw, a short one raw, the rest ANS)."""
+    from orbitkv_fs.gpu.engine import SLOT_ALIGN, DeviceSpan
+    from orbitkv_fs.hostmem import host_address
+
+    rng = np.random.default_rng(33)
+    sizes = [64 << 10] * 6 + [256 << 10] * 5 + [1 << 20] * 3 + [48 << 10] * 4
+    xs: list[np.ndarray] = [rng.standard_normal(n // 2).astype(BF16) for n in sizes]
+    xs[3] = rng.integers(0, 256, 64 << 10, dtype=np.uint8)  # incompressible: raw
+    xs[7] = xs[7][:1000]  # under ANS's 4 KiB minimum: raw
+    order = rng.permutation(len(xs))
+    xs = [xs[i] for i in order]
+    codecs, roles, layers = ["ans"] * len(xs), ["opaque"] * len(xs), list(range(len(xs)))
+
+    def formats(segs) -> list:
+        return [(h.format, h.raw_reason) for h in (parse_header(bytes(s[:64])) for s in segs)]
+
+    with GpuCodecEngine(256 << 20, seed=SEED) as big:
+        want = formats(check_round_trip(big, xs, codecs, roles, layers, exact_bytes=False))
+        assert big.stats["save_ans_rounds"] == big.stats["save_batches"]
+    assert sum(f[0] == Format.ANS for f in want) == len(xs) - 2
+    with GpuCodecEngine(8 << 20, seed=SEED) as e:
+        got = check_round_trip(e, xs, codecs, roles, layers, exact_bytes=False)
+        assert formats(got) == want
+        st = e.stats
+        assert st["save_ans_rounds"] > st["save_batches"] > 1 and st["save_workspace_bytes"] <= 8 << 20
+        # the column path: sources in one device buffer, a class per distinct shape
+        flat = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in xs]
+        buf = cp.asarray(np.concatenate(flat))
+        offs = np.cumsum([0] + [f.nbytes for f in flat])[:-1]
+        keys: dict = {}
+        classes, cls = [], []
+        for x, f, o, ly in zip(xs, flat, offs.tolist(), layers):
+            key = (x.dtype.str, x.shape)
+            if key not in keys:
+                keys[key] = len(classes)
+                classes.append(e.encode_class(EncodeItem(DeviceSpan(buf.data.ptr + o, f.nbytes, x.shape), "ans",
+                                                         "opaque", 0, x.dtype)))
+            cls.append(keys[key])
+        job = e.encode_columns_submit(classes, np.array(cls), buf.data.ptr + offs)
+        assert job is not None
+        segs = e.encode_collect(job)
+        rounds = e.stats["save_ans_rounds"] - st["save_ans_rounds"]
+        assert rounds > e.stats["save_batches"] - st["save_batches"] > 1
+        assert [(f, r) for f, r in formats(segs)] == want
+        for x, s in zip(xs, segs):
+            assert np.array_equal(decode_segment(bytes(s)).view(np.uint8), np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+        ans = sorted((host_address(s), len(s)) for s in segs if parse_header(bytes(s[:64])).format == Format.ANS)
+        packed = sum(b - a == -(-n // SLOT_ALIGN) * SLOT_ALIGN for (a, n), (b, _) in zip(ans, ans[1:]))
+        assert packed >= len(ans) - (e.stats["save_batches"] - st["save_batches"])  # packed within each batch
+
+
 def test_ans_decode_as_arrays_from_one_host_array() -> None:
     """decode_columns_submit of ANS segments lying in one host array (as the Manager's arena holds them): each
     decodes to its source; a damaged chunk table is that segment's LengthMismatch (its destination untouched),

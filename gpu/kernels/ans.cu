@@ -131,14 +131,15 @@ okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restric
 // Each segment's payload length as okv_ans_pack computes it -- zero when a chunk failed or the payload
 // exceeds the slot capacity (it is stored raw and takes no room here) -- and its slot: the earlier slots,
 // each header and payload rounded up to align, one after another from ans0 (the device address of the
-// batch's first ANS slot). Writes Seg.dst (the payload, after the 64-byte header) for okv_ans_pack. The
+// batch's first ANS slot) plus *carry, the bytes the batch's earlier rounds placed (zero before the first;
+// updated here for the next). Writes Seg.dst (the payload, after the 64-byte header) for okv_ans_pack. The
 // host computes the same slots from the payload lengths it downloads, so only the packed bytes cross
 // PCIe instead of every slot's worst case.
 extern "C" __global__ void __launch_bounds__(OKV_THREADS)
-okv_ans_place(Seg* __restrict__ segs, int nsegs, u64 ans0, u64 align) {
+okv_ans_place(Seg* __restrict__ segs, int nsegs, u64 ans0, u64 align, u64* __restrict__ carry) {
   __shared__ u64 warp_sums[OKV_THREADS / 32];
   __shared__ u64 carry_sh;
-  if (threadIdx.x == 0) carry_sh = 0;
+  if (threadIdx.x == 0) carry_sh = *carry;
   __syncthreads();
   const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int t0 = 0; t0 < nsegs; t0 += OKV_THREADS) {
@@ -173,4 +174,5 @@ okv_ans_place(Seg* __restrict__ segs, int nsegs, u64 ans0, u64 align) {
     if (threadIdx.x == OKV_THREADS - 1) carry_sh = excl + step;
     __syncthreads();
   }
+  if (threadIdx.x == 0) *carry = carry_sh;
 }
