@@ -77,9 +77,9 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from bisect import bisect_left, bisect_right
 import threading
 import time
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import attrgetter
