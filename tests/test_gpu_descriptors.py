@@ -569,7 +569,7 @@ def _check_rounds(log: list, cap: int, half: int) -> int:
     for b0, b1 in zip(batches, batches[1:]):
         up = np.frombuffer(log[b0][2], np.uint8)
         assert len(up) <= half
-        calls, bufs, carries = [], set(), set()
+        calls, bufs, carries, pays, placed = [], set(), set(), [], 0
         for e in log[b0 + 1:b1]:
             if e[0] == "nvcomp":
                 calls.append(e)
@@ -590,11 +590,13 @@ def _check_rounds(log: list, cap: int, half: int) -> int:
                 assert np.array_equal(np.diff(outs.astype(np.int64)), np.full(chunks - 1, cap))
                 assert np.array_equal(rows["src"], outs[rows["block0"]])
                 bufs.add(int(outs[0]))
-                pay = int(rows["signs"][0, 0]) + (int(rows["signs"][0, 1]) << 32)  # its first payload length
+                pays.append(int(rows["signs"][0, 0]) + (int(rows["signs"][0, 1]) << 32))  # its first length's
+                placed += nsegs
                 carries.add(carry)
-                assert carry > pay and (carry - pay) % 8 == 0
                 calls, rounds = [], rounds + 1
         assert len(bufs) <= 1 and len(carries) <= 1  # every round of a batch: the same buffers, the same carry
+        if pays:  # the carry: the u64 right after the batch's last payload length
+            assert carries == {pays[0] + 8 * placed}, (carries, pays, placed)
     return rounds
 
 
