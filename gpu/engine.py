@@ -932,13 +932,13 @@ def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], 
                   temp_of: Callable[[np.ndarray], int]) -> "list | None":
     """Rows ``0..n-1`` cut as :func:`_prefix_batches` cuts them by ``sizes``, each batch also holding nvCOMP's
     temp (``temp_of(rows)``, growing with a batch's chunks and bytes): cut against the limit less the largest
-    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink).
-    None when no cut fits."""
+    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink),
+    evened out. None when no cut fits."""
     rows, temp = np.arange(len(sizes)), 0
     for _ in range(4):
         if limit - temp <= 0:
             return None
-        batches = _prefix_batches(rows, sizes, fixed, limit - temp)
+        batches = _prefix_batches(rows, sizes, fixed, limit - temp, even=True)
         if batches is None:
             return None
         need = max(temp_of(b) for b in batches)
@@ -1488,8 +1488,10 @@ class GpuCodecEngine:
 
     def _enc_cuts(self, items: Sequence, sizes: np.ndarray, align: int) -> "list | None":
         """``items`` (none ANS) cut into GPU batches by their segments' ``sizes`` (header and payload), each
-        slot rounded up to ``align``: :func:`_prefix_batches` against half the workspace."""
-        return _prefix_batches(items, -(-sizes // align) * align, _enc_fixed(align), self.budget_bytes // 2)
+        slot rounded up to ``align``: :func:`_prefix_batches` against half the workspace, evened out (a Manager
+        batch of two flights' bytes is two flights of equal bytes, not one full and a sliver)."""
+        return _prefix_batches(items, -(-sizes // align) * align, _enc_fixed(align), self.budget_bytes // 2,
+                               even=True)
 
     def encode_collect(self, job: "EncodeJob") -> "list[memoryview | bytes]":
         """Wait for a submitted encode and answer its segments (as :meth:`encode_batch`)."""
@@ -1978,7 +1980,7 @@ class GpuCodecEngine:
                 return self._dec_temp_of(atype[b], nch[b], orig[b]) if len(b) else 0
             batches = _temp_batches(sizes, _dec_fixed, limit, temp_of)
         else:
-            batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit)
+            batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit, even=True)
         if batches is None:
             return None
         w = self.restore
@@ -2094,9 +2096,9 @@ class GpuCodecEngine:
 
     def _dec_cuts(self, items: Sequence, stored: np.ndarray) -> "list | None":
         """``items`` (none ANS) cut into GPU batches by their payloads' ``stored`` bytes, each counted as
-        :func:`_dec_staging` counts it: :func:`_prefix_batches` against half the workspace."""
+        :func:`_dec_staging` counts it: :func:`_prefix_batches` against half the workspace, evened out."""
         return _prefix_batches(items, -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP, _dec_fixed,
-                               self.budget_bytes // 2)
+                               self.budget_bytes // 2, even=True)
 
     def decode_collect(self, job: DecodeJob) -> "list[OrbitKVError | None]":
         """Wait for a submitted decode; its per-segment errors (as :meth:`decode_batch`)."""

@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--storage-codec", choices=CODEC_NAMES, default="none",
                    help="default codec of registered engines (default none; fp8/turboquant-* are lossy)")
     g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
-                   help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; one batch's encoded "
-                        "bytes take half of it (default 64 MiB, at least 1 MiB)")
+                   help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; the GPU engine runs "
+                        "each codec batch as two flights of at most half of it (default 64 MiB, at least 1 MiB)")
     g.add_argument("--batch-segments", type=_positive(int), default=ManagerConfig().batch_segments, metavar="N",
                    help="segments per codec batch, at most; the codec budget closes a batch earlier where segments "
                         "are large. Fewer, larger batches cost less host time per segment; smaller ones overlap "

@@ -648,7 +648,7 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
     """Codec batches are sized by the workspace a segment's encode takes: FP8 half its source, TurboQuant
     its records (2 or 4 bytes of norm or range per vector plus head_dim x bits / 8 of codes), the policy's
     exact layers and every `none` segment their source size."""
-    from orbitkv_fs.manager.batching import _coded_bound, _decode_bound
+    from orbitkv_fs.manager.batching import BATCH_FLIGHTS, _coded_bound, _decode_bound
     from orbitkv_fs.segment import Format, SegmentHeader
 
     pages, reg = engine
@@ -671,7 +671,7 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
                          [] if codec == "fp8" else [l for l in (0, 1, L - 2, L - 1) for _ in range(2)])
     ans = SegmentHeader(Format.ANS, np.dtype(np.uint16), 4096, 2000, 0)
     fp8 = SegmentHeader(Format.FP8, np.dtype(np.uint16), 4096, 2048, 0)
-    assert (_decode_bound(ans), _decode_bound(fp8)) == (4096, 2048)
+    assert (_decode_bound(ans), _decode_bound(fp8)) == (BATCH_FLIGHTS * 4096, 2048)
 
 
 def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
@@ -690,6 +690,28 @@ def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
         sizes = [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])]
         assert sizes == [2, 2, 2, 2]
         assert [len(b) for b in m._codec_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
+
+
+def test_gpu_batches_hold_two_flights_within_the_same_source_cap():
+    """With the GPU engine a codec batch is BATCH_FLIGHTS flights of half the workspace (the engine cuts it
+    into flights of equal bytes; the Manager's per-batch host work is paid once for both), and its source cap
+    stays BATCH_EXPANSION flights, as when a batch was one flight; the host path keeps one budget."""
+    import orbitkv_fs.manager.batching as manager
+
+    budget = 64 << 20
+    with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=budget, device="cpu")) as m:
+        assert m._batch_budget() == m._flight_budget() == budget and m._source_cap() == 4 * budget
+        m._gpu_codecs = object()  # the planning arithmetic only: nothing reaches an engine
+        try:
+            flight = budget // 2 - (1 << 20)
+            assert (m._flight_budget(), m._batch_budget(), m._source_cap()) == (flight, 2 * flight, 4 * flight)
+            assert manager.BATCH_FLIGHTS == 2
+            items = [(flight // 4, flight // 4) for _ in range(20)]  # `none`-like: as many coded as source bytes
+            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [8, 8, 4]
+            items = [(flight // 16, flight // 2) for _ in range(20)]  # compressing: the source cap closes first
+            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [8, 8, 4]
+        finally:
+            m._gpu_codecs = None
 
 
 def test_run_batches_cut_where_the_per_item_rule_does():

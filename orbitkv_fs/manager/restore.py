@@ -30,7 +30,7 @@ from ..keys import ObjectKey, segment_keys
 from ..pages import cupy_dtype
 from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
-from .batching import BATCH_EXPANSION, _decode_bound, _pipelined
+from .batching import BATCH_FLIGHTS, _decode_bound, _pipelined
 from .device import _Targets
 from .leases import Spans, _Lease
 from .registry import _Engine, _Seg
@@ -513,9 +513,9 @@ class RestorePipeline:
 
     def _cuts(self, nbytes: np.ndarray, logical: np.ndarray) -> Iterator[tuple[int, int]]:
         """The ``[i, j)`` ranges of :meth:`_codec_batches` over items of ``nbytes`` and ``logical`` bytes (at
-        most ``batch_segments`` items, ``nbytes`` within the budget, ``logical`` within ``BATCH_EXPANSION``
-        budgets, one item at least), found on the arrays' running sums."""
-        budget = self._batch_budget()
+        most ``batch_segments`` items, ``nbytes`` within the batch budget, ``logical`` within the source cap,
+        one item at least), found on the arrays' running sums."""
+        budget, most = self._batch_budget(), self._source_cap()
         limit = self._config.batch_segments
         cn = np.cumsum(nbytes, dtype=np.int64)
         cl = np.cumsum(logical, dtype=np.int64)
@@ -525,7 +525,7 @@ class RestorePipeline:
             before_l = int(cl[i - 1]) if i else 0
             j = min(i + limit, n,
                     int(np.searchsorted(cn, before_n + budget, side="right")),
-                    int(np.searchsorted(cl, before_l + BATCH_EXPANSION * budget, side="right")))
+                    int(np.searchsorted(cl, before_l + most, side="right")))
             j = max(j, i + 1)
             yield i, j
             i = j
@@ -558,7 +558,7 @@ class RestorePipeline:
         orig = h["original_length"].astype(np.int64)
         stored = h["stored_length"].astype(np.int64)
         ok = (h["dtype"] == seg_code) & (orig == want) & (stored + HEADER_SIZE == lens)
-        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), orig, stored)
+        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), BATCH_FLIGHTS * orig, stored)  # _decode_bound
         sizes[at, 1] = orig
         sizes[at, 2] = stored + HEADER_SIZE
         sizes[at, 3] = lens
