@@ -932,13 +932,13 @@ def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], 
                   temp_of: Callable[[np.ndarray], int]) -> "list | None":
     """Rows ``0..n-1`` cut as :func:`_prefix_batches` cuts them by ``sizes``, each batch also holding nvCOMP's
     temp (``temp_of(rows)``, growing with a batch's chunks and bytes): cut against the limit less the largest
-    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink),
-    evened out. None when no cut fits."""
+    temp of the previous cut until every batch fits (a few rounds: the temp only falls as batches shrink).
+    None when no cut fits."""
     rows, temp = np.arange(len(sizes)), 0
     for _ in range(4):
         if limit - temp <= 0:
             return None
-        batches = _prefix_batches(rows, sizes, fixed, limit - temp, even=True)
+        batches = _prefix_batches(rows, sizes, fixed, limit - temp)
         if batches is None:
             return None
         need = max(temp_of(b) for b in batches)

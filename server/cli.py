@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default codec of registered engines (default none; fp8/turboquant-* are lossy)")
     g.add_argument("--storage-codec-budget", type=_codec_budget, default=64 << 20,
                    help="codec workspace per worker, e.g. 64mb: bounds the GPU workspace; the GPU engine runs "
-                        "each codec batch as two flights of at most half of it (default 64 MiB, at least 1 MiB)")
+                        "codec batches in flights of at most half of it (default 64 MiB, at least 1 MiB)")
     g.add_argument("--batch-segments", type=_positive(int), default=ManagerConfig().batch_segments, metavar="N",
                    help="segments per codec batch, at most; the codec budget closes a batch earlier where segments "
                         "are large. Fewer, larger batches cost less host time per segment; smaller ones overlap "

@@ -648,7 +648,7 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
     """Codec batches are sized by the workspace a segment's encode takes: FP8 half its source, TurboQuant
     its records (2 or 4 bytes of norm or range per vector plus head_dim x bits / 8 of codes), the policy's
     exact layers and every `none` segment their source size."""
-    from orbitkv_fs.manager.batching import BATCH_FLIGHTS, _coded_bound, _decode_bound
+    from orbitkv_fs.manager.batching import _coded_bound, _decode_bound
     from orbitkv_fs.segment import Format, SegmentHeader
 
     pages, reg = engine
@@ -671,7 +671,8 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
                          [] if codec == "fp8" else [l for l in (0, 1, L - 2, L - 1) for _ in range(2)])
     ans = SegmentHeader(Format.ANS, np.dtype(np.uint16), 4096, 2000, 0)
     fp8 = SegmentHeader(Format.FP8, np.dtype(np.uint16), 4096, 2048, 0)
-    assert (_decode_bound(ans), _decode_bound(fp8)) == (BATCH_FLIGHTS * 4096, 2048)
+    assert (_decode_bound(ans), _decode_bound(fp8)) == (4096, 2048)
+    assert (_decode_bound(ans, 2), _decode_bound(fp8, 2)) == (8192, 2048)  # ANS: its decoded size per flight
 
 
 def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
@@ -692,26 +693,35 @@ def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
         assert [len(b) for b in m._codec_batches([(3 * budget, 0), (1, 0)], lambda it: it[0])] == [1, 1]
 
 
-def test_gpu_batches_hold_two_flights_within_the_same_source_cap():
-    """With the GPU engine a codec batch is BATCH_FLIGHTS flights of half the workspace (the engine cuts it
-    into flights of equal bytes; the Manager's per-batch host work is paid once for both), and its source cap
-    stays BATCH_EXPANSION flights, as when a batch was one flight; the host path keeps one budget."""
+def test_gpu_batches_of_raw_and_ans_registrations_hold_two_flights_within_the_same_source_cap(engine):
+    """With the GPU engine a codec batch of a registration whose segments take their full size in the workspace
+    (`none`, `ans`) is BATCH_FLIGHTS flights of half the workspace (the engine cuts it into flights of equal
+    bytes; the Manager's per-batch host work is paid once for both), other registrations' one flight; the
+    source cap stays BATCH_EXPANSION flights; an ANS segment counts its decoded size once per flight of a
+    restore batch (test_a_batch_counts_each_segment_at_its_encoded_size). The host path keeps one budget."""
     import orbitkv_fs.manager.batching as manager
 
     budget = 64 << 20
-    with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=budget, device="cpu")) as m:
-        assert m._batch_budget() == m._flight_budget() == budget and m._source_cap() == 4 * budget
-        m._gpu_codecs = object()  # the planning arithmetic only: nothing reaches an engine
-        try:
-            flight = budget // 2 - (1 << 20)
-            assert (m._flight_budget(), m._batch_budget(), m._source_cap()) == (flight, 2 * flight, 4 * flight)
-            assert manager.BATCH_FLIGHTS == 2
-            items = [(flight // 4, flight // 4) for _ in range(20)]  # `none`-like: as many coded as source bytes
-            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [8, 8, 4]
-            items = [(flight // 16, flight // 2) for _ in range(20)]  # compressing: the source cap closes first
-            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [8, 8, 4]
-        finally:
-            m._gpu_codecs = None
+    pages, reg = engine
+    for codec, wide in (("none", True), ("fp8", False), ("turboquant-4", False)):
+        with Manager(ManagerConfig(pool_size=4 << 20, storage_codec=codec, storage_codec_budget=budget,
+                                   device="cpu")) as m:
+            eng = m._engines[m.register_engine(reg).engine_id]
+            assert eng.wide is wide, codec
+            assert m._flights(eng) == 1 and m._batch_budget() == m._flight_budget() == budget
+            assert m._source_cap() == 4 * budget
+            m._gpu_codecs = object()  # the planning arithmetic only: nothing reaches an engine
+            try:
+                flight = budget // 2 - (1 << 20)
+                assert m._flights(eng) == (manager.BATCH_FLIGHTS if wide else 1) and manager.BATCH_FLIGHTS == 2
+                assert (m._flight_budget(), m._batch_budget(2), m._source_cap()) == (flight, 2 * flight, 4 * flight)
+                items = [(flight // 4, flight // 4) for _ in range(20)]  # as many coded as source bytes
+                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
+                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [4] * 5
+                items = [(flight // 16, flight // 2) for _ in range(20)]  # compressing: the source cap closes first
+                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
+            finally:
+                m._gpu_codecs = None
 
 
 def test_run_batches_cut_where_the_per_item_rule_does():
@@ -727,7 +737,7 @@ def test_run_batches_cut_where_the_per_item_rule_does():
     with Manager(ManagerConfig(pool_size=4 << 20, device="cpu")) as m:
         for _ in range(300):
             budget = rnd.randrange(1, 5000)
-            m._batch_budget = lambda budget=budget: budget
+            m._batch_budget = lambda flights=1, budget=budget: budget
             m._config = msgspec.structs.replace(m._config, batch_segments=rnd.randrange(1, 40))
             runs = []
             for r in range(rnd.randrange(0, 12)):

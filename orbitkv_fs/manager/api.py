@@ -54,9 +54,9 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: Default codec of engines that do not ask for one: none|ans|fp8|turboquant-4|turboquant-3.
     storage_codec: str = "none"
     #: Bytes of codec workspace per worker (``--storage-codec-budget``): bounds the GPU engine's retained
-    #: workspace arena; an engine flight's encoded bytes take at most half of it, a codec batch's
-    #: ``BATCH_FLIGHTS`` flights' (its source bytes at most ``BATCH_EXPANSION`` flights': a compressing codec's
-    #: batch carries more source per batch).
+    #: workspace arena; an engine flight's encoded bytes take at most half of it, a codec batch's one flight's
+    #: (``BATCH_FLIGHTS`` for `none` and `ans` registrations; its source bytes at most ``BATCH_EXPANSION``
+    #: flights': a compressing codec's batch carries more source per batch).
     storage_codec_budget: int = 64 << 20
     eviction: str = "lru"  # lru | s3fifo
     #: Directory of the arena file (a tmpfs: /dev/shm where it exists).

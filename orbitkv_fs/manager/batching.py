@@ -4,8 +4,8 @@ Primitives: :meth:`Batching._codec_batches` (at most ``batch_segments`` segments
 workspace bytes, the source cap in source bytes), :meth:`Batching._run_batches` (the same cut
 of items that come in runs with their cumulative sizes, a save's chunks: each batch as slices of the runs),
 :meth:`Batching._flight_budget` (with the GPU engine, half its workspace: one flight, two of which share it),
-:meth:`Batching._batch_budget` (``BATCH_FLIGHTS`` flights), :meth:`Batching._source_cap`
-(``BATCH_EXPANSION`` flights of source bytes), :func:`_pipelined` (batch i+1 started before
+:meth:`Batching._flights` (flights per batch of a registration), :meth:`Batching._batch_budget` (that many
+flights), :meth:`Batching._source_cap` (``BATCH_EXPANSION`` flights of source bytes), :func:`_pipelined` (batch i+1 started before
 batch i ends), :func:`_coded_bound` / :func:`_decode_bound` (the workspace a segment takes).
 
 Invariants: a batch never passes the budget unless one segment alone does; :func:`_pipelined` ends every
@@ -20,20 +20,22 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 from ..segment import TURBOQUANT_HEAD_DIMS, Format, Role, SegmentHeader, turboquant_stored_bytes
 
 if TYPE_CHECKING:
-    from .registry import _Seg
+    from .registry import _Engine, _Seg
 
 
 #: A codec batch's source (save) or decoded (restore) bytes are at most this many flight budgets: the
 #: gathered sources and decoded temporaries live outside the workspace, and stay bounded.
 BATCH_EXPANSION = 4
 
-#: Engine flights per codec batch with the GPU engine. The engine runs a batch as flights of at most half its
-#: workspace (two in flight side by side); the Manager's own per-batch host work (the block-copy table, the
+#: Engine flights per codec batch with the GPU engine, for registrations whose segments take their full size in
+#: the workspace (`none`, `ans`: :meth:`Batching._flights`). The engine runs a batch as flights of at most half
+#: its workspace (two in flight side by side); the Manager's own per-batch host work (the block-copy table, the
 #: publish, the index's batch step: mostly fixed, the index's alone 74 us for 254 segments and 89 us for 512
-#: on a 2-core EPYC) is paid once per batch, so a batch of two flights pays it once for both. Where the
-#: workspace closes the batches (`none` and `ans`; `fp8` and `turboquant-4` at 4 MiB) they carry up to twice
-#: the segments (`batch_segments` still caps them); the gathered sources stay within the source cap as before
-#: (BATCH_EXPANSION flights). docs/results/2026-12-03-host-work.
+#: on a 2-core EPYC) is paid once per batch, so a batch of two flights pays it once for both: the workspace
+#: closed those codecs' batches at one flight. The compressing codecs' batches reach ``batch_segments`` first
+#: at vLLM's 512 KiB chunks (`fp8`: 512 segments are one flight and a hair), where two flights only split them
+#: (`fp8` saved 2-4% slower). The gathered sources stay within the source cap as before (BATCH_EXPANSION
+#: flights). docs/results/2026-12-03-host-work.
 BATCH_FLIGHTS = 2
 
 
@@ -50,14 +52,14 @@ def _coded_bound(seg: _Seg, n: int) -> int:
     return n
 
 
-def _decode_bound(h: SegmentHeader) -> int:
-    """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
-    staged in); for ANS its decoded size once per flight of a batch (``BATCH_FLIGHTS``), so that an ANS
-    restore batch holds one flight's decoded bytes as before batches held two flights (two flights' worth
-    restored `ans` 5-13% slower: docs/results/2026-12-03-host-work). The engine's workspace also holds
-    nvCOMP's output, and the engine splits such a batch into flights itself (batches sized by payload plus
-    output restored ANS 4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
-    return BATCH_FLIGHTS * h.original_length if h.format == Format.ANS else h.stored_length
+def _decode_bound(h: SegmentHeader, flights: int = 1) -> int:
+    """The bytes a restore batch of ``flights`` flights counts for a segment with header ``h``: its payload
+    (the workspace it is staged in); for ANS its decoded size once per flight, so that an ANS restore batch
+    holds one flight's decoded bytes, as before batches held two flights (two flights' worth restored `ans`
+    5-14% slower: docs/results/2026-12-03-host-work). The engine's workspace also holds nvCOMP's output, and
+    the engine splits such a batch into flights itself (batches sized by payload plus output restored ANS
+    4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
+    return flights * h.original_length if h.format == Format.ANS else h.stored_length
 
 
 def _pipelined(items: Iterable, start: Callable, end: Callable) -> list:
@@ -95,22 +97,27 @@ class Batching:
         budget = self._config.storage_codec_budget
         return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
-    def _batch_budget(self) -> int:
-        """Encoded (workspace) bytes of one codec batch: ``BATCH_FLIGHTS`` flights with the GPU engine (which
-        cuts the batch into flights of equal bytes), one on the host path."""
-        flight = self._flight_budget()
-        return BATCH_FLIGHTS * flight if self._gpu_codecs is not None else flight
+    def _flights(self, eng: "_Engine") -> int:
+        """Engine flights per codec batch of ``eng`` 's segments: ``BATCH_FLIGHTS`` with the GPU engine where
+        every segment takes its full size in the workspace (`none` and `ans` registrations), else one."""
+        return BATCH_FLIGHTS if self._gpu_codecs is not None and eng.wide else 1
+
+    def _batch_budget(self, flights: int = 1) -> int:
+        """Encoded (workspace) bytes of one codec batch of ``flights`` flights (the GPU engine cuts a batch
+        into flights of equal bytes)."""
+        return flights * self._flight_budget()
 
     def _source_cap(self) -> int:
         """Source (save) or decoded (restore) bytes of one codec batch, at most: ``BATCH_EXPANSION`` flight
         budgets."""
         return BATCH_EXPANSION * self._flight_budget()
 
-    def _codec_batches(self, items: Iterable, nbytes: Callable, logical: "Callable | None" = None) -> Iterator[list]:
-        """``items`` in the batches of a save or a restore: at most ``batch_segments``, and the batch budget
-        in ``nbytes`` (one item may exceed it); with ``logical``, also at most the source cap in those
-        bytes."""
-        budget, most = self._batch_budget(), self._source_cap()
+    def _codec_batches(self, items: Iterable, nbytes: Callable, logical: "Callable | None" = None,
+                       flights: int = 1) -> Iterator[list]:
+        """``items`` in the batches of a save or a restore: at most ``batch_segments``, and the budget of
+        ``flights`` flights in ``nbytes`` (one item may exceed it); with ``logical``, also at most the source
+        cap in those bytes."""
+        budget, most = self._batch_budget(flights), self._source_cap()
         batch: list = []
         size = total = 0
         for it in items:
@@ -126,13 +133,14 @@ class Batching:
         if batch:
             yield batch
 
-    def _run_batches(self, runs: Iterable[tuple[object, Sequence[int], Sequence[int]]]) -> Iterator[list]:
-        """:meth:`_codec_batches` of items that come in runs (a save's chunks), as slices of the runs: each
+    def _run_batches(self, runs: Iterable[tuple[object, Sequence[int], Sequence[int]]],
+                     flights: int = 1) -> Iterator[list]:
+        """:meth:`_codec_batches` (of ``flights`` flights) of items that come in runs (a save's chunks), as slices of the runs: each
         run is ``(run, nbytes, logical)``, the cumulative sums of its items' counted and logical bytes
         (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each batch a list of pieces
         ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a few bisections per
         run instead of a test per item."""
-        budget, most = self._batch_budget(), self._source_cap()
+        budget, most = self._batch_budget(flights), self._source_cap()
         cap = self._config.batch_segments
         batch: list = []
         count = size = total = 0

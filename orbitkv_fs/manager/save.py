@@ -213,7 +213,8 @@ class SavePipeline:
             # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
             # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
             # is spread over more logical bytes.
-            batches = map(SaveRows.join, self._run_batches(self._save_items(eng, chunks, todo, acc)))
+            batches = map(SaveRows.join, self._run_batches(self._save_items(eng, chunks, todo, acc),
+                                                           self._flights(eng)))
             self._save_batches(eng, batches, acc)
             present, admitted = acc.present, acc.admitted
             segments = sum(len(ks) for _, ks in todo)
