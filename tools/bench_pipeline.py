@@ -609,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine layers (TurboQuant keeps 4 exact: its share of raw segments is 4 / layers)")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure (the best is reported)")
     p.add_argument("--storage-codec-budget-mib", type=int, default=64,
-                   help="the Manager's --storage-codec-budget in MiB (one batch takes half of it on a GPU)")
+                   help="the Manager's --storage-codec-budget in MiB (an engine flight takes half of it on a GPU)")
     p.add_argument("--batch-segments", type=int, default=BATCH_SEGMENTS,
                    help=f"the Manager's segments per codec batch, at most (default {BATCH_SEGMENTS})")
     p.add_argument("--latency-samples", type=int, default=3000, help="calls per data-plane latency figure")

@@ -76,7 +76,8 @@ Seams for the other parts:
   move in one block-copy launch per batch (the gather of a save, the scatter of a restore, from tables of
   block addresses), and the batches of a save or restore are pipelined: batch i+1 is gathered and queued
   on the GPU (``encode_submit`` / ``decode_submit``) before the host waits for batch i and publishes or
-  scatters it, each batch taking at most half the codec budget so that two share the engine's workspace.
+  scatters it, each batch one engine flight of at most half the codec budget so that two share the engine's
+  workspace (two flights for `none` and `ans` registrations: ``batching.BATCH_FLIGHTS``).
 
 Invariants:
 
