@@ -5,8 +5,9 @@ workspace bytes, the source cap in source bytes), :meth:`Batching._run_batches` 
 of items that come in runs with their cumulative sizes, a save's chunks: each batch as slices of the runs),
 :meth:`Batching._flight_budget` (with the GPU engine, half its workspace: one flight, two of which share it),
 :meth:`Batching._flights` (flights per batch of a registration), :meth:`Batching._batch_budget` (that many
-flights), :meth:`Batching._source_cap` (``BATCH_EXPANSION`` flights of source bytes), :func:`_pipelined` (batch i+1 started before
-batch i ends), :func:`_coded_bound` / :func:`_decode_bound` (the workspace a segment takes).
+flights), :meth:`Batching._source_cap` (``BATCH_EXPANSION`` flights of source bytes), :func:`_pipelined`
+(batch i+1 started before batch i ends), :func:`_coded_bound` / :func:`_decode_bound` (the workspace a segment
+takes).
 
 Invariants: a batch never passes the budget unless one segment alone does; :func:`_pipelined` ends every
 item it started, also when one fails.
@@ -135,11 +136,11 @@ class Batching:
 
     def _run_batches(self, runs: Iterable[tuple[object, Sequence[int], Sequence[int]]],
                      flights: int = 1) -> Iterator[list]:
-        """:meth:`_codec_batches` (of ``flights`` flights) of items that come in runs (a save's chunks), as slices of the runs: each
-        run is ``(run, nbytes, logical)``, the cumulative sums of its items' counted and logical bytes
-        (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each batch a list of pieces
-        ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a few bisections per
-        run instead of a test per item."""
+        """:meth:`_codec_batches` (of ``flights`` flights) of items that come in runs (a save's chunks), as
+        slices of the runs: each run is ``(run, nbytes, logical)``, the cumulative sums of its items' counted and
+        logical bytes (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each batch a list of
+        pieces ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a few bisections
+        per run instead of a test per item."""
         budget, most = self._batch_budget(flights), self._source_cap()
         cap = self._config.batch_segments
         batch: list = []

@@ -209,10 +209,10 @@ class SavePipeline:
             self._remember_prefix(eng, [ch.key for ch in chunks])
             todo: list[tuple[ChunkBlocks, list[bytes]]] = []
             acc = _SaveAcc()
-            # A batch closes before its encoded bytes would pass the budget (two of them must fit side by
-            # side in the GPU engine's workspace, or the next one waits for the previous one's copies). Sized
-            # by encoded bytes, a compressing codec's batch carries more source, so the per-batch host work
-            # is spread over more logical bytes.
+            # A batch closes before its encoded bytes would pass the budget of its flights (two flights must
+            # fit side by side in the GPU engine's workspace, or the next one waits for the previous one's
+            # copies). Sized by encoded bytes, a compressing codec's batch carries more source, so the
+            # per-batch host work is spread over more logical bytes.
             batches = map(SaveRows.join, self._run_batches(self._save_items(eng, chunks, todo, acc),
                                                            self._flights(eng)))
             self._save_batches(eng, batches, acc)
