@@ -672,7 +672,6 @@ def test_a_batch_counts_each_segment_at_its_encoded_size(engine, codec):
     ans = SegmentHeader(Format.ANS, np.dtype(np.uint16), 4096, 2000, 0)
     fp8 = SegmentHeader(Format.FP8, np.dtype(np.uint16), 4096, 2048, 0)
     assert (_decode_bound(ans), _decode_bound(fp8)) == (4096, 2048)
-    assert (_decode_bound(ans, 2), _decode_bound(fp8, 2)) == (8192, 2048)  # ANS: its decoded size per flight
 
 
 def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
@@ -695,31 +694,41 @@ def test_codec_batches_close_at_the_budget_and_the_source_cap(monkeypatch):
 
 def test_gpu_batches_of_raw_and_ans_registrations_hold_two_flights_within_the_same_source_cap(engine):
     """With the GPU engine a codec batch of a registration whose segments take their full size in the workspace
-    (`none`, `ans`) is BATCH_FLIGHTS flights of half the workspace (the engine cuts it into flights of equal
-    bytes; the Manager's per-batch host work is paid once for both), other registrations' one flight; the
-    source cap stays BATCH_EXPANSION flights; an ANS segment counts its decoded size once per flight of a
-    restore batch (test_a_batch_counts_each_segment_at_its_encoded_size). The host path keeps one budget."""
+    is BATCH_FLIGHTS flights of half the workspace (the engine cuts it into flights of equal bytes; the
+    Manager's per-batch host work is paid once for both): saves of `none` and `ans` registrations, restores of
+    `none` ones; other registrations' batches one flight. The source cap stays BATCH_EXPANSION flights; the host
+    path keeps one budget."""
+    import types
+
     import orbitkv_fs.manager.batching as manager
 
     budget = 64 << 20
     pages, reg = engine
-    for codec, wide in (("none", True), ("fp8", False), ("turboquant-4", False)):
-        with Manager(ManagerConfig(pool_size=4 << 20, storage_codec=codec, storage_codec_budget=budget,
-                                   device="cpu")) as m:
+    with Manager(ManagerConfig(pool_size=4 << 20, storage_codec_budget=budget, device="cpu")) as m:
+        assert m._batch_budget() == m._flight_budget() == budget and m._source_cap() == 4 * budget
+        m._gpu_codecs = object()  # the planning arithmetic only: nothing reaches an engine
+        try:
+            flight = budget // 2 - (1 << 20)
+            assert (m._flight_budget(), m._batch_budget(2), m._source_cap()) == (flight, 2 * flight, 4 * flight)
+            assert manager.BATCH_FLIGHTS == 2
+            for codecs, save, restore in (({"none"}, 2, 2), ({"none", "ans"}, 2, 1), ({"ans"}, 2, 1),
+                                          ({"none", "fp8"}, 1, 1), ({"none", "turboquant-4"}, 1, 1)):
+                eng = types.SimpleNamespace(codecs=frozenset(codecs))
+                assert (m._flights(eng), m._flights(eng, restore=True)) == (save, restore), codecs
+            items = [(flight // 4, flight // 4) for _ in range(20)]  # as many coded as source bytes
+            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
+            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [4] * 5
+            items = [(flight // 16, flight // 2) for _ in range(20)]  # compressing: the source cap closes first
+            assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
+        finally:
+            m._gpu_codecs = None
+    for codec, want in (("none", {"none"}), ("fp8", {"fp8"}), ("turboquant-4", {"none", "turboquant-4"})):
+        with Manager(ManagerConfig(pool_size=4 << 20, storage_codec=codec, device="cpu")) as m:
             eng = m._engines[m.register_engine(reg).engine_id]
-            assert eng.wide is wide, codec
-            assert m._flights(eng) == 1 and m._batch_budget() == m._flight_budget() == budget
-            assert m._source_cap() == 4 * budget
-            m._gpu_codecs = object()  # the planning arithmetic only: nothing reaches an engine
+            assert eng.codecs == want and m._flights(eng) == 1  # no GPU engine: one flight
+            m._gpu_codecs = object()
             try:
-                flight = budget // 2 - (1 << 20)
-                assert m._flights(eng) == (manager.BATCH_FLIGHTS if wide else 1) and manager.BATCH_FLIGHTS == 2
-                assert (m._flight_budget(), m._batch_budget(2), m._source_cap()) == (flight, 2 * flight, 4 * flight)
-                items = [(flight // 4, flight // 4) for _ in range(20)]  # as many coded as source bytes
-                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
-                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1])] == [4] * 5
-                items = [(flight // 16, flight // 2) for _ in range(20)]  # compressing: the source cap closes first
-                assert [len(b) for b in m._codec_batches(items, lambda it: it[0], lambda it: it[1], 2)] == [8, 8, 4]
+                assert m._flights(eng) == (2 if codec == "none" else 1)
             finally:
                 m._gpu_codecs = None
 

@@ -29,14 +29,15 @@ if TYPE_CHECKING:
 BATCH_EXPANSION = 4
 
 #: Engine flights per codec batch with the GPU engine, for registrations whose segments take their full size in
-#: the workspace (`none`, `ans`: :meth:`Batching._flights`). The engine runs a batch as flights of at most half
-#: its workspace (two in flight side by side); the Manager's own per-batch host work (the block-copy table, the
-#: publish, the index's batch step: mostly fixed, the index's alone 74 us for 254 segments and 89 us for 512
-#: on a 2-core EPYC) is paid once per batch, so a batch of two flights pays it once for both: the workspace
-#: closed those codecs' batches at one flight. The compressing codecs' batches reach ``batch_segments`` first
-#: at vLLM's 512 KiB chunks (`fp8`: 512 segments are one flight and a hair), where two flights only split them
-#: (`fp8` saved 2-4% slower). The gathered sources stay within the source cap as before (BATCH_EXPANSION
-#: flights). docs/results/2026-12-03-host-work.
+#: the workspace (`none`, `ans`; restores of `none` only: :meth:`Batching._flights`). The engine runs a batch
+#: as flights of at most half its workspace (two in flight side by side); the Manager's own per-batch host
+#: work (the block-copy table, the publish, the index's batch step: mostly fixed, the index's alone 74 us for
+#: 254 segments and 89 us for 512 on a 2-core EPYC) is paid once per batch, so a batch of two flights pays it
+#: once for both: the workspace closed those codecs' batches at one flight. The compressing codecs' batches
+#: reach ``batch_segments`` first at vLLM's 512 KiB chunks (`fp8`: 512 segments are one flight and a hair),
+#: where two flights only split them (`fp8` saved 2-4% slower). `ans` restores of two flights' decoded bytes
+#: ran 5-14% slower. The gathered sources stay within the source cap as before (BATCH_EXPANSION flights).
+#: docs/results/2026-12-03-host-work.
 BATCH_FLIGHTS = 2
 
 
@@ -53,14 +54,12 @@ def _coded_bound(seg: _Seg, n: int) -> int:
     return n
 
 
-def _decode_bound(h: SegmentHeader, flights: int = 1) -> int:
-    """The bytes a restore batch of ``flights`` flights counts for a segment with header ``h``: its payload
-    (the workspace it is staged in); for ANS its decoded size once per flight, so that an ANS restore batch
-    holds one flight's decoded bytes, as before batches held two flights (two flights' worth restored `ans`
-    5-14% slower: docs/results/2026-12-03-host-work). The engine's workspace also holds nvCOMP's output, and
-    the engine splits such a batch into flights itself (batches sized by payload plus output restored ANS
-    4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
-    return flights * h.original_length if h.format == Format.ANS else h.stored_length
+def _decode_bound(h: SegmentHeader) -> int:
+    """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
+    staged in); for ANS its decoded size, as before: the engine's workspace also holds nvCOMP's output, and
+    the engine splits such a batch into flights itself (batches sized by payload plus output restored
+    ANS 4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
+    return h.original_length if h.format == Format.ANS else h.stored_length
 
 
 def _pipelined(items: Iterable, start: Callable, end: Callable) -> list:
@@ -98,10 +97,12 @@ class Batching:
         budget = self._config.storage_codec_budget
         return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
-    def _flights(self, eng: "_Engine") -> int:
+    def _flights(self, eng: "_Engine", *, restore: bool = False) -> int:
         """Engine flights per codec batch of ``eng`` 's segments: ``BATCH_FLIGHTS`` with the GPU engine where
-        every segment takes its full size in the workspace (`none` and `ans` registrations), else one."""
-        return BATCH_FLIGHTS if self._gpu_codecs is not None and eng.wide else 1
+        every segment takes its full size in the workspace (saves of `none` and `ans` registrations, restores
+        of `none` ones), else one."""
+        wide = {"none"} if restore else {"none", "ans"}
+        return BATCH_FLIGHTS if self._gpu_codecs is not None and eng.codecs <= wide else 1
 
     def _batch_budget(self, flights: int = 1) -> int:
         """Encoded (workspace) bytes of one codec batch of ``flights`` flights (the GPU engine cuts a batch

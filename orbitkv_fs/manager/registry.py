@@ -193,9 +193,7 @@ class _Engine:
         # The segments' block geometry as one array (device._geometry) where the block-copy kernel moves
         # every one of them (GPU pages of regular rows), else None: those go one item per segment.
         self.geometry = _geometry(segs) if segs and all(s.copy is not None for s in segs) else None
-        # Every segment takes its full size in the GPU engine's workspace (stored raw or ANS): its codec
-        # batches are two engine flights (batching.BATCH_FLIGHTS).
-        self.wide = all(s.codec_name in ("none", "ans") for s in segs)
+        self.codecs = frozenset(s.codec_name for s in segs)  # its segments' codecs (batching._flights)
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
         self.watch = watch

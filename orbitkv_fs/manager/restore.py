@@ -161,8 +161,7 @@ class RestorePipeline:
             checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else None
             batched = set(checked.chunks) if checked is not None else set()
             # Segments bound for the GPU engine from DRAM: size fields checked as one array (False: per segment).
-            pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans, self._flights(eng))
-                                 if gpu_checks and spans
+            pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans
                                  else (None, None, None))
             # Every segment a DRAM extent bound for the GPU engine, its size fields fitting: the restore is
             # decoded as arrays, batch by batch (_decode_gpu_rows), with no item per segment.
@@ -387,9 +386,8 @@ class RestorePipeline:
         # One engine, the registration's: a decode takes the rotation seed from each segment's header, so
         # exact and TurboQuant segments share batches.
         seed = eng.reg.rotation_seed
-        flights = self._flights(eng)
-        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3], flights),
-                                   lambda it: it[3].original_length, flights)
+        jobs = self._codec_batches(verified(), lambda it: _decode_bound(it[3]), lambda it: it[3].original_length,
+                                   self._flights(eng, restore=True))
         # Pipelined: batch i+1 is uploaded and decoding on the GPU while the host takes batch i's verdicts
         # and queues its block copies (one stream: they run after it). A temporary freed meanwhile goes back
         # to that stream's pool, so only later work on the stream reuses it.
@@ -456,7 +454,8 @@ class RestorePipeline:
                 return self._decode_end(*started[1:], failed, totals)
             return self._rows_end(rows, *started[1:], failed, totals)
 
-        self._decode_pipelined(self._cuts(rows.sizes[:, 0], rows.sizes[:, 1], self._flights(eng)), start, end)
+        cuts = self._cuts(rows.sizes[:, 0], rows.sizes[:, 1], self._flights(eng, restore=True))
+        self._decode_pipelined(cuts, start, end)
         return failed, (totals[0], totals[1], totals[2])
 
     def _verified_rows(self, rows: "_Rows", i: int, j: int,
@@ -534,15 +533,14 @@ class RestorePipeline:
             i = j
 
     def _check_device_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                            spans: Spans, flights: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                            spans: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The size fields of a restore's DRAM-leased sources bound for the GPU engine, read as one array: the
         dtype and source length each header names against what its destination blocks take, its stored
         length against its extent. Answers per segment (chunk-major) whether they fit (False: not in DRAM, or
         fields that do not fit: the per-segment path says why, and whether it is a miss or a wrong request),
-        the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound` in a batch of
-        ``flights`` flights), decoded bytes, stored bytes, extent length and arena offset, ``[n, 5]``. The rest
-        of each header is verified batch by batch (:meth:`_verified_rows`). ``spans`` holds the extents of
-        ``keys`` (chunk-major, as leased)."""
+        the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound`), decoded bytes,
+        stored bytes, extent length and arena offset, ``[n, 5]``. The rest of each header is verified batch by
+        batch (:meth:`_verified_rows`). ``spans`` holds the extents of ``keys`` (chunk-major, as leased)."""
         nseg = len(segs)
         n = len(chunks) * nseg
         assert len(spans.hit) == n, "spans of another request"
@@ -562,7 +560,7 @@ class RestorePipeline:
         orig = h["original_length"].astype(np.int64)
         stored = h["stored_length"].astype(np.int64)
         ok = (h["dtype"] == seg_code) & (orig == want) & (stored + HEADER_SIZE == lens)
-        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), flights * orig, stored)  # _decode_bound
+        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), orig, stored)
         sizes[at, 1] = orig
         sizes[at, 2] = stored + HEADER_SIZE
         sizes[at, 3] = lens
