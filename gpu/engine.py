@@ -181,6 +181,8 @@ def _dec_target(i: int, dst: Any, h: SegmentHeader) -> "DeviceSpan | OrbitKVErro
 
 
 _DEC_KINDS = {Format.RAW: "raw", Format.FP8: "fp8", Format.TURBOQUANT: "tq", Format.ANS: "ans"}
+_GPU_FORMATS = np.zeros(256, dtype=bool)  # by a header's format byte: one the GPU decodes (a lookup, not np.isin)
+_GPU_FORMATS[list(_DEC_KINDS)] = True
 _FP16_CODE = dtype_code(FP16)
 
 
@@ -900,7 +902,11 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
     its sizes`` stays within ``limit``, at most MAX_BATCH; one cumulative sum instead of an estimate per segment.
     None when some plan does not fit alone (the per-segment rule then decides what to do with it). ``fixed``'s
     table is kept per function: pass a module-level one, not a new closure per call. ``even``: as many batches,
-    cut at equal shares of the bytes where those fit too."""
+    cut at equal shares of the bytes where those fit too.
+
+    The greedy cut makes the fewest batches (a run within a batch that fits fits too), so when the cut at equal
+    shares into the least count the bytes allow (each batch holds at most ``limit`` less one segment's fixed
+    part) fits, it is the answer, found without the greedy pass: a Manager batch of one or two flights."""
     k = len(plans)
     tab = _FIXED_PARTS.get(fixed)
     if tab is None:  # the fixed part of every batch size, once per rule
@@ -909,6 +915,15 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
         return None
     limit -= extra
     ends = np.cumsum(sizes)
+    if not k:
+        return []
+    least = -(-int(ends[-1]) // max(limit - int(tab[0]), 1))
+    if least <= 1 and k <= MAX_BATCH and int(tab[k - 1] + ends[-1]) <= limit:
+        return [plans]
+    if even and least > 1:
+        got = _even_cut(plans, ends, tab, limit, least)
+        if got is not None:
+            return got
     out = []
     start = 0
     while start < k:
@@ -918,14 +933,21 @@ def _prefix_batches(plans: list, sizes: np.ndarray, fixed: Callable[[np.ndarray]
         out.append(plans[start:start + count])
         start += count
     if even and len(out) > 1:
-        m = len(out)
-        cuts = np.concatenate([[0], np.searchsorted(ends, ends[-1] * np.arange(1, m) / m) + 1, [k]])
-        count = np.diff(cuts)
-        if (count > 0).all() and (count <= MAX_BATCH).all():
-            part = ends[cuts[1:] - 1] - np.concatenate([[0], ends[cuts[1:-1] - 1]])
-            if (tab[count - 1] + part <= limit).all():
-                return [plans[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())]
+        return _even_cut(plans, ends, tab, limit, len(out)) or out
     return out
+
+
+def _even_cut(plans: list, ends: np.ndarray, tab: np.ndarray, limit: int, m: int) -> "list | None":
+    """``plans`` (their sizes' running sums ``ends``) cut into ``m`` batches at equal shares of the bytes, or None
+    where a batch would be empty, pass MAX_BATCH or not fit ``limit`` (``tab``: the fixed part by count)."""
+    k = len(plans)
+    cuts = np.concatenate([[0], np.searchsorted(ends, ends[-1] * np.arange(1, m) / m) + 1, [k]])
+    count = np.diff(cuts)
+    if (count > 0).all() and (count <= MAX_BATCH).all():
+        part = ends[cuts[1:] - 1] - np.concatenate([[0], ends[cuts[1:-1] - 1]])
+        if (tab[count - 1] + part <= limit).all():
+            return [plans[a:b] for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())]
+    return None
 
 
 def _temp_batches(sizes: np.ndarray, fixed: Callable[[np.ndarray], np.ndarray], limit: int,
@@ -1948,7 +1970,7 @@ class GpuCodecEngine:
         n = len(h)
         fmt = h["format"]
         ans = fmt == Format.ANS
-        if not (np.isin(fmt, (Format.RAW, Format.FP8, Format.TURBOQUANT)) | ans).all() or (ans.any() and within is None):
+        if not _GPU_FORMATS[fmt].all() or (ans.any() and within is None):
             return None
         src = np.asarray(src, dtype=np.int64)
         dst = np.asarray(dst, dtype=np.int64)

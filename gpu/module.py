@@ -2,8 +2,9 @@
 
 Owns: compiling ``kernels/*.cu`` with NVRTC (once per process, device and variant; the image cached on
 disk), the device copies of the constant tables (:mod:`orbitkv_fs.gpu.tables`), the descriptor layouts
-(:data:`SEG_DTYPE`, :data:`META_DTYPE`) and :func:`launch`, which every launch goes through so that
-launches are counted.
+(:data:`SEG_DTYPE`, :data:`META_DTYPE`) and :func:`launch` (with :func:`launch_copy_blocks`,
+:func:`launch_ans_place`), which every launch goes through so that launches are counted. Launches go
+straight to the driver (``cuLaunchKernel``, :class:`_Launcher`), not through a cupy ``RawKernel`` call.
 
 Invariants: the sources are built with ``-fmad=false`` (no fused multiply-add anywhere: the codecs'
 float32 operations are rounded one by one, as on the host) and ``-ftz=false`` (subnormal float32 results
@@ -19,10 +20,12 @@ import hashlib
 import importlib.resources
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.api import driver as _driver
 
 from orbitkv_fs.errors import CodecUnavailable
 from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the kernel's table rows)
@@ -193,25 +196,62 @@ def kernels(arith: bool = False) -> Kernels:
     return _kernels(cp.cuda.Device().id, arith)
 
 
+class _Launcher:
+    """Kernel launches of one thread, straight through the driver (``cuLaunchKernel``): each argument written
+    into an 8-byte slot of a buffer of the launcher's own (a 4-byte one in the slot's low half, little-endian),
+    the function handles looked up once. A cupy ``RawKernel`` call boxes and checks its arguments, 30-35 us of
+    host time per launch on the H200's host (docs/results/2026-12-03-flight-host); this is one driver call. The
+    driver copies the arguments at the call, so the buffer is free again on return; one per thread (the save
+    and restore workers launch under different locks)."""
+
+    def __init__(self, k: Kernels) -> None:
+        # The driver launches in the thread's current context; a runtime call makes the device's primary
+        # context current (cudaFree(0): the usual no-op for it), as a cupy launch would have.
+        cp.cuda.runtime.free(0)
+        self.fn = {name: int(f.kernel.ptr) for name, f in k.functions.items()}
+        self.args = np.zeros(6, dtype=np.uint64)
+        base = self.args.ctypes.data
+        self._ptrs = np.arange(base, base + 8 * len(self.args), 8, dtype=np.uint64)  # kernelParams: one per slot
+        self.params = self._ptrs.ctypes.data
+
+    def go(self, name: str, grid: int, smem: int, stream: cp.cuda.Stream, *args: int) -> None:
+        self.args[:len(args)] = args
+        _driver.launchKernel(self.fn[name], grid, 1, 1, THREADS, 1, 1, smem, stream.ptr, self.params, 0)
+
+
+_LOCAL = threading.local()
+
+
+def _launcher(k: Kernels) -> _Launcher:
+    """This thread's launcher of ``k`` 's functions (Kernels live as long as the process: a cached build)."""
+    got = getattr(_LOCAL, "launchers", None)
+    if got is None:
+        got = _LOCAL.launchers = {}
+    lau = got.get(id(k))
+    if lau is None:
+        lau = got[id(k)] = _Launcher(k)
+    return lau
+
+
 def launch_copy_blocks(k: Kernels, table_ptr: int, n: int, stream: cp.cuda.Stream) -> int:
     """Launch ``okv_copy_blocks`` over ``n`` table rows at device address ``table_ptr``; returns launches made."""
     if n <= 0:
         return 0
-    k.fn("okv_copy_blocks")((min(n, k.grids["okv_copy_blocks"]),), (THREADS,), (np.uint64(table_ptr), np.uint32(n)),
-                            stream=stream)
+    _launcher(k).go("okv_copy_blocks", min(n, k.grids["okv_copy_blocks"]), 0, stream, table_ptr, n)
     return 1
 
 
 def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_ptr: int, stream: cp.cuda.Stream,
            table: "cp.ndarray | None" = None) -> int:
-    """Launch kernel ``name`` over ``total`` work units of ``nsegs`` descriptors; returns 1 (launches made)."""
+    """Launch kernel ``name`` over ``total`` work units of ``nsegs`` descriptors (its arguments: the descriptors,
+    their count, the work units, the metadata, and ``table`` 's address where given); returns 1 (launches made)."""
     if total <= 0:
         return 0
-    args = [np.uint64(segs_ptr), np.int32(nsegs), np.uint32(total), np.uint64(meta_ptr)]
-    if table is not None:
-        args.append(table)
-    grid = min(total, k.grids[name])
-    k.fn(name)((grid,), (THREADS,), tuple(args), shared_mem=DYNAMIC_SMEM.get(name, 0), stream=stream)
+    lau, grid, smem = _launcher(k), min(total, k.grids[name]), DYNAMIC_SMEM.get(name, 0)
+    if table is None:
+        lau.go(name, grid, smem, stream, segs_ptr, nsegs, total, meta_ptr)
+    else:
+        lau.go(name, grid, smem, stream, segs_ptr, nsegs, total, meta_ptr, table.data.ptr)
     return 1
 
 
@@ -222,6 +262,5 @@ def launch_ans_place(k: Kernels, segs_ptr: int, nsegs: int, ans0: int, align: in
     the batch placed; advanced past this round's), each rounded up to ``align``; returns launches made."""
     if nsegs <= 0:
         return 0
-    k.fn("okv_ans_place")((1,), (THREADS,), (np.uint64(segs_ptr), np.int32(nsegs), np.uint64(ans0), np.uint64(align),
-                                             np.uint64(carry)), stream=stream)
+    _launcher(k).go("okv_ans_place", 1, 0, stream, segs_ptr, nsegs, ans0, align, carry)
     return 1

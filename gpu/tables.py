@@ -143,23 +143,36 @@ def _gf_mul_nb(a: np.uint32, b: np.uint32) -> np.uint32:  # pragma: no cover - c
     return p
 
 
+_ZERO_MEMO = 8  # lengths _zero_crcs keeps at hand: a batch's classes (K, V, exact layers) are a few
+
+
 @numba.njit(cache=True)
 def _zero_crcs(n: np.ndarray, tab: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.empty(n.size, dtype=np.uint32)
-    for i in range(n.size):  # x^(8n) from the kernels' tables (as x8n), then 0xFFFFFFFF times it
-        x = _gf_mul_nb(tab[XC_OFFSET + n[i] // CHUNK], tab[XP_OFFSET + n[i] % CHUNK])
-        out[i] = _gf_mul_nb(np.uint32(0xFFFFFFFF), x) ^ np.uint32(0xFFFFFFFF)
+    seen = np.full(_ZERO_MEMO, -1, dtype=np.int64)  # the last lengths computed and their CRCs, in turn
+    crc = np.zeros(_ZERO_MEMO, dtype=np.uint32)
+    nxt = 0
+    for i in range(n.size):
+        m = n[i]
+        for j in range(_ZERO_MEMO):
+            if seen[j] == m:
+                out[i] = crc[j]
+                break
+        else:  # x^(8n) from the kernels' tables (as x8n), then 0xFFFFFFFF times it
+            x = _gf_mul_nb(tab[XC_OFFSET + m // CHUNK], tab[XP_OFFSET + m % CHUNK])
+            out[i] = _gf_mul_nb(np.uint32(0xFFFFFFFF), x) ^ np.uint32(0xFFFFFFFF)
+            seen[nxt], crc[nxt] = m, out[i]
+            nxt = (nxt + 1) % _ZERO_MEMO
     return out
 
 
 def zero_crc(n: "int | np.ndarray") -> np.ndarray:
     """crc32c of n zero bytes: what turns a raw (zero-init) CRC into the standard one. One compiled pass
-    over the distinct lengths (an ANS batch has one per segment; the numpy form of the same multiplies
-    cost about 150 us a call, which at 4 MiB was 25 us of host work per segment)."""
+    (the numpy form of the same multiplies cost about 150 us a call, which at 4 MiB was 25 us of host work
+    per segment) that keeps the last few lengths at hand: a batch repeats a few, one per encode class, and a
+    sort for the distinct ones cost more than the pass (an ANS batch has one per segment)."""
     n = np.asarray(n, dtype=np.int64)
-    # A batch repeats a few lengths (one per encode class): each distinct one computed once.
-    distinct, inv = np.unique(n, return_inverse=True)
-    return _zero_crcs(distinct, crc_tables())[inv.reshape(-1)].reshape(n.shape)
+    return _zero_crcs(n.reshape(-1), crc_tables()).reshape(n.shape)
 
 
 def finish_crc(acc: "int | np.ndarray", n: "int | np.ndarray") -> np.ndarray:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections import deque
 from itertools import groupby
 from typing import Iterator, Sequence
 
@@ -327,13 +328,14 @@ class ObjectIndex:
         self._next_gen += k
         values = tuple(columns[:5]) + (np.arange(gen, gen + k, dtype=np.int64),) + tuple(columns[5:])
         if take:
-            hi, lo = int(slots[0]), int(slots[take - 1])
-            if hi - lo == take - 1 and (take == 1 or (np.diff(slots[:take]) == -1).all()):  # slots freed in order
-                self._prefix[lo:hi + 1] = prefixes[take - 1::-1]
-            else:
-                pre = self._prefix
-                for s, p in zip(slots[:take].tolist(), prefixes):
-                    pre[s] = p
+            first, last = int(slots[0]), int(slots[take - 1])
+            step = np.diff(slots[:take]) if take > 1 else None
+            if first - last == take - 1 and (step is None or (step == -1).all()):  # slots freed in order
+                self._prefix[last:first + 1] = prefixes[take - 1::-1]
+            elif last - first == take - 1 and (step == 1).all():  # ... in reverse (freed from such a placement)
+                self._prefix[first:last + 1] = prefixes[:take]
+            else:  # one C-level pass, not a Python statement per slot
+                deque(map(self._prefix.__setitem__, slots[:take].tolist(), prefixes), maxlen=0)
             reused[0].append(slots[:take])
             for acc, vals in zip(reused[1:], values):
                 acc.append(vals[:take])

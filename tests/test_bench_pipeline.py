@@ -51,14 +51,17 @@ def test_smollm2_ratios_from_saved_kv(tmp_path):
 
 def test_shuffled_blocks_and_profile(tmp_path):
     """Chunks of random block ids (an engine's fragmented free list) still restore exactly (the bench asserts
-    every chunk restored); ``--profile`` writes the throughput part's profile."""
+    every chunk restored); ``--profile`` profiles the saves and restores after the first repeat, and only them."""
     out = tmp_path / "res"
-    assert bench_pipeline.main(["--only", "throughput", "--blocks", "128", "--repeat", "1", "--codecs", "none",
+    assert bench_pipeline.main(["--only", "throughput", "--blocks", "128", "--repeat", "2", "--codecs", "none",
                                 "--block-order", "shuffled", "--profile", "--out", str(out)]) == 0
     res = json.loads((out / "pipeline-cpu.json").read_text())
     assert res["throughput"]["geometry"]["block_order"] == "shuffled"
     assert "shuffled block ids" in (out / "pipeline-cpu.md").read_text()
-    assert "_throughput" in (out / "profile-cpu.txt").read_text()
+    for op, other in (("save", "restore"), ("restore", "save")):
+        text = (out / f"profile-cpu-{op}.txt").read_text()
+        assert f"manager/{op}.py" in text and f"manager/{other}.py" not in text and "_throughput" not in text
+        assert (out / f"profile-cpu-{op}.prof").stat().st_size > 0
 
 
 def test_round_robin_keeps_every_codec_and_the_row_order():

@@ -325,6 +325,47 @@ def test_even_batches_are_as_many_and_each_fits(seed):
             assert sizes[b].sum() <= share + sizes.max()
 
 
+def _greedy_then_even(k, sizes, tab, limit, even):
+    """_prefix_batches' rule written out plainly: the greedy cut, then (``even``) the same count at equal shares
+    of the bytes where that fits."""
+    ends = np.cumsum(sizes)
+    out, start = [], 0
+    while start < k:
+        count = 1
+        while (start + count < k and count < E.MAX_BATCH
+               and tab[count] + ends[start + count] - (ends[start - 1] if start else 0) <= limit):
+            count += 1
+        out.append(np.arange(start, start + count))
+        start += count
+    if even and len(out) > 1:
+        m = len(out)
+        cuts = [0] + [int(np.searchsorted(ends, ends[-1] * j / m)) + 1 for j in range(1, m)] + [k]
+        parts = [np.arange(a, b) for a, b in zip(cuts, cuts[1:])]
+        if all(0 < len(p) <= E.MAX_BATCH and tab[len(p) - 1] + sizes[p].sum() <= limit for p in parts):
+            return parts
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefix_batches_are_the_greedy_rule_then_even_shares(seed):
+    """_prefix_batches (which skips the greedy pass where the least count the bytes allow fits at equal shares)
+    answers what the greedy cut and then the even one give, on loose and tight limits, equal and mixed sizes."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 1500))
+    sizes = rng.integers(1 << 10, 1 << 20, k) if seed % 2 else np.full(k, (1 << 19) + 256)
+    fixed = E._enc_fixed(E.SLOT_ALIGN)
+    tab = fixed(np.arange(1, E.MAX_BATCH + 1, dtype=np.int64))
+    total = int(sizes.sum())
+    # from one segment alone to all of them in one batch, including just at the edges of k equal shares
+    limit = int(sizes.max() + tab[0]) + int(rng.choice([0, 1, total // int(rng.integers(1, 5)), total]))
+    if seed % 4 == 3 and k <= E.MAX_BATCH:  # every byte fits one batch, but not with the fixed part of k rows
+        limit = int(tab[k - 1] + total) - 1
+    for even in (False, True):
+        got = E._prefix_batches(np.arange(k), sizes, fixed, limit, even=even)
+        want = _greedy_then_even(k, sizes, tab, limit, even)
+        assert [b.tolist() for b in got] == [b.tolist() for b in want]
+
+
 def test_zero_crc_of_many_new_lengths_at_once():
     """zero_crc computes the lengths it has not seen together; every value is crc32c of that many zeros."""
     import crc32c
@@ -504,6 +545,9 @@ def test_ans_decode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
     assert cols.restore.log == item.restore.log
     assert sum(e[0] == "nvcomp" for e in cols.restore.log) == 2  # one call per ANS type
     assert cols.decode_columns_submit(heads[order], src, dst[order], orig[order]) is None  # no arena: items
+    odd = heads[order].copy()
+    odd[2, HEADER_DTYPE.fields["format"][1]] = 9  # a format the GPU does not decode: the items path decides
+    assert cols.decode_columns_submit(odd, src, dst[order], orig[order], within=arena) is None
 
 
 @pytest.mark.parametrize("seed", range(10))

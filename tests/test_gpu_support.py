@@ -232,6 +232,9 @@ def test_zero_crc_is_crc32c_of_zeros_at_every_length_class() -> None:
     numpy_form = tables.gf_mul_vec(np.uint32(0xFFFFFFFF), tables.x8n(ns)) ^ np.uint32(0xFFFFFFFF)
     assert np.array_equal(got, numpy_form)
     assert tables.zero_crc(np.array([[3, 4]])).shape == (1, 2) and int(tables.zero_crc(5)) == crc32c.crc32c(bytes(5))
+    # the lengths it keeps at hand: more distinct ones than it keeps, cycled, then a few alternating
+    cycle = np.array(list(range(100, 100 + 3 * tables._ZERO_MEMO)) * 2 + [7, 9, 7, 9, 7, 100], dtype=np.int64)
+    assert tables.zero_crc(cycle).tolist() == [crc32c.crc32c(bytes(int(n))) for n in cycle]
     assert tables.finish_crc(np.uint32(0), 10).tolist() == crc32c.crc32c(bytes(10))
 
 

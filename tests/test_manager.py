@@ -1017,3 +1017,44 @@ def test_a_save_naming_a_chunk_twice_stores_it_once(engine, codec):
             got = restored(m, e.engine_id)
             assert all(np.array_equal(got[n].view(np.uint8), want[n].view(np.uint8)) for n in pages.tensors)
             assert_reservations_zero(m)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_request_blocks_checked_as_an_array_agree_with_the_walk(seed):
+    """A request's keys and blocks, checked in one numpy pass, pass exactly when the block-by-block walk does
+    (which names the first fault; it alone decides where a block id is not an int): valid requests, with skips, and each kind of fault (an unknown or negative
+    block, one twice, a chunk of skips only, a skip where none is allowed, a short key, no blocks, a block id
+    that is not an int)."""
+    import random
+    import types
+
+    from orbitkv_fs.manager.registry import Registry, _chunks_ok
+
+    rng = random.Random(seed)
+    eng = types.SimpleNamespace(num_blocks=64)
+    walk = Registry._check_chunks_walk
+    faults = [lambda b: b.__setitem__(0, 64), lambda b: b.__setitem__(0, -2), lambda b: b.append(b[0]),
+              lambda b: b.__setitem__(slice(None), [SKIP_BLOCK] * len(b)), lambda b: b.__setitem__(0, "3"),
+              lambda b: b.__setitem__(0, 3.0), lambda b: b.__setitem__(0, True), lambda b: b.clear(), None, None]
+    for _ in range(60):
+        ids = rng.sample(range(64), 24)
+        chunks = [ids[i:i + 4] for i in range(0, 24, 4)]
+        skips = rng.random() < 0.5
+        if rng.random() < 0.5:
+            chunks[rng.randrange(6)][rng.randrange(4)] = SKIP_BLOCK
+        fault = rng.choice(faults)
+        if fault is not None:
+            fault(chunks[rng.randrange(6)])
+        keys = [chunk_key(f"c{i}") for i in range(6)]
+        if rng.random() < 0.1:
+            keys[rng.randrange(6)] = b"short"
+        req = [ChunkBlocks(k, b) for k, b in zip(keys, chunks)]
+        try:
+            walk(None, eng, req, skips=skips)
+            walked = True
+        except (RequestError, TypeError):
+            walked = False
+        ok = _chunks_ok(req, eng.num_blocks, skips)
+        assert walked or not ok, (req, skips)  # what the walk refuses never passes the array check
+        if all(type(b) is int for c in chunks for b in c):  # ints only: the array check decides alone
+            assert ok == walked, (req, skips)

@@ -89,13 +89,14 @@ def _host_baseline(pages, repeat: int) -> dict:
 
 def bench_throughput(codecs: list[str], num_blocks: int, repeat: int, device: str,
                      block_order: str = "contiguous", layers: int = LAYERS,
-                     segment_sizes: Sequence[int] = SEGMENT_SIZES, batch_segments: int = BATCH_SEGMENTS) -> dict:
+                     segment_sizes: Sequence[int] = SEGMENT_SIZES, batch_segments: int = BATCH_SEGMENTS,
+                     profiles: "dict[str, cProfile.Profile] | None" = None) -> dict:
     """Host engine pages in shared memory; baseline ``numpy.copyto`` of the same pages."""
     pages, reg = _engine(num_blocks, layers)
     try:
         return _throughput(codecs, reg, num_blocks, repeat, device, lambda: _host_baseline(pages, repeat), block_order,
                            pages="host pages in /dev/shm", baseline_name="numpy.copyto of the same pages",
-                           segment_sizes=segment_sizes, batch_segments=batch_segments)
+                           segment_sizes=segment_sizes, batch_segments=batch_segments, profiles=profiles)
     finally:
         pages.close()
 
@@ -150,7 +151,8 @@ def _reply(q, proc, timeout: float = 300.0):
 
 def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_order: str = "contiguous",
                          layers: int = LAYERS, segment_sizes: Sequence[int] = SEGMENT_SIZES,
-                         codec_budget: int = 64 << 20, batch_segments: int = BATCH_SEGMENTS) -> dict:
+                         codec_budget: int = 64 << 20, batch_segments: int = BATCH_SEGMENTS,
+                         profiles: "dict[str, cProfile.Profile] | None" = None) -> dict:
     """Engine pages in another process's GPU memory (CUDA IPC), as in production; baselines: that engine's
     pinned device-to-host (save) and host-to-device (restore) copies of the same pages."""
     import multiprocessing as mp
@@ -182,7 +184,7 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
                            baseline_name="the engine's cudaMemcpyAsync of the same pages to/from pinned host memory "
                                     "(device-to-host for save, host-to-device for restore)",
                            segment_sizes=segment_sizes, codec_budget=codec_budget, round_robin=True,
-                           batch_segments=batch_segments)
+                           batch_segments=batch_segments, profiles=profiles)
     finally:
         cmd.put("stop")
         proc.join(30)
@@ -210,8 +212,12 @@ def _host_probe_us() -> float:
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
                 baseline: Callable[[], dict], block_order: str, *, pages: str, baseline_name: str,
                 segment_sizes: Sequence[int] = SEGMENT_SIZES, codec_budget: int = 64 << 20,
-                round_robin: bool = False, batch_segments: int = BATCH_SEGMENTS) -> dict:
+                round_robin: bool = False, batch_segments: int = BATCH_SEGMENTS,
+                profiles: "dict[str, cProfile.Profile] | None" = None) -> dict:
+    """The save / restore figures. ``profiles`` ("save", "restore"): profilers enabled around those calls in the
+    repeats after the first (the steady state the host figures count), nothing else."""
     layers = reg.num_layers
+    prof_save, prof_restore = (profiles["save"], profiles["restore"]) if profiles else (None, None)
     out: dict = {"geometry": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM, "block_tokens": BLOCK,
                               "dtype": "bfloat16", "blocks": num_blocks,
                               "logical_bytes_per_run": num_blocks * BLOCK_BYTES * layers * 2,
@@ -262,11 +268,20 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                         m, e = ms[codec]
                         b = best[codec]
                         m.invalidate(all=True)
+                        steady = rep >= 1 and prof_save is not None
                         c0 = time.thread_time()
+                        if steady:
+                            prof_save.enable()
                         r = m.save(e.engine_id, chunks[codec])
+                        if steady:
+                            prof_save.disable()
                         c1 = time.thread_time()
                         b[0], b[2], b[3] = min(b[0], r.seconds), r.stored_bytes, r.logical_bytes
+                        if steady:
+                            prof_restore.enable()
                         rr = m.restore(e.engine_id, chunks[codec])
+                        if steady:
+                            prof_restore.disable()
                         c2 = time.thread_time()
                         assert all(rr.restored), rr.misses
                         b[1] = min(b[1], rr.seconds)
@@ -596,6 +611,22 @@ def _markdown(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _write_profiles(profiles: "dict[str, cProfile.Profile]", out: str, device: str, throughput: dict,
+                    repeat: int) -> None:
+    """Each profile as ``profile-<device>-<save|restore>.prof`` (for pstats) and ``.txt``: by own time, the
+    call counts beside the segments the profiled calls moved (a count near a multiple of the codec batches is
+    per-batch work; near the segments, per-segment work)."""
+    os.makedirs(out, exist_ok=True)
+    segments = sum(r["segments"] for r in throughput["runs"]) * max(repeat - 1, 0)
+    for op, prof in profiles.items():
+        stem = os.path.join(out, f"profile-{device}-{op}")
+        prof.dump_stats(stem + ".prof")
+        with open(stem + ".txt", "w") as f:
+            f.write(f"{op}: the repeats after the first, {segments} segments\n")
+            if segments:  # an empty profile (one repeat) has no stats to print
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(80)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv-bench pipeline", description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
@@ -618,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-order", choices=("contiguous", "shuffled"), default="contiguous",
                    help="block ids of a chunk: consecutive, or random (an engine's fragmented free list)")
     p.add_argument("--profile", action="store_true",
-                   help="profile the throughput part (cProfile, by own time) into <out>/profile-<device>.txt")
+                   help="profile the saves and restores of the repeats after the first (cProfile) into "
+                        "<out>/profile-<device>-{save,restore}.{prof,txt}")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--out", default=None, help="directory for pipeline-<device>.json and .md (default: print only)")
     return p
@@ -639,19 +671,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"numpy {np.__version__}",
                  "code": code_identity()}
     if "throughput" in parts:
-        prof = cProfile.Profile() if args.profile else None
-        if prof:
-            prof.enable()
+        profiles = {"save": cProfile.Profile(), "restore": cProfile.Profile()} if args.profile else None
         sizes = [int(x) << 10 for x in args.segment_kib.split(",")]
         res["throughput"] = (bench_throughput(codecs, args.blocks, args.repeat, "cpu", args.block_order, args.layers,
-                                              sizes, args.batch_segments) if args.device == "cpu" else
+                                              sizes, args.batch_segments, profiles) if args.device == "cpu" else
                              bench_throughput_gpu(codecs, args.blocks, args.repeat, args.block_order, args.layers, sizes,
-                                                  args.storage_codec_budget_mib << 20, args.batch_segments))
-        if prof:
-            prof.disable()
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"profile-{args.device}.txt"), "w") as f:
-                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(60)
+                                                  args.storage_codec_budget_mib << 20, args.batch_segments, profiles))
+        if profiles:
+            _write_profiles(profiles, args.out, args.device, res["throughput"], args.repeat)
     if "dataplane" in parts:
         res["dataplane"] = bench_dataplane(args.latency_samples)
     if "index" in parts:

@@ -23,6 +23,8 @@ import select
 import threading
 import uuid
 import weakref
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
 import msgspec
@@ -503,7 +505,13 @@ class Registry:
 
     def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks], *, skips: bool = False) -> None:
         """Keys and block ids of a request; ``skips``: :data:`SKIP_BLOCK` positions are allowed (a restore),
-        as long as each chunk writes at least one block."""
+        as long as each chunk writes at least one block. The blocks are checked as one array; a request that
+        fails is walked again chunk by chunk, block by block, for the first fault's message."""
+        if not _chunks_ok(chunks, eng.num_blocks, skips):
+            self._check_chunks_walk(eng, chunks, skips=skips)
+
+    def _check_chunks_walk(self, eng: _Engine, chunks: Sequence[ChunkBlocks], *, skips: bool = False) -> None:
+        """:meth:`_check_chunks` one block at a time: raises :class:`RequestError` naming the first fault."""
         seen: set[int] = set()
         for i, ch in enumerate(chunks):
             if not isinstance(ch.key, bytes) or len(ch.key) != 16:
@@ -522,3 +530,31 @@ class Registry:
                 seen.add(b)
             if skipped == len(ch.blocks):
                 raise RequestError(f"chunks[{i}].blocks: every position is SKIP_BLOCK, nothing to restore")
+
+
+def _chunks_ok(chunks: Sequence[ChunkBlocks], num_blocks: int, skips: bool) -> bool:
+    """Whether every chunk of a request has a 16-byte key and blocks, its blocks are ids below ``num_blocks``
+    (or, with ``skips``, :data:`SKIP_BLOCK`, not all of a chunk's), none twice in the request: one numpy pass
+    over the blocks. False for anything else, a block id that is not an int among them (the walk then says
+    what is wrong)."""
+    if not all(type(ch.key) is bytes and len(ch.key) == 16 and ch.blocks for ch in chunks):
+        return False
+    if not set(map(type, chain.from_iterable(map(_BLOCKS, chunks)))) <= {int}:  # numpy would take "3" or 3.5 as 3
+        return False
+    counts = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
+    try:
+        flat = np.fromiter(chain.from_iterable(map(_BLOCKS, chunks)), dtype=np.int64, count=int(counts.sum()))
+    except OverflowError:
+        return False
+    if not len(flat):
+        return True
+    real = flat != SKIP_BLOCK if skips else np.ones(len(flat), dtype=bool)
+    ids = flat[real]
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        return False
+    if skips and not np.add.reduceat(real, np.cumsum(counts) - counts).all():  # a chunk of skips only
+        return False
+    return len(np.unique(ids)) == len(ids)
+
+
+_BLOCKS = attrgetter("blocks")

@@ -430,8 +430,10 @@ class SavePipeline:
                 self.dram.cancel(o, n)
             regions.clear()
         reps = np.bincount(fmt, minlength=len(_REP_NAMES)).tolist()
-        codes, counts = np.unique(reason[reason != 0], return_counts=True)
-        raws = {RawReason(c).name.lower(): n for c, n in zip(codes.tolist(), counts.tolist())}
+        raws = {}
+        if reason.any():  # raw segments with a reason (the policy's exact layers, fallbacks): counted by it
+            codes, counts = np.unique(reason[reason != 0], return_counts=True)
+            raws = {RawReason(c).name.lower(): n for c, n in zip(codes.tolist(), counts.tolist())}
         with self._stat_lock:  # one lock round per batch, not two per segment
             for f, n in enumerate(reps):
                 if n:
