@@ -532,6 +532,9 @@ class Registry:
                 raise RequestError(f"chunks[{i}].blocks: every position is SKIP_BLOCK, nothing to restore")
 
 
+_BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
+
+
 def _chunks_ok(chunks: Sequence[ChunkBlocks], num_blocks: int, skips: bool) -> bool:
     """Whether every chunk of a request has a 16-byte key and blocks, its blocks are ids below ``num_blocks``
     (or, with ``skips``, :data:`SKIP_BLOCK`, not all of a chunk's), none twice in the request: one numpy pass
@@ -555,6 +558,3 @@ def _chunks_ok(chunks: Sequence[ChunkBlocks], num_blocks: int, skips: bool) -> b
     if skips and not np.add.reduceat(real, np.cumsum(counts) - counts).all():  # a chunk of skips only
         return False
     return len(np.unique(ids)) == len(ids)
-
-
-_BLOCKS = attrgetter("blocks")

@@ -34,11 +34,11 @@ from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, SaveResult
 from .batching import _pipelined
 from .device import _gather_batch, _gather_device, _gather_host, _Targets
-from .registry import _Engine, _Seg
+from .registry import _BLOCKS, _Engine, _Seg
 from .verify import _REP_NAMES
 
 _CHUNK, _SEG, _KEY = itemgetter(0), itemgetter(1), itemgetter(2)  # of a save item (chunk, segment, key)
-_BLOCKS, _KEY_OF = attrgetter("blocks"), attrgetter("key")
+_KEY_OF = attrgetter("key")
 
 log = logging.getLogger("orbitkv_fs.manager")
 
