@@ -1022,9 +1022,9 @@ def test_a_save_naming_a_chunk_twice_stores_it_once(engine, codec):
 @pytest.mark.parametrize("seed", range(8))
 def test_request_blocks_checked_as_an_array_agree_with_the_walk(seed):
     """A request's keys and blocks, checked in one numpy pass, pass exactly when the block-by-block walk does
-    (which names the first fault; it alone decides where a block id is not an int): valid requests, with skips, and each kind of fault (an unknown or negative
-    block, one twice, a chunk of skips only, a skip where none is allowed, a short key, no blocks, a block id
-    that is not an int)."""
+    (which names the first fault; it alone decides where a block id is not an int): valid requests, with skips,
+    and each kind of fault (an unknown or negative block, one past 64 bits either way, one twice, a chunk of
+    skips only, a skip where none is allowed, a short key, no blocks, a block id that is not an int)."""
     import random
     import types
 
@@ -1035,7 +1035,8 @@ def test_request_blocks_checked_as_an_array_agree_with_the_walk(seed):
     walk = Registry._check_chunks_walk
     faults = [lambda b: b.__setitem__(0, 64), lambda b: b.__setitem__(0, -2), lambda b: b.append(b[0]),
               lambda b: b.__setitem__(slice(None), [SKIP_BLOCK] * len(b)), lambda b: b.__setitem__(0, "3"),
-              lambda b: b.__setitem__(0, 3.0), lambda b: b.__setitem__(0, True), lambda b: b.clear(), None, None]
+              lambda b: b.__setitem__(0, 3.0), lambda b: b.__setitem__(0, True), lambda b: b.clear(),
+              lambda b: b.__setitem__(0, 1 << 70), lambda b: b.__setitem__(0, -(1 << 70)), None, None]
     for _ in range(60):
         ids = rng.sample(range(64), 24)
         chunks = [ids[i:i + 4] for i in range(0, 24, 4)]
