@@ -2,11 +2,12 @@
 # One H200 call: the whole GPU suite on this tree, then py-spy (1 kHz, raw) over the pipeline bench's steady
 # state, 60 repeats of one codec at 512 KiB, per codec.
 # Usage, from the repository root after the device prelude (py-spy among the carried wheels): call1.sh OUT CODECS...
+# SUITE_TIMEOUT: seconds the GPU suite may take (default 290; ../2026-12-03-flight-host ran it with 420).
 set -u
 out=$1
 shift
 mkdir -p "$out/spy"
-timeout 290 python3 -m pytest -q -m gpu tests/ > "$out/gpu-suite.txt" 2>&1
+timeout "${SUITE_TIMEOUT:-290}" python3 -m pytest -q -m gpu tests/ > "$out/gpu-suite.txt" 2>&1
 echo "gpu suite rc=$?"; tail -3 "$out/gpu-suite.txt"
 cd /tmp || exit 1
 for c in "$@"; do

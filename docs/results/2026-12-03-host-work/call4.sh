@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One H200 call: ab.sh (../2026-12-02-restore-prefix) with base (ab-prev: 60be6fc) and new (this tree), as many
+# One H200 call: ab.sh (../2026-12-02-restore-prefix) with base (ab-prev: here 60be6fc; main before the change
+# measured, 23f7747, in ../2026-12-03-flight-host/call3.sh) and new (this tree), as many
 # rounds of the command (every codec, 512 KiB and 4 MiB) as fit in LIMIT seconds; the rounds run so far
 # are kept when the limit cuts the last one.
 # Usage, from the repository root after the device prelude: call4.sh OUT ROUNDS LIMIT
