@@ -542,15 +542,16 @@ def _chunks_ok(chunks: Sequence[ChunkBlocks], num_blocks: int, skips: bool) -> b
     what is wrong)."""
     if not all(type(ch.key) is bytes and len(ch.key) == 16 and ch.blocks for ch in chunks):
         return False
-    if not set(map(type, chain.from_iterable(map(_BLOCKS, chunks)))) <= {int}:  # numpy would take "3" or 3.5 as 3
+    blocks = list(chain.from_iterable(map(_BLOCKS, chunks)))
+    if not set(map(type, blocks)) <= {int}:  # numpy would take "3" or 3.5 as 3
         return False
-    counts = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
     try:
-        flat = np.fromiter(chain.from_iterable(map(_BLOCKS, chunks)), dtype=np.int64, count=int(counts.sum()))
+        flat = np.array(blocks, dtype=np.int64)
     except OverflowError:
         return False
     if not len(flat):
         return True
+    counts = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
     real = flat != SKIP_BLOCK if skips else np.ones(len(flat), dtype=bool)
     ids = flat[real]
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
