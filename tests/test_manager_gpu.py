@@ -344,3 +344,80 @@ def test_restore_as_arrays_mixes_runs_and_shuffled_chunks_and_fails_per_chunk(co
         assert m._gpu_codecs.stats()["restore_block_copies"] > 0
         st = m.stats()
         assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+
+
+def _spy_rows_submit(monkeypatch) -> list:
+    """Each ``decode_rows_submit`` call's ``direct`` argument, in order (False: the early first batch)."""
+    calls: list = []
+    real = _GpuCodecs.decode_rows_submit
+
+    def spy(self, *args, direct=True, **kwargs):
+        calls.append(direct)
+        return real(self, *args, direct=direct, **kwargs)
+
+    monkeypatch.setattr(_GpuCodecs, "decode_rows_submit", spy)
+    return calls
+
+
+@pytest.mark.parametrize("codec", ["none", "turboquant-4"])
+def test_early_first_batch_writes_nothing_when_the_rest_is_refused(codec, engine, monkeypatch):
+    """A restore's first batch starts before the rest of the request is leased and checked. When a later
+    chunk's blocks cannot hold its segments (a RequestError found only in that check), the request fails
+    with nothing written, also to the first batch's chunks (runs of blocks, which the usual path decodes
+    straight into their pages), and every lease, reservation and workspace byte is back."""
+    cmd, reply, handle, _ = engine
+    chunks = [ChunkBlocks(chunk_key(f"e{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+    calls = _spy_rows_submit(monkeypatch)
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
+                               batch_segments=24)) as m:
+        e = m.register_engine(_registration(handle))
+        m.save(e.engine_id, chunks)
+        cmd.put("zero")
+        reply.get(timeout=60)
+        wrong = chunks[:-1] + [ChunkBlocks(chunks[-1].key, [30])]  # saved from two blocks
+        with pytest.raises(RequestError):
+            m.restore(e.engine_id, wrong)
+        assert calls == [False]  # the first batch was started early, and only it
+        cmd.put("read")
+        assert not np.frombuffer(reply.get(timeout=60), np.uint16).any()
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        calls.clear()
+        res = m.restore(e.engine_id, chunks)  # the same request, right: the early batch, then the rest
+        assert all(res.restored), res.misses
+        assert calls[0] is False and len(calls) > 1 and all(calls[1:])
+        cmd.put("read_now")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16)
+        cmd.put("reset")
+        reply.get(timeout=60)
+        cmd.put("read")
+        assert_restored(got, np.frombuffer(reply.get(timeout=60), np.uint16), codec)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_early_first_batch_is_dropped_when_the_rest_is_not_all_in_dram(codec, engine, monkeypatch):
+    """When the rest of a request is not all in DRAM (a chunk never saved), the restore cannot go as arrays:
+    the early first batch is ended unused and the usual path restores the request, the first chunks included;
+    the missing chunk is a miss and its blocks keep what they held."""
+    cmd, reply, handle, _ = engine
+    chunks = [ChunkBlocks(chunk_key(f"d{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2 - 1)]
+    calls = _spy_rows_submit(monkeypatch)
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
+                               batch_segments=24)) as m:
+        e = m.register_engine(_registration(handle))
+        m.save(e.engine_id, chunks)
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        cmd.put("zero")
+        reply.get(timeout=60)
+        never = ChunkBlocks(chunk_key("never-saved"), [B - 2, B - 1])
+        res = m.restore(e.engine_id, chunks + [never])
+        assert res.restored == [True] * len(chunks) + [False]
+        assert calls == [False]  # started early, then dropped: the items path took every batch
+        cmd.put("read_now")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        keep = [b for ch in chunks for b in ch.blocks]
+        assert_restored(got[:, keep], saved[:, keep], codec)
+        assert not got[:, never.blocks].any()
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)

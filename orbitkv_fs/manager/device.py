@@ -88,14 +88,16 @@ class _Targets:
             return None
         return cls(chunks, segs, geo)
 
-    def places(self, ci: np.ndarray, si: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    def places(self, ci: np.ndarray, si: np.ndarray, *,
+               direct: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """For pairs ``(ci, si)``: their bytes, which are used where they lie, the page address of those, and
-        the others' offsets in a temporary of the size answered last (each at a multiple of _SLICE_ALIGN)."""
+        the others' offsets in a temporary of the size answered last (each at a multiple of _SLICE_ALIGN).
+        ``direct=False``: none is used where it lies (all go through the temporary)."""
         nbytes = self.counts[ci] * self.block_bytes[si]
-        direct = self.run[ci] & self.contig[si]
+        here = self.run[ci] & self.contig[si] if direct else np.zeros(len(ci), dtype=bool)
         dst = (self.geo[si, 0] + self.first[ci].astype(np.uint64) * self.geo[si, 1]).astype(np.int64)
-        step = -(-nbytes[~direct] // _SLICE_ALIGN) * _SLICE_ALIGN
-        return nbytes, direct, dst, np.cumsum(step) - step, int(step.sum())
+        step = -(-nbytes[~here] // _SLICE_ALIGN) * _SLICE_ALIGN
+        return nbytes, here, dst, np.cumsum(step) - step, int(step.sum())
 
     def table(self, ci: np.ndarray, si: np.ndarray, addr: np.ndarray, *, gather: bool) -> np.ndarray:
         """Block-copy rows between pairs' blocks and their contiguous bytes at device addresses ``addr``:
@@ -192,21 +194,23 @@ class _GpuCodecs:
         return db
 
     def decode_rows_submit(self, targets: _Targets, rows: np.ndarray, heads: np.ndarray, src: np.ndarray,
-                           seed: int, *, within: "np.ndarray | None" = None) -> "_DecodeRows | None":
+                           seed: int, *, within: "np.ndarray | None" = None,
+                           direct: bool = True) -> "_DecodeRows | None":
         """Start decoding restore ``rows`` (of ``targets``) given as arrays: their verified header rows and the
         pinned host address of each payload, lying in ``within`` (the arena; ANS chunk tables are read from it)
         (the engine's ``decode_columns_submit``, no Python per row). None (nothing started) when the engine
         leaves the batch to :meth:`decode_submit` (a segment over half its workspace, or ANS without
-        ``within``)."""
+        ``within``). ``direct=False``: every row is decoded into the temporary, none into its pages, so that
+        nothing is written to the engine's pages before :meth:`decode_rows_finish`."""
         engine = self.engine(seed)
         ci, si = np.divmod(rows, len(targets.geo))
-        nbytes, direct, dst, pos, size = targets.places(ci, si)
+        nbytes, direct_rows, dst, pos, size = targets.places(ci, si, direct=direct)
         temp = None
         if size:
             temp = engine.block_buffer(size, restore=True)
-            dst[~direct] = int(temp.data.ptr) + pos
+            dst[~direct_rows] = int(temp.data.ptr) + pos
         job = engine.decode_columns_submit(heads, src, dst, nbytes, within=within)
-        return None if job is None else _DecodeRows(engine, job, targets, ci, si, direct, temp, pos)
+        return None if job is None else _DecodeRows(engine, job, targets, ci, si, direct_rows, temp, pos)
 
     def decode_rows_finish(self, db: _DecodeRows) -> tuple[list, object]:
         """Wait for a :meth:`decode_rows_submit` and queue the block copies of its rows decoded into the

@@ -59,6 +59,15 @@ class Spans:
         self.offs[hit] = offs
         self.lens[hit] = lens
 
+    def joined(self, other: "Spans") -> "Spans":
+        """These keys' extents followed by ``other`` 's: one request leased in two parts."""
+        out = Spans()
+        out.keys = list(self.keys) + list(other.keys)
+        out.hit = np.concatenate((self.hit, other.hit))
+        out.offs = np.concatenate((self.offs, other.offs))
+        out.lens = np.concatenate((self.lens, other.lens))
+        return out
+
     def __len__(self) -> int:
         return int(np.count_nonzero(self.hit))
 

@@ -4,11 +4,14 @@ Primitives: :meth:`RestorePipeline.restore`, :meth:`~RestorePipeline._acquire` (
 lease, else the lower tier, else peers), :meth:`~RestorePipeline._decode_gpu` with
 :meth:`~RestorePipeline._decode_start` / :meth:`~RestorePipeline._decode_end` (GPU batches, pipelined),
 :meth:`~RestorePipeline._decode_gpu_rows` (the same for a restore given as arrays, :class:`_Rows`: every
-segment a DRAM extent, no Python per segment),
+segment a DRAM extent, no Python per segment), :meth:`~RestorePipeline._start_early` /
+:meth:`~RestorePipeline._abort_early` (its first batch started before the rest of the request is leased and
+checked),
 :meth:`~RestorePipeline._restore_ssd_device` (the cuFile direct path), :meth:`~RestorePipeline._upload_raw`
 (raw segments into GPU blocks), :meth:`~RestorePipeline._write` (one segment into host blocks).
 
-Invariants: every destination is validated before anything is written; no segment is written without a
+Invariants: every destination is validated before anything is written (an early first batch decodes into
+its temporary only, scattered after the rest's checks); no segment is written without a
 valid header and CRC32C (a bad one is a miss for its chunk, never an exception); the restore's hold and the
 lookup lease it consumes are dropped however it ends.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import chain
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import msgspec
@@ -69,6 +73,16 @@ class _Rows(NamedTuple):
                    heads.view(HEADER_DTYPE).reshape(-1)["format"])
 
 
+class _Early(NamedTuple):
+    """A restore's first decode batch, started before the rest of the request was leased and checked
+    (:meth:`RestorePipeline._start_early`): the request's destinations, the end of its rows and what
+    :meth:`RestorePipeline._rows_submit` answered for them."""
+
+    targets: "_Targets"
+    end: int
+    started: tuple
+
+
 def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader]) -> list[SegmentHeader]:
     """The headers of verified rows ``at`` (:meth:`RestorePipeline._verified_rows`): each one's template (by
     ``tid``) with the row's own payload CRC."""
@@ -100,6 +114,7 @@ class RestorePipeline:
         eng = self._enter(engine_id, caller)
         held = _Lease(engine_id)
         consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
+        early: _Early | None = None  # a first batch started before the rest was checked (_start_early)
         try:
             if lease_id:
                 with self._lock:
@@ -138,10 +153,29 @@ class RestorePipeline:
             # The DRAM extents' places, for the batch checks: of exact segments of host pages
             # (_check_host_batch), of the headers of segments bound for the GPU engine (_check_device_batch).
             spans = None if on_device and not gpu_checks else Spans()
+            kbs = [k for ks in keys for k in ks]
             c1 = time.thread_time()
-            sources = self._acquire([k for ks in keys for k in ks], held, reasons, tally, fresh, device, spans)
-            c2 = time.thread_time()
-            self._cpu("restore_acquire", c2 - c1, nkeys)
+            # The first codec batch's chunks leased and checked first and that batch started, so that the GPU
+            # copies it while the host leases and checks the rest (else the GPU idles through all of that).
+            head = self._early_head(eng, chunks, segs) if gpu_checks and spans is not None and device is None else 0
+            head_checked = None
+            if head:
+                n0 = head * len(segs)
+                sources = self._acquire(kbs[:n0], held, reasons, tally, fresh, None, spans)
+                c2 = time.thread_time()
+                head_checked = self._check_device_batch(chunks[:head], segs, keys[:head], spans)
+                early = self._start_early(eng, chunks, segs, keys, head, head_checked)
+                c3 = time.thread_time()
+                rest = Spans()
+                sources.update(self._acquire(kbs[n0:], held, reasons, tally, fresh, None, rest))
+                spans = spans.joined(rest)
+                c4 = time.thread_time()
+                self._cpu("restore_acquire", c2 - c1 + c4 - c3, nkeys)
+                c2 = c2 + c4 - c3  # the early start's time is counted as phase 1's
+            else:
+                sources = self._acquire(kbs, held, reasons, tally, fresh, device, spans)
+                c2 = time.thread_time()
+                self._cpu("restore_acquire", c2 - c1, nkeys)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
                 self._readahead(eng, chunks[-1].key, {ch.key for ch in chunks})
             # Phase 1: check every source against its destination; write nothing yet. Segments bound for
@@ -161,12 +195,20 @@ class RestorePipeline:
             checked = self._check_host_batch(chunks, segs, keys, spans) if spans and not on_device else None
             batched = set(checked.chunks) if checked is not None else set()
             # Segments bound for the GPU engine from DRAM: size fields checked as one array (False: per segment).
-            pre, heads, sizes = (self._check_device_batch(chunks, segs, keys, spans) if gpu_checks and spans
-                                 else (None, None, None))
+            if head_checked is not None:  # the head's were checked with its lease: the rest's now
+                tail = self._check_device_batch(chunks[head:], segs, keys[head:], rest)
+                pre, heads, sizes = (np.concatenate((a, b)) for a, b in zip(head_checked, tail))
+            elif gpu_checks and spans:
+                pre, heads, sizes = self._check_device_batch(chunks, segs, keys, spans)
+            else:
+                pre = heads = sizes = None
             # Every segment a DRAM extent bound for the GPU engine, its size fields fitting: the restore is
             # decoded as arrays, batch by batch (_decode_gpu_rows), with no item per segment.
             rows = (_Rows.of(chunks, segs, keys, heads, sizes)
                     if pre is not None and len(pre) and pre.all() else None)
+            if rows is None and early is not None:  # the rest is not all rows: the usual paths take the head too
+                self._abort_early(early)
+                early = None
             arena_ids: set[int] = set()  # ids of the sources that are arena views (pinned where the arena is)
             nseg = len(segs)
             for ci, (ch, ks) in (() if rows is not None else enumerate(zip(chunks, keys))):
@@ -235,7 +277,8 @@ class RestorePipeline:
                         done.append((ci, seg, ch, h, e))
             gpu_totals = (0, 0, 0)
             if rows is not None:
-                failed, gpu_totals = self._decode_gpu_rows(eng, rows, bad)
+                taken, early = early, None  # ended by the pipeline from here on, however it ends
+                failed, gpu_totals = self._decode_gpu_rows(eng, rows, bad, taken)
                 done += failed
             elif coded:
                 failed, gpu_totals = self._decode_gpu(eng, coded, bad, arena_ids)
@@ -273,6 +316,10 @@ class RestorePipeline:
                       restore_seconds=dt)
             return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,
                                  segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
+        except BaseException:
+            if early is not None:  # it reads extents of the hold dropped below: ended first, nothing written
+                self._abort_early(early)
+            raise
         finally:
             self._drop_lease(held)
             if consume:
@@ -415,37 +462,31 @@ class RestorePipeline:
                 copies[-1].synchronize()  # every block copy queued so far has run (one stream, in order)
                 self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
 
-    def _decode_gpu_rows(self, eng: _Engine, rows: "_Rows", bad: dict[int, str]) -> tuple[list, tuple[int, int, int]]:
+    def _decode_gpu_rows(self, eng: _Engine, rows: "_Rows", bad: dict[int, str],
+                         early: "_Early | None" = None) -> tuple[list, tuple[int, int, int]]:
         """:meth:`_decode_gpu` of a restore given as :class:`_Rows`: batches cut from the size arrays, each
         batch's headers verified as one array (:meth:`_verified_rows`) while the GPU works on the previous
         batch, and decoded from the arena as arrays (``decode_rows_submit``; ANS chunk tables parsed from the
         arena in one pass); a batch the engine leaves to its per-segment path (a segment over half its
         workspace), or any batch when the arena is not pinned or the pages are not regular rows, goes through
-        :meth:`_decode_start` as items. Answers as :meth:`_decode_gpu`."""
+        :meth:`_decode_start` as items. ``early``: the first batch, already started (:meth:`_start_early`);
+        the cuts go on from its end. Answers as :meth:`_decode_gpu`."""
         seed = eng.reg.rotation_seed
-        geo = eng.geometry if rows.segs is eng.segs else None  # a layer-by-layer restore names fewer segments
-        targets = _Targets.of(rows.chunks, rows.segs, geo) if self.dram.arena.pinned else None
+        targets = early.targets if early is not None else self._row_targets(eng, rows.chunks, rows.segs)
         failed: list = []
         totals = [0, 0, 0]
 
-        def start(cut: tuple[int, int]) -> "tuple | None":
+        def start(cut: "tuple[int, int] | _Early") -> "tuple | None":
+            if isinstance(cut, _Early):
+                return cut.started
             got = self._verified_rows(rows, cut[0], cut[1], bad)
             if got is None:
                 return None
             at, tid, templates = got
             if targets is not None:
-                ws = int(rows.sizes[at, 1].sum())
-                self._workspace_delta(ws)
-                t0 = time.perf_counter()
-                src = self.dram.arena.base_address + HEADER_SIZE + rows.sizes[at, 4]
-                try:
-                    db = self._gpu_codecs.decode_rows_submit(targets, at, rows.heads[at], src, seed,
-                                                             within=self.dram.arena.buf)
-                except Exception as e:  # the engine failed as a whole: every segment of the batch misses
-                    db = e
-                if db is not None:
-                    return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
-                self._workspace_delta(-ws)
+                started = self._rows_submit(seed, targets, rows, at, tid, templates)
+                if started is not None:
+                    return started
             items, ids = self._row_items(rows, at, tid, templates)
             return ("items",) + self._decode_start(seed, items, ids, rows.sizes[at])
 
@@ -454,9 +495,88 @@ class RestorePipeline:
                 return self._decode_end(*started[1:], failed, totals)
             return self._rows_end(rows, *started[1:], failed, totals)
 
-        cuts = self._cuts(rows.sizes[:, 0], rows.sizes[:, 1], self._flights(eng, restore=True))
-        self._decode_pipelined(cuts, start, end)
+        first = early.end if early is not None else 0
+        cuts: Iterable = ((i + first, j + first) for i, j in self._cuts(rows.sizes[first:, 0], rows.sizes[first:, 1],
+                                                                        self._flights(eng, restore=True)))
+        self._decode_pipelined(cuts if early is None else chain((early,), cuts), start, end)
         return failed, (totals[0], totals[1], totals[2])
+
+    def _row_targets(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> "_Targets | None":
+        """The destinations of a restore's rows in GPU pages (None: the arena is not pinned, or the pages are not
+        regular rows: the batches then go as items)."""
+        if not self.dram.arena.pinned:
+            return None
+        return _Targets.of(chunks, segs, eng.geometry if segs is eng.segs else None)  # a layer-by-layer restore names fewer
+
+    def _rows_submit(self, seed: int, targets: _Targets, rows: "_Rows", at: np.ndarray, tid: np.ndarray,
+                     templates: list[SegmentHeader], *, direct: bool = True) -> "tuple | None":
+        """Start decoding verified rows ``at`` with ``decode_rows_submit`` (``direct``: as there), their workspace
+        counted: ``("rows", at, tid, templates, batch, workspace bytes, seconds)``, the batch being the engine's
+        exception when its call failed (every row of it then fails); None (nothing started, nothing counted) when
+        the engine leaves them to the per-segment path."""
+        ws = int(rows.sizes[at, 1].sum())
+        self._workspace_delta(ws)
+        t0 = time.perf_counter()
+        src = self.dram.arena.base_address + HEADER_SIZE + rows.sizes[at, 4]
+        try:
+            db = self._gpu_codecs.decode_rows_submit(targets, at, rows.heads[at], src, seed,
+                                                     within=self.dram.arena.buf, direct=direct)
+        except Exception as e:  # the engine failed as a whole: every segment of the batch misses
+            db = e
+        if db is None:
+            self._workspace_delta(-ws)
+            return None
+        return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
+
+    def _early_head(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> int:
+        """How many leading chunks of a restore make its first codec batch (``batch_segments`` segments), when
+        the request holds more than that: those are leased and checked first and their batch started before
+        the rest (:meth:`_start_early`); 0 otherwise."""
+        if not segs or not self.dram.arena.pinned:
+            return 0
+        head = -(-self._config.batch_segments // len(segs))
+        return head if head < len(chunks) else 0
+
+    def _start_early(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
+                     head: int, checked: tuple[np.ndarray, np.ndarray, np.ndarray]) -> "_Early | None":
+        """Start the first decode batch of a restore whose first ``head`` chunks alone are leased and their size
+        fields ``checked`` (:meth:`_check_device_batch`), so that the GPU copies it while the host leases and
+        checks the rest. Started only when it is certain to be the rows path's first batch and to write
+        nothing before the rest is checked: every segment of those chunks is a DRAM extent whose fields fit,
+        every header of the batch verifies, and no row is decoded straight into its pages (all go through the
+        temporary, scattered when the batch ends). None when not started (nothing then was)."""
+        fit, heads, sizes = checked
+        if not fit.all():
+            return None
+        targets = self._row_targets(eng, chunks, segs)
+        if targets is None:
+            return None
+        rows = _Rows.of(chunks[:head], segs, keys[:head], heads, sizes)
+        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True)))
+        ok, tid, templates = _verify_headers(heads[i:j], rows.layers[i:j], rows.roles[i:j], sizes[i:j, 3])
+        if not ok.all():  # a bad header: the usual path reports it
+            return None
+        started = self._rows_submit(eng.reg.rotation_seed, targets, rows, np.arange(i, j), tid, templates,
+                                    direct=False)
+        if started is None:
+            return None
+        early = _Early(targets, j, started)
+        if isinstance(started[4], Exception):  # let the usual path meet (and report) the failure
+            self._abort_early(early)
+            return None
+        return early
+
+    def _abort_early(self, early: "_Early") -> None:
+        """End an early batch that the restore will not use: wait for its GPU work (it reads leased extents and
+        writes its temporary only), drop its results, give back its workspace."""
+        db, ws = early.started[4], early.started[5]
+        try:
+            if not isinstance(db, Exception):
+                db.engine.decode_collect(db.job)
+        except Exception:  # its results are dropped either way
+            pass
+        finally:
+            self._workspace_delta(-ws)
 
     def _verified_rows(self, rows: "_Rows", i: int, j: int,
                        bad: dict[int, str]) -> "tuple[np.ndarray, np.ndarray, list[SegmentHeader]] | None":
