@@ -297,6 +297,32 @@ class _Pipeline(RestorePipeline, Batching):
         self._gpu_codecs = object() if gpu else None
 
 
+def test_early_head_is_the_first_batch_of_a_longer_restore_and_spans_join():
+    """A restore's early first batch (``_start_early``) covers the chunks of ``batch_segments`` segments, only
+    when the request holds more and the arena is pinned; a request leased in two parts has the spans of one."""
+    segs = [object()] * 72
+    chunks = [object()] * 32
+    p = _Pipeline(SimpleNamespace(arena=SimpleNamespace(pinned=True)), 256 << 20, 512, True)
+    assert p._early_head(chunks, segs) == 8  # ceil(512 / 72)
+    assert p._early_head(chunks[:8], segs) == 0  # one batch holds the whole request
+    assert p._early_head(chunks * 10, segs[:2]) == 256 and p._early_head(chunks, []) == 0  # one layer: K, V
+    p.dram.arena.pinned = False
+    assert p._early_head(chunks, segs) == 0
+    rng = np.random.default_rng(2)
+    keys = [bytes([i]) * 36 for i in range(20)]
+    hit = rng.random(20) < 0.7
+    offs, lens = rng.integers(0, 1 << 30, 20), rng.integers(1, 1 << 20, 20)
+    whole, a, b = Spans(), Spans(), Spans()
+    whole.fill(keys, hit, offs[hit], lens[hit])
+    a.fill(keys[:7], hit[:7], offs[:7][hit[:7]], lens[:7][hit[:7]])
+    b.fill(keys[7:], hit[7:], offs[7:][hit[7:]], lens[7:][hit[7:]])
+    j = a.joined(b)
+    assert list(j.keys) == keys and len(j) == len(whole)
+    for x, y in ((j.hit, whole.hit), (j.offs, whole.offs), (j.lens, whole.lens)):
+        assert np.array_equal(x, y)
+    assert all(j.get(k) == whole.get(k) for k in keys)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_cuts_are_codec_batches(seed):
     rng = random.Random(seed)

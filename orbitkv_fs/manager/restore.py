@@ -157,7 +157,7 @@ class RestorePipeline:
             c1 = time.thread_time()
             # The first codec batch's chunks leased and checked first and that batch started, so that the GPU
             # copies it while the host leases and checks the rest (else the GPU idles through all of that).
-            head = self._early_head(eng, chunks, segs) if gpu_checks and spans is not None and device is None else 0
+            head = self._early_head(chunks, segs) if gpu_checks and spans is not None and device is None else 0
             head_checked = None
             if head:
                 n0 = head * len(segs)
@@ -506,7 +506,8 @@ class RestorePipeline:
         regular rows: the batches then go as items)."""
         if not self.dram.arena.pinned:
             return None
-        return _Targets.of(chunks, segs, eng.geometry if segs is eng.segs else None)  # a layer-by-layer restore names fewer
+        # a layer-by-layer restore names fewer segments than the registration's geometry rows
+        return _Targets.of(chunks, segs, eng.geometry if segs is eng.segs else None)
 
     def _rows_submit(self, seed: int, targets: _Targets, rows: "_Rows", at: np.ndarray, tid: np.ndarray,
                      templates: list[SegmentHeader], *, direct: bool = True) -> "tuple | None":
@@ -528,7 +529,7 @@ class RestorePipeline:
             return None
         return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
 
-    def _early_head(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> int:
+    def _early_head(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> int:
         """How many leading chunks of a restore make its first codec batch (``batch_segments`` segments), when
         the request holds more than that: those are leased and checked first and their batch started before
         the rest (:meth:`_start_early`); 0 otherwise."""
