@@ -20,7 +20,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   segment: its slots, headers and verdicts are numpy passes over columns (``_EncCols``, ``_DecCols``), its
   descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
-  sequence (``_ClassSet``): a save's batches pass the same one again. ANS too: its chunk arrays from the
+  sequence (``_ClassSet``): a save's batches pass the same one again; so is, per class vector, a batch's cut
+  into flights and each flight's plan without ANS (``_FlightPlan``: offsets, slots, columns, kernel groups,
+  signs), which a save of whole chunks repeats batch after batch. ANS too: its chunk arrays from the
   class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
   (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
   (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
@@ -627,6 +629,56 @@ class _ClassSet(NamedTuple):
     templates: np.ndarray  # (classes, 64) uint8: each class's header with a zero payload CRC
     bases: np.ndarray  # their 60-byte CRC32Cs
     ans_type: np.ndarray  # ANS: nvCOMP's data type (the AnsType)
+    plans: dict  # (class vector bytes, alignment) -> its _FlightPlan; ("cuts", ...) -> its flights' rows
+
+
+class _FlightPlan(NamedTuple):
+    """What an encode flight without ANS segments takes from its class vector alone (:func:`_flight_plan`):
+    its kinds, workspace offsets and size, the slots of its output region, its columns (``ptr`` left zero:
+    the flight's sources), kernel groups with their TurboQuant signs, stored payload bytes and upload
+    bytes. A save of whole chunks hands the engine the same class vector batch after batch: it is planned
+    once per class set (its arrays read-only, shared by the flights that use it)."""
+
+    kind: np.ndarray
+    off: dict
+    slots: np.ndarray
+    total: int
+    cols: "_EncCols"
+    groups: tuple
+    signs: dict
+    walked: np.ndarray
+    upload: int
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _remember(memo: dict, key: object, value: object) -> object:
+    """``memo[key] = value`` (the memo cleared first when it holds 64), answering ``value``."""
+    if len(memo) >= 64:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, seed: int) -> _FlightPlan:
+    """The :class:`_FlightPlan` of a flight of classes ``c`` (indices into ``cs``; none ANS) at ``align``."""
+    k, table = len(c), cs.table
+    n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
+    lay, off, slots = _enc_offsets(k, n_desc, 0, 0, cs.size[c], align)
+    off["ans_slot0"] = off["region_end"] - off["meta"]
+    off["temp"] = lay.take(0)
+    off["align"] = align
+    zeros = _frozen(np.zeros(k, dtype=np.int64))
+    cols = _EncCols(*(_frozen(x) for x in (kind, zeros, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
+                                             table.bits[c], table.role[c], table.layer[c], table.nch[c])), zeros, zeros)
+    groups = tuple((name, _frozen(sel)) for name, sel in _enc_groups(cols))
+    signs = {name: _sign_rows(cols.head_dim[sel], cols.layer[sel], np.full(len(sel), seed, dtype=np.int64))
+             for name, sel in groups if len(sel) and _ENC_GROUPS[name] == rows_.ENC_TQ}
+    return _FlightPlan(cols.kind, off, cols.slot, lay.end, cols, groups, signs, _frozen(cs.stored[c]),
+                       off["pay_len"] + 8)
 
 
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
@@ -653,13 +705,14 @@ def _enc_groups(c: _EncCols, ans: "np.ndarray | None" = None) -> tuple[tuple[str
 
 def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[str, np.ndarray]], payload0: int,
                  seed: int, chunk_cap: int, base: int, off: dict[str, int],
-                 rounds: "_AnsRounds | None" = None) -> dict[str, tuple[int, int]]:
+                 rounds: "_AnsRounds | None" = None, signs: "dict[str, np.ndarray] | None" = None) -> dict[str, tuple[int, int]]:
     """An encode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``, kernel by kernel
     in the order of ``groups`` (kernel name, the rows of ``c`` it takes). A segment's payload goes to
     ``payload0 + slot`` (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing
     rows (the j-th of its group: its payload length lands in pay_len[j]) the nvCOMP chunk outputs
     (``chunk_cap`` bytes each) and the chunk sizes, statuses and payload lengths at ``base + off[...]``, their
-    work units counted within their round of ``rounds`` (each round is a launch of its own).
+    work units counted within their round of ``rounds`` (each round is a launch of its own); ``signs``: the
+    TurboQuant groups' sign rows, where the caller has them (:class:`_FlightPlan`).
     Answers, per kernel with segments, (first row, work units). One :func:`~orbitkv_fs.gpu.rows.encode_group`
     call per kernel over the whole batch, not a row at a time."""
     q, w = _row_views(sum(len(sel) for _, sel in groups))
@@ -671,10 +724,14 @@ def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[s
         if not k:
             continue
         code = _ENC_GROUPS[name]
-        signs = (_sign_rows(c.head_dim[sel], c.layer[sel], np.full(k, seed, dtype=np.int64)) if code == rows_.ENC_TQ
-                 else _NO_SIGNS)
+        if code != rows_.ENC_TQ:
+            group_signs = _NO_SIGNS
+        elif signs is not None:
+            group_signs = signs[name]
+        else:
+            group_signs = _sign_rows(c.head_dim[sel], c.layer[sel], np.full(k, seed, dtype=np.int64))
         units = rows_.encode_group(q, w, r0, code, sel, raw, c.ptr, c.slot, c.n, c.cap, c.fp16, c.head_dim, c.bits,
-                                   c.role, c.nch, c.chunk0, c.tmp, signs, payload0, chunk_cap, base,
+                                   c.role, c.nch, c.chunk0, c.tmp, group_signs, payload0, chunk_cap, base,
                                    base + off["pay_len"], base + off["chunk_sizes"], base + off["chunk_status"],
                                    km.CHUNK, km.TQ_VECTORS_PER_UNIT)
         if code == rows_.ENC_ANS and rounds is not None:
@@ -1339,12 +1396,18 @@ class GpuCodecEngine:
         cls = np.asarray(cls, dtype=np.int64)
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
-        is_ans = cs.table.kind[cls] == _KIND["ans"]
-        if is_ans.any():
-            batches = self._ans_cuts(np.arange(k), cs.size[cls], np.where(is_ans, cs.table.nch[cls], 0),
-                                     np.unique(cs.ans_type[cls[is_ans]]).tolist(), slot_align)
-        else:
-            batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
+        key = ("cuts", cls.tobytes(), slot_align)
+        batches = cs.plans.get(key, False)
+        if batches is False:  # the flights' rows: the same for the same class vector
+            is_ans = cs.table.kind[cls] == _KIND["ans"]
+            if is_ans.any():
+                batches = self._ans_cuts(np.arange(k), cs.size[cls], np.where(is_ans, cs.table.nch[cls], 0),
+                                         np.unique(cs.ans_type[cls[is_ans]]).tolist(), slot_align)
+            else:
+                batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
+            if batches is not None:
+                batches = [_frozen(np.asarray(b)) for b in batches]
+            _remember(cs.plans, key, batches)
         if batches is None:
             return None
         job = EncodeJob.of(k)
@@ -1374,7 +1437,7 @@ class GpuCodecEngine:
             if len(self._class_sets) >= 256:
                 self._class_sets.clear()
             cs = self._class_sets[key] = _ClassSet(tuple(classes), _enc_cols(classes), size, stored, rows[tids],
-                                                   bases[tids], _ints(classes, "ans_type"))
+                                                   bases[tids], _ints(classes, "ans_type"), {})
         return cs
 
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
@@ -1386,7 +1449,25 @@ class GpuCodecEngine:
         w, table = self.save, cs.table
         c = cls[rows]
         k = len(rows)
-        kind = table.kind[c]
+        key = (c.tobytes(), align)
+        plan = cs.plans.get(key)
+        if plan is None:
+            kind = table.kind[c]
+            if not (kind == _KIND["ans"]).any():
+                plan = _remember(cs.plans, key, _flight_plan(cs, c, kind, align, self.seed))
+        if plan is not None:
+            base, upload = w.place(plan.total)
+            region = base + plan.off["meta"]
+            src = ptrs[rows]
+            up = upload.get(plan.upload)
+            up[plan.off["meta"]:] = 0
+            got = _encode_rows(up, plan.off["desc"], plan.cols._replace(ptr=src), plan.groups, region + HEADER_SIZE,
+                               self.seed, 0, base, plan.off, signs=plan.signs)
+            w.h2d(base, up)
+            host, own = self._launch_encode(base, plan.off, got, plan.groups, k, out_region, align=align)
+            return w.launched(base, plan.total, upload, lambda: self._finish_encode_columns(
+                cs, c, rows, src, plan.slots, job, host, own, kind=plan.kind, walked=plan.walked), w.copies)
+        # ANS segments: their chunks, rounds and download length are planned per flight
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
         a = np.flatnonzero(kind == _KIND["ans"])
         chunk, rounds, temp = 0, None, 0
@@ -1441,7 +1522,8 @@ class GpuCodecEngine:
     def _finish_encode_columns(self, cs: _ClassSet, c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
                                slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool,
                                off: "dict[str, int] | None" = None, a: "np.ndarray | None" = None,
-                               region: int = 0) -> None:
+                               region: int = 0, kind: "np.ndarray | None" = None,
+                               walked: "np.ndarray | None" = None) -> None:
         """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
         and headers as arrays (a template per class; ANS stored lengths as a column, their slots as the GPU
         packed them); per-segment Python only for a segment that falls back to raw storage. ``views``: the
@@ -1450,8 +1532,8 @@ class GpuCodecEngine:
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
         status = meta["status"]
-        kind = cs.table.kind[c]
-        walked = cs.stored[c]
+        kind = cs.table.kind[c] if kind is None else kind
+        walked = cs.stored[c] if walked is None else walked
         bad = (status != 0) & (kind != _KIND["raw"])
         ans = a is not None and len(a) > 0
         if ans:

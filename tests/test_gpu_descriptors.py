@@ -661,6 +661,22 @@ def _check_rounds(log: list, cap: int, half: int) -> int:
     return rounds
 
 
+def _two_arenas():
+    """Two 64 MiB arenas and ``region_of(j)``: an ``out_region`` that hands out arena j's bytes in order, each
+    region at the next 4 KiB (the item and the column path of one comparison, one arena each)."""
+    arenas = [np.zeros(64 << 20, np.uint8) for _ in range(2)]
+    used = [0, 0]
+
+    def region_of(j):
+        def region(nb):
+            r = arenas[j][used[j]:used[j] + nb]
+            used[j] = -(-(used[j] + nb) // 4096) * 4096
+            return r
+        return region
+
+    return arenas, region_of
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [256 << 20, 4 << 20], ids=["one-round", "rounds"])
 def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monkeypatch):
@@ -716,15 +732,7 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monke
     for i, c in enumerate(cls.tolist()):
         n = classes[c].n
         sizes_of[i] = (int(n * rng.uniform(0.5, 0.85)) + 7) // 8 * 8 if i != 5 else n  # i = 5: over the capacity
-    arenas = [np.zeros(64 << 20, np.uint8) for _ in range(2)]
-    used = [0, 0]
-
-    def region_of(j):
-        def region(nb):
-            r = arenas[j][used[j]:used[j] + nb]
-            used[j] = -(-(used[j] + nb) // 4096) * 4096
-            return r
-        return region
+    arenas, region_of = _two_arenas()
 
     items = [E.EncodeItem(E.DeviceSpan(int(p), int(nbytes[i]), shapes[c]), kinds[c][0], Role.KEY, 3, kinds[c][1])
              for i, (p, c) in enumerate(zip(ptrs.tolist(), cls.tolist()))]
@@ -815,3 +823,58 @@ def test_ans_decode_verdicts_as_arrays_are_the_item_paths(seed, monkeypatch):
     assert results[0] == results[1]
     kinds = [r[0] if r else None for r in results[1]]
     assert kinds == [{0: None, 1: "PayloadChecksumMismatch", 2: "SegmentError", 3: "LengthMismatch"}[f] for f in fate]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
+    """encode_columns_submit of batches without ANS (exact, FP8, TurboQuant K and V of two widths) plans each flight
+    once per class vector (``_flight_plan``) and reuses the plan: the first batch, a second of the same classes at
+    other addresses (no new plan) and a third of other classes (new plans) each upload the same descriptors,
+    launch the same kernels and download as much as the per-segment encode_submit of the same sources, and
+    answer the same headers at the same places of their regions. A plan's arrays are read-only."""
+    monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
+    made = []
+    plan = E._flight_plan
+    monkeypatch.setattr(E, "_flight_plan", lambda *a: made.append(a[1].tobytes()) or plan(*a))
+    rng = np.random.default_rng(seed)
+
+    def engine():
+        eng = _bare_engine(2 << 20)  # flights of 1 MiB: several a batch
+        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 11, {}, {}, {}, 1.0
+        eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
+        eng.save = _RecordingSaveWorker()
+        return eng
+
+    kinds = [("none", BF16, Role.KEY, 128), ("fp8", BF16, Role.VALUE, 128), ("turboquant-4", BF16, Role.KEY, 128),
+             ("turboquant-4", BF16, Role.VALUE, 128), ("turboquant-3", FP16, Role.KEY, 64)]
+    shapes = [(int(rng.integers(4, 40)), 8, d) for *_, d in kinds]
+    item_engine, col_engine = engine(), engine()
+    classes = [col_engine.encode_class(E.EncodeItem(E.DeviceSpan(0, int(np.prod(s)) * dt.itemsize, s), codec, role,
+                                                    3 + j, dt)) for j, (s, (codec, dt, role, _)) in enumerate(zip(shapes, kinds))]
+    arenas, region_of = _two_arenas()
+
+    first = rng.integers(0, len(classes), 60)
+    for cls, new in ((first, True), (first, False), (rng.permutation(first), True)):
+        nbytes = np.array([classes[c].n for c in cls], dtype=np.int64)
+        ptrs = int(rng.integers(1, 1 << 20)) * 4096 + (1 << 41) + np.cumsum(nbytes + 4096) - nbytes
+        items = [E.EncodeItem(E.DeviceSpan(int(p), int(nbytes[i]), shapes[c]), kinds[c][0], kinds[c][2], 3 + c,
+                              kinds[c][1]) for i, (p, c) in enumerate(zip(ptrs.tolist(), cls.tolist()))]
+        item_engine.save.log.clear()
+        col_engine.save.log.clear()
+        before = len(made)
+        out_i = item_engine.encode_collect(item_engine.encode_submit(items, out_region=region_of(0), slot_align=512))
+        job = col_engine.encode_columns_submit(classes, cls, ptrs, out_region=region_of(1), slot_align=512)
+        assert job is not None
+        assert all(x is None for x in col_engine.encode_collect(job))
+        assert (len(made) > before) == new
+        assert col_engine.save.log == item_engine.save.log and col_engine.save.log
+        for i in range(len(items)):
+            a = int(job.addr[i]) - arenas[1].ctypes.data
+            b = E.host_address(out_i[i]) - arenas[0].ctypes.data
+            n = int(job.length[i])
+            assert a == b and n == len(out_i[i]), i
+            assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
+    cs = next(iter(col_engine._class_sets.values()))
+    flight = next(p for k, p in cs.plans.items() if k[0] != "cuts")
+    with pytest.raises(ValueError):
+        flight.slots[0] = 1

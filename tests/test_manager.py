@@ -755,9 +755,36 @@ def test_run_batches_cut_where_the_per_item_rule_does():
                 runs.append((items, list(itertools.accumulate((it[2] for it in items), initial=0)),
                              list(itertools.accumulate((it[3] for it in items), initial=0))))
             flat = [it for items, _, _ in runs for it in items]
-            want = list(m._codec_batches(flat, lambda it: it[2], lambda it: it[3]))
+            want = list(m._codec_batches(flat, lambda it: it[2], lambda it: it[3], run=lambda it: it[0]))
             got = [[it for items, lo, hi in pieces for it in items[lo:hi]] for pieces in m._run_batches(runs)]
             assert got == want
+
+
+def test_run_batches_take_a_chunk_whole_rather_than_a_sliver_of_it():
+    """A batch that would end a quarter or less into a chunk that one batch holds whole ends before it: vLLM's
+    72-segment chunks at 512 segments a batch are batches of seven whole chunks (504), not 512 that split
+    one; a chunk larger than a batch, or more than a quarter of the batch into one, is cut as before."""
+    import itertools
+
+    import msgspec
+
+    def sizes(run_len: int, runs: int, cap: int, budget: int = 1 << 40) -> list[int]:
+        m._batch_budget = lambda flights=1: budget
+        m._config = msgspec.structs.replace(m._config, batch_segments=cap)
+        ones = list(range(run_len + 1))
+        return [sum(hi - lo for _, lo, hi in pieces) for pieces in m._run_batches([((r,), ones, ones)
+                                                                                   for r in range(runs)])]
+
+    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu")) as m:
+        assert sizes(72, 32, 512) == [504, 504, 504, 504, 288]
+        assert sizes(72, 32, 512, budget=72 * 7 + 4) == [504, 504, 504, 504, 288]  # the budget's cut too
+        assert sizes(600, 2, 512) == [512, 512, 176]  # a chunk no batch holds whole: split
+        assert sizes(300, 3, 512) == [512, 388]  # 212 of the second chunk: more than a quarter, split
+        assert sizes(300, 3, 400) == [300, 300, 300]  # 100 of 400: a quarter, whole to the next batch
+        flat = [[(r, j) for j in range(72)] for r in range(32)]
+        m._config = msgspec.structs.replace(m._config, batch_segments=512)
+        assert [len(b) for b in m._codec_batches(itertools.chain(*flat), lambda it: 1, run=lambda it: it[0])] == [
+            504, 504, 504, 504, 288]
 
 
 @pytest.mark.parametrize("codec", ["turboquant-4", "fp8"])
@@ -792,7 +819,8 @@ def test_save_batches_are_the_per_segment_rule_over_the_missing_segments(engine,
             seen.clear()
             m.save(e.engine_id, chunks)
             assert seen == list(m._codec_batches(want, lambda it: it[1].coded_bound(len(it[0].blocks)),
-                                                 lambda it: len(it[0].blocks) * it[1].block_bytes))
+                                                 lambda it: len(it[0].blocks) * it[1].block_bytes,
+                                                 run=lambda it: id(it[0])))
             assert len(seen) >= 2 and all(m.dram.contains(k) for ks in keys.values() for k in ks)
         assert_reservations_zero(m)
 

@@ -359,12 +359,21 @@ class SavePipeline:
             return None
         ci, si = rows.ci, rows.si
         blocks = np.fromiter(map(len, map(_BLOCKS, rows.chunks)), dtype=np.int64, count=len(rows.chunks))
-        uniq, cls = np.unique((si << 32) | blocks[ci], return_inverse=True)
-        gpu = self._gpu_codecs
-        classes = _classes_of(eng, lambda seg, blocks: gpu.encode_class(engine, seg, blocks), uniq)
+        pairs = (si << 32) | blocks[ci]
+        key = pairs.tobytes()
+        got = eng.enc_rows.get(key)  # a save's batches of whole chunks repeat one sequence of pairs
+        if got is None:
+            uniq, cls = np.unique(pairs, return_inverse=True)
+            gpu = self._gpu_codecs
+            got = (_classes_of(eng, lambda seg, blocks: gpu.encode_class(engine, seg, blocks), uniq), cls.reshape(-1))
+            got[1].flags.writeable = False
+            if len(eng.enc_rows) >= 64:
+                eng.enc_rows.clear()
+            eng.enc_rows[key] = got
+        classes, cls = got
         if classes is None:
             return None
-        return _Targets(rows.chunks, eng.segs, eng.geometry), classes, cls.reshape(-1), ci, si
+        return _Targets(rows.chunks, eng.segs, eng.geometry), classes, cls, ci, si
 
     def _save_abort(self, sb: "_SaveBatch") -> None:
         """A batch that will not be published: its GPU work ends, its arena extents and workspace go back."""
@@ -432,8 +441,9 @@ class SavePipeline:
         reps = np.bincount(fmt, minlength=len(_REP_NAMES)).tolist()
         raws = {}
         if reason.any():  # raw segments with a reason (the policy's exact layers, fallbacks): counted by it
-            codes, counts = np.unique(reason[reason != 0], return_counts=True)
-            raws = {RawReason(c).name.lower(): n for c, n in zip(codes.tolist(), counts.tolist())}
+            counts = np.bincount(reason)
+            counts[0] = 0
+            raws = {RawReason(c).name.lower(): int(counts[c]) for c in np.flatnonzero(counts).tolist()}
         with self._stat_lock:  # one lock round per batch, not two per segment
             for f, n in enumerate(reps):
                 if n:

@@ -468,10 +468,10 @@ class DramTier:
         rep = int(reps[0])
         if (reps == rep).all():
             resident[rep] = resident.get(rep, 0) + int(nbytes.sum())
-        else:
-            kinds, at = np.unique(reps, return_inverse=True)
-            for rep, n in zip(kinds.tolist(), np.bincount(at, weights=nbytes).tolist()):
-                resident[rep] = resident.get(rep, 0) + int(n)
+        else:  # representations are small codes (Format): one count per code
+            sums = np.bincount(reps, weights=nbytes)
+            for rep in np.flatnonzero(sums).tolist():
+                resident[rep] = resident.get(rep, 0) + int(sums[rep])
         self.resident_logical += int(logical.sum())
         return slots
 

@@ -1,0 +1,144 @@
+"""Host work of a GPU save, on a machine without a GPU: the Manager's save pipeline on its GPU path (encode
+classes, gather table, ``encode_columns_submit``, headers, publish) with the GPU engine's streams, kernels and
+copies replaced by no-ops, over the bench's geometry (36 layers, 16 blocks per chunk, 512 KiB segments,
+shuffled blocks, 2,304 segments a save). What is left is the Python and numpy a save runs per batch, the
+part that holds `turboquant-4`'s 512 KiB save below its bound on the H200 (the copy engine waits for the
+host there, docs/results/2026-12-03-early-batch). The segments' bytes are not encoded (the arena's slots
+keep what they held); their headers, CRCs of the zero accumulators, keys and index entries are made as on
+the GPU path.
+
+Usage: python save_host.py [--codec turboquant-4] [--repeat 40] [--profile OUT.txt]
+Prints the median wall and thread CPU per save and per segment (the bench's repeats: invalidate all, save)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import threading
+import time
+import types
+
+import numpy as np
+
+from orbitkv_fs.gpu import engine as E
+from orbitkv_fs.keys import chunk_key
+from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+from orbitkv_fs.manager import device as D
+from orbitkv_fs.manager.device import _geometry, _rows_of
+from orbitkv_fs.tools import bench_pipeline as B
+
+_spec = importlib.util.spec_from_file_location(
+    "engine_host", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-02-gpu-host", "engine_host.py"))
+engine_host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine_host)
+
+
+class _Buf:
+    """A cupy array's ``data.ptr``, over host memory."""
+
+    def __init__(self, n: int) -> None:
+        self.host = np.empty(max(n, 1), np.uint8)
+        self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
+
+
+class _Worker(engine_host.NullWorker):
+    """../2026-12-02-gpu-host's null save Worker, with the block-copy table staged as ``Worker.copy_blocks``
+    stages it (into one of three host buffers in turn) and nothing launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = [engine_host._Upload() for _ in range(3)]
+        self.tables_next = 0
+
+    def copy_blocks(self, k, table) -> None:
+        j = self.tables_next
+        self.tables_next = (j + 1) % len(self.tables)
+        self.tables[j].get(table.nbytes)[:] = table.view(np.uint8)
+
+    def close(self) -> None:
+        self.inflight.clear()
+
+
+def _codecs() -> D._GpuCodecs:
+    """The Manager's GPU codecs over null engines (one per rotation seed, as ``_GpuCodecs.engine``)."""
+    g = object.__new__(D._GpuCodecs)
+    g._item, g._engines, g._lock = E.EncodeItem, {}, threading.Lock()
+
+    def engine(seed: int) -> E.GpuCodecEngine:
+        with g._lock:
+            e = g._engines.get(seed)
+            if e is None:
+                e = g._engines[seed] = engine_host.null_engine(seed)
+                e.save, e.restore = _Worker(), _Worker()
+                e._ans_packed = 1.0
+                e.block_buffer = lambda nbytes, restore: _Buf(nbytes)
+            return e
+
+    g.engine = engine
+    return g
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--codec", default="turboquant-4")
+    p.add_argument("--repeat", type=int, default=40)
+    p.add_argument("--segment-kib", type=int, default=512)
+    p.add_argument("--profile", default=None, help="line_profiler of the save's batch steps, to this file")
+    args = p.parse_args()
+    E._pinned_array = lambda n: np.zeros(max(n, 1), np.uint8)
+    layers, blocks = 36, 512
+    per = (args.segment_kib << 10) // B.BLOCK_BYTES
+    budget = 256 << 20
+    pages, reg = B._engine(blocks, layers)
+    order = np.arange(blocks)
+    np.random.default_rng(1).shuffle(order)
+    m = Manager(ManagerConfig(pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=args.codec,
+                              storage_codec_budget=budget))
+    try:
+        e = m.register_engine(reg)
+        eng = m._engines[e.engine_id]
+        for s in eng.segs:  # the host pages as GPU pages whose blocks the block-copy kernel moves
+            s.copy = (int(s.base.ctypes.data), int(s.base.strides[0])) + _rows_of(s.block_shape, s.base.strides[1:],
+                                                                                 s.dtype.itemsize)
+        eng.geometry = _geometry(eng.segs)
+        eng.info = types.SimpleNamespace(**{f: getattr(eng.info, f) for f in eng.info.__struct_fields__})
+        eng.info.device = "cuda:0"
+        m._gpu_codecs = _codecs()
+        m.dram.arena.pinned = True
+        chunks = [ChunkBlocks(chunk_key(f"x-{i}"), order[i * per:(i + 1) * per].tolist()) for i in range(blocks // per)]
+        nseg = len(chunks) * len(eng.segs)
+        lp = None
+        if args.profile:
+            from line_profiler import LineProfiler
+
+            from lines_warm import FUNCS
+            lp = LineProfiler()
+            for f in FUNCS:
+                lp.add_function(getattr(f, "__func__", f))
+        walls, cpus = [], []
+        for rep in range(args.repeat):
+            m.invalidate(all=True)
+            if lp is not None and rep == 2:
+                lp.enable_by_count()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            r = m.save(e.engine_id, chunks)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
+            assert r.segments == nseg, r
+        if lp is not None:
+            lp.disable_by_count()
+            with open(args.profile, "w") as f:
+                lp.print_stats(stream=f, output_unit=1e-6, stripzeros=True)
+        w, c = np.median(walls[2:]) * 1e6, np.median(cpus[2:]) * 1e6
+        st = m._gpu_codecs.engine(eng.reg.rotation_seed).save.stats
+        print(f"{args.codec} {args.segment_kib} KiB: {nseg} segments, {st['batches'] // args.repeat} engine flights a save;"
+              f" median wall {w:.0f} us ({w / nseg:.2f} us/seg), thread CPU {c:.0f} us ({c / nseg:.2f} us/seg)")
+    finally:
+        m.dram.arena.pinned = False  # not registered with CUDA: nothing to unregister
+        m.close()
+        pages.close()
+
+
+if __name__ == "__main__":
+    main()
