@@ -60,10 +60,11 @@ def test_save_direct_evict_restore_from_device(codec, engine, tmp_path):
     cmd, reply, handle, original = engine
     d = direct_io_dir(tmp_path)
     tier = _tier([d / "a.okv", d / "b.okv"])
-    # 64 segments per batch, 12 per chunk: five complete groups per batch and one chunk split over two.
+    # 18 segments per batch, 12 per chunk: a whole chunk and half the next, which is more than a quarter of a
+    # batch, so split over two batches (batching.ALIGN_SHARE): every other chunk is a fragmented group.
     # No readahead: the lookup below would prefetch the next chunks into DRAM in the background, racing
     # the direct reads this test counts and holding arena reservations while it checks they are zero.
-    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=64, ssd_prefetch_chunks=0),
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, batch_segments=18, ssd_prefetch_chunks=0),
                  lower_tier=tier) as m:
         e = m.register_engine(_registration(handle))
         chunks = _chunks(f"d-{codec}-")
