@@ -20,9 +20,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   segment: its slots, headers and verdicts are numpy passes over columns (``_EncCols``, ``_DecCols``), its
   descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
-  sequence (``_ClassSet``): a save's batches pass the same one again; so is, per class vector, a batch's cut
+  sequence (``_ClassSet``): a save's batches pass the same one again; so are, per class vector, a batch's cut
   into flights and each flight's plan without ANS (``_FlightPlan``: offsets, slots, columns, kernel groups,
-  signs), which a save of whole chunks repeats batch after batch. ANS too: its chunk arrays from the
+  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them). ANS too: its chunk arrays from the
   class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
   (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
   (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
@@ -629,7 +629,6 @@ class _ClassSet(NamedTuple):
     templates: np.ndarray  # (classes, 64) uint8: each class's header with a zero payload CRC
     bases: np.ndarray  # their 60-byte CRC32Cs
     ans_type: np.ndarray  # ANS: nvCOMP's data type (the AnsType)
-    plans: dict  # (class vector bytes, alignment) -> its _FlightPlan; ("cuts", ...) -> its flights' rows
 
 
 class _FlightPlan(NamedTuple):
@@ -637,7 +636,7 @@ class _FlightPlan(NamedTuple):
     its kinds, workspace offsets and size, the slots of its output region, its columns (``ptr`` left zero:
     the flight's sources), kernel groups with their TurboQuant signs, stored payload bytes and upload
     bytes. A save of whole chunks hands the engine the same class vector batch after batch: it is planned
-    once per class set (its arrays read-only, shared by the flights that use it)."""
+    once (``GpuCodecEngine._plans``; its arrays read-only, shared by the flights that use it)."""
 
     kind: np.ndarray
     off: dict
@@ -656,11 +655,17 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _remember(memo: dict, key: object, value: object) -> object:
-    """``memo[key] = value`` (the memo cleared first when it holds 64), answering ``value``."""
-    if len(memo) >= 64:
+    """``memo[key] = value`` (the memo cleared first when it holds PLANS_KEPT), answering ``value``."""
+    if len(memo) >= PLANS_KEPT:
         memo.clear()
     memo[key] = value
     return value
+
+
+#: Flight cuts and flight plans an engine keeps (``GpuCodecEngine._plans``), at most: a plan holds about 14 numbers
+#: per segment of its flight (60-80 KB for a 512-segment flight), so an engine keeps a few MB of them, however
+#: many class vectors its saves bring.
+PLANS_KEPT = 64
 
 
 def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, seed: int) -> _FlightPlan:
@@ -1088,6 +1093,9 @@ class GpuCodecEngine:
         self._classes: dict[tuple, _Enc] = {}
         self._rows: dict[tuple, tuple[bytes, int]] = {}
         self._class_sets: dict[tuple, _ClassSet] = {}  # encode_columns_submit's, by their classes' identities
+        # Per (class set, class vector, alignment): a batch's flight cuts, a flight's _FlightPlan. Each entry
+        # holds its class set, whose id in the key is then not reused while the entry lives.
+        self._plans: dict[tuple, tuple] = {}
         self._ans_packed = 1.0  # the last encode batch's packed ANS bytes over their worst case (the download's guess)
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
@@ -1396,8 +1404,8 @@ class GpuCodecEngine:
         cls = np.asarray(cls, dtype=np.int64)
         ptrs = np.asarray(ptrs, dtype=np.int64)
         k = len(cls)
-        key = ("cuts", cls.tobytes(), slot_align)
-        batches = cs.plans.get(key, False)
+        key = ("cuts", id(cs), cls.tobytes(), slot_align)
+        batches = self._plans.get(key, (cs, False))[1]
         if batches is False:  # the flights' rows: the same for the same class vector
             is_ans = cs.table.kind[cls] == _KIND["ans"]
             if is_ans.any():
@@ -1407,7 +1415,7 @@ class GpuCodecEngine:
                 batches = self._enc_cuts(np.arange(k), cs.size[cls], slot_align)
             if batches is not None:
                 batches = [_frozen(np.asarray(b)) for b in batches]
-            _remember(cs.plans, key, batches)
+            _remember(self._plans, key, (cs, batches))
         if batches is None:
             return None
         job = EncodeJob.of(k)
@@ -1437,7 +1445,7 @@ class GpuCodecEngine:
             if len(self._class_sets) >= 256:
                 self._class_sets.clear()
             cs = self._class_sets[key] = _ClassSet(tuple(classes), _enc_cols(classes), size, stored, rows[tids],
-                                                   bases[tids], _ints(classes, "ans_type"), {})
+                                                   bases[tids], _ints(classes, "ans_type"))
         return cs
 
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
@@ -1449,12 +1457,12 @@ class GpuCodecEngine:
         w, table = self.save, cs.table
         c = cls[rows]
         k = len(rows)
-        key = (c.tobytes(), align)
-        plan = cs.plans.get(key)
+        key = (id(cs), c.tobytes(), align)
+        plan = self._plans.get(key, (cs, None))[1]
         if plan is None:
             kind = table.kind[c]
             if not (kind == _KIND["ans"]).any():
-                plan = _remember(cs.plans, key, _flight_plan(cs, c, kind, align, self.seed))
+                plan = _remember(self._plans, key, (cs, _flight_plan(cs, c, kind, align, self.seed)))[1]
         if plan is not None:
             base, upload = w.place(plan.total)
             region = base + plan.off["meta"]
@@ -1466,7 +1474,7 @@ class GpuCodecEngine:
             w.h2d(base, up)
             host, own = self._launch_encode(base, plan.off, got, plan.groups, k, out_region, align=align)
             return w.launched(base, plan.total, upload, lambda: self._finish_encode_columns(
-                cs, c, rows, src, plan.slots, job, host, own, kind=plan.kind, walked=plan.walked), w.copies)
+                cs, c, rows, src, plan.slots, job, host, own, plan.off, None, 0, plan.kind, plan.walked), w.copies)
         # ANS segments: their chunks, rounds and download length are planned per flight
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
         a = np.flatnonzero(kind == _KIND["ans"])

@@ -713,7 +713,7 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monke
 
     def engine():
         eng = _bare_engine(budget)
-        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 7, {}, {}, {}, 1.0
+        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._plans, eng._ans_packed = 7, {}, {}, {}, {}, 1.0
         eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
         eng.save = _RecordingSaveWorker()
         eng._nvcomp = types.SimpleNamespace(
@@ -828,7 +828,7 @@ def test_ans_decode_verdicts_as_arrays_are_the_item_paths(seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(4))
 def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
     """encode_columns_submit of batches without ANS (exact, FP8, TurboQuant K and V of two widths) plans each flight
-    once per class vector (``_flight_plan``) and reuses the plan: the first batch, a second of the same classes at
+    once per class vector (``_flight_plan``) and reuses the plan (``PLANS_KEPT`` of them at most): the first batch, a second of the same classes at
     other addresses (no new plan) and a third of other classes (new plans) each upload the same descriptors,
     launch the same kernels and download as much as the per-segment encode_submit of the same sources, and
     answer the same headers at the same places of their regions. A plan's arrays are read-only."""
@@ -840,7 +840,7 @@ def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
 
     def engine():
         eng = _bare_engine(2 << 20)  # flights of 1 MiB: several a batch
-        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 11, {}, {}, {}, 1.0
+        eng.seed, eng._classes, eng._rows, eng._class_sets, eng._plans, eng._ans_packed = 11, {}, {}, {}, {}, 1.0
         eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
         eng.save = _RecordingSaveWorker()
         return eng
@@ -874,7 +874,9 @@ def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
             n = int(job.length[i])
             assert a == b and n == len(out_i[i]), i
             assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
-    cs = next(iter(col_engine._class_sets.values()))
-    flight = next(p for k, p in cs.plans.items() if k[0] != "cuts")
+    flight = next(p for k, (_, p) in col_engine._plans.items() if k[0] != "cuts")
     with pytest.raises(ValueError):
         flight.slots[0] = 1
+    for _ in range(E.PLANS_KEPT + 8):  # class vectors never seen again: the engine keeps PLANS_KEPT plans at most
+        col_engine.encode_collect(col_engine.encode_columns_submit(classes, rng.permutation(first), ptrs))
+        assert len(col_engine._plans) <= E.PLANS_KEPT

@@ -48,7 +48,7 @@ E.GpuCodecEngine._finish_encode_columns = _fin_with_lengths
 def engine(budget):
     eng = object.__new__(E.GpuCodecEngine)
     eng.budget_bytes = budget
-    eng.seed, eng._classes, eng._rows, eng._class_sets, eng._ans_packed = 7, {}, {}, {}, 0.7
+    eng.seed, eng._classes, eng._rows, eng._class_sets, eng._plans, eng._ans_packed = 7, {}, {}, {}, {}, 0.7
     eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
     eng.save = W()
     eng._nvcomp = types.SimpleNamespace(max_compressed_bytes=lambda n, t: 89288, compress_temp_bytes=lambda c, cb, total, t: 0,
