@@ -22,8 +22,8 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
   sequence (``_ClassSet``): a save's batches pass the same one again; so are, per class vector, a batch's cut
   into flights and each flight's plan without ANS (``_FlightPlan``: offsets, slots, columns, kernel groups,
-  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them). ANS too: its chunk arrays from the
-  class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
+  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them). ANS too: its chunk
+  arrays from the class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
   (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
   (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
   ``encode_submit`` / ``decode_submit`` then do.
@@ -677,8 +677,9 @@ def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, see
     off["temp"] = lay.take(0)
     off["align"] = align
     zeros = _frozen(np.zeros(k, dtype=np.int64))
-    cols = _EncCols(*(_frozen(x) for x in (kind, zeros, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
-                                             table.bits[c], table.role[c], table.layer[c], table.nch[c])), zeros, zeros)
+    cols = _EncCols(*(_frozen(x) for x in (kind, zeros, slots, table.n[c], table.cap[c], table.fp16[c],
+                                             table.head_dim[c], table.bits[c], table.role[c], table.layer[c],
+                                             table.nch[c])), zeros, zeros)
     groups = tuple((name, _frozen(sel)) for name, sel in _enc_groups(cols))
     signs = {name: _sign_rows(cols.head_dim[sel], cols.layer[sel], np.full(len(sel), seed, dtype=np.int64))
              for name, sel in groups if len(sel) and _ENC_GROUPS[name] == rows_.ENC_TQ}
@@ -710,7 +711,8 @@ def _enc_groups(c: _EncCols, ans: "np.ndarray | None" = None) -> tuple[tuple[str
 
 def _encode_rows(buf: np.ndarray, at: int, c: _EncCols, groups: Sequence[tuple[str, np.ndarray]], payload0: int,
                  seed: int, chunk_cap: int, base: int, off: dict[str, int],
-                 rounds: "_AnsRounds | None" = None, signs: "dict[str, np.ndarray] | None" = None) -> dict[str, tuple[int, int]]:
+                 rounds: "_AnsRounds | None" = None,
+                 signs: "dict[str, np.ndarray] | None" = None) -> dict[str, tuple[int, int]]:
     """An encode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``, kernel by kernel
     in the order of ``groups`` (kernel name, the rows of ``c`` it takes). A segment's payload goes to
     ``payload0 + slot`` (the output region's slots); TurboQuant rows carry the signs of ``seed``; ANS packing

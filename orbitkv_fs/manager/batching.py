@@ -161,10 +161,10 @@ class Batching:
     def _run_batches(self, runs: Iterable[tuple[object, Sequence[int], Sequence[int]]],
                      flights: int = 1) -> Iterator[list]:
         """:meth:`_codec_batches` (of ``flights`` flights, ``run``: the runs) of items that come in runs (a
-        save's chunks), as slices of the runs: each run is ``(run, nbytes, logical)``, the cumulative sums of its items' counted and
-        logical bytes (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each batch a list of
-        pieces ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a few bisections
-        per run instead of a test per item."""
+        save's chunks), as slices of the runs: each run is ``(run, nbytes, logical)``, the cumulative sums of its
+        items' counted and logical bytes (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each
+        batch a list of pieces ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a
+        few bisections per run instead of a test per item."""
         budget, most = self._batch_budget(flights), self._source_cap()
         cap = self._config.batch_segments
         batch: list = []
