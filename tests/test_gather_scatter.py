@@ -240,7 +240,7 @@ def test_save_columns_pairs_and_classes():
     segs = [SimpleNamespace(layer=i // 2, block_bytes=4096, block_shape=(16, 128), copy=(1 << 30 + i, 4096, 1, 4096, 4096))
             for i in range(6)]
     eng = SimpleNamespace(segs=segs, seg_index={id(s): i for i, s in enumerate(segs)}, enc_classes={},
-                          enc_batches={}, enc_rows={}, geometry=_geometry(segs))
+                          enc_rows={}, geometry=_geometry(segs))
     made = []
 
     def encode_class(engine, seg, blocks):
@@ -260,17 +260,14 @@ def test_save_columns_pairs_and_classes():
         assert [classes[c].key for c in cls.tolist()] == [(segs.index(seg), len(ch.blocks)) for ch, seg, _ in batch]
         assert (np.diff(ci) >= 0).all() and set(np.diff(ci).tolist()) <= {0, 1}
     assert len(made) == len(set(made))  # each class made once, whatever the batches
-    assert len(eng.enc_batches) == 3  # the class sets met: the fourth batch's was the first's
-    assert len(eng.enc_rows) == 3  # ... its pairs too, answered without sorting them again
+    assert len(eng.enc_rows) == 3  # the fourth batch's pairs were the first's: answered without sorting them again
     segs[3].layer = 9  # its class is the host codec's: the whole batch goes to the item path (a new registration)
     eng.enc_classes.clear()
-    eng.enc_batches.clear()
     eng.enc_rows.clear()
     assert SavePipeline._save_columns(p, eng, None, rows_of(items, segs)) is None
     eng.geometry = None  # pages the block-copy kernel cannot move: the item path
     segs[3].layer = 1
     eng.enc_classes.clear()
-    eng.enc_batches.clear()
     eng.enc_rows.clear()
     assert SavePipeline._save_columns(p, eng, None, rows_of(items, segs)) is None
 

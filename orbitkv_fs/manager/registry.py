@@ -191,8 +191,7 @@ class _Engine:
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.seg_index = {id(s): i for i, s in enumerate(segs)}  # a save item's segment -> its index in segs
         self.enc_classes: dict = {}  # (segment index, blocks per chunk) -> the GPU engine's encode class
-        self.enc_batches: dict = {}  # a save batch's distinct pairs (bytes) -> their classes (None: item path)
-        self.enc_rows: dict = {}  # a save batch's pairs (bytes) -> (their classes, each pair's class index)
+        self.enc_rows: dict = {}  # a save batch's pairs (bytes) -> (their classes or None: item path, class indices)
         # The segments' block geometry as one array (device._geometry) where the block-copy kernel moves
         # every one of them (GPU pages of regular rows), else None: those go one item per segment.
         self.geometry = _geometry(segs) if segs and all(s.copy is not None for s in segs) else None

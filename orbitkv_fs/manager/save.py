@@ -109,28 +109,19 @@ class _SaveBatch:
 def _classes_of(eng: _Engine, make: Callable, uniq: np.ndarray) -> "list | None":
     """The encode classes of (segment index << 32 | blocks per chunk) values ``uniq``, each made once per
     registration (``make(segment, blocks)``); None when one is not a GPU encode (one the host codec decides).
-    The batches of a save meet the same sets again (a chunk at a time, in segment order): a set's answer is
-    kept by its bytes, and shared (not to be changed)."""
-    key = uniq.tobytes()
-    batches = eng.enc_batches
-    if key in batches:
-        return batches[key]
+    :meth:`SavePipeline._save_columns` keeps the answer per batch sequence of pairs (``_Engine.enc_rows``)."""
     known = eng.enc_classes
     if len(known) > 4096:
         known.clear()
-    classes: "list | None" = []
+    classes: list = []
     for u in uniq.tolist():
         pair = (u >> 32, u & 0xFFFFFFFF)
         t = known.get(pair)
         if t is None:
             t = known[pair] = make(eng.segs[pair[0]], pair[1])
         if t.kind not in ("raw", "fp8", "tq", "ans"):
-            classes = None
-            break
+            return None
         classes.append(t)
-    if len(batches) >= 256:
-        batches.clear()
-    batches[key] = classes
     return classes
 
 

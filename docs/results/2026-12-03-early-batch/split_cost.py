@@ -10,6 +10,7 @@ Usage: python split_cost.py [--head 8] [--repeat 300]"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import timeit
 
@@ -28,11 +29,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=300)
     args = p.parse_args()
     layers, blocks, per = 36, 512, 16
-    pages, reg = B._engine(blocks, layers)
     order = np.arange(blocks)
     np.random.default_rng(1).shuffle(order)
-    m = Manager(ManagerConfig(pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec="none"))
-    try:
+    with contextlib.ExitStack() as stack:  # the pages file and the arena go, however this ends
+        pages, reg = B._engine(blocks, layers)
+        stack.callback(pages.close)
+        m = stack.enter_context(Manager(ManagerConfig(
+            pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec="none")))
         e = m.register_engine(reg)
         chunks = [ChunkBlocks(chunk_key(f"x-{i}"), order[i * per:(i + 1) * per].tolist()) for i in range(blocks // per)]
         m.save(e.engine_id, chunks)
@@ -71,9 +74,6 @@ def main() -> None:
         for _ in range(2):  # twice, alternating: the second pair is the one to read
             print(f"{len(kbs)} segments: lease + checks + rows + drop, whole {median_us(whole):.0f} us, "
                   f"split after {args.head} chunks {median_us(split):.0f} us")
-    finally:
-        m.close()
-        pages.close()
     n = 461
     reason = np.zeros(n, np.int64)
     reason[::9] = 2

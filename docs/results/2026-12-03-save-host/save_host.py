@@ -13,6 +13,7 @@ Prints the median wall and thread CPU per save and per segment (the bench's repe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import threading
@@ -29,7 +30,8 @@ from orbitkv_fs.manager.device import _geometry, _rows_of
 from orbitkv_fs.tools import bench_pipeline as B
 
 _spec = importlib.util.spec_from_file_location(
-    "engine_host", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-02-gpu-host", "engine_host.py"))
+    "engine_host",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-02-gpu-host", "engine_host.py"))
 engine_host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(engine_host)
 
@@ -90,12 +92,15 @@ def main() -> None:
     layers, blocks = 36, 512
     per = (args.segment_kib << 10) // B.BLOCK_BYTES
     budget = 256 << 20
-    pages, reg = B._engine(blocks, layers)
     order = np.arange(blocks)
     np.random.default_rng(1).shuffle(order)
-    m = Manager(ManagerConfig(pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=args.codec,
-                              storage_codec_budget=budget))
-    try:
+    with contextlib.ExitStack() as stack:  # the pages file and the arena go, however this ends
+        pages, reg = B._engine(blocks, layers)
+        stack.callback(pages.close)
+        m = stack.enter_context(Manager(ManagerConfig(
+            pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=args.codec,
+            storage_codec_budget=budget)))
+        stack.callback(setattr, m.dram.arena, "pinned", False)  # not registered with CUDA: nothing to unregister
         e = m.register_engine(reg)
         eng = m._engines[e.engine_id]
         for s in eng.segs:  # the host pages as GPU pages whose blocks the block-copy kernel moves
@@ -132,12 +137,8 @@ def main() -> None:
                 lp.print_stats(stream=f, output_unit=1e-6, stripzeros=True)
         w, c = np.median(walls[2:]) * 1e6, np.median(cpus[2:]) * 1e6
         st = m._gpu_codecs.engine(eng.reg.rotation_seed).save.stats
-        print(f"{args.codec} {args.segment_kib} KiB: {nseg} segments, {st['batches'] // args.repeat} engine flights a save;"
-              f" median wall {w:.0f} us ({w / nseg:.2f} us/seg), thread CPU {c:.0f} us ({c / nseg:.2f} us/seg)")
-    finally:
-        m.dram.arena.pinned = False  # not registered with CUDA: nothing to unregister
-        m.close()
-        pages.close()
+        print(f"{args.codec} {args.segment_kib} KiB: {nseg} segments, {st['batches'] // args.repeat} engine flights"
+              f" a save; median wall {w:.0f} us ({w / nseg:.2f} us/seg), thread CPU {c:.0f} us ({c / nseg:.2f} us/seg)")
 
 
 if __name__ == "__main__":
