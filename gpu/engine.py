@@ -22,7 +22,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
   sequence (``_ClassSet``): a save's batches pass the same one again; so are, per class vector, a batch's cut
   into flights and each flight's plan without ANS (``_FlightPlan``: offsets, slots, columns, kernel groups,
-  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them). ANS too: its chunk
+  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them); on decode, by the
+  headers but for their CRCs, a batch's flights and each flight's plan without ANS (``_DecPlan``: offsets,
+  kernel groups, descriptor rows but for their addresses and expected CRCs). ANS too: its chunk
   arrays from the class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
   (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`). They answer None for what they do not take
   (host-decided encodes, a segment over half the workspace, ANS payloads outside a given array):
@@ -687,6 +689,34 @@ def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, see
                        off["pay_len"] + 8)
 
 
+class _DecPlan(NamedTuple):
+    """What a decode flight without ANS segments takes from its headers but for their CRCs (each segment's
+    format, lengths, dtype, codec parameters, layer and role): its workspace offsets and the end of their head,
+    its kernel groups, its descriptor rows with the payload and destination addresses and the expected CRCs
+    left to fill in (the rows' segments in ``W_META``; rows ``0 .. check - 1`` are the CRC32C pass, which has
+    no destination), the stored bytes and their zero-byte CRC parts. A restore of whole chunks hands the engine
+    the same headers batch after batch: planned once (``GpuCodecEngine._dec_plans``; read-only)."""
+
+    off: dict
+    head_end: int
+    firsts: dict
+    rows: np.ndarray  # [rows, 16] uint64
+    check: int
+    stored: np.ndarray
+    zero: np.ndarray
+
+
+#: The words of a header that hold its payload and header CRCs (uint32 columns of ``[n, 16]`` header words).
+_CRC_WORDS = [HEADER_DTYPE.fields["payload_crc"][1] // 4, HEADER_SIZE // 4 - 1]
+
+
+def _fixed_key(heads: np.ndarray) -> bytes:
+    """A decode batch's headers but for their CRCs, as one bytes key (``heads``: ``[n, 64]`` uint8)."""
+    words = heads.view("<u4").reshape(len(heads), HEADER_SIZE // 4).copy()
+    words[:, _CRC_WORDS] = 0
+    return words.tobytes()
+
+
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
     """The columns of encode plans."""
     k = len(plans)
@@ -869,6 +899,16 @@ def _raw_crcs(crc: np.ndarray, stored: np.ndarray) -> np.ndarray:
     """What the kernels' CRC accumulators end at for payloads whose CRC32C is ``crc``: the standard CRC
     without its zero-byte part (:func:`~orbitkv_fs.gpu.tables.zero_crc`)."""
     return (np.asarray(crc, dtype=np.int64) ^ zero_crc(stored).astype(np.int64)).astype(np.int64)
+
+
+def _crc_verdicts(meta: np.ndarray, expect: np.ndarray, rows: np.ndarray, results: list) -> np.ndarray:
+    """A finished decode flight's payload CRC verdicts: ``results[rows[j]]`` a PayloadChecksumMismatch where its
+    accumulator in ``meta`` (the downloaded meta rows) is not ``expect[j]``; answers where they were not."""
+    bad = meta[:16 * len(rows)].view(km.META_DTYPE)["acc"] != expect
+    for j in np.flatnonzero(bad).tolist():
+        i = int(rows[j])
+        results[i] = PayloadChecksumMismatch(f"segment {i}: payload CRC32C mismatch")
+    return bad
 
 
 _SIGN_ROWS: dict[bytes, np.ndarray] = {}  # a batch's (seed, layer, head dim) keys -> its sign rows
@@ -1098,6 +1138,8 @@ class GpuCodecEngine:
         # Per (class set, class vector, alignment): a batch's flight cuts, a flight's _FlightPlan. Each entry
         # holds its class set, whose id in the key is then not reused while the entry lives.
         self._plans: dict[tuple, tuple] = {}
+        # decode_columns_submit's flight cuts and _DecPlans (None: a flight with ANS), by _fixed_key
+        self._dec_plans: dict[bytes, tuple] = {}
         self._ans_packed = 1.0  # the last encode batch's packed ANS bytes over their worst case (the download's guess)
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
@@ -2073,9 +2115,16 @@ class GpuCodecEngine:
             job.results[i] = LengthMismatch(f"destination {i} holds {int(dst_bytes[i])} bytes; the segment "
                                             f"decodes to {int(orig[i])}")
         tables = None
-        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
         limit = self.budget_bytes // 2
-        if ans.any():
+        # Without ANS or wrong destinations, the flights and their plans are kept by the headers but for CRCs.
+        key = _fixed_key(np.ascontiguousarray(heads, dtype=np.uint8)) if not ans.any() and not wrong.any() else None
+        memo = self._dec_plans.get(key) if key is not None else None
+        if memo is not None:
+            batches, plans = memo
+        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
+        if memo is not None:
+            pass
+        elif ans.any():
             at = np.flatnonzero(ans)
             tables = ans_format.parse_tables(within, src[at] - within.ctypes.data, stored[at], orig[at])
             for j in np.flatnonzero(tables.err).tolist():
@@ -2095,18 +2144,27 @@ class GpuCodecEngine:
             batches = _temp_batches(sizes, _dec_fixed, limit, temp_of)
         else:
             batches = _prefix_batches(np.arange(n), sizes, _dec_fixed, limit, even=True)
+            if key is not None and batches is not None:
+                batches = [_frozen(b) for b in batches]
+                memo = _remember(self._dec_plans, key, (batches, [None] * len(batches)))
         if batches is None:
             return None
         w = self.restore
         with w.lock:
             w.wait_for_current()
             try:
-                for rows in batches:
+                for b, rows in enumerate(batches):
                     if wrong.any():
                         rows = rows[~wrong[rows]]
-                    if len(rows):
-                        job.flights.append(self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results,
-                                                                    tables, ans))
+                    if not len(rows):
+                        continue
+                    if memo is not None and memo[1][b] is not None:
+                        flight = self._run_planned_decode(memo[1][b], h[rows], src[rows], dst[rows], rows,
+                                                          job.results)
+                    else:
+                        flight = self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results, tables,
+                                                          ans, plans=memo[1] if memo is not None else None, at=b)
+                    job.flights.append(flight)
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
                 raise
@@ -2121,11 +2179,14 @@ class GpuCodecEngine:
 
     def _run_decode_columns(self, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
                             results: list, tables: "ans_format.Tables | None" = None,
-                            is_ans: "np.ndarray | None" = None) -> _Flight:
+                            is_ans: "np.ndarray | None" = None, *, plans: "list | None" = None,
+                            at: int = 0) -> _Flight:
         """Queue one decode batch of :meth:`decode_columns_submit` (``rows``: its segments' indices there):
         the descriptors (and ANS chunk arrays) up, each run of neighbouring payloads up in one copy from where
         it lies, the kernels and nvCOMP; its verdicts are made when the flight is finished. ``tables``: the
-        request's ANS chunk tables, row ``j`` of them the request's ``j``-th ANS segment (``is_ans``)."""
+        request's ANS chunk tables, row ``j`` of them the request's ``j``-th ANS segment (``is_ans``).
+        ``plans``: where this flight's :class:`_DecPlan` goes (``plans[at]``), made from what is sent here
+        when it has no ANS segment."""
         w = self.restore
         k = len(h)
         stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
@@ -2169,19 +2230,15 @@ class GpuCodecEngine:
             arr[2] = np.minimum(cb, np.repeat(orig[a], nch) - cb * at)
             arr[3] = np.repeat(base + scratch[a], nch) + cb * at
         firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
-        cs = w.copies
-        w.h2d(base, up, cs)
-        for r0, r1 in runs:
-            w.h2d_raw(base + int(staged[r0]), int(host[r0]), int(staged[r1 - 1] + stored[r1 - 1] - staged[r0]), cs)
-        w.handoff(w.stream, cs)
-        meta = self._launch_decode(base, off, firsts, k, calls, chunks)
+        if plans is not None and not len(a):
+            n_rows = sum(r[1] for r in firsts.values())
+            desc = up[off["desc"]:off["desc"] + n_rows * km.SEG_DTYPE.itemsize].view(np.uint64).reshape(n_rows, -1)
+            plans[at] = _DecPlan(off, off["down_end"], firsts, _frozen(desc.copy()), k, _frozen(stored),
+                                 _frozen(zero_crc(stored).astype(np.int64)))
+        meta = self._send_decode(base, off, up, firsts, host, staged, stored, runs, k, calls, chunks)
 
         def finish() -> None:
-            acc = meta[:16 * k].view(km.META_DTYPE)["acc"]
-            bad = acc != cols.expect
-            for j in np.flatnonzero(bad).tolist():
-                i = int(rows[j])
-                results[i] = PayloadChecksumMismatch(f"segment {i}: payload CRC32C mismatch")
+            bad = _crc_verdicts(meta, cols.expect, rows, results)
             if not len(a):
                 return
             a_off, s_off = off["chunk_actual"] - off["meta"], off["chunk_status"] - off["meta"]
@@ -2200,6 +2257,36 @@ class GpuCodecEngine:
                                                 f"header says {int(orig[a[j]])}")
 
         return w.launched(base, total, upload, finish)
+
+    def _run_planned_decode(self, plan: _DecPlan, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
+                            results: list) -> _Flight:
+        """:meth:`_run_decode_columns` of a flight whose :class:`_DecPlan` is known: only the staging of its
+        payloads (from where they lie), the addresses and expected CRCs of its descriptor rows are made here."""
+        w = self.restore
+        lay = _Layout()
+        lay.end = plan.head_end
+        staged, runs = _mirror(host, plan.stored, lay)
+        base, upload = w.place(lay.end)
+        off = plan.off
+        up = upload.get(off["down_end"])
+        up[off["meta"]:] = 0
+        expect = h["payload_crc"].astype(np.int64) ^ plan.zero
+        desc = up[off["desc"]:off["desc"] + plan.rows.nbytes].view(np.uint64).reshape(plan.rows.shape)
+        rows_.decode_addresses(desc, desc.view(np.uint32), plan.rows, plan.check, base + staged, dst, expect)
+        meta = self._send_decode(base, off, up, plan.firsts, host, staged, plan.stored, runs, len(h))
+        return w.launched(base, lay.end, upload, lambda: _crc_verdicts(meta, expect, rows, results))
+
+    def _send_decode(self, base: int, off: dict, up: np.ndarray, firsts: dict, host: np.ndarray, staged: np.ndarray,
+                     stored: np.ndarray, runs: list, k: int, calls: Sequence = (), chunks: int = 0) -> np.ndarray:
+        """Send a decode flight whose upload ``up`` is written: it goes up on the copy stream, each run of
+        payloads from where it lies, then its kernels (:meth:`_launch_decode`); answers the meta download."""
+        w = self.restore
+        cs = w.copies
+        w.h2d(base, up, cs)
+        for r0, r1 in runs:
+            w.h2d_raw(base + int(staged[r0]), int(host[r0]), int(staged[r1 - 1] + stored[r1 - 1] - staged[r0]), cs)
+        w.handoff(w.stream, cs)
+        return self._launch_decode(base, off, firsts, k, calls, chunks)
 
     def _plain_dec_batches(self, plans: list[_Dec]) -> "list[list[_Dec]] | None":
         """The GPU batches of ``plans`` when none is ANS and each fits half the workspace alone: those the

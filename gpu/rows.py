@@ -3,7 +3,8 @@ time: one call per group of a batch instead of a numpy pass per field (a score o
 hundred rows, cost the host more than the rest of a batch's descriptors).
 
 Primitives: :func:`encode_group` (a group of an encode batch: FP8, TurboQuant, ANS packing, the CRC32C pass
-and copy), :func:`decode_group` (of a decode batch: the CRC32C check, FP8, TurboQuant, the checked copy).
+and copy), :func:`decode_group` (of a decode batch: the CRC32C check, FP8, TurboQuant, the checked copy),
+:func:`decode_addresses` (a planned decode flight's rows: a copy of its plan's with the flight's addresses).
 
 Invariants: the rows are the ones the engine's field-by-field reference builds (tests/test_gpu_descriptors.py);
 a group's rows are consecutive from ``r0`` in the batch's row array, given as its ``(rows, 16)`` uint64 view
@@ -142,3 +143,20 @@ def decode_group(q: np.ndarray, w: np.ndarray, r0: int, code: int, sel: np.ndarr
         w[r, W_BLOCK0] = block
         block += nb
     return block
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def decode_addresses(q: np.ndarray, w: np.ndarray, plan: np.ndarray, check: int, src: np.ndarray, dst: np.ndarray,
+                     expect: np.ndarray) -> None:
+    """The rows of a decode flight without ANS segments from its plan's rows ``plan`` (what :func:`decode_group`
+    wrote for segments of the same headers but for their CRCs): each row's segment ``i`` (its ``W_META``) reads
+    its payload at ``src[i]``, and is checked against ``expect[i]``; rows from ``check`` on (the decodes and
+    copies, after the CRC32C pass) write ``dst[i]``."""
+    for r in range(plan.shape[0]):
+        for c in range(plan.shape[1]):
+            q[r, c] = plan[r, c]
+        i = w[r, W_META]
+        q[r, Q_SRC] = src[i]
+        if r >= check:
+            q[r, Q_DST] = dst[i]
+        w[r, W_EXPECT] = expect[i]

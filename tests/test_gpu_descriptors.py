@@ -97,8 +97,8 @@ def test_encode_rows(seed):
     assert (buf[:128] == 0xEE).all() and (buf[128 + 128 * len(rows):] == 0xEE).all()  # nothing outside the rows
 
 
-def _header(rng: random.Random, kind: str) -> SegmentHeader:
-    dt, orig = rng.choice([FP16, BF16]), rng.randrange(1, 1000) * 4096
+def _header(rng: random.Random, kind: str, most: int = 1000) -> SegmentHeader:
+    dt, orig = rng.choice([FP16, BF16]), rng.randrange(1, most) * 4096
     role, layer, crc = rng.choice([Role.KEY, Role.VALUE]), rng.randrange(40), rng.getrandbits(32)
     if kind == "raw":
         return SegmentHeader(Format.RAW, dt, orig, orig, crc, role=role, layer=layer)
@@ -255,7 +255,7 @@ def _check_even(got, want, one, fits):
 
 def _bare_engine(budget: int) -> "E.GpuCodecEngine":
     eng = object.__new__(E.GpuCodecEngine)  # no device: only the planning arithmetic is used
-    eng.budget_bytes = budget
+    eng.budget_bytes, eng._dec_plans = budget, {}
     return eng
 
 
@@ -452,6 +452,7 @@ class _RecordingWorker:
     def place(self, nbytes: int):
         buf = self.buffers[self.n % 2]
         self.n += 1
+        buf[:nbytes] = 0xEE  # what a reused pinned buffer holds: a byte not written is sent as this
         return 1 << 40, types.SimpleNamespace(get=lambda n, b=buf: b[:n])
 
     def h2d(self, dst: int, src: np.ndarray, stream=None) -> None:
@@ -880,3 +881,95 @@ def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
     for _ in range(E.PLANS_KEPT + 8):  # class vectors never seen again: the engine keeps PLANS_KEPT plans at most
         col_engine.encode_collect(col_engine.encode_columns_submit(classes, rng.permutation(first), ptrs))
         assert len(col_engine._plans) <= E.PLANS_KEPT
+
+
+def _plain_arena(hs: "list[SegmentHeader]", rng: random.Random) -> "tuple[np.ndarray, list, np.ndarray]":
+    """Segments of headers ``hs`` (zero payloads: only the GPU reads them) in an arena as a save leaves them:
+    512-byte slots one after another, with a gap now and then (a run of the upload's copies ends there)."""
+    blobs = [pack_header(h) + bytes(h.stored_length) for h in hs]
+    offs, pos = [], rng.randrange(0, 8) * 512
+    for b in blobs:
+        offs.append(pos)
+        pos = -(-(pos + len(b)) // 512) * 512 + (rng.randrange(1, 4) * 4096 if rng.random() < 0.2 else 0)
+    arena = np.zeros(pos, np.uint8)
+    for o, b in zip(offs, blobs):
+        arena[o:o + len(b)] = np.frombuffer(b, np.uint8)
+    return arena, [memoryview(arena)[o:o + len(b)] for o, b in zip(offs, blobs)], np.asarray(offs, dtype=np.int64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planned_decode_flights_send_what_the_item_path_sends(seed, monkeypatch):
+    """decode_columns_submit of segments without ANS (exact, FP8, TurboQuant of both widths) keeps each flight's
+    plan (``_DecPlan``) by the headers but for their CRCs and reuses it: the first batch, a second of other
+    payloads (other payload CRCs) at other addresses (no new plan) and a third of the first's headers in another
+    order (new plans) each upload the same descriptors, copy the same payload runs and launch the same kernels
+    as the per-segment decode_submit, and answer the same verdicts for the same accumulators (a CRC mismatch
+    where the GPU's does not match). Plans are read-only; an engine keeps PLANS_KEPT of them."""
+    metas: list = []
+
+    def pinned(n: int) -> np.ndarray:  # each flight's meta download, to answer as the GPU would
+        a = np.zeros(max(n, 1), np.uint8)
+        metas.append(a)
+        return a
+
+    monkeypatch.setattr(E, "_pinned_array", pinned)
+    rng = random.Random(seed)
+    msgspec = pytest.importorskip("msgspec")
+    first = [msgspec.structs.replace(_header(rng, rng.choice(["raw", "fp8", "tq"]), 48), layer=i) for i in range(36)]
+    other = [msgspec.structs.replace(h, payload_crc=rng.getrandbits(32)) for h in first]
+    order = list(range(len(first)))
+    rng.shuffle(order)
+    cols = _recording_engine()
+    cols.budget_bytes = 2 << 20  # flights of 1 MiB: several a batch
+
+    def place(hs):
+        arena, views, offs = _plain_arena(hs, rng)
+        orig = np.array([h.original_length for h in hs], dtype=np.int64)
+        return hs, arena, views, offs, orig, (1 << 42) + rng.randrange(1, 1 << 16) * 4096 + np.cumsum(orig) - orig
+
+    def run(eng, placed, columns: bool):
+        hs, arena, views, offs, orig, dst = placed
+        metas.clear()
+        eng.restore.log.clear()
+        if columns:
+            heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs.tolist()])
+            job = eng.decode_columns_submit(heads, arena.ctypes.data + offs + HEADER_SIZE, dst, orig, within=arena)
+        else:
+            job = eng.decode_submit(views, [E.DeviceSpan(int(d), int(n), (int(n),)) for d, n in zip(dst, orig)],
+                                    pinned=[True] * len(hs))
+        log = list(eng.restore.log)
+        # the GPU's answer: each accumulator the payload CRC's, but for a mismatch on every fifth segment
+        expect = np.array([h.payload_crc ^ int(zero_crc(h.stored_length)) for h in hs], dtype=np.int64)
+        expect[::5] ^= 1
+        counts = [e[3] for e in log if e[0] == "launch" and e[1] == "okv_crc32c"]
+        assert len(counts) == len(job.flights) == len(metas) > 1
+        r0 = 0
+        for f, meta, k in zip(job.flights, metas, counts):
+            meta[:16 * k].view(km.META_DTYPE)["acc"] = expect[r0:r0 + k]
+            r0 += k
+            f.finish()
+        return log, [(type(r).__name__, str(r)) if r is not None else None for r in job.results]
+
+    for hs, new in ((first, True), (other, False), ([first[j] for j in order], True)):
+        kept = {id(p) for _, plans in cols._dec_plans.values() for p in plans}
+        placed = place(hs)
+        got = run(cols, placed, True)
+        want = run(_recording_engine_of(2 << 20), placed, False)
+        assert got == want
+        assert [r is not None for r in got[1]] == [i % 5 == 0 for i in range(len(hs))]
+        plans = [p for _, ps in cols._dec_plans.values() for p in ps]
+        assert all(p is not None for p in plans)
+        assert ({id(p) for p in plans} != kept) == new
+    plan = plans[0]
+    with pytest.raises(ValueError):
+        plan.rows[0, 0] = 1
+    for _ in range(E.PLANS_KEPT + 8):  # header orders never seen again: the engine keeps PLANS_KEPT at most
+        rng.shuffle(order)
+        run(cols, place([first[j] for j in order]), True)
+        assert len(cols._dec_plans) <= E.PLANS_KEPT
+
+
+def _recording_engine_of(budget: int) -> "E.GpuCodecEngine":
+    eng = _recording_engine()
+    eng.budget_bytes = budget
+    return eng

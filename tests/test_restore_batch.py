@@ -253,6 +253,7 @@ def test_header_checks_group_by_bytes_when_the_mix_collides(monkeypatch):
     from orbitkv_fs.manager import verify
 
     monkeypatch.setattr(verify, "_MIX", np.zeros(8, dtype=np.uint64))
+    monkeypatch.setattr(verify, "_GROUPS", {})  # grouped here, not answered from an earlier test's batch
     rng = random.Random(5)
     good = _segments(rng)
     bad = []
@@ -265,6 +266,13 @@ def test_header_checks_group_by_bytes_when_the_mix_collides(monkeypatch):
     rng.shuffle(mixed)
     ok = _check(mixed)
     assert ok.sum() == len(good)
+    assert len(verify._GROUPS) == 1  # the same batch again (its CRCs aside) is answered from the memo
+    resigned = []
+    for kb, blob in mixed:
+        b = bytearray(blob)
+        b[HEADER_DTYPE.fields["payload_crc"][1]] ^= 1  # another payload CRC: a header CRC mismatch, mostly
+        resigned.append((kb, bytes(b)))
+    assert _check(resigned).sum() < len(good) and len(verify._GROUPS) == 1  # each verdict _verify_header's
 
 
 def test_header_rows_of_an_arena_and_header_fields():
@@ -298,13 +306,22 @@ class _Pipeline(RestorePipeline, Batching):
 
 
 def test_early_head_is_the_first_batch_of_a_longer_restore_and_spans_join():
-    """A restore's early first batch (``_start_early``) covers the chunks of ``batch_segments`` segments, only
-    when the request holds more and the arena is pinned; a request leased in two parts has the spans of one."""
+    """A restore's early first batch (``_start_early``) covers the chunks of its first batch of ``batch_segments``
+    segments (whole chunks where the next would give it a quarter or less), only when the request holds more and
+    the arena is pinned; a request leased in two parts has the spans of one."""
     segs = [object()] * 72
     chunks = [object()] * 32
     p = _Pipeline(SimpleNamespace(arena=SimpleNamespace(pinned=True)), 256 << 20, 512, True)
-    assert p._early_head(chunks, segs) == 8  # ceil(512 / 72)
-    assert p._early_head(chunks[:8], segs) == 0  # one batch holds the whole request
+    assert p._early_head(chunks, segs) == 7  # 504 segments: the eighth chunk would give 8 of 512
+    assert p._early_head(chunks[:7], segs) == 0  # one batch holds the whole request
+    assert p._early_head(chunks, [object()] * 300) == 2  # a batch of 512: 212 of the second chunk
+    assert p._early_head(chunks, [object()] * 128) == 4 and p._early_head(chunks, [object()] * 600) == 1
+    for nseg in range(1, 700):  # the head covers the first cut of a request of whole chunks
+        count = 512 // nseg + 2
+        nb = np.full(nseg * count, 1 << 10)
+        head = p._early_head([object()] * count, [object()] * nseg)
+        _, j = next(p._cuts(nb, nb, 1, nseg))
+        assert head * nseg >= j and (head - 1) * nseg < j, nseg
     assert p._early_head(chunks * 10, segs[:2]) == 256 and p._early_head(chunks, []) == 0  # one layer: K, V
     p.dram.arena.pinned = False
     assert p._early_head(chunks, segs) == 0
@@ -325,8 +342,11 @@ def test_early_head_is_the_first_batch_of_a_longer_restore_and_spans_join():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cuts_are_codec_batches(seed):
+    """``_cuts`` (a restore's batches, on the running sums) makes ``_codec_batches`` ' cuts, and with chunks of
+    ``per`` rows from row ``start`` its cuts with the chunks as runs: no chunk split for a sliver of it."""
     rng = random.Random(seed)
-    for _ in range(40):
+    aligned = 0
+    for _ in range(60):
         p = _Pipeline(None, rng.choice([1 << 20, 4 << 20, 64 << 20]), rng.choice([1, 3, 8, 256]), rng.random() < 0.5)
         n = rng.randrange(1, 300)
         nb = [rng.choice([0, 1 << 10, 256 << 10, 1 << 20, 9 << 20]) for _ in range(n)]
@@ -334,6 +354,18 @@ def test_cuts_are_codec_batches(seed):
         want = [[i for i, _, _ in b] for b in p._codec_batches(zip(range(n), nb, lg), lambda t: t[1], lambda t: t[2])]
         got = [list(range(i, j)) for i, j in p._cuts(np.asarray(nb), np.asarray(lg))]
         assert got == want
+        per, start = rng.choice([1, 2, 5, 12, 72]), rng.randrange(0, 80)
+        want = [[i for i, _, _ in b] for b in p._codec_batches(zip(range(n), nb, lg), lambda t: t[1], lambda t: t[2],
+                                                                run=lambda t: (start + t[0]) // per)]
+        got = [list(range(i, j)) for i, j in p._cuts(np.asarray(nb), np.asarray(lg), 1, per, start)]
+        assert got == want
+        aligned += got != [list(range(i, j)) for i, j in p._cuts(np.asarray(nb), np.asarray(lg))]
+    assert aligned  # the chunks changed some cuts
+    # the bench's shape: 32 chunks of 72 segments in batches of 512 are seven whole chunks each
+    p = _Pipeline(None, 256 << 20, 512, True)
+    ones = np.ones(32 * 72, dtype=np.int64)
+    assert [j - i for i, j in p._cuts(ones, ones, 1, 72)] == [504] * 4 + [288]
+    assert [j - i for i, j in p._cuts(ones[504:], ones[504:], 1, 72, 504)] == [504] * 3 + [288]
 
 
 def test_device_batch_checks_are_the_per_segment_checks(tmp_path):

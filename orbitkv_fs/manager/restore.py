@@ -34,7 +34,7 @@ from ..keys import ObjectKey, segment_keys
 from ..pages import cupy_dtype
 from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
-from .batching import _decode_bound, _pipelined
+from .batching import ALIGN_SHARE, _decode_bound, _pipelined
 from .device import _Targets
 from .leases import Spans, _Lease
 from .registry import _Engine, _Seg
@@ -497,7 +497,8 @@ class RestorePipeline:
 
         first = early.end if early is not None else 0
         cuts: Iterable = ((i + first, j + first) for i, j in self._cuts(rows.sizes[first:, 0], rows.sizes[first:, 1],
-                                                                        self._flights(eng, restore=True)))
+                                                                        self._flights(eng, restore=True),
+                                                                        len(rows.segs), first))
         self._decode_pipelined(cuts if early is None else chain((early,), cuts), start, end)
         return failed, (totals[0], totals[1], totals[2])
 
@@ -530,12 +531,14 @@ class RestorePipeline:
         return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
 
     def _early_head(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> int:
-        """How many leading chunks of a restore make its first codec batch (``batch_segments`` segments), when
-        the request holds more than that: those are leased and checked first and their batch started before
-        the rest (:meth:`_start_early`); 0 otherwise."""
+        """How many leading chunks of a restore make its first codec batch (``batch_segments`` segments, cut as
+        :meth:`_cuts` cuts them: not a sliver of a chunk), when the request holds more than that: those are
+        leased and checked first and their batch started before the rest (:meth:`_start_early`); 0 otherwise."""
         if not segs or not self.dram.arena.pinned:
             return 0
-        head = -(-self._config.batch_segments // len(segs))
+        cap, nseg = self._config.batch_segments, len(segs)
+        whole, part = divmod(cap, nseg)
+        head = whole if whole and ALIGN_SHARE * part <= cap else whole + (part > 0)
         return head if head < len(chunks) else 0
 
     def _start_early(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
@@ -553,7 +556,7 @@ class RestorePipeline:
         if targets is None:
             return None
         rows = _Rows.of(chunks[:head], segs, keys[:head], heads, sizes)
-        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True)))
+        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True), len(segs)))
         ok, tid, templates = _verify_headers(heads[i:j], rows.layers[i:j], rows.roles[i:j], sizes[i:j, 3])
         if not ok.all():  # a bad header: the usual path reports it
             return None
@@ -634,22 +637,35 @@ class RestorePipeline:
         totals[2] += int(rows.sizes[at[ok], 2].sum())
         return ev
 
-    def _cuts(self, nbytes: np.ndarray, logical: np.ndarray, flights: int = 1) -> Iterator[tuple[int, int]]:
+    def _cuts(self, nbytes: np.ndarray, logical: np.ndarray, flights: int = 1, per: int = 0,
+              start: int = 0) -> Iterator[tuple[int, int]]:
         """The ``[i, j)`` ranges of :meth:`_codec_batches` over items of ``nbytes`` and ``logical`` bytes (at
         most ``batch_segments`` items, ``nbytes`` within the budget of ``flights`` flights, ``logical`` within
-        the source cap, one item at least), found on the arrays' running sums."""
+        the source cap, one item at least), found on the arrays' running sums. With ``per``, the items come in
+        chunks of ``per`` (item ``i`` of chunk ``(start + i) // per``: a restore's rows from row ``start``) and a
+        chunk is not split for a sliver of it, as ``_codec_batches`` ' ``run`` rule (:data:`ALIGN_SHARE`): then
+        a restore's batches repeat one sequence of segments, which the header checks and the engine's decode
+        plans answer from their memos."""
         budget, most = self._batch_budget(flights), self._source_cap()
         limit = self._config.batch_segments
         cn = np.cumsum(nbytes, dtype=np.int64)
         cl = np.cumsum(logical, dtype=np.int64)
         n, i = len(cn), 0
+
+        def total(c: np.ndarray, a: int, b: int) -> int:  # the items a .. b - 1
+            return int(c[b - 1]) - (int(c[a - 1]) if a else 0)
+
         while i < n:
-            before_n = int(cn[i - 1]) if i else 0
-            before_l = int(cl[i - 1]) if i else 0
             j = min(i + limit, n,
-                    int(np.searchsorted(cn, before_n + budget, side="right")),
-                    int(np.searchsorted(cl, before_l + most, side="right")))
+                    int(np.searchsorted(cn, (int(cn[i - 1]) if i else 0) + budget, side="right")),
+                    int(np.searchsorted(cl, (int(cl[i - 1]) if i else 0) + most, side="right")))
             j = max(j, i + 1)
+            if per and j < n:
+                c0 = j - (start + j) % per  # the chunk the cut falls in
+                c1 = min(c0 + per, n)
+                if (i < c0 < j and ALIGN_SHARE * (j - c0) <= j - i and c1 - c0 <= limit
+                        and total(cn, c0, c1) <= budget and total(cl, c0, c1) <= most):
+                    j = c0  # a chunk one batch holds whole, begun short: whole to the next batch
             yield i, j
             i = j
 

@@ -129,21 +129,38 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD
 _CRC_WORDS = [_PCRC // 4, HEADER_SIZE // 4 - 1]  # the payload and header CRCs, as 32-bit words of a header
 
 
+#: _distinct_fixed's answers by the batch's header words but for their CRCs: a restore's batches of whole
+#: chunks repeat one sequence of headers but for their CRCs (its layers, roles and lengths), and so do later
+#: restores of that shape. Bounded: cleared when full.
+_GROUPS: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+_GROUPS_KEPT = 64
+
+
 def _distinct_fixed(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Headers ``heads`` (``[n, 64]`` uint8) grouped by their fixed bytes (all but the two CRCs): the row of
     each group's first header and each header's group. Grouped on a 64-bit mix of the words; every header is
-    then compared with its group's first, and a collision (never seen) regroups on the bytes themselves."""
+    then compared with its group's first, and a collision (never seen) regroups on the bytes themselves. A
+    sequence of headers seen before is answered from :data:`_GROUPS`."""
     n = len(heads)
     words = heads.view("<u4").reshape(n, HEADER_SIZE // 4).copy()
     words[:, _CRC_WORDS] = 0
+    key = words.tobytes()
+    got = _GROUPS.get(key)
+    if got is not None:
+        return got
     wide = words.view("<u8")
     mixed = np.bitwise_xor.reduce(wide * _MIX, axis=1)
     _, first, inv = np.unique(mixed, return_index=True, return_inverse=True)
     inv = inv.reshape(n)
-    if (wide == wide[first[inv]]).all():
-        return first, inv
-    _, first, inv = np.unique(wide.view(f"V{HEADER_SIZE}").reshape(n), return_index=True, return_inverse=True)
-    return first, inv.reshape(n)
+    if not (wide == wide[first[inv]]).all():
+        _, first, inv = np.unique(wide.view(f"V{HEADER_SIZE}").reshape(n), return_index=True, return_inverse=True)
+        inv = inv.reshape(n)
+    if len(_GROUPS) >= _GROUPS_KEPT:
+        _GROUPS.clear()
+    for a in (first, inv):
+        a.flags.writeable = False  # shared by the batches that meet them
+    _GROUPS[key] = (first, inv)
+    return first, inv
 
 
 def _templates_of(fixed: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[SegmentHeader]]:

@@ -81,7 +81,7 @@ class NullWorker:
 def null_engine(seed: int = 7) -> E.GpuCodecEngine:
     eng = object.__new__(E.GpuCodecEngine)
     eng.budget_bytes, eng.seed = 256 << 20, seed
-    eng._classes, eng._rows, eng._class_sets, eng._plans = {}, {}, {}, {}
+    eng._classes, eng._rows, eng._class_sets, eng._plans, eng._dec_plans = {}, {}, {}, {}, {}
     eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
     eng.save, eng.restore = NullWorker(), NullWorker()
     eng._nvcomp = None

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import types
+from typing import Iterator
 
 import numpy as np
 
@@ -44,6 +45,9 @@ class _Buf:
         self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
 
 
+_NULL_EVENT = types.SimpleNamespace(synchronize=lambda: None)
+
+
 class _Worker(engine_host.NullWorker):
     """../2026-12-02-gpu-host's null save Worker, with the block-copy table staged as ``Worker.copy_blocks``
     stages it (into one of three host buffers in turn) and nothing launched."""
@@ -57,6 +61,7 @@ class _Worker(engine_host.NullWorker):
         j = self.tables_next
         self.tables_next = (j + 1) % len(self.tables)
         self.tables[j].get(table.nbytes)[:] = table.view(np.uint8)
+        return _NULL_EVENT  # a restore's scatter answers the event after its copies
 
     def close(self) -> None:
         self.inflight.clear()
@@ -81,25 +86,22 @@ def _codecs() -> D._GpuCodecs:
     return g
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--codec", default="turboquant-4")
-    p.add_argument("--repeat", type=int, default=40)
-    p.add_argument("--segment-kib", type=int, default=512)
-    p.add_argument("--profile", default=None, help="line_profiler of the save's batch steps, to this file")
-    args = p.parse_args()
+@contextlib.contextmanager
+def harness(codec: str, segment_kib: int = 512) -> Iterator[types.SimpleNamespace]:
+    """The bench's geometry on a Manager whose GPU codecs are null engines: ``m`` the Manager, ``e`` the
+    registration, ``eng`` its engine state, ``chunks`` a save's chunks (shuffled blocks), ``nseg`` its
+    segments. The pages file and the Manager go however the caller's block ends."""
     E._pinned_array = lambda n: np.zeros(max(n, 1), np.uint8)
     layers, blocks = 36, 512
-    per = (args.segment_kib << 10) // B.BLOCK_BYTES
-    budget = 256 << 20
+    per = (segment_kib << 10) // B.BLOCK_BYTES
     order = np.arange(blocks)
     np.random.default_rng(1).shuffle(order)
-    with contextlib.ExitStack() as stack:  # the pages file and the arena go, however this ends
+    with contextlib.ExitStack() as stack:
         pages, reg = B._engine(blocks, layers)
         stack.callback(pages.close)
         m = stack.enter_context(Manager(ManagerConfig(
-            pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=args.codec,
-            storage_codec_budget=budget)))
+            pool_size=2 * blocks * B.BLOCK_BYTES * layers * 2 + (64 << 20), storage_codec=codec,
+            storage_codec_budget=256 << 20)))
         stack.callback(setattr, m.dram.arena, "pinned", False)  # not registered with CUDA: nothing to unregister
         e = m.register_engine(reg)
         eng = m._engines[e.engine_id]
@@ -112,7 +114,18 @@ def main() -> None:
         m._gpu_codecs = _codecs()
         m.dram.arena.pinned = True
         chunks = [ChunkBlocks(chunk_key(f"x-{i}"), order[i * per:(i + 1) * per].tolist()) for i in range(blocks // per)]
-        nseg = len(chunks) * len(eng.segs)
+        yield types.SimpleNamespace(m=m, e=e, eng=eng, chunks=chunks, nseg=len(chunks) * len(eng.segs))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--codec", default="turboquant-4")
+    p.add_argument("--repeat", type=int, default=40)
+    p.add_argument("--segment-kib", type=int, default=512)
+    p.add_argument("--profile", default=None, help="line_profiler of the save's batch steps, to this file")
+    args = p.parse_args()
+    with harness(args.codec, args.segment_kib) as h:
+        m, e, eng, chunks, nseg = h.m, h.e, h.eng, h.chunks, h.nseg
         lp = None
         if args.profile:
             from line_profiler import LineProfiler
