@@ -983,18 +983,14 @@ def _mirror(host: np.ndarray, stored: np.ndarray, lay: _Layout) -> "tuple[np.nda
     """Staging offsets (taken from ``lay``) of payloads uploaded from pinned host addresses ``host``: a run of
     payloads that lie one after another there (steps that keep the 256-byte alignment, gaps of at most
     ``_MIRROR_GAP``: a save batch leaves them so in the arena) keeps its relative offsets, so that it goes up
-    in one copy. Answers the offsets and the runs as ``[start, end)`` row ranges."""
+    in one copy (:func:`~orbitkv_fs.gpu.rows.mirror`). Answers the offsets and the runs as ``[start, end)`` row
+    ranges."""
     k = len(host)
-    d = np.diff(host)
-    gap = d - stored[:-1]
-    join = (d % SLOT_ALIGN == 0) & (gap >= 0) & (gap <= _MIRROR_GAP)
-    starts = np.flatnonzero(np.concatenate(([True], ~join))).tolist() if k else []
-    runs = list(zip(starts, starts[1:] + [k]))
-    staged = np.empty(k, dtype=np.int64)
-    for a, b in runs:
-        staged[a:b] = lay.take(0) + (host[a:b] - host[a])
-        lay.end = int(staged[b - 1] + stored[b - 1])
-    return staged, runs
+    staged, starts = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+    runs, lay.end = rows_.mirror(np.asarray(host, dtype=np.int64), np.asarray(stored, dtype=np.int64), lay.end,
+                                 SLOT_ALIGN, _MIRROR_GAP, staged, starts)
+    first = starts[:runs].tolist()
+    return staged, list(zip(first, first[1:] + [k]))
 
 
 _FIXED_PARTS: dict[Callable[[np.ndarray], np.ndarray], np.ndarray] = {}
@@ -2158,11 +2154,12 @@ class GpuCodecEngine:
                         rows = rows[~wrong[rows]]
                     if not len(rows):
                         continue
+                    # a batch's rows are consecutive but where wrong ones left it: views of the columns then
+                    at = rows if wrong.any() else slice(int(rows[0]), int(rows[-1]) + 1)
                     if memo is not None and memo[1][b] is not None:
-                        flight = self._run_planned_decode(memo[1][b], h[rows], src[rows], dst[rows], rows,
-                                                          job.results)
+                        flight = self._run_planned_decode(memo[1][b], h[at], src[at], dst[at], rows, job.results)
                     else:
-                        flight = self._run_decode_columns(h[rows], src[rows], dst[rows], rows, job.results, tables,
+                        flight = self._run_decode_columns(h[at], src[at], dst[at], rows, job.results, tables,
                                                           ans, plans=memo[1] if memo is not None else None, at=b)
                     job.flights.append(flight)
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims

@@ -4,7 +4,8 @@ hundred rows, cost the host more than the rest of a batch's descriptors).
 
 Primitives: :func:`encode_group` (a group of an encode batch: FP8, TurboQuant, ANS packing, the CRC32C pass
 and copy), :func:`decode_group` (of a decode batch: the CRC32C check, FP8, TurboQuant, the checked copy),
-:func:`decode_addresses` (a planned decode flight's rows: a copy of its plan's with the flight's addresses).
+:func:`decode_addresses` (a planned decode flight's rows: a copy of its plan's with the flight's addresses),
+:func:`mirror` (a decode flight's payload staging, runs of neighbours in pinned memory kept together).
 
 Invariants: the rows are the ones the engine's field-by-field reference builds (tests/test_gpu_descriptors.py);
 a group's rows are consecutive from ``r0`` in the batch's row array, given as its ``(rows, 16)`` uint64 view
@@ -160,3 +161,24 @@ def decode_addresses(q: np.ndarray, w: np.ndarray, plan: np.ndarray, check: int,
         if r >= check:
             q[r, Q_DST] = dst[i]
         w[r, W_EXPECT] = expect[i]
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def mirror(host: np.ndarray, stored: np.ndarray, end: int, align: int, gap: int,
+           staged: np.ndarray, starts: np.ndarray) -> tuple[int, int]:
+    """Staging offsets of payloads at pinned host addresses ``host`` (``stored`` bytes each), from ``end`` on:
+    a payload that follows the previous one there (a step that is a multiple of ``align``, at most ``gap``
+    bytes after its end) keeps its offset from it, so that the run goes up in one copy; another starts at the
+    next multiple of ``align``. Writes ``staged`` and the runs' first rows into ``starts``; answers the number
+    of runs and the staging's end."""
+    runs = 0
+    for i in range(len(host)):
+        d = host[i] - host[i - 1] if i else 0
+        if i and d % align == 0 and 0 <= d - stored[i - 1] <= gap:
+            staged[i] = staged[i - 1] + d
+        else:
+            staged[i] = (end + align - 1) // align * align
+            starts[runs] = i
+            runs += 1
+        end = staged[i] + stored[i]
+    return runs, end

@@ -26,8 +26,10 @@ from orbitkv_fs.manager.verify import (
     _verify_header,
     _verify_headers,
     header_fields,
+    header_of,
 )
-from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, RawReason, Role, parse_header
+from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, AnsType, Format, RawReason, Role
+from orbitkv_fs.segment import SegmentHeader, pack_header, parse_header
 from orbitkv_fs.tiers.dram import UNIT, DramTier
 from orbitkv_fs.tiers.eviction import LruPolicy, S3FifoPolicy
 
@@ -187,6 +189,11 @@ def _segments(rng: random.Random) -> list[tuple[bytes, bytes]]:
             out.append((kb, raw_segment(x16, role=role, layer=layer, reason=RawReason.POLICY)))
             out.append((kb, encode_segment(x16, "fp8", role=role, layer=layer)))
             out.append((kb, encode_segment(x16.astype(ml_dtypes.bfloat16), "turboquant-4", role=role, layer=layer)))
+            # ANS (its bytes need no nvCOMP here: only the header is checked), a payload length of its own each
+            payload = rng.randbytes(rng.randrange(1, x16.nbytes))
+            out.append((kb, pack_header(SegmentHeader(Format.ANS, np.dtype(np.float16), x16.nbytes, len(payload),
+                                                      rng.getrandbits(32), role=role, layer=layer,
+                                                      ans_type=AnsType.FLOAT16)) + payload))
     return out
 
 
@@ -202,15 +209,13 @@ def _check(pairs):
     layers = np.asarray([int.from_bytes(kb[32:34], "little") for kb, _ in pairs])
     roles = np.asarray([kb[34] for kb, _ in pairs])
     ok, tid, templates = _verify_headers(heads, layers, roles, np.asarray([len(b) for _, b in pairs]))
-    pcrc = heads.view(HEADER_DTYPE).reshape(-1)["payload_crc"]
+    h = heads.view(HEADER_DTYPE).reshape(-1)
     for i, (kb, blob) in enumerate(pairs):
         want = _outcome(kb, blob)
         assert ok[i] == (not isinstance(want, str)), (i, want)
         if ok[i]:
             assert templates[tid[i]].__class__ is want.__class__
-            import msgspec
-
-            assert msgspec.structs.replace(templates[tid[i]], payload_crc=int(pcrc[i])) == want
+            assert header_of(templates[tid[i]], h[i]) == want
     return ok
 
 
@@ -229,6 +234,15 @@ def test_header_checks_of_a_batch_are_verify_header_of_each():
         bad.append((kb, blob[:-1]))  # truncated payload, and a header cut short
         bad.append((kb, blob + b"\0"))
         bad.append((kb, blob[:40]))
+    kb = pack_key(NS, b"c" * 16, 2, Role.KEY)
+    from orbitkv_fs.segment import _crc32c
+
+    for orig, stored in ((0, 0), (4096, 0), (4096, MAX_STORED_BYTES + 1)):  # empty, empty but not, too long
+        b = bytearray(pack_header(SegmentHeader(Format.ANS, np.dtype(np.float16), orig, 1, 0, role=Role.KEY, layer=2,
+                                                ans_type=AnsType.FLOAT16)))
+        b[20:24] = stored.to_bytes(4, "little")  # a length pack_header refuses, signed as a writer could
+        b[60:64] = _crc32c.crc32c(bytes(b[:60])).to_bytes(4, "little")
+        bad.append((kb, bytes(b) + bytes(stored)))  # the payload its header claims
     mixed = good + bad
     rng.shuffle(mixed)
     ok = _check(mixed)

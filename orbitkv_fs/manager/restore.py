@@ -85,10 +85,11 @@ class _Early(NamedTuple):
 
 def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader]) -> list[SegmentHeader]:
     """The headers of verified rows ``at`` (:meth:`RestorePipeline._verified_rows`): each one's template (by
-    ``tid``) with the row's own payload CRC."""
-    pcrc = rows.heads[at].view(HEADER_DTYPE).reshape(-1)["payload_crc"].tolist()
+    ``tid``) with the row's own payload CRC and stored length (:func:`~.verify.header_of`)."""
+    h = rows.heads[at].view(HEADER_DTYPE).reshape(-1)
     replace = msgspec.structs.replace
-    return [replace(templates[t], payload_crc=c) for t, c in zip(tid.tolist(), pcrc)]
+    return [replace(templates[t], payload_crc=c, stored_length=n)
+            for t, c, n in zip(tid.tolist(), h["payload_crc"].tolist(), h["stored_length"].tolist())]
 
 
 def _misses(keys: list[list[bytes]], sources: dict, spans: Spans | None, served: "set[bytes] | dict") -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import crc32c as _crc32c
+import msgspec
 import numpy as np
 
 from ..errors import SegmentError, UnknownFormat
@@ -22,6 +23,7 @@ from ..keys import key_layer_role
 from ..segment import (
     HEADER_DTYPE,
     HEADER_SIZE,
+    MAX_STORED_BYTES,
     Format,
     HeaderTemplates,
     Role,
@@ -193,19 +195,37 @@ def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
                     lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[SegmentHeader]]:
     """:func:`_verify_header` of a batch as arrays: ``heads`` (``[n, 64]`` uint8) the headers, ``layers`` /
     ``roles`` what each one's key names, ``lengths`` each segment's bytes. Every distinct header but for
-    its payload CRC is validated once (:func:`_template`), each header's own CRC32C is checked from its
-    template's as an array (:func:`~orbitkv_fs.segment.header_crcs`). Answers ``ok`` (rows that
-    :func:`_verify_header` would pass), per row its template's index (-1 for an invalid one) and the
-    templates (headers with payload CRC 0). The header of an ok row ``i`` is
-    ``templates[tid[i]]`` with ``payload_crc`` ``heads``' field; a row that is not ok fails
-    :func:`_verify_header`, which says why."""
+    its CRCs (and an ANS payload's length, which its codec decides segment by segment) is validated once
+    (:func:`_template`), each header's own CRC32C is checked from its template's as an array
+    (:func:`~orbitkv_fs.segment.header_crcs`). Answers ``ok`` (rows that :func:`_verify_header` would pass), per
+    row its template's index (-1 for an invalid one) and the templates (headers with payload CRC 0). The header
+    of an ok row ``i`` is ``templates[tid[i]]`` with ``payload_crc`` and ``stored_length`` ``heads``' fields
+    (:func:`header_of`); a row that is not ok fails :func:`_verify_header`, which says why."""
     n = len(heads)
     heads = np.ascontiguousarray(heads, dtype=np.uint8).reshape(n, HEADER_SIZE)
-    first, inv = _distinct_fixed(heads)
-    valid, bases, tid_of, templates = _templates_of(heads[first][:, _FIXED].tobytes())
     h = heads.view(HEADER_DTYPE).reshape(n)
+    stored = h["stored_length"]
+    # An ANS payload's length stands for any other in its template: the one thing a header's fields say of it
+    # beyond the template's is its bound (and that it is not empty, which a zero length keeps to its template).
+    ans = (h["format"] == int(Format.ANS)) & (stored > 0)
+    grouped, xor = heads, None
+    if ans.any():
+        grouped = heads.copy()
+        g = grouped.view(HEADER_DTYPE).reshape(n)
+        g["stored_length"][ans] = 1
+        xor = stored ^ g["stored_length"]
+    first, inv = _distinct_fixed(grouped)
+    valid, bases, tid_of, templates = _templates_of(grouped[first][:, _FIXED].tobytes())
     ok = valid[inv]
-    ok &= h["header_crc"] == header_crcs(bases[inv], h["payload_crc"])
+    ok &= h["header_crc"] == header_crcs(bases[inv], h["payload_crc"], xor)
     ok &= (h["layer"] == layers) & (h["role"] == roles)
-    ok &= np.asarray(lengths, dtype=np.int64) == h["stored_length"].astype(np.int64) + HEADER_SIZE
+    ok &= np.asarray(lengths, dtype=np.int64) == stored.astype(np.int64) + HEADER_SIZE
+    if xor is not None:
+        ok &= ~ans | (stored <= MAX_STORED_BYTES)
     return ok, tid_of[inv], templates
+
+
+def header_of(template: SegmentHeader, row: np.ndarray) -> SegmentHeader:
+    """The header of a row that :func:`_verify_headers` passed: its template with the row's (a
+    :data:`~orbitkv_fs.segment.HEADER_DTYPE` record) payload CRC and stored length."""
+    return msgspec.structs.replace(template, payload_crc=int(row["payload_crc"]), stored_length=int(row["stored_length"]))
