@@ -156,7 +156,10 @@ def test_restored_pages_are_in_place_when_restore_answers(codec, engine):
         assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == nseg
         assert st.gpu_cpu_fallbacks["restore"] == 0  # 32 KiB segments fit the workspace
         assert st.gpu_segments["restore"] == restores * nseg
-        assert st.gpu_batches["restore"] == restores * -(-nseg // per_batch)
+        # batches of whole chunks: 16 segments would take 4 of a 12-segment chunk, a quarter of the batch, so each
+        # batch is one chunk (batching.ALIGN_SHARE)
+        assert 2 * L == 12 and per_batch == 16
+        assert st.gpu_batches["restore"] == restores * len(chunks)
         assert st.gpu_workspace_bytes > 0 and st.gpu_workspace_grows >= 1
         if codec == "turboquant-4":  # the policy's exact layers are stored raw, with their reason
             assert st.codec_segments.get("raw", 0) == len(chunks) * 2 * len(e.exact_layers)

@@ -643,10 +643,12 @@ class RestorePipeline:
         """The ``[i, j)`` ranges of :meth:`_codec_batches` over items of ``nbytes`` and ``logical`` bytes (at
         most ``batch_segments`` items, ``nbytes`` within the budget of ``flights`` flights, ``logical`` within
         the source cap, one item at least), found on the arrays' running sums. With ``per``, the items come in
-        chunks of ``per`` (item ``i`` of chunk ``(start + i) // per``: a restore's rows from row ``start``) and a
-        chunk is not split for a sliver of it, as ``_codec_batches`` ' ``run`` rule (:data:`ALIGN_SHARE`): then
-        a restore's batches repeat one sequence of segments, which the header checks and the engine's decode
-        plans answer from their memos."""
+        chunks of ``per`` (item ``i`` of chunk ``(start + i) // per``: a restore's rows from row ``start``), and a
+        batch cut at ``batch_segments`` does not split a chunk for a sliver of it, as ``_codec_batches`` ' ``run``
+        rule (:data:`ALIGN_SHARE`): then a restore's batches repeat one sequence of segments, which the header
+        checks and the engine's decode plans answer from their memos. A batch the bytes cut is left as it is:
+        its segments' sizes differ (ANS) and no memo would answer it, while smaller batches cost more of them
+        (`ans` restored 8% slower with them, docs/results/2026-12-03-restore-host)."""
         budget, most = self._batch_budget(flights), self._source_cap()
         limit = self._config.batch_segments
         cn = np.cumsum(nbytes, dtype=np.int64)
@@ -661,7 +663,7 @@ class RestorePipeline:
                     int(np.searchsorted(cn, (int(cn[i - 1]) if i else 0) + budget, side="right")),
                     int(np.searchsorted(cl, (int(cl[i - 1]) if i else 0) + most, side="right")))
             j = max(j, i + 1)
-            if per and j < n:
+            if per and i + limit == j < n:
                 c0 = j - (start + j) % per  # the chunk the cut falls in
                 c1 = min(c0 + per, n)
                 if (i < c0 < j and ALIGN_SHARE * (j - c0) <= j - i and c1 - c0 <= limit
