@@ -3,7 +3,8 @@
 Primitives: :func:`_verify` (header, key's layer/role, payload CRC32C), :func:`_verify_header` (the same
 without the payload CRC, for bytes a tier validated a moment ago), :func:`_verify_headers` (that of a
 batch, as arrays; :func:`_header_rows` / :func:`_header_rows_at` gather its headers, :func:`header_fields`
-reads them as a structured array), :func:`_check_keys` (16-byte chunk keys),
+reads them as a structured array, :func:`header_of` makes a passed row's header), :func:`_check_keys` (16-byte
+chunk keys),
 :data:`_HEADERS` (parsed-header templates), :data:`_REP_NAMES` (Format value -> representation name).
 
 Invariants: every check raises :class:`~orbitkv_fs.errors.SegmentError` (never returns a half-checked
