@@ -691,14 +691,13 @@ def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, see
 
 class _DecPlan(NamedTuple):
     """What a decode flight without ANS segments takes from its headers but for their CRCs (each segment's
-    format, lengths, dtype, codec parameters, layer and role): its workspace offsets and the end of their head,
-    its kernel groups, its descriptor rows with the payload and destination addresses and the expected CRCs
-    left to fill in (the rows' segments in ``W_META``; rows ``0 .. check - 1`` are the CRC32C pass, which has
-    no destination), the stored bytes and their zero-byte CRC parts. A restore of whole chunks hands the engine
-    the same headers batch after batch: planned once (``GpuCodecEngine._dec_plans``; read-only)."""
+    format, lengths, dtype, codec parameters, layer and role): its workspace offsets (its payloads staged from
+    ``down_end`` on), its kernel groups, its descriptor rows with the payload and destination addresses and the
+    expected CRCs left to fill in (the rows' segments in ``W_META``; rows ``0 .. check - 1`` are the CRC32C pass,
+    which has no destination), the stored bytes and their zero-byte CRC parts. A restore of whole chunks hands
+    the engine the same headers batch after batch: planned once (``GpuCodecEngine._dec_plans``; read-only)."""
 
     off: dict
-    head_end: int
     firsts: dict
     rows: np.ndarray  # [rows, 16] uint64
     check: int
@@ -2115,11 +2114,9 @@ class GpuCodecEngine:
         # Without ANS or wrong destinations, the flights and their plans are kept by the headers but for CRCs.
         key = _fixed_key(np.ascontiguousarray(heads, dtype=np.uint8)) if not ans.any() and not wrong.any() else None
         memo = self._dec_plans.get(key) if key is not None else None
-        if memo is not None:
-            batches, plans = memo
         sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
         if memo is not None:
-            pass
+            batches = memo[0]
         elif ans.any():
             at = np.flatnonzero(ans)
             tables = ans_format.parse_tables(within, src[at] - within.ctypes.data, stored[at], orig[at])
@@ -2230,7 +2227,7 @@ class GpuCodecEngine:
         if plans is not None and not len(a):
             n_rows = sum(r[1] for r in firsts.values())
             desc = up[off["desc"]:off["desc"] + n_rows * km.SEG_DTYPE.itemsize].view(np.uint64).reshape(n_rows, -1)
-            plans[at] = _DecPlan(off, off["down_end"], firsts, _frozen(desc.copy()), k, _frozen(stored),
+            plans[at] = _DecPlan(off, firsts, _frozen(desc.copy()), k, _frozen(stored),
                                  _frozen(zero_crc(stored).astype(np.int64)))
         meta = self._send_decode(base, off, up, firsts, host, staged, stored, runs, k, calls, chunks)
 
@@ -2259,12 +2256,11 @@ class GpuCodecEngine:
                             results: list) -> _Flight:
         """:meth:`_run_decode_columns` of a flight whose :class:`_DecPlan` is known: only the staging of its
         payloads (from where they lie), the addresses and expected CRCs of its descriptor rows are made here."""
-        w = self.restore
+        w, off = self.restore, plan.off
         lay = _Layout()
-        lay.end = plan.head_end
+        lay.end = off["down_end"]
         staged, runs = _mirror(host, plan.stored, lay)
         base, upload = w.place(lay.end)
-        off = plan.off
         up = upload.get(off["down_end"])
         up[off["meta"]:] = 0
         expect = h["payload_crc"].astype(np.int64) ^ plan.zero

@@ -384,7 +384,8 @@ def test_cuts_are_codec_batches(seed):
     rng = random.Random(seed)
     aligned = 0
     for _ in range(80):
-        p = _Pipeline(None, rng.choice([1 << 20, 4 << 20, 64 << 20]), rng.choice([1, 3, 8, 16, 256]), rng.random() < 0.5)
+        p = _Pipeline(None, rng.choice([1 << 20, 4 << 20, 64 << 20]), rng.choice([1, 3, 8, 16, 256]),
+                      rng.random() < 0.5)
         n = rng.randrange(1, 300)
         nb = [rng.choice([0, 1 << 10, 256 << 10, 1 << 20, 9 << 20]) for _ in range(n)]
         lg = [x * rng.choice([1, 2, 4, 9]) for x in nb]

@@ -38,7 +38,7 @@ from .batching import ALIGN_SHARE, _decode_bound, _pipelined
 from .device import _Targets
 from .leases import Spans, _Lease
 from .registry import _Engine, _Seg
-from .verify import _header_rows_at, _verify, _verify_header, _verify_headers
+from .verify import _header_rows_at, _verify, _verify_header, _verify_headers, header_of
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -86,10 +86,7 @@ class _Early(NamedTuple):
 def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[SegmentHeader]) -> list[SegmentHeader]:
     """The headers of verified rows ``at`` (:meth:`RestorePipeline._verified_rows`): each one's template (by
     ``tid``) with the row's own payload CRC and stored length (:func:`~.verify.header_of`)."""
-    h = rows.heads[at].view(HEADER_DTYPE).reshape(-1)
-    replace = msgspec.structs.replace
-    return [replace(templates[t], payload_crc=c, stored_length=n)
-            for t, c, n in zip(tid.tolist(), h["payload_crc"].tolist(), h["stored_length"].tolist())]
+    return [header_of(templates[t], row) for t, row in zip(tid.tolist(), rows.heads[at].view(HEADER_DTYPE).reshape(-1))]
 
 
 def _misses(keys: list[list[bytes]], sources: dict, spans: Spans | None, served: "set[bytes] | dict") -> int:

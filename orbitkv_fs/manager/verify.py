@@ -229,4 +229,5 @@ def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
 def header_of(template: SegmentHeader, row: np.ndarray) -> SegmentHeader:
     """The header of a row that :func:`_verify_headers` passed: its template with the row's (a
     :data:`~orbitkv_fs.segment.HEADER_DTYPE` record) payload CRC and stored length."""
-    return msgspec.structs.replace(template, payload_crc=int(row["payload_crc"]), stored_length=int(row["stored_length"]))
+    return msgspec.structs.replace(template, payload_crc=int(row["payload_crc"]),
+                                   stored_length=int(row["stored_length"]))

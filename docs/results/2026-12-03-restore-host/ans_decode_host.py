@@ -24,7 +24,8 @@ from orbitkv_fs.gpu.tables import zero_crc
 from orbitkv_fs.segment import HEADER_SIZE, AnsType, Format, Role, SegmentHeader, pack_header
 
 _spec = importlib.util.spec_from_file_location(
-    "engine_host", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-02-gpu-host", "engine_host.py"))
+    "engine_host",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-02-gpu-host", "engine_host.py"))
 engine_host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(engine_host)
 

@@ -22,7 +22,8 @@ def main() -> None:
     print("| --- | ---: | ---: | --- | --- | --- | --- |")
     for codec in ("none", "fp8", "turboquant-4", "ans"):
         for kib in (512, 4096):
-            pr = [r for r in rounds if all((v, r, codec, kib) in rows and rows[(v, r, codec, kib)]["host_probe_us"] < limit
+            pr = [r for r in rounds if all((v, r, codec, kib) in rows
+                                           and rows[(v, r, codec, kib)]["host_probe_us"] < limit
                                            for v in ("base", "new"))]
             if not pr:
                 continue
