@@ -111,6 +111,7 @@ from orbitkv_fs.segment import (
     SegmentHeader,
     dtype_code,
     dtype_from_code,
+    fixed_words,
     header_crcs,
     header_row,
     parse_header,
@@ -705,17 +706,6 @@ class _DecPlan(NamedTuple):
     zero: np.ndarray
 
 
-#: The words of a header that hold its payload and header CRCs (uint32 columns of ``[n, 16]`` header words).
-_CRC_WORDS = [HEADER_DTYPE.fields["payload_crc"][1] // 4, HEADER_SIZE // 4 - 1]
-
-
-def _fixed_key(heads: np.ndarray) -> bytes:
-    """A decode batch's headers but for their CRCs, as one bytes key (``heads``: ``[n, 64]`` uint8)."""
-    words = heads.view("<u4").reshape(len(heads), HEADER_SIZE // 4).copy()
-    words[:, _CRC_WORDS] = 0
-    return words.tobytes()
-
-
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
     """The columns of encode plans."""
     k = len(plans)
@@ -1133,7 +1123,7 @@ class GpuCodecEngine:
         # Per (class set, class vector, alignment): a batch's flight cuts, a flight's _FlightPlan. Each entry
         # holds its class set, whose id in the key is then not reused while the entry lives.
         self._plans: dict[tuple, tuple] = {}
-        # decode_columns_submit's flight cuts and _DecPlans (None: a flight with ANS), by _fixed_key
+        # decode_columns_submit's flight cuts and _DecPlans, by the headers' fixed_words
         self._dec_plans: dict[bytes, tuple] = {}
         self._ans_packed = 1.0  # the last encode batch's packed ANS bytes over their worst case (the download's guess)
         self._kernels = km.kernels(arith=fp8_arithmetic)
@@ -2112,9 +2102,11 @@ class GpuCodecEngine:
         tables = None
         limit = self.budget_bytes // 2
         # Without ANS or wrong destinations, the flights and their plans are kept by the headers but for CRCs.
-        key = _fixed_key(np.ascontiguousarray(heads, dtype=np.uint8)) if not ans.any() and not wrong.any() else None
+        key = (fixed_words(np.ascontiguousarray(heads, dtype=np.uint8)).tobytes()
+               if not ans.any() and not wrong.any() else None)
         memo = self._dec_plans.get(key) if key is not None else None
-        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP  # what a payload's staging counts
+        # what a payload's staging counts (a memo's cut counted it already)
+        sizes = -(-stored // SLOT_ALIGN) * SLOT_ALIGN + _MIRROR_GAP if memo is None else None
         if memo is not None:
             batches = memo[0]
         elif ans.any():

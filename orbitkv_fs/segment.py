@@ -7,7 +7,7 @@ normative description; this module is its only implementation. Primitives:
   :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` parses headers that differ only in
   their payload CRC through one validated template each.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
-* :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs` -- a batch's headers as one numpy array
+* :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs`, :func:`fixed_words` -- a batch's headers as one numpy array
   of rows: a validated template row per distinct header, the payload CRCs set as a column and every
   header's own CRC32C computed at once (the CRC is affine in the payload-CRC field, so it is the
   template's CRC combined with four table lookups; the bytes are exactly :func:`pack_header`'s).
@@ -369,6 +369,19 @@ def header_row(h: SegmentHeader) -> tuple[np.ndarray, int]:
     Validates ``h`` (raises as :func:`pack_header`)."""
     raw = pack_header(msgspec.structs.replace(h, payload_crc=0))
     return np.frombuffer(raw, dtype=HEADER_DTYPE, count=1).copy(), _crc32c.crc32c(raw[:_CRC_SPAN])
+
+
+#: The 32-bit words of a header that hold its payload CRC and its own CRC.
+_CRC_WORDS = [_PAYLOAD_CRC_AT // 4, HEADER_SIZE // 4 - 1]
+
+
+def fixed_words(heads: np.ndarray) -> np.ndarray:
+    """Headers ``heads`` (``[n, 64]`` uint8, contiguous) as ``[n, 16]`` uint32 words with their two CRC words
+    zeroed: what each header fixes but for its CRCs (a copy). Its bytes key a batch of headers by everything
+    but their CRCs."""
+    words = heads.view("<u4").reshape(len(heads), HEADER_SIZE // 4).copy()
+    words[:, _CRC_WORDS] = 0
+    return words
 
 
 def header_crcs(template_crcs: np.ndarray, payload_crcs: np.ndarray, stored_xor: "np.ndarray | None" = None) -> np.ndarray:

@@ -29,6 +29,7 @@ from ..segment import (
     HeaderTemplates,
     Role,
     SegmentHeader,
+    fixed_words,
     header_crcs,
     parse_header,
     parse_segment,
@@ -129,7 +130,6 @@ def _template(fixed: bytes) -> tuple[SegmentHeader, int] | None:
 #: Odd 64-bit multipliers that mix a header's eight words into one (a grouping key, checked after).
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
                  0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x2545F4914F6CDD1D, 0x94D049BB133111EB], dtype=np.uint64)
-_CRC_WORDS = [_PCRC // 4, HEADER_SIZE // 4 - 1]  # the payload and header CRCs, as 32-bit words of a header
 
 
 #: _distinct_fixed's answers by the batch's header words but for their CRCs: a restore's batches of whole
@@ -145,8 +145,7 @@ def _distinct_fixed(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     then compared with its group's first, and a collision (never seen) regroups on the bytes themselves. A
     sequence of headers seen before is answered from :data:`_GROUPS`."""
     n = len(heads)
-    words = heads.view("<u4").reshape(n, HEADER_SIZE // 4).copy()
-    words[:, _CRC_WORDS] = 0
+    words = fixed_words(heads)
     key = words.tobytes()
     got = _GROUPS.get(key)
     if got is not None:

@@ -1,14 +1,6 @@
 #!/usr/bin/env bash
 # Device call 2: the whole GPU suite on this tree (call 1's three failures were a restore's batch count, now of
-# whole chunks), then rounds of ab.sh (base ab-prev = a89c6b3; ../2026-12-03-host-work/call4.sh, the issue's
-# command) until TOTAL seconds from the start. The suite runs first: ab.sh uninstalls the package.
+# whole chunks), then rounds of ab.sh (base ab-prev = a89c6b3, the issue's command) until TOTAL seconds from the
+# start: ../2026-12-03-save-host/call2.sh, which does exactly that.
 # Usage, from the repository root after the device prelude: call2.sh OUT ROUNDS TOTAL
-set -u
-out=$1 rounds=$2 total=$3
-start=$(date +%s)
-mkdir -p "$out"
-timeout 430 python3 -m pytest -q -m gpu tests/ -rs --durations=25 > "$out/gpu-suite.txt" 2>&1
-echo "gpu suite rc=$? in $(( $(date +%s) - start )) s"; grep -E "passed|failed|error" "$out/gpu-suite.txt" | tail -3
-left=$(( total - ($(date +%s) - start) ))
-[ "$left" -gt 60 ] && bash docs/results/2026-12-03-host-work/call4.sh "$out" "$rounds" "$left"
-exit 0
+exec bash docs/results/2026-12-03-save-host/call2.sh "$@"
