@@ -22,7 +22,12 @@ def test_throughput_report(tmp_path):
         (c, s) for c in ("none", "fp8") for s in bench_pipeline.SEGMENT_SIZES]
     for r in runs:
         assert r["save_gbs"] > 0 and r["restore_gbs"] > 0 and r["save_baseline_gbs"] > 0
-        assert r["host_probe_us"] > 0
+        lo, hi = r["host_probe_us_range"]
+        assert 0 < lo <= r["host_probe_us"] <= hi
+        (call,) = r["calls"]  # one repeat: its call is the reported figure, timed next to its own probes
+        assert call["save_probe_us"] > 0 and call["restore_probe_us"] > 0 and call["save_host_us"] > 0
+        assert abs(r["logical_bytes"] / call["save_s"] / 1e9 - r["save_gbs"]) < 1e-6 * r["save_gbs"]
+        assert abs(call["restore_host_us"] / r["segments"] - r["restore_cpu_us_per_segment"]) < 1e-6
         assert abs(r["save_vs_baseline"] - r["save_gbs"] / r["save_baseline_gbs"]) < 1e-9
         none = next(x for x in runs if x["codec"] == "none" and x["segment_bytes"] == r["segment_bytes"])
         assert abs(r["restore_vs_none"] - r["restore_gbs"] / none["restore_gbs"]) < 1e-9

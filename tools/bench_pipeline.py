@@ -192,9 +192,9 @@ def bench_throughput_gpu(codecs: list[str], num_blocks: int, repeat: int, block_
 
 def _host_probe_us() -> float:
     """Microseconds of a fixed host workload (the dict, list and small numpy work a batch's host code does),
-    best of five: this process's host speed right before a segment size's runs. On a shared machine one
-    process of a tree can run its host code 1.5-1.8x slower than the next (docs/results/
-    2026-12-02-pipeline-host-cuts): runs of different host speed read apart by it."""
+    best of five: the host's speed right before a call. The lent GPU host (a KVM guest) runs a core at one
+    speed or about 1.65x slower for seconds at a time, whatever the core (docs/results/2026-12-03-host-speed),
+    and a host-bound call is slower by as much: each call is timed next to a probe of its own."""
     keys = [i.to_bytes(8, "little") for i in range(2048)]
     best = float("inf")
     for _ in range(5):
@@ -207,6 +207,17 @@ def _host_probe_us() -> float:
             np.unique(a[:256], return_inverse=True)
         best = min(best, time.perf_counter() - t0)
     return best * 1e6
+
+
+def _call_record(rep: int, save_s: float, restore_s: float, save_cpu: float, restore_cpu: float,
+                 save_probe: float, restore_probe: float, w0: dict[str, float], w1: dict[str, float],
+                 w2: dict[str, float]) -> dict:
+    """One repeat's save and restore of a codec: seconds, the host probe taken right before each, and the
+    host's own work (thread CPU less waits on the GPU) in microseconds per call."""
+    return {"repeat": rep, "save_s": save_s, "restore_s": restore_s, "save_probe_us": save_probe,
+            "restore_probe_us": restore_probe,
+            "save_host_us": (save_cpu - (w1.get("save", 0.0) - w0.get("save", 0.0))) * 1e6,
+            "restore_host_us": (restore_cpu - (w2.get("restore", 0.0) - w1.get("restore", 0.0))) * 1e6}
 
 
 def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, repeat: int, device: str,
@@ -253,7 +264,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                 chunks = {codec: [ChunkBlocks(chunk_key(f"{codec}-{seg}-{i}"), order[i * per:(i + 1) * per].tolist())
                                   for i in range(num_blocks // per)] for codec in group}
                 base = baseline()  # right next to these figures
-                probe = _host_probe_us()
+                calls: dict[str, list[dict]] = {codec: [] for codec in group}
                 best = {codec: [float("inf"), float("inf"), 0, 0] for codec in group}  # save s, restore s, bytes
                 cpu = {codec: [0.0, 0.0] for codec in group}  # this thread's CPU seconds in save, restore
                 stages = {codec: _stage_cpu(ms[codec][0]) for codec in group}
@@ -269,6 +280,7 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                         b = best[codec]
                         m.invalidate(all=True)
                         steady = rep >= 1 and prof_save is not None
+                        probe_save, w0 = _host_probe_us(), _gpu_waits(m)
                         c0 = time.thread_time()
                         if steady:
                             prof_save.enable()
@@ -277,22 +289,28 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                             prof_save.disable()
                         c1 = time.thread_time()
                         b[0], b[2], b[3] = min(b[0], r.seconds), r.stored_bytes, r.logical_bytes
+                        probe_restore, w1 = _host_probe_us(), _gpu_waits(m)
+                        c2 = time.thread_time()
                         if steady:
                             prof_restore.enable()
                         rr = m.restore(e.engine_id, chunks[codec])
                         if steady:
                             prof_restore.disable()
-                        c2 = time.thread_time()
+                        c3 = time.thread_time()
                         assert all(rr.restored), rr.misses
                         b[1] = min(b[1], rr.seconds)
                         cpu[codec][0] += c1 - c0
-                        cpu[codec][1] += c2 - c1
+                        cpu[codec][1] += c3 - c2
+                        calls[codec].append(_call_record(rep, r.seconds, rr.seconds, c1 - c0, c3 - c2, probe_save,
+                                                         probe_restore, w0, w1, _gpu_waits(m)))
                         bar.update()
                 for codec in group:
                     save_s, restore_s, stored, logical = best[codec]
                     nseg = len(chunks[codec]) * layers * 2
                     runs_counted = max(repeat - 1, 1)
                     wait = _gpu_waits(ms[codec][0])
+                    counted = [c for c in calls[codec] if c["repeat"] >= 1] or calls[codec]
+                    probes = [p for c in counted for p in (c["save_probe_us"], c["restore_probe_us"])]
                     run = {"codec": codec, "segment_bytes": seg, "segments": nseg,
                            "save_cpu_us_per_segment": cpu[codec][0] / (runs_counted * nseg) * 1e6,
                            "restore_cpu_us_per_segment": cpu[codec][1] / (runs_counted * nseg) * 1e6,
@@ -303,7 +321,9 @@ def _throughput(codecs: list[str], reg: EngineRegistration, num_blocks: int, rep
                            "stage_cpu_us_per_segment": _stage_delta(stages[codec], _stage_cpu(ms[codec][0])),
                            "logical_bytes": logical, "stored_bytes": stored,
                            "save_gbs": logical / save_s / 1e9, "restore_gbs": logical / restore_s / 1e9, **base,
-                           "host_probe_us": probe,
+                           "host_probe_us": statistics.median(probes),
+                           "host_probe_us_range": [min(probes), max(probes)],
+                           "calls": calls[codec],
                            "raw_segments": dict(ms[codec][0].stats().raw_segments)}
                     run["save_vs_baseline"] = run["save_gbs"] / base["save_baseline_gbs"]
                     run["restore_vs_baseline"] = run["restore_gbs"] / base["restore_baseline_gbs"]
@@ -569,8 +589,9 @@ def _markdown(res: dict, command: str) -> str:
                       "engine's streams: `wait` columns (`ManagerStats.gpu_wait_seconds`); CPU minus wait is the "
                       "host's own work. Stages: the Manager's own counts (`ManagerStats.host_cpu_seconds`); `*_other` "
                       "is the request's time outside the named stages. `host probe`: microseconds of a fixed dict, "
-                      "list and numpy workload right before the runs (best of 5): the process's host speed then, "
-                      "higher on a slower host.", "",
+                      "list and numpy workload (best of 5) right before each call, the median over the counted "
+                      "calls (range in the JSON, with each call's seconds, probe and host work): the host's speed "
+                      "then, higher on a slower host.", "",
                       "| codec | segment | host probe us | save us/seg | save wait | restore us/seg | restore wait | "
                       + " | ".join(names) + " |",
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(names)]
