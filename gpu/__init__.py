@@ -7,6 +7,7 @@ needs only numpy, ``placement`` nothing). Modules:
 * ``module`` -- compiles ``kernels/*.cu`` once per process (NVRTC, ``-fmad=false -ftz=false``).
 * ``tables`` -- CRC32C and TurboQuant constant tables, and a numpy model of the GPU CRC combine.
 * ``rows`` -- the kernels' descriptor rows, a kernel group at a time (numba; needs no cupy).
+* ``headers`` -- a save flight's headers written into its output region (numba; needs no cupy).
 * ``placement`` -- where a worker puts a new batch in its workspace beside the one in flight (no cupy).
 * ``nvcomp`` -- ctypes binding of nvCOMP 5.x's batched ANS C API (``libnvcomp.so.5``).
 * ``ans`` -- ``encode_host_array`` / ``decode_host_payload`` for :mod:`orbitkv_fs.codecs.ans`.

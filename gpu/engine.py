@@ -112,7 +112,6 @@ from orbitkv_fs.segment import (
     dtype_code,
     dtype_from_code,
     fixed_words,
-    header_crcs,
     header_row,
     parse_header,
     turboquant_stored_bytes,
@@ -122,6 +121,7 @@ from orbitkv_fs.segment import (
 from . import ans_format
 from . import module as km
 from . import rows as rows_
+from .headers import write_headers
 from .placement import pair_bytes, place_beside
 from .tables import finish_crc, sign_words, zero_crc
 
@@ -564,10 +564,6 @@ def _within(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-
-_HEADER_BYTES = np.arange(HEADER_SIZE)
-
-
 def _ints(plist: Sequence[Any], attr: str) -> np.ndarray:
     """``getattr(p, attr)`` of each plan as an int64 array."""
     return np.fromiter(map(attrgetter(attr), plist), dtype=np.int64, count=len(plist))
@@ -779,28 +775,12 @@ def _write_headers(job: "EncodeJob", host: np.ndarray, templates: np.ndarray, ba
     """Write the headers of a batch's GPU-encoded segments into their ``slots`` of ``host`` (the batch's output
     region) and their fields into ``job`` at ``idx``: each segment's template row (``templates[tid]``, headers
     with a zero payload CRC, from ``_template_ids``) with its payload CRC ``pcrc`` and its header CRC from the
-    template's ``bases``, written with one scatter. ``stored``, when given: each segment's stored length, in
-    place of its template's (ANS: what nvCOMP made of it). ``views``: ``job.out`` also gets each segment's
-    view of ``host``. Answers each segment's length (header and payload)."""
-    raw = templates[tid]  # (segments, 64) uint8: each segment's template
-    hdr = raw.view(HEADER_DTYPE)[:, 0]
-    hdr["payload_crc"] = pcrc
-    if stored is None:
-        hdr["header_crc"] = header_crcs(bases[tid], pcrc)
-    else:
-        new = stored.astype(np.uint32)
-        hdr["header_crc"] = header_crcs(bases[tid], pcrc, hdr["stored_length"] ^ new)
-        hdr["stored_length"] = new
-    if not (slots % HEADER_SIZE).any():  # slots on header-size boundaries (arena units): a scatter of rows
-        host[:len(host) // HEADER_SIZE * HEADER_SIZE].reshape(-1, HEADER_SIZE)[slots // HEADER_SIZE] = raw
-    else:
-        host[slots[:, None] + _HEADER_BYTES] = raw
-    length = HEADER_SIZE + hdr["stored_length"].astype(np.int64)
-    job.fmt[idx] = hdr["format"]
-    job.original[idx] = hdr["original_length"]
-    job.length[idx] = length
-    job.reason[idx] = hdr["raw_reason"]
-    job.addr[idx] = host.ctypes.data + slots
+    template's ``bases`` (:func:`~.headers.write_headers`, one numba call). ``stored``, when given: each
+    segment's stored length, in place of its template's (ANS: what nvCOMP made of it). ``views``: ``job.out``
+    also gets each segment's view of ``host``. Answers each segment's length (header and payload)."""
+    write_headers(host, templates, bases, tid, pcrc, slots, idx,
+                  (job.fmt, job.original, job.length, job.reason, job.addr), stored)
+    length = job.length[idx]
     if views:
         mv = memoryview(host)
         for i, a, n in zip(idx.tolist(), slots.tolist(), length.tolist()):

@@ -7,9 +7,9 @@ normative description; this module is its only implementation. Primitives:
   :class:`SegmentHeader`, fully validated; :class:`HeaderTemplates` parses headers that differ only in
   their payload CRC through one validated template each.
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
-* :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs`, :func:`fixed_words` -- a batch's headers as one numpy array
-  of rows: a validated template row per distinct header, the payload CRCs set as a column and every
-  header's own CRC32C computed at once (the CRC is affine in the payload-CRC field, so it is the
+* :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs` (:func:`header_crc_tables`), :func:`fixed_words` --
+  a batch's headers as one numpy array of rows: a validated template row per distinct header, the payload
+  CRCs set as a column and every header's own CRC32C computed at once (the CRC is affine in the payload-CRC field, so it is the
   template's CRC combined with four table lookups; the bytes are exactly :func:`pack_header`'s).
 * :func:`parse_segment` -- validate a whole segment (header, lengths, payload CRC) and return a view
   of its payload.
@@ -357,6 +357,13 @@ def _crc_tables(at: int) -> np.ndarray:
 
 _HEADER_CRC_TABLES = _crc_tables(_PAYLOAD_CRC_AT)
 _STORED_CRC_TABLES = _crc_tables(HEADER_DTYPE.fields["stored_length"][1])
+_HEADER_CRC_TABLES.flags.writeable = _STORED_CRC_TABLES.flags.writeable = False
+
+
+def header_crc_tables() -> tuple[np.ndarray, np.ndarray]:
+    """The tables :func:`header_crcs` combines, for code that writes headers outside numpy (``(4, 256)`` uint32,
+    read-only): how each byte of the payload-CRC field and of the stored-length field changes a header's CRC."""
+    return _HEADER_CRC_TABLES, _STORED_CRC_TABLES
 
 
 def _field_crcs(t: np.ndarray, v: np.ndarray) -> np.ndarray:

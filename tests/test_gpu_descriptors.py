@@ -382,8 +382,8 @@ def test_zero_crc_of_many_new_lengths_at_once():
 
 @pytest.mark.parametrize("align", [1, HEADER_SIZE])
 def test_encode_headers_are_pack_headers_bytes(align):
-    """The engine's header writer (template rows per field tuple, header CRCs as an array, one scatter: of
-    rows where every slot is on a header-size boundary, else of bytes): every format, several payload CRCs
+    """The engine's header writer (template rows per field tuple, the payload and header CRCs and fields
+    written by numba, slots on header-size boundaries or not): every format, several payload CRCs
     per template, more tuples than a batch has: the bytes are pack_header's, nothing outside the header
     slots is touched; invalid fields raise as pack_header does."""
     from orbitkv_fs import errors
@@ -418,7 +418,7 @@ def test_encode_headers_are_pack_headers_bytes(align):
     for j, w in enumerate(want):
         assert bytes(host[slots[j]:slots[j] + HEADER_SIZE]) == w, kinds[j % len(kinds)]
     outside = np.ones(host.size, dtype=bool)
-    outside[slots[:, None] + E._HEADER_BYTES] = False
+    outside[slots[:, None] + np.arange(HEADER_SIZE)] = False
     assert (host[outside] == 0xAB).all()
     # the job's fields are the headers' own, at each segment's place; its views start at the slots
     assert length.tolist() == (HEADER_SIZE + stored).tolist()

@@ -1,0 +1,87 @@
+"""A save flight's headers, written by numba into the flight's output region in one call: per segment its
+class's template row (a validated header with a zero payload CRC, ``segment.header_row``), its payload CRC,
+for ANS its stored length, and its header CRC from the template's (``segment.header_crcs``' tables), plus
+the fields the Manager admits the segment by. A numpy pass per field cost a flight of a few hundred segments
+about 60 us of host time on the save's critical path (docs/results/2026-12-03-host-speed).
+
+Primitive: :func:`write_headers`.
+
+Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_descriptors.py
+compares them); nothing outside the segments' 64-byte header slots is written. Needs numpy and numba only.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, header_crc_tables
+
+_FORMAT = HEADER_DTYPE.fields["format"][1]
+_ORIGINAL = HEADER_DTYPE.fields["original_length"][1]
+_STORED = HEADER_DTYPE.fields["stored_length"][1]
+_PAYLOAD_CRC = HEADER_DTYPE.fields["payload_crc"][1]
+_REASON = HEADER_DTYPE.fields["raw_reason"][1]
+_HEADER_CRC = HEADER_DTYPE.fields["header_crc"][1]
+_NO_STORED = np.zeros(0, np.uint32)
+
+
+@numba.njit(inline="always")
+def _get32(b: np.ndarray, at: int) -> int:
+    return np.int64(b[at]) | np.int64(b[at + 1]) << 8 | np.int64(b[at + 2]) << 16 | np.int64(b[at + 3]) << 24
+
+
+@numba.njit(inline="always")
+def _put32(b: np.ndarray, at: int, v: int) -> None:
+    b[at] = v & 0xFF
+    b[at + 1] = (v >> 8) & 0xFF
+    b[at + 2] = (v >> 16) & 0xFF
+    b[at + 3] = (v >> 24) & 0xFF
+
+
+@numba.njit(inline="always")
+def _field_crc(t: np.ndarray, v: int) -> int:
+    return np.int64(t[0, v & 0xFF] ^ t[1, (v >> 8) & 0xFF] ^ t[2, (v >> 16) & 0xFF] ^ t[3, (v >> 24) & 0xFF])
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
+           slots: np.ndarray, idx: np.ndarray, stored: np.ndarray, t_pay: np.ndarray, t_sto: np.ndarray,
+           fmt: np.ndarray, original: np.ndarray, length: np.ndarray, reason: np.ndarray, addr: np.ndarray,
+           host_addr: int) -> None:
+    # int64 arithmetic throughout: the CRC words are 32-bit values held in int64 (numba's uint32 mixes promote)
+    has_stored = stored.shape[0] > 0
+    for j in range(tid.shape[0]):
+        t, s, p = tid[j], slots[j], np.int64(pcrc[j])
+        host[s:s + HEADER_SIZE] = templates[t]
+        n = _get32(templates[t], _STORED)
+        crc = np.int64(bases[t]) ^ _field_crc(t_pay, p)
+        if has_stored:
+            new = np.int64(stored[j])
+            crc ^= _field_crc(t_sto, n ^ new)
+            n = new
+            _put32(host, s + _STORED, n)
+        _put32(host, s + _PAYLOAD_CRC, p)
+        _put32(host, s + _HEADER_CRC, crc)
+        i = idx[j]
+        fmt[i] = templates[t, _FORMAT]
+        original[i] = _get32(templates[t], _ORIGINAL)
+        length[i] = HEADER_SIZE + n
+        reason[i] = templates[t, _REASON]
+        addr[i] = host_addr + s
+
+
+def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
+                  slots: np.ndarray, idx: np.ndarray, fields: "tuple[np.ndarray, ...]",
+                  stored: "np.ndarray | None" = None) -> None:
+    """Write segment ``j``'s header at byte ``slots[j]`` of ``host`` (uint8, contiguous): template row
+    ``templates[tid[j]]`` (``(classes, 64)`` uint8) with payload CRC ``pcrc[j]`` and the header CRC from the
+    template's CRC ``bases[tid[j]]``; ``stored`` (ANS: what nvCOMP made of each payload), each segment's stored
+    length in place of its template's. ``fields``: the arrays ``(fmt, original, length, reason, addr)`` that get,
+    at ``idx[j]``, the header's format, original length, header-and-payload length, raw reason and the host
+    address of its first byte. Slots must lie inside ``host`` and ``tid`` index ``templates`` (the engine's
+    own layout guarantees both; nothing here checks them)."""
+    t_pay, t_sto = header_crc_tables()
+    _write(host, templates, bases, tid, pcrc.astype(np.uint32, copy=False), slots, idx,
+           _NO_STORED if stored is None else stored.astype(np.uint32), t_pay, t_sto, *fields,
+           host.ctypes.data)

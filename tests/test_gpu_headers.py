@@ -1,0 +1,75 @@
+"""A save flight's headers as the GPU engine writes them (``orbitkv_fs.gpu.headers.write_headers``, numba; no
+cupy, so CI runs it): for random headers of every format, payload CRCs and ANS stored lengths, slots on
+header-size boundaries or not, and segments in any order of their request, the bytes are ``pack_header``'s,
+the admitted fields are the header's own, and nothing outside the 64-byte slots changes."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from orbitkv_fs.gpu.headers import write_headers
+from orbitkv_fs.segment import (HEADER_SIZE, AnsType, Format, RawReason, Role, SegmentHeader, header_row,
+                                pack_header, parse_header)
+
+
+
+def _classes(rng: np.random.Generator) -> tuple[list[SegmentHeader], list[SegmentHeader]]:
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    out = [SegmentHeader(Format.FP8, bf16, 4096, 2048, 0, role=Role.KEY, layer=7, bits=8),
+           SegmentHeader(Format.TURBOQUANT, bf16, 4096, 1088, 0, role=Role.VALUE, layer=3, bits=4, head_dim=128,
+                         sign_version=1, rotation_seed=int(rng.integers(1 << 32))),
+           SegmentHeader(Format.RAW, bf16, 8192, 8192, 0, role=Role.VALUE, layer=35, raw_reason=RawReason.POLICY),
+           SegmentHeader(Format.RAW, np.dtype(np.float16), 4096, 4096, 0, role=Role.KEY, layer=1)]
+    ans = [SegmentHeader(Format.ANS, dt, 65536, 40000, 0, role=Role.KEY, layer=int(rng.integers(80)),
+                         ans_type=AnsType.FLOAT16) for dt in (bf16, np.dtype(np.float16))]
+    return out, ans
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("with_ans", [False, True])
+def test_written_headers_are_pack_headers_bytes(seed, aligned, with_ans):
+    rng = np.random.default_rng(seed)
+    plain, ans = _classes(rng)
+    classes = plain + (ans if with_ans else [])
+    made = [header_row(h) for h in classes]
+    templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
+    bases = np.array([c for _, c in made], dtype=np.uint32)
+    n = int(rng.integers(1, 300))
+    tid = rng.integers(len(classes), size=n).astype(np.intp)
+    pcrc = rng.integers(1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    pcrc[: min(n, 3)] = [0, 0xFFFFFFFF, 1][: min(n, 3)]
+    lens = np.array([classes[t].stored_length for t in tid], dtype=np.int64)
+    if with_ans:  # an ANS payload's length is what nvCOMP made of it: anything up to the class's capacity
+        is_ans = np.array([classes[t].format == Format.ANS for t in tid])
+        lens[is_ans] = rng.integers(1, 65536, size=int(is_ans.sum()))
+    gap = rng.integers(0, 3, size=n) * (HEADER_SIZE if aligned else 1) + (0 if aligned else rng.integers(1, 7, size=n))
+    step = HEADER_SIZE + (-(-lens // HEADER_SIZE) * HEADER_SIZE if aligned else lens) + gap
+    slots = HEADER_SIZE + np.cumsum(step) - step
+    assert (slots % HEADER_SIZE == 0).all() == aligned or n == 1
+    fill = np.uint8(rng.integers(256))
+    host = np.full(int(HEADER_SIZE + step.sum()), fill, np.uint8)
+    k = n + 3
+    fields = (np.full(k, -1, np.int16), np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.uint8),
+              np.zeros(k, np.int64))
+    idx = rng.permutation(k)[:n].astype(np.int64)  # the segments' places in their request
+    write_headers(host, templates, bases, tid, pcrc, slots, idx, fields, lens if with_ans else None)
+    fmt, original, length, reason, addr = fields
+    for j in range(n):
+        want = msgspec.structs.replace(classes[tid[j]], payload_crc=int(pcrc[j]), stored_length=int(lens[j]))
+        got = bytes(host[slots[j]:slots[j] + HEADER_SIZE])
+        assert got == pack_header(want), (j, classes[tid[j]].format)
+        assert parse_header(got) == want
+        i = idx[j]
+        assert (fmt[i], original[i], length[i], reason[i]) == (int(want.format), want.original_length,
+                                                                HEADER_SIZE + want.stored_length, int(want.raw_reason))
+        assert addr[i] == host.ctypes.data + slots[j]
+    outside = np.ones(host.size, dtype=bool)
+    outside[slots[:, None] + np.arange(HEADER_SIZE)] = False
+    assert (host[outside] == fill).all()
+    untouched = np.setdiff1d(np.arange(k), idx)
+    assert (fmt[untouched] == -1).all() and (addr[untouched] == 0).all()
