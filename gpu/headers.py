@@ -6,8 +6,9 @@ about 60 us of host time on the save's critical path (docs/results/2026-12-03-ho
 
 Primitive: :func:`write_headers`.
 
-Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_descriptors.py
-compares them); nothing outside the segments' 64-byte header slots is written. Needs numpy and numba only.
+Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_headers.py
+and test_gpu_descriptors.py compare them); nothing outside the segments' 64-byte header slots is written, and
+nothing at all when a slot, template or place is out of range. Needs numpy and numba only.
 """
 
 from __future__ import annotations
@@ -48,9 +49,13 @@ def _field_crc(t: np.ndarray, v: int) -> int:
 def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
            slots: np.ndarray, idx: np.ndarray, stored: np.ndarray, t_pay: np.ndarray, t_sto: np.ndarray,
            fmt: np.ndarray, original: np.ndarray, length: np.ndarray, reason: np.ndarray, addr: np.ndarray,
-           host_addr: int) -> None:
+           host_addr: int) -> int:
     # int64 arithmetic throughout: the CRC words are 32-bit values held in int64 (numba's uint32 mixes promote)
     has_stored = stored.shape[0] > 0
+    for j in range(tid.shape[0]):  # bounds first (boundscheck is off), so that a bad row writes nothing
+        if not (0 <= slots[j] <= host.shape[0] - HEADER_SIZE and 0 <= tid[j] < templates.shape[0]
+                and 0 <= idx[j] < fmt.shape[0]):
+            return j
     for j in range(tid.shape[0]):
         t, s, p = tid[j], slots[j], np.int64(pcrc[j])
         host[s:s + HEADER_SIZE] = templates[t]
@@ -69,6 +74,7 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
         length[i] = HEADER_SIZE + n
         reason[i] = templates[t, _REASON]
         addr[i] = host_addr + s
+    return -1
 
 
 def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
@@ -79,9 +85,15 @@ def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, ti
     template's CRC ``bases[tid[j]]``; ``stored`` (ANS: what nvCOMP made of each payload), each segment's stored
     length in place of its template's. ``fields``: the arrays ``(fmt, original, length, reason, addr)`` that get,
     at ``idx[j]``, the header's format, original length, header-and-payload length, raw reason and the host
-    address of its first byte. Slots must lie inside ``host`` and ``tid`` index ``templates`` (the engine's
-    own layout guarantees both; nothing here checks them)."""
+    address of its first byte. Raises IndexError, having written nothing, when a slot's header would not lie
+    inside ``host``, a ``tid`` is not a template or an ``idx`` not a place in ``fields``."""
+    if not (len(tid) == len(pcrc) == len(slots) == len(idx) and (stored is None or len(stored) == len(tid))
+            and all(len(f) == len(fields[0]) for f in fields)):
+        raise ValueError("write_headers: the per-segment arrays (and the field arrays) differ in length")
     t_pay, t_sto = header_crc_tables()
-    _write(host, templates, bases, tid, pcrc.astype(np.uint32, copy=False), slots, idx,
+    bad = _write(host, templates, bases, tid, pcrc.astype(np.uint32, copy=False), slots, idx,
            _NO_STORED if stored is None else stored.astype(np.uint32), t_pay, t_sto, *fields,
            host.ctypes.data)
+    if bad >= 0:
+        raise IndexError(f"header {bad}: slot {int(slots[bad])}, template {int(tid[bad])} or place {int(idx[bad])} "
+                         f"out of range ({host.size} bytes, {len(templates)} templates, {len(fields[0])} places)")

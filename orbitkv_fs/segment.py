@@ -9,8 +9,9 @@ normative description; this module is its only implementation. Primitives:
 * :func:`build_segment` -- header + payload bytes, CRC32C computed here.
 * :data:`HEADER_DTYPE`, :func:`header_row`, :func:`header_crcs` (:func:`header_crc_tables`), :func:`fixed_words` --
   a batch's headers as one numpy array of rows: a validated template row per distinct header, the payload
-  CRCs set as a column and every header's own CRC32C computed at once (the CRC is affine in the payload-CRC field, so it is the
-  template's CRC combined with four table lookups; the bytes are exactly :func:`pack_header`'s).
+  CRCs set as a column and every header's own CRC32C computed at once (the CRC is affine in the payload-CRC
+  field, so it is the template's CRC combined with four table lookups; the bytes are exactly
+  :func:`pack_header`'s).
 * :func:`parse_segment` -- validate a whole segment (header, lengths, payload CRC) and return a view
   of its payload.
 

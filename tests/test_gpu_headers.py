@@ -73,3 +73,30 @@ def test_written_headers_are_pack_headers_bytes(seed, aligned, with_ans):
     assert (host[outside] == fill).all()
     untouched = np.setdiff1d(np.arange(k), idx)
     assert (fmt[untouched] == -1).all() and (addr[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("bad", ["slot past the end", "negative slot", "template", "place"])
+def test_out_of_range_rows_raise_and_write_nothing(bad):
+    """A slot whose header would pass the region's end (or start before it), a template id that is not one, or
+    a place outside the job: IndexError, and neither the region nor the fields changed (the numba loop runs
+    without bounds checks, so it checks every row before it writes any)."""
+    rng = np.random.default_rng(7)
+    plain, _ = _classes(rng)
+    made = [header_row(h) for h in plain]
+    templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
+    bases = np.array([c for _, c in made], dtype=np.uint32)
+    n = 5
+    host = np.full(n * 128, 0x5A, np.uint8)
+    slots, tid, idx = np.arange(n, dtype=np.int64) * 128, np.zeros(n, np.intp), np.arange(n, dtype=np.int64)
+    pcrc = np.arange(n, dtype=np.uint32)
+    {"slot past the end": lambda: slots.__setitem__(4, host.size - HEADER_SIZE + 1),
+     "negative slot": lambda: slots.__setitem__(4, -1),
+     "template": lambda: tid.__setitem__(4, len(templates)),
+     "place": lambda: idx.__setitem__(4, n)}[bad]()
+    fields = (np.full(n, -1, np.int16), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.uint8),
+              np.zeros(n, np.int64))
+    with pytest.raises(IndexError, match="header 4"):
+        write_headers(host, templates, bases, tid, pcrc, slots, idx, fields)
+    assert (host == 0x5A).all() and (fields[0] == -1).all() and not fields[4].any()
+    with pytest.raises(ValueError):
+        write_headers(host, templates, bases, tid, pcrc[:-1], slots, idx, fields)
