@@ -7,7 +7,10 @@ host there, docs/results/2026-12-03-early-batch). The segments' bytes are not en
 keep what they held); their headers, CRCs of the zero accumulators, keys and index entries are made as on
 the GPU path.
 
-Usage: python save_host.py [--codec turboquant-4] [--repeat 40] [--profile OUT.txt]
+Usage: python save_host.py [--codec turboquant-4] [--repeat 40] [--profile OUT.txt] [--download]
+``--download``: the download writes each flight's output region as the copy engine does (here the CPU fills it,
+and that time counts): the header lines the host then writes are cold, as on the H200, not the lines the previous
+save left in cache (../2026-12-03-gpu-suite).
 Prints the median wall and thread CPU per save and per segment (the bench's repeats: invalidate all, save)."""
 
 from __future__ import annotations
@@ -67,7 +70,14 @@ class _Worker(engine_host.NullWorker):
         self.inflight.clear()
 
 
-def _codecs() -> D._GpuCodecs:
+class _DownloadWorker(_Worker):
+    """:class:`_Worker` whose download writes its bytes (zeros: the zero accumulators' meta, as before)."""
+
+    def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
+        dst.fill(0)
+
+
+def _codecs(worker: type = _Worker) -> D._GpuCodecs:
     """The Manager's GPU codecs over null engines (one per rotation seed, as ``_GpuCodecs.engine``)."""
     g = object.__new__(D._GpuCodecs)
     g._item, g._engines, g._lock = E.EncodeItem, {}, threading.Lock()
@@ -77,7 +87,7 @@ def _codecs() -> D._GpuCodecs:
             e = g._engines.get(seed)
             if e is None:
                 e = g._engines[seed] = engine_host.null_engine(seed)
-                e.save, e.restore = _Worker(), _Worker()
+                e.save, e.restore = worker(), worker()
                 e._ans_packed = 1.0
                 e.block_buffer = lambda nbytes, restore: _Buf(nbytes)
             return e
@@ -87,7 +97,7 @@ def _codecs() -> D._GpuCodecs:
 
 
 @contextlib.contextmanager
-def harness(codec: str, segment_kib: int = 512) -> Iterator[types.SimpleNamespace]:
+def harness(codec: str, segment_kib: int = 512, download: bool = False) -> Iterator[types.SimpleNamespace]:
     """The bench's geometry on a Manager whose GPU codecs are null engines: ``m`` the Manager, ``e`` the
     registration, ``eng`` its engine state, ``chunks`` a save's chunks (shuffled blocks), ``nseg`` its
     segments. The pages file and the Manager go however the caller's block ends."""
@@ -111,7 +121,7 @@ def harness(codec: str, segment_kib: int = 512) -> Iterator[types.SimpleNamespac
         eng.geometry = _geometry(eng.segs)
         eng.info = types.SimpleNamespace(**{f: getattr(eng.info, f) for f in eng.info.__struct_fields__})
         eng.info.device = "cuda:0"
-        m._gpu_codecs = _codecs()
+        m._gpu_codecs = _codecs(_DownloadWorker if download else _Worker)
         m.dram.arena.pinned = True
         chunks = [ChunkBlocks(chunk_key(f"x-{i}"), order[i * per:(i + 1) * per].tolist()) for i in range(blocks // per)]
         yield types.SimpleNamespace(m=m, e=e, eng=eng, chunks=chunks, nseg=len(chunks) * len(eng.segs))
@@ -123,8 +133,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=40)
     p.add_argument("--segment-kib", type=int, default=512)
     p.add_argument("--profile", default=None, help="line_profiler of the save's batch steps, to this file")
+    p.add_argument("--download", action="store_true", help="the download writes each flight's output region")
     args = p.parse_args()
-    with harness(args.codec, args.segment_kib) as h:
+    with harness(args.codec, args.segment_kib, args.download) as h:
         m, e, eng, chunks, nseg = h.m, h.e, h.eng, h.chunks, h.nseg
         lp = None
         if args.profile:
