@@ -10,7 +10,7 @@ Host-only (numpy), shared by the batched engine, :mod:`orbitkv_fs.gpu.ans` and t
   memory: only its table comes to the host).
 * :func:`parse_tables` -- :func:`parse_table` of a batch of payloads lying in one host array, one compiled
   pass (a restore batch's ANS segments as arrays): the chunks of all of them, and a typed error per payload
-  that does not parse (:func:`table_error`). It asks for every table's line first (``orbitkv_fs.prefetch``).
+  that does not parse (:func:`table_error`).
 * :func:`keep_capacity` -- the largest payload the keep-or-raw rule would keep for a source length.
 
 Layout (little-endian): ``u32 chunk_bytes`` (65536), ``u32 nchunks`` (ceil(original / 65536)),
@@ -30,7 +30,6 @@ import numba
 import numpy as np
 
 from orbitkv_fs.errors import LengthMismatch, UnknownFormat
-from orbitkv_fs.prefetch import prefetch_lines
 from orbitkv_fs.segment import ALIGNMENT, HEADER_SIZE, MIN_SAVING_DEN, MIN_SAVING_NUM, aligned
 
 CHUNK_BYTES = 65536
@@ -127,7 +126,6 @@ def _u32(buf: np.ndarray, at: int) -> int:  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True)
 def _parse_tables(buf: np.ndarray, off: np.ndarray, stored: np.ndarray, nch: np.ndarray, chunk0: np.ndarray,
                   offsets: np.ndarray, sizes: np.ndarray, err: np.ndarray, value: np.ndarray) -> None:  # pragma: no cover
-    prefetch_lines(buf.ctypes.data, off, False)  # each table is a line of the arena no cache holds: overlap the misses
     for i in range(len(off)):
         o, length = off[i], stored[i]
         if o < 0 or length < 0 or o + length > len(buf):

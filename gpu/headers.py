@@ -4,10 +4,6 @@ for ANS its stored length, and its header CRC from the template's (``segment.hea
 the fields the Manager admits the segment by. A numpy pass per field cost a flight of a few hundred segments
 about 60 us of host time on the save's critical path (docs/results/2026-12-03-host-speed).
 
-Each header is a 64-byte line of its own page in the arena (a segment's header, then its payload), one the CPU
-has neither cached nor mapped: the call asks for every header's line first (``orbitkv_fs.prefetch``), so that
-the misses overlap instead of waiting one after another.
-
 Primitive: :func:`write_headers`.
 
 Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_headers.py
@@ -20,7 +16,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from orbitkv_fs.prefetch import prefetch_lines
 from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, header_crc_tables
 
 _FORMAT = HEADER_DTYPE.fields["format"][1]
@@ -61,20 +56,18 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
         if not (0 <= slots[j] <= host.shape[0] - HEADER_SIZE and 0 <= tid[j] < templates.shape[0]
                 and 0 <= idx[j] < fmt.shape[0]):
             return j
-    prefetch_lines(host_addr, slots, True)
     for j in range(tid.shape[0]):
         t, s, p = tid[j], slots[j], np.int64(pcrc[j])
-        h = host[s:s + HEADER_SIZE]
-        h[:] = templates[t]
+        host[s:s + HEADER_SIZE] = templates[t]
         n = _get32(templates[t], _STORED)
         crc = np.int64(bases[t]) ^ _field_crc(t_pay, p)
         if has_stored:
             new = np.int64(stored[j])
             crc ^= _field_crc(t_sto, n ^ new)
             n = new
-            _put32(h, _STORED, n)
-        _put32(h, _PAYLOAD_CRC, p)
-        _put32(h, _HEADER_CRC, crc)
+            _put32(host, s + _STORED, n)
+        _put32(host, s + _PAYLOAD_CRC, p)
+        _put32(host, s + _HEADER_CRC, crc)
         i = idx[j]
         fmt[i] = templates[t, _FORMAT]
         original[i] = _get32(templates[t], _ORIGINAL)

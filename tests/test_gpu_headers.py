@@ -5,17 +5,13 @@ the admitted fields are the header's own, and nothing outside the 64-byte slots 
 
 from __future__ import annotations
 
-import platform
-
 import msgspec
-import numba
 import numpy as np
 import pytest
 
-from orbitkv_fs.gpu import headers
 from orbitkv_fs.gpu.headers import write_headers
-from orbitkv_fs.segment import (HEADER_SIZE, AnsType, Format, RawReason, Role, SegmentHeader, header_crc_tables,
-                                header_row, pack_header, parse_header)
+from orbitkv_fs.segment import (HEADER_SIZE, AnsType, Format, RawReason, Role, SegmentHeader, header_row,
+                                pack_header, parse_header)
 
 
 
@@ -104,26 +100,3 @@ def test_out_of_range_rows_raise_and_write_nothing(bad):
     assert (host == 0x5A).all() and (fields[0] == -1).all() and not fields[4].any()
     with pytest.raises(ValueError):
         write_headers(host, templates, bases, tid, pcrc[:-1], slots, idx, fields)
-
-
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's prefetch instructions")
-def test_header_lines_are_prefetched():
-    """The writer's compiled code asks for the header lines before it writes them (a prefetch instruction): the
-    arena's header lines are cold, and without it each miss waits for the one before (orbitkv_fs.prefetch).
-    Compiled afresh here (numba's cache keeps no assembly). Fails if the prefetch loop is left out or LLVM
-    drops it."""
-    rng = np.random.default_rng(0)
-    plain, _ = _classes(rng)
-    made = [header_row(h) for h in plain]
-    templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
-    bases = np.array([c for _, c in made], dtype=np.uint32)
-    host = np.zeros(4 * HEADER_SIZE, np.uint8)
-    fields = (np.zeros(1, np.int16), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.uint8),
-              np.zeros(1, np.int64))
-    fresh = numba.njit(boundscheck=False)(headers._write.py_func)
-    t_pay, t_sto = header_crc_tables()
-    assert fresh(host, templates, bases, np.array([0], np.intp), np.array([7], np.uint32),
-                 np.array([HEADER_SIZE], np.int64), np.array([0], np.int64), np.zeros(0, np.uint32), t_pay, t_sto,
-                 *fields, host.ctypes.data) == -1
-    assert parse_header(bytes(host[HEADER_SIZE:2 * HEADER_SIZE])).payload_crc == 7
-    assert "prefetch" in "\n".join(fresh.inspect_asm().values()).lower()

@@ -302,11 +302,6 @@ def test_header_rows_of_an_arena_and_header_fields():
     buf2 = np.zeros(len(buf) + 8, dtype=np.uint8)  # offsets that are not multiples of 64
     buf2[8:] = buf
     assert (_header_rows_at(buf2, np.asarray(offs) + 8) == _header_rows(segs)).all()
-    assert _header_rows_at(buf, np.zeros(0, np.int64)).shape == (0, 64)
-    for bad in (-1, len(buf) - 63, 1 << 40):  # a header that would not lie inside the arena reads nothing
-        with pytest.raises(IndexError):
-            _header_rows_at(buf, np.asarray(offs + [bad]))
-    assert _header_rows_at(buf, np.asarray([len(buf) - 64])).shape == (1, 64)
     f = header_fields(segs + [b"short"])
     for row, b in zip(f[:-1], segs):
         h = parse_header(b)
