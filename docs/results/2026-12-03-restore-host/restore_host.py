@@ -5,9 +5,11 @@ layers, 512 KiB segments, shuffled blocks, 2,304 segments a restore): the save h
 ../2026-12-03-save-host/save_host.py saves once, then each repeat restores every chunk. Nothing is decoded;
 the null kernels' zero accumulators match the CRCs the null save wrote, so every segment passes as on a GPU.
 
-Usage: python restore_host.py [--codec turboquant-4] [--repeat 40] [--stages]
+Usage: python restore_host.py [--codec turboquant-4] [--repeat 40] [--stages] [--cold]
 Prints the median wall and thread CPU per restore and per segment; ``--stages`` adds per-step wall clock
-(../2026-12-02-pipeline-host-cuts/stage_timers.py)."""
+(../2026-12-02-pipeline-host-cuts/stage_timers.py). ``--cold``: before each restore (not timed) 512 MiB of
+other memory is written, so that the arena's header lines are in no cache and no TLB, as after the bench's
+1.2 GB save on the H200 (../2026-12-03-gpu-suite)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=40)
     p.add_argument("--segment-kib", type=int, default=512)
     p.add_argument("--stages", action="store_true", help="per-step wall clock of the restore's batch steps")
+    p.add_argument("--cold", action="store_true", help="write 512 MiB of other memory before each restore")
     args = p.parse_args()
     import cupy  # the restore's last step synchronises the current stream: none here
 
@@ -59,7 +62,10 @@ def main() -> None:
             timers.TARGETS["orbitkv_fs.manager.verify"] += ["_distinct_fixed", "_templates_of"]
             timers.install()
         walls, cpus = [], []
+        scrub = np.zeros(512 << 20, np.uint8) if args.cold else None
         for rep in range(args.repeat):
+            if scrub is not None:
+                scrub.fill(rep & 0xFF)
             if timers is not None and rep == 2:  # the steady state: numba loaded, the first plans made
                 for rec in timers.stats.values():
                     rec[0], rec[1] = 0, 0.0
