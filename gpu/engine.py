@@ -48,9 +48,11 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   round into its slots and computes the ANS payloads' CRC32C; CRC32C -- with the copy for raw segments -- over
   raw and TurboQuant payloads), one
   device-to-host copy of [meta | ANS payload lengths | segment slots] on the copy stream -- statuses,
-  raw CRCs, sizes and payloads together -- and one wait for the event after it. The host then
-  finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its
-  payload, in place.
+  raw CRCs, sizes and payloads together -- and one wait for the event after it. A column flight without
+  ANS segments has its headers written on the GPU before that download (``okv_write_headers``: the CRC32Cs
+  finished there, each header in front of its payload), so the host reads only the admitted fields from the
+  templates; otherwise the host finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes
+  each header in front of its payload, in place.
 * Direct SSD I/O (cuFile): ``encode_batch(device_sink=...)`` hands each GPU-encoded segment's device bytes
   (headers copied up into their slots) to the caller before the workspace is reused; ``decode_batch``
   takes segments in device memory (cupy uint8 arrays) besides host bytes: only their header (and an ANS
@@ -470,6 +472,9 @@ class Worker:
     def launch(self, k: km.Kernels, name: str, segs: int, nsegs: int, total: int, meta: int, table=None) -> None:
         self.stats["launches"] += km.launch(k, name, segs, nsegs, total, meta, self.stream, table)
 
+    def write_headers(self, k: km.Kernels, rows: int, n: int, region: int, templates: int, bases: int) -> None:
+        self.stats["launches"] += km.launch_write_headers(k, rows, n, region, templates, bases, self.stream)
+
     # -- batches in flight (the caller holds the lock) -----------------------------------------------
     def place(self, nbytes: int) -> "tuple[int, _Pinned]":
         """Workspace address and pinned upload buffer (``_Pinned``) for a new batch of ``nbytes``: beside the
@@ -700,6 +705,16 @@ class _DecPlan(NamedTuple):
     check: int
     stored: np.ndarray
     zero: np.ndarray
+
+
+def _header_rows(c: np.ndarray, plan: _FlightPlan) -> np.ndarray:
+    """``okv_write_headers``' rows (:data:`~.module.HEADER_ROW_DTYPE`) of a flight of ``plan``, classes ``c``:
+    segment ``i``'s header at its slot, its template its class's, its Meta row ``i``, its payload's walked
+    bytes its class's stored length."""
+    k = len(c)
+    rows = np.empty(k, dtype=km.HEADER_ROW_DTYPE)
+    rows["slot"], rows["tid"], rows["meta"], rows["walked"] = plan.slots, c, np.arange(k), plan.walked
+    return rows
 
 
 def _enc_cols(plans: "Sequence[_Enc]") -> _EncCols:
@@ -1105,6 +1120,10 @@ class GpuCodecEngine:
         self._plans: dict[tuple, tuple] = {}
         # decode_columns_submit's flight cuts and _DecPlans, by the headers' fixed_words
         self._dec_plans: dict[bytes, tuple] = {}
+        # Device copies for okv_write_headers, by id of what they copy (held in the entry: its id stays its own):
+        # a _FlightPlan's header rows, a _ClassSet's templates and header CRCs. Allocated on the save stream, so
+        # that memory freed with an entry is reused only after the flights queued on it.
+        self._dev_headers: dict[int, tuple] = {}
         self._ans_packed = 1.0  # the last encode batch's packed ANS bytes over their worst case (the download's guess)
         self._kernels = km.kernels(arith=fp8_arithmetic)
         self.save = Worker("save", budget_bytes)
@@ -1457,6 +1476,24 @@ class GpuCodecEngine:
                                                    bases[tids], _ints(classes, "ans_type"))
         return cs
 
+    def _header_consts(self, cs: _ClassSet, c: np.ndarray, plan: _FlightPlan) -> tuple[int, int, int]:
+        """Device addresses of ``okv_write_headers``' inputs for a flight of ``plan`` (classes ``c`` of ``cs``):
+        the plan's header rows (each segment's slot, template, Meta row and walked bytes), the class set's
+        templates and their header CRCs. Each uploaded once, on the save stream, and kept with what it copies.
+        An entry the memo drops frees its memory to the save stream's pool, so a later use of it is ordered
+        after the flights queued with it."""
+        memo = self._dev_headers
+        got = memo.get(id(plan))
+        if got is None:
+            with self.save.stream:
+                got = _remember(memo, id(plan), (plan, cp.asarray(_header_rows(c, plan).view(np.uint8))))
+        consts = memo.get(id(cs))
+        if consts is None:
+            with self.save.stream:
+                consts = _remember(memo, id(cs), (cs, cp.asarray(np.ascontiguousarray(cs.templates)),
+                                                  cp.asarray(cs.bases.astype(np.uint32))))
+        return int(got[1].data.ptr), int(consts[1].data.ptr), int(consts[2].data.ptr)
+
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,
                             out_region: "Callable[[int], np.ndarray | None] | None", align: int) -> _Flight:
         """Queue one encode batch of :meth:`encode_columns_submit` (``rows``: its sources' indices there): its
@@ -1481,9 +1518,11 @@ class GpuCodecEngine:
             got = _encode_rows(up, plan.off["desc"], plan.cols._replace(ptr=src), plan.groups, region + HEADER_SIZE,
                                self.seed, 0, base, plan.off, signs=plan.signs)
             w.h2d(base, up)
-            host, own = self._launch_encode(base, plan.off, got, plan.groups, k, out_region, align=align)
+            heads = self._header_consts(cs, c, plan)
+            host, own = self._launch_encode(base, plan.off, got, plan.groups, k, out_region, align=align, heads=heads)
             return w.launched(base, plan.total, upload, lambda: self._finish_encode_columns(
-                cs, c, rows, src, plan.slots, job, host, own, plan.off, None, 0, plan.kind, plan.walked), w.copies)
+                cs, c, rows, src, plan.slots, job, host, own, plan.off, None, 0, plan.kind, plan.walked,
+                written=True), w.copies)
         # ANS segments: their chunks, rounds and download length are planned per flight
         n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
         a = np.flatnonzero(kind == _KIND["ans"])
@@ -1540,11 +1579,13 @@ class GpuCodecEngine:
                                slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool,
                                off: "dict[str, int] | None" = None, a: "np.ndarray | None" = None,
                                region: int = 0, kind: "np.ndarray | None" = None,
-                               walked: "np.ndarray | None" = None) -> None:
+                               walked: "np.ndarray | None" = None, written: bool = False) -> None:
         """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
         and headers as arrays (a template per class; ANS stored lengths as a column, their slots as the GPU
         packed them); per-segment Python only for a segment that falls back to raw storage. ``views``: the
-        region is the engine's own array, so ``out`` gets each segment's view."""
+        region is the engine's own array, so ``out`` gets each segment's view. ``written``: ``okv_write_headers``
+        wrote the headers (a flight without ANS segments): only their fields are read here, from the templates,
+        and the host touches none of the region's header lines."""
         w, out = self.save, job.out
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
@@ -1561,7 +1602,7 @@ class GpuCodecEngine:
             walked[a] = size
             slots = slots.copy()
             slots[a] = self._packed_slots(size, off, host, region)
-        crcs = finish_crc(meta["acc"], walked)
+        crcs = None if written else finish_crc(meta["acc"], walked)
         keep = ~bad
         for j in np.flatnonzero(bad).tolist():
             t = cs.classes[int(c[j])]
@@ -1576,8 +1617,8 @@ class GpuCodecEngine:
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        _write_headers(job, host, cs.templates, cs.bases, c[good], crcs[good], slots[good], rows[good], views=views,
-                       stored=walked[good] if ans else None)
+        _write_headers(job, host, cs.templates, cs.bases, c[good], None if written else crcs[good], slots[good],
+                       rows[good], views=views, stored=walked[good] if ans else None)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is host-encoded and each fits half the workspace alone, found
@@ -1680,7 +1721,7 @@ class GpuCodecEngine:
                        groups: Sequence[tuple[str, np.ndarray]], k: int,
                        out_region: "Callable[[int], np.ndarray | None] | None",
                        rounds: "_AnsRounds | None" = None, chunk: int = 0, temp: int = 0,
-                       align: int = SLOT_ALIGN) -> tuple[np.ndarray, bool]:
+                       align: int = SLOT_ALIGN, heads: "tuple[int, int, int] | None" = None) -> tuple[np.ndarray, bool]:
         """Queue an encode batch's kernels (its descriptors are up): FP8 and TurboQuant encodes, per ANS round
         nvCOMP over its chunks then their placing and packing, the CRC32C pass; then the download of the output
         region (meta, ANS payload lengths, slots; up to ``off["download"]`` when given) on the copy stream,
@@ -1716,6 +1757,8 @@ class GpuCodecEngine:
             first, blocks = rows["okv_crc32c"]
             w.launch(kern, "okv_crc32c", segs + first * km.SEG_DTYPE.itemsize, counts["okv_crc32c"], blocks, region,
                      kern.crc_tables)
+        if heads is not None:
+            w.write_headers(kern, heads[0], k, region, heads[1], heads[2])
         region_len = off["region_end"] - off["meta"]
         host = out_region(region_len) if out_region is not None else None
         own = host is None

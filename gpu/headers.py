@@ -4,7 +4,8 @@ for ANS its stored length, and its header CRC from the template's (``segment.hea
 the fields the Manager admits the segment by. A numpy pass per field cost a flight of a few hundred segments
 about 60 us of host time on the save's critical path (docs/results/2026-12-03-host-speed).
 
-Primitive: :func:`write_headers`.
+Primitives: :func:`write_headers`; :func:`write_headers_model` (what the GPU's ``okv_write_headers`` writes,
+computed on the host the way the kernel computes it: for tests without a GPU).
 
 Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_headers.py
 and test_gpu_descriptors.py compare them); nothing outside the segments' 64-byte header slots is written, and
@@ -18,6 +19,8 @@ import numpy as np
 
 from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, header_crc_tables
 
+from .tables import CHUNK, XC_OFFSET, XP_OFFSET, _gf_mul_nb, crc_tables
+
 _FORMAT = HEADER_DTYPE.fields["format"][1]
 _ORIGINAL = HEADER_DTYPE.fields["original_length"][1]
 _STORED = HEADER_DTYPE.fields["stored_length"][1]
@@ -25,6 +28,10 @@ _PAYLOAD_CRC = HEADER_DTYPE.fields["payload_crc"][1]
 _REASON = HEADER_DTYPE.fields["raw_reason"][1]
 _HEADER_CRC = HEADER_DTYPE.fields["header_crc"][1]
 _NO_STORED = np.zeros(0, np.uint32)
+
+#: One row of ``okv_write_headers`` (``struct HeaderRow``, kernels/headers.cu): a segment's header slot (bytes
+#: from the output region's start), its template, its Meta row and the payload bytes its CRC walked.
+HEADER_ROW_DTYPE = np.dtype([("slot", "<u4"), ("tid", "<u4"), ("meta", "<u4"), ("walked", "<u4")])
 
 
 @numba.njit(inline="always")
@@ -49,7 +56,7 @@ def _field_crc(t: np.ndarray, v: int) -> int:
 def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
            slots: np.ndarray, idx: np.ndarray, stored: np.ndarray, t_pay: np.ndarray, t_sto: np.ndarray,
            fmt: np.ndarray, original: np.ndarray, length: np.ndarray, reason: np.ndarray, addr: np.ndarray,
-           host_addr: int) -> int:
+           host_addr: int, write: bool) -> int:
     # int64 arithmetic throughout: the CRC words are 32-bit values held in int64 (numba's uint32 mixes promote)
     has_stored = stored.shape[0] > 0
     for j in range(tid.shape[0]):  # bounds first (boundscheck is off), so that a bad row writes nothing
@@ -57,17 +64,19 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
                 and 0 <= idx[j] < fmt.shape[0]):
             return j
     for j in range(tid.shape[0]):
-        t, s, p = tid[j], slots[j], np.int64(pcrc[j])
-        host[s:s + HEADER_SIZE] = templates[t]
+        t, s = tid[j], slots[j]
         n = _get32(templates[t], _STORED)
-        crc = np.int64(bases[t]) ^ _field_crc(t_pay, p)
-        if has_stored:
-            new = np.int64(stored[j])
-            crc ^= _field_crc(t_sto, n ^ new)
-            n = new
-            _put32(host, s + _STORED, n)
-        _put32(host, s + _PAYLOAD_CRC, p)
-        _put32(host, s + _HEADER_CRC, crc)
+        if write:
+            p = np.int64(pcrc[j])
+            host[s:s + HEADER_SIZE] = templates[t]
+            crc = np.int64(bases[t]) ^ _field_crc(t_pay, p)
+            if has_stored:
+                new = np.int64(stored[j])
+                crc ^= _field_crc(t_sto, n ^ new)
+                n = new
+                _put32(host, s + _STORED, n)
+            _put32(host, s + _PAYLOAD_CRC, p)
+            _put32(host, s + _HEADER_CRC, crc)
         i = idx[j]
         fmt[i] = templates[t, _FORMAT]
         original[i] = _get32(templates[t], _ORIGINAL)
@@ -77,23 +86,49 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
     return -1
 
 
-def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray, pcrc: np.ndarray,
-                  slots: np.ndarray, idx: np.ndarray, fields: "tuple[np.ndarray, ...]",
+def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.ndarray,
+                  pcrc: "np.ndarray | None", slots: np.ndarray, idx: np.ndarray, fields: "tuple[np.ndarray, ...]",
                   stored: "np.ndarray | None" = None) -> None:
     """Write segment ``j``'s header at byte ``slots[j]`` of ``host`` (uint8, contiguous): template row
     ``templates[tid[j]]`` (``(classes, 64)`` uint8) with payload CRC ``pcrc[j]`` and the header CRC from the
     template's CRC ``bases[tid[j]]``; ``stored`` (ANS: what nvCOMP made of each payload), each segment's stored
     length in place of its template's. ``fields``: the arrays ``(fmt, original, length, reason, addr)`` that get,
     at ``idx[j]``, the header's format, original length, header-and-payload length, raw reason and the host
-    address of its first byte. Raises IndexError, having written nothing, when a slot's header would not lie
-    inside ``host``, a ``tid`` is not a template or an ``idx`` not a place in ``fields``."""
-    if not (len(tid) == len(pcrc) == len(slots) == len(idx) and (stored is None or len(stored) == len(tid))
-            and all(len(f) == len(fields[0]) for f in fields)):
+    address of its first byte. ``pcrc`` None: the headers are in place already (the GPU wrote them,
+    ``okv_write_headers``), ``stored`` must be None, and only ``fields`` are written: ``host`` is not touched.
+    Raises IndexError, having written nothing, when a slot's header would not lie inside ``host``, a ``tid`` is
+    not a template or an ``idx`` not a place in ``fields``."""
+    write = pcrc is not None
+    if not write:
+        if stored is not None:
+            raise ValueError("write_headers: stored lengths need the headers written here (pcrc)")
+        pcrc = _NO_STORED
+    if not ((len(pcrc) == len(tid) or not write) and len(tid) == len(slots) == len(idx)
+            and (stored is None or len(stored) == len(tid)) and all(len(f) == len(fields[0]) for f in fields)):
         raise ValueError("write_headers: the per-segment arrays (and the field arrays) differ in length")
     t_pay, t_sto = header_crc_tables()
     bad = _write(host, templates, bases, tid, pcrc.astype(np.uint32, copy=False), slots, idx,
            _NO_STORED if stored is None else stored.astype(np.uint32), t_pay, t_sto, *fields,
-           host.ctypes.data)
+           host.ctypes.data, write)
     if bad >= 0:
         raise IndexError(f"header {bad}: slot {int(slots[bad])}, template {int(tid[bad])} or place {int(idx[bad])} "
                          f"out of range ({host.size} bytes, {len(templates)} templates, {len(fields[0])} places)")
+
+
+def write_headers_model(region: np.ndarray, rows: np.ndarray, templates: np.ndarray, bases: np.ndarray) -> None:
+    """What ``okv_write_headers`` (kernels/headers.cu) writes into an encode flight's output ``region`` (uint8,
+    its Meta array first) for ``rows`` (``module.HEADER_ROW_DTYPE``), step for step as the kernel: the payload
+    CRC from Meta.acc and x^(8 walked) out of the kernels' CRC tables, the header CRC through the payload-CRC
+    field tables. Slow (a loop per row); for tests."""
+    tab = crc_tables()
+    field = header_crc_tables()[0]
+    acc = region[:16 * (int(rows["meta"].max()) + 1 if len(rows) else 0)].view("<u4")[0::4]
+    for r in rows:
+        w = int(r["walked"])
+        x = _gf_mul_nb(tab[XC_OFFSET + w // CHUNK], tab[XP_OFFSET + w % CHUNK])
+        pcrc = int(acc[r["meta"]]) ^ int(_gf_mul_nb(np.uint32(0xFFFFFFFF), x)) ^ 0xFFFFFFFF
+        hcrc = int(bases[r["tid"]]) ^ int(_field_crc(field, pcrc))
+        s = int(r["slot"])
+        region[s:s + HEADER_SIZE] = templates[r["tid"]]
+        region[s + _PAYLOAD_CRC:s + _PAYLOAD_CRC + 4] = np.frombuffer(np.uint32(pcrc).tobytes(), np.uint8)
+        region[s + _HEADER_CRC:s + _HEADER_CRC + 4] = np.frombuffer(np.uint32(hcrc).tobytes(), np.uint8)

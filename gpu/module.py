@@ -29,17 +29,20 @@ from cupy_backends.cuda.api import driver as _driver
 
 from orbitkv_fs.errors import CodecUnavailable
 from orbitkv_fs.pages import BLOCK_COPY_DTYPE  # noqa: F401  (re-exported: the kernel's table rows)
+from orbitkv_fs.segment import header_crc_tables
+
+from .headers import HEADER_ROW_DTYPE  # noqa: F401  (re-exported: okv_write_headers' rows)
 
 from .tables import CHUNK, THREADS, crc_tables, turboquant_tables
 
-SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu", "blocks.cu")
+SOURCES = ("common.cuh", "crc32c.cu", "fp8.cu", "turboquant.cu", "ans.cu", "blocks.cu", "headers.cu")
 # One of okv_tq_encode_k's two pass buffers per warp (OKV_TQ_KBUF): 64 elements a lane x 32 lanes x 2 bytes,
 # plus 16 bytes per row of padding.
 TQ_K_BUFFER = 64 * 64 + 512
 OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", f"-DOKV_TQ_KBUF={TQ_K_BUFFER}")
 KERNEL_NAMES = ("okv_crc32c", "okv_copy_checked", "okv_fp8_encode", "okv_fp8_decode", "okv_tq_encode_k", "okv_tq_encode_v",
                 "okv_tq_decode",
-                "okv_ans_place", "okv_ans_pack", "okv_copy_blocks")
+                "okv_ans_place", "okv_ans_pack", "okv_copy_blocks", "okv_write_headers")
 
 # Dynamic shared memory of a kernel, bytes: okv_tq_encode_k's two pass buffers per warp, above the 48 KiB
 # a kernel may hold statically.
@@ -123,6 +126,7 @@ class Kernels:
     functions: dict[str, cp.RawKernel]
     crc_tables: cp.ndarray
     tq_tables: cp.ndarray
+    header_tables: cp.ndarray  # segment.header_crc_tables' payload-CRC tables, (4, 256) uint32
     grids: dict[str, int]  # resident blocks of each kernel on the whole device
     hardware_fp8: bool
 
@@ -186,6 +190,7 @@ def _kernels(device_id: int, arith: bool) -> Kernels:
             functions=functions,
             crc_tables=cp.asarray(crc_tables()),
             tq_tables=cp.asarray(turboquant_tables()),
+            header_tables=cp.asarray(np.ascontiguousarray(header_crc_tables()[0], dtype=np.uint32)),
             grids={name: sms * _resident_blocks(fn, props, DYNAMIC_SMEM.get(name, 0)) for name, fn in functions.items()},
             hardware_fp8=(not arith) and (major, minor) >= (8, 9),
         )
@@ -209,7 +214,7 @@ class _Launcher:
         # context current (cudaFree(0): the usual no-op for it), as a cupy launch would have.
         cp.cuda.runtime.free(0)
         self.fn = {name: int(f.kernel.ptr) for name, f in k.functions.items()}
-        self.args = np.zeros(6, dtype=np.uint64)
+        self.args = np.zeros(8, dtype=np.uint64)
         base = self.args.ctypes.data
         self._ptrs = np.arange(base, base + 8 * len(self.args), 8, dtype=np.uint64)  # kernelParams: one per slot
         self.params = self._ptrs.ctypes.data
@@ -252,6 +257,20 @@ def launch(k: Kernels, name: str, segs_ptr: int, nsegs: int, total: int, meta_pt
         lau.go(name, grid, smem, stream, segs_ptr, nsegs, total, meta_ptr)
     else:
         lau.go(name, grid, smem, stream, segs_ptr, nsegs, total, meta_ptr, table.data.ptr)
+    return 1
+
+
+def launch_write_headers(k: Kernels, rows_ptr: int, n: int, region: int, templates_ptr: int, bases_ptr: int,
+                         stream: cp.cuda.Stream) -> int:
+    """Launch ``okv_write_headers`` over ``n`` :data:`HEADER_ROW_DTYPE` rows at device address ``rows_ptr``:
+    each row's header written into the output region at ``region`` (its Meta array first) from the templates
+    (``(t, 64)`` bytes) and their header CRCs (``bases``, uint32) at those device addresses; returns launches
+    made."""
+    if n <= 0:
+        return 0
+    grid = min(-(-n // THREADS), k.grids["okv_write_headers"])
+    _launcher(k).go("okv_write_headers", grid, 0, stream, rows_ptr, n, region, templates_ptr, bases_ptr,
+                    k.header_tables.data.ptr, k.crc_tables.data.ptr)
     return 1
 
 

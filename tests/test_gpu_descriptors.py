@@ -20,6 +20,7 @@ from orbitkv_fs.gpu import ans_format  # noqa: E402
 from orbitkv_fs.gpu import engine as E  # noqa: E402
 from orbitkv_fs.gpu import module as km  # noqa: E402
 from orbitkv_fs.gpu.tables import sign_words, zero_crc  # noqa: E402
+from orbitkv_fs.gpu.headers import write_headers_model  # noqa: E402
 from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, AnsType, Format, Role, SegmentHeader, pack_header  # noqa: E402
 from orbitkv_fs.segment import turboquant_stored_bytes  # noqa: E402
 
@@ -662,6 +663,35 @@ def _check_rounds(log: list, cap: int, half: int) -> int:
     return rounds
 
 
+class _HeaderKernelSaveWorker(_RecordingSaveWorker):
+    """:class:`_RecordingSaveWorker` whose ``okv_write_headers`` launch runs its host model
+    (``headers.write_headers_model``) on the flight's region when the flight downloads it: the header bytes an
+    H200 would bring. ``consts`` stands for ``GpuCodecEngine._header_consts``: its arrays by fake address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrays: dict[int, np.ndarray] = {}
+        self.pending = None
+        self.kernels = 0
+
+    def consts(self, cs, c, plan) -> tuple[int, int, int]:
+        got = (E._header_rows(c, plan), np.ascontiguousarray(cs.templates), cs.bases.astype(np.uint32))
+        for a in got:
+            self.arrays[a.ctypes.data] = a
+        return tuple(a.ctypes.data for a in got)
+
+    def write_headers(self, k, rows: int, n: int, region: int, templates: int, bases: int) -> None:
+        assert self.pending is None and len(self.arrays[rows]) == n
+        self.pending = (self.arrays[rows], self.arrays[templates], self.arrays[bases])
+        self.kernels += 1
+
+    def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
+        super().d2h(dst, src, stream)
+        if self.pending is not None:
+            write_headers_model(dst, *self.pending)
+            self.pending = None
+
+
 def _two_arenas():
     """Two 64 MiB arenas and ``region_of(j)``: an ``out_region`` that hands out arena j's bytes in order, each
     region at the next 4 KiB (the item and the column path of one comparison, one arena each)."""
@@ -843,7 +873,8 @@ def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
         eng = _bare_engine(2 << 20)  # flights of 1 MiB: several a batch
         eng.seed, eng._classes, eng._rows, eng._class_sets, eng._plans, eng._ans_packed = 11, {}, {}, {}, {}, 1.0
         eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
-        eng.save = _RecordingSaveWorker()
+        eng.save = _HeaderKernelSaveWorker()
+        eng._header_consts = eng.save.consts
         return eng
 
     kinds = [("none", BF16, Role.KEY, 128), ("fp8", BF16, Role.VALUE, 128), ("turboquant-4", BF16, Role.KEY, 128),
@@ -869,6 +900,10 @@ def test_planned_flights_send_what_the_item_path_sends(seed, monkeypatch):
         assert all(x is None for x in col_engine.encode_collect(job))
         assert (len(made) > before) == new
         assert col_engine.save.log == item_engine.save.log and col_engine.save.log
+        # the column path's headers come from okv_write_headers (its model here), one launch per flight
+        assert col_engine.save.kernels == sum(e[0] == "d2h" for e in col_engine.save.log)
+        assert item_engine.save.kernels == 0
+        col_engine.save.kernels = 0
         for i in range(len(items)):
             a = int(job.addr[i]) - arenas[1].ctypes.data
             b = E.host_address(out_i[i]) - arenas[0].ctypes.data

@@ -523,3 +523,39 @@ def test_submitted_batches_overlap_and_collect_in_any_order() -> None:
         assert e.decode_collect(d1) == [None] * 4
         for s, d in zip(segs, dsts):
             assert np.array_equal(d.get(), decode_segment(s).view(np.uint16).reshape(-1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_column_flights_headers_written_on_the_gpu_equal_the_host_codecs(engine, seed) -> None:
+    """encode_columns_submit of flights without ANS (exact, FP8, TurboQuant K and V, a value out of FP8's range
+    that falls back to raw, both 16-bit types): okv_write_headers writes every header on the GPU, and each
+    segment, header and payload, equals encode_segment's bytes; each header's payload and header CRCs verify."""
+    from orbitkv_fs.gpu.engine import DeviceSpan
+
+    rng = np.random.default_rng(100 + seed)
+    kinds = [("none", BF16, "key"), ("fp8", BF16, "value"), ("turboquant-4", BF16, "key"),
+             ("turboquant-4", FP16, "value"), ("fp8", FP16, "key"), ("none", FP16, "value")]
+    shapes = [(int(rng.integers(2, 24)), 4, 128) for _ in kinds]
+    n = int(rng.integers(40, 300))
+    cls = rng.integers(0, len(kinds), n)
+    xs = [(rng.standard_normal(shapes[c]) * 0.5).astype(kinds[c][1]) for c in cls]
+    fp8 = [i for i, c in enumerate(cls) if kinds[c][0] == "fp8"]
+    if fp8:
+        xs[fp8[0]].reshape(-1)[0] = 1e4  # beyond FP8's 448: this segment falls back to raw
+    flat = [np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in xs]
+    buf = cp.asarray(np.concatenate(flat))
+    offs = np.cumsum([0] + [f.nbytes for f in flat])[:-1]
+    classes = [engine.encode_class(EncodeItem(DeviceSpan(buf.data.ptr, int(np.prod(s)) * dt.itemsize, s), codec, role,
+                                              7 + j, dt)) for j, ((codec, dt, role), s) in enumerate(zip(kinds, shapes))]
+    launches = engine.save.stats["launches"]
+    job = engine.encode_columns_submit(classes, cls, buf.data.ptr + offs)
+    assert job is not None
+    segs = engine.encode_collect(job)
+    assert engine.save.stats["launches"] > launches
+    for i, (x, c) in enumerate(zip(xs, cls)):
+        codec, _, role = kinds[c]
+        want = host_segment(x, codec, role, 7 + int(c))
+        assert segs[i] is not None  # no out_region: every segment is a view of the engine's own region
+        got = bytes(segs[i])
+        assert got == want, (i, codec)
+        parse_segment(got)  # both CRCs

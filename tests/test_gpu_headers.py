@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from orbitkv_fs.gpu.headers import write_headers
+from orbitkv_fs.gpu.headers import HEADER_ROW_DTYPE, write_headers, write_headers_model
 from orbitkv_fs.segment import (HEADER_SIZE, AnsType, Format, RawReason, Role, SegmentHeader, header_row,
                                 pack_header, parse_header)
 
@@ -100,3 +100,62 @@ def test_out_of_range_rows_raise_and_write_nothing(bad):
     assert (host == 0x5A).all() and (fields[0] == -1).all() and not fields[4].any()
     with pytest.raises(ValueError):
         write_headers(host, templates, bases, tid, pcrc[:-1], slots, idx, fields)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_kernels_header_model_writes_pack_headers_bytes(seed):
+    """okv_write_headers' host model (the kernel's steps: Meta.acc and x^(8 walked) from the CRC tables, the
+    header CRC through the field tables) writes the headers pack_header gives for the payload CRCs
+    finish_crc makes of the same accumulators, and nothing outside the rows' slots."""
+    from orbitkv_fs.gpu.tables import finish_crc
+
+    rng = np.random.default_rng(seed)
+    plain, _ = _classes(rng)
+    made = [header_row(h) for h in plain]
+    templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
+    bases = np.array([c for _, c in made], dtype=np.uint32)
+    n = int(rng.integers(1, 80))
+    tid = rng.integers(len(plain), size=n)
+    walked = np.array([plain[t].stored_length for t in tid], dtype=np.int64)
+    walked[: min(n, 2)] = [0, 2049 * 16384 - 1][: min(n, 2)]  # the table's ends
+    region = np.full(16 * n + (n + 1) * 4 * HEADER_SIZE, 0xA5, np.uint8)
+    acc = rng.integers(1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    region[:16 * n].view("<u4")[0::4] = acc
+    rows = np.empty(n, HEADER_ROW_DTYPE)
+    rows["slot"] = 16 * n + 4 * HEADER_SIZE * rng.permutation(n)
+    rows["tid"], rows["meta"], rows["walked"] = tid, np.arange(n), walked
+    write_headers_model(region, rows, templates, bases)
+    pcrc = finish_crc(acc, walked)
+    for j in range(n):
+        s = int(rows["slot"][j])
+        want = msgspec.structs.replace(plain[tid[j]], payload_crc=int(pcrc[j]))
+        assert bytes(region[s:s + HEADER_SIZE]) == pack_header(want), j
+    outside = np.ones(region.size, dtype=bool)
+    outside[:16 * n] = False
+    outside[rows["slot"].astype(np.int64)[:, None] + np.arange(HEADER_SIZE)] = False
+    assert (region[outside] == 0xA5).all()
+
+
+def test_fields_only_leaves_the_region_alone():
+    """write_headers without payload CRCs (the GPU wrote the headers): the admitted fields are the templates',
+    the region is not touched; stored lengths then make no sense and are refused."""
+    rng = np.random.default_rng(5)
+    plain, _ = _classes(rng)
+    made = [header_row(h) for h in plain]
+    templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
+    bases = np.array([c for _, c in made], dtype=np.uint32)
+    host = np.full(8 * HEADER_SIZE, 0x3C, np.uint8)
+    tid = np.array([2, 0, 1], np.intp)
+    slots = np.array([0, 2, 5], np.int64) * HEADER_SIZE
+    fields = (np.zeros(3, np.int16), np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.uint8),
+              np.zeros(3, np.int64))
+    write_headers(host, templates, bases, tid, None, slots, np.arange(3), fields)
+    assert (host == 0x3C).all()
+    fmt, original, length, reason, addr = fields
+    for j, t in enumerate(tid):
+        h = plain[t]
+        assert (fmt[j], original[j], length[j], reason[j]) == (int(h.format), h.original_length,
+                                                                HEADER_SIZE + h.stored_length, int(h.raw_reason))
+        assert addr[j] == host.ctypes.data + slots[j]
+    with pytest.raises(ValueError):
+        write_headers(host, templates, bases, tid, None, slots, np.arange(3), fields, np.ones(3, np.int64))

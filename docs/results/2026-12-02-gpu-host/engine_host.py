@@ -62,6 +62,8 @@ class NullWorker:
     def launch(self, *a, **k) -> None:
         self.stats["launches"] += 1
 
+    write_headers = launch  # okv_write_headers: the GPU writes a flight's headers, the host only launches it
+
     def launched(self, base, nbytes, upload, finish, last=None):
         f = E._Flight(0, nbytes, 0, None, finish)
         self.inflight.append(f)
@@ -85,6 +87,9 @@ def null_engine(seed: int = 7) -> E.GpuCodecEngine:
     eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
     eng.save, eng.restore = NullWorker(), NullWorker()
     eng._nvcomp = None
+    if hasattr(E, "_header_rows"):  # trees whose GPU writes the headers: their device inputs, one lookup a flight
+        memo: dict = {}
+        eng._header_consts = lambda cs, c, plan: memo.setdefault(id(plan), (0, 0, 0))
     return eng
 
 

@@ -3,7 +3,8 @@ checks, the early first batch, header verification per batch, ``decode_columns_s
 tables) with the GPU engine's streams, kernels and copies replaced by no-ops, over the bench's geometry (36
 layers, 512 KiB segments, shuffled blocks, 2,304 segments a restore): the save harness of
 ../2026-12-03-save-host/save_host.py saves once, then each repeat restores every chunk. Nothing is decoded;
-the null kernels' zero accumulators match the CRCs the null save wrote, so every segment passes as on a GPU.
+the null kernels' zero accumulators match the CRCs the null save wrote (its headers, where the GPU writes them,
+by okv_write_headers' host model), so every segment passes as on a GPU.
 
 Usage: python restore_host.py [--codec turboquant-4] [--repeat 40] [--stages] [--cold]
 Prints the median wall and thread CPU per restore and per segment; ``--stages`` adds per-step wall clock
@@ -51,7 +52,7 @@ def main() -> None:
     import cupy  # the restore's last step synchronises the current stream: none here
 
     cupy.cuda.get_current_stream = lambda: save_host._NULL_EVENT
-    with save_host.harness(args.codec, args.segment_kib) as h:
+    with save_host.harness(args.codec, args.segment_kib, headers=True) as h:
         m, eid, nseg = h.m, h.e.engine_id, h.nseg
         r = m.save(eid, h.chunks)
         assert r.segments == nseg, r

@@ -27,6 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from orbitkv_fs.gpu import engine as E
+from orbitkv_fs.gpu import headers as H
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
 from orbitkv_fs.manager import device as D
@@ -82,6 +83,31 @@ class _DownloadWorker(_Worker):
         self.filled[0] += time.thread_time() - c0
 
 
+class _HeaderModelWorker(_Worker):
+    """:class:`_Worker` whose ``okv_write_headers`` runs its host model (``headers.write_headers_model``) on the
+    flight's region at its download: headers a harness reads back (restore_host.py's save). Slow: not for
+    timing a save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrays: dict[int, np.ndarray] = {}
+        self.pending = None
+
+    def consts(self, cs, c, plan) -> tuple[int, int, int]:  # GpuCodecEngine._header_consts, on the host
+        got = (E._header_rows(c, plan), np.ascontiguousarray(cs.templates), cs.bases.astype(np.uint32))
+        for a in got:
+            self.arrays[a.ctypes.data] = a
+        return tuple(a.ctypes.data for a in got)
+
+    def write_headers(self, k, rows: int, n: int, region: int, templates: int, bases: int) -> None:
+        self.pending = (self.arrays[rows], self.arrays[templates], self.arrays[bases])
+
+    def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
+        if self.pending is not None:
+            H.write_headers_model(dst, *self.pending)
+            self.pending = None
+
+
 def _codecs(worker: type = _Worker) -> D._GpuCodecs:
     """The Manager's GPU codecs over null engines (one per rotation seed, as ``_GpuCodecs.engine``)."""
     g = object.__new__(D._GpuCodecs)
@@ -93,6 +119,8 @@ def _codecs(worker: type = _Worker) -> D._GpuCodecs:
             if e is None:
                 e = g._engines[seed] = engine_host.null_engine(seed)
                 e.save, e.restore = worker(), worker()
+                if worker is _HeaderModelWorker:
+                    e._header_consts = e.save.consts
                 e._ans_packed = 1.0
                 e.block_buffer = lambda nbytes, restore: _Buf(nbytes)
             return e
@@ -102,7 +130,8 @@ def _codecs(worker: type = _Worker) -> D._GpuCodecs:
 
 
 @contextlib.contextmanager
-def harness(codec: str, segment_kib: int = 512, download: bool = False) -> Iterator[types.SimpleNamespace]:
+def harness(codec: str, segment_kib: int = 512, download: bool = False,
+            headers: bool = False) -> Iterator[types.SimpleNamespace]:
     """The bench's geometry on a Manager whose GPU codecs are null engines: ``m`` the Manager, ``e`` the
     registration, ``eng`` its engine state, ``chunks`` a save's chunks (shuffled blocks), ``nseg`` its
     segments. The pages file and the Manager go however the caller's block ends."""
@@ -126,7 +155,8 @@ def harness(codec: str, segment_kib: int = 512, download: bool = False) -> Itera
         eng.geometry = _geometry(eng.segs)
         eng.info = types.SimpleNamespace(**{f: getattr(eng.info, f) for f in eng.info.__struct_fields__})
         eng.info.device = "cuda:0"
-        m._gpu_codecs = _codecs(_DownloadWorker if download else _Worker)
+        m._gpu_codecs = _codecs(_DownloadWorker if download else
+                                _HeaderModelWorker if headers and hasattr(E, "_header_rows") else _Worker)
         m.dram.arena.pinned = True
         chunks = [ChunkBlocks(chunk_key(f"x-{i}"), order[i * per:(i + 1) * per].tolist()) for i in range(blocks // per)]
         yield types.SimpleNamespace(m=m, e=e, eng=eng, chunks=chunks, nseg=len(chunks) * len(eng.segs))
