@@ -1,6 +1,6 @@
 // A save flight's segment headers, written on the GPU into the flight's output region before its download, so
 // that the host never stores to the arena's header lines (each a line of its own page, cold in every cache:
-// docs/results/2026-12-03-gpu-suite). One row per segment (engine._HEADER_ROW_DTYPE):
+// docs/results/2026-12-03-gpu-suite). One row per segment (headers.HEADER_ROW_DTYPE):
 struct HeaderRow {
   u32 slot;    // byte offset of the segment's header from the region's start (the Meta array; 4-byte aligned)
   u32 tid;     // its template: a validated header with a zero payload CRC (segment.header_row)
