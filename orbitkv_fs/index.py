@@ -37,6 +37,7 @@ from collections import deque
 from itertools import groupby
 from typing import Iterator, Sequence
 
+import numba
 import numpy as np
 
 FREE, LIVE, HIDDEN = 0, 1, 2
@@ -57,18 +58,39 @@ def _sub_of(key: bytes) -> int:
     return (key[32] | key[33] << 8) * _ROLES + key[34]
 
 
-def _well_formed(keys: Sequence[bytes]) -> tuple[int, bytes]:
-    """How many leading ``keys`` are packed keys (:func:`_sub_of` is not -1), and those keys joined."""
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _scan(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # words: the packed keys as (n, 9) little-endian uint32, the 32-byte prefix then (layer, role, pad)
+    n = words.shape[0]
+    sub = np.empty(n, np.int64)
+    starts = np.empty(n + 1, np.int64)
+    m = 0
+    for i in range(n):
+        tail = words[i, 8]
+        role = (tail >> 16) & 255
+        sub[i] = -1 if tail >> 24 or role >= _ROLES else np.int64(tail & 0xFFFF) * _ROLES + role
+        new = i == 0
+        for w in range(8):
+            if new:
+                break
+            new = words[i, w] != words[i - 1, w]
+        if new:
+            starts[m] = i
+            m += 1
+    starts[m] = n
+    return sub, starts[:m + 1]
+
+
+def _scan_keys(keys: Sequence[bytes]) -> "tuple[np.ndarray, list[int]] | None":
+    """Each of ``keys``' sub (:func:`_sub_of`: -1 for a key of the right length that is not a packed key) and
+    the starts of its runs of one (namespace, chunk) prefix, then ``len(keys)``, in one compiled pass over the
+    keys joined; None when some key is not 36 bytes long (the caller takes its per-key path)."""
     n = len(keys)
     raw = b"".join(keys)
-    if n and len(raw) == n * _KEY_SIZE and set(map(len, keys)) == {_KEY_SIZE}:
-        # every 36th byte from 35 is a pad (zero), from 34 a role
-        if raw[35::_KEY_SIZE].count(0) == n and not raw[34::_KEY_SIZE].translate(None, bytes(range(_ROLES))):
-            return n, raw
-    for i, k in enumerate(keys):
-        if _sub_of(k) < 0:
-            return i, b"".join(keys[:i])
-    return n, raw
+    if len(raw) != n * _KEY_SIZE or (n and set(map(len, keys)) != {_KEY_SIZE}):
+        return None
+    sub, starts = _scan(np.frombuffer(raw, dtype="<u4").reshape(n, _KEY_SIZE // 4))
+    return sub, starts.tolist()
 
 
 def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
@@ -170,10 +192,10 @@ class ObjectIndex:
         nothing from it on was added.
 
         The same slots (free list first, last freed first, then new rows), generations and chunk arrays as
-        :meth:`add` one key at a time. The keys are read as one array (runs of one chunk found by comparing
-        neighbours, not per key); a run of keys of a chunk new to the index, each once (a save batch's whole
-        chunks), is placed in one step and its rows written per column as arrays; other keys go through
-        :meth:`add`'s own path."""
+        :meth:`add` one key at a time. The keys are read in one compiled pass (:func:`_scan_keys`: their subs
+        and runs of one chunk, not per key); a run of keys of a chunk new to the index, each once (a save
+        batch's whole chunks), is placed in one step and its rows written per column as arrays; other keys go
+        through :meth:`add`'s own path."""
         if len(keys) == 1:  # a lone publish (a promotion, a fallback)
             sub = _sub_of(keys[0])
             if sub < 0:
@@ -181,19 +203,23 @@ class ObjectIndex:
             got = self._add(keys[0][:_KEY_NS_CHUNK], sub, int(offset[0]), int(units[0]), int(length[0]),
                             int(logical[0]), int(rep[0]))
             return np.array([-1 if got is None else got[0]], np.int64)
-        n, raw = _well_formed(keys)
+        scanned = _scan_keys(keys)
+        if scanned is None:  # a key of another length: scan the keys before it
+            n = next(i for i, k in enumerate(keys) if len(k) != _KEY_SIZE)
+            scanned = _scan_keys(keys[:n])
+            assert scanned is not None
+        subs, bounds = scanned
+        if len(subs) and int(subs.min()) < 0:  # stop before the first malformed key
+            n = int(np.argmax(subs < 0))
+            subs, bounds = subs[:n], [b for b in bounds if b < n] + [n]
+        n = len(subs)
         if not n:
             return np.zeros(0, np.int64)
         if n < len(keys):
             keys = keys[:n]
         columns = tuple(np.asarray(c[:n] if len(c) > n else c, dtype=np.int64) for c in (offset, units, length,
                                                                                         logical, rep))
-        a = np.frombuffer(raw, dtype=np.uint8).reshape(n, _KEY_SIZE)
-        layers = a[:, 32].astype(np.int64) | a[:, 33].astype(np.int64) << 8
-        roles = a[:, 34].astype(np.int64)
-        subs = layers * _ROLES + roles
-        pre = a[:, :_KEY_NS_CHUNK].view("V32").reshape(n)
-        bounds = np.flatnonzero(np.r_[True, pre[1:] != pre[:-1]]).tolist() + [n]
+        layers, roles = np.divmod(subs, _ROLES)
         parts: list[np.ndarray] = []
         segs_of = self._segs
         # Rows from the free list that the placements took, and their values per column: written once at the
@@ -426,15 +452,12 @@ class ObjectIndex:
         out = np.full(n, -1, dtype=np.int64)
         if not n:
             return out
-        packed = b"".join(keys)
-        if len(packed) != 36 * n:  # a key of another length: the per-key path says what each one is
+        scanned = _scan_keys(keys)
+        if scanned is None:  # a key of another length: the per-key path says what each one is
             out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
             return out
-        a = np.frombuffer(packed, dtype=np.uint8).reshape(n, 36)
-        sub = (a[:, 32].astype(np.int64) | a[:, 33].astype(np.int64) << 8) * _ROLES + a[:, 34]
-        sub[(a[:, 35] != 0) | (a[:, 34] >= _ROLES)] = -1
-        pre = a[:, :_KEY_NS_CHUNK].view("V32").reshape(n)
-        starts = np.flatnonzero(np.r_[True, pre[1:] != pre[:-1]]).tolist()
+        sub, starts = scanned
+        starts.pop()
         if n < _RUN_MIN * len(starts):
             out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
             return out

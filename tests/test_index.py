@@ -316,6 +316,21 @@ def test_add_many_stops_before_a_malformed_key():
         assert many.get(good[2]) is None and many.add_many([bad], [0], [0], [0], [0], [0]).tolist() == []
 
 
+@pytest.mark.parametrize("bad", [bytes(35), bytes(37), bytes(34) + b"\x03\x00", bytes(35) + b"\x01"])
+def test_add_many_stops_at_a_malformed_key_anywhere_in_a_batch_of_chunks(bad):
+    """A save batch of whole chunks (runs the batch step places together) with one key that is not a packed
+    key at each place in turn, first and last included: the keys before it are added as add() adds them, one
+    at a time, and nothing from it on."""
+    good = [key(c, layer, role) for c in range(3) for layer in range(4) for role in (Role.KEY, Role.VALUE)]
+    for at in range(len(good) + 1):
+        one, many = ObjectIndex(), ObjectIndex()
+        keys = good[:at] + [bad] + good[at:]
+        cols = [list(range(10, 10 + len(keys)))] * 5
+        assert many.add_many(keys, *cols).tolist() == [one.add(k, *(c[i] for c in cols))[0]
+                                                      for i, k in enumerate(keys[:at])]
+        assert _state(many) == _state(one)
+
+
 def _index_state(ix: ObjectIndex) -> tuple:
     segs = {p: (s if isinstance(s, int) else list(s)) for p, s in ix._segs.items()}
     return (dict(ix.chunks), segs, list(ix.state), list(ix._prefix), list(ix._free), len(ix))

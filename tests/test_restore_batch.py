@@ -68,8 +68,10 @@ def test_get_many_is_get_of_each_key():
               for role in Role]
     probes += [k[:35] + b"\x01" for k in keys[:5]] + [b"short", keys[0] + b"x"]  # not packed keys
     packed = probes[:-2]  # every key 36 bytes: the array path (the two others send a call to the per-key one)
+    # Keys of 35 and 37 bytes whose bytes, joined, are two stored keys: found by neither
+    split = [keys[0][:35], keys[0][35:] + keys[1]] * 8
     for order in (probes, sorted(probes), rng.sample(probes, len(probes)), probes[:7], packed, sorted(packed),
-                  rng.sample(packed, len(packed)), keys, sorted(keys)):
+                  rng.sample(packed, len(packed)), keys, sorted(keys), split):
         assert ix.get_many(order).tolist() == [-1 if (s := ix.get(k)) is None else s for k in order]
 
 
