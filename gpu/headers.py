@@ -5,7 +5,7 @@ the fields the Manager admits the segment by. A numpy pass per field cost a flig
 about 60 us of host time on the save's critical path (docs/results/2026-12-03-host-speed).
 
 Primitives: :func:`write_headers`; :func:`write_headers_model` (what the GPU's ``okv_write_headers`` writes,
-computed on the host the way the kernel computes it: for tests without a GPU).
+made on the host with :func:`write_headers`: for tests and harnesses without a GPU).
 
 Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_headers.py
 and test_gpu_descriptors.py compare them); nothing outside the segments' 64-byte header slots is written, and
@@ -19,7 +19,7 @@ import numpy as np
 
 from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, header_crc_tables
 
-from .tables import CHUNK, XC_OFFSET, XP_OFFSET, _gf_mul_nb, crc_tables
+from .tables import finish_crc
 
 _FORMAT = HEADER_DTYPE.fields["format"][1]
 _ORIGINAL = HEADER_DTYPE.fields["original_length"][1]
@@ -117,18 +117,15 @@ def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, ti
 
 def write_headers_model(region: np.ndarray, rows: np.ndarray, templates: np.ndarray, bases: np.ndarray) -> None:
     """What ``okv_write_headers`` (kernels/headers.cu) writes into an encode flight's output ``region`` (uint8,
-    its Meta array first) for ``rows`` (``module.HEADER_ROW_DTYPE``), step for step as the kernel: the payload
-    CRC from Meta.acc and x^(8 walked) out of the kernels' CRC tables, the header CRC through the payload-CRC
-    field tables. Slow (a loop per row); for tests."""
-    tab = crc_tables()
-    field = header_crc_tables()[0]
-    acc = region[:16 * (int(rows["meta"].max()) + 1 if len(rows) else 0)].view("<u4")[0::4]
-    for r in rows:
-        w = int(r["walked"])
-        x = _gf_mul_nb(tab[XC_OFFSET + w // CHUNK], tab[XP_OFFSET + w % CHUNK])
-        pcrc = int(acc[r["meta"]]) ^ int(_gf_mul_nb(np.uint32(0xFFFFFFFF), x)) ^ 0xFFFFFFFF
-        hcrc = int(bases[r["tid"]]) ^ int(_field_crc(field, pcrc))
-        s = int(r["slot"])
-        region[s:s + HEADER_SIZE] = templates[r["tid"]]
-        region[s + _PAYLOAD_CRC:s + _PAYLOAD_CRC + 4] = np.frombuffer(np.uint32(pcrc).tobytes(), np.uint8)
-        region[s + _HEADER_CRC:s + _HEADER_CRC + 4] = np.frombuffer(np.uint32(hcrc).tobytes(), np.uint8)
+    its Meta array first) for ``rows`` (:data:`HEADER_ROW_DTYPE`), made on the host: each row's payload CRC
+    finished from its Meta.acc (:func:`~.tables.finish_crc`), then :func:`write_headers` in place. For tests and
+    harnesses without a GPU; the kernel itself is checked against the host codecs on one
+    (tests/test_gpu_engine.py)."""
+    n = len(rows)
+    if not n:
+        return
+    acc = region[:16 * (int(rows["meta"].max()) + 1)].view("<u4")[0::4]
+    scratch = (np.zeros(n, np.int16), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.uint8),
+               np.zeros(n, np.int64))  # the admitted fields, which the model does not answer
+    write_headers(region, templates, bases, rows["tid"].astype(np.intp), finish_crc(acc[rows["meta"]], rows["walked"]),
+                  rows["slot"].astype(np.int64), np.arange(n), scratch)

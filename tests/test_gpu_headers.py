@@ -104,9 +104,9 @@ def test_out_of_range_rows_raise_and_write_nothing(bad):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_kernels_header_model_writes_pack_headers_bytes(seed):
-    """okv_write_headers' host model (the kernel's steps: Meta.acc and x^(8 walked) from the CRC tables, the
-    header CRC through the field tables) writes the headers pack_header gives for the payload CRCs
-    finish_crc makes of the same accumulators, and nothing outside the rows' slots."""
+    """okv_write_headers' host model writes, at each row's slot, the header pack_header gives for the payload CRC
+    finish_crc makes of that row's Meta.acc and walked bytes (the tables' ends too), and nothing outside the
+    rows' slots."""
     from orbitkv_fs.gpu.tables import finish_crc
 
     rng = np.random.default_rng(seed)
