@@ -1483,15 +1483,18 @@ class GpuCodecEngine:
         An entry the memo drops frees its memory to the save stream's pool, so a later use of it is ordered
         after the flights queued with it."""
         memo = self._dev_headers
-        got = memo.get(id(plan))
-        if got is None:
+        got, consts = memo.get(id(plan)), memo.get(id(cs))
+        if got is None or consts is None:
+            # Cleared once, before either entry goes in: the kernel gets raw pointers only, so both arrays must
+            # stay held until a later flight, not be dropped by the second insertion's clear.
+            if len(memo) + 2 > PLANS_KEPT:
+                memo.clear()
             with self.save.stream:
-                got = _remember(memo, id(plan), (plan, cp.asarray(_header_rows(c, plan).view(np.uint8))))
-        consts = memo.get(id(cs))
-        if consts is None:
-            with self.save.stream:
-                consts = _remember(memo, id(cs), (cs, cp.asarray(np.ascontiguousarray(cs.templates)),
-                                                  cp.asarray(cs.bases.astype(np.uint32))))
+                if got is None:
+                    got = (plan, cp.asarray(_header_rows(c, plan).view(np.uint8)))
+                if consts is None:
+                    consts = (cs, cp.asarray(np.ascontiguousarray(cs.templates)), cp.asarray(cs.bases.astype(np.uint32)))
+            memo[id(plan)], memo[id(cs)] = got, consts
         return int(got[1].data.ptr), int(consts[1].data.ptr), int(consts[2].data.ptr)
 
     def _run_encode_columns(self, cs: _ClassSet, cls: np.ndarray, ptrs: np.ndarray, rows: np.ndarray, job: EncodeJob,

@@ -85,7 +85,6 @@ okv_fp8_encode(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restr
             w[i] = a | (c << 16);  // missing elements are +0: code 0, as the zero padding of the CRC word
           }
         }
-#pragma unroll
         mag2 = __vmaxu2(mag2, __vmaxu2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu));
         mag2 = __vmaxu2(mag2, __vmaxu2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
 #pragma unroll
