@@ -6,8 +6,11 @@ imports it), not a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 import types
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -1008,3 +1011,35 @@ def _recording_engine_of(budget: int) -> "E.GpuCodecEngine":
     eng = _recording_engine()
     eng.budget_bytes = budget
     return eng
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_header_consts_keep_every_array_they_answer_held(seed, monkeypatch):
+    """``_header_consts`` answers raw device addresses that a flight's ``okv_write_headers`` reads later, so the
+    arrays behind all three must stay held by the memo after the call, also when the memo is full and the plan and
+    the class set both miss. Device arrays are faked (``cp.asarray``): each records whether it is still alive.
+    An earlier version dropped the plan's rows when inserting the class set's constants cleared the memo."""
+    alive: dict[int, weakref.ref] = {}
+
+    class _DevArray:
+        def __init__(self, a: np.ndarray) -> None:
+            self.data = types.SimpleNamespace(ptr=len(alive) + 1)
+            alive[self.data.ptr] = weakref.ref(self)
+
+    monkeypatch.setattr(E, "cp", types.SimpleNamespace(asarray=_DevArray))
+    monkeypatch.setattr(E, "_header_rows", lambda c, plan: np.zeros(4, np.uint32))
+    eng = _bare_engine(1 << 20)
+    eng._dev_headers, eng.save = {}, types.SimpleNamespace(stream=contextlib.nullcontext())
+    rng = random.Random(seed)
+    sets = [types.SimpleNamespace(templates=np.zeros((2, 64), np.uint8), bases=np.zeros(2, np.int64)) for _ in range(5)]
+    plans = []
+    for _ in range(6 * E.PLANS_KEPT):
+        # a plan seen before, or a new one; a class set of a few, or a new one: every mix of hits and misses
+        plan = rng.choice(plans) if plans and rng.random() < 0.3 else object()
+        plans = (plans + [plan])[-8:]
+        cs = rng.choice(sets) if rng.random() < 0.6 else types.SimpleNamespace(templates=np.zeros((1, 64), np.uint8),
+                                                                              bases=np.zeros(1, np.int64))
+        ptrs = eng._header_consts(cs, np.zeros(1, np.int32), plan)
+        gc.collect()
+        assert all(alive[p]() is not None for p in ptrs), (len(eng._dev_headers), ptrs)
+        assert len(eng._dev_headers) <= E.PLANS_KEPT
