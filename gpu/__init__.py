@@ -1,7 +1,9 @@
 """GPU codec engine of OrbitKV-FS: CuPy kernels, descriptor batches, budgeted workspace, nvCOMP ANS.
 
 Importing this package is free; its submodules need cupy and a CUDA GPU (``orbitkv_fs.gpu.tables``
-needs only numpy, ``placement`` nothing). Modules:
+needs only numpy, ``placement`` nothing). :func:`unusable_reason` says, without raising, why they cannot run
+here (no cupy, no usable driver, no device), or ``None`` where they can: callers check it before they import
+the engine, so a GPU-less host gets one clear sentence instead of a CUDA runtime error. Modules:
 
 * ``engine`` -- :class:`GpuCodecEngine`, the batch API below.
 * ``module`` -- compiles ``kernels/*.cu`` once per process (NVRTC, ``-fmad=false -ftz=false``).
@@ -51,6 +53,19 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EncodeItem", "GpuCodecEngine"]
+
+
+def unusable_reason() -> str | None:
+    """Why the GPU engine cannot run on this host, or ``None`` where cupy sees at least one CUDA device."""
+    try:
+        import cupy
+    except ImportError as e:  # cupy absent, or a cupy build without its CUDA libraries
+        return f"cupy is not importable ({e})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError: no driver, or one older than cupy's CUDA runtime
+        return f"no usable CUDA driver ({e})"
+    return None if count > 0 else "no CUDA device"
 
 
 def __getattr__(name: str) -> Any:

@@ -16,12 +16,9 @@ SHM = "/dev/shm"
 
 @functools.cache
 def gpu_available() -> bool:
-    try:
-        import cupy
+    from orbitkv_fs.gpu import unusable_reason
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
-        return False
+    return unusable_reason() is None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -246,10 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.save_kv}")
         return 0
     if args.device == "gpu":
+        from orbitkv_fs.gpu import unusable_reason
+
+        why = unusable_reason()
         try:
-            from orbitkv_fs.gpu.bench import run_codecs
-        except ImportError as e:
-            print(f"orbitkv-bench codecs --device gpu: the GPU stack is not usable here ({e}); "
+            if why is None:
+                from orbitkv_fs.gpu.bench import run_codecs
+        except ImportError as e:  # the rest of the GPU stack (nvCOMP's binding, kvikio) missing
+            why = str(e)
+        if why is not None:
+            print(f"orbitkv-bench codecs --device gpu: the GPU stack is not usable here ({why}); "
                   "pip install 'orbitkv-fs[gpu]' on a machine with a CUDA GPU", file=sys.stderr)
             return 2
         res = run_codecs(args)

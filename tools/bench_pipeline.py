@@ -684,6 +684,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile needs --out")
     if args.blocks < (4 << 20) // BLOCK_BYTES:
         p.error(f"--blocks must be at least {(4 << 20) // BLOCK_BYTES} (one 4 MiB segment)")
+    if args.device == "gpu" and "throughput" in args.only.split(","):
+        from orbitkv_fs.gpu import unusable_reason
+
+        why = unusable_reason()
+        if why is not None:  # before the engine process starts: it would die on its first CUDA call
+            print(f"orbitkv-bench pipeline --device gpu: the GPU stack is not usable here ({why}); "
+                  "pip install 'orbitkv-fs[gpu]' on a machine with a CUDA GPU", file=sys.stderr)
+            return 2
     codecs = args.codecs.split(",") if args.codecs else \
         ["none", "fp8", "turboquant-4", "turboquant-3"] + (["ans"] if args.device == "gpu" else [])
     parts = set(args.only.split(","))

@@ -443,12 +443,9 @@ def _array_module(a):
 
 
 def _gpu_present() -> bool:
-    try:
-        import cupy
+    from ..gpu import unusable_reason  # the package's own import is free of cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device
-        return False
+    return unusable_reason() is None
 
 
 def _to_host(src, dst: np.ndarray) -> None:
