@@ -59,7 +59,7 @@ def unusable_reason() -> str | None:
     """Why the GPU engine cannot run on this host, or ``None`` where cupy sees at least one CUDA device."""
     try:
         import cupy
-    except ImportError as e:  # cupy absent, or a cupy build without its CUDA libraries
+    except Exception as e:  # ImportError where absent; a broken install may raise anything while loading
         return f"cupy is not importable ({e})"
     try:
         count = cupy.cuda.runtime.getDeviceCount()

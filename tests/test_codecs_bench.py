@@ -48,3 +48,31 @@ def test_gpu_benches_without_a_usable_gpu_say_why(sub, cupy_blocked, monkeypatch
     err = capsys.readouterr().err
     assert f"orbitkv-bench {sub[0]} --device gpu: the GPU stack is not usable here ({why})" in err
     assert "Traceback" not in err
+
+
+def test_unusable_reason_answers_whatever_a_broken_cupy_raises(monkeypatch):
+    """A cupy whose import or device query fails in any way (a half-installed wheel, a driver mismatch) makes the
+    GPU unusable, said in words: the Manager's start-up asks this and must not die of it."""
+    import types
+
+    from orbitkv_fs.gpu import unusable_reason
+
+    class _Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise OSError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setitem(sys.modules, "cupy", _Broken("cupy"))
+    assert unusable_reason() == "no usable CUDA driver (libcudart.so.13: cannot open shared object file)"
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert unusable_reason() == "no CUDA device"
+
+    class _FailingLoad:  # a finder whose cupy raises while loading, as a wheel built for another CUDA does
+        def find_spec(self, name, path=None, target=None):
+            if name == "cupy":
+                raise RuntimeError("CUDA path could not be detected")
+            return None
+
+    monkeypatch.delitem(sys.modules, "cupy")
+    monkeypatch.setattr(sys, "meta_path", [_FailingLoad()] + sys.meta_path)
+    assert unusable_reason() == "cupy is not importable (CUDA path could not be detected)"
