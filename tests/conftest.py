@@ -16,8 +16,10 @@ SHM = "/dev/shm"
 
 @functools.cache
 def gpu_available() -> bool:
-    from orbitkv_fs.gpu import unusable_reason
-
+    try:
+        from orbitkv_fs.gpu import unusable_reason
+    except ImportError:  # a source tree run uninstalled has no orbitkv_fs.gpu (setup.py maps gpu/ there)
+        return False
     return unusable_reason() is None
 
 

@@ -249,11 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from orbitkv_fs.gpu import unusable_reason
 
         why = unusable_reason()
-        try:
-            if why is None:
+        if why is None:
+            try:
                 from orbitkv_fs.gpu.bench import run_codecs
-        except ImportError as e:  # the rest of the GPU stack (nvCOMP's binding, kvikio) missing
-            why = str(e)
+            except ImportError as e:  # the rest of the GPU stack (nvCOMP's binding, kvikio) missing
+                why = str(e)
         if why is not None:
             print(f"orbitkv-bench codecs --device gpu: the GPU stack is not usable here ({why}); "
                   "pip install 'orbitkv-fs[gpu]' on a machine with a CUDA GPU", file=sys.stderr)
