@@ -33,7 +33,6 @@ _PEER = "the peer extra: pip install 'orbitkv-fs[peer]'"
 _PROVIDERS = {"fastapi": _SERVER, "starlette": _SERVER, "uvicorn": _SERVER, "prometheus_client": _SERVER,
               "pydantic": _SERVER, "torch": _E2E, "transformers": _E2E, "gguf": _E2E, "accelerate": _E2E,
               "safetensors": _E2E, "cupy": _GPU, "cupyx": _GPU, "kvikio": _GPU, "mooncake": _PEER, "zmq": _PEER,
-              "liburing": "the ssd extra: pip install 'orbitkv-fs[ssd]'",
               "matplotlib": "matplotlib (in the test extra): pip install matplotlib"}
 
 

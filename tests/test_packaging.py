@@ -128,9 +128,9 @@ def test_ans_without_gpu_stack_raises_codec_unavailable():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-# Every optional stack (the server, e2e, gpu, peer and ssd extras, torch), as a machine without them has it.
+# Every optional stack (the server, e2e, gpu and peer extras, torch), as a machine without them has it.
 OPTIONAL = BLOCKED + ("prometheus_client", "pydantic", "pydantic_core", "gguf", "accelerate", "safetensors",
-                      "mooncake", "liburing")
+                      "mooncake")
 
 
 def test_suite_collects_without_the_optional_stacks():

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +18,7 @@ from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdConfigError, SsdIoError, SsdTier
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
 from orbitkv_fs.tiers.ssd.record import record_length
-from orbitkv_fs.tiers.ssd.uring import UringBackend, liburing_usable
+from orbitkv_fs.tiers.ssd.uring import SysRing, UringBackend
 from test_ssd_common import NS, direct_io_dir, key, segment
 
 
@@ -187,13 +191,42 @@ def test_unusable_path_is_a_clear_error(ssd_dir):
         SsdTier(SsdConfig(paths=(str(ssd_dir / "missing-dir" / "shard.okv"),), capacity=4 << 20))
 
 
-@pytest.mark.skipif(not liburing_usable(), reason="the liburing package cannot run here (its self-test in a child process failed: an AVX-512 build on a CPU without it, or a release whose prep calls take only bytes)")
-def test_liburing_package_driver_roundtrip(ssd_dir):
-    with make(ssd_dir, backend=UringBackend("liburing")) as t:
-        for i in range(16):
-            t.submit(key(i), segment(i))
-        t.flush()
-        assert t.read_many([key(i) for i in range(16)]) == [segment(i) for i in range(16)]
+def test_uring_backend_is_the_syscall_ring_and_starts_without_a_child_process(ssd_dir):
+    """No driver probe at start: opening a tier once cost a child-process self-test of the liburing package
+    (~0.6 s in every process). A fresh interpreter, so that no probe result cached by earlier tests hides
+    one; every way to start a process is refused and recorded there."""
+    backend = UringBackend()
+    ring = backend.ring(8)
+    try:
+        assert type(ring) is SysRing
+    finally:
+        ring.close()
+        backend.close()
+    code = textwrap.dedent("""
+        import os, subprocess, sys
+        spawned = []
+
+        def refuse(name):
+            def call(*a, **kw):
+                spawned.append(name)
+                raise RuntimeError(f"the SSD tier started a process ({name})")
+            return call
+
+        subprocess.Popen = refuse("subprocess.Popen")
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
+            if hasattr(os, name):
+                setattr(os, name, refuse("os." + name))
+        from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+
+        d = sys.argv[1]
+        with SsdTier(SsdConfig(paths=(d + "/s0.okv", d + "/s1.okv"), capacity=8 << 20)):
+            pass
+        assert not spawned, spawned
+        print("ok")
+    """)
+    p = subprocess.run([sys.executable, "-c", code, str(ssd_dir)], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-4000:]
 
 
 def test_concurrent_writers_readers_invalidations_stay_consistent(ssd_dir):

@@ -1043,7 +1043,7 @@ def _versions() -> dict[str, str]:
 
     out = {"python": platform.python_version(), "platform": platform.platform()}
     for pkg in ("orbitkv-fs", "torch", "transformers", "numpy", "numba", "cupy-cuda13x", "kvikio-cu13",
-                "nvidia-libnvcomp-cu13", "liburing", "msgspec", "pyzmq", "matplotlib"):
+                "nvidia-libnvcomp-cu13", "msgspec", "pyzmq", "matplotlib"):
         with contextlib.suppress(md.PackageNotFoundError):
             out[pkg] = md.version(pkg)
     out.update(code_identity())

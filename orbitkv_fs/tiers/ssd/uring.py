@@ -1,36 +1,41 @@
 """io_uring for the SSD tier: submission/completion rings over O_DIRECT shard files.
 
-Two drivers speak the same small :class:`IoRing` interface (prep reads/writes tagged with an integer,
-submit, wait for completions, an eventfd that becomes readable when completions are ready):
+The tier drives io_uring itself: :class:`SysRing` makes the raw ``io_uring_setup``/``io_uring_enter``/
+``io_uring_register`` system calls through ctypes and works on the mmap'ed rings (x86-64 and arm64 share
+the syscall numbers). The ``liburing`` PyPI package is not used: its current prep calls take only
+``bytes``/``bytearray`` and so cannot address our page-aligned buffers, its wheels are AVX-512 builds, and
+the older release mis-reaps batches (docs/ssd.md, "I/O engines").
 
-* :class:`LiburingRing` -- the ``liburing`` PyPI package. Its published wheels are compiled for AVX-512
-  and die with SIGILL on CPUs without it, which a Python process cannot catch; :func:`liburing_usable`
-  therefore probes it once in a child process. Used when the probe passes. (Release 2026.3.30's prep calls
-  take only ``bytes``, not the memoryviews of our aligned buffers: its probe fails on every CPU seen here.)
-* :class:`SysRing` -- the same kernel interface through the raw ``io_uring_setup``/``io_uring_enter``
-  system calls and the mmap'ed rings (ctypes; x86-64 and arm64 share the syscall numbers). Used where the
-  package cannot run.
+Primitives:
 
-Both avoid the traps of blocking in the package's wait call (it holds the GIL): completions are awaited on
-the ring's eventfd with ``select`` (GIL released), reaped by peeking/iterating, and the completion queue
-is always advanced over every entry seen, errors included.
+* :func:`aligned_buffer` -- page-aligned (optionally huge-page) mmap buffers, as O_DIRECT requires;
+  :func:`buffer_address` -- the address the kernel is given, and the object that pins it.
+* :class:`IoRing` -- a submission lane: prep reads/writes tagged with an integer, submit, reap or wait.
+  :class:`EventfdRing` holds the waiting shared with the cuFile ring (``cufile.CuFileRing``).
+* :class:`UringBackend` -- opens the shard files (O_DIRECT, preallocated) and hands out :class:`SysRing`
+  rings; :class:`IoBackend` is the seam where the tests inject faults (``faults.FaultyBackend``).
 
-:class:`UringBackend` opens the shard files (O_DIRECT, preallocated) and hands out rings. Buffers given to
-a ring must stay alive and unmoved until their completion is reaped; :func:`aligned_buffer` allocates
-page-aligned (mmap) buffers as O_DIRECT requires.
+Invariants:
+
+* A buffer handed to a ring must stay alive and unmoved until its completion is reaped: the ring pins it
+  by tag until then, and closing a ring first waits out everything in flight.
+* Waiting for completions releases the GIL: it blocks in ``select`` on the ring's eventfd or in
+  ``io_uring_enter`` (a ctypes call).
+* The completion queue is always advanced over every entry seen, errors included, and a kernel overflow
+  is flushed on every reap; otherwise the ring stalls.
+* The SQ tail is published once per batch, after every SQE of it is written, right before
+  ``io_uring_enter``.
+* A ring is owned by one thread.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import select
 import struct
-import subprocess
-import sys
 import time
 from typing import Protocol
 
@@ -147,7 +152,7 @@ class EventfdRing:
         return self.reap()
 
     def submit_and_wait(self) -> list[tuple[int, int]]:
-        # Not a blocking library call: liburing's holds the GIL while it blocks.
+        # Waits on the eventfd in select (GIL released): a driver's own blocking wait may hold the GIL.
         self.submit()
         while True:
             out = self.wait(None)
@@ -273,102 +278,6 @@ class SysRing(EventfdRing):
         os.close(self.eventfd)
 
 
-# ------------------------------------------------------------------------------------------ liburing package
-
-
-@functools.cache
-def liburing_usable() -> bool:
-    """True when :class:`LiburingRing` works here: probed in a child process (the package may SIGILL), which
-    writes and reads back a block through it from page-aligned memoryviews and waits on the eventfd."""
-    code = "from orbitkv_fs.tiers.ssd.uring import _liburing_selftest; _liburing_selftest()"
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def _liburing_selftest() -> None:
-    import tempfile
-
-    with tempfile.TemporaryFile() as f:
-        os.ftruncate(f.fileno(), 1 << 16)
-        ring = LiburingRing(4, {0: f.fileno()})
-        src, dst = aligned_buffer(8192), aligned_buffer(8192)
-        src[:] = bytes(range(256)) * 32
-        ring.prep_write(0, src, 4096, 1)
-        ring.submit()
-        assert ring.wait(5.0) == [(1, 8192)]
-        ring.prep_read(0, dst, 4096, 2)
-        ring.submit()
-        assert ring.wait(5.0) == [(2, 8192)]
-        assert dst == src
-        ring.close()
-
-
-class LiburingRing(EventfdRing):
-    """io_uring through the ``liburing`` package (see the module docstring)."""
-
-    def __init__(self, entries: int, files: dict[int, int]) -> None:
-        import liburing as L
-
-        self._L = L
-        self._files = files
-        self._ring = L.Ring()
-        self._cqe = L.Cqe()
-        L.io_uring_queue_init(entries, self._ring)
-        self._entries = entries
-        self._unsubmitted = 0
-        self._inflight = 0
-        self._pins: dict[int, object] = {}
-        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        L.io_uring_register_eventfd(self._ring, self.eventfd)
-
-    def space(self) -> int:
-        return self._entries - self._inflight - self._unsubmitted
-
-    def _prep(self, write: bool, fid: int, buf: memoryview, offset: int, tag: int) -> None:
-        L = self._L
-        sqe = L.io_uring_get_sqe(self._ring)
-        if sqe is None:
-            raise SsdIoError("submission queue full")
-        if write:
-            L.io_uring_prep_write(sqe, self._files[fid], buf, offset)
-        else:
-            L.io_uring_prep_read(sqe, self._files[fid], buf, offset)
-        L.io_uring_sqe_set_data64(sqe, tag)
-        self._pins[tag] = buf
-        self._unsubmitted += 1
-
-    def prep_write(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
-        self._prep(True, fid, buf, offset, tag)
-
-    def prep_read(self, fid: int, buf: memoryview, offset: int, tag: int) -> None:
-        self._prep(False, fid, buf, offset, tag)
-
-    def submit(self) -> None:
-        n = self._L.io_uring_submit(self._ring) or 0
-        self._unsubmitted -= n
-        self._inflight += n
-
-    def reap(self) -> list[tuple[int, int]]:
-        L = self._L
-        out = []
-        for _ in L.CqeIter(self._ring, self._cqe):
-            e = self._cqe[0]
-            out.append((e.user_data, e.res))
-            self._pins.pop(e.user_data, None)
-        if out:
-            L.io_uring_cq_advance(self._ring, len(out))
-        self._inflight -= len(out)
-        return out
-
-    def close(self) -> None:
-        while self._inflight:
-            self.wait(1.0)
-        self._L.io_uring_queue_exit(self._ring)
-        os.close(self.eventfd)
-
-
 # ------------------------------------------------------------------------------------------ backend
 
 
@@ -383,16 +292,11 @@ class IoBackend(Protocol):
 
 
 class UringBackend:
-    """O_DIRECT shard files driven through io_uring (``driver``: auto | liburing | sys)."""
+    """O_DIRECT shard files driven through io_uring (:class:`SysRing`)."""
 
     name = "uring"
 
-    def __init__(self, driver: str = "auto") -> None:
-        if driver == "auto":
-            driver = "liburing" if liburing_usable() else "sys"
-        if driver not in ("liburing", "sys"):
-            raise SsdIoError(f"unknown io_uring driver {driver!r}")
-        self.driver = driver
+    def __init__(self) -> None:
         self._files: dict[int, int] = {}
 
     def open(self, path: str, size: int, *, truncate: bool) -> int:
@@ -415,8 +319,6 @@ class UringBackend:
         return fid
 
     def ring(self, entries: int) -> IoRing:
-        if self.driver == "liburing":
-            return LiburingRing(entries, self._files)
         return SysRing(entries, self._files)
 
     def close(self) -> None:
