@@ -420,6 +420,9 @@ class Worker:
         self.ws = Workspace(budget, self.sync)
         self.uploads = (_Pinned(), _Pinned())
         self.inflight: list[_Flight] = []  # oldest first
+        # Events of finished flights, recorded again by the next ones: a flight's event is only waited on by
+        # its own finish, so once that has returned it is free (no CUDA event made and destroyed per flight).
+        self._spare_events: list = []
         # Block-copy tables: buffers of their own (not shared with a batch in flight), used in turn, each
         # with the event after the launch that reads it.
         self.tables = [_Pinned() for _ in range(3)]
@@ -504,12 +507,13 @@ class Worker:
         for f in flights:
             if f in self.inflight:
                 self.inflight.remove(f)
+                self._spare_events.append(f.event)
 
     def launched(self, base: int, nbytes: int, upload: "_Pinned", finish: Callable[[], None],
                  last: "cp.cuda.Stream | None" = None) -> _Flight:
         """Record a batch just queued (at ``base``, staged in ``upload``) as in flight, its end marked on
         ``last`` (default: the kernel stream), the stream that runs its final operation; returns it."""
-        ev = cp.cuda.Event(disable_timing=True)
+        ev = self._spare_events.pop() if self._spare_events else cp.cuda.Event(disable_timing=True)
         ev.record(last or self.stream)
         start = base - self.ws.ptr
         f = _Flight(start, start + nbytes, self.uploads.index(upload), ev, finish)
@@ -525,6 +529,7 @@ class Worker:
         self.stats["wait_ns"] += time.perf_counter_ns() - t0
         self.stats["syncs"] += 1
         self.inflight.remove(f)
+        self._spare_events.append(f.event)
         f.finish()
 
     def finish_all(self) -> None:

@@ -93,6 +93,17 @@ def _scan_keys(keys: Sequence[bytes]) -> "tuple[np.ndarray, list[int]] | None":
     return sub, starts.tolist()
 
 
+def tail_subs(tails: Sequence[bytes]) -> np.ndarray:
+    """The sub (``layer * 3 + role``) of keys ending in each of ``tails`` (:func:`~orbitkv_fs.keys.key_tails`),
+    -1 for a tail no packed key ends in: what :meth:`ObjectIndex.add_many` 's ``runs`` carry per key."""
+    return np.array([_sub_of(bytes(_KEY_NS_CHUNK) + t) for t in tails], dtype=np.int64)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``parts`` as one array: the one part itself when there is one (a batch's usual single placement)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
     """``col[r] = v`` for each row and value (:func:`put_columns` of one column)."""
     put_columns((col,), rows, (values,))
@@ -108,9 +119,11 @@ def put_columns(cols: Sequence[array], rows: Sequence[int], values: Sequence[Seq
         return
     if isinstance(rows, np.ndarray):
         at = rows.astype(np.intp, copy=False)
-        first = int(at[0])
-        if int(at[-1]) - first == k - 1 and (k < 3 or (np.diff(at) == 1).all()):
+        first, last = int(at[0]), int(at[-1])
+        if last - first == k - 1 and (k < 3 or (np.diff(at) == 1).all()):
             at = slice(first, first + k)
+        elif first - last == k - 1 and (k < 3 or (np.diff(at) == -1).all()):  # slots freed in order, taken back
+            at = slice(first, last - 1 if last else None, -1)
         for col, vals in zip(cols, values):
             np.frombuffer(col, dtype=col.typecode)[at] = vals
         return
@@ -184,7 +197,8 @@ class ObjectIndex:
         return self._add(key[:_KEY_NS_CHUNK], sub, offset, units, length, logical, rep)
 
     def add_many(self, keys: Sequence[bytes], offset: Sequence[int], units: Sequence[int], length: Sequence[int],
-                 logical: Sequence[int], rep: Sequence[int]) -> np.ndarray:
+                 logical: Sequence[int], rep: Sequence[int], *,
+                 runs: "tuple[np.ndarray, list[int]] | None" = None) -> np.ndarray:
         """:meth:`add` of each key, in order, at its offset (the other sequences are columns of the same
         rows: lists or arrays), as one batch. Answers each key's slot (int64), -1 for a key LIVE already
         (nothing changed for it: a key twice in ``keys`` is added at its first place). Stops before the first
@@ -195,7 +209,11 @@ class ObjectIndex:
         :meth:`add` one key at a time. The keys are read in one compiled pass (:func:`_scan_keys`: their subs
         and runs of one chunk, not per key); a run of keys of a chunk new to the index, each once (a save
         batch's whole chunks), is placed in one step and its rows written per column as arrays; other keys go
-        through :meth:`add`'s own path."""
+        through :meth:`add`'s own path.
+
+        ``runs``: what that scan answers for ``keys`` (each key's sub, then the starts of its runs of one prefix
+        and ``len(keys)``), from a caller that made the keys itself from checked parts (a save batch: its
+        chunks' prefixes and the registration's :func:`tail_subs`); the keys are then not read again."""
         if len(keys) == 1:  # a lone publish (a promotion, a fallback)
             sub = _sub_of(keys[0])
             if sub < 0:
@@ -203,7 +221,7 @@ class ObjectIndex:
             got = self._add(keys[0][:_KEY_NS_CHUNK], sub, int(offset[0]), int(units[0]), int(length[0]),
                             int(logical[0]), int(rep[0]))
             return np.array([-1 if got is None else got[0]], np.int64)
-        scanned = _scan_keys(keys)
+        scanned = _scan_keys(keys) if runs is None else runs
         if scanned is None:  # a key of another length: scan the keys before it
             n = next(i for i, k in enumerate(keys) if len(k) != _KEY_SIZE)
             scanned = _scan_keys(keys[:n])
@@ -262,9 +280,9 @@ class ObjectIndex:
         if fresh:
             place_fresh()
         if reused[0]:
-            put_columns(self._columns() + (self.leases, self.state), np.concatenate(reused[0]),
-                        [np.concatenate(v) for v in reused[1:]] + [0, LIVE])
-        return np.concatenate(parts)
+            put_columns(self._columns() + (self.leases, self.state), _joined(reused[0]),
+                        [_joined(v) for v in reused[1:]] + [0, LIVE])
+        return _joined(parts)
 
     def _columns(self) -> tuple[array, ...]:
         """The columns :meth:`_place` writes, in its order."""
@@ -396,7 +414,10 @@ class ObjectIndex:
             a.frombytes(raw[x * step:(x + 1) * step])
             segs_of[p] = a
         self.chunks.update(dict.fromkeys(prefixes, k))
-        self._place(reused, slots, take, [p for p in prefixes for _ in range(k)],
+        per_slot: list[bytes] = []
+        for p in prefixes:  # each prefix k times: a list repeat per chunk, not a step per slot
+            per_slot += [p] * k
+        self._place(reused, slots, take, per_slot,
                     [col[first:last] for col in columns] + [layers[first:last], roles[first:last]])
         return slots
 

@@ -308,3 +308,43 @@ def test_block_copy_rows_are_each_blocks_addresses(counts):
             at += c
         got = _table_of(geo.copy(), ids, np.array(counts), gather=gather)
         assert [tuple(int(v) for v in row) for row in got.tolist()] == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_save_rows_carry_the_key_scan_of_their_keys(seed):
+    """``SaveRows.join`` 's run starts and the registration's subs (``_Engine.subs``) are what the index's own
+    scan reads from the batch's keys, for batches of whole and partial chunks of a real registration; a batch
+    naming a chunk twice (its runs then no longer one per prefix) carries none, and the index scans it."""
+    from orbitkv_fs.index import _scan_keys
+    from orbitkv_fs.manager.save import SaveRows
+
+    rnd = random.Random(seed)
+    seen = {"distinct": 0, "twice": 0}
+    pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D,
+                                     layout="separate")
+    try:
+        reg = EngineRegistration(model="gs", num_layers=L, layer_start=0, layer_end=L, block_size=T, num_heads=H,
+                                 head_dim=D, dtype="bfloat16", tensors=descs)
+        with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
+            eng = m._engines[m.register_engine(reg).engine_id]
+            nseg = len(eng.segs)
+            for _ in range(40):
+                pieces = []
+                for _ in range(rnd.randrange(1, 6)):
+                    ch = ChunkBlocks(bytes([rnd.randrange(4 if rnd.random() < 0.3 else 256)]) * 16, [0])
+                    si = np.asarray(sorted(rnd.sample(range(nseg), rnd.randrange(1, nseg + 1))), dtype=np.int64)
+                    keys = [eng.ns + ch.key + eng.tails[i] for i in si.tolist()]
+                    lo = rnd.randrange(len(keys))
+                    pieces.append(((ch, si, keys), lo, rnd.randrange(lo + 1, len(keys) + 1)))
+                rows = SaveRows.join(pieces)
+                subs, starts = _scan_keys(rows.keys)
+                if len({ch.key for ch in rows.chunks}) < len(rows.chunks):
+                    assert rows.starts is None
+                    seen["twice"] += 1
+                    continue
+                assert rows.starts == starts
+                assert eng.subs[rows.si].tolist() == subs.tolist()
+                seen["distinct"] += 1
+    finally:
+        pages.close()
+    assert seen["distinct"] > 10 and seen["twice"] > 0

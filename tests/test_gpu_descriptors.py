@@ -6,6 +6,7 @@ imports it), not a GPU."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import random
@@ -1043,3 +1044,41 @@ def test_header_consts_keep_every_array_they_answer_held(seed, monkeypatch):
         gc.collect()
         assert all(alive[p]() is not None for p in ptrs), (len(eng._dev_headers), ptrs)
         assert len(eng._dev_headers) <= E.PLANS_KEPT
+
+
+def test_a_flights_event_is_recorded_again_only_once_its_flight_is_done(monkeypatch):
+    """``Worker.launched`` records each flight's end on a CUDA event that ``finish`` waits on; events of flights
+    finished (or dropped after the streams were drained) are recorded again by later flights instead of a new
+    event per flight. No event may serve two flights in flight at once: the older one's wait would then end
+    at the newer one's end, or its host part run early. CUDA is faked: each event records its flight."""
+    made: list = []
+
+    class _Event:
+        def __init__(self, disable_timing: bool = False) -> None:
+            made.append(self)
+
+        def record(self, stream=None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(E.cp.cuda, "Event", _Event)
+    w = object.__new__(E.Worker)
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    w.stream = w.copies = stream
+    w.ws = types.SimpleNamespace(ptr=0)
+    w.uploads = (object(), object())
+    w.inflight, w._spare_events = [], []
+    w.stats = collections.Counter()
+    rng = random.Random(5)
+    done: list = []
+    for step in range(400):
+        if len(w.inflight) < 2 and rng.random() < 0.6:
+            f = w.launched(0, 1, w.uploads[step % 2], lambda: done.append(step))
+            assert all(g.event is not f.event for g in w.inflight if g is not f)  # never shared in flight
+        elif w.inflight and rng.random() < 0.8:
+            w.finish(w.inflight[0])
+        elif w.inflight:
+            w.drop(list(w.inflight))
+    assert len(made) == 2 and done  # two flights in flight at most: two events in all

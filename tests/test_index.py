@@ -11,8 +11,8 @@ from array import array
 import numpy as np
 import pytest
 
-from orbitkv_fs.index import FREE, HIDDEN, LIVE, ObjectIndex, put_columns
-from orbitkv_fs.keys import ObjectKey, chunk_key
+from orbitkv_fs.index import FREE, HIDDEN, LIVE, ObjectIndex, _scan_keys, put_columns, tail_subs
+from orbitkv_fs.keys import ObjectKey, chunk_key, key_tails
 from orbitkv_fs.segment import Role
 from orbitkv_fs.tiers.eviction import make_policy
 
@@ -217,15 +217,24 @@ def _state(ix: ObjectIndex) -> tuple:
             len(ix))
 
 
+def _caller_runs(keys: list[bytes]) -> tuple[np.ndarray, list[int]]:
+    """What a caller that made ``keys`` from prefixes and tails knows of them: each key's sub, from its tail
+    (:func:`tail_subs`), and where each run of one prefix starts, then ``len(keys)``."""
+    starts = [i for i in range(len(keys)) if not i or keys[i][:32] != keys[i - 1][:32]] + [len(keys)]
+    return tail_subs([k[32:] for k in keys]), starts
+
+
+@pytest.mark.parametrize("scan", ["index", "caller"])
 @pytest.mark.parametrize("columns", ["lists", "arrays"])
 @pytest.mark.parametrize("layout", ["random", "whole"])
 @pytest.mark.parametrize("seed", range(4))
-def test_add_many_is_add_one_key_at_a_time(seed, layout, columns, monkeypatch):
+def test_add_many_is_add_one_key_at_a_time(seed, layout, columns, scan, monkeypatch):
     """Random batches (whole new chunks, chunks present in part, keys twice in a batch and keys LIVE
     already, slots freed in between and reused) give the same answers, slots, generations, columns, chunk
     arrays and shared prefix objects as add of each key in order. "whole": most runs are whole chunks of
     one layout (a save batch's), so that runs of new chunks are placed together (and a chunk may come
-    twice in a batch, apart)."""
+    twice in a batch, apart). "caller": the keys' subs and runs come from the caller (``runs``, as a save
+    batch hands them over), not from the index's scan of the keys."""
     rnd = random.Random(seed)
     one, many = ObjectIndex(), ObjectIndex()
     subs = [(layer, r) for layer in (0, 1, 2, 5, 9, 300) for r in (Role.KEY, Role.VALUE)] + [(7, Role.OPAQUE)]
@@ -250,7 +259,8 @@ def test_add_many_is_add_one_key_at_a_time(seed, layout, columns, monkeypatch):
             got = one.add(k, *(c[i] for c in cols))
             want.append(-1 if got is None else got[0])
         given = cols if columns == "lists" else [np.asarray(c, dtype=np.int64) for c in cols]  # as a save batch
-        assert many.add_many(keys, *given).tolist() == want
+        runs = _caller_runs(keys) if scan == "caller" else None
+        assert many.add_many(keys, *given, runs=runs).tolist() == want
         assert _state(many) == _state(one)
         # Hide and free some (the same ones in both): the next batch reuses their slots.
         live = sorted(s for s in range(len(one._prefix)) if one.state[s] == LIVE)
@@ -298,6 +308,18 @@ def test_put_columns_writes_every_row_whatever_their_shape(seed):
         else:
             put_columns(cols, rows, [vals[0], vals[1], [5] * k])
         assert [list(c) for c in cols] == want
+
+
+def test_tail_subs_are_the_subs_the_key_scan_finds():
+    """A registration's tails (every layer and role a key can carry, and tails no packed key ends in) give
+    the subs the index's own scan reads from whole keys: what lets a save batch hand its keys' scan over."""
+    tails = key_tails([(layer, role) for layer in (0, 1, 35, 255, 65535) for role in Role])
+    tails += [b"\x00\x00\x03\x00", b"\x01\x00\x01\x07"]  # role 3; pad byte set: not packed keys
+    keys = [bytes(NS) + chunk_key(c) + t for c in range(3) for t in tails]
+    subs, starts = _scan_keys(keys)
+    assert tail_subs(tails).tolist() * 3 == subs.tolist()
+    assert tail_subs(tails)[-2:].tolist() == [-1, -1]
+    assert _caller_runs(keys)[1] == starts
 
 
 def test_add_many_stops_before_a_malformed_key():

@@ -898,8 +898,9 @@ def _assert_exact_bytes(r, segments: int) -> None:
 
 def _first_key_present(real):
     """An ``ObjectIndex.add_many`` that answers a batch's first key present (another save published it between
-    this batch's reservation and its publish) and adds the others."""
-    def add_many(self, keys, *columns):
+    this batch's reservation and its publish) and adds the others (their scan left to the index: ``runs`` is
+    the whole batch's)."""
+    def add_many(self, keys, *columns, runs=None):
         return np.concatenate(([-1], real(self, keys[1:], *(c[1:] for c in columns))))
     return add_many
 

@@ -16,6 +16,8 @@ importable without them; a decode batch's temporary lives until the block copies
 from __future__ import annotations
 
 import threading
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numba
@@ -70,15 +72,13 @@ class _Targets:
     def __init__(self, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> None:
         # per segment: block 0, block stride, rows, row bytes, row stride, block bytes, buffer address (0)
         self.geo = _geometry(segs) if geo is None else geo
-        g = self.geo.astype(np.int64)
-        self.block_bytes = g[:, 5]
-        # a run of blocks is one C-contiguous region: blocks back to back, each of regular contiguous rows
-        self.contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
-        self.counts = np.fromiter((len(ch.blocks) for ch in chunks), dtype=np.int64, count=len(chunks))
-        self.flat = np.fromiter((b for ch in chunks for b in ch.blocks), dtype=np.int64, count=int(self.counts.sum()))
+        self.block_bytes, self.contig = _geometry_columns(self.geo)
+        blocks = list(map(_BLOCKS, chunks))
+        self.counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
+        self.flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(self.counts.sum()))
         self.start = np.cumsum(self.counts) - self.counts
         self.first = self.flat[self.start] if len(chunks) else self.counts
-        self.run = np.fromiter((_run_of(ch.blocks) is not None for ch in chunks), dtype=bool, count=len(chunks))
+        self.run = np.fromiter((_run_of(b) is not None for b in blocks), dtype=bool, count=len(blocks))
 
     @classmethod
     def of(cls, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> "_Targets | None":
@@ -105,6 +105,25 @@ class _Targets:
         geo = self.geo[si]
         geo[:, 6] = addr
         return _table_of(geo, self.flat, self.counts[ci], gather=gather, starts=self.start[ci])
+
+
+_BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
+#: id(geometry array) -> (that array, its block bytes, its contiguity): a registration's geometry serves every
+#: batch of its engine, so its columns are derived once (the array is held, so its id is not reused meanwhile).
+_GEOMETRY_COLUMNS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _geometry_columns(geo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment of :func:`_geometry` 's ``geo``: its block bytes (int64), and whether a run of its blocks is
+    one C-contiguous region (blocks back to back, each of regular contiguous rows)."""
+    got = _GEOMETRY_COLUMNS.get(id(geo))
+    if got is None or got[0] is not geo:
+        g = geo.astype(np.int64)
+        contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
+        if len(_GEOMETRY_COLUMNS) >= 64:
+            _GEOMETRY_COLUMNS.clear()
+        got = _GEOMETRY_COLUMNS[id(geo)] = (geo, g[:, 5], contig)
+    return got[1], got[2]
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:

@@ -24,7 +24,6 @@ import threading
 import uuid
 import weakref
 from itertools import chain
-from operator import attrgetter
 from typing import TYPE_CHECKING, Sequence
 
 import msgspec
@@ -47,6 +46,7 @@ from ..geometry import (
     process_start_time,
     validate_registration,
 )
+from ..index import tail_subs
 from ..keys import key_tails
 from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor
@@ -54,7 +54,7 @@ from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header
 from ..tiers.dram import arena_dir
 from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, UnknownEngine
 from .batching import _coded_bound
-from .device import _array_module, _geometry, _rows_of, _run_of, _to_host
+from .device import _BLOCKS, _array_module, _geometry, _rows_of, _run_of, _to_host
 
 if TYPE_CHECKING:
     from .facade import Manager
@@ -188,6 +188,7 @@ class _Engine:
         self.ns = ns
         self.segs = segs
         self.tails = key_tails((s.layer, s.role) for s in segs)  # segs[i]'s key is ns + chunk + tails[i]
+        self.subs = tail_subs(self.tails)  # ... and the index's sub of that key
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.seg_index = {id(s): i for i, s in enumerate(segs)}  # a save item's segment -> its index in segs
         self.enc_classes: dict = {}  # (segment index, blocks per chunk) -> the GPU engine's encode class
@@ -530,9 +531,6 @@ class Registry:
                 seen.add(b)
             if skipped == len(ch.blocks):
                 raise RequestError(f"chunks[{i}].blocks: every position is SKIP_BLOCK, nothing to restore")
-
-
-_BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
 
 
 def _chunks_ok(chunks: Sequence[ChunkBlocks], num_blocks: int, skips: bool) -> bool:

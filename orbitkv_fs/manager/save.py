@@ -23,6 +23,7 @@ from itertools import accumulate, compress
 from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numba
 import numpy as np
 
 from ..access import Caller
@@ -44,10 +45,15 @@ log = logging.getLogger("orbitkv_fs.manager")
 
 
 class _SaveAcc:
-    __slots__ = ("admitted", "logical", "stored", "raw", "dropped", "present")
+    """A save request's admissions: the keys admitted one by one or from a batch admitted in part
+    (``admitted``), the key lists of batches admitted whole (``whole``: kept as lists, no per-key set work on
+    the usual path; :meth:`keys` joins them when a caller needs the set), and the request's counters."""
+
+    __slots__ = ("admitted", "whole", "logical", "stored", "raw", "dropped", "present")
 
     def __init__(self) -> None:
         self.admitted: set[bytes] = set()
+        self.whole: list[list[bytes]] = []
         self.logical = self.stored = self.dropped = self.present = 0
         self.raw: dict[str, int] = {}
 
@@ -56,17 +62,27 @@ class _SaveAcc:
         self.logical += logical
         self.stored += stored
 
+    def keys(self) -> set[bytes]:
+        """Every key admitted so far, as a set."""
+        for ks in self.whole:
+            self.admitted.update(ks)
+        self.whole.clear()
+        return self.admitted
+
 
 class SaveRows:
     """One codec batch of a save as columns: ``chunks``, the chunk runs it holds (a chunk once per run, in
     order), and per segment (row) ``ci``, its run's place in ``chunks``, ``si``, its segment's index in the
-    registration (int64 arrays), and ``keys``, its packed key. Built per batch from the runs' slices
-    (:meth:`join`); a per-segment path asks for :meth:`items`."""
+    registration (int64 arrays), and ``keys``, its packed key. ``starts``: the first row of each run, then
+    the row count, when the runs' chunks are distinct (each run is then one run of a key prefix, as the
+    index's key scan would find it), else None. Built per batch from the runs' slices (:meth:`join`); a
+    per-segment path asks for :meth:`items`."""
 
-    __slots__ = ("chunks", "ci", "si", "keys")
+    __slots__ = ("chunks", "ci", "si", "keys", "starts")
 
-    def __init__(self, chunks: list[ChunkBlocks], ci: np.ndarray, si: np.ndarray, keys: list[bytes]) -> None:
-        self.chunks, self.ci, self.si, self.keys = chunks, ci, si, keys
+    def __init__(self, chunks: list[ChunkBlocks], ci: np.ndarray, si: np.ndarray, keys: list[bytes],
+                 starts: "list[int] | None" = None) -> None:
+        self.chunks, self.ci, self.si, self.keys, self.starts = chunks, ci, si, keys, starts
 
     @classmethod
     def join(cls, pieces: Sequence[tuple[tuple[ChunkBlocks, np.ndarray, list[bytes]], int, int]]) -> "SaveRows":
@@ -76,8 +92,11 @@ class SaveRows:
         for (_, _, ks), lo, hi in pieces:
             keys += ks[lo:hi]
         si = np.concatenate([run[1][lo:hi] for run, lo, hi in pieces])
-        ci = np.repeat(np.arange(len(pieces)), [hi - lo for _, lo, hi in pieces])
-        return cls([run[0] for run, _, _ in pieces], ci, si, keys)
+        sizes = [hi - lo for _, lo, hi in pieces]
+        ci = np.repeat(np.arange(len(pieces)), sizes)
+        chunks = [run[0] for run, _, _ in pieces]
+        starts = list(accumulate(sizes, initial=0)) if len({ch.key for ch in chunks}) == len(chunks) else None
+        return cls(chunks, ci, si, keys, starts)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -147,21 +166,40 @@ class SavePlan:
 
 def _gaps(regions: list[tuple[int, int]], off: np.ndarray, size: np.ndarray) -> list[tuple[int, int]]:
     """The parts of ``regions`` (a list of (offset, length)) not covered by the extents at ``off`` of ``size``
-    bytes (arrays; the extents do not overlap one another); all unit-aligned. A pass over sorted arrays per
-    region, not per extent: a batch publishes hundreds of extents from one region."""
-    order = np.argsort(off, kind="stable")
-    starts, ends = off[order], off[order] + size[order]
-    out = []
-    for pos, n in regions:
-        end = pos + n
-        a, b = np.searchsorted(ends, pos, side="right"), np.searchsorted(starts, end, side="left")
-        # the gaps lie between the region's start, each extent's end, and the next extent's start (an extent
-        # across the region's edge leaves an empty one there: the extents a..b-1 end after pos, start before end)
-        lo = np.concatenate(([pos], ends[a:b]))
-        hi = np.concatenate((starts[a:b], [end]))
-        keep = hi > lo
-        out += zip(lo[keep].tolist(), (hi - lo)[keep].tolist())
-    return out
+    bytes (arrays; the extents do not overlap one another); all unit-aligned. One
+    compiled pass over the extents sorted, per region: a batch publishes hundreds of extents from one region."""
+    if not regions:
+        return []
+    pos, n = np.array(regions, dtype=np.int64).reshape(-1, 2).T
+    out = np.empty((len(regions) * (len(off) + 1), 2), dtype=np.int64)
+    m = _gap_rows(np.ascontiguousarray(pos), np.ascontiguousarray(n), np.asarray(off, dtype=np.int64),
+                  np.asarray(size, dtype=np.int64), out)
+    return list(map(tuple, out[:m].tolist()))
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _gap_rows(pos: np.ndarray, n: np.ndarray, off: np.ndarray, size: np.ndarray, out: np.ndarray) -> int:
+    """:func:`_gaps` 's rows into ``out``; answers how many. The gaps of a region lie between its start, each
+    extent's end and the next extent's start (an extent across the region's edge leaves an empty one there:
+    the extents a..b-1 end after the region's start and start before its end)."""
+    order = np.argsort(off, kind="mergesort")
+    starts = off[order]
+    ends = starts + size[order]
+    m = 0
+    for r in range(len(pos)):
+        end = pos[r] + n[r]
+        a = np.searchsorted(ends, pos[r], side="right")
+        b = np.searchsorted(starts, end, side="left")
+        lo = pos[r]
+        for j in range(a, b):
+            if starts[j] > lo:
+                out[m, 0], out[m, 1] = lo, starts[j] - lo
+                m += 1
+            lo = ends[j]
+        if end > lo:
+            out[m, 0], out[m, 1] = lo, end - lo
+            m += 1
+    return m
 
 
 def _segment_fields(job, blobs: list, arena_base: int) -> tuple[np.ndarray, ...]:
@@ -170,14 +208,19 @@ def _segment_fields(job, blobs: list, arena_base: int) -> tuple[np.ndarray, ...]
     arrays where it has them; headers are parsed only for the segments it did not encode itself."""
     k = len(blobs)
     if job is not None:
-        fmt, original, length, reason = (job.fmt.astype(np.int64), job.original.copy(), job.length.copy(),
-                                         job.reason.astype(np.int64))
-        off = np.where(job.addr != 0, job.addr - arena_base, -1)
+        fmt = job.fmt.astype(np.int64)
+        off = job.addr - arena_base
+        off[job.addr == 0] = -1
+        others = np.flatnonzero(fmt < 0).tolist()
+        # the job's own arrays where every segment is the engine's (the usual batch): nothing below writes them
+        original, length, reason = ((job.original.copy(), job.length.copy(), job.reason.astype(np.int64)) if others
+                                    else (job.original, job.length, job.reason))
     else:
         fmt = np.full(k, -1, np.int64)
         original, length, reason, off = (np.zeros(k, np.int64), np.zeros(k, np.int64), np.zeros(k, np.int64),
                                          np.full(k, -1, np.int64))
-    for j in np.flatnonzero(fmt < 0).tolist():
+        others = range(k)
+    for j in others:
         blob = blobs[j]
         h = parse_header(blob)
         fmt[j], original[j], length[j], reason[j] = int(h.format), h.original_length, len(blob), int(h.raw_reason)
@@ -207,17 +250,25 @@ class SavePipeline:
             batches = map(SaveRows.join, self._run_batches(self._save_items(eng, chunks, todo, acc),
                                                            self._flights(eng)))
             self._save_batches(eng, batches, acc)
-            present, admitted = acc.present, acc.admitted
+            present = acc.present
             segments = sum(len(ks) for _, ks in todo)
-            if len(admitted) == segments:  # every segment admitted (todo's keys are distinct then)
-                saved_chunks = set(map(_KEY_OF, map(_CHUNK, todo)))
+            chunk_keys = set(map(_KEY_OF, map(_CHUNK, todo)))
+            # Chunks named once each: todo's keys are distinct, and so are the whole batches' keys (each one
+            # newly published), so their count is the number admitted, without a set of every key.
+            if not acc.admitted and len(chunk_keys) == len(todo) and sum(map(len, acc.whole)) == segments:
+                admitted_count, saved_chunks = segments, chunk_keys
             else:
-                saved_chunks = {ch.key for ch, ks in todo if not admitted.isdisjoint(ks)}
+                admitted = acc.keys()
+                admitted_count = len(admitted)
+                if admitted_count == segments:  # every segment admitted (todo's keys are distinct then)
+                    saved_chunks = chunk_keys
+                else:
+                    saved_chunks = {ch.key for ch, ks in todo if not admitted.isdisjoint(ks)}
             dt = time.perf_counter() - t0
             self._cpu("save", time.thread_time() - c0, segments)
             self._add(save_requests=1, save_logical_bytes=acc.logical, save_stored_bytes=acc.stored, save_seconds=dt,
                       dropped_segments=acc.dropped)
-            return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=len(acc.admitted),
+            return SaveResult(chunks_saved=len(saved_chunks), chunks_present=present, segments=admitted_count,
                               logical_bytes=acc.logical, stored_bytes=acc.stored, raw_segments=acc.raw,
                               dropped_segments=acc.dropped, seconds=dt)
         finally:
@@ -413,14 +464,16 @@ class SavePipeline:
             used_off, used_len = off[at], -(-length[at] // UNIT) * UNIT
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
-            done = self.dram.publish_many(keys, used_off, length[at], original[at], fmt[at])  # one lock round
+            # keys made here from checked chunk keys and the registration's tails: their scan is known
+            runs = (eng.subs[sb.rows.si], sb.rows.starts) if whole and sb.rows.starts is not None else None
+            done = self.dram.publish_many(keys, used_off, length[at], original[at], fmt[at], runs=runs)  # one lock round
             if False in done:
                 ok = np.fromiter(done, dtype=bool, count=len(done))
                 acc.admitted.update(compress(keys, done))
                 acc.logical += int(original[at][ok].sum())
                 acc.stored += int(length[at][ok].sum())
             else:
-                acc.admitted.update(keys)
+                acc.whole.append(keys)
                 acc.logical += int(original[at].sum())
                 acc.stored += int(length[at].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool

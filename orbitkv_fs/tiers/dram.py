@@ -417,22 +417,25 @@ class DramTier:
             return added
 
     def publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
-                     logical: Sequence[int], reps: Sequence[int], done: list[bool] | None = None) -> list[bool]:
+                     logical: Sequence[int], reps: Sequence[int], done: list[bool] | None = None, *,
+                     runs: "tuple[np.ndarray, list[int]] | None" = None) -> list[bool]:
         """:meth:`publish` of each key at its offset (the other sequences are columns of the same rows:
         stored length, logical bytes, representation; lists or arrays) under one lock round (a save batch's
         segments); per key, whether it was published (False: present already, reservation freed). With
         ``done``, the answers are appended to it: should this raise part way (a malformed key), the keys
-        past ``len(done)`` were not published and are still reserved."""
+        past ``len(done)`` were not published and are still reserved. ``runs``: the keys' scan, as
+        :meth:`~orbitkv_fs.index.ObjectIndex.add_many` takes it from a caller that made the keys."""
         out = [] if done is None else done
         with self.lock:
-            slots = self._publish_many(keys, offsets, lengths, logical, reps)
+            slots = self._publish_many(keys, offsets, lengths, logical, reps, runs)
         out += (slots >= 0).tolist()
         if len(slots) < len(keys):
             raise ValueError(f"not a packed object key: {keys[len(slots)]!r}")
         return out
 
     def _publish_many(self, keys: Sequence[bytes], offsets: Sequence[int], lengths: Sequence[int],
-                      logical: Sequence[int], reps: Sequence[int]) -> np.ndarray:
+                      logical: Sequence[int], reps: Sequence[int],
+                      runs: "tuple[np.ndarray, list[int]] | None" = None) -> np.ndarray:
         """The index's :meth:`~orbitkv_fs.index.ObjectIndex.add_many` of the rows with the tier's
         accounting, the rows as arrays: each row's slot (-1: present already, its extent freed); an answer
         shorter than ``keys`` stops before a malformed key (that row and the ones after it stay reserved)."""
@@ -448,7 +451,7 @@ class DramTier:
         units = -(-length // UNIT)
         starts = np.asarray(offsets, dtype=np.int64) // UNIT
         logical, reps = np.asarray(logical, dtype=np.int64), np.asarray(reps, dtype=np.int64)
-        slots = self.index.add_many(keys, starts, units, length, logical, reps)
+        slots = self.index.add_many(keys, starts, units, length, logical, reps, runs=runs)
         k = len(slots)
         if k < len(keys):
             keys, units, starts, logical, reps = keys[:k], units[:k], starts[:k], logical[:k], reps[:k]
