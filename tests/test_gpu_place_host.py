@@ -32,7 +32,7 @@ class _Workspace:
 def _worker(size: int, budget: int) -> "E.Worker":
     w = E.Worker.__new__(E.Worker)
     w.ws, w.inflight, w.stats = _Workspace(size, budget), [], Counter()
-    w.uploads = (object(), object())
+    w.uploads, w._spare_events = (object(), object()), []
     return w
 
 
