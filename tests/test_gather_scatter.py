@@ -22,8 +22,8 @@ L, B, T, H, D = 2, 12, 4, 2, 32
 
 
 @contextlib.contextmanager
-def registered_segments(layout: str, seed: int):
-    """The Manager segments of a host engine of ``layout`` filled with random BF16, and the rng."""
+def registered_engine(layout: str, seed: int):
+    """The Manager's registration of a host engine of ``layout`` filled with random BF16, and the rng."""
     pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D, layout=layout)
     try:
         rng = np.random.default_rng(seed)
@@ -35,9 +35,16 @@ def registered_segments(layout: str, seed: int):
                                  head_dim=D, dtype="bfloat16", tensors=descs, attention=attention)
         with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
             e = m.register_engine(reg)
-            yield m._engines[e.engine_id].segs, rng
+            yield m._engines[e.engine_id], rng
     finally:
         pages.close()
+
+
+@contextlib.contextmanager
+def registered_segments(layout: str, seed: int):
+    """The Manager segments of :func:`registered_engine`, and the rng."""
+    with registered_engine(layout, seed) as (eng, rng):
+        yield eng.segs, rng
 
 
 @pytest.mark.parametrize("blocks", [[7, 2, 11, 3], [4, 5, 6, 7], [9]], ids=["scattered", "run", "one"])
@@ -320,31 +327,23 @@ def test_save_rows_carry_the_key_scan_of_their_keys(seed):
 
     rnd = random.Random(seed)
     seen = {"distinct": 0, "twice": 0}
-    pages, descs = host_engine_pages(num_layers=L, num_blocks=B, block_size=T, num_heads=H, head_dim=D,
-                                     layout="separate")
-    try:
-        reg = EngineRegistration(model="gs", num_layers=L, layer_start=0, layer_end=L, block_size=T, num_heads=H,
-                                 head_dim=D, dtype="bfloat16", tensors=descs)
-        with Manager(ManagerConfig(pool_size=8 << 20, device="cpu")) as m:
-            eng = m._engines[m.register_engine(reg).engine_id]
-            nseg = len(eng.segs)
-            for _ in range(40):
-                pieces = []
-                for _ in range(rnd.randrange(1, 6)):
-                    ch = ChunkBlocks(bytes([rnd.randrange(4 if rnd.random() < 0.3 else 256)]) * 16, [0])
-                    si = np.asarray(sorted(rnd.sample(range(nseg), rnd.randrange(1, nseg + 1))), dtype=np.int64)
-                    keys = [eng.ns + ch.key + eng.tails[i] for i in si.tolist()]
-                    lo = rnd.randrange(len(keys))
-                    pieces.append(((ch, si, keys), lo, rnd.randrange(lo + 1, len(keys) + 1)))
-                rows = SaveRows.join(pieces)
-                subs, starts = _scan_keys(rows.keys)
-                if len({ch.key for ch in rows.chunks}) < len(rows.chunks):
-                    assert rows.starts is None
-                    seen["twice"] += 1
-                    continue
-                assert rows.starts == starts
-                assert eng.subs[rows.si].tolist() == subs.tolist()
-                seen["distinct"] += 1
-    finally:
-        pages.close()
+    with registered_engine("separate", seed) as (eng, _):
+        nseg = len(eng.segs)
+        for _ in range(40):
+            pieces = []
+            for _ in range(rnd.randrange(1, 6)):
+                ch = ChunkBlocks(bytes([rnd.randrange(4 if rnd.random() < 0.3 else 256)]) * 16, [0])
+                si = np.asarray(sorted(rnd.sample(range(nseg), rnd.randrange(1, nseg + 1))), dtype=np.int64)
+                keys = [eng.ns + ch.key + eng.tails[i] for i in si.tolist()]
+                lo = rnd.randrange(len(keys))
+                pieces.append(((ch, si, keys), lo, rnd.randrange(lo + 1, len(keys) + 1)))
+            rows = SaveRows.join(pieces)
+            subs, starts = _scan_keys(rows.keys)
+            if len({ch.key for ch in rows.chunks}) < len(rows.chunks):
+                assert rows.starts is None
+                seen["twice"] += 1
+                continue
+            assert rows.starts == starts
+            assert eng.subs[rows.si].tolist() == subs.tolist()
+            seen["distinct"] += 1
     assert seen["distinct"] > 10 and seen["twice"] > 0

@@ -72,7 +72,10 @@ class _Targets:
     def __init__(self, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> None:
         # per segment: block 0, block stride, rows, row bytes, row stride, block bytes, buffer address (0)
         self.geo = _geometry(segs) if geo is None else geo
-        self.block_bytes, self.contig = _geometry_columns(self.geo)
+        g = self.geo.astype(np.int64)
+        self.block_bytes = g[:, 5]
+        # a run of blocks is one C-contiguous region: blocks back to back, each of regular contiguous rows
+        self.contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
         blocks = list(map(_BLOCKS, chunks))
         self.counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
         self.flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(self.counts.sum()))
@@ -108,22 +111,6 @@ class _Targets:
 
 
 _BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
-#: id(geometry array) -> (that array, its block bytes, its contiguity): a registration's geometry serves every
-#: batch of its engine, so its columns are derived once (the array is held, so its id is not reused meanwhile).
-_GEOMETRY_COLUMNS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
-def _geometry_columns(geo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment of :func:`_geometry` 's ``geo``: its block bytes (int64), and whether a run of its blocks is
-    one C-contiguous region (blocks back to back, each of regular contiguous rows)."""
-    got = _GEOMETRY_COLUMNS.get(id(geo))
-    if got is None or got[0] is not geo:
-        g = geo.astype(np.int64)
-        contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
-        if len(_GEOMETRY_COLUMNS) >= 64:
-            _GEOMETRY_COLUMNS.clear()
-        got = _GEOMETRY_COLUMNS[id(geo)] = (geo, g[:, 5], contig)
-    return got[1], got[2]
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
