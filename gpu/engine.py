@@ -61,8 +61,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   lie, neighbours in one copy), CRC32C of every payload on the GPU, the
   decode kernels (which skip any segment whose CRC differs from its header: its destination is not
   touched), nvCOMP for ANS chunks into workspace scratch followed by a checked copy (every chunk's status
-  and exact length), and one device-to-host copy of the meta. Failures are reported per segment, never
-  raised.
+  and exact length) -- or, for a caller whose destinations are its own scratch (``decode_columns_submit(...,
+  in_place=True)``: the Manager's restore temporary), straight into the destinations, with the same checks
+  on the host -- and one device-to-host copy of the meta. Failures are reported per segment, never raised.
 
 Invariants:
 
@@ -923,16 +924,19 @@ def _sign_rows(head_dim: np.ndarray, layer: np.ndarray, seed: np.ndarray) -> np.
     return rows
 
 
-def _decode_rows(buf: np.ndarray, at: int, c: _DecCols, actual: int, status: int) -> dict[str, tuple[int, int, int]]:
+def _decode_rows(buf: np.ndarray, at: int, c: _DecCols, actual: int, status: int,
+                 ans_copied: bool = True) -> dict[str, tuple[int, int, int]]:
     """A decode batch's descriptor rows (SEG_DTYPE), written into ``buf`` from offset ``at``: the CRC32C
-    check of every payload, then the FP8, TurboQuant and checked-copy (raw, ANS) rows, each in batch order.
-    ``actual`` / ``status``: device addresses of the ANS chunks' decoded sizes and statuses. Answers, per
-    kernel, (first row, rows, work units). One :func:`~orbitkv_fs.gpu.rows.decode_group` call per kernel."""
+    check of every payload, then the FP8, TurboQuant and checked-copy (raw, and ANS unless ``ans_copied`` is
+    False: nvCOMP wrote those in place) rows, each in batch order. ``actual`` / ``status``: device addresses of
+    the ANS chunks' decoded sizes and statuses. Answers, per kernel, (first row, rows, work units). One
+    :func:`~orbitkv_fs.gpu.rows.decode_group` call per kernel."""
     k = len(c.fmt)
+    copied = (c.fmt == Format.RAW) | (c.fmt == Format.ANS) if ans_copied else c.fmt == Format.RAW
     groups = (("okv_crc32c", rows_.DEC_CHECK, np.arange(k)),
               ("okv_fp8_decode", rows_.DEC_FP8, np.flatnonzero(c.fmt == Format.FP8)),
               ("okv_tq_decode", rows_.DEC_TQ, np.flatnonzero(c.fmt == Format.TURBOQUANT)),
-              ("okv_copy_checked", rows_.DEC_COPY, np.flatnonzero((c.fmt == Format.RAW) | (c.fmt == Format.ANS))))
+              ("okv_copy_checked", rows_.DEC_COPY, np.flatnonzero(copied)))
     q, w = _row_views(sum(len(sel) for _, _, sel in groups))
     ans = c.fmt == Format.ANS
     firsts: dict[str, tuple[int, int, int]] = {}
@@ -2105,7 +2109,7 @@ class GpuCodecEngine:
         return job
 
     def decode_columns_submit(self, heads: np.ndarray, src: np.ndarray, dst: np.ndarray, dst_bytes: np.ndarray, *,
-                              within: "np.ndarray | None" = None) -> "DecodeJob | None":
+                              within: "np.ndarray | None" = None, in_place: bool = False) -> "DecodeJob | None":
         """:meth:`decode_submit` of segments given as arrays, with no Python per segment: ``heads``
         (``[n, 64]`` uint8) their headers, verified by the caller (only the payload CRC32C is checked here),
         ``src`` the host address of each payload (the byte after its header) in pinned memory, ``dst`` the
@@ -2113,7 +2117,12 @@ class GpuCodecEngine:
         the header's source length is a :class:`LengthMismatch`, left untouched). ANS payloads must lie in
         ``within`` (a uint8 array, the caller's pinned pool): their chunk tables are parsed from it in one
         pass (:func:`~orbitkv_fs.gpu.ans_format.parse_tables`; a table that does not parse is that segment's
-        error). Payloads and destinations must stay untouched until :meth:`decode_collect`. Answers None,
+        error). ``in_place``: nvCOMP decompresses ANS payloads straight into their destinations, so that an ANS
+        segment takes only its payload's room in the workspace and needs no checked copy; a segment that then
+        fails (its CRC32C, nvCOMP's status or its length) may leave its destination written, within its
+        ``dst_bytes``: for destinations that are the caller's scratch, read only where a segment passed (the
+        Manager's restore temporary). Without it a failed segment's destination is untouched, as for every
+        other format. Payloads and destinations must stay untouched until :meth:`decode_collect`. Answers None,
         queueing nothing, when a segment is ANS and ``within`` is not given, or a segment needs more than half
         the workspace alone: :meth:`decode_submit` takes those."""
         h = np.ascontiguousarray(heads, dtype=np.uint8).view(HEADER_DTYPE).reshape(-1)
@@ -2151,7 +2160,7 @@ class GpuCodecEngine:
             # ... and its scratch (the decompressed bytes) and chunk arrays; and each batch nvCOMP's temp
             nch = np.zeros(n, dtype=np.int64)
             nch[at] = tables.nch
-            sizes[at] += -(-orig[at] // SLOT_ALIGN) * SLOT_ALIGN + 44 * tables.nch
+            sizes[at] += 44 * tables.nch if in_place else -(-orig[at] // SLOT_ALIGN) * SLOT_ALIGN + 44 * tables.nch
             atype = h["ans_type"].astype(np.int64)
 
             def temp_of(b: np.ndarray) -> int:
@@ -2180,7 +2189,8 @@ class GpuCodecEngine:
                         flight = self._run_planned_decode(memo[1][b], h[at], src[at], dst[at], rows, job.results)
                     else:
                         flight = self._run_decode_columns(h[at], src[at], dst[at], rows, job.results, tables,
-                                                          ans, plans=memo[1] if memo is not None else None, at=b)
+                                                          ans, plans=memo[1] if memo is not None else None, at=b,
+                                                          in_place=in_place)
                     job.flights.append(flight)
             except BaseException:  # nothing of this call may run on into buffers the caller reclaims
                 w.drop(job.flights)
@@ -2197,13 +2207,13 @@ class GpuCodecEngine:
     def _run_decode_columns(self, h: np.ndarray, host: np.ndarray, dst: np.ndarray, rows: np.ndarray,
                             results: list, tables: "ans_format.Tables | None" = None,
                             is_ans: "np.ndarray | None" = None, *, plans: "list | None" = None,
-                            at: int = 0) -> _Flight:
+                            at: int = 0, in_place: bool = False) -> _Flight:
         """Queue one decode batch of :meth:`decode_columns_submit` (``rows``: its segments' indices there):
         the descriptors (and ANS chunk arrays) up, each run of neighbouring payloads up in one copy from where
         it lies, the kernels and nvCOMP; its verdicts are made when the flight is finished. ``tables``: the
         request's ANS chunk tables, row ``j`` of them the request's ``j``-th ANS segment (``is_ans``).
         ``plans``: where this flight's :class:`_DecPlan` goes (``plans[at]``), made from what is sent here
-        when it has no ANS segment."""
+        when it has no ANS segment. ``in_place``: nvCOMP writes the ANS segments' destinations (as there)."""
         w = self.restore
         k = len(h)
         stored, orig = h["stored_length"].astype(np.int64), h["original_length"].astype(np.int64)
@@ -2223,9 +2233,10 @@ class GpuCodecEngine:
         staged, runs = _mirror(host, stored, lay)
         scratch = np.zeros(k, dtype=np.int64)
         if len(a):
-            step = -(-orig[a] // SLOT_ALIGN) * SLOT_ALIGN
-            scratch[a] = lay.take(0) + np.cumsum(step) - step
-            lay.end = int(scratch[a[-1]] + step[-1])
+            if not in_place:  # the decompressed bytes, which the checked copy moves once their checks pass
+                step = -(-orig[a] // SLOT_ALIGN) * SLOT_ALIGN
+                scratch[a] = lay.take(0) + np.cumsum(step) - step
+                lay.end = int(scratch[a[-1]] + step[-1])
             temp = self._dec_temp_of(types, nch, orig[a])
             off["temp"], off["temp_bytes"] = lay.take(temp), temp
         total = lay.end
@@ -2234,10 +2245,11 @@ class GpuCodecEngine:
         up[off["meta"]:] = 0
         cols = _header_cols(h, base + staged, dst)
         if len(a):
-            chunk0 = np.zeros(k, dtype=np.int64)
-            chunk0[a] = c0
-            cols = cols._replace(scratch=np.where(scratch > 0, base + scratch, 0), chunk0=chunk0)
-            # per chunk: payload address, compressed bytes, decoded bytes, scratch address
+            if not in_place:
+                chunk0 = np.zeros(k, dtype=np.int64)
+                chunk0[a] = c0
+                cols = cols._replace(scratch=np.where(scratch > 0, base + scratch, 0), chunk0=chunk0)
+            # per chunk: payload address, compressed bytes, decoded bytes, where nvCOMP writes them
             at = _within(nch)
             idx = np.repeat(tables.chunk0[t_of], nch) + at
             cb = ans_format.CHUNK_BYTES
@@ -2245,8 +2257,9 @@ class GpuCodecEngine:
             arr[0] = np.repeat(base + staged[a], nch) + tables.offsets[idx]
             arr[1] = tables.sizes[idx]
             arr[2] = np.minimum(cb, np.repeat(orig[a], nch) - cb * at)
-            arr[3] = np.repeat(base + scratch[a], nch) + cb * at
-        firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"])
+            arr[3] = np.repeat(dst[a] if in_place else base + scratch[a], nch) + cb * at
+        firsts = _decode_rows(up, off["desc"], cols, base + off["chunk_actual"], base + off["chunk_status"],
+                              ans_copied=not in_place)
         if plans is not None and not len(a):
             n_rows = sum(r[1] for r in firsts.values())
             desc = up[off["desc"]:off["desc"] + n_rows * km.SEG_DTYPE.itemsize].view(np.uint64).reshape(n_rows, -1)

@@ -234,6 +234,51 @@ def test_targets_as_arrays_are_the_per_item_tables(layout):
             seg.copy = None
 
 
+def test_ans_rows_go_through_the_temporary_which_the_engine_writes_in_place():
+    """``decode_rows_submit``: a row whose header is ANS is never decoded straight into its pages (the engine
+    decompresses ANS in place, and a failed row's bytes must land where only passed rows are copied from: the
+    temporary); other rows still go where they lie when they can; the engine is asked for ``in_place``.
+    ``places(direct=mask)`` uses only the marked pairs where they lie."""
+    import types
+
+    from orbitkv_fs.manager.device import _GpuCodecs
+    from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, Format
+
+    chunks = [ChunkBlocks(b"a" * 16, [0, 1, 2, 3]), ChunkBlocks(b"b" * 16, [8, 9]), ChunkBlocks(b"c" * 16, [5, 4])]
+    with registered_segments("separate", 3) as (segs, _):
+        for seg in segs:
+            seg.copy = (seg.base.ctypes.data, seg.base.strides[0]) + _rows_of(seg.block_shape, seg.base.strides[1:],
+                                                                               seg.dtype.itemsize)
+        t = _Targets(chunks, segs)
+        rows = np.arange(len(chunks) * len(segs))
+        ci, si = np.divmod(rows, len(segs))
+        _, here, where, _, _ = t.places(ci, si)
+        assert here.any() and not here.all()
+        mask = rows % 2 == 0
+        _, some, _, pos, size = t.places(ci, si, direct=mask)
+        assert (some == here & mask).all()
+        assert size == sum(-(-int(n) // 256) * 256 for n in t.places(ci, si, direct=False)[0][~some])
+        heads = np.zeros((len(rows), HEADER_SIZE), np.uint8)
+        heads[rows % 3 == 0, HEADER_DTYPE.fields["format"][1]] = int(Format.ANS)
+        ans = rows % 3 == 0
+        got = {}
+        temp = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 44))
+
+        def submit(heads, src, dst, nbytes, *, within=None, in_place=False):
+            got.update(dst=dst.copy(), in_place=in_place)
+            return types.SimpleNamespace()
+
+        engine = types.SimpleNamespace(block_buffer=lambda n, restore: temp, decode_columns_submit=submit)
+        g = object.__new__(_GpuCodecs)
+        g.engine = lambda seed: engine
+        db = g.decode_rows_submit(t, rows, heads, np.zeros(len(rows), np.int64), 0, within=np.zeros(1, np.uint8))
+        assert got["in_place"] and (db.direct == here & ~ans).all()
+        assert (got["dst"][db.direct] == where[db.direct]).all()
+        assert (got["dst"][~db.direct] >= 1 << 44).all() and ans[here].any()  # some ANS row could have gone direct
+        for seg in segs:
+            seg.copy = None
+
+
 def test_save_columns_pairs_and_classes():
     """A save batch of GPU pages as arrays (``SavePipeline._save_columns``): each item's chunk and segment
     index, and its encode class, made once per (segment, chunk size) for the registration, whatever the

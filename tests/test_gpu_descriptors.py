@@ -556,6 +556,51 @@ def test_ans_decode_as_arrays_sends_what_the_item_path_sends(seed, monkeypatch):
     assert cols.decode_columns_submit(odd, src, dst[order], orig[order], within=arena) is None
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_in_place_ans_decode_points_nvcomp_at_the_destinations(seed, monkeypatch):
+    """decode_columns_submit(in_place=True) of ANS segments: nvCOMP's output pointers are each chunk's place in
+    its segment's destination, within its decoded length; no checked copy is launched; the flight holds no
+    scratch for the decoded bytes; the payloads staged, the nvCOMP calls otherwise and the verdicts (a damaged
+    table's typed error) are those of the scratch path."""
+    monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
+    rng = np.random.default_rng(100 + seed)
+    arena, _, offs = _ans_arena(rng, 9)
+    if seed % 2:
+        arena[offs[4] + HEADER_SIZE + 4] += 1  # a damaged table: that segment is never sent
+    heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs])
+    h = heads.view(HEADER_DTYPE).reshape(-1)
+    orig = h["original_length"].astype(np.int64)
+    dst = (1 << 42) + np.cumsum(orig + 4096) - orig
+    src = arena.ctypes.data + np.asarray(offs, dtype=np.int64) + HEADER_SIZE
+    scratch, in_place = _recording_engine(), _recording_engine()
+    job_s = scratch.decode_columns_submit(heads, src, dst, orig, within=arena)
+    job_p = in_place.decode_columns_submit(heads, src, dst, orig, within=arena, in_place=True)
+    assert [str(r) for r in job_p.results] == [str(r) for r in job_s.results]
+    assert (seed % 2 == 1) == isinstance(job_p.results[4], E.LengthMismatch)
+    assert len(job_p.flights) == len(job_s.flights) == 1
+
+    def launches(eng):
+        return [x[1] for x in eng.restore.log if x[0] == "launch"]
+
+    assert "okv_copy_checked" in launches(scratch) and "okv_copy_checked" not in launches(in_place)
+    sent = [i for i in range(len(offs)) if job_p.results[i] is None]
+    room = sum(-(-int(orig[i]) // E.SLOT_ALIGN) * E.SLOT_ALIGN for i in sent)
+    assert job_s.flights[0].end - job_p.flights[0].end >= room  # no scratch in the in-place flight
+    log = in_place.restore.log
+    up = next(x for x in log if x[0] == "h2d")
+    buf, base = np.frombuffer(up[2], np.uint8), up[1]
+    calls = [x for x in log if x[0] == "nvcomp"]
+    assert len(calls) == sum(x[0] == "nvcomp" for x in scratch.restore.log) >= 1
+    cb = ans_format.CHUNK_BYTES
+    for c in calls:  # (in ptrs, in bytes, out bytes, actual, chunks, temp, temp bytes, out ptrs, type)
+        n, t = c[5], c[9]
+        outs = buf[c[8] - base:c[8] - base + 8 * n].view("<u8").astype(np.int64)
+        out_bytes = buf[c[3] - base:c[3] - base + 8 * n].view("<u8").astype(np.int64)
+        want = [(int(dst[i]) + cb * j, min(cb, int(orig[i]) - cb * j)) for i in sent if h["ans_type"][i] == t
+                for j in range(ans_format.chunk_count(int(orig[i])))]
+        assert list(zip(outs.tolist(), out_bytes.tolist())) == want
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_temp_batches_hold_their_own_temp(seed):
     """_temp_batches: consecutive batches covering every row in order, each within the limit once its own

@@ -326,14 +326,19 @@ def test_ans_rounds_in_a_small_workspace_round_trip() -> None:
         assert packed >= len(ans) - (e.stats["save_batches"] - st["save_batches"])  # packed within each batch
 
 
-def test_ans_decode_as_arrays_from_one_host_array() -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ans_decode_as_arrays_from_one_host_array(in_place: bool) -> None:
     """decode_columns_submit of ANS segments lying in one host array (as the Manager's arena holds them): each
     decodes to its source; a damaged chunk table is that segment's LengthMismatch (its destination untouched),
-    a damaged bitstream (CRC recomputed) its error or other bytes; the others decode all the same."""
+    a damaged bitstream (CRC recomputed) its error or other bytes, a flipped payload byte its checksum error;
+    the others decode all the same. ``in_place`` (nvCOMP writes the destinations, the Manager's temporary): a
+    failed segment may leave its own destination written, never a byte outside the destinations; without it
+    a checksum failure leaves its destination untouched."""
     from orbitkv_fs.segment import HEADER_SIZE, build_segment
 
     rng = np.random.default_rng(33)
-    xs = [rng.standard_normal(n // 2).astype(BF16) for n in (3 << 16, 1 << 20, 5 << 16, 3 << 16, (1 << 19) + 4096)]
+    xs = [rng.standard_normal(n // 2).astype(BF16)
+          for n in (3 << 16, 1 << 20, 5 << 16, 3 << 16, (1 << 19) + 4096, 3 << 16)]
     with GpuCodecEngine(256 << 20, seed=SEED) as e:
         segs = [bytes(s) for s in e.encode_batch([EncodeItem(dev(x), "ans", "opaque", 0, x.dtype) for x in xs])]
         assert all(parse_header(s).format == Format.ANS for s in segs)
@@ -345,6 +350,9 @@ def test_ans_decode_as_arrays_from_one_host_array() -> None:
         bad_stream = bytearray(p3)
         bad_stream[40:400] = bytes(360)
         segs[3] = build_segment(h3, bytes(bad_stream))
+        flipped = bytearray(segs[5])
+        flipped[HEADER_SIZE + 500] ^= 0x40  # a bitstream byte; the header's CRC32C no longer matches
+        segs[5] = bytes(flipped)
         arena = np.zeros(sum(len(s) + 512 for s in segs), np.uint8)
         offs, pos = [], 0
         for s in segs:
@@ -352,19 +360,28 @@ def test_ans_decode_as_arrays_from_one_host_array() -> None:
             offs.append(pos)
             pos = -(-(pos + len(s)) // 512) * 512
         heads = np.stack([arena[o:o + HEADER_SIZE] for o in offs])
-        dsts = [cp.full(x.nbytes, 0xA5, dtype=np.uint8) for x in xs]
+        gap = 4096  # guard bytes around every destination, in one allocation
+        at = np.cumsum([0] + [x.nbytes + gap for x in xs]) + gap
+        whole = cp.full(int(at[-1]), 0xA5, dtype=np.uint8)
+        dsts = [whole[a:a + x.nbytes] for a, x in zip(at.tolist(), xs)]
         job = e.decode_columns_submit(heads, arena.ctypes.data + np.array(offs) + HEADER_SIZE,
                                       np.array([int(d.data.ptr) for d in dsts]), np.array([x.nbytes for x in xs]),
-                                      within=arena)
+                                      within=arena, in_place=in_place)
         assert job is not None
         errs = e.decode_collect(job)
         for j in (0, 1, 4):
             assert errs[j] is None and np.array_equal(dsts[j].get(), xs[j].view(np.uint8)), j
-        assert isinstance(errs[2], LengthMismatch) and bool((dsts[2] == 0xA5).all())
+        assert isinstance(errs[2], LengthMismatch) and bool((dsts[2] == 0xA5).all())  # never sent
         if errs[3] is None:  # nvCOMP may decode garbage without complaint; then the bytes differ
             assert not np.array_equal(dsts[3].get(), xs[3].view(np.uint8))
         else:
             assert isinstance(errs[3], SegmentError)
+        assert isinstance(errs[5], PayloadChecksumMismatch)
+        assert in_place or bool((dsts[5] == 0xA5).all())
+        guards = np.ones(int(at[-1]), dtype=bool)
+        for a, x in zip(at.tolist(), xs):
+            guards[a:a + x.nbytes] = False
+        assert bool((whole.get()[guards] == 0xA5).all())  # nothing outside the destinations
 
 
 def test_ans_damaged_chunks_are_per_segment_errors(engine) -> None:

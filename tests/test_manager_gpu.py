@@ -299,13 +299,14 @@ def test_skip_positions_are_not_written_on_gpu_pages(codec, engine):
         assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4"])
+@pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4", "ans"])
 def test_restore_as_arrays_mixes_runs_and_shuffled_chunks_and_fails_per_chunk(codec, engine, monkeypatch):
     """A restore whose segments are all in DRAM is decoded as arrays (``decode_rows_submit``: no item per
-    segment): chunks whose blocks are a run decode straight into their pages, shuffled ones through the
-    temporary and the block-copy kernel, in the same batches. A flipped reserved header byte (found only by
-    a batch's header check) and a flipped payload byte (found by the GPU's CRC32C) make their chunks misses
-    with those segments' blocks untouched; every other chunk equals the save."""
+    segment): chunks whose blocks are a run decode straight into their pages (but ANS ones, which nvCOMP
+    writes in place into the temporary), shuffled ones through the temporary and the block-copy kernel, in
+    the same batches. A flipped reserved header byte (found only by a batch's header check) and a flipped
+    payload byte (found by the GPU's CRC32C; for ANS one in a bitstream, decompressed all the same) make
+    their chunks misses with those segments' blocks untouched; every other chunk equals the save."""
     cmd, reply, handle, _ = engine
     runs = [list(range(8 * i, 8 * i + 4)) for i in range(4)]
     rest = [b for b in range(B) if all(b not in r for r in runs)]
@@ -325,10 +326,12 @@ def test_restore_as_arrays_mixes_runs_and_shuffled_chunks_and_fails_per_chunk(co
                                batch_segments=16)) as m:
         e = m.register_engine(_registration(handle))
         assert m.save(e.engine_id, chunks).segments == len(chunks) * 2 * L
+        if codec == "ans":
+            assert m.stats().codec_segments.get("ans", 0) == len(chunks) * 2 * L
         cmd.put("read")
         saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
         ns = m._engines[e.engine_id].ns
-        for ci, layer, role, at in ((2, 1, Role.KEY, 40), (5, 4, Role.VALUE, 64 + 100)):
+        for ci, layer, role, at in ((2, 1, Role.KEY, 40), (5, 4, Role.VALUE, 64 + 1000)):
             (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
             m.dram.unlease([(slot, gen)])
             m.dram.view(off + at, 1)[0] ^= 0x10  # byte 40: reserved (header); 164: payload

@@ -38,8 +38,10 @@ BATCH_EXPANSION = 4
 #: once for both: the workspace closed those codecs' batches at one flight. The compressing codecs' batches
 #: reach ``batch_segments`` first at vLLM's 512 KiB chunks (`fp8`: 512 segments are one flight and a hair),
 #: where two flights only split them (`fp8` saved 2-4% slower). `ans` restores of two flights' decoded bytes
-#: ran 5-14% slower. The gathered sources stay within the source cap as before (BATCH_EXPANSION flights).
-#: docs/results/2026-12-03-host-work.
+#: ran 5-14% slower while nvCOMP decompressed into workspace scratch (docs/results/2026-12-03-host-work); on the
+#: rows path it now decompresses into the restore's temporary, an `ans` segment takes its payload alone, and
+#: its restores take two flights too (docs/results/2026-12-04-ans-restore). The gathered sources stay within
+#: the source cap as before (BATCH_EXPANSION flights).
 BATCH_FLIGHTS = 2
 
 #: A save batch that would end inside a chunk (a run of :meth:`Batching._run_batches`) that one batch can hold
@@ -65,8 +67,9 @@ def _coded_bound(seg: _Seg, n: int) -> int:
 
 
 def _decode_bound(h: SegmentHeader) -> int:
-    """The bytes a restore batch counts for a segment with header ``h``: its payload (the workspace it is
-    staged in); for ANS its decoded size, as before: the engine's workspace also holds nvCOMP's output, and
+    """The bytes a restore batch of items (not the rows path, whose batches count payloads alone) counts for
+    a segment with header ``h``: its payload (the workspace it is staged in); for ANS its decoded size, as
+    before: the engine's workspace also holds nvCOMP's output there, and
     the engine splits such a batch into flights itself (batches sized by payload plus output restored
     ANS 4 MiB segments 9-26% slower, docs/results/2026-11-30-pipeline-gpu-6)."""
     return h.original_length if h.format == Format.ANS else h.stored_length
@@ -107,11 +110,12 @@ class Batching:
         budget = self._config.storage_codec_budget
         return max(budget // 2 - (1 << 20), 1 << 20) if self._gpu_codecs is not None else budget
 
-    def _flights(self, eng: "_Engine", *, restore: bool = False) -> int:
+    def _flights(self, eng: "_Engine", *, restore: bool = False, rows: bool = False) -> int:
         """Engine flights per codec batch of ``eng`` 's segments: ``BATCH_FLIGHTS`` with the GPU engine where
         every segment takes its full size in the workspace (saves of `none` and `ans` registrations, restores
-        of `none` ones), else one."""
-        wide = {"none"} if restore else {"none", "ans"}
+        of `none` ones, and of `ans` ones on the rows path, where nvCOMP decompresses in place and an `ans`
+        segment takes its payload alone), else one."""
+        wide = {"none"} if restore and not rows else {"none", "ans"}
         return BATCH_FLIGHTS if self._gpu_codecs is not None and eng.codecs <= wide else 1
 
     def _batch_budget(self, flights: int = 1) -> int:

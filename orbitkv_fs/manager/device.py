@@ -24,7 +24,7 @@ import numba
 import numpy as np
 
 from ..pages import BLOCK_COPY_DTYPE, cupy_dtype
-from ..segment import SegmentHeader
+from ..segment import HEADER_DTYPE, Format, SegmentHeader
 from .api import SKIP_BLOCK
 
 if TYPE_CHECKING:
@@ -92,12 +92,13 @@ class _Targets:
         return cls(chunks, segs, geo)
 
     def places(self, ci: np.ndarray, si: np.ndarray, *,
-               direct: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+               direct: "bool | np.ndarray" = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """For pairs ``(ci, si)``: their bytes, which are used where they lie, the page address of those, and
         the others' offsets in a temporary of the size answered last (each at a multiple of _SLICE_ALIGN).
-        ``direct=False``: none is used where it lies (all go through the temporary)."""
+        ``direct=False``: none is used where it lies (all go through the temporary); an array: only the pairs
+        it marks may be."""
         nbytes = self.counts[ci] * self.block_bytes[si]
-        here = self.run[ci] & self.contig[si] if direct else np.zeros(len(ci), dtype=bool)
+        here = self.run[ci] & self.contig[si] & direct if direct is not False else np.zeros(len(ci), dtype=bool)
         dst = (self.geo[si, 0] + self.first[ci].astype(np.uint64) * self.geo[si, 1]).astype(np.int64)
         step = -(-nbytes[~here] // _SLICE_ALIGN) * _SLICE_ALIGN
         return nbytes, here, dst, np.cumsum(step) - step, int(step.sum())
@@ -111,6 +112,7 @@ class _Targets:
 
 
 _BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
+_FORMAT_AT = HEADER_DTYPE.fields["format"][1]  # a header row's format byte
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
@@ -207,15 +209,20 @@ class _GpuCodecs:
         (the engine's ``decode_columns_submit``, no Python per row). None (nothing started) when the engine
         leaves the batch to :meth:`decode_submit` (a segment over half its workspace, or ANS without
         ``within``). ``direct=False``: every row is decoded into the temporary, none into its pages, so that
-        nothing is written to the engine's pages before :meth:`decode_rows_finish`."""
+        nothing is written to the engine's pages before :meth:`decode_rows_finish`. ANS rows always go through
+        the temporary, which nvCOMP writes in place (``decode_columns_submit(in_place=True)``): a failed row's
+        bytes there are never copied, and the workspace holds their payloads alone."""
         engine = self.engine(seed)
         ci, si = np.divmod(rows, len(targets.geo))
+        ans = heads[:, _FORMAT_AT] == Format.ANS
+        if direct and ans.any():
+            direct = ~ans
         nbytes, direct_rows, dst, pos, size = targets.places(ci, si, direct=direct)
         temp = None
         if size:
             temp = engine.block_buffer(size, restore=True)
             dst[~direct_rows] = int(temp.data.ptr) + pos
-        job = engine.decode_columns_submit(heads, src, dst, nbytes, within=within)
+        job = engine.decode_columns_submit(heads, src, dst, nbytes, within=within, in_place=True)
         return None if job is None else _DecodeRows(engine, job, targets, ci, si, direct_rows, temp, pos)
 
     def decode_rows_finish(self, db: _DecodeRows) -> tuple[list, object]:

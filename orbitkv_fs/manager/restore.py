@@ -495,7 +495,7 @@ class RestorePipeline:
 
         first = early.end if early is not None else 0
         cuts: Iterable = ((i + first, j + first) for i, j in self._cuts(rows.sizes[first:, 0], rows.sizes[first:, 1],
-                                                                        self._flights(eng, restore=True),
+                                                                        self._flights(eng, restore=True, rows=True),
                                                                         len(rows.segs), first))
         self._decode_pipelined(cuts if early is None else chain((early,), cuts), start, end)
         return failed, (totals[0], totals[1], totals[2])
@@ -554,7 +554,7 @@ class RestorePipeline:
         if targets is None:
             return None
         rows = _Rows.of(chunks[:head], segs, keys[:head], heads, sizes)
-        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True), len(segs)))
+        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True, rows=True), len(segs)))
         ok, tid, templates = _verify_headers(heads[i:j], rows.layers[i:j], rows.roles[i:j], sizes[i:j, 3])
         if not ok.all():  # a bad header: the usual path reports it
             return None
@@ -675,7 +675,7 @@ class RestorePipeline:
         dtype and source length each header names against what its destination blocks take, its stored
         length against its extent. Answers per segment (chunk-major) whether they fit (False: not in DRAM, or
         fields that do not fit: the per-segment path says why, and whether it is a miss or a wrong request),
-        the header rows ``[n, 64]``, and per segment its batch bytes (:func:`_decode_bound`), decoded bytes,
+        the header rows ``[n, 64]``, and per segment its batch bytes (its payload), decoded bytes,
         stored bytes, extent length and arena offset, ``[n, 5]``. The rest of each header is verified batch by
         batch (:meth:`_verified_rows`). ``spans`` holds the extents of ``keys`` (chunk-major, as leased)."""
         nseg = len(segs)
@@ -697,7 +697,7 @@ class RestorePipeline:
         orig = h["original_length"].astype(np.int64)
         stored = h["stored_length"].astype(np.int64)
         ok = (h["dtype"] == seg_code) & (orig == want) & (stored + HEADER_SIZE == lens)
-        sizes[at, 0] = np.where(h["format"] == int(Format.ANS), orig, stored)
+        sizes[at, 0] = stored  # ANS too: the rows path's engine decompresses it in place (decode_rows_submit)
         sizes[at, 1] = orig
         sizes[at, 2] = stored + HEADER_SIZE
         sizes[at, 3] = lens

@@ -3,7 +3,7 @@ batch as the pipeline bench's 512 KiB restores make them (512 KiB BF16 segments,
 at 0.7 of their bytes, laid out as a save leaves them in the arena), with the worker's CUDA calls and nvCOMP as
 no-ops and the flights dropped unfinished (their verdicts are not timed). Needs cupy importable, not a GPU.
 
-Usage: python ans_decode_host.py [--segments 230] [--repeat 200] [--profile OUT.txt]
+Usage: python ans_decode_host.py [--segments 230] [--repeat 200] [--in-place] [--profile OUT.txt]
 Prints microseconds per batch (best and median) and per segment, and the engine flights a batch makes."""
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--segments", type=int, default=230)  # a 512 KiB `ans` restore batch of the bench's Manager
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--in-place", action="store_true", help="nvCOMP writes the destinations (the Manager's call)")
     ap.add_argument("--profile", default=None, help="line_profiler of the decode's batch steps, to this file")
     a = ap.parse_args()
     E._pinned_array = lambda n: np.zeros(max(n, 1), np.uint8)
@@ -92,7 +93,7 @@ def main() -> None:
         if lp is not None and rep == 3:
             lp.enable_by_count()
         t0 = time.perf_counter()
-        job = eng.decode_columns_submit(heads, src, dst, orig, within=arena)
+        job = eng.decode_columns_submit(heads, src, dst, orig, within=arena, **({"in_place": True} if a.in_place else {}))
         times.append(time.perf_counter() - t0)
         flights = len(job.flights)
     if lp is not None:
