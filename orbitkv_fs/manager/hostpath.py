@@ -233,11 +233,11 @@ class HostPath:
                 if off is not None and i not in started:
                     self.dram.cancel(off, sizes[i] + HEADER_SIZE)
             raise
-        # Admissions per batch: the keys as one set update, the byte sums, the raw reasons per segment class.
+        # Admissions per batch: the keys as one list, the byte sums, the raw reasons per segment class.
         if False in done:  # some keys were present already: their extents went back
             pub, pub_keys, pub_sizes = (list(compress(col, done)) for col in (pub, pub_keys, pub_sizes))
         published = len(pub)
-        acc.admitted.update(pub_keys)
+        acc.admit_batch(pub_keys)
         acc.logical += sum(pub_sizes)
         acc.stored += sum(pub_sizes) + HEADER_SIZE * published
         reasons: collections.Counter[str] = collections.Counter()

@@ -45,15 +45,15 @@ log = logging.getLogger("orbitkv_fs.manager")
 
 
 class _SaveAcc:
-    """A save request's admissions: the keys admitted one by one or from a batch admitted in part
-    (``admitted``), the key lists of batches admitted whole (``whole``: kept as lists, no per-key set work on
-    the usual path; :meth:`keys` joins them when a caller needs the set), and the request's counters."""
+    """A save request's admissions: the keys admitted one by one (``admitted``), the key lists the batches
+    published (``batches``: each key newly published, so distinct within a list; kept as lists, no per-key set
+    work on the usual path; :meth:`keys` joins them when a caller needs the set), and the request's counters."""
 
-    __slots__ = ("admitted", "whole", "logical", "stored", "raw", "dropped", "present")
+    __slots__ = ("admitted", "batches", "logical", "stored", "raw", "dropped", "present")
 
     def __init__(self) -> None:
         self.admitted: set[bytes] = set()
-        self.whole: list[list[bytes]] = []
+        self.batches: list[list[bytes]] = []
         self.logical = self.stored = self.dropped = self.present = 0
         self.raw: dict[str, int] = {}
 
@@ -62,11 +62,15 @@ class _SaveAcc:
         self.logical += logical
         self.stored += stored
 
+    def admit_batch(self, keys: list[bytes]) -> None:
+        """The keys a batch published (the publish answered True for each)."""
+        self.batches.append(keys)
+
     def keys(self) -> set[bytes]:
         """Every key admitted so far, as a set."""
-        for ks in self.whole:
+        for ks in self.batches:
             self.admitted.update(ks)
-        self.whole.clear()
+        self.batches.clear()
         return self.admitted
 
 
@@ -253,9 +257,9 @@ class SavePipeline:
             present = acc.present
             segments = sum(len(ks) for _, ks in todo)
             chunk_keys = set(map(_KEY_OF, map(_CHUNK, todo)))
-            # Chunks named once each: todo's keys are distinct, and so are the whole batches' keys (each one
+            # Chunks named once each: todo's keys are distinct, and so are the batches' published keys (each one
             # newly published), so their count is the number admitted, without a set of every key.
-            if not acc.admitted and len(chunk_keys) == len(todo) and sum(map(len, acc.whole)) == segments:
+            if not acc.admitted and len(chunk_keys) == len(todo) and sum(map(len, acc.batches)) == segments:
                 admitted_count, saved_chunks = segments, chunk_keys
             else:
                 admitted = acc.keys()
@@ -469,11 +473,11 @@ class SavePipeline:
             done = self.dram.publish_many(keys, used_off, length[at], original[at], fmt[at], runs=runs)  # one lock round
             if False in done:
                 ok = np.fromiter(done, dtype=bool, count=len(done))
-                acc.admitted.update(compress(keys, done))
+                acc.admit_batch(list(compress(keys, done)))
                 acc.logical += int(original[at][ok].sum())
                 acc.stored += int(length[at][ok].sum())
             else:
-                acc.whole.append(keys)
+                acc.admit_batch(keys)
                 acc.logical += int(original[at].sum())
                 acc.stored += int(length[at].sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
