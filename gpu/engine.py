@@ -21,8 +21,9 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   descriptor rows one numba call per kernel group (:mod:`orbitkv_fs.gpu.rows`, the item path's writers too),
   and what depends on the classes alone (their columns, slot sizes, header templates) is kept per class
   sequence (``_ClassSet``): a save's batches pass the same one again; so are, per class vector, a batch's cut
-  into flights and each flight's plan without ANS (``_FlightPlan``: offsets, slots, columns, kernel groups,
-  signs), which a save of whole chunks repeats batch after batch (``PLANS_KEPT`` of them); on decode, by the
+  into flights and each flight's plan (``_FlightPlan``: offsets, slots, columns, kernel groups, signs, ANS
+  rounds and chunk arrays but for their sources), which a save of whole chunks repeats batch after batch
+  (``PLANS_KEPT`` of them); on decode, by the
   headers but for their CRCs, a batch's flights and each flight's plan without ANS (``_DecPlan``: offsets,
   kernel groups, descriptor rows but for their addresses and expected CRCs). ANS too: its chunk
   arrays from the class columns on encode; on decode its chunk tables parsed from the caller's pinned array in one pass
@@ -48,11 +49,11 @@ Owns the batch pipeline between engine KV on the GPU and complete segments in pi
   round into its slots and computes the ANS payloads' CRC32C; CRC32C -- with the copy for raw segments -- over
   raw and TurboQuant payloads), one
   device-to-host copy of [meta | ANS payload lengths | segment slots] on the copy stream -- statuses,
-  raw CRCs, sizes and payloads together -- and one wait for the event after it. A column flight without
-  ANS segments has its headers written on the GPU before that download (``okv_write_headers``: the CRC32Cs
-  finished there, each header in front of its payload), so the host reads only the admitted fields from the
-  templates; otherwise the host finishes the CRC32Cs (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes
-  each header in front of its payload, in place.
+  raw CRCs, sizes and payloads together -- and one wait for the event after it. A column flight has its
+  headers written on the GPU before that download (``okv_write_headers``: the CRC32Cs finished there, each
+  header in front of its payload; an ANS one at the slot and with the length ``okv_ans_pack`` left), so the
+  host reads only the statuses, ANS lengths and admitted fields; an item flight's host finishes the CRC32Cs
+  (:func:`orbitkv_fs.gpu.tables.finish_crc`) and writes each header in front of its payload, in place.
 * Direct SSD I/O (cuFile): ``encode_batch(device_sink=...)`` hands each GPU-encoded segment's device bytes
   (headers copied up into their slots) to the caller before the workspace is reused; ``decode_batch``
   takes segments in device memory (cupy uint8 arrays) besides host bytes: only their header (and an ANS
@@ -124,7 +125,7 @@ from orbitkv_fs.segment import (
 from . import ans_format
 from . import module as km
 from . import rows as rows_
-from .headers import write_headers
+from .headers import ANS_ROW, write_headers
 from .placement import pair_bytes, place_beside
 from .tables import finish_crc, sign_words, zero_crc
 
@@ -642,11 +643,14 @@ class _ClassSet(NamedTuple):
 
 
 class _FlightPlan(NamedTuple):
-    """What an encode flight without ANS segments takes from its class vector alone (:func:`_flight_plan`):
-    its kinds, workspace offsets and size, the slots of its output region, its columns (``ptr`` left zero:
-    the flight's sources), kernel groups with their TurboQuant signs, stored payload bytes and upload
-    bytes. A save of whole chunks hands the engine the same class vector batch after batch: it is planned
-    once (``GpuCodecEngine._plans``; its arrays read-only, shared by the flights that use it)."""
+    """What an encode flight takes from its class vector alone (:func:`_flight_plan`): its kinds, workspace
+    offsets and size, the slots of its output region, its columns (``ptr`` left zero: the flight's sources),
+    kernel groups with their TurboQuant signs, stored payload bytes (ANS: their capacity; nvCOMP decides) and
+    upload bytes; for ANS segments their rows in packing order (by nvCOMP type), chunk counts, rounds, chunk
+    buffer size and nvCOMP temp, and their chunk arrays but for the sources: each chunk's offset in its
+    segment, its bytes and its output buffer's workspace offset (``chunk_fixed``). A save of whole chunks
+    hands the engine the same class vector batch after batch: it is planned once (``GpuCodecEngine._plans``;
+    its arrays read-only, shared by the flights that use it)."""
 
     kind: np.ndarray
     off: dict
@@ -657,6 +661,13 @@ class _FlightPlan(NamedTuple):
     signs: dict
     walked: np.ndarray
     upload: int
+    ans: np.ndarray
+    nch: np.ndarray
+    rounds: "_AnsRounds | None"
+    chunk_cap: int
+    temp: int
+    chunk_at: np.ndarray  # each chunk's byte offset within its segment
+    chunk_fixed: np.ndarray  # (2, chunks): each chunk's source bytes and its output buffer's workspace offset
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -678,23 +689,53 @@ def _remember(memo: dict, key: object, value: object) -> object:
 PLANS_KEPT = 64
 
 
-def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, seed: int) -> _FlightPlan:
-    """The :class:`_FlightPlan` of a flight of classes ``c`` (indices into ``cs``; none ANS) at ``align``."""
+def _flight_plan(cs: _ClassSet, c: np.ndarray, kind: np.ndarray, align: int, seed: int,
+                 eng: "GpuCodecEngine | None" = None) -> _FlightPlan:
+    """The :class:`_FlightPlan` of a flight of classes ``c`` (indices into ``cs``) at ``align``. ANS segments
+    (``eng``: the engine whose nvCOMP sizes their chunk buffers and temp) as :meth:`GpuCodecEngine._run_encode`
+    lays them out: by type, their slots last (packed on the GPU), their chunks and buffers in that order."""
     k, table = len(c), cs.table
     n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
-    lay, off, slots = _enc_offsets(k, n_desc, 0, 0, cs.size[c], align)
-    off["ans_slot0"] = off["region_end"] - off["meta"]
-    off["temp"] = lay.take(0)
+    a = np.flatnonzero(kind == _KIND["ans"])
+    chunk, rounds, temp, chunk_cap = 0, None, 0, 0
+    tmp, chunk0 = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
+    if len(a):
+        assert eng is not None
+        a = a[np.argsort(cs.ans_type[c[a]], kind="stable")]
+        order = np.concatenate([np.flatnonzero(kind != _KIND["ans"]), a])
+        nch = table.nch[c[a]]
+        chunk = int(nch.sum())
+        types = cs.ans_type[c[a]]
+        rounds = _ans_rounds(nch, types, eng._round_chunks(int(nch.max())))
+        temp = eng._round_temp(rounds.chunks, np.unique(types).tolist())
+        chunk_cap = eng._chunk_cap()
+        lay, off, slot_o = _enc_offsets(k, n_desc, chunk, len(a), cs.size[c[order]], align)
+        slots = np.empty(k, dtype=np.int64)
+        slots[order] = slot_o
+        off["ans_slot0"] = int(slots[a[0]])
+        tmp[a] = lay.take(rounds.chunks * chunk_cap) + chunk_cap * rounds.at
+        chunk0[a] = rounds.chunk0
+    else:
+        nch = np.zeros(0, dtype=np.int64)
+        lay, off, slots = _enc_offsets(k, n_desc, 0, 0, cs.size[c], align)
+        off["ans_slot0"] = off["region_end"] - off["meta"]
+    off["temp"] = lay.take(temp)
     off["align"] = align
-    zeros = _frozen(np.zeros(k, dtype=np.int64))
+    zeros = np.zeros(k, dtype=np.int64)
     cols = _EncCols(*(_frozen(x) for x in (kind, zeros, slots, table.n[c], table.cap[c], table.fp16[c],
                                              table.head_dim[c], table.bits[c], table.role[c], table.layer[c],
-                                             table.nch[c])), zeros, zeros)
-    groups = tuple((name, _frozen(sel)) for name, sel in _enc_groups(cols))
+                                             table.nch[c], chunk0, tmp)))
+    groups = tuple((name, _frozen(sel)) for name, sel in _enc_groups(cols, a))
     signs = {name: _sign_rows(cols.head_dim[sel], cols.layer[sel], np.full(len(sel), seed, dtype=np.int64))
              for name, sel in groups if len(sel) and _ENC_GROUPS[name] == rows_.ENC_TQ}
+    cb = ans_format.CHUNK_BYTES
+    at = _within(nch)
+    chunk_fixed = np.empty((2, chunk), dtype=np.int64)
+    chunk_fixed[0] = np.minimum(cb, np.repeat(cols.n[a], nch) - cb * at)
+    chunk_fixed[1] = np.repeat(tmp[a], nch) + chunk_cap * at
     return _FlightPlan(cols.kind, off, cols.slot, lay.end, cols, groups, signs, _frozen(cs.stored[c]),
-                       off["pay_len"] + 8)
+                       off["pay_len"] + 8 * (len(a) + 1), _frozen(a), _frozen(nch), rounds, chunk_cap, temp,
+                       _frozen(cb * at), _frozen(chunk_fixed))
 
 
 class _DecPlan(NamedTuple):
@@ -716,10 +757,14 @@ class _DecPlan(NamedTuple):
 def _header_rows(c: np.ndarray, plan: _FlightPlan) -> np.ndarray:
     """``okv_write_headers``' rows (:data:`~.module.HEADER_ROW_DTYPE`) of a flight of ``plan``, classes ``c``:
     segment ``i``'s header at its slot, its template its class's, its Meta row ``i``, its payload's walked
-    bytes its class's stored length."""
+    bytes its class's stored length; an ANS segment's row (:data:`~.headers.ANS_ROW`) names the region offset of
+    its payload length instead (its slot and length are the GPU's, ``okv_ans_pack``)."""
     k = len(c)
     rows = np.empty(k, dtype=km.HEADER_ROW_DTYPE)
     rows["slot"], rows["tid"], rows["meta"], rows["walked"] = plan.slots, c, np.arange(k), plan.walked
+    if len(plan.ans):
+        rows["slot"][plan.ans] = plan.off["pay_len"] - plan.off["meta"] + 8 * np.arange(len(plan.ans))
+        rows["walked"][plan.ans] = ANS_ROW
     return rows
 
 
@@ -796,8 +841,9 @@ def _write_headers(job: "EncodeJob", host: np.ndarray, templates: np.ndarray, ba
     """Write the headers of a batch's GPU-encoded segments into their ``slots`` of ``host`` (the batch's output
     region) and their fields into ``job`` at ``idx``: each segment's template row (``templates[tid]``, headers
     with a zero payload CRC, from ``_template_ids``) with its payload CRC ``pcrc`` and its header CRC from the
-    template's ``bases`` (:func:`~.headers.write_headers`, one numba call). ``stored``, when given: each
-    segment's stored length, in place of its template's (ANS: what nvCOMP made of it). ``views``: ``job.out``
+    template's ``bases`` (:func:`~.headers.write_headers`, one numba call); ``pcrc`` None: the GPU wrote them
+    (``okv_write_headers``), only the fields are filled. ``stored``, when given: each segment's stored length, in
+    place of its template's (ANS: what nvCOMP made of it). ``views``: ``job.out``
     also gets each segment's view of ``host``. Answers each segment's length (header and payload)."""
     write_headers(host, templates, bases, tid, pcrc, slots, idx,
                   (job.fmt, job.original, job.length, job.reason, job.addr), stored)
@@ -1512,100 +1558,54 @@ class GpuCodecEngine:
         columns from the class table, its descriptors (and ANS chunk arrays) up, the kernels and nvCOMP, the
         download into ``out_region``. ANS segments as :meth:`_run_encode` lays them out: by type, their slots
         last (packed on the GPU), their chunks and nvCOMP buffers in that order."""
-        w, table = self.save, cs.table
+        w = self.save
         c = cls[rows]
         k = len(rows)
         key = (id(cs), c.tobytes(), align)
         plan = self._plans.get(key, (cs, None))[1]
         if plan is None:
-            kind = table.kind[c]
-            if not (kind == _KIND["ans"]).any():
-                plan = _remember(self._plans, key, (cs, _flight_plan(cs, c, kind, align, self.seed)))[1]
-        if plan is not None:
-            base, upload = w.place(plan.total)
-            region = base + plan.off["meta"]
-            src = ptrs[rows]
-            up = upload.get(plan.upload)
-            up[plan.off["meta"]:] = 0
-            got = _encode_rows(up, plan.off["desc"], plan.cols._replace(ptr=src), plan.groups, region + HEADER_SIZE,
-                               self.seed, 0, base, plan.off, signs=plan.signs)
-            w.h2d(base, up)
-            heads = self._header_consts(cs, c, plan)
-            host, own = self._launch_encode(base, plan.off, got, plan.groups, k, out_region, align=align, heads=heads)
-            return w.launched(base, plan.total, upload, lambda: self._finish_encode_columns(
-                cs, c, rows, src, plan.slots, job, host, own, plan.off, None, 0, plan.kind, plan.walked,
-                written=True), w.copies)
-        # ANS segments: their chunks, rounds and download length are planned per flight
-        n_desc = int(np.count_nonzero(kind != _KIND["raw"]) + np.count_nonzero(kind != _KIND["fp8"]))
-        a = np.flatnonzero(kind == _KIND["ans"])
-        chunk, rounds, temp = 0, None, 0
-        if len(a):
-            a = a[np.argsort(cs.ans_type[c[a]], kind="stable")]
-            order = np.concatenate([np.flatnonzero(kind != _KIND["ans"]), a])
-            nch = table.nch[c[a]]
-            chunk = int(nch.sum())
-            types = cs.ans_type[c[a]]
-            rounds = _ans_rounds(nch, types, self._round_chunks(int(nch.max())))
-            temp = self._round_temp(rounds.chunks, np.unique(types).tolist())
-        lay, off, slot_o = _enc_offsets(k, n_desc, chunk, len(a), cs.size[c[order]] if len(a) else cs.size[c], align)
-        if len(a):
-            slots = np.empty(k, dtype=np.int64)
-            slots[order] = slot_o
-        else:
-            slots = slot_o
-        off["ans_slot0"] = int(slots[a[0]]) if len(a) else off["region_end"] - off["meta"]
-        chunk_cap = self._chunk_cap() if len(a) else 0
-        tmp, chunk0 = np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
-        if rounds is not None:
-            tmp[a] = lay.take(rounds.chunks * chunk_cap) + chunk_cap * rounds.at
-            chunk0[a] = rounds.chunk0
-        off["temp"] = lay.take(temp)
-        off["align"] = align
-        if len(a):  # the download up to the packed end the previous batch suggests (as _run_encode)
+            plan = _remember(self._plans, key, (cs, _flight_plan(cs, c, cs.table.kind[c], align, self.seed, self)))[1]
+        off, a = plan.off, plan.ans
+        ans = len(a) > 0
+        if ans:  # the download up to the packed end the previous batch suggests (as _run_encode)
+            off = dict(off)
             worst = off["region_end"] - off["meta"] - off["ans_slot0"]
             off["download"] = off["ans_slot0"] + min(worst, _up(int(worst * min(1.0, self._ans_packed + ANS_MARGIN)),
                                                                 align))
-        total = lay.end
-        base, upload = w.place(total)
+        base, upload = w.place(plan.total)
         region = base + off["meta"]
         src = ptrs[rows]
-        cols = _EncCols(kind, src, slots, table.n[c], table.cap[c], table.fp16[c], table.head_dim[c],
-                        table.bits[c], table.role[c], table.layer[c], table.nch[c], chunk0, tmp)
-        up = upload.get(off["pay_len"] + 8 * (len(a) + 1))
+        up = upload.get(plan.upload)
         up[off["meta"]:] = 0
-        groups = _enc_groups(cols, a)
-        got = _encode_rows(up, off["desc"], cols, groups, region + HEADER_SIZE, self.seed, chunk_cap, base, off, rounds)
-        if len(a):  # per chunk: source address, source bytes, output buffer
+        got = _encode_rows(up, off["desc"], plan.cols._replace(ptr=src), plan.groups, region + HEADER_SIZE,
+                           self.seed, plan.chunk_cap, base, off, plan.rounds, signs=plan.signs)
+        if ans:  # per chunk: source address, source bytes, output buffer
+            chunk = len(plan.chunk_at)
             arr = up[off["chunk_in"]:off["chunk_in"] + 24 * chunk].view("<u8").reshape(3, chunk)
-            cb = ans_format.CHUNK_BYTES
-            at = _within(nch)
-            arr[0] = np.repeat(src[a], nch) + cb * at
-            arr[1] = np.minimum(cb, np.repeat(table.n[c[a]], nch) - cb * at)
-            arr[2] = np.repeat(base + tmp[a], nch) + chunk_cap * at
+            arr[0] = np.repeat(src[a], plan.nch) + plan.chunk_at
+            arr[1] = plan.chunk_fixed[0]
+            arr[2] = plan.chunk_fixed[1] + base
         w.h2d(base, up)
-        host, own = self._launch_encode(base, off, got, groups, k, out_region, rounds, chunk, temp, align)
-        return w.launched(base, total, upload, lambda: self._finish_encode_columns(
-            cs, c, rows, src, slots, job, host, own, off, a, region), w.copies)
+        host, own = self._launch_encode(base, off, got, plan.groups, k, out_region, plan.rounds,
+                                        len(plan.chunk_at), plan.temp, align, self._header_consts(cs, c, plan))
+        return w.launched(base, plan.total, upload, lambda: self._finish_encode_columns(
+            cs, c, rows, src, plan.slots, job, host, own, off, a, region, plan.kind, plan.walked), w.copies)
 
     def _finish_encode_columns(self, cs: _ClassSet, c: np.ndarray, rows: np.ndarray, ptrs: np.ndarray,
-                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool,
-                               off: "dict[str, int] | None" = None, a: "np.ndarray | None" = None,
-                               region: int = 0, kind: "np.ndarray | None" = None,
-                               walked: "np.ndarray | None" = None, written: bool = False) -> None:
-        """The host part of a batch of :meth:`encode_columns_submit` whose stream work has completed: CRC32Cs
-        and headers as arrays (a template per class; ANS stored lengths as a column, their slots as the GPU
-        packed them); per-segment Python only for a segment that falls back to raw storage. ``views``: the
-        region is the engine's own array, so ``out`` gets each segment's view. ``written``: ``okv_write_headers``
-        wrote the headers (a flight without ANS segments): only their fields are read here, from the templates,
-        and the host touches none of the region's header lines."""
+                               slots: np.ndarray, job: EncodeJob, host: np.ndarray, views: bool, off: dict[str, int],
+                               a: np.ndarray, region: int, kind: np.ndarray, walked: np.ndarray) -> None:
+        """The host part of a flight of :meth:`encode_columns_submit` (its :class:`_FlightPlan`'s ``slots``,
+        ``ans``, ``kind`` and ``walked``) whose stream work has completed. ``okv_write_headers`` wrote the
+        headers, so the host touches none of the region's header lines: it reads the statuses and the ANS
+        payload lengths, packs the ANS slots as the GPU did, and fills the job's fields from the templates (ANS
+        stored lengths as a column); per-segment Python only for a segment that falls back to raw storage.
+        ``views``: the region is the engine's own array, so ``out`` gets each segment's view."""
         w, out = self.save, job.out
         k = len(rows)
         meta = host[:16 * k].view(km.META_DTYPE)
         status = meta["status"]
-        kind = cs.table.kind[c] if kind is None else kind
-        walked = cs.stored[c] if walked is None else walked
         bad = (status != 0) & (kind != _KIND["raw"])
-        ans = a is not None and len(a) > 0
+        ans = len(a) > 0
         if ans:
             a_off = off["pay_len"] - off["meta"]
             size = host[a_off:a_off + 8 * len(a)].view("<u8").astype(np.int64)
@@ -1614,7 +1614,6 @@ class GpuCodecEngine:
             walked[a] = size
             slots = slots.copy()
             slots[a] = self._packed_slots(size, off, host, region)
-        crcs = None if written else finish_crc(meta["acc"], walked)
         keep = ~bad
         for j in np.flatnonzero(bad).tolist():
             t = cs.classes[int(c[j])]
@@ -1629,8 +1628,8 @@ class GpuCodecEngine:
         good = np.flatnonzero(keep) if not keep.all() else np.arange(k)
         if not good.size:
             return
-        _write_headers(job, host, cs.templates, cs.bases, c[good], None if written else crcs[good], slots[good],
-                       rows[good], views=views, stored=walked[good] if ans else None)
+        _write_headers(job, host, cs.templates, cs.bases, c[good], None, slots[good], rows[good], views=views,
+                       stored=walked[good] if ans else None)
 
     def _plain_batches(self, plans: list[_Enc], align: int) -> "list[list[_Enc]] | None":
         """The GPU batches of ``plans`` when none is host-encoded and each fits half the workspace alone, found

@@ -32,6 +32,10 @@ _NO_STORED = np.zeros(0, np.uint32)
 #: One row of ``okv_write_headers`` (``struct HeaderRow``, kernels/headers.cu): a segment's header slot (bytes
 #: from the output region's start), its template, its Meta row and the payload bytes its CRC walked.
 HEADER_ROW_DTYPE = np.dtype([("slot", "<u4"), ("tid", "<u4"), ("meta", "<u4"), ("walked", "<u4")])
+#: ``walked`` of an ANS segment's row (``OKV_HEADER_ANS``): its ``slot`` is then the region offset of the u64
+#: payload length ``okv_ans_pack`` wrote (zero: the segment failed and gets no header), its header's slot the one
+#: that kernel left in its Meta row's ``pad0``, and its stored length (and walked bytes) that payload length.
+ANS_ROW = 0xFFFFFFFF
 
 
 @numba.njit(inline="always")
@@ -66,17 +70,15 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
     for j in range(tid.shape[0]):
         t, s = tid[j], slots[j]
         n = _get32(templates[t], _STORED)
+        new = np.int64(stored[j]) if has_stored else n
         if write:
             p = np.int64(pcrc[j])
             host[s:s + HEADER_SIZE] = templates[t]
-            crc = np.int64(bases[t]) ^ _field_crc(t_pay, p)
-            if has_stored:
-                new = np.int64(stored[j])
-                crc ^= _field_crc(t_sto, n ^ new)
-                n = new
-                _put32(host, s + _STORED, n)
+            crc = np.int64(bases[t]) ^ _field_crc(t_pay, p) ^ _field_crc(t_sto, n ^ new)
+            _put32(host, s + _STORED, new)
             _put32(host, s + _PAYLOAD_CRC, p)
             _put32(host, s + _HEADER_CRC, crc)
+        n = new
         i = idx[j]
         fmt[i] = templates[t, _FORMAT]
         original[i] = _get32(templates[t], _ORIGINAL)
@@ -95,13 +97,12 @@ def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, ti
     length in place of its template's. ``fields``: the arrays ``(fmt, original, length, reason, addr)`` that get,
     at ``idx[j]``, the header's format, original length, header-and-payload length, raw reason and the host
     address of its first byte. ``pcrc`` None: the headers are in place already (the GPU wrote them,
-    ``okv_write_headers``), ``stored`` must be None, and only ``fields`` are written: ``host`` is not touched.
+    ``okv_write_headers``, ``stored`` then the lengths it wrote), and only ``fields`` are written: ``host`` is
+    not touched.
     Raises IndexError, having written nothing, when a slot's header would not lie inside ``host``, a ``tid`` is
     not a template or an ``idx`` not a place in ``fields``."""
     write = pcrc is not None
     if not write:
-        if stored is not None:
-            raise ValueError("write_headers: stored lengths need the headers written here (pcrc)")
         pcrc = _NO_STORED
     if not ((len(pcrc) == len(tid) or not write) and len(tid) == len(slots) == len(idx)
             and (stored is None or len(stored) == len(tid)) and all(len(f) == len(fields[0]) for f in fields)):
@@ -118,14 +119,26 @@ def write_headers(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, ti
 def write_headers_model(region: np.ndarray, rows: np.ndarray, templates: np.ndarray, bases: np.ndarray) -> None:
     """What ``okv_write_headers`` (kernels/headers.cu) writes into an encode flight's output ``region`` (uint8,
     its Meta array first) for ``rows`` (:data:`HEADER_ROW_DTYPE`), made on the host: each row's payload CRC
-    finished from its Meta.acc (:func:`~.tables.finish_crc`), then :func:`write_headers` in place. For tests and
-    harnesses without a GPU; the kernel itself is checked against the host codecs on one
-    (tests/test_gpu_engine.py)."""
-    n = len(rows)
-    if not n:
+    finished from its Meta.acc (:func:`~.tables.finish_crc`), then :func:`write_headers` in place; an
+    :data:`ANS_ROW` row's length and slot read from the region as the kernel reads them (none written for a
+    zero length or one over its template's). For tests and harnesses without a GPU; the kernel itself is
+    checked against the host codecs on one (tests/test_gpu_engine.py)."""
+    if not len(rows):
         return
-    acc = region[:16 * (int(rows["meta"].max()) + 1)].view("<u4")[0::4]
+    meta = region[:16 * (int(rows["meta"].max()) + 1)].view("<u4").reshape(-1, 4)
+    slot, tid, walked = rows["slot"].astype(np.int64), rows["tid"].astype(np.intp), rows["walked"].astype(np.int64)
+    stored = templates[tid, _STORED:_STORED + 4].copy().view("<u4").reshape(-1).astype(np.int64)
+    ans = np.flatnonzero(walked == ANS_ROW)
+    keep = np.ones(len(rows), dtype=bool)
+    if len(ans):
+        at = slot[ans]
+        n = np.stack([region[a:a + 8] for a in at.tolist()]).view("<u8").reshape(-1).astype(np.int64)
+        keep[ans] = (n > 0) & (n <= stored[ans])
+        walked[ans], stored[ans] = n, n
+        slot[ans] = meta[rows["meta"][ans], 2]
+    k = np.flatnonzero(keep)
+    n = len(k)
     scratch = (np.zeros(n, np.int16), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.uint8),
                np.zeros(n, np.int64))  # the admitted fields, which the model does not answer
-    write_headers(region, templates, bases, rows["tid"].astype(np.intp), finish_crc(acc[rows["meta"]], rows["walked"]),
-                  rows["slot"].astype(np.int64), np.arange(n), scratch)
+    write_headers(region, templates, bases, tid[k], finish_crc(meta[rows["meta"][k], 0], walked[k]), slot[k],
+                  np.arange(n), scratch, stored[k])

@@ -126,7 +126,7 @@ class Kernels:
     functions: dict[str, cp.RawKernel]
     crc_tables: cp.ndarray
     tq_tables: cp.ndarray
-    header_tables: cp.ndarray  # segment.header_crc_tables' payload-CRC tables, (4, 256) uint32
+    header_tables: cp.ndarray  # segment.header_crc_tables': payload-CRC then stored-length tables, (8, 256) uint32
     grids: dict[str, int]  # resident blocks of each kernel on the whole device
     hardware_fp8: bool
 
@@ -190,7 +190,7 @@ def _kernels(device_id: int, arith: bool) -> Kernels:
             functions=functions,
             crc_tables=cp.asarray(crc_tables()),
             tq_tables=cp.asarray(turboquant_tables()),
-            header_tables=cp.asarray(np.ascontiguousarray(header_crc_tables()[0], dtype=np.uint32)),
+            header_tables=cp.asarray(np.concatenate(header_crc_tables()).astype(np.uint32)),
             grids={name: sms * _resident_blocks(fn, props, DYNAMIC_SMEM.get(name, 0)) for name, fn in functions.items()},
             hardware_fp8=(not arith) and (major, minor) >= (8, 9),
         )

@@ -717,11 +717,12 @@ class _HeaderKernelSaveWorker(_RecordingSaveWorker):
     (``headers.write_headers_model``) on the flight's region when the flight downloads it: the header bytes an
     H200 would bring. ``consts`` stands for ``GpuCodecEngine._header_consts``: its arrays by fake address."""
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool = False) -> None:
         super().__init__()
         self.arrays: dict[int, np.ndarray] = {}
         self.pending = None
         self.kernels = 0
+        self.deferred = deferred  # the caller runs the model (``apply``) on the flight's whole region
 
     def consts(self, cs, c, plan) -> tuple[int, int, int]:
         got = (E._header_rows(c, plan), np.ascontiguousarray(cs.templates), cs.bases.astype(np.uint32))
@@ -736,8 +737,12 @@ class _HeaderKernelSaveWorker(_RecordingSaveWorker):
 
     def d2h(self, dst: np.ndarray, src: int, stream=None) -> None:
         super().d2h(dst, src, stream)
+        if not self.deferred:
+            self.apply(dst)
+
+    def apply(self, region: np.ndarray) -> None:
         if self.pending is not None:
-            write_headers_model(dst, *self.pending)
+            write_headers_model(region, *self.pending)
             self.pending = None
 
 
@@ -764,8 +769,11 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monke
     among them) uploads the same descriptors and chunk arrays, launches the same kernels, makes the same nvCOMP
     and okv_ans_place calls and downloads as much as the per-segment encode_submit of the same sources; given
     the same payload lengths from nvCOMP (one of them over its capacity: stored raw), both answer the same
-    segments at the same places of their regions, headers byte for byte. With a 4 MiB workspace a batch's ANS
-    segments are compressed in rounds that reuse one set of chunk buffers (``_check_rounds``)."""
+    segments at the same places of their regions, headers byte for byte: the item path's written by the host,
+    the column path's by okv_write_headers (its model here, from the lengths and the slots okv_ans_pack leaves in
+    the region). A second batch of the same classes at other addresses reuses the flights' plans and answers
+    the same again. With a 4 MiB workspace a batch's ANS segments are compressed in rounds that reuse one set
+    of chunk buffers (``_check_rounds``)."""
     monkeypatch.setattr(E, "_pinned_array", lambda n: np.zeros(max(n, 1), np.uint8))
     rng = np.random.default_rng(seed)
     sizes_of = {}  # a source's payload length as nvCOMP would give it, by its index in the batch
@@ -774,72 +782,100 @@ def test_ans_encode_as_arrays_sends_what_the_item_path_sends(seed, budget, monke
     monkeypatch.setattr(E.km, "launch_ans_place", lambda k, segs, nsegs, ans0, align, carry, stream:
                         active["log"].append(("place", segs, nsegs, ans0, align, carry)) or 1)
 
-    def with_lengths(idx_of):
-        def wrap(finish):
-            def run(self, *args, **kw):
-                host, off, idx = idx_of(args, kw)
-                at = off["pay_len"] - off["meta"]
-                host[at:at + 8 * len(idx)] = np.array([sizes_of[i] for i in idx], dtype="<u8").view(np.uint8)
-                return finish(self, *args, **kw)
-            return run
-        return wrap
+    def item_lengths(finish):
+        def run(self, plans, job, off, host, *args, **kw):
+            at = off["pay_len"] - off["meta"]
+            size = [sizes_of[p.i] if sizes_of[p.i] <= p.head[3] else 0 for p in args[2]]  # okv_ans_pack's: 0 over
+            host[at:at + 8 * len(size)] = np.array(size, dtype="<u8").view(np.uint8)  # the capacity (no slot)
+            return finish(self, plans, job, off, host, *args, **kw)
+        return run
 
-    monkeypatch.setattr(E.GpuCodecEngine, "_finish_encode", with_lengths(
-        lambda a, kw: (a[3], a[2], [p.i for p in a[6]]))(E.GpuCodecEngine._finish_encode))
-    monkeypatch.setattr(E.GpuCodecEngine, "_finish_encode_columns", with_lengths(
-        lambda a, kw: (a[6], a[8], a[2][a[9]].tolist()))(E.GpuCodecEngine._finish_encode_columns))
+    monkeypatch.setattr(E.GpuCodecEngine, "_finish_encode", item_lengths(E.GpuCodecEngine._finish_encode))
     monkeypatch.setattr(E.GpuCodecEngine, "_host_source",
                         lambda self, p: np.zeros(p.n, np.uint8).view(p.dtype).reshape(p.shape or (-1,)))
 
-    def engine():
+    def engine(columns: bool):
         eng = _bare_engine(budget)
         eng.seed, eng._classes, eng._rows, eng._class_sets, eng._plans, eng._ans_packed = 7, {}, {}, {}, {}, 1.0
         eng._kernels = types.SimpleNamespace(crc_tables=None, tq_tables=None)
-        eng.save = _RecordingSaveWorker()
+        eng.save = _HeaderKernelSaveWorker(deferred=True) if columns else _RecordingSaveWorker()
         eng._nvcomp = types.SimpleNamespace(
             max_compressed_bytes=lambda n, t: n + 1500, compress_temp_bytes=lambda c, cb, total, t: 8192 + 8 * c + t,
             compress=lambda *args: eng.save.log.append(("nvcomp",) + args[:-1]))
+        if columns:  # what the GPU leaves in a column flight's region before okv_write_headers: lengths, slots
+            eng._header_consts = eng.save.consts
+            run, launch = eng._run_encode_columns, eng._launch_encode
+
+            def run_flight(cs, cls, ptrs, rows, *args):
+                active["rows"] = rows
+                return run(cs, cls, ptrs, rows, *args)
+
+            def launch_flight(base, off, got, groups, k, *args):
+                host, own = launch(base, off, got, groups, k, *args)
+                a = dict(groups)["okv_ans_pack"]
+                size = np.array([sizes_of[i] for i in active["rows"][a].tolist()], dtype=np.int64)
+                at = off["pay_len"] - off["meta"]
+                ok = size <= np.array([eng._plans_cap[i] for i in active["rows"][a].tolist()])
+                size[~ok] = 0  # okv_ans_pack: a payload over its capacity takes no slot, its length zero
+                host[at:at + 8 * len(a)] = size.astype("<u8").view(np.uint8)
+                steps = np.where(size > 0, -(-(HEADER_SIZE + size) // off["align"]) * off["align"], 0)
+                meta = host[:16 * k].view(E.km.META_DTYPE)
+                meta["pad0"][a[ok]] = (off["ans_slot0"] + np.cumsum(steps) - steps)[ok]
+                eng.save.apply(host)
+                return host, own
+
+            eng._run_encode_columns, eng._launch_encode = run_flight, launch_flight
         return eng
 
     shapes = [(int(rng.integers(16, 160)), 8, 128) for _ in range(5)]  # 32-320 KiB: one to five ANS chunks
     kinds = [("ans", BF16), ("ans", np.dtype(np.uint8)), ("none", BF16), ("fp8", BF16), ("ans", FP16)]
-    item_engine, col_engine = engine(), engine()
+    item_engine, col_engine = engine(False), engine(True)
     classes = [col_engine.encode_class(E.EncodeItem(E.DeviceSpan(0, int(np.prod(s)) * dt.itemsize, s), codec, Role.KEY,
                                                     3, dt)) for s, (codec, dt) in zip(shapes, kinds)]
     cls = rng.integers(0, len(classes), 40)
+    col_engine._plans_cap = [classes[c].head[3] for c in cls]  # each source's payload capacity (its template's)
     nbytes = np.array([classes[c].n for c in cls], dtype=np.int64)
-    ptrs = (1 << 41) + np.cumsum(nbytes + 4096) - nbytes
     for i, c in enumerate(cls.tolist()):
         n = classes[c].n
         sizes_of[i] = (int(n * rng.uniform(0.5, 0.85)) + 7) // 8 * 8 if i != 5 else n  # i = 5: over the capacity
     arenas, region_of = _two_arenas()
-
-    items = [E.EncodeItem(E.DeviceSpan(int(p), int(nbytes[i]), shapes[c]), kinds[c][0], Role.KEY, 3, kinds[c][1])
-             for i, (p, c) in enumerate(zip(ptrs.tolist(), cls.tolist()))]
-    active["log"] = item_engine.save.log
-    out_i = item_engine.encode_collect(item_engine.encode_submit(items, out_region=region_of(0), slot_align=512))
-    active["log"] = col_engine.save.log
-    job = col_engine.encode_columns_submit(classes, cls, ptrs, out_region=region_of(1), slot_align=512)
-    assert job is not None
-    out_c = col_engine.encode_collect(job)
-    assert col_engine.save.log == item_engine.save.log
-    rounds = _check_rounds(col_engine.save.log, E._up(ans_format.CHUNK_BYTES + 1500), budget // 2)
-    if budget > 16 << 20:  # one batch, one round: one nvCOMP call per type
-        assert sum(e[0] == "nvcomp" for e in col_engine.save.log) == 2 and rounds == 1
-    else:
-        assert rounds > sum(e[0] == "h2d" for e in col_engine.save.log) > 1
-    for i in range(len(items)):
-        if out_c[i] is not None:  # a raw fallback (only the one over its capacity, if it is ANS)
-            assert bytes(out_c[i]) == bytes(out_i[i]) and i == 5
-            continue
-        a = int(job.addr[i]) - arenas[1].ctypes.data
-        b = E.host_address(out_i[i]) - arenas[0].ctypes.data
-        n = int(job.length[i])
-        assert a == b and n == len(out_i[i]), i
-        assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
+    for second in (False, True):
+        ptrs = (1 << 41) + int(second) * (1 << 36) + np.cumsum(nbytes + 4096) - nbytes
+        items = [E.EncodeItem(E.DeviceSpan(int(p), int(nbytes[i]), shapes[c]), kinds[c][0], Role.KEY, 3, kinds[c][1])
+                 for i, (p, c) in enumerate(zip(ptrs.tolist(), cls.tolist()))]
+        item_engine.save.log.clear()
+        col_engine.save.log.clear()
+        active["log"] = item_engine.save.log
+        out_i = item_engine.encode_collect(item_engine.encode_submit(items, out_region=region_of(0), slot_align=512))
+        active["log"] = col_engine.save.log
+        plans = len(col_engine._plans)
+        job = col_engine.encode_columns_submit(classes, cls, ptrs, out_region=region_of(1), slot_align=512)
+        assert job is not None
+        out_c = col_engine.encode_collect(job)
+        assert (len(col_engine._plans) == plans) == second
+        assert col_engine.save.log == item_engine.save.log
+        assert col_engine.save.kernels == sum(e[0] == "d2h" for e in col_engine.save.log)  # one header launch a flight
+        col_engine.save.kernels = 0
+        rounds = _check_rounds(col_engine.save.log, E._up(ans_format.CHUNK_BYTES + 1500), budget // 2)
+        if budget > 16 << 20:  # one batch, one round: one nvCOMP call per type
+            assert sum(e[0] == "nvcomp" for e in col_engine.save.log) == 2 and rounds == 1
+        else:
+            assert rounds > sum(e[0] == "h2d" for e in col_engine.save.log) > 1
+        for i in range(len(items)):
+            if out_c[i] is not None:  # a raw fallback (only the one over its capacity, if it is ANS)
+                assert bytes(out_c[i]) == bytes(out_i[i]) and i == 5
+                continue
+            a = int(job.addr[i]) - arenas[1].ctypes.data
+            b = E.host_address(out_i[i]) - arenas[0].ctypes.data
+            n = int(job.length[i])
+            assert a == b and n == len(out_i[i]), i
+            assert bytes(arenas[1][a:a + HEADER_SIZE]) == bytes(arenas[0][b:b + HEADER_SIZE]), i
     rules = len(E._FIXED_PARTS)  # the batch rule's table is kept once, not once per save
     col_engine.encode_collect(col_engine.encode_columns_submit(classes, cls, ptrs, slot_align=512))
     assert len(E._FIXED_PARTS) == rules
+    flight = next(p for k, (_, p) in col_engine._plans.items() if k[0] != "cuts")
+    with pytest.raises(ValueError):
+        flight.chunk_fixed[0, 0] = 1
 
 
 @pytest.mark.parametrize("seed", range(4))

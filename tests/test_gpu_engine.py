@@ -269,6 +269,22 @@ def test_ans_slots_are_packed_and_a_short_download_fetches_its_tail() -> None:
             for x, s in zip(xs, segs):
                 assert np.array_equal(decode_segment(bytes(s)).view(np.uint8), x.reshape(-1).view(np.uint8))
         check_round_trip(e, xs, ["ans"] * len(xs), ["opaque"] * len(xs), [0] * len(xs), exact_bytes=False)
+        # The column path, whose ANS headers okv_write_headers writes at the slots okv_ans_pack leaves: packed the
+        # same, a short download's tail (headers and payloads) fetched, every segment as the item path's.
+        classes = [e.encode_class(it) for it in items]
+        ptrs = np.array([it.array.data.ptr for it in items], dtype=np.int64)
+        for short in (False, True):
+            if short:
+                e._ans_packed = 0.0
+            fetched = e.stats.get("save_ans_tail_fetches", 0)
+            job = e.encode_columns_submit(classes, np.arange(len(items)), ptrs)
+            assert job is not None
+            segs = e.encode_collect(job)
+            assert e.stats.get("save_ans_tail_fetches", 0) - fetched == int(short)
+            assert parse_segment(bytes(segs[1]))[0].raw_reason == RawReason.NOT_SMALLER
+            check_packed(segs, xs)
+            for x, s in zip(xs, segs):
+                assert np.array_equal(decode_segment(bytes(s)).view(np.uint8), x.reshape(-1).view(np.uint8))
 
 
 def test_ans_rounds_in_a_small_workspace_round_trip() -> None:

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from orbitkv_fs.gpu.headers import HEADER_ROW_DTYPE, write_headers, write_headers_model
+from orbitkv_fs.gpu.headers import ANS_ROW, HEADER_ROW_DTYPE, write_headers, write_headers_model
 from orbitkv_fs.segment import (HEADER_SIZE, AnsType, Format, RawReason, Role, SegmentHeader, header_row,
                                 pack_header, parse_header)
 
@@ -103,42 +103,60 @@ def test_out_of_range_rows_raise_and_write_nothing(bad):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_kernels_header_model_writes_pack_headers_bytes(seed):
+@pytest.mark.parametrize("with_ans", [False, True])
+def test_the_kernels_header_model_writes_pack_headers_bytes(seed, with_ans):
     """okv_write_headers' host model writes, at each row's slot, the header pack_header gives for the payload CRC
     finish_crc makes of that row's Meta.acc and walked bytes (the tables' ends too), and nothing outside the
-    rows' slots."""
+    rows' slots. An ANS row (``ANS_ROW``) names the region offset of its payload length: its header goes to the
+    slot its Meta row's pad0 holds, with that length as its stored length and walked bytes; a zero length (a
+    failed segment) or one over its template's capacity writes no header at all."""
     from orbitkv_fs.gpu.tables import finish_crc
 
     rng = np.random.default_rng(seed)
-    plain, _ = _classes(rng)
-    made = [header_row(h) for h in plain]
+    plain, ans_classes = _classes(rng)
+    classes = plain + (ans_classes if with_ans else [])
+    made = [header_row(h) for h in classes]
     templates = np.stack([r.view(np.uint8).reshape(HEADER_SIZE) for r, _ in made])
     bases = np.array([c for _, c in made], dtype=np.uint32)
     n = int(rng.integers(1, 80))
-    tid = rng.integers(len(plain), size=n)
-    walked = np.array([plain[t].stored_length for t in tid], dtype=np.int64)
+    tid = rng.integers(len(classes), size=n)
+    walked = np.array([classes[t].stored_length for t in tid], dtype=np.int64)
     walked[: min(n, 2)] = [0, 2049 * 16384 - 1][: min(n, 2)]  # the table's ends
-    region = np.full(16 * n + (n + 1) * 4 * HEADER_SIZE, 0xA5, np.uint8)
+    is_ans = np.array([classes[t].format == Format.ANS for t in tid])
+    lens = np.where(is_ans, rng.integers(1, 40001, size=n), walked)
+    lens[is_ans & (rng.random(n) < 0.2)] = 0  # failed: okv_ans_pack's zero length
+    lens[is_ans & (rng.random(n) < 0.1)] = 40001  # over the capacity
+    pay0 = 16 * n
+    region = np.full(pay0 + 8 * n + (n + 1) * 4 * HEADER_SIZE, 0xA5, np.uint8)
     acc = rng.integers(1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
     region[:16 * n].view("<u4")[0::4] = acc
     rows = np.empty(n, HEADER_ROW_DTYPE)
-    rows["slot"] = 16 * n + 4 * HEADER_SIZE * rng.permutation(n)
-    rows["tid"], rows["meta"], rows["walked"] = tid, np.arange(n), walked
+    slot = pay0 + 8 * n + 4 * HEADER_SIZE * rng.permutation(n)
+    rows["slot"], rows["tid"], rows["meta"], rows["walked"] = slot, tid, np.arange(n), walked
+    if is_ans.any():
+        region[:16 * n].view("<u4")[2::4][is_ans] = slot[is_ans]
+        a = np.flatnonzero(is_ans)
+        at = pay0 + 8 * np.arange(len(a))
+        region[pay0:pay0 + 8 * len(a)] = lens[a].astype("<u8").view(np.uint8)
+        rows["slot"][a], rows["walked"][a] = at, ANS_ROW
     write_headers_model(region, rows, templates, bases)
-    pcrc = finish_crc(acc, walked)
-    for j in range(n):
-        s = int(rows["slot"][j])
-        want = msgspec.structs.replace(plain[tid[j]], payload_crc=int(pcrc[j]))
+    written = ~is_ans | ((lens > 0) & (lens <= 40000))
+    pcrc = finish_crc(acc, lens)
+    for j in np.flatnonzero(written).tolist():
+        s = int(slot[j])
+        want = msgspec.structs.replace(classes[tid[j]], payload_crc=int(pcrc[j]))
+        if is_ans[j]:
+            want = msgspec.structs.replace(want, stored_length=int(lens[j]))
         assert bytes(region[s:s + HEADER_SIZE]) == pack_header(want), j
     outside = np.ones(region.size, dtype=bool)
-    outside[:16 * n] = False
-    outside[rows["slot"].astype(np.int64)[:, None] + np.arange(HEADER_SIZE)] = False
+    outside[:pay0 + 8 * n] = False
+    outside[slot[written][:, None] + np.arange(HEADER_SIZE)] = False
     assert (region[outside] == 0xA5).all()
 
 
 def test_fields_only_leaves_the_region_alone():
-    """write_headers without payload CRCs (the GPU wrote the headers): the admitted fields are the templates',
-    the region is not touched; stored lengths then make no sense and are refused."""
+    """write_headers without payload CRCs (the GPU wrote the headers): the admitted fields are the templates'
+    (with the stored lengths given, ANS's, each segment's length from its own), the region is not touched."""
     rng = np.random.default_rng(5)
     plain, _ = _classes(rng)
     made = [header_row(h) for h in plain]
@@ -157,5 +175,6 @@ def test_fields_only_leaves_the_region_alone():
         assert (fmt[j], original[j], length[j], reason[j]) == (int(h.format), h.original_length,
                                                                 HEADER_SIZE + h.stored_length, int(h.raw_reason))
         assert addr[j] == host.ctypes.data + slots[j]
-    with pytest.raises(ValueError):
-        write_headers(host, templates, bases, tid, None, slots, np.arange(3), fields, np.ones(3, np.int64))
+    stored = np.array([7, 900, 31], np.int64)
+    write_headers(host, templates, bases, tid, None, slots, np.arange(3), fields, stored)
+    assert (host == 0x3C).all() and np.array_equal(length, HEADER_SIZE + stored)

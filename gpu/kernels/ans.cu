@@ -76,7 +76,10 @@ okv_ans_pack(const Seg* __restrict__ segs, int nsegs, u32 total, Meta* __restric
     u8* out = reinterpret_cast<u8*>(s.dst);
     Meta* mt = &meta[s.meta];
     if (j == 0) {  // the chunk table: u32 chunk_bytes, u32 nchunks, u32 sizes[nch], zeros to 8
-      if (threadIdx.x == 0) *plen = len;
+      if (threadIdx.x == 0) {
+        *plen = len;
+        mt->pad[0] = (u32)(s.dst - 64 - reinterpret_cast<u64>(meta));  // its header's slot, for okv_write_headers
+      }
       for (u64 us = 0; us < start; us += OKV_CHUNK) {
         const u32 m = (u32)min((u64)OKV_CHUNK, start - us);
         const u32 mult = threadIdx.x == 0 ? okv_unit_mult(us, len, tables) : OKV_X0;
