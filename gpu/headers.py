@@ -4,8 +4,10 @@ for ANS its stored length, and its header CRC from the template's (``segment.hea
 the fields the Manager admits the segment by. A numpy pass per field cost a flight of a few hundred segments
 about 60 us of host time on the save's critical path (docs/results/2026-12-03-host-speed).
 
-Primitives: :func:`write_headers`; :func:`write_headers_model` (what the GPU's ``okv_write_headers`` writes,
-made on the host with :func:`write_headers`: for tests and harnesses without a GPU).
+Primitives: :func:`write_headers` (also fields only, where the GPU wrote the headers); :func:`write_headers_model`
+(what the GPU's ``okv_write_headers`` writes, made on the host with :func:`write_headers`: for tests and harnesses
+without a GPU); :data:`HEADER_ROW_DTYPE` and :data:`ANS_ROW`, that kernel's rows (an ANS segment's slot and
+stored length are the GPU's: its row names where ``okv_ans_pack`` put its payload length).
 
 Invariants: the bytes are the ones ``segment.header_crcs`` and ``pack_header`` give (tests/test_gpu_headers.py
 and test_gpu_descriptors.py compare them); nothing outside the segments' 64-byte header slots is written, and
