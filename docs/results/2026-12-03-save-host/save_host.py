@@ -162,6 +162,29 @@ def harness(codec: str, segment_kib: int = 512, download: bool = False,
         yield types.SimpleNamespace(m=m, e=e, eng=eng, chunks=chunks, nseg=len(chunks) * len(eng.segs))
 
 
+def time_saves(h: types.SimpleNamespace, repeat: int, lp=None, profile: "str | None" = None) -> tuple[float, float]:
+    """``repeat`` saves of ``h`` 's chunks (each after invalidating all): the median wall and thread CPU in us of the
+    saves after the first two, less what the GPU would do (``_DownloadWorker.filled``); ``lp``, a line profiler
+    enabled from the third save on, its report written to ``profile``."""
+    walls, cpus = [], []
+    for rep in range(repeat):
+        h.m.invalidate(all=True)
+        if lp is not None and rep == 2:
+            lp.enable_by_count()
+        f0 = _DownloadWorker.filled[0]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        r = h.m.save(h.e.engine_id, h.chunks)
+        filled = _DownloadWorker.filled[0] - f0  # the download's fill is the copy engine's work: not counted
+        walls.append(time.perf_counter() - t0 - filled)
+        cpus.append(time.thread_time() - c0 - filled)
+        assert r.segments == h.nseg, r
+    if lp is not None:
+        lp.disable_by_count()
+        with open(profile, "w") as f:
+            lp.print_stats(stream=f, output_unit=1e-6, stripzeros=True)
+    return float(np.median(walls[2:]) * 1e6), float(np.median(cpus[2:]) * 1e6)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--codec", default="turboquant-4")
@@ -171,7 +194,7 @@ def main() -> None:
     p.add_argument("--download", action="store_true", help="the download writes each flight's output region")
     args = p.parse_args()
     with harness(args.codec, args.segment_kib, args.download) as h:
-        m, e, eng, chunks, nseg = h.m, h.e, h.eng, h.chunks, h.nseg
+        m, eng, nseg = h.m, h.eng, h.nseg
         lp = None
         if args.profile:
             from line_profiler import LineProfiler
@@ -180,23 +203,7 @@ def main() -> None:
             lp = LineProfiler()
             for f in FUNCS:
                 lp.add_function(getattr(f, "__func__", f))
-        walls, cpus = [], []
-        for rep in range(args.repeat):
-            m.invalidate(all=True)
-            if lp is not None and rep == 2:
-                lp.enable_by_count()
-            f0 = _DownloadWorker.filled[0]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            r = m.save(e.engine_id, chunks)
-            filled = _DownloadWorker.filled[0] - f0  # the download's fill is the copy engine's work: not counted
-            walls.append(time.perf_counter() - t0 - filled)
-            cpus.append(time.thread_time() - c0 - filled)
-            assert r.segments == nseg, r
-        if lp is not None:
-            lp.disable_by_count()
-            with open(args.profile, "w") as f:
-                lp.print_stats(stream=f, output_unit=1e-6, stripzeros=True)
-        w, c = np.median(walls[2:]) * 1e6, np.median(cpus[2:]) * 1e6
+        w, c = time_saves(h, args.repeat, lp, args.profile)
         st = m._gpu_codecs.engine(eng.reg.rotation_seed).save.stats
         print(f"{args.codec} {args.segment_kib} KiB: {nseg} segments, {st['batches'] // args.repeat} engine flights"
               f" a save; median wall {w:.0f} us ({w / nseg:.2f} us/seg), thread CPU {c:.0f} us ({c / nseg:.2f} us/seg)")

@@ -16,8 +16,6 @@ import os
 import time
 import types
 
-import numpy as np
-
 from orbitkv_fs.gpu import engine as E
 
 _spec = importlib.util.spec_from_file_location(
@@ -65,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
     E.km.launch_ans_place = lambda *a, **k: 1
     with save_host.harness(args.codec, args.segment_kib) as h:
-        m, e, eng, chunks, nseg = h.m, h.e, h.eng, h.chunks, h.nseg
+        m, eng, nseg = h.m, h.eng, h.nseg
         engine_of = m._gpu_codecs.engine
 
         def engine(seed: int) -> E.GpuCodecEngine:
@@ -87,26 +85,9 @@ def main() -> None:
                       E.GpuCodecEngine._finish_encode_columns, E.GpuCodecEngine._launch_encode,
                       E.GpuCodecEngine._packed_slots, E._encode_rows, E._ans_rounds, E._enc_offsets):
                 lp.add_function(f)
-        walls, cpus = [], []
-        filled = save_host._DownloadWorker.filled
-        for rep in range(args.repeat):
-            m.invalidate(all=True)
-            if lp is not None and rep == 2:
-                lp.enable_by_count()
-            f0 = filled[0]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            r = m.save(e.engine_id, chunks)
-            f = filled[0] - f0
-            walls.append(time.perf_counter() - t0 - f)
-            cpus.append(time.thread_time() - c0 - f)
-            assert r.segments == nseg, r
-        if lp is not None:
-            lp.disable_by_count()
-            with open(args.profile, "w") as fh:
-                lp.print_stats(stream=fh, output_unit=1e-6, stripzeros=True)
+        w, c = save_host.time_saves(h, args.repeat, lp, args.profile)
         st = m._gpu_codecs.engine(eng.reg.rotation_seed).save.stats
         assert st["raw_fallbacks"] == 0, st
-        w, c = np.median(walls[2:]) * 1e6, np.median(cpus[2:]) * 1e6
         print(f"{args.codec} {args.segment_kib} KiB: {nseg} segments, {st['batches'] // args.repeat} engine flights"
               f" a save, {st['ans_rounds'] // args.repeat} ans rounds; median wall {w:.0f} us ({w / nseg:.2f} us/seg),"
               f" thread CPU {c:.0f} us ({c / nseg:.2f} us/seg)")
