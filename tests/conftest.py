@@ -5,6 +5,7 @@ no OrbitKV-FS file behind in /dev/shm (``_no_shm_leftovers``)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import time
 import warnings
@@ -14,12 +15,24 @@ import pytest
 SHM = "/dev/shm"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # setup.py installs gpu/, server/ and tools/ as orbitkv_fs's subpackages, and tests (and the processes they
+    # start) import them by those names: an interpreter without the project installed would fail to collect a
+    # score of modules, one traceback each, so say what is missing once instead.
+    try:
+        installed = importlib.util.find_spec("orbitkv_fs.gpu") is not None
+    except ModuleNotFoundError:
+        installed = False
+    if not installed:
+        pytest.exit("orbitkv_fs is not installed in this interpreter (setup.py maps gpu/, server/ and tools/ into "
+                    "it): run `bash scripts/test.sh` (it installs it), or "
+                    "`pip install -e '.[test,e2e,server,ssd,peer]'` first", returncode=4)
+
+
 @functools.cache
 def gpu_available() -> bool:
-    try:
-        from orbitkv_fs.gpu import unusable_reason
-    except ImportError:  # a source tree run uninstalled has no orbitkv_fs.gpu (setup.py maps gpu/ there)
-        return False
+    from orbitkv_fs.gpu import unusable_reason
+
     return unusable_reason() is None
 
 
