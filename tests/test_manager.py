@@ -1088,3 +1088,130 @@ def test_request_blocks_checked_as_an_array_agree_with_the_walk(seed):
         assert walked or not ok, (req, skips)  # what the walk refuses never passes the array check
         if all(type(b) is int for c in chunks for b in c):  # ints only: the array check decides alone
             assert ok == walked, (req, skips)
+
+
+@pytest.mark.parametrize("codec", ["none", "turboquant-4"])
+@pytest.mark.parametrize("batch_segments", [5, 2 * L, 512])
+def test_exact_batches_store_what_the_per_segment_path_stores(codec, batch_segments):
+    """Exact segments of host pages saved in batches of every shape: chunks of consecutive blocks (a group's
+    pieces move with one copy), of shuffled blocks, of other block counts in the same batch (templates per
+    size), partly cached chunks (some of their segments only) and chunks that batches split. Every key holds
+    byte for byte the segment the per-segment path makes of its blocks (:func:`raw_segment`, the policy's
+    reason where TurboQuant keeps a layer exact), and the batches keep within their caps."""
+    from orbitkv_fs.manager.hostpath import HostPath
+
+    pages, reg = make_engine(num_blocks=96)
+    rng = np.random.default_rng(3)
+    shuffled = rng.permutation(np.arange(40, 96)).tolist()
+    chunks = (chunks_for(4, salt="run")  # blocks 0..7, consecutive across chunks
+              + [ChunkBlocks(chunk_key("three"), [8, 9, 10]), ChunkBlocks(chunk_key("one"), [11])]
+              + chunks_for(3, per=3, base=12, salt="run3")  # 12..20
+              + [ChunkBlocks(chunk_key(f"shuf{i}"), shuffled[4 * i:4 * i + 4]) for i in range(5)]
+              + [ChunkBlocks(chunk_key("gap"), [30, 32]), ChunkBlocks(chunk_key("back"), [35, 34])]
+              # each of consecutive blocks, but not after the chunk before it
+              + [ChunkBlocks(chunk_key("hop0"), [24, 25]), ChunkBlocks(chunk_key("hop1"), [28, 29]),
+                 ChunkBlocks(chunk_key("hop2"), [26, 27])])
+    batches = []
+    real = HostPath._save_raw_batch
+
+    def record(self, eng, rows, acc):
+        batches.append((len(rows), int((np.fromiter(map(len, (c.blocks for c in rows.chunks)), np.int64)[rows.ci]
+                                        * eng.block_bytes[rows.si]).sum())))
+        return real(self, eng, rows, acc)
+
+    try:
+        with Manager(ManagerConfig(pool_size=16 << 20, storage_codec=codec, batch_segments=batch_segments,
+                                   device="cpu")) as m, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(HostPath, "_save_raw_batch", record)
+            e = m.register_engine(reg)
+            eng = m._engines[e.engine_id]
+            # chunk "three" partly cached: saved alone, then all but its first layer's segments invalidated
+            m.save(e.engine_id, chunks[4:5])
+            assert m.dram.invalidate(lambda k: k[32:34] != b"\0\0")[0] == 2 * (L - 1)
+            batches.clear()
+            r = m.save(e.engine_id, chunks)
+            assert r.segments == 2 * L * len(chunks) - 2 and r.dropped_segments == 0
+            exact = [s for s in eng.segs if s.codec is None]
+            assert len(exact) == (2 * L if codec == "none" else 8)
+            assert sum(n for n, _ in batches) == len(exact) * len(chunks) - 2
+            cap_segments, cap_bytes = m._raw_batch_cap()
+            assert batches and all(n <= cap_segments and (b <= cap_bytes or n == 1) for n, b in batches)
+            _assert_stored_as_per_segment(m, e, chunks)
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
+
+
+def _assert_stored_as_per_segment(m: Manager, e, chunks) -> None:
+    """Every exact segment of ``chunks`` in DRAM holds what the per-segment path makes of its blocks."""
+    from orbitkv_fs.codecs import raw_segment
+    from orbitkv_fs.keys import pack_key
+    from orbitkv_fs.manager.device import _gather_host
+
+    ns = bytes.fromhex(e.namespace)
+    for ch in chunks:
+        for seg in m._engines[e.engine_id].segs:
+            if seg.codec is None:
+                got = m.dram.read(pack_key(ns, ch.key, seg.layer, seg.role))
+                want = raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer, reason=seg.raw_reason)
+                assert got == want, (ch.key, seg.layer, seg.role)
+
+
+def test_exact_batches_carved_from_a_fragmented_pool_store_what_the_per_segment_path_stores(engine):
+    """A pool whose free room lies in holes (every other chunk saved before invalidated): a batch's pieces
+    are carved from several free extents, so a (layer, role)'s pieces do not lie evenly spaced across a hole's
+    edge, and those move a piece at a time. Every segment still holds the per-segment path's bytes, and so do
+    the objects around the holes."""
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu")) as m:
+        e = m.register_engine(reg)
+        fill = [ChunkBlocks(chunk_key(f"fill{i}"), [40 + i % 2 * 2, 41 + i % 2 * 2]) for i in range(40)]
+        for ch in fill:  # one request each: the fillers share blocks
+            m.save(e.engine_id, [ch])
+        holes = {bytes.fromhex(e.namespace) + ch.key for ch in fill[::2]}
+        assert m.dram.invalidate(lambda k: k[:32] in holes)[0] == 20 * 2 * L
+        offs = []
+        real = m.dram.reserve_many
+
+        def reserve_many(sizes):
+            offs.append(real(sizes))
+            return offs[-1]
+
+        m.dram.reserve_many = reserve_many
+        chunks = chunks_for(12, salt="frag")
+        r = m.save(e.engine_id, chunks)
+        assert r.segments == 12 * 2 * L and r.dropped_segments == 0
+        piece = (HEADER_SIZE + 2 * BLOCK_BYTES + 511) // 512 * 512
+        assert any(b - a != piece for o in offs for a, b in zip(o, o[1:]))  # carved: pieces not end to end
+        _assert_stored_as_per_segment(m, e, chunks)
+        _assert_stored_as_per_segment(m, e, [ch for ch in fill[1::2] if m.dram.contains(
+            bytes.fromhex(e.namespace) + ch.key + bytes(4))])
+        assert_reservations_zero(m)
+
+
+def test_group_runs_find_the_groups_that_move_with_one_copy():
+    """``_group_runs`` over a segment-major batch: a group is one slice of blocks exactly when it has two pieces
+    or more, all placed, of one size, laid end to end, and its chunks in order hold consecutive blocks; a
+    group's first piece is not held to the group before it."""
+    from orbitkv_fs.manager.hostpath import _group_runs
+
+    P = (HEADER_SIZE + 2 * BLOCK_BYTES + 511) // 512 * 512  # a 2-block piece
+    Q = (HEADER_SIZE + 3 * BLOCK_BYTES + 511) // 512 * 512
+    chunks = [ChunkBlocks(chunk_key(f"g{i}"), b) for i, b in enumerate([[0, 1], [2, 3], [4, 5], [9, 8], [6, 7, 8]])]
+    two, three = 2 * BLOCK_BYTES, 3 * BLOCK_BYTES
+    groups = [  # (chunks, payload bytes, offsets) per group, and the answer
+        ([0, 1, 2], [two] * 3, [0, P, 2 * P], slice(0, 6)),
+        ([0, 1, 2], [two] * 3, [3 * P, 4 * P, 5 * P], slice(0, 6)),  # after a group that ended at block 6
+        ([0, 3], [two] * 2, [6 * P, 7 * P], None),  # chunk 3's blocks run backwards
+        ([1], [two], [8 * P], None),  # one piece
+        ([1, 2], [two] * 2, [9 * P, 11 * P], None),  # a gap between the pieces
+        ([2, 4], [two, three], [12 * P, 13 * P], None),  # consecutive blocks, pieces of two sizes
+        ([0, 1], [two] * 2, [-1, 14 * P], None),  # a piece not placed
+        ([1, 2], [two] * 2, [15 * P, 16 * P], slice(2, 6)),
+        ([4, 3], [three, two], [17 * P, 17 * P + Q], None),
+    ]
+    sci = np.array([c for g in groups for c in g[0]], dtype=np.int64)
+    ssz = np.array([n for g in groups for n in g[1]], dtype=np.int64)
+    off = np.array([o for g in groups for o in g[2]], dtype=np.int64)
+    starts = np.cumsum([0] + [len(g[0]) for g in groups[:-1]])
+    assert _group_runs(chunks, sci, ssz, off, starts) == [g[3] for g in groups]

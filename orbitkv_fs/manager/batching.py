@@ -3,7 +3,8 @@
 Primitives: :meth:`Batching._codec_batches` (at most ``batch_segments`` segments, the batch budget in
 workspace bytes, the source cap in source bytes; a run that one batch holds whole is not split for a sliver of
 it), :meth:`Batching._run_batches` (the same cut of items that come in runs with their cumulative sizes, a
-save's chunks: each batch as slices of the runs),
+save's chunks: each batch as slices of the runs), :class:`RunCutter` (that cut fed a run at a time, as the
+host path of exact segments cuts its batches while a save's chunks go by),
 :meth:`Batching._flight_budget` (with the GPU engine, half its workspace: one flight, two of which share it),
 :meth:`Batching._flights` (flights per batch of a registration), :meth:`Batching._batch_budget` (that many
 flights), :meth:`Batching._source_cap` (``BATCH_EXPANSION`` flights of source bytes), :func:`_pipelined`
@@ -168,38 +169,66 @@ class Batching:
         save's chunks), as slices of the runs: each run is ``(run, nbytes, logical)``, the cumulative sums of its
         items' counted and logical bytes (``nbytes[j]``: the first ``j`` items; ``len(nbytes) - 1`` items); each
         batch a list of pieces ``(run, lo, hi)``, its items ``lo .. hi`` of that run. The same cuts, made with a
-        few bisections per run instead of a test per item."""
-        budget, most = self._batch_budget(flights), self._source_cap()
-        cap = self._config.batch_segments
-        batch: list = []
-        count = size = total = 0
+        few bisections per run instead of a test per item (:class:`RunCutter`)."""
+        cut = RunCutter(self._config.batch_segments, self._batch_budget(flights), self._source_cap())
         for run, cn, cm in runs:
-            k = len(cn) - 1
-            j = 0
-            while j < k:
-                lo = j
-                if not count:  # the first item of a batch goes in whatever its size
-                    size, total, count = cn[j + 1] - cn[j], cm[j + 1] - cm[j], 1
-                    j += 1
-                # the items j..j+t-1 that fit: the count, the budget and the logical cap, each a prefix
-                t = min(cap - count, k - j,
-                        bisect_right(cn, budget - size + cn[j], j, k + 1) - 1 - j,
-                        bisect_right(cm, most - total + cm[j], j, k + 1) - 1 - j)
-                if t > 0:
-                    size += cn[j + t] - cn[j]
-                    total += cm[j + t] - cm[j]
-                    count += t
-                    j += t
-                if (j < k and not lo and batch and ALIGN_SHARE * j <= count and k <= cap and cn[k] <= budget
-                        and cm[k] <= most):  # a run one batch holds whole, begun short: whole to the next one
-                    yield batch
-                    batch, count, size, total = [], 0, 0, 0
-                    j = 0
-                    continue
-                if j > lo:
-                    batch.append((run, lo, j))
-                if j < k:
-                    yield batch
-                    batch, count, size, total = [], 0, 0, 0
-        if batch:
-            yield batch
+            yield from cut.push(run, cn, cm)
+        if cut.batch:
+            yield cut.batch
+
+
+class RunCutter:
+    """The cut of :meth:`Batching._run_batches`, fed a run at a time (:meth:`push` answers the batches that run
+    closes; ``batch`` holds the one under way): at most ``cap`` items, ``budget`` counted bytes and ``most``
+    logical bytes a batch, the first item of a batch in whatever its size, and a run that one batch holds whole,
+    begun short (at most 1 / ALIGN_SHARE of the batch), moved whole to the next batch."""
+
+    __slots__ = ("cap", "budget", "most", "batch", "count", "size", "total")
+
+    def __init__(self, cap: int, budget: int, most: int) -> None:
+        self.cap, self.budget, self.most = cap, budget, most
+        self.batch: list = []
+        self.count = self.size = self.total = 0
+
+    def push(self, run: object, cn: Sequence[int], cm: Sequence[int]) -> list[list]:
+        """Add ``run`` (``cn``, ``cm``: cumulative counted and logical bytes of its items); answers the batches
+        it closes (usually none: a run that fits whole goes in with one test)."""
+        cap, budget, most = self.cap, self.budget, self.most
+        k = len(cn) - 1
+        if 0 < k <= cap - self.count and self.size + cn[k] - cn[0] <= budget and self.total + cm[k] - cm[0] <= most:
+            self.batch.append((run, 0, k))
+            self.count += k
+            self.size += cn[k] - cn[0]
+            self.total += cm[k] - cm[0]
+            return []
+        closed = []
+        j = 0
+        while j < k:
+            lo = j
+            if not self.count:  # the first item of a batch goes in whatever its size
+                self.size, self.total, self.count = cn[j + 1] - cn[j], cm[j + 1] - cm[j], 1
+                j += 1
+            # the items j..j+t-1 that fit: the count, the budget and the logical cap, each a prefix
+            t = min(cap - self.count, k - j,
+                    bisect_right(cn, budget - self.size + cn[j], j, k + 1) - 1 - j,
+                    bisect_right(cm, most - self.total + cm[j], j, k + 1) - 1 - j)
+            if t > 0:
+                self.size += cn[j + t] - cn[j]
+                self.total += cm[j + t] - cm[j]
+                self.count += t
+                j += t
+            if (j < k and not lo and self.batch and ALIGN_SHARE * j <= self.count and k <= cap and cn[k] <= budget
+                    and cm[k] <= most):  # a run one batch holds whole, begun short: whole to the next one
+                closed.append(self._close())
+                j = 0
+                continue
+            if j > lo:
+                self.batch.append((run, lo, j))
+            if j < k:
+                closed.append(self._close())
+        return closed
+
+    def _close(self) -> list:
+        batch = self.batch
+        self.batch, self.count, self.size, self.total = [], 0, 0, 0
+        return batch

@@ -1,16 +1,19 @@
 """The host path of exact segments, as batches: save and restore of raw segments of host pages with one
 Python call per batch per stage, not per segment.
 
-Primitives: :meth:`HostPath._save_raw_batch` (a batch of exact segments of host pages: one reservation
-round, each segment gathered straight into its arena extent and its payload CRC32C taken there while the
-bytes are in cache, every header written at once from its template row with its CRC computed as an
-array, one publish round of columns in request order); :meth:`HostPath._check_host_batch` (a restore's
-DRAM-leased sources against the raw headers their destinations expect, every header compared and
-CRC-checked as one array, the chunks that pass answered as :class:`HostRows`) and
-:meth:`HostPath._write_host_batch` (a window of chunks at a time: each payload CRC32C, then the scatter into
-the engine's blocks). Keys, offsets, lengths and CRCs are arrays per batch; per-segment Python is left to the two C
-calls a segment needs (its copy, its CRC32C) and to the segments that fail, which go to the
-per-segment path with its typed errors.
+Primitives: :meth:`HostPath._save_raw_batch` (a batch of exact segments of host pages as
+:class:`~orbitkv_fs.manager.save.SaveRows`, the columns a codec batch has: one reservation round,
+segment-major; :func:`_group_runs` finds, as arrays over the batch, the (layer, role) groups whose pieces move
+with one copy; each payload CRC32C taken in the arena while the bytes are in cache; every header written at
+once from its template row (:meth:`HostPath._raw_templates`) with its CRC computed as an array; one publish
+round in request order, with the key scan the rows carry); :meth:`HostPath._check_exact_bound` (a chunk whose
+exact segment would pass the format's bound, refused before a save reserves anything);
+:meth:`HostPath._check_host_batch` (a restore's DRAM-leased sources against the raw headers their
+destinations expect, every header compared and CRC-checked as one array, the chunks that pass answered as
+:class:`HostRows`) and :meth:`HostPath._write_host_batch` (a window of chunks at a time: each payload CRC32C,
+then the scatter into the engine's blocks). Keys, offsets, lengths and CRCs are arrays per batch; per-segment
+Python is left to the two C calls a segment needs (its copy or its share of a group's, its CRC32C) and to the
+segments that fail, which go to the per-segment path with its typed errors.
 
 Invariants: the segment bytes are exactly the per-segment path's (header templates from
 :func:`~orbitkv_fs.segment.header_row`, CRCs from :func:`~orbitkv_fs.segment.header_crcs`); nothing is
@@ -24,8 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
-from itertools import accumulate, compress
-from operator import itemgetter
+from itertools import compress
 from typing import NamedTuple, Sequence
 
 import crc32c as _crc32c
@@ -36,9 +38,9 @@ from ..segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, Format, RawRe
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, RequestError
 from .leases import Spans
-from .device import _gather_host
-from .registry import _Seg
-from .save import _KEY, _SEG, _SaveAcc
+from .device import _BLOCKS, _gather_host, _run_of
+from .registry import _Engine, _Seg
+from .save import SaveRows, _SaveAcc
 
 _ROW = np.arange(HEADER_SIZE, dtype=np.int64)
 #: Header bytes a template fixes: all but the payload CRC (24..27) and the header's own CRC (60..63).
@@ -59,23 +61,34 @@ def _consecutive(chunks: Sequence[ChunkBlocks]) -> slice | None:
     return slice(first, t) if first >= 0 else None
 
 
-def _group_run(seg: _Seg, chunks: Sequence[ChunkBlocks], offs: Sequence[int | None],
-               sizes: Sequence[int]) -> slice | None:
-    """The blocks of a group of pieces of ``seg`` (one per chunk, at arena offsets ``offs``, of ``sizes``
-    payload bytes) as one slice of its block-major host view, when the pieces are of one size and evenly
-    spaced and the chunks, in order, hold consecutive blocks; else None (the group then moves a piece at a
-    time). Chunks of different block counts are never one run: each piece holds its own chunk's blocks."""
-    if type(seg.base) is not np.ndarray or len(chunks) < 2 or None in offs or sizes.count(sizes[0]) != len(sizes):
-        return None
-    piece = units_of(sizes[0] + HEADER_SIZE) * UNIT
-    if not _evenly(offs, piece):
-        return None
-    return _consecutive(chunks)
+def _group_runs(chunks: Sequence[ChunkBlocks], sci: np.ndarray, ssz: np.ndarray, off: np.ndarray,
+                starts: np.ndarray) -> list[slice | None]:
+    """Per group of a segment-major batch (rows ``starts[g]`` up to the next group's; per row its chunk
+    ``sci``, payload bytes ``ssz`` and arena offset ``off``, -1 where none was reserved), the blocks its pieces
+    hold as one slice of a block-major host view, when it has two pieces or more, all placed, of one size and
+    evenly spaced, and its chunks, in order, hold consecutive blocks; else None (the group then moves a piece
+    at a time). Found for every group at once: a row breaks its group's run where it does not follow the
+    row before it. Chunks of different block counts are never one run: each piece holds its own chunk's blocks."""
+    spans = [_run_of(ch.blocks) for ch in chunks]
+    first = np.fromiter((-1 if r is None else r.start for r in spans), dtype=np.int64, count=len(spans))[sci]
+    stop = np.fromiter((-1 if r is None else r.stop for r in spans), dtype=np.int64, count=len(spans))[sci]
+    piece = -(-(ssz + HEADER_SIZE) // UNIT) * UNIT
+    alone = (first < 0) | (off < 0)
+    bad = alone.copy()
+    bad[1:] |= (first[1:] != stop[:-1]) | (ssz[1:] != ssz[:-1]) | (off[1:] - off[:-1] != piece[1:])
+    bad[starts] = alone[starts]  # a group's first row follows no row of its group
+    ends = np.r_[starts[1:], len(sci)]
+    whole = ((np.add.reduceat(bad, starts) == 0) & (ends - starts >= 2)).tolist()
+    return [slice(int(first[a]), int(stop[b - 1])) if w else None
+            for w, a, b in zip(whole, starts.tolist(), ends.tolist())]
 
 
-def _pick(seq: Sequence, at: Sequence[int]) -> list:
-    """``[seq[i] for i in at]`` in one C call (a batch gathers several columns by the same positions)."""
-    return list(itemgetter(*at)(seq)) if len(at) > 1 else [seq[i] for i in at]
+def _template_rows(heads: Sequence[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Header templates (:meth:`~orbitkv_fs.manager.registry._Seg.raw_header` answers) as one array of rows
+    and one of CRC bases: the rows joined as bytes (numpy's concatenate of structured rows promotes their
+    fields one row at a time: 160 us for 16 rows, against 1.4)."""
+    return (np.frombuffer(b"".join([h[0].tobytes() for h in heads]), dtype=HEADER_DTYPE),
+            np.asarray([h[1] for h in heads], dtype=np.uint32))
 
 
 def _evenly(offs: Sequence[int], piece: int) -> bool:
@@ -134,129 +147,150 @@ class HostPath:
         earlier batches it may have to evict: a reservation cannot evict its own batch)."""
         return self._config.batch_segments, min(self._batch_budget(), self.dram.capacity // 8)
 
-    def _save_raw_batch(self, items: list[tuple[ChunkBlocks, _Seg, bytes]], acc: _SaveAcc) -> None:
-        """Save exact segments of host pages: reserve every extent in one round, gather each segment into
-        its extent and take its payload CRC32C there, write the headers from their template rows, publish in
-        one round. A segment that found no room goes to the lower tier (or is dropped), as one at a time."""
+    def _check_exact_bound(self, eng: _Engine, chunks: Sequence[ChunkBlocks], raw_on_host: bool) -> None:
+        """A chunk whose exact segment of host pages (``raw_on_host``: exact segments take this path) would pass
+        the segment format's bound: a :class:`RequestError` naming it, before the save reserves anything."""
+        exact = [s.block_bytes for s in eng.segs if s.codec is None] if raw_on_host else []
+        if not exact or not chunks:
+            return
+        most = max(exact)
+        if max(map(len, map(_BLOCKS, chunks))) * most > MAX_STORED_BYTES:
+            n = next(len(ch.blocks) for ch in chunks if len(ch.blocks) * most > MAX_STORED_BYTES)
+            raise RequestError(f"chunk of {n} blocks makes a {n * most}-byte segment, over the "
+                               f"{MAX_STORED_BYTES}-byte bound")
+
+    def _save_raw_batch(self, eng: _Engine, rows: SaveRows, acc: _SaveAcc) -> None:
+        """Save exact segments of host pages, ``rows`` (a batch of runs of chunks' segments, as a codec batch
+        is): reserve every extent in one round, segment-major; per (layer, role), the pieces of chunks that hold
+        consecutive blocks, laid evenly, move with one copy, the others a gather each, and each piece's payload
+        CRC32C is taken right after, while its bytes are in cache; every header is written at once from its
+        template row; one publish round in request order. Where the pieces lie, which groups move at once and
+        which template each row takes are found as arrays over the batch. A segment that found no room goes to
+        the lower tier (or is dropped), as one at a time."""
         c0 = time.thread_time()
-        k = len(items)
+        segs, chunks, ci, si = eng.segs, rows.chunks, rows.ci, rows.si
+        k = len(si)
+        nblk = np.fromiter(map(len, map(_BLOCKS, chunks)), dtype=np.int64, count=len(chunks))
+        sizes = nblk[ci] * eng.block_bytes[si]  # payload bytes, request order
         # Segment-major: the pieces of one (layer, role) lie side by side in the batch's extent, so that a
-        # group whose chunks hold consecutive blocks moves with one copy (_group_run).
-        groups: dict[int, list[int]] = {}
-        for i, it in enumerate(items):
-            groups.setdefault(id(it[1]), []).append(i)
-        order = [i for g in groups.values() for i in g]  # segment-major position -> request position
-        group_ends = list(accumulate(map(len, groups.values())))
-        req, items = items, _pick(items, order)
-        req_sizes = [len(ch.blocks) * seg.block_bytes for ch, seg, _ in req]
-        sizes = _pick(req_sizes, order)
-        if max(sizes) > MAX_STORED_BYTES:
-            n = next(n for n in sizes if n > MAX_STORED_BYTES)
-            raise RequestError(f"chunk of {n // items[sizes.index(n)][1].block_bytes} blocks makes a {n}-byte "
-                               f"segment, over the {MAX_STORED_BYTES}-byte bound")
-        offs = self.dram.reserve_many([n + HEADER_SIZE for n in sizes])
+        # group whose chunks hold consecutive blocks moves with one copy.
+        order = np.argsort(si, kind="stable")
+        sci, ssi, ssz = ci[order], si[order], sizes[order]
+        offs = self.dram.reserve_many((ssz + HEADER_SIZE).tolist())
+        placed = None not in offs
+        off = np.asarray(offs if placed else [-1 if o is None else o for o in offs], dtype=np.int64)
+        starts = np.flatnonzero(np.r_[True, ssi[1:] != ssi[:-1]])
+        ends = np.r_[starts[1:], k]
+        tids, tmpl_rows, tmpl_bases = self._raw_templates(segs, starts, ends, ssi, ssz)
+        pcrc = np.zeros(k, dtype=np.uint32)
         buf = self.dram.arena.buf
-        tmpl: dict[tuple[int, int], int] = {}  # (seg, payload bytes) -> template row
-        rows: list[bytes] = []  # raw bytes: concatenating structured rows costs a field promotion each
-        bases: list[int] = []
-        # per segment placed (segment-major): its position, payload CRC, template row
-        live: list[int] = []
-        crcs: list[int] = []
-        tids: list[int] = []
+        sent = None  # the arena offsets handed to publish_many, once it is called
         done: list[bool] = []
-        pub: list[int] = []  # the positions placed, in request order: what publish_many takes
-
-        def template(seg: _Seg, n: int) -> int:
-            t = tmpl.get((id(seg), n))
-            if t is None:
-                row, base = seg.raw_header(n)
-                t = tmpl[(id(seg), n)] = len(rows)
-                rows.append(row.tobytes())
-                bases.append(base)
-            return t
-
         try:
             crc = _crc32c.crc32c
+            runs = _group_runs(chunks, sci, ssz, off, starts)
             with memoryview(buf) as mv:
-                start = 0
-                for end in group_ends:
-                    seg = items[start][1]
-                    run = _group_run(seg, [it[0] for it in items[start:end]], offs[start:end], sizes[start:end])
-                    if run is not None:  # one copy for the group (at most a batch: it stays in cache), every
-                        # piece placed and of one size: its CRCs right after the copy, while the bytes are in cache
-                        n = sizes[start]
-                        np.copyto(_payloads(buf, offs[start], end - start, n, seg), _blocks(seg, run, end - start))
-                        crcs += [crc(mv[o + HEADER_SIZE:o + HEADER_SIZE + n]) for o in offs[start:end]]
-                        tids += [template(seg, n)] * (end - start)
-                        live += range(start, end)
-                        start = end
+                for g, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+                    seg = segs[int(ssi[start])]
+                    n = int(ssz[start])
+                    run = runs[g]
+                    if run is not None and type(seg.base) is np.ndarray:
+                        # one copy for the group (at most a batch: it stays in cache), its CRCs right after
+                        at = offs[start:end]
+                        np.copyto(_payloads(buf, at[0], end - start, n, seg), _blocks(seg, run, end - start))
+                        pcrc[start:end] = [crc(mv[o + HEADER_SIZE:o + HEADER_SIZE + n]) for o in at]
                         continue
-                    for i in range(start, end):
-                        off, n = offs[i], sizes[i]
-                        if off is None:
+                    for r in range(start, end):
+                        o = offs[r]
+                        if o is None:
                             continue
-                        ch = items[i][0]
-                        p = off + HEADER_SIZE
-                        seg.gather_into(ch.blocks, buf[p:p + n].view(seg.dtype).reshape((len(ch.blocks),) + seg.block_shape))
-                        crcs.append(crc(mv[p:p + n]))
-                        tids.append(template(seg, n))
-                        live.append(i)
-                    start = end
-            whole = len(live) == k  # every segment placed: live is range(k)
-            if live:
-                tid = np.asarray(tids, dtype=np.intp)
-                pcrc = np.asarray(crcs, dtype=np.uint32)
-                heads = np.frombuffer(b"".join(rows), dtype=HEADER_DTYPE)[tid]
-                heads["payload_crc"] = pcrc
-                heads["header_crc"] = header_crcs(np.asarray(bases, dtype=np.uint32)[tid], pcrc)
-                _put_headers(buf, offs if whole else _pick(offs, live), sizes if whole else _pick(sizes, live), heads)
+                        blocks = chunks[sci[r]].blocks
+                        n = int(ssz[r])
+                        p = o + HEADER_SIZE
+                        seg.gather_into(blocks, buf[p:p + n].view(seg.dtype).reshape((len(blocks),) + seg.block_shape))
+                        pcrc[r] = crc(mv[p:p + n])
+            live = off >= 0
+            if placed or live.any():
+                tid = tids if placed else tids[live]
+                crcs = pcrc if placed else pcrc[live]
+                heads = tmpl_rows[tid]
+                heads["payload_crc"] = crcs
+                heads["header_crc"] = header_crcs(tmpl_bases[tid], crcs)
+                _put_headers(buf, offs if placed else off[live].tolist(),
+                             ssz.tolist() if placed else ssz[live].tolist(), heads)
             # Request order (chunk-major; the copies went segment-major): the index places a chunk's new
             # segments in one step (ObjectIndex.add_many), where a run of one chunk takes its per-key path,
             # and the eviction policy ages chunks in publication order.
             back = np.empty(k, dtype=np.intp)
             back[order] = np.arange(k)
-            if whole:  # the request's own keys and sizes, in its order
-                pub = back.tolist()
-                pub_keys, pub_sizes = list(map(_KEY, req)), req_sizes
+            req_off = off[back]
+            if placed:
+                at = np.arange(k)
+                keys = rows.keys
+                # keys made from checked chunk keys and the registration's tails: their scan is known
+                runs_of = (eng.subs[si], rows.starts) if rows.starts is not None else None
             else:
-                pub = back[np.isin(back, live)].tolist()
-                pub_keys, pub_sizes = list(map(_KEY, _pick(items, pub))), _pick(sizes, pub)
+                at = np.flatnonzero(req_off >= 0)
+                keys = [rows.keys[j] for j in at.tolist()]
+                runs_of = None
             c1 = time.thread_time()
-            self.dram.publish_many(pub_keys, _pick(offs, pub), [n + HEADER_SIZE for n in pub_sizes], pub_sizes,
-                                   [_RAW] * len(pub), done)
+            sent = req_off[at]
+            pub_sizes = sizes[at]
+            self.dram.publish_many(keys, sent, pub_sizes + HEADER_SIZE, pub_sizes,
+                                   np.full(len(at), _RAW, dtype=np.int64), done, runs=runs_of)
         except BaseException:
             # What publish_many did not reach is still reserved; so is everything when it was not called.
-            for x in pub[len(done):]:
-                self.dram.cancel(offs[x], sizes[x] + HEADER_SIZE)
-            started = set(pub)
-            for i, off in enumerate(offs):
-                if off is not None and i not in started:
-                    self.dram.cancel(off, sizes[i] + HEADER_SIZE)
+            if sent is None:
+                for o, n in zip(offs, ssz.tolist()):
+                    if o is not None:
+                        self.dram.cancel(o, n + HEADER_SIZE)
+            else:
+                for o, n in zip(sent[len(done):].tolist(), sizes[at][len(done):].tolist()):
+                    self.dram.cancel(o, n + HEADER_SIZE)
             raise
         # Admissions per batch: the keys as one list, the byte sums, the raw reasons per segment class.
         if False in done:  # some keys were present already: their extents went back
-            pub, pub_keys, pub_sizes = (list(compress(col, done)) for col in (pub, pub_keys, pub_sizes))
-        published = len(pub)
-        acc.admit_batch(pub_keys)
-        acc.logical += sum(pub_sizes)
-        acc.stored += sum(pub_sizes) + HEADER_SIZE * published
-        reasons: collections.Counter[str] = collections.Counter()
-        for seg, count in collections.Counter(map(_SEG, _pick(items, pub))).items():
-            if seg.raw_reason != RawReason.NONE:
-                reasons[seg.raw_reason.name.lower()] += count
+            ok = np.fromiter(done, dtype=bool, count=len(done))
+            keys, at, pub_sizes = list(compress(keys, done)), at[ok], pub_sizes[ok]
+        published = len(at)
+        acc.admit_batch(keys)
+        logical = int(pub_sizes.sum())
+        acc.logical += logical
+        acc.stored += logical + HEADER_SIZE * published
         if published:
             self._count(self._codec_segments, "raw", published)
-        for name, n in reasons.items():
-            acc.raw[name] = acc.raw.get(name, 0) + n
-            self._count(self._raw, name, n)
-        for i, off in enumerate(offs if None in offs else ()):  # no room in DRAM: one at a time, as before
-            if off is None:
-                ch, seg, kb = items[i]
-                self._demote_direct(kb, raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer,
-                                                    reason=seg.raw_reason), acc)
+            per_seg = np.bincount(si[at], minlength=len(segs))
+            reasons: collections.Counter[str] = collections.Counter()
+            for s in np.flatnonzero(per_seg).tolist():
+                if segs[s].raw_reason != RawReason.NONE:
+                    reasons[segs[s].raw_reason.name.lower()] += int(per_seg[s])
+            for name, n in reasons.items():
+                acc.raw[name] = acc.raw.get(name, 0) + n
+                self._count(self._raw, name, n)
+        if not placed:  # no room in DRAM: one at a time, as before
+            for r in np.flatnonzero(off < 0).tolist():
+                ch, seg = chunks[sci[r]], segs[ssi[r]]
+                self._demote_direct(rows.keys[order[r]], raw_segment(_gather_host(seg, ch.blocks), role=seg.role,
+                                                                     layer=seg.layer, reason=seg.raw_reason), acc)
         c2 = time.thread_time()
         self._cpu("save_encode", c1 - c0, k)
         self._cpu("save_publish", c2 - c1, k)
+
+    @staticmethod
+    def _raw_templates(segs: Sequence[_Seg], starts: np.ndarray, ends: np.ndarray, ssi: np.ndarray,
+                       ssz: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The raw header templates of a segment-major batch (segment indices ``ssi``, payload bytes ``ssz``;
+        its groups of one segment ``starts[g] .. ends[g]``): each row's template index, the template rows
+        and their CRC bases. A batch whose groups are each of one size (chunks of one block count) takes a
+        template per group; another one per distinct (segment, size)."""
+        lens = ends - starts
+        if (ssz == np.repeat(ssz[starts], lens)).all():
+            pairs = zip(ssi[starts].tolist(), ssz[starts].tolist())
+            tids = np.repeat(np.arange(len(starts)), lens)
+        else:
+            uniq, tids = np.unique((ssi << 32) | ssz, return_inverse=True)
+            pairs = ((u >> 32, u & 0xFFFFFFFF) for u in uniq.tolist())
+        return (tids.reshape(-1),) + _template_rows([segs[s].raw_header(n) for s, n in pairs])
 
     def _check_host_batch(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
                           spans: Spans) -> HostRows:
@@ -279,9 +313,8 @@ class HostPath:
         nblocks = [len(chunks[ci].blocks) for ci in cand.tolist()]
         sizes_of = {nb: np.asarray([nb * s.block_bytes for s in segs], dtype=np.int64) for nb in set(nblocks)}
         order = {nb: j for j, nb in enumerate(sizes_of)}
-        heads = [s.raw_header(int(n)) for nb in sizes_of for s, n in zip(segs, sizes_of[nb])]
-        rows = np.concatenate([h[0] for h in heads]).view(np.uint8).reshape(-1, HEADER_SIZE)
-        bases = np.asarray([h[1] for h in heads], dtype=np.uint32)
+        rows, bases = _template_rows([s.raw_header(int(n)) for nb in sizes_of for s, n in zip(segs, sizes_of[nb])])
+        rows = rows.view(np.uint8).reshape(-1, HEADER_SIZE)
         tid = (np.asarray([order[nb] for nb in nblocks], dtype=np.intp)[:, None] * nseg
                + np.arange(nseg, dtype=np.intp)).reshape(-1)
         sizes = np.concatenate([sizes_of[nb] for nb in sizes_of])[tid]

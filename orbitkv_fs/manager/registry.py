@@ -189,6 +189,7 @@ class _Engine:
         self.segs = segs
         self.tails = key_tails((s.layer, s.role) for s in segs)  # segs[i]'s key is ns + chunk + tails[i]
         self.subs = tail_subs(self.tails)  # ... and the index's sub of that key
+        self.block_bytes = np.array([s.block_bytes for s in segs], dtype=np.int64)  # per segment (index)
         self.save_plans: dict = {}  # (blocks per chunk, exact segments on the host path) -> save.SavePlan
         self.seg_index = {id(s): i for i, s in enumerate(segs)}  # a save item's segment -> its index in segs
         self.enc_classes: dict = {}  # (segment index, blocks per chunk) -> the GPU engine's encode class

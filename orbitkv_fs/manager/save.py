@@ -33,7 +33,7 @@ from ..keys import ObjectKey
 from ..segment import RawReason, parse_header
 from ..tiers.dram import UNIT, units_of
 from .api import ChunkBlocks, SaveResult
-from .batching import _pipelined
+from .batching import RunCutter, _pipelined
 from .device import _gather_batch, _gather_device, _gather_host, _Targets
 from .registry import _BLOCKS, _Engine, _Seg
 from .verify import _REP_NAMES
@@ -152,10 +152,13 @@ class SavePlan:
     """What a save does with each segment of an engine's chunk of ``blocks`` blocks: ``raw[i]``, whether
     segment ``i`` (of ``segs``) takes the host path of exact segments; ``bound[i]`` and ``source[i]``, its
     coded bound and source bytes; for a whole chunk, the cumulative sums over its coded segments, in order
-    (what :meth:`~orbitkv_fs.manager.batching.Batching._run_batches` cuts batches with), and the source
-    bytes of its host-path ones; ``coded``, the indices of the segments that are not (``coded_si``: as an array)."""
+    (what :meth:`~orbitkv_fs.manager.batching.Batching._run_batches` cuts batches with), and the same of its
+    host-path ones' source bytes (``cum_raw``: what the host path's batches are cut with); ``coded`` and
+    ``exact``, the indices of the segments that do not and that do take the host path (``coded_si`` and
+    ``exact_si``: as arrays)."""
 
-    __slots__ = ("raw", "bound", "source", "cum_bound", "cum_source", "raw_bytes", "coded", "coded_si")
+    __slots__ = ("raw", "bound", "source", "cum_bound", "cum_source", "cum_raw", "coded", "coded_si", "exact",
+                 "exact_si")
 
     def __init__(self, segs: Sequence[_Seg], blocks: int, raw_on_host: bool) -> None:
         self.raw = [seg.codec is None and raw_on_host for seg in segs]
@@ -163,9 +166,11 @@ class SavePlan:
         self.source = [blocks * seg.block_bytes for seg in segs]
         self.coded = [i for i, r in enumerate(self.raw) if not r]  # the segments the codecs take, in order
         self.coded_si = np.asarray(self.coded, dtype=np.int64)
+        self.exact = [i for i, r in enumerate(self.raw) if r]
+        self.exact_si = np.asarray(self.exact, dtype=np.int64)
         self.cum_bound = list(accumulate((self.bound[i] for i in self.coded), initial=0))
         self.cum_source = list(accumulate((self.source[i] for i in self.coded), initial=0))
-        self.raw_bytes = sum(n for n, r in zip(self.source, self.raw) if r)
+        self.cum_raw = list(accumulate((self.source[i] for i in self.exact), initial=0))
 
 
 def _gaps(regions: list[tuple[int, int]], off: np.ndarray, size: np.ndarray) -> list[tuple[int, int]]:
@@ -291,10 +296,11 @@ class SavePipeline:
         # GPU pages: exact segments go through the GPU engine too (one gather, CRC32C on the GPU, one
         # device-to-host copy into the arena per batch) rather than a host copy per block.
         raw_on_host = self._gpu_codecs is None or eng.info.device == "host"
-        # ... and exact segments of host pages go straight into the arena, in batches (_save_raw_batch).
-        raw: list[tuple[ChunkBlocks, _Seg, bytes]] = []
-        raw_bytes = 0
-        cap_segments, cap_bytes = self._raw_batch_cap()
+        self._check_exact_bound(eng, chunks, raw_on_host)
+        # ... and exact segments of host pages go straight into the arena, in batches of runs of a chunk's
+        # segments as the codec batches are (_save_raw_batch), cut as the runs come.
+        cap, budget = self._raw_batch_cap()
+        cut = RunCutter(cap, budget, budget)
         plans, ns, tails = eng.save_plans, eng.ns, eng.tails
         for ch in chunks:
             prefix = ns + ch.key
@@ -309,31 +315,28 @@ class SavePipeline:
             if have:  # partly cached: the segments it lacks, one lock round (none cached: no test at all)
                 picked = list(compress(range(nseg), [not c for c in self.dram.contains_many(keys)]))
                 todo.append((ch, [keys[i] for i in picked]))
-                raws = [(ch, segs[i], keys[i]) for i in picked if plan.raw[i]]
+                exact = [i for i in picked if plan.raw[i]]
                 coded = [i for i in picked if not plan.raw[i]]
                 si = np.asarray(coded, dtype=np.int64)
                 cn = list(accumulate((plan.bound[i] for i in coded), initial=0))
                 cm = list(accumulate((plan.source[i] for i in coded), initial=0))
-                n = sum(plan.source[i] for i in picked if plan.raw[i])
+                if exact:
+                    raw_run = (ch, np.asarray(exact, dtype=np.int64), [keys[i] for i in exact])
+                    raw_cum = list(accumulate((plan.source[i] for i in exact), initial=0))
             else:
                 todo.append((ch, keys))
-                coded, si, cn, cm, n = plan.coded, plan.coded_si, plan.cum_bound, plan.cum_source, plan.raw_bytes
-                raws = [(ch, segs[i], keys[i]) for i in range(nseg) if plan.raw[i]] if len(coded) < nseg else []
-            if raws:
-                if len(raw) + len(raws) < cap_segments and raw_bytes + n < cap_bytes:  # no flush on the way
-                    raw += raws
-                    raw_bytes += n
-                else:
-                    for item in raws:
-                        raw.append(item)
-                        raw_bytes += len(ch.blocks) * item[1].block_bytes
-                        if len(raw) >= cap_segments or raw_bytes >= cap_bytes:
-                            self._save_raw_batch(raw, acc)
-                            raw, raw_bytes = [], 0
+                coded, si, cn, cm = plan.coded, plan.coded_si, plan.cum_bound, plan.cum_source
+                exact = plan.exact
+                if exact:
+                    raw_run = (ch, plan.exact_si, keys if len(exact) == nseg else [keys[i] for i in exact])
+                    raw_cum = plan.cum_raw
+            if exact:
+                for batch in cut.push(raw_run, raw_cum, raw_cum):
+                    self._save_raw_batch(eng, SaveRows.join(batch), acc)
             if coded:
                 yield (ch, si, keys if len(coded) == nseg else [keys[i] for i in coded]), cn, cm
-        if raw:
-            self._save_raw_batch(raw, acc)
+        if cut.batch:
+            self._save_raw_batch(eng, SaveRows.join(cut.batch), acc)
 
     def _save_batches(self, eng: _Engine, batches: Iterable[SaveRows], acc: "_SaveAcc") -> None:
         """Encode and admit ``batches`` (of :meth:`_save_items`) in order, pipelined: batch i+1 is formed,
