@@ -213,7 +213,9 @@ class HostPath:
             if placed or live.any():
                 tid = tids if placed else tids[live]
                 crcs = pcrc if placed else pcrc[live]
-                heads = tmpl_rows[tid]
+                # the rows taken as 8 words each: numpy's take of structured rows copies field by field (40 us
+                # for 512 rows, 2.5 as words)
+                heads = np.take(tmpl_rows.view(np.uint64).reshape(-1, 8), tid, axis=0).view(HEADER_DTYPE).reshape(-1)
                 heads["payload_crc"] = crcs
                 heads["header_crc"] = header_crcs(tmpl_bases[tid], crcs)
                 _put_headers(buf, offs if placed else off[live].tolist(),
