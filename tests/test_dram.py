@@ -105,7 +105,7 @@ def _put(t: DramTier, i: int, n: int = 1000) -> None:
 
 def test_tier_evicts_demotes_and_respects_leases():
     demoted: list[tuple[ObjectKey, bytes]] = []
-    t = DramTier(8 * 1024, demote=lambda k, b: demoted.append((k, b)) is None)
+    t = DramTier(8 * 1024, demote=lambda ks, vs: demoted.extend(zip(ks, map(bytes, vs))) or len(ks))
     try:
         assert os.path.exists(t.arena.path) and t.arena.path.startswith("/dev/shm/")
         for i in range(4):  # 2 units each: the 16-unit pool holds 8
@@ -324,6 +324,28 @@ def _check_books(t: DramTier) -> None:
     assert len(t.policy) == len(ix) == len(live)
 
 
+def test_an_eviction_hands_its_victims_to_demote_in_one_call():
+    """A save batch short of room evicts a batch of victims: ``demote`` gets them in one call, as views of
+    their extents holding each object's bytes, before those extents are reused; what it answers is counted."""
+    calls: list[list[tuple[ObjectKey, bytes]]] = []
+
+    def demote(keys: list[ObjectKey], views: list[memoryview]) -> int:
+        assert all(isinstance(v, memoryview) for v in views)
+        calls.append([(k, bytes(v)) for k, v in zip(keys, views)])
+        return len(keys) - 1  # the lower tier took all but one
+
+    t = DramTier(64 * UNIT, pin=False, demote=demote)
+    try:
+        for i in range(16):  # 16 objects of 2 units each fill half the pool ...
+            _put(t, i)
+        offs = t.reserve_many([1000] * 24)  # ... and a batch of 24 more needs 16 units it does not have
+        assert None not in offs and len(calls) == 1 and len(calls[0]) == t.evictions >= 8
+        assert all(b == bytes([int.from_bytes(k.chunk, "little") % 251]) * 1000 for k, b in calls[0])
+        assert t.demoted == t.evictions - 1
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
     """Save batches (chunks of several segments, one size or mixed) into a full tier with leases, chunk pins,
@@ -332,7 +354,8 @@ def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
     least recently used objects not held, and the held ones met on the way become the most recent."""
     rnd = random.Random(21)
     demoted: list[tuple[bytes, bytes]] = []
-    t = DramTier(96 * 1024, policy=policy, pin=False, demote=lambda k, b: demoted.append((k.pack(), b)) is None)
+    t = DramTier(96 * 1024, policy=policy, pin=False,
+                 demote=lambda ks, vs: demoted.extend((k.pack(), bytes(v)) for k, v in zip(ks, vs)) or len(ks))
     lru: OrderedDict[bytes, None] = OrderedDict()  # least recent first
     leases: list[tuple[bytes, tuple[int, int]]] = []
     pins: list[bytes] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import random
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,9 @@ from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdConfigError, SsdIoError, SsdTier
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
 from orbitkv_fs.tiers.ssd.record import record_length
+from orbitkv_fs.tiers.ssd.ring import Shard, Slot, State
+from orbitkv_fs.tiers.ssd.staging import size_class
+from orbitkv_fs.tiers.ssd.superblock import RING_START
 from orbitkv_fs.tiers.ssd.uring import SysRing, UringBackend
 from test_ssd_common import NS, direct_io_dir, key, segment
 
@@ -119,6 +123,128 @@ def test_lane_bound_drops_and_counts(ssd_dir):
         t.flush()
         assert results.count(True) == 4 and t.snapshot().write_dropped_total == 4
         assert t.snapshot().pending_bytes == 0
+
+
+def test_submit_many_copies_each_segment_before_it_returns(ssd_dir):
+    """A batch (DRAM's eviction hands views of extents it reuses at once) is taken as ``submit`` of each: what
+    a read answers while the writes are held back, and from disk once they land, is what each view held when
+    the call was made, though the test overwrites every source right after it. A key twice in a batch: the
+    later segment wins."""
+    faults = Faults(write_delay=0.3)
+    with make(ssd_dir, backend=FaultyBackend(UringBackend(), faults)) as t:
+        segs = [segment(i, n=4096 + 977 * i) for i in range(24)] + [segment(3, version=1)]
+        keys = [key(i) for i in range(24)] + [key(3)]
+        arena = bytearray(b"".join(segs))
+        views, at = [], 0
+        for seg in segs:
+            views.append(memoryview(arena)[at:at + len(seg)])
+            at += len(seg)
+        assert t.submit_many(keys, views) == 25
+        arena[:] = bytes(len(arena))  # the extents are reused: the tier must not have kept them
+        want = segs[:3] + [segs[24]] + segs[4:24]
+        assert t.snapshot().objects == 0  # held back: every read below is served from the pending copies
+        pending = t.read_many(keys[:24])
+        assert pending == want and all(isinstance(b, bytes) for b in pending)
+        assert t.snapshot().read_pending_hits_total == 24
+        faults.write_delay = 0.0
+        t.flush()
+        s = t.snapshot()
+        assert s.objects == 24 and s.write_submitted_total == 25 and s.write_completed_total == 25
+        assert t.read_many(keys[:24]) == want
+        # The pending bytes read before the writes landed were copies: the staging buffers they came from
+        # went back to the pool and staged the next batch, and those reads still hold the first bytes.
+        assert t.submit_many([key(100 + i) for i in range(24)], [segment(100 + i) for i in range(24)]) == 24
+        t.flush()
+        assert pending == want
+
+
+def test_submit_many_checks_every_segment_before_it_stages_any(ssd_dir):
+    with make(ssd_dir) as t:
+        good = [segment(i) for i in range(4)]
+        damaged = bytearray(segment(9))
+        damaged[17] ^= 1  # its header CRC no longer matches
+        for bad in (b"not a segment" * 10, segment(9) + b"\0", bytes(damaged)):
+            with pytest.raises(SegmentError):
+                t.submit_many([key(i) for i in range(5)], good[:2] + [bad] + good[2:])
+        t.flush()
+        assert t.snapshot().write_submitted_total == 0 and not any(t.contains(key(i)) for i in range(5))
+
+
+def test_submit_many_drops_what_the_lane_has_no_room_for(ssd_dir):
+    """A batch larger than the lane's staging bound: the records that fit are queued, the rest dropped and
+    counted, nothing staged for them; what was taken reads back. A segment already on disk counts as taken
+    and is not written again."""
+    faults = Faults(write_delay=0.2)
+    with make(ssd_dir, shards=1, capacity=128 << 20, backend=FaultyBackend(UringBackend(), faults),
+              max_pending_bytes=33 << 20) as t:
+        big = [segment(i, n=4 << 20) for i in range(8)]  # 8 MiB segments: four fit in the staging bound
+        assert t.submit_many([key(i) for i in range(8)], big) == 4
+        assert t.snapshot().write_dropped_total == 4 and t._staging._host_bytes == 0  # no buffer for the four
+        faults.write_delay = 0.0
+        t.flush()
+        assert [t.contains(key(i)) for i in range(8)] == [True] * 4 + [False] * 4
+        assert t.read_many([key(i) for i in range(4)]) == big[:4]
+        assert t.submit_many([key(0), key(5)], [big[0], big[5]]) == 2
+        t.flush()
+        s = t.snapshot()
+        assert s.write_already_stored_total == 1 and s.write_submitted_total == 5 and s.pending_bytes == 0
+        assert t.read(key(5)) == big[5]
+
+
+def _room_by_scan(sh: Shard, length: int):
+    """:meth:`Shard.find_room` by a scan of every slot: from the head, the first place whose overlapping
+    slots are neither being written nor leased (the first such slot in offset order is the one skipped)."""
+    pos, travelled, skips = sh.head, 0, 0
+    while travelled <= sh.capacity - RING_START:
+        if pos + length > sh.capacity:
+            travelled += sh.capacity - pos
+            pos = RING_START
+            continue
+        over = [sh.slots[o] for o in sorted(sh.slots) if o < pos + length and sh.slots[o].end > pos]
+        blocker = next((v for v in over if v.state is State.WRITING or v.leases), None)
+        if blocker is None:
+            return pos, over, skips
+        skips += 1
+        travelled += blocker.end - pos
+        pos = blocker.end
+    return None
+
+
+def test_a_shards_search_for_room_is_a_scan_of_its_slots():
+    """A shard under random allocations, with records being written and leased ones in the way: every
+    ``find_room`` answers what a scan of all its slots finds (place, victims, skips), and the allocations
+    it leads to keep the slots apart and the offsets sorted."""
+    rnd = random.Random(5)
+    block = 4096
+    sh = Shard(0, "", 0, RING_START + 300 * block, b"\0" * 32, -1)
+    gen = 0
+    for step in range(3000):
+        length = rnd.randrange(1, 24) * block
+        if rnd.random() < 0.1:  # a search from any place, also inside a record
+            sh.head = RING_START + rnd.randrange(300) * block
+        got = sh.find_room(length)
+        want = _room_by_scan(sh, length)
+        assert (got is None) == (want is None), step
+        if got is None:
+            for v in list(sh.slots.values()):  # unblock: writes end, leases go
+                v.state, v.leases = State.COMMITTED, 0
+            continue
+        assert (got[0], [v.offset for v in got[1]], got[2]) == (want[0], [v.offset for v in want[1]], want[2])
+        pos, victims, _ = got
+        for v in victims:
+            sh.remove(v)
+        sh.head = pos + length
+        gen += 1
+        slot = Slot(0, pos, length, None, gen, length - 128, None, 0)
+        slot.state = State.WRITING if rnd.random() < 0.2 else State.COMMITTED
+        slot.leases = int(rnd.random() < 0.1)
+        sh.insert(slot)
+        for v in rnd.sample(list(sh.slots.values()), min(3, len(sh.slots))):  # some writes end, some leases go
+            if rnd.random() < 0.5:
+                v.state, v.leases = State.COMMITTED, 0
+        offs = list(sh.offsets)
+        assert offs == sorted(sh.slots)
+        assert all(sh.slots[a].end <= b for a, b in zip(offs, offs[1:]))
 
 
 def test_invalidate_keys_and_namespace(ssd_dir):
@@ -371,8 +497,9 @@ def test_throttle_config_errors(ssd_dir):
 
 def test_large_records_stage_in_huge_pages(ssd_dir):
     """Records of 64 KiB and more are staged in huge-page buffers (classes below 2 MiB carved from a 2 MiB
-    page); they write and read back intact, and their buffers return to the pool as the size class they are."""
-    sizes = [20_000, 300_000, 700_000, 1_200_000]  # float16: records in the 64 KiB, 1, 2 and 4 MiB classes
+    page, larger ones whole huge pages); they write and read back intact, and their buffers return to the
+    pool as the size class they are."""
+    sizes = [20_000, 300_000, 700_000, 1_200_000]  # float16: carved classes, then whole huge pages
     with make(ssd_dir, shards=1, capacity=64 << 20) as t:
         segs = {key(i): segment(i, n=n) for i, n in enumerate(sizes * 2)}
         for k, v in segs.items():
@@ -381,10 +508,29 @@ def test_large_records_stage_in_huge_pages(ssd_dir):
         assert t.read_many(list(segs)) == list(segs.values())
         pool = t._staging
         a = pool.host(600_000)
-        assert isinstance(a.obj, ctypes.Array) and len(a.obj) == 1 << 20 and len(a) == 600_000
+        assert isinstance(a.obj, ctypes.Array) and len(a.obj) == size_class(600_000) == 640 << 10
+        assert len(a) == 600_000
         pool.recycle(a)
-        assert pool.host(700_000).obj is a.obj
-        big = pool.host(1_400_000)
-        assert isinstance(big.obj, mmap.mmap) and len(big.obj) == 2 << 20
-        assert isinstance(pool.host(70_000).obj, ctypes.Array) and len(pool.host(70_000).obj) == 128 << 10
+        assert pool.host(640_000).obj is a.obj  # the same class
+        big = pool.host(2_200_000)
+        assert isinstance(big.obj, mmap.mmap) and len(big.obj) == 4 << 20
+        small = pool.host(70_000)
+        assert isinstance(small.obj, ctypes.Array) and len(small.obj) == 72 << 10
         assert isinstance(pool.host(20_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages
+
+
+def test_staging_classes_are_pages_close_above_the_size():
+    """A staging class holds its size in whole 4 KiB pages, at most 1/8 above it (or one page, for the
+    smallest) below 2 MiB, whole 2 MiB huge pages from there; classes grow with the size. Powers of two
+    staged a 32 KiB segment's record in 64 KiB and a 512 KiB one's in 1 MiB."""
+    last = 0
+    for n in sorted([1, 4095, 4096, 4097, 36_864, 36_865, 65_536, 65_537, 532_480, 544_768, (2 << 20) - 1,
+                     2 << 20, (2 << 20) + 1, 33 << 20] + list(range(1, 3 << 20, 7919))):
+        c = size_class(n)
+        assert c >= n and c % 4096 == 0 and c >= last, n
+        if n < 2 << 20:
+            assert c - n < max(n / 8, 4096), n
+        else:
+            assert c % (2 << 20) == 0 and c - n < 2 << 20, n
+        last = c
+    assert size_class(record_length(32 << 10)) == record_length(32 << 10)  # a 32 KiB segment: no waste

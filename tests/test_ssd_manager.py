@@ -192,3 +192,26 @@ def test_objects_stay_visible_while_their_demotion_is_in_flight(ssd_paths):
             assert m.lookup(e.engine_id, keys[1:4], lease=False).count == 3
     finally:
         pages.close()
+
+
+def test_a_lower_tier_without_submit_many_gets_a_copy_of_each_victim():
+    """DRAM's eviction hands the lower tier views of extents it reuses at once: a tier with only ``submit``
+    (the protocol's required method) gets each victim as ``bytes``, unchanged when the extents are reused."""
+    from orbitkv_fs.manager.lower import demoter
+    from test_ssd_common import key, segment
+
+    got: list = []
+
+    class OnlySubmit:
+        def submit(self, k, seg, *, timeout=0.0):
+            got.append((k, seg))
+            return k != key(2)  # dropped: not counted
+
+    segs = [segment(i) for i in range(4)]
+    arena = bytearray(b"".join(segs))
+    views = [memoryview(arena)[i * len(segs[0]):(i + 1) * len(segs[0])] for i in range(4)]
+    assert demoter(OnlySubmit())([key(i) for i in range(4)], views) == 3
+    arena[:] = bytes(len(arena))
+    assert got == [(key(i), segs[i]) for i in range(4)] and all(type(s) is bytes for _, s in got)
+    tier = SsdTier.__new__(SsdTier)
+    assert demoter(tier) == tier.submit_many  # the SSD tier takes the batch itself

@@ -40,10 +40,12 @@ the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
 Seams for the other parts:
 
 * **Lower tier** (:class:`LowerTier`, implemented by ``orbitkv_fs.tiers.ssd.SsdTier``). Pass it as
-  ``Manager(config, lower_tier=...)``; ``None`` means DRAM only. When DRAM evicts an object (or on
-  :meth:`~Manager.flush_dram`) the Manager calls ``submit(key, segment_bytes)`` with an immutable ``bytes``
-  the tier may keep; ``submit`` must not block on I/O (asynchronous writeback) and returns False when it
-  drops the object (lane full, disabled). On a DRAM miss the Manager calls ``read(key)`` (``bytes`` of a
+  ``Manager(config, lower_tier=...)``; ``None`` means DRAM only. On :meth:`~Manager.flush_dram` the Manager
+  calls ``submit(key, segment_bytes)`` with an immutable ``bytes`` the tier may keep; when DRAM evicts, it
+  hands each eviction's victims to ``submit_many(keys, segments)`` as views of their extents, valid during
+  the call only (a tier without ``submit_many`` gets ``submit`` of a ``bytes`` copy of each). Neither may
+  block on I/O (asynchronous writeback); ``submit`` returns False, and ``submit_many`` does not count, what
+  the tier drops (lane full, disabled). On a DRAM miss the Manager calls ``read(key)`` (``bytes`` of a
   CRC-valid segment or ``None``; corrupt -> ``None``), checks its header against the key again (the tier
   validated every CRC: the payload is not checksummed a second time) and readmits it to DRAM.
   ``contains``, ``invalidate``, ``flush``, ``stats``, ``iter_objects`` and ``close`` serve lookup, admin and

@@ -284,7 +284,10 @@ class LowerTier(Protocol):
     def submit(self, key: ObjectKey, segment: bytes, *, timeout: float = 0.0) -> bool:
         """Queue ``segment`` (header + payload, CRC-valid) for asynchronous writeback. Never blocks on
         I/O; False when dropped. A later submit of the same key replaces the earlier one. With ``timeout``
-        it may wait that long for room in the lane (bulk demotion, e.g. :meth:`Manager.flush_dram`)."""
+        it may wait that long for room in the lane (bulk demotion, e.g. :meth:`Manager.flush_dram`).
+        A tier may also have ``submit_many(keys, segments) -> int`` (the SSD tier does): ``submit`` of each,
+        the segments views valid during the call only, answering how many it took; DRAM's eviction then
+        hands it each batch of victims (otherwise it submits a copy of each)."""
 
     def read(self, key: ObjectKey) -> bytes | None:
         """The segment bytes of ``key`` after CRC validation, or None (absent, or corrupt: then that

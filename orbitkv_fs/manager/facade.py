@@ -29,7 +29,7 @@ from .device import _GpuCodecs, _gpu_present
 from .hostpath import HostPath
 from .leases import Leases, _Lease
 from .lookup import Lookup
-from .lower import LowerTierCoordination
+from .lower import LowerTierCoordination, demoter
 from .registry import Registry, _Engine
 from .restore import RestorePipeline
 from .save import SavePipeline
@@ -70,7 +70,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
-                             demote=lower_tier.submit if lower_tier is not None else None)
+                             demote=None if lower_tier is None else demoter(lower_tier))
         if self.dram.reclaimed[0]:
             log.warning("removed %d arena files (%.1f MB) of Managers that were killed, from %s",
                         self.dram.reclaimed[0], self.dram.reclaimed[1] / 1e6, config.shm_dir)

@@ -1,7 +1,8 @@
 """Coordination with the tier below DRAM (the SSD log): promotion, readahead, admission, invalidation,
 flush and listing.
 
-Primitives: :meth:`LowerTierCoordination._promote_run` (a lookup's run read back in windows, admitted as it
+Primitives: :func:`demoter` (DRAM's eviction handed to the tier, a batch a call),
+:meth:`LowerTierCoordination._promote_run` (a lookup's run read back in windows, admitted as it
 lands), :meth:`~LowerTierCoordination._remember_prefix` / :meth:`~LowerTierCoordination._readahead` /
 :meth:`~LowerTierCoordination._prefetched` (speculative prefetch of the chunks that followed a prefix),
 :meth:`~LowerTierCoordination._checked_lower` / :meth:`~LowerTierCoordination._checked_header` (the
@@ -25,7 +26,9 @@ from ..access import AdminRequired, Caller, authorize
 from ..errors import SegmentError
 from ..keys import ObjectKey, pack_key
 from ..segment import HEADER_SIZE, SegmentHeader, parse_header
-from .api import FlushResult, InvalidateResult, ObjectInfo, ObjectPage, RequestError, TierCounts, UnknownEngine
+from ..tiers.dram import Demote
+from .api import (FlushResult, InvalidateResult, LowerTier, ObjectInfo, ObjectPage, RequestError, TierCounts,
+                  UnknownEngine)
 from .leases import _Lease
 from .registry import _Engine
 from .verify import _REP_NAMES, _verify_header
@@ -39,6 +42,20 @@ _PROMOTE_WINDOW = 256
 
 #: Chunks whose successors the prefetch remembers (about 100 bytes each).
 _PREFIX_MEMORY = 1 << 16
+
+
+def demoter(lower: LowerTier) -> Demote:
+    """What DRAM's eviction calls with its victims' keys and views of their extents: the tier's
+    ``submit_many`` (one copy of each segment, one lock round), or ``submit`` of a copy of each for a tier
+    without it."""
+    many = getattr(lower, "submit_many", None)
+    if many is not None:
+        return many
+
+    def each(keys: list[ObjectKey], segments: list[memoryview]) -> int:
+        return sum(bool(lower.submit(k, bytes(s))) for k, s in zip(keys, segments))
+
+    return each
 
 
 class LowerTierCoordination:

@@ -27,8 +27,10 @@ Invariants (all under :attr:`DramTier.lock`):
 * A leased object is never evicted, freed or overwritten: eviction skips it, invalidation hides it and
   the extent is freed when the last lease goes.
 * Residency is counted at stored size (header + payload, rounded to 512-byte units).
-* ``demote(key, segment)`` is called with a copy of an evicted object's bytes while the lock is held, so
-  it must not block (the lower tier's ``submit`` queues).
+* ``demote(keys, segments)`` is called once per eviction with the victims' keys and views of their
+  extents, while the lock is held and before the extents are freed: the views are valid during the call
+  only (the lower tier copies what it keeps, as ``submit_many`` does), and it must not block. It answers
+  how many the lower tier took.
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def _host_register(address: int, size: int) -> bool:
         return False
 
 
-Demote = Callable[[ObjectKey, bytes], bool]
+Demote = Callable[[list[ObjectKey], list[memoryview]], int]
 
 
 class DramTier:
@@ -678,16 +680,16 @@ class DramTier:
 
     def _evict(self, need: int) -> int:
         """Evict unpinned objects in the policy's order until ``need`` units are evicted or none is left;
-        how many were. Each is demoted (a copy of its bytes) before it goes."""
+        how many were. They are demoted (views of their extents) before they go."""
         ix = self.index
         slots = self.policy.take(need, ix.units, self._pinned)
         if not slots:
             return 0
         keys = ix.keys
         if self.demote is not None:
-            for slot in slots:
-                if self.demote(ObjectKey.unpack(keys[slot]), self._copy_out(slot)):
-                    self.demoted += 1
+            buf, offset, length = memoryview(self.arena.buf), ix.offset, ix.length
+            views = [buf[offset[s] * UNIT:offset[s] * UNIT + length[s]] for s in slots]
+            self.demoted += self.demote([ObjectKey.unpack(keys[s]) for s in slots], views)
         self.policy.remember_many(map(hash, map(keys.__getitem__, slots)))
         self.evictions += len(slots)
         self.evicted_bytes += sum(map(ix.units.__getitem__, slots)) * UNIT

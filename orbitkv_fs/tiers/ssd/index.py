@@ -5,8 +5,9 @@ Primitives: the ``dict`` operations (``get``, ``in``, ``len``, ``items``); :meth
 completed write replaces its key's older record); :meth:`SsdIndex.kill` (hide a record at once: corrupt,
 invalidated, superseded); :meth:`SsdIndex.release` (the ring takes a record's space back);
 :meth:`SsdIndex.add_dead` (a record that never became readable still occupies space); ``pending`` (key ->
-the generation and bytes of its newest submit whose write has not completed: readers are served from
-them meanwhile).
+the generation and segment of its newest submit whose write has not completed: readers are served a
+copy of it meanwhile, made under the tier's lock, since the segment is a view of the write's staging
+buffer, recycled when the write ends).
 
 Invariants: the index holds only COMMITTED slots, at most one per key, the one of the highest generation
 published; ``live`` is the bytes of those slots, ``dead`` the bytes of DEAD slots still in a ring. Not
@@ -25,7 +26,7 @@ class SsdIndex(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pending: dict[ObjectKey, tuple[int, bytes]] = {}
+        self.pending: dict[ObjectKey, tuple[int, memoryview]] = {}
         self.live = 0
         self.dead = 0
 

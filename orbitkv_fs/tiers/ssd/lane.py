@@ -5,9 +5,10 @@ A mixin of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (it shares the tier's loc
 index). It owns the write queue (``_queue``), the writes in flight (``_inflight``, ``_inflight_bytes``),
 the staged-bytes gauge (``_pending_bytes``, ``_writing``), the writeback ring (``_wring``) and its thread.
 
-Primitives: :meth:`WritebackLane.submit` (host bytes), :meth:`WritebackLane.submit_device` (device
-memory, the cuFile direct path), :meth:`WritebackLane.flush`; for the tier: ``_place`` (ring space, a
-generation, the record's header and tag, its link in the log), ``_queue_write``, ``_start``.
+Primitives: :meth:`WritebackLane.submit` (host bytes), :meth:`WritebackLane.submit_many` (a batch of them,
+read during the call only: DRAM's eviction), :meth:`WritebackLane.submit_device` (device memory, the cuFile
+direct path), :meth:`WritebackLane.flush`; for the tier: ``_place`` (ring space, a generation, the record's
+header and tag, its link in the log), ``_queue_write``, ``_start``.
 
 Invariants:
 
@@ -23,6 +24,9 @@ Invariants:
    (:class:`GenerationsExhausted`, counted), never wrapped.
 5. Every write that ends (completed, failed, cancelled) settles its place in the log, so the durable
    front a checkpoint records moves on.
+6. A submitted segment is copied once, into its record's staging buffer, before :meth:`submit_many`
+   returns; the key's pending segment is a view of that buffer, which is recycled only when the write
+   ends, under the lock that also drops the pending entry: readers copy it under that lock.
 """
 
 from __future__ import annotations
@@ -34,15 +38,15 @@ import select
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...errors import SegmentError
 from ...keys import ObjectKey
 from ...segment import HEADER_SIZE, MAGIC, Format, crc32c, parse_header
-from .record import (GEN_MAX, Kind, pack_record_header_into, put_record_header, record_header, record_length,
-                     write_record_body, lay_record_body)
+from .record import (GEN_MAX, RECORD_HEADER_SIZE, Kind, pack_record_header_into, put_record_header, record_header,
+                     record_length, write_record_body, lay_record_body)
 from .ring import Shard, Slot
 from .uring import SsdIoError
 
@@ -89,6 +93,16 @@ def peek_segment(segment: "bytes | memoryview") -> tuple[Format, int, int, int]:
     return _FORMATS[fmt], original, stored, pcrc
 
 
+def _segment_fields(segment: "bytes | memoryview") -> tuple[Format, int, int, int]:
+    """Format, original length, segment length and payload CRC32C of a segment: :func:`peek_segment`, and its
+    length checked against its header (``SegmentError``)."""
+    fmt, original, stored, pcrc = peek_segment(segment)
+    seg_len = HEADER_SIZE + stored
+    if len(segment) != seg_len:
+        raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
+    return fmt, original, seg_len, pcrc
+
+
 def io_reason(res: int, short: str) -> str:
     """The counter label of a failed I/O: the errno name (EIO, ENOSPC...) or ``short``."""
     return errno.errorcode.get(-res, f"errno_{-res}") if res < 0 else short
@@ -119,34 +133,69 @@ class WritebackLane:
         (same length, format and payload CRC32C: DRAM evicting a copy it read back from here, or one
         :meth:`submit_device` wrote) is not written again (True, ``write_already_stored_total``). Raises
         ``SegmentError`` when ``segment`` is not a segment."""
-        fmt, original, stored, pcrc = peek_segment(segment)
-        if not isinstance(segment, bytes):  # kept for readers until the write lands: must not change
-            segment = bytes(segment)
-        seg_len = HEADER_SIZE + stored
-        if len(segment) != seg_len:
-            raise SegmentError(f"segment of {len(segment)} bytes, its header says {seg_len}")
-        if self._already_stored(key, seg_len, fmt, original, pcrc):
-            return True
-        rec_len = record_length(seg_len)
-        if timeout <= 0 and self._pending_bytes + rec_len > self.config.max_pending_bytes:
-            # The lane is full (an unlocked peek, rechecked below): drop before paying for the copy.
+        return self.submit_many((key,), (segment,), timeout=timeout) == 1
+
+    def submit_many(self, keys: Sequence[ObjectKey], segments: Sequence["bytes | memoryview"], *,
+                    timeout: float = 0.0) -> int:
+        """:meth:`submit` of each ``(key, segment)`` in order, as one step; how many were taken (queued, or
+        on disk already). A segment is read during the call only (DRAM's eviction hands views of extents
+        it frees right after): it is copied once, into its staging buffer, and a read of the key before
+        its write lands is served a copy of that buffer's segment. Every segment is checked before any
+        is staged (``SegmentError``: none was taken). Without ``timeout`` (eviction, under DRAM's lock)
+        the records are placed under one hold of the tier's lock and the lane's thread is woken once; a
+        record the lane has no room for is dropped before its copy. With ``timeout`` each record waits
+        for room and is started in turn, as :meth:`submit`."""
+        heads = [_segment_fields(s) for s in segments]  # all checked before anything is staged
+        todo: list[tuple] = []
+        taken = dropped = planned = 0
+        room = self.config.max_pending_bytes - self._pending_bytes  # an unlocked peek, rechecked in _place
+        for key, segment, (fmt, original, seg_len, pcrc) in zip(keys, segments, heads):
+            if self._already_stored(key, seg_len, fmt, original, pcrc):
+                taken += 1
+                continue
+            rec_len = record_length(seg_len)
+            if timeout <= 0 and planned + rec_len > room:
+                dropped += 1  # the lane is full: drop before paying for the copy
+                continue
+            planned += rec_len
+            todo.append((key, segment, rec_len, seg_len, fmt, original, pcrc))
+        # The copies into the staging buffers run before any lock; the headers wait for the places.
+        staged: list[tuple] = []
+        for (key, segment, rec_len, seg_len, fmt, original, pcrc), buf in zip(
+                todo, self._staging.host_many([t[2] for t in todo])):
+            write_record_body(buf, segment)
+            staged.append((key, key.pack(), rec_len, seg_len, fmt, original, pcrc, buf))
+        if dropped:
             with self._lock:
-                self._c["write_dropped_total"] += 1
+                self._c["write_dropped_total"] += dropped
+        if timeout > 0:
+            for s in staged:
+                with self._lock:
+                    queued = self._enqueue(*s, timeout)
+                if queued:
+                    taken += 1
+                    self._start(timeout)
+        elif staged:
+            with self._lock:
+                queued = sum(self._enqueue(*s, 0.0) for s in staged)
+            if queued:
+                taken += queued
+                self._start(0.0)
+        return taken
+
+    def _enqueue(self, key: ObjectKey, packed: bytes, rec_len: int, seg_len: int, fmt: Format, original: int,
+                 pcrc: int, buf: memoryview, timeout: float) -> bool:
+        """Give a staged record its place, header and link in the log, make its segment the key's pending
+        bytes and queue its write; False when :meth:`_place` dropped it. Lock held."""
+        slot = self._place(self._shard_of_packed(packed), key, rec_len, seg_len, fmt, original, pcrc, buf, timeout)
+        if slot is None:
             return False
-        # The copy into the staging buffer runs before any lock; the header waits for the place.
-        buf = self._staging.host(rec_len)
-        write_record_body(buf, segment)
-        packed = key.pack()
-        with self._lock:
-            slot = self._place(self._shard_of(key), key, rec_len, seg_len, fmt, original, pcrc, buf, timeout)
-            if slot is None:
-                return False
-            sh = self._shards[slot.shard]
-            sh.append(slot, pack_record_header_into(buf, sh.key, Kind.SEGMENT, packed, slot.generation, seg_len,
-                                                    slot.offset, *sh.link()))
-            self._index.pending[key] = (slot.generation, segment)
-            self._queue_write(slot, buf)
-        self._start(timeout)
+        sh = self._shards[slot.shard]
+        sh.append(slot, pack_record_header_into(buf, sh.key, Kind.SEGMENT, packed, slot.generation, seg_len,
+                                                slot.offset, *sh.link()))
+        # The staging buffer holds the segment until the write ends (readers copy it under the lock).
+        self._index.pending[key] = (slot.generation, buf[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + seg_len])
+        self._queue_write(slot, buf)
         return True
 
     def _already_stored(self, key: ObjectKey, seg_len: int, fmt: Format, original: int, pcrc: int) -> bool:

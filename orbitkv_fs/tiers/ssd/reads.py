@@ -157,7 +157,9 @@ class ReadPath:
             for i, k in enumerate(keys):
                 p = self._index.pending.get(k)
                 if p is not None:
-                    staged[i] = p[1]
+                    # Copied under the lock: a pending segment lives in its write's staging buffer,
+                    # which is recycled once the write ends.
+                    staged[i] = bytes(p[1])
                     slots.append(None)
                     continue
                 s = self._index.get(k)

@@ -1,8 +1,9 @@
 """Staging buffers of the SSD tier: page-aligned host buffers (O_DIRECT) and block-aligned device buffers
-(the cuFile direct path), pooled by power-of-two size class.
+(the cuFile direct path), pooled by size class (:func:`size_class`).
 
-Primitives: :meth:`StagingPool.host` (a buffer of n bytes), :meth:`StagingPool.record_buffer` (host or
-device, with a uint8 array over it), :meth:`StagingPool.recycle` (give one back).
+Primitives: :meth:`StagingPool.host` (a buffer of n bytes), :meth:`StagingPool.host_many` (one of each of
+several sizes), :meth:`StagingPool.record_buffer` (host or device, with a uint8 array over it),
+:meth:`StagingPool.recycle` (give one back).
 
 Invariants: a buffer handed out is owned by the caller until recycled (a buffer the kernel may still
 write into is never recycled); the pool keeps at most ``limit`` bytes of idle buffers per kind; buffers of
@@ -16,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,7 +30,14 @@ HUGE_MIN = 64 << 10
 
 
 def size_class(nbytes: int) -> int:
-    return 1 << max(12, (nbytes - 1).bit_length())
+    """The pool's class of a buffer of ``nbytes``: whole 4 KiB pages, eight classes an octave below 2 MiB (at
+    most 1/8 above ``nbytes``: a 32 KiB segment's 36 KiB record, and a 512 KiB segment's 532 KiB one, took
+    64 KiB and 1 MiB classes when classes were powers of two, so the lane's staged bytes held 1.8-1.9x
+    their records), whole huge pages from 2 MiB up (those buffers are mapped in huge pages anyway)."""
+    if nbytes >= HUGE_PAGE:
+        return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    step = max(1 << max((nbytes - 1).bit_length() - 4, 0), BLOCK)
+    return -(-max(nbytes, 1) // step) * step
 
 
 class StagingPool:
@@ -47,7 +55,7 @@ class StagingPool:
     def host(self, nbytes: int) -> memoryview:
         """A page-aligned buffer of ``nbytes``: pooled, or new (huge pages from :data:`HUGE_MIN` up; classes
         below 2 MiB carved from one huge page, the spare parts going to the pool)."""
-        cls = 1 << max(12, (nbytes - 1).bit_length())  # size_class(), inline: once per record
+        cls = size_class(nbytes)
         with self._lock:
             free = self._host.get(cls)
             if free:
@@ -70,6 +78,22 @@ class StagingPool:
         for v in views[1:]:
             self.recycle(v)
         return views[0][:nbytes]
+
+    def host_many(self, sizes: Sequence[int]) -> list[memoryview]:
+        """:meth:`host` of each size, the pooled ones under one hold of the pool's lock (a batch of records:
+        the lane's thread recycles buffers under that lock, so taking it per record contends with it)."""
+        out: list = []
+        with self._lock:
+            pool = self._host
+            for n in sizes:
+                cls = size_class(n)
+                free = pool.get(cls)
+                if free:
+                    self._host_bytes -= cls
+                    out.append(free.pop()[:n])
+                else:
+                    out.append(n)
+        return [self.host(b) if isinstance(b, int) else b for b in out]
 
     def record_buffer(self, nbytes: int, *, on_device: bool) -> tuple[Any, Any]:
         """A buffer for a record of ``nbytes`` and a 1-D uint8 array over it: a block-aligned device buffer
