@@ -496,7 +496,7 @@ def test_throttle_config_errors(ssd_dir):
 
 
 def test_large_records_stage_in_huge_pages(ssd_dir):
-    """Records of 64 KiB and more are staged in huge-page buffers (classes below 2 MiB carved from a 2 MiB
+    """Records over 32 KiB are staged in huge-page buffers (classes below 2 MiB carved from a 2 MiB
     page, larger ones whole huge pages); they write and read back intact, and their buffers return to the
     pool as the size class they are."""
     sizes = [20_000, 300_000, 700_000, 1_200_000]  # float16: carved classes, then whole huge pages
@@ -517,6 +517,9 @@ def test_large_records_stage_in_huge_pages(ssd_dir):
         small = pool.host(70_000)
         assert isinstance(small.obj, ctypes.Array) and len(small.obj) == 72 << 10
         assert isinstance(pool.host(20_000).obj, mmap.mmap)  # small classes: plain 4 KiB pages
+        # A 32 KiB segment's record (36 KiB) is carved from a huge page, as it was in a 64 KiB class.
+        rec = pool.host(record_length((32 << 10) + 64))
+        assert isinstance(rec.obj, ctypes.Array) and len(rec.obj) == 36 << 10
 
 
 def test_staging_classes_are_pages_close_above_the_size():
