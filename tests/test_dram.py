@@ -346,6 +346,30 @@ def test_an_eviction_hands_its_victims_to_demote_in_one_call():
         t.close()
 
 
+def test_a_lower_tier_that_raises_does_not_stop_eviction(caplog):
+    """A lower tier whose demotion raises (staging memory refused, a bug): the victims still leave DRAM, the
+    batch gets its room, the books hold, none counts as demoted, and the failure is logged once a minute."""
+    def demote(keys: list[ObjectKey], views: list[memoryview]) -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    t = DramTier(64 * UNIT, pin=False, demote=demote)
+    try:
+        for i in range(32):  # the pool full
+            _put(t, i)
+        held = []
+        for _ in range(2):  # two batches short of room: two evictions, both failing to demote
+            offs = t.reserve_many([1000] * 4)
+            assert None not in offs
+            held += offs
+        assert t.evictions == 8 and t.demoted == 0 and len(t.index) == 24
+        for o in held:
+            t.cancel(o, 1000)
+        _check_books(t)
+        assert sum("demoting" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
     """Save batches (chunks of several segments, one size or mixed) into a full tier with leases, chunk pins,

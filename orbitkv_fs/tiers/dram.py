@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import mmap
 import os
 import re
 import threading
+import time
 import uuid
 from bisect import bisect_right
 from itertools import accumulate, compress
@@ -52,9 +54,14 @@ from ..index import HIDDEN, ObjectIndex
 from ..keys import ObjectKey
 from .eviction import make_policy
 
+log = logging.getLogger(__name__)
+
 UNIT = 512
 #: A pool of at least this many of a batch's units gives a batch short of room a batch's worth of victims.
 BATCHES_FOR_WHOLE = 16
+#: Seconds between warnings of a lower tier whose demotion raises (evictions go on; each is counted as not
+#: demoted, in ``evictions`` - ``demoted``).
+_DEMOTE_LOG_INTERVAL = 60.0
 #: Victims (or their extents) handled one by one up to this many: below it the array passes cost more than
 #: they save (about 40 us a call).
 _DROP_LOOP = 16
@@ -298,6 +305,7 @@ class DramTier:
         self.evictions = 0
         self.evicted_bytes = 0
         self.demoted = 0
+        self._demote_failed_logged = -_DEMOTE_LOG_INTERVAL
         self.resident_bytes: dict[int, int] = {}  # representation -> stored bytes (unit-rounded)
         self.resident_logical = 0
         # Objects a speculative prefetch published that nobody has been served yet: the first lease or
@@ -689,7 +697,14 @@ class DramTier:
         if self.demote is not None:
             buf, offset, length = memoryview(self.arena.buf), ix.offset, ix.length
             views = [buf[offset[s] * UNIT:offset[s] * UNIT + length[s]] for s in slots]
-            self.demoted += self.demote([ObjectKey.unpack(keys[s]) for s in slots], views)
+            try:
+                self.demoted += self.demote([ObjectKey.unpack(keys[s]) for s in slots], views)
+            except Exception as e:  # noqa: BLE001 - the victims leave either way: a failing lower tier must
+                # not leave them taken from the policy but still in the index (never evicted again)
+                now = time.monotonic()
+                if now - self._demote_failed_logged >= _DEMOTE_LOG_INTERVAL:
+                    self._demote_failed_logged = now
+                    log.warning("demoting %d evicted objects to the lower tier failed (dropped): %r", len(slots), e)
         self.policy.remember_many(map(hash, map(keys.__getitem__, slots)))
         self.evictions += len(slots)
         self.evicted_bytes += sum(map(ix.units.__getitem__, slots)) * UNIT
