@@ -302,6 +302,23 @@ def test_an_older_record_overlapping_a_newer_one_on_the_chain_ends_it():
     assert fates(rec)[y.offset] is Fate.STALE and fates(rec)[w.offset] is Fate.STALE
 
 
+def test_an_older_record_overlapping_a_newer_one_further_up_the_chain_ends_it():
+    """The same, with the record that took the older one's place not the newest: every record walked is
+    checked against all the newer ones on the path, not only the first."""
+    log = Log()
+    w = log.record(k(0), seg(0), at=40 * BLOCK)
+    y = log.record(k(1), seg(1, n=9000), at=10 * BLOCK)  # 3 blocks
+    x = log.record(k(2), seg(2), at=3 * BLOCK)
+    z = log.record(k(3), seg(3), at=11 * BLOCK)  # took part of y's place after y was written
+    v = log.record(k(4), seg(4), at=20 * BLOCK)
+    u = log.record(k(5), seg(5), at=30 * BLOCK)
+    log.checkpoint(u)
+    rec = log.recover()
+    assert rec.chain_end is ChainEnd.OVERWRITTEN
+    assert [r.offset for r in rec.chain] == [u.offset, v.offset, z.offset, x.offset]
+    assert fates(rec)[y.offset] is Fate.STALE and fates(rec)[w.offset] is Fate.STALE
+
+
 def test_a_place_taken_by_a_longer_newer_record_behind_another_header():
     """A link names a record at 12 blocks; what is there is an older record (another tag), inside a newer
     record that starts at 11 blocks: the place was reused, the chain ends there (not a torn write)."""

@@ -38,6 +38,8 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sortedcontainers import SortedList
+
 from ...errors import SegmentError
 from ...segment import SegmentHeader
 from .record import (BLOCK, MAGIC, MAX_RECORD, NO_PREV, RECORD_HEAD_BYTES, RECORD_HEADER_SIZE, Kind, RecordHeader,
@@ -283,7 +285,9 @@ def _path(top: RecordInfo, recs: _Records, sb: Superblock,
     hangs off a write torn above the checkpoint (not anchored)."""
     W = sb.checkpoint_generation
     path = [top]
-    starts, ends = [top.offset], {top.offset: top.header.end}
+    # The path's offsets, sorted: walked newest first, a lap's records come in falling offsets, each of which
+    # a plain list took at its front (moving all the others: quadratic in the records of a shard).
+    starts, ends = SortedList([top.offset]), {top.offset: top.header.end}
     cur = top
     while True:
         nxt = recs.link(cur)
@@ -292,11 +296,11 @@ def _path(top: RecordInfo, recs: _Records, sb: Superblock,
                 return path, ChainEnd.FLOOR, None
             if nxt.offset in dangling:  # joins a path already found hanging off a torn write
                 return path, None, None
-            i = bisect.bisect_left(starts, nxt.header.end)
+            i = starts.bisect_left(nxt.header.end)
             if i and ends[starts[i - 1]] > nxt.offset:
                 # A newer record of the chain took part of its place: the ring reused it after this one.
                 return path, ChainEnd.OVERWRITTEN, None
-            bisect.insort(starts, nxt.offset)
+            starts.add(nxt.offset)
             ends[nxt.offset] = nxt.header.end
             path.append(nxt)
             cur = nxt
