@@ -20,6 +20,8 @@ placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add
 slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
 :meth:`~ObjectIndex.hide_many` (an eviction's victims: whole chunks in one step), :meth:`~ObjectIndex.free`,
 :meth:`~ObjectIndex.free_many`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
+:meth:`~ObjectIndex.chunk_slots` (the objects of given chunks, from the chunk's own array),
+:meth:`~ObjectIndex.slots_where` (those of the chunks a prefix test picks: one test per chunk),
 :meth:`~ObjectIndex.items`, and :func:`put_rows` / :func:`put_columns` (``array`` columns written at many rows).
 
 States: FREE (row unused) -> LIVE (published: findable, counted in its chunk) -> HIDDEN (evicted or
@@ -35,7 +37,7 @@ import struct
 from array import array
 from collections import deque
 from itertools import groupby
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numba
 import numpy as np
@@ -593,6 +595,25 @@ class ObjectIndex:
             else:
                 out.extend(s for s in have[1:] if s >= 0)
         return iter(out)
+
+    def chunk_slots(self, prefixes: Iterable[bytes]) -> list[int]:
+        """Slots of the LIVE objects of the chunks named by their 32-byte prefixes (namespace + chunk; one
+        not present, or not a prefix, names none)."""
+        out: list[int] = []
+        segs = self._segs
+        for p in prefixes:
+            have = segs.get(p)
+            if have is None:
+                continue
+            if type(have) is int:
+                out.append(have)
+            else:
+                out.extend(s for s in have[1:] if s >= 0)
+        return out
+
+    def slots_where(self, match: Callable[[bytes], bool]) -> list[int]:
+        """Slots of the LIVE objects of every chunk whose 32-byte prefix ``match``es (snapshot)."""
+        return self.chunk_slots([p for p in self._segs if match(p)])
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         """``(packed key, slot)`` of the LIVE objects (snapshot, like :meth:`slots`)."""

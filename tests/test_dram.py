@@ -119,7 +119,7 @@ def test_tier_evicts_demotes_and_respects_leases():
         assert t.evictions == t.demoted == len(demoted) == 4
         assert all(b == bytes([int.from_bytes(k.chunk, "little") % 251]) * 1000 for k, b in demoted)
         # Invalidation hides a leased object at once; its extent goes when the lease does.
-        assert t.invalidate(lambda k: k == _key(0)) == (1, 1000)
+        assert t.invalidate_keys([_key(0)]) == (1, 1000)
         assert not t.contains(_key(0)) and t.used_bytes == 16 * UNIT
         t.unlease([lease[:2]])
         assert t.used_bytes == 14 * UNIT
@@ -235,7 +235,7 @@ def test_publish_many_is_publish_in_order(policy):
             assert _tier_state(many) == _tier_state(one)
             for k in rnd.sample(sorted(set(keys)), len(set(keys)) // 2):  # room, and slots to reuse
                 for t in (one, many):
-                    t.invalidate(lambda x, k=k: x == k)
+                    t.invalidate_keys([k])
         assert one.reserved_bytes == many.reserved_bytes == 0 and present > 10
     finally:
         one.close()
@@ -436,7 +436,7 @@ def test_saves_into_a_full_tier_evict_what_they_need_and_keep_the_books(policy):
                 t.unpin_chunks([pins.pop(rnd.randrange(len(pins)))])
             elif op < 0.8 and lru:
                 p = rnd.choice(list(lru))[:32]
-                n = t.invalidate(lambda x: x[:32] == p)[0]
+                n = (t.invalidate_chunks([p]) if op < 0.75 else t.invalidate(lambda x: x == p))[0]
                 gone = [k for k in lru if k[:32] == p]
                 assert n == len(gone)
                 for k in gone:

@@ -813,7 +813,7 @@ def test_save_batches_are_the_per_segment_rule_over_the_missing_segments(engine,
             keys = {ch.key: [ObjectKey(eng.ns[:16], ch.key, s.layer, s.role).pack() for s in eng.segs]
                     for ch in chunks}
             gone = {k for ks in keys.values() for k in ks if rnd.random() < 0.3}
-            m.dram.invalidate(gone.__contains__)
+            m.dram.invalidate_keys(gone)
             want = [(ch, seg, kb) for ch in chunks for seg, kb in zip(eng.segs, keys[ch.key])
                     if not m.dram.contains(kb) and seg.codec is not None]
             seen.clear()
@@ -1127,7 +1127,7 @@ def test_exact_batches_store_what_the_per_segment_path_stores(codec, batch_segme
             eng = m._engines[e.engine_id]
             # chunk "three" partly cached: saved alone, then all but its first layer's segments invalidated
             m.save(e.engine_id, chunks[4:5])
-            assert m.dram.invalidate(lambda k: k[32:34] != b"\0\0")[0] == 2 * (L - 1)
+            assert m.dram.invalidate_keys([k for k, _ in m.dram.index.items() if k[32:34] != b"\0\0"])[0] == 2 * (L - 1)
             batches.clear()
             r = m.save(e.engine_id, chunks)
             assert r.segments == 2 * L * len(chunks) - 2 and r.dropped_segments == 0
@@ -1169,7 +1169,7 @@ def test_exact_batches_carved_from_a_fragmented_pool_store_what_the_per_segment_
         for ch in fill:  # one request each: the fillers share blocks
             m.save(e.engine_id, [ch])
         holes = {bytes.fromhex(e.namespace) + ch.key for ch in fill[::2]}
-        assert m.dram.invalidate(lambda k: k[:32] in holes)[0] == 20 * 2 * L
+        assert m.dram.invalidate_chunks(holes)[0] == 20 * 2 * L
         offs = []
         real = m.dram.reserve_many
 

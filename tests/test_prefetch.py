@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from orbitkv_fs.keys import ObjectKey
 from orbitkv_fs.manager import Manager, ManagerConfig
 from orbitkv_fs.tiers.ssd import RECORD_HEADER_SIZE, SsdConfig, SsdTier
 from orbitkv_fs.tiers.ssd.record import record_length
@@ -173,6 +174,35 @@ def test_restore_reads_ahead_along_the_prefix(tier, engine):
         m.invalidate(engine_id=e.engine_id, chunks=[ch[4].key, ch[5].key])
         st = m.stats()
         assert st.prefetch_wasted == 2 * 2 * L
+        assert_reservations_zero(m)
+
+
+def test_a_prefetch_that_lands_across_an_invalidation_is_not_kept(tier, engine):
+    """A prefetched segment whose invalidation ran while it was being admitted (after the epoch check, before
+    the publish): it leaves DRAM again, and only it; a prefetch requested before an invalidation that
+    lands after it is not admitted at all."""
+    pages, reg = engine
+    with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=2), lower_tier=tier) as m:
+        e = m.register_engine(reg)
+        ch = chunks_for(2)
+        _on_ssd_only(m, e.engine_id, ch)
+        ns = m._engines[e.engine_id].ns
+        keys = [ObjectKey(ns, c.key, s.layer, s.role) for c in ch for s in m._engines[e.engine_id].segs]
+        blobs = tier.read_many(keys)
+        admit = m._admit
+
+        def racing(*a, **k):  # an invalidation of other chunks runs meanwhile
+            m._inval_epoch += 1
+            return admit(*a, **k)
+
+        m._admit = racing
+        m._prefetched(keys[0], blobs[0], m._inval_epoch)
+        m._admit = admit
+        assert not m.dram.contains(keys[0].pack())
+        m._prefetched(keys[1], blobs[1], m._inval_epoch)  # no invalidation since: kept
+        assert m.dram.contains(keys[1].pack())
+        m._prefetched(keys[2], blobs[2], m._inval_epoch - 1)  # requested before one: dropped at once
+        assert not m.dram.contains(keys[2].pack()) and m.stats().resident_objects["dram"] == 1
         assert_reservations_zero(m)
 
 

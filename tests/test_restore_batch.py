@@ -155,7 +155,7 @@ def test_lease_of_a_batch_is_lease_of_each_key(tmp_path, policy):
         assert batch.lease([]) == [] and batch.lease([b"x" * 36]) == [None]
         gone = set(rng.sample(keys, 10))
         for t in tiers:  # leased objects hidden: freed when their last lease goes
-            assert t.invalidate(gone.__contains__)[0] == 10
+            assert t.invalidate_keys(gone)[0] == 10
         held = [(s, g) for s, g in zip(range(len(batch.index.leases)), batch.index.generation)
                 for _ in range(batch.index.leases[s])]
         rng.shuffle(held)

@@ -169,7 +169,7 @@ class LowerTierCoordination:
         if self._admit(kb, blob, h, prefetched=True) is None:
             return
         if self._inval_epoch != epoch:  # the invalidation may have swept DRAM before this publish
-            self.dram.invalidate(lambda k: k == kb)
+            self.dram.invalidate_keys([kb])
             return
         self._add(prefetch_segments=1, prefetch_bytes=len(blob))
 
@@ -239,21 +239,19 @@ class LowerTierCoordination:
             self._inval_epoch += 1  # before DRAM is swept: see _prefetched()
         lower = TierCounts()
         if keys is not None:
-            packed = {k.pack() for k in keys}
-            d = self.dram.invalidate(packed.__contains__)
+            d = self.dram.invalidate_keys(k.pack() for k in keys)
             if self.lower is not None:
                 lower = self.lower.invalidate(keys=list(keys))
         elif namespace is not None and chunks is not None:
-            wanted = {namespace + c for c in chunks}
-            d = self.dram.invalidate(lambda k: k[:32] in wanted)
+            d = self.dram.invalidate_chunks(namespace + c for c in chunks)
             if self.lower is not None:  # also chunks it no longer lists: a restart must not revive them
                 lower = self.lower.invalidate(namespace=namespace, chunks=list(chunks))
         elif namespace is not None:
-            d = self.dram.invalidate(lambda k: k[:16] == namespace)
+            d = self.dram.invalidate(lambda p: p[:16] == namespace)
             if self.lower is not None:
                 lower = self.lower.invalidate(namespace=namespace)
         else:
-            d = self.dram.invalidate(lambda k: True)
+            d = self.dram.invalidate(lambda p: True)
             if self.lower is not None:
                 lower = self.lower.invalidate(all=True)
         return InvalidateResult(dram=TierCounts(*d), lower=lower)
