@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from orbitkv_fs.errors import SegmentError
+from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdConfigError, SsdIoError, SsdTier
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
 from orbitkv_fs.tiers.ssd.record import record_length
@@ -213,7 +214,7 @@ def _room_by_scan(sh: Shard, length: int):
 def test_a_shards_search_for_room_is_a_scan_of_its_slots():
     """A shard under random allocations, with records being written and leased ones in the way: every
     ``find_room`` answers what a scan of all its slots finds (place, victims, skips), and the allocations
-    it leads to keep the slots apart and the offsets sorted."""
+    it leads to keep the slots apart, the offsets sorted and the records by chunk those of the ring."""
     rnd = random.Random(5)
     block = 4096
     sh = Shard(0, "", 0, RING_START + 300 * block, b"\0" * 32, -1)
@@ -235,7 +236,7 @@ def test_a_shards_search_for_room_is_a_scan_of_its_slots():
             sh.remove(v)
         sh.head = pos + length
         gen += 1
-        slot = Slot(0, pos, length, None, gen, length - 128, None, 0)
+        slot = Slot(0, pos, length, key(gen % 7, layer=gen % 3), gen, length - 128, None, 0)
         slot.state = State.WRITING if rnd.random() < 0.2 else State.COMMITTED
         slot.leases = int(rnd.random() < 0.1)
         sh.insert(slot)
@@ -245,6 +246,12 @@ def test_a_shards_search_for_room_is_a_scan_of_its_slots():
         offs = list(sh.offsets)
         assert offs == sorted(sh.slots)
         assert all(sh.slots[a].end <= b for a, b in zip(offs, offs[1:]))
+        if step % 50 == 0:  # the records by chunk are the records, grouped
+            groups: dict = {}
+            for v in sh.slots.values():
+                groups.setdefault(v.key.namespace + v.key.chunk, set()).add(v)
+            assert sh.by_chunk == groups
+            assert set(sh.chunk_slots({NS + chunk_key(3), NS + chunk_key(99)})) == groups.get(NS + chunk_key(3), set())
 
 
 def test_invalidate_keys_and_namespace(ssd_dir):

@@ -4,7 +4,8 @@ log (the chain of records in allocation order, and how far it is durable).
 Primitives:
 
 * :class:`Slot` -- one record's place and bookkeeping (state, leases, the segment's fields).
-* :class:`Shard` -- a shard's records by offset; :meth:`Shard.find_room` (the allocator's search);
+* :class:`Shard` -- a shard's records by offset and by chunk (:meth:`Shard.chunk_slots`);
+  :meth:`Shard.find_room` (the allocator's search);
   :meth:`Shard.link` (the previous record a new one links to) and :meth:`Shard.append` (it becomes the
   chain's tail); :meth:`Shard.settle` (a write ended: the durable front moves over every record whose
   predecessors all ended).
@@ -78,6 +79,9 @@ class Shard:
         # (95 us a record with a million records in a shard).
         self.offsets = SortedList()
         self.slots: dict[int, Slot] = {}
+        # namespace + chunk (32 bytes) -> the segment records of that chunk in this ring: what an
+        # invalidation of some chunks or keys visits, instead of every record of the shard.
+        self.by_chunk: dict[bytes, set[Slot]] = {}
         # The log: its tail (what the next record links to), records whose write has not ended in
         # allocation order, and the durable front behind them.
         self.last_offset, self.last_tag = NO_PREV, NO_TAG
@@ -89,10 +93,23 @@ class Shard:
     def insert(self, slot: Slot) -> None:
         self.offsets.add(slot.offset)
         self.slots[slot.offset] = slot
+        if slot.key is not None:
+            self.by_chunk.setdefault(slot.key.namespace + slot.key.chunk, set()).add(slot)
 
     def remove(self, slot: Slot) -> None:
         self.offsets.remove(slot.offset)
         del self.slots[slot.offset]
+        if slot.key is not None:
+            prefix = slot.key.namespace + slot.key.chunk
+            group = self.by_chunk[prefix]
+            group.discard(slot)
+            if not group:
+                del self.by_chunk[prefix]
+
+    def chunk_slots(self, prefixes: "set[bytes]") -> list[Slot]:
+        """The segment records of the chunks named by their 32-byte prefixes (namespace + chunk)."""
+        by_chunk = self.by_chunk
+        return [s for p in prefixes for s in by_chunk.get(p, ())]
 
     def find_room(self, length: int) -> tuple[int, list[Slot], int] | None:
         """``(offset, victims, skips)``: the first place of ``length`` bytes at or after the head, the slots

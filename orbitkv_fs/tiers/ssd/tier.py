@@ -507,11 +507,15 @@ class SsdTier(WritebackLane, ReadPath):
         staged = [] if all else self._stage_tombstones(keys, namespace, chunks)
         count = nbytes = 0
         tombs: list[Slot] = []
+        # Keys and chunks visit their chunks' records only (an engine may invalidate its own chunks as often
+        # as it likes); a namespace or everything, every record.
+        prefixes = ({k.namespace + k.chunk for k in want} if want is not None else wanted)
         with self._lock:
             for k in [k for k in self._index.pending if match(k)]:
                 del self._index.pending[k]
             for sh in self._shards:
-                for s in list(sh.slots.values()):
+                visit = sh.chunk_slots(prefixes) if prefixes is not None else list(sh.slots.values())
+                for s in visit:
                     if s.is_tombstone or not match(s.key):  # type: ignore[arg-type]
                         continue
                     if s.state is State.COMMITTED and self._index.get(s.key) is s:  # type: ignore[arg-type]
