@@ -20,7 +20,8 @@ placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add
 slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
 :meth:`~ObjectIndex.hide_many` (an eviction's victims: whole chunks in one step), :meth:`~ObjectIndex.free`,
 :meth:`~ObjectIndex.free_many`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
-:meth:`~ObjectIndex.chunk_slots` (the objects of given chunks, from the chunk's own array),
+:meth:`~ObjectIndex.iter_slots` (the same, lazily), :meth:`~ObjectIndex.chunk_slots` (the objects of given
+chunks, from the chunk's own array),
 :meth:`~ObjectIndex.slots_where` (those of the chunks a prefix test picks: one test per chunk),
 :meth:`~ObjectIndex.items`, and :func:`put_rows` / :func:`put_columns` (``array`` columns written at many rows).
 
@@ -595,6 +596,17 @@ class ObjectIndex:
             else:
                 out.extend(s for s in have[1:] if s >= 0)
         return iter(out)
+
+    def iter_slots(self) -> Iterator[int]:
+        """Slots of the LIVE objects, chunk by chunk, as they are reached: the index must not change until the
+        iteration ends (a caller that drops what it found does so after; :meth:`slots` is the snapshot)."""
+        for have in self._segs.values():
+            if type(have) is int:
+                yield have
+            else:
+                for s in have[1:]:
+                    if s >= 0:
+                        yield s
 
     def chunk_slots(self, prefixes: Iterable[bytes]) -> list[int]:
         """Slots of the LIVE objects of the chunks named by their 32-byte prefixes (namespace + chunk; one

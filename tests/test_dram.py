@@ -324,6 +324,32 @@ def _check_books(t: DramTier) -> None:
     assert len(t.policy) == len(ix) == len(live)
 
 
+def test_drain_takes_slices_of_the_unheld_objects_and_passes_over_the_held_ones():
+    """``drain`` (a DRAM flush, slice by slice) hands over copies of every object not leased nor pinned, at most
+    about a slice's bytes a call, and counts the held ones it passed over; those stay."""
+    t = DramTier(64 * UNIT, pin=False)
+    try:
+        for i in range(20):
+            _put(t, i)
+        (lease,) = t.lease([_key(3)])
+        t.pin_chunks([_key(7)[:32]])
+        got: list = []
+        while True:
+            objs, held = t.drain(3000)
+            if not objs:
+                break
+            assert len(objs) <= 3 and held <= 2
+            got += objs
+        assert held == 2 and sorted(k.pack() for k, _ in got) == sorted(_key(i) for i in range(20) if i not in (3, 7))
+        assert all(b == bytes([int.from_bytes(k.chunk, "little") % 251]) * 1000 for k, b in got)
+        assert t.contains(_key(3)) and t.contains(_key(7)) and len(t.index) == 2
+        t.unlease([lease[:2]])
+        t.unpin_chunks([_key(7)[:32]])
+        assert len(t.drain(1 << 20)[0]) == 2 and len(t.index) == 0
+    finally:
+        t.close()
+
+
 def test_an_eviction_hands_its_victims_to_demote_in_one_call():
     """A save batch short of room evicts a batch of victims: ``demote`` gets them in one call, as views of
     their extents holding each object's bytes, before those extents are reused; what it answers is counted."""

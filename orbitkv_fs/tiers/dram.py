@@ -743,14 +743,17 @@ class DramTier:
         slots: list[int] = []
         leased = taken = 0
         with self.lock:
-            for key, slot in self.index.items():
+            # Lazily, and a key built only for what is taken: a flush drains a pool slice by slice, and a
+            # snapshot of every object's key per slice made a flush quadratic in the objects cached.
+            keys = self.index.keys
+            for slot in self.index.iter_slots():
                 if self._pinned(slot):
                     leased += 1
                     continue
                 if taken >= max_bytes:
                     break
                 taken += self.index.length[slot]
-                out.append((ObjectKey.unpack(key), self._copy_out(slot)))
+                out.append((ObjectKey.unpack(keys[slot]), self._copy_out(slot)))
                 slots.append(slot)
             self._drop_many(slots, linked=True)
         return out, leased
