@@ -350,6 +350,41 @@ def test_drain_takes_slices_of_the_unheld_objects_and_passes_over_the_held_ones(
         t.close()
 
 
+def test_listing_pages_are_the_full_listing_cut():
+    """A listing page (chunks a prefix test picks, keys after a cursor, at least ``limit`` rows) is the sorted
+    listing of every object, filtered and cut; paging through it with each page's last key visits every
+    object once, in key order."""
+    rnd = random.Random(8)
+    t = DramTier(4096 * UNIT, pin=False)
+    try:
+        keys = sorted({ObjectKey(bytes([65 + rnd.randrange(3)]) * 16, rnd.randrange(40).to_bytes(16, "little"),
+                                 rnd.randrange(5), rnd.choice([Role.KEY, Role.VALUE])).pack() for _ in range(600)})
+        for k in rnd.sample(keys, len(keys)):  # the index's chunks in another order than the keys'
+            off = t.reserve(300)
+            t.view(off, 300)[:] = 1
+            assert t.publish(k, off, 300, 300, 0) is not None
+        full = t.listing()
+        assert [r[0] for r in full] == keys
+        for ns in (None, b"B" * 16):
+            match = None if ns is None else (lambda p, ns=ns: p[:16] == ns)
+            want = [r for r in full if ns is None or r[0][:16] == ns]
+            for after in (b"", keys[0], keys[len(keys) // 2], keys[len(keys) // 2][:32], keys[-1], b"C" * 20):
+                for limit in (1, 7, 1000):
+                    got = t.listing(match, after=after, limit=limit)
+                    cut = [r for r in want if r[0] > after]
+                    assert len(got) >= min(limit, len(cut)) and got == cut[:len(got)]
+            pages, after = [], b""
+            while True:
+                got = t.listing(match, after=after, limit=9)
+                if not got:
+                    break
+                pages += got[:9]
+                after = got[:9][-1][0]
+            assert pages == want
+    finally:
+        t.close()
+
+
 def test_an_eviction_hands_its_victims_to_demote_in_one_call():
     """A save batch short of room evicts a batch of victims: ``demote`` gets them in one call, as views of
     their extents holding each object's bytes, before those extents are reused; what it answers is counted."""

@@ -298,7 +298,13 @@ class LowerTierCoordination:
                 and kb.hex() > after
 
         if tier == "dram":
-            for kb, rep, logical, length, gen in self.dram.listing():
+            try:
+                start = bytes.fromhex(after)
+            except ValueError:
+                raise RequestError(f"bad cursor {cursor!r}") from None
+            rows = self.dram.listing(lambda p: (namespace is None or p[:16] == namespace)
+                                     and p[16:32].hex().startswith(prefix), after=start, limit=limit + 1)
+            for kb, rep, logical, length, gen in rows:
                 if not want(kb):
                     continue
                 if len(out) == limit:

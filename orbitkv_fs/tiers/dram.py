@@ -767,12 +767,24 @@ class DramTier:
             self._served(slot)
             return self._copy_out(slot)
 
-    def listing(self) -> list[tuple[bytes, int, int, int, int]]:
-        """``(packed key, rep, logical, stored length, generation)`` of every object, sorted by key."""
+    def listing(self, match_chunk: Callable[[bytes], bool] | None = None, after: bytes = b"",
+                limit: int | None = None) -> list[tuple[bytes, int, int, int, int]]:
+        """``(packed key, rep, logical, stored length, generation)`` of the objects whose key sorts after
+        ``after``, of the chunks whose 32-byte prefix ``match_chunk``es (all without it), sorted by key: the
+        first ``limit`` of them (at least; all without it). Chunk by chunk in prefix order, so that a page of
+        an admin listing builds the rows of its own chunks, not of every object under the lock."""
         ix = self.index
+        keys = ix.keys
+        rows: list[tuple[bytes, int, int, int, int]] = []
         with self.lock:
-            rows = [(k, ix.rep[s], ix.logical[s], ix.length[s], ix.generation[s]) for k, s in ix.items()]
-        rows.sort()
+            floor = after[:32]
+            prefixes = sorted(p for p in ix._segs if p >= floor and (match_chunk is None or match_chunk(p)))
+            for p in prefixes:
+                if limit is not None and len(rows) >= limit:
+                    break
+                chunk = sorted((keys[s], ix.rep[s], ix.logical[s], ix.length[s], ix.generation[s])
+                               for s in ix.chunk_slots((p,)))
+                rows += chunk if p > floor else [r for r in chunk if r[0] > after]
         return rows
 
     def close(self) -> None:
