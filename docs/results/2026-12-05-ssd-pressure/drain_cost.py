@@ -9,22 +9,13 @@ from __future__ import annotations
 import sys
 import time
 
-from orbitkv_fs.keys import ObjectKey
-from orbitkv_fs.segment import Role
-from orbitkv_fs.tiers.dram import UNIT, DramTier
-
-PER = 16
+from filled import filled_tier
 
 
 def main() -> None:
     for n in map(int, sys.argv[1:]):
-        t = DramTier(n * UNIT + (1 << 20), pin=False)
+        t = filled_tier(n)
         try:
-            for c in range(n // PER):
-                keys = [ObjectKey(b"n" * 16, c.to_bytes(16, "little"), layer, role).pack()
-                        for layer in range(PER // 2) for role in (Role.KEY, Role.VALUE)]
-                offs = t.reserve_many([400] * PER)
-                t.publish_many(keys, offs, [400] * PER, [400] * PER, [0] * PER)
             got, longest, t0 = 0, 0.0, time.perf_counter()
             while True:
                 c0 = time.perf_counter()

@@ -11,22 +11,13 @@ import statistics
 import sys
 import time
 
-from orbitkv_fs.keys import ObjectKey
-from orbitkv_fs.segment import Role
-from orbitkv_fs.tiers.dram import UNIT, DramTier
-
-PER = 16
+from filled import PER, filled_tier
 
 
 def main() -> None:
     for n_chunks in map(int, sys.argv[1:]):
-        t = DramTier(n_chunks * PER * UNIT + (1 << 20), pin=False)
+        t = filled_tier(n_chunks * PER)
         try:
-            for c in range(n_chunks):
-                keys = [ObjectKey(b"n" * 16, c.to_bytes(16, "little"), layer, role).pack()
-                        for layer in range(PER // 2) for role in (Role.KEY, Role.VALUE)]
-                offs = t.reserve_many([400] * PER)
-                t.publish_many(keys, offs, [400] * PER, [400] * PER, [0] * PER)
             times = []
             for c in range(5):
                 p = b"n" * 16 + (c * 7).to_bytes(16, "little")

@@ -29,5 +29,5 @@ for mode in ("fresh", "pressure", "ssd", "ssd:s3fifo"):
               f"{med(rs, 'cpu_us_per_segment'):.2f} | {med(rs, 'sys_us_per_segment'):.2f} | "
               f"{med(rs, 'faults_per_segment'):.2f} | {med(rs, 'gb_per_s') / fresh:.2f} |")
 ssd = {t: [r["wall_ms"] for r in rows[("ssd", t)]] for t in ("base", "new")}
-print(f"\n`ssd` save, base / new per round: "
+print("\n`ssd` save, base / new per round: "
       + ", ".join(f"{b / n:.2f}x" for b, n in zip(ssd["base"], ssd["new"])))
