@@ -20,8 +20,8 @@ placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add
 slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
 :meth:`~ObjectIndex.hide_many` (an eviction's victims: whole chunks in one step), :meth:`~ObjectIndex.free`,
 :meth:`~ObjectIndex.free_many`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
-:meth:`~ObjectIndex.iter_slots` (the same, lazily), :meth:`~ObjectIndex.chunk_slots` (the objects of given
-chunks, from the chunk's own array),
+:meth:`~ObjectIndex.iter_slots` (the same, lazily), :meth:`~ObjectIndex.prefixes` (the chunks'),
+:meth:`~ObjectIndex.chunk_slots` (the objects of given chunks, from the chunk's own array),
 :meth:`~ObjectIndex.slots_where` (those of the chunks a prefix test picks: one test per chunk),
 :meth:`~ObjectIndex.items`, and :func:`put_rows` / :func:`put_columns` (``array`` columns written at many rows).
 
@@ -145,6 +145,13 @@ def put_columns(cols: Sequence[array], rows: Sequence[int], values: Sequence[Seq
         at = np.asarray(rows, dtype=np.intp)
         for col, vals in zip(cols, values):
             np.frombuffer(col, dtype=col.typecode)[at] = np.fromiter(vals, col.typecode, k)
+
+
+def _live(have: "int | array | tuple") -> Iterable[int]:
+    """The slots a chunk's ``_segs`` entry holds: the slot itself, or the array's present entries."""
+    if type(have) is int:
+        return (have,)
+    return [s for s in have[1:] if s >= 0]
 
 
 class _Keys:
@@ -589,43 +596,27 @@ class ObjectIndex:
 
     def slots(self) -> Iterator[int]:
         """Slots of the LIVE objects, chunk by chunk (snapshot; safe to hide while iterating)."""
-        out: list[int] = []
-        for have in self._segs.values():
-            if type(have) is int:
-                out.append(have)
-            else:
-                out.extend(s for s in have[1:] if s >= 0)
-        return iter(out)
+        return iter(list(self.iter_slots()))
 
     def iter_slots(self) -> Iterator[int]:
         """Slots of the LIVE objects, chunk by chunk, as they are reached: the index must not change until the
         iteration ends (a caller that drops what it found does so after; :meth:`slots` is the snapshot)."""
         for have in self._segs.values():
-            if type(have) is int:
-                yield have
-            else:
-                for s in have[1:]:
-                    if s >= 0:
-                        yield s
+            yield from _live(have)
+
+    def prefixes(self) -> Iterable[bytes]:
+        """The 32-byte prefixes (namespace + chunk) of the chunks with LIVE objects (a live view)."""
+        return self._segs.keys()
 
     def chunk_slots(self, prefixes: Iterable[bytes]) -> list[int]:
         """Slots of the LIVE objects of the chunks named by their 32-byte prefixes (namespace + chunk; one
         not present, or not a prefix, names none)."""
-        out: list[int] = []
         segs = self._segs
-        for p in prefixes:
-            have = segs.get(p)
-            if have is None:
-                continue
-            if type(have) is int:
-                out.append(have)
-            else:
-                out.extend(s for s in have[1:] if s >= 0)
-        return out
+        return [s for p in prefixes for s in _live(segs.get(p, ()))]
 
     def slots_where(self, match: Callable[[bytes], bool]) -> list[int]:
         """Slots of the LIVE objects of every chunk whose 32-byte prefix ``match``es (snapshot)."""
-        return self.chunk_slots([p for p in self._segs if match(p)])
+        return [s for p, have in self._segs.items() if match(p) for s in _live(have)]
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         """``(packed key, slot)`` of the LIVE objects (snapshot, like :meth:`slots`)."""

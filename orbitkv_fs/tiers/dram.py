@@ -778,7 +778,7 @@ class DramTier:
         rows: list[tuple[bytes, int, int, int, int]] = []
         with self.lock:
             floor = after[:32]
-            prefixes = sorted(p for p in ix._segs if p >= floor and (match_chunk is None or match_chunk(p)))
+            prefixes = sorted(p for p in ix.prefixes() if p >= floor and (match_chunk is None or match_chunk(p)))
             for p in prefixes:
                 if limit is not None and len(rows) >= limit:
                     break

@@ -58,10 +58,9 @@ class StagingPool:
         below 2 MiB carved from one huge page, the spare parts going to the pool)."""
         cls = size_class(nbytes)
         with self._lock:
-            free = self._host.get(cls)
-            if free:
-                self._host_bytes -= cls
-                return free.pop()[:nbytes]
+            buf = self._pop(cls)
+        if buf is not None:
+            return buf[:nbytes]
         if cls <= HUGE_ABOVE:
             return aligned_buffer(cls)[:nbytes]
         if cls >= HUGE_PAGE:
@@ -83,18 +82,17 @@ class StagingPool:
     def host_many(self, sizes: Sequence[int]) -> list[memoryview]:
         """:meth:`host` of each size, the pooled ones under one hold of the pool's lock (a batch of records:
         the lane's thread recycles buffers under that lock, so taking it per record contends with it)."""
-        out: list = []
         with self._lock:
-            pool = self._host
-            for n in sizes:
-                cls = size_class(n)
-                free = pool.get(cls)
-                if free:
-                    self._host_bytes -= cls
-                    out.append(free.pop()[:n])
-                else:
-                    out.append(n)
-        return [self.host(b) if isinstance(b, int) else b for b in out]
+            pooled = [self._pop(size_class(n)) for n in sizes]
+        return [self.host(n) if b is None else b[:n] for n, b in zip(sizes, pooled)]
+
+    def _pop(self, cls: int) -> memoryview | None:
+        """An idle host buffer of class ``cls``, taken from the pool, or None. Lock held."""
+        free = self._host.get(cls)
+        if not free:
+            return None
+        self._host_bytes -= cls
+        return free.pop()
 
     def record_buffer(self, nbytes: int, *, on_device: bool) -> tuple[Any, Any]:
         """A buffer for a record of ``nbytes`` and a 1-D uint8 array over it: a block-aligned device buffer
