@@ -54,6 +54,18 @@ def test_demote_flush_promote_restore(tier, codec):
             assert st.hits["lower"] > 0
             listing = m.list_objects(bytes.fromhex(e.namespace), limit=100_000)
             assert {o.tier for o in listing.objects} == {"dram", "lower"}
+            ndram = sum(o.tier == "dram" for o in listing.objects)
+            for limit in (7, ndram):  # pages are the listing cut, across the tiers (one page ends with DRAM's rows)
+                paged, cursor = [], None
+                while True:
+                    page = m.list_objects(bytes.fromhex(e.namespace), limit=limit, cursor=cursor)
+                    paged += page.objects
+                    if page.next_cursor is None:
+                        break
+                    assert len(page.objects) == limit
+                    cursor = page.next_cursor
+                assert paged == listing.objects, limit
+            assert sum(o.tier == "lower" for o in listing.objects) > 7
             inv = m.invalidate(engine_id=e.engine_id)
             assert inv.lower.objects == 8 * 2 * L and inv.dram.objects > 0
             assert m.lookup(e.engine_id, [ch[0].key], lease=False).count == 0

@@ -280,13 +280,44 @@ def test_invalidate_keys_and_namespace(ssd_dir):
             t.invalidate()
 
 
-def test_invalidate_while_writing_is_never_published(ssd_dir):
+@pytest.mark.parametrize("by", ["keys", "namespace"])
+def test_invalidate_while_writing_is_never_published(ssd_dir, by):
     faults = Faults(write_delay=0.3)
     with make(ssd_dir, backend=FaultyBackend(UringBackend(), faults)) as t:
         t.submit(key(0), segment(0))
-        t.invalidate(keys=[key(0)])
+        t.invalidate(**({"keys": [key(0)]} if by == "keys" else {"namespace": NS}))
         t.flush()
         assert not t.contains(key(0)) and t.snapshot().write_cancelled_total == 1
+
+
+def test_listing_pages_are_the_readable_objects_sorted_and_cut(ssd_dir):
+    """A page of ``listing`` is the readable objects (as ``iter_objects``: published records, then first writes in
+    flight) of the chunks it matches, after its cursor, sorted: superseded and invalidated records are not
+    rows, and a cursor anywhere (a key, between keys, inside a chunk) cuts the listing there."""
+    other = bytes(16)
+    faults = Faults()
+    with make(ssd_dir, backend=FaultyBackend(UringBackend(), faults)) as t:
+        for i in range(12):
+            for layer in range(3):
+                t.submit(key(i, layer=layer, ns=other if i % 4 == 0 else NS), segment(i, layer=layer))
+        t.flush()
+        t.submit(key(1, layer=1), segment(1, layer=1, version=1))  # republished: the old record is superseded
+        t.invalidate(keys=[key(2, layer=2)])
+        t.flush()
+        faults.write_delay = 0.5  # first writes in flight: readable from memory, rows of their own
+        for layer in range(2):
+            t.submit(key(20, layer=layer), segment(20, layer=layer))
+        full = sorted((k.pack(), n) for k, n in t.iter_objects())
+        assert len(full) == 12 * 3 - 1 + 2 and key(20).pack() in dict(full) and key(2, layer=2).pack() not in dict(full)
+        assert t.listing() == full
+        assert t.listing(lambda p: p[:16] == other) == [r for r in full if r[0][:16] == other]
+        cuts = [b""] + [kb for kb, _ in full] + [kb[:32] for kb, _ in full[::5]] + [kb[:-1] + b"\xff" for kb, _ in full[::3]]
+        for after in cuts:
+            rest = [r for r in full if r[0] > after]
+            for limit in (1, 3, 7):
+                rows = t.listing(after=after, limit=limit)
+                assert len(rows) >= min(limit, len(rest)) and rows == rest[:len(rows)], (after.hex(), limit)
+        t.flush()
 
 
 def test_submit_rejects_non_segments_and_closed_tier_drops(ssd_dir):

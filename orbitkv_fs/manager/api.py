@@ -315,7 +315,10 @@ class LowerTier(Protocol):
         """The tier's counters and gauges (flat, Prometheus-style names without the orbitkv_ prefix)."""
 
     def iter_objects(self, namespace: bytes | None = None) -> Iterator[tuple[ObjectKey, int]]:
-        """``(key, stored_bytes)`` of the published objects, optionally of one namespace."""
+        """``(key, stored_bytes)`` of the published objects, optionally of one namespace. A tier may also have
+        ``listing(match_chunk, after=b"", limit=None) -> [(packed key, stored bytes)]`` (the SSD tier does): a
+        page of the admin listing, sorted by key, of the chunks whose 32-byte prefix ``match_chunk``es, after
+        ``after``, the first ``limit`` at least; without it, the listing sorts all of these per page."""
 
     def close(self) -> None:
         """Flush and release everything."""

@@ -18,7 +18,7 @@ raced an invalidation is not kept; an invalidation hides matching objects in bot
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -56,6 +56,18 @@ def demoter(lower: LowerTier) -> Demote:
         return sum(bool(lower.submit(k, bytes(s))) for k, s in zip(keys, segments))
 
     return each
+
+
+def _lower_listing(lower: LowerTier, match_chunk: Callable[[bytes], bool], after: bytes,
+                   limit: int) -> list[tuple[bytes, int]]:
+    """``(packed key, stored bytes)`` of the lower tier's objects after ``after`` of the chunks ``match_chunk``
+    takes, sorted: the first ``limit`` at least, from the tier's ``listing`` (the SSD tier's: its own chunks'
+    rows a page), or else all of ``iter_objects``, sorted."""
+    paged = getattr(lower, "listing", None)
+    if paged is not None:
+        return paged(match_chunk, after=after, limit=limit)
+    return sorted((kb, n) for kb, n in ((k.pack(), n) for k, n in lower.iter_objects())
+                  if kb > after and match_chunk(kb[:32]))
 
 
 class LowerTierCoordination:
@@ -290,33 +302,27 @@ class LowerTierCoordination:
             tier, _, after = cursor.partition(":")
             if tier not in ("dram", "lower"):
                 raise RequestError(f"bad cursor {cursor!r}")
+        try:
+            start = bytes.fromhex(after)
+        except ValueError:
+            raise RequestError(f"bad cursor {cursor!r}") from None
         out: list[ObjectInfo] = []
         last = ""
 
-        def want(kb: bytes) -> bool:
-            return (namespace is None or kb[:16] == namespace) and kb[16:32].hex().startswith(prefix) \
-                and kb.hex() > after
+        def match_chunk(p: bytes) -> bool:
+            return (namespace is None or p[:16] == namespace) and p[16:32].hex().startswith(prefix)
 
         if tier == "dram":
-            try:
-                start = bytes.fromhex(after)
-            except ValueError:
-                raise RequestError(f"bad cursor {cursor!r}") from None
-            rows = self.dram.listing(lambda p: (namespace is None or p[:16] == namespace)
-                                     and p[16:32].hex().startswith(prefix), after=start, limit=limit + 1)
+            rows = self.dram.listing(match_chunk, after=start, limit=limit + 1)
             for kb, rep, logical, length, gen in rows:
-                if not want(kb):
-                    continue
                 if len(out) == limit:
                     return ObjectPage(out, f"dram:{last}")
                 out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "dram", _REP_NAMES[rep], logical,
                                       length - HEADER_SIZE, gen))
                 last = kb.hex()
-            after = ""
+            start, last = b"", ""  # the lower tier's part starts at its first key: a page cut here says "lower:"
         if self.lower is not None:
-            for kb, n in sorted((k.pack(), n) for k, n in self.lower.iter_objects(namespace)):
-                if not want(kb):
-                    continue
+            for kb, n in _lower_listing(self.lower, match_chunk, start, limit + 1 - len(out)):
                 if len(out) == limit:
                     return ObjectPage(out, f"lower:{last}")
                 out.append(ObjectInfo(str(ObjectKey.unpack(kb)), "lower", "", 0, n))

@@ -17,7 +17,8 @@ Primitives (the Manager's :class:`~orbitkv_fs.manager.LowerTier` seam, plus a fe
 * :meth:`SsdTier.checkpoint` -- sync each shard and record in its superblock how far its log is durable
   (also every ``checkpoint_interval`` seconds, and at close).
 * :meth:`SsdTier.contains`, :meth:`SsdTier.flush`, :meth:`SsdTier.iter_objects`,
-  :meth:`SsdTier.iter_records`, :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
+  :meth:`SsdTier.listing` (a page of an admin listing), :meth:`SsdTier.iter_records`,
+  :meth:`SsdTier.snapshot` (typed :class:`SsdStats`), :meth:`SsdTier.stats`
   (flat mapping), :meth:`SsdTier.close`.
 
 Invariants:
@@ -508,9 +509,12 @@ class SsdTier(WritebackLane, ReadPath):
         count = nbytes = 0
         tombs: list[Slot] = []
         # Keys and chunks visit their chunks' records only (an engine may invalidate its own chunks as often
-        # as it likes); a namespace or everything, every record.
+        # as it likes), a namespace its own chunks' (one test a chunk, not every record of a shared cache);
+        # everything, every record.
         prefixes = ({k.namespace + k.chunk for k in want} if want is not None else wanted)
         with self._lock:
+            if prefixes is None and not all:
+                prefixes = {p for sh in self._shards for p in sh.by_chunk if p[:16] == namespace}
             for k in [k for k in self._index.pending if match(k)]:
                 del self._index.pending[k]
             for sh in self._shards:
@@ -614,6 +618,33 @@ class SsdTier(WritebackLane, ReadPath):
             items += [(k, len(seg)) for k, (_, seg) in self._index.pending.items()
                       if k not in self._index and (namespace is None or k.namespace == namespace)]
         yield from items
+
+    def listing(self, match_chunk: Callable[[bytes], bool] | None = None, after: bytes = b"",
+                limit: int | None = None) -> list[tuple[bytes, int]]:
+        """``(packed key, stored bytes)`` of the readable objects (as :meth:`iter_objects`) whose key sorts after
+        ``after``, of the chunks whose 32-byte prefix (namespace + chunk) ``match_chunk``es (all without it),
+        sorted by key: the first ``limit`` of them (at least; all without it). Chunk by chunk in prefix order,
+        through each shard's records by chunk, so that a page of an admin listing builds its own chunks' rows
+        under the tier's lock, not every record's key and a sort of them all (every read, demotion and lookup
+        waits on that lock)."""
+        floor = after[:32]
+        rows: list[tuple[bytes, int]] = []
+        with self._lock:
+            index = self._index
+            pending: dict[bytes, list[tuple[bytes, int]]] = {}
+            for k, (_, seg) in index.pending.items():
+                if k not in index:
+                    pending.setdefault(k.namespace + k.chunk, []).append((k.pack(), len(seg)))
+            prefixes = set(pending)
+            for sh in self._shards:
+                prefixes.update(sh.by_chunk)
+            for p in sorted(p for p in prefixes if p >= floor and (match_chunk is None or match_chunk(p))):
+                if limit is not None and len(rows) >= limit:
+                    break
+                chunk = sorted([(s.key.pack(), s.stored) for sh in self._shards  # type: ignore[union-attr]
+                                for s in sh.by_chunk.get(p, ()) if index.get(s.key) is s] + pending.get(p, []))
+                rows += chunk if p > floor else [r for r in chunk if r[0] > after]
+        return rows
 
     def iter_records(self, namespace: bytes | None = None) -> Iterator[SsdObject]:
         with self._lock:
