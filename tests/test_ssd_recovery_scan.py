@@ -415,7 +415,7 @@ def test_a_body_the_image_cuts_short():
     assert rec.chain_end is ChainEnd.BREAK and rec.break_offset == b.offset
 
 
-def test_progress_and_buffers_without_find():
+def test_progress_and_views_of_part_of_a_buffer():
     log = Log(capacity=RING_START + 3 * (8 << 20))
     rs = [log.record(k(i), seg(i), at=RING_START + i * (5 << 20)) for i in range(4)]
     log.checkpoint(rs[-1])
@@ -424,7 +424,7 @@ def test_progress_and_buffers_without_find():
     total = log.capacity - RING_START
     assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) >= 3
     assert all(a[0] < b[0] for a, b in zip(calls, calls[1:]))
-    # A view of part of a buffer cannot use the buffer's find(): the scan goes block by block, same result.
+    # A view of part of a buffer, or at an offset into one: the same records, the same block offsets.
     small = Log()
     s = [small.record(k(i), seg(i)) for i in range(3)]
     small.image[30 * BLOCK:30 * BLOCK + 4] = b"OKVR"
@@ -444,6 +444,23 @@ def test_progress_is_reported_every_8_mib():
     calls = []
     log.recover(on_progress=lambda d, t: calls.append(d))
     assert calls == [0, 8 << 20, 16 << 20, 24 << 20]
+
+
+def test_records_at_the_edges_of_the_scans_windows_are_found():
+    """The scan finds the blocks that begin with the magic 8 MiB at a time: a record in the first or the last
+    block of a window, or in the image's last block, is found like any other, and so is a stray magic there."""
+    w = 8 << 20
+    log = Log(capacity=RING_START + 2 * w + 2 * BLOCK)
+    body = seg(0, n=256)  # one block a record
+    at = [RING_START, RING_START + w - BLOCK, RING_START + w, RING_START + 2 * w - BLOCK, RING_START + 2 * w,
+          RING_START + 2 * w + BLOCK]
+    rs = [log.record(k(i), body, at=a) for i, a in enumerate(at)]
+    log.checkpoint(rs[-1])
+    rec = log.recover()
+    assert [(r.offset, r.fate) for r in rec.records] == [(a, Fate.LIVE) for a in at] and rec.unverified_blocks == 0
+    log.zero(rs[3])
+    log.image[rs[3].offset:rs[3].offset + 4] = b"OKVR"  # a stray magic, not a record
+    assert log.recover().unverified_blocks == 1
 
 
 def test_an_image_that_ends_inside_the_superblocks():

@@ -38,6 +38,7 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 from sortedcontainers import SortedList
 
 from ...errors import SegmentError
@@ -47,7 +48,7 @@ from .record import (BLOCK, MAGIC, MAX_RECORD, NO_PREV, RECORD_HEAD_BYTES, RECOR
                      verify_record_tag)
 from .superblock import RING_START, Superblock, read_superblocks
 
-#: ``on_progress(bytes_done, bytes_total)`` about this often during the scan.
+#: ``on_progress(bytes_done, bytes_total)`` this often during the scan (one numpy pass over its blocks each).
 PROGRESS_EVERY = 8 << 20
 
 
@@ -142,7 +143,7 @@ def recover_shard(image: "bytes | memoryview", *, expect: ShardIdentity | None =
         return out
     key = ShardKey(sb.secret)
     # The ring ends where the tier now says (a resized cache keeps what fits), or where it ended.
-    _scan(mv, image, sb, expect.capacity if expect is not None else sb.capacity, key, out, on_progress)
+    _scan(mv, sb, expect.capacity if expect is not None else sb.capacity, key, out, on_progress)
     _walk(sb, out)
     _adopt(sb, out)
     gens = [r.header.generation for r in out.records]
@@ -150,43 +151,35 @@ def recover_shard(image: "bytes | memoryview", *, expect: ShardIdentity | None =
     return out
 
 
-def _scan(mv: memoryview, image: object, sb: Superblock, capacity: int, key: ShardKey, out: ShardRecovery,
+def _scan(mv: memoryview, sb: Superblock, capacity: int, key: ShardKey, out: ShardRecovery,
           on_progress: Callable[[int, int], None] | None) -> None:
     limit = min(len(mv), capacity)
     size = limit - limit % BLOCK
-    out.scanned_bytes = max(size - RING_START, 0)
-    # Skipping empty or foreign space block by block is slow in Python; the buffer's own find() (mmap,
-    # bytes) jumps to the next magic at C speed. Only when the view covers its whole object.
-    base = image.obj if isinstance(image, memoryview) else image
-    find = getattr(base, "find", None)
-    if find is not None and len(base) != len(mv):  # type: ignore[arg-type]
-        find = None
-    total = out.scanned_bytes
-    next_report = RING_START
-    off = RING_START
-    while off < size:
-        if on_progress is not None and off >= next_report:
-            on_progress(off - RING_START, total)
-            next_report = off + PROGRESS_EVERY
-        if mv[off:off + 4] != MAGIC:
-            if find is None:
-                off += BLOCK
-                continue
-            nxt = find(MAGIC, off + 1)
-            if nxt == -1:
-                break
-            off = -(-nxt // BLOCK) * BLOCK  # the block boundary at or after the match
-            continue
-        info = _candidate(mv, off, size, capacity, sb, key)
-        if info is None:
-            out.unverified_blocks += 1
-        else:
-            out.records.append(info)
+    out.scanned_bytes = total = max(size - RING_START, 0)
+    for lo in range(RING_START, size, PROGRESS_EVERY):
+        if on_progress is not None:
+            on_progress(lo - RING_START, total)
         # Every block is looked at, also inside a record: a newer record torn by a crash can leave an older
         # record's header whole inside its extent, and only the chain says which of them counts.
-        off += BLOCK
+        for off in _magic_blocks(mv, lo, min(lo + PROGRESS_EVERY, size)):
+            info = _candidate(mv, off, size, capacity, sb, key)
+            if info is None:
+                out.unverified_blocks += 1
+            else:
+                out.records.append(info)
     if on_progress is not None:
         on_progress(total, total)
+
+
+_MAGIC_WORD = int.from_bytes(MAGIC, "little")
+
+
+def _magic_blocks(mv: memoryview, lo: int, hi: int) -> list[int]:
+    """The offsets of the blocks in ``[lo, hi)`` (block-aligned) that begin with the record magic: one strided
+    read of each block's first word. A search for the magic through every byte read each payload once more
+    than its CRC does, and was most of the scan's time."""
+    words = np.ndarray(((hi - lo) // BLOCK,), dtype="<u4", buffer=mv, offset=lo, strides=(BLOCK,))
+    return (np.flatnonzero(words == _MAGIC_WORD) * BLOCK + lo).tolist()
 
 
 def _candidate(mv: memoryview, off: int, size: int, capacity: int, sb: Superblock,
