@@ -237,6 +237,17 @@ def test_lookup_that_fails_in_the_lower_tier_leaves_no_pins(tier, monkeypatch):
                 m.lookup(e.engine_id, [a[0].key, b[0].key])
             assert_reservations_zero(m)
             monkeypatch.undo()
+            real = tier.read_many
+
+            def partial(keys, sink=None):  # three segments land (and are copied into DRAM), then the ring fails
+                real(keys[:3], sink=sink)
+                raise ssd.SsdIoError("io_uring_enter: injected after three reads")
+
+            monkeypatch.setattr(tier, "read_many", partial)
+            with pytest.raises(ssd.SsdIoError):
+                m.lookup(e.engine_id, [a[0].key, b[0].key])
+            assert_reservations_zero(m)
+            monkeypatch.undo()
             lk = m.lookup(e.engine_id, [a[0].key, b[0].key])
             assert (lk.count, lk.dram, lk.lower) == (2, 1, 1)
             m.release(lk.lease_id)

@@ -290,6 +290,20 @@ def test_invalidate_while_writing_is_never_published(ssd_dir, by):
         assert not t.contains(key(0)) and t.snapshot().write_cancelled_total == 1
 
 
+def test_contains_many_is_contains_of_each(ssd_dir):
+    faults = Faults()
+    with make(ssd_dir, backend=FaultyBackend(UringBackend(), faults)) as t:
+        for i in range(4):
+            t.submit(key(i), segment(i))
+        t.flush()
+        t.invalidate(keys=[key(1)])
+        faults.write_delay = 0.5
+        t.submit(key(9), segment(9))  # pending: readable from memory
+        keys = [key(i) for i in (0, 1, 2, 3, 9, 10)]
+        assert t.contains_many(keys) == [t.contains(k) for k in keys] == [True, False, True, True, True, False]
+        t.flush()
+
+
 def test_listing_pages_are_the_readable_objects_sorted_and_cut(ssd_dir):
     """A page of ``listing`` is the readable objects (as ``iter_objects``: published records, then first writes in
     flight) of the chunks it matches, after its cursor, sorted: superseded and invalidated records are not

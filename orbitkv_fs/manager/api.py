@@ -300,7 +300,8 @@ class LowerTier(Protocol):
         list (a view valid during the call only: lookups admit it to DRAM while later reads are in flight)."""
 
     def contains(self, key: ObjectKey) -> bool:
-        """True when ``key`` is readable (published)."""
+        """True when ``key`` is readable (published). A tier may also have ``contains_many(keys) -> [bool]``
+        (the SSD tier does): a lookup then asks for a chunk's segments in one call."""
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, namespace: bytes | None = None,
                    chunks: Sequence[bytes] | None = None, all: bool = False) -> TierCounts:

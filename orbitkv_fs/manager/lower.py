@@ -24,7 +24,7 @@ import numpy as np
 
 from ..access import AdminRequired, Caller, authorize
 from ..errors import SegmentError
-from ..keys import ObjectKey, pack_key
+from ..keys import ObjectKey, pack_key, segment_keys
 from ..segment import HEADER_SIZE, SegmentHeader, parse_header
 from ..tiers.dram import Demote
 from .api import (FlushResult, InvalidateResult, LowerTier, ObjectInfo, ObjectPage, RequestError, TierCounts,
@@ -70,6 +70,13 @@ def _lower_listing(lower: LowerTier, match_chunk: Callable[[bytes], bool], after
                   if kb > after and match_chunk(kb[:32]))
 
 
+def _lower_contains(lower: LowerTier, keys: list[ObjectKey]) -> list[bool]:
+    """The tier's ``contains`` of each key: its ``contains_many`` where it has one (the SSD tier: one lock round),
+    else one call a key."""
+    many = getattr(lower, "contains_many", None)
+    return many(keys) if many is not None else [lower.contains(k) for k in keys]
+
+
 class LowerTierCoordination:
     """The lower tier's promotion, prefetch, invalidation and flush."""
 
@@ -79,20 +86,25 @@ class LowerTierCoordination:
         restore serves from the lower tier's bytes again, so a chunk counts whether or not DRAM could take
         it back (an arena full of leased or pinned objects). With ``pin`` the counted chunks are pinned
         (recorded in it). A segment the lower tier claimed but could not deliver (corrupt, I/O error) is a
-        miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together."""
+        miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together.
+
+        A lookup answers the engine's scheduler, so the work per segment is per window where it can be: DRAM's
+        and the tier's membership asked once a chunk, each landed segment copied into an extent reserved for
+        it as it lands, and the window's segments published together once its reads are done."""
         counted = 0
         pos = 0
         while pos < len(chunks):
             window: list[tuple[bytes, list[bytes]]] = []  # (chunk, its keys DRAM lacks)
-            size = 0
+            wanted: list[ObjectKey] = []  # those keys as the tier takes them, window order
             for c in chunks[pos:]:
-                missing = [kb for kb in (pack_key(eng.ns, c, s.layer, s.role) for s in eng.segs)
-                           if not self.dram.contains(kb)]
-                if not all(self.lower.contains(ObjectKey.unpack(kb)) for kb in missing):
+                keys = segment_keys(eng.ns, c, eng.tails)
+                missing = [kb for kb, have in zip(keys, self.dram.contains_many(keys)) if not have]
+                objs = [ObjectKey.unpack(kb) for kb in missing]
+                if not all(_lower_contains(self.lower, objs)):
                     break
                 window.append((c, missing))
-                size += len(missing)
-                if size >= _PROMOTE_WINDOW:
+                wanted += objs
+                if len(wanted) >= _PROMOTE_WINDOW:
                     break
             if not window:
                 break
@@ -103,17 +115,30 @@ class LowerTierCoordination:
                 pin.chunks.extend(ncs)
             flat = [kb for _, m in window for kb in m]
             got: set[bytes] = set()
+            landed: list[tuple[bytes, int, int, SegmentHeader]] = []  # reserved, copied, not yet published
 
             def admit(i: int, blob: "bytes | memoryview") -> None:
-                # As each read lands, while the next ones are in flight: DRAM copies it (a segment of a
-                # chunk that then misses stays valid in DRAM, just not counted below).
+                # As each read lands, while the next ones are in flight: DRAM copies it into an extent of its
+                # own (a segment of a chunk that then misses stays valid in DRAM, just not counted below).
                 kb = flat[i]
                 h = self._checked_header(kb, blob)
-                if h is not None:
-                    got.add(kb)
-                    self._admit(kb, blob, h)
+                if h is None:
+                    return
+                got.add(kb)
+                off = self.dram.reserve(len(blob))
+                if off is not None:
+                    self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+                    landed.append((kb, off, len(blob), h))
 
-            self.lower.read_many([ObjectKey.unpack(kb) for kb in flat], sink=admit)
+            try:
+                self.lower.read_many(wanted, sink=admit)
+            except BaseException:
+                for _, off, n, _ in landed:
+                    self.dram.cancel(off, n)
+                raise
+            if landed:
+                self.dram.publish_many([x[0] for x in landed], [x[1] for x in landed], [x[2] for x in landed],
+                                       [x[3].original_length for x in landed], [int(x[3].format) for x in landed])
             if len(got) < len(flat):
                 self._add(misses=len(flat) - len(got))
             good = 0

@@ -64,6 +64,13 @@ class ReadPath:
         with self._lock:
             return key in self._index or key in self._index.pending
 
+    def contains_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """:meth:`contains` of each key under one hold of the tier's lock (a lookup asks for a chunk's
+        segments at once)."""
+        index, pending = self._index, self._index.pending
+        with self._lock:
+            return [k in index or k in pending for k in keys]
+
     def read(self, key: ObjectKey) -> bytes | None:
         """The validated segment bytes of ``key``, or None (absent, I/O error, or corrupt)."""
         return self.read_many([key])[0]
