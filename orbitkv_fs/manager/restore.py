@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
+from itertools import chain, compress
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import msgspec
@@ -37,6 +37,7 @@ from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
 from .batching import ALIGN_SHARE, _decode_bound, _pipelined
 from .device import _Targets
 from .leases import Spans, _Lease
+from .lower import _lower_contains
 from .registry import _Engine, _Seg
 from .verify import _header_rows_at, _verify, _verify_header, _verify_headers, header_of
 
@@ -344,14 +345,14 @@ class RestorePipeline:
         missing = self._lease_dram(kbs, held, out, spans)
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and device is not None and self.lower is not None:
-            device.update(kb for kb in missing if self.lower.contains(ObjectKey.unpack(kb)))
+            device.update(compress(missing, _lower_contains(self.lower, [ObjectKey.unpack(kb) for kb in missing])))
             missing = [kb for kb in missing if kb not in device]
             if tally is not None:
                 tally["lower"] += len(device)
         if missing and self.lower is not None:
             still = []
             okeys = [ObjectKey.unpack(k) for k in missing]
-            claimed = [self.lower.contains(k) for k in okeys]
+            claimed = _lower_contains(self.lower, okeys)
             reads = self.lower.read_many(okeys)
             for kb, got, held_there in zip(missing, reads, claimed):
                 blob = self._checked_lower(kb, got, reasons)
