@@ -79,3 +79,39 @@ def test_the_credential_save_answered_serves_the_later_commands_and_goes_with_cl
     finally:
         srv.close()
         m.close()
+
+
+def test_restore_after_a_manager_restart_registers_again_with_the_codec_save_used(tmp_path, capsys):
+    """A manager restarted on its SSD (``--ssd-recover``) no longer knows the engine: ``restore`` registers it
+    again, with the codec ``save`` registered with (an engine's namespace depends on its codec), and restores
+    what the SSD kept."""
+    from test_ssd_common import direct_io_dir
+
+    from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+
+    shm = str(tmp_path)
+    ssd = (str(direct_io_dir(tmp_path) / "ssd0.okv"),)
+    flags = ["--shm-dir", shm, "--data-plane", f"ipc://{tmp_path}/dp.sock"]
+
+    def start(recover: bool) -> tuple[Manager, DataPlaneServer]:
+        m = Manager(ManagerConfig(pool_size=16 << 20, device="cpu", shm_dir=shm),
+                    lower_tier=SsdTier(SsdConfig(paths=ssd, capacity=64 << 20, recover=recover)))
+        return m, DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock", workers=2)
+
+    m, srv = start(False)
+    try:
+        assert main(["save", "--codec", "fp8", *flags]) == 0
+        assert m.flush_dram().submitted.objects > 0
+    finally:
+        srv.close()
+        m.close()
+    capsys.readouterr()
+    m, srv = start(True)
+    try:
+        assert main(["restore", *flags]) == 0
+        out = capsys.readouterr().out
+        assert "registered sample-tp0 again" in out and "codec fp8" in out and "4 present (DRAM 0, lower tier 4" in out
+        assert main(["clean", *flags]) == 0
+    finally:
+        srv.close()
+        m.close()

@@ -15,12 +15,13 @@ Commands (each a separate, short-lived process; the pages file is the engine's s
 * ``save`` -- create the pages if needed, register the engine over the data plane (unless it is already
   registered), save ``--chunks`` chunks of ``--blocks-per-chunk`` blocks each.
 * ``restore`` -- zero those chunks' blocks, look them up and restore them, and compare the pages with
-  what was saved (identical for exact codecs; the largest difference for lossy ones).
+  what was saved (identical for exact codecs; the largest difference for lossy ones). A manager that no
+  longer knows the engine (it restarted) gets its registration again first, as a connector's next call does.
 * ``clean`` -- unregister the engine (if it is registered) and remove its pages file and credential.
 
 Every data-plane call for the engine carries the credential its registration answered (docs/security.md):
-``save`` keeps it next to the pages file (``orbitkv-pages-<engine id>.credential``, mode 0600), and the
-later commands present it from there.
+``save`` keeps it next to the pages file (``orbitkv-pages-<engine id>.credential``, mode 0600), with the codec
+it registered with, and the later commands present it from there.
 
 The engine registers without a pid: the manager does not unregister it when a command exits (``clean`` or
 ``DELETE /v1/engines/{id}`` does). Output is deterministic for given flags (no timings), so documentation
@@ -105,16 +106,27 @@ def _connect(args: argparse.Namespace) -> Client:
     client = connect(args.data_plane, timeout=args.timeout)
     try:
         with open(credential_path(args)) as f:
-            client.set_credential(args.engine_id, f.read().strip())
+            client.set_credential(args.engine_id, f.readline().strip())
     except FileNotFoundError:  # not registered by ``save`` (yet): calls go without one
         pass
     return client
 
 
-def _keep_credential(args: argparse.Namespace, credential: str) -> None:
+def _keep_credential(args: argparse.Namespace, credential: str, codec: str) -> None:
+    """The credential a registration answered, and the codec it registered with (an engine's namespace
+    depends on its codec: registering again after a manager restart must name the same one)."""
     fd = os.open(credential_path(args), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(credential + "\n")
+        f.write(f"{credential}\n{codec}\n")
+
+
+def _registered_codec(args: argparse.Namespace) -> str | None:
+    """The codec ``save`` registered with (None: no record of it)."""
+    try:
+        with open(credential_path(args)) as f:
+            return f.read().split("\n")[1] or None
+    except (FileNotFoundError, IndexError):
+        return None
 
 
 def cmd_pages(args: argparse.Namespace) -> int:
@@ -139,7 +151,7 @@ def cmd_save(args: argparse.Namespace) -> int:
         with _connect(args) as client:
             try:
                 info = client.register(registration(args, pages))
-                _keep_credential(args, info.credential)
+                _keep_credential(args, info.credential, info.codec)
                 print(f"registered {info.engine_id}: namespace {info.namespace}, codec {info.codec}, "
                       f"{info.num_blocks} blocks, {info.segments_per_chunk} segments per chunk")
             except EngineBusy:
@@ -161,7 +173,14 @@ def cmd_restore(args: argparse.Namespace) -> int:
         for t in pages.tensors.values():
             pages.array(t.name)[blocks] = 0
         with _connect(args) as client:
-            lk = client.lookup(args.engine_id, [c.key for c in todo])
+            try:
+                lk = client.lookup(args.engine_id, [c.key for c in todo])
+            except UnknownEngine:  # the manager restarted and forgot it: register again, as a connector does
+                args.codec = args.codec or _registered_codec(args)
+                info = client.register(registration(args, pages))
+                _keep_credential(args, info.credential, info.codec)
+                print(f"registered {info.engine_id} again: namespace {info.namespace}, codec {info.codec}")
+                lk = client.lookup(args.engine_id, [c.key for c in todo])
             print(f"looked up {len(todo)} chunks: {lk.count} present (DRAM {lk.dram}, lower tier {lk.lower}, "
                   f"peers {lk.peer})")
             r = client.restore(args.engine_id, todo[:lk.count], lease_id=lk.lease_id)
