@@ -325,7 +325,8 @@ def test_listing_pages_are_the_readable_objects_sorted_and_cut(ssd_dir):
         assert len(full) == 12 * 3 - 1 + 2 and key(20).pack() in dict(full) and key(2, layer=2).pack() not in dict(full)
         assert t.listing() == full
         assert t.listing(lambda p: p[:16] == other) == [r for r in full if r[0][:16] == other]
-        cuts = [b""] + [kb for kb, _ in full] + [kb[:32] for kb, _ in full[::5]] + [kb[:-1] + b"\xff" for kb, _ in full[::3]]
+        cuts = ([b""] + [kb for kb, _ in full] + [kb[:32] for kb, _ in full[::5]]
+                + [kb[:-1] + b"\xff" for kb, _ in full[::3]])
         for after in cuts:
             rest = [r for r in full if r[0] > after]
             for limit in (1, 3, 7):

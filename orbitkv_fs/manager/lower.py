@@ -3,8 +3,9 @@ flush and listing.
 
 Primitives: :func:`demoter` (DRAM's eviction handed to the tier, a batch a call),
 :meth:`LowerTierCoordination._promote_run` (a lookup's run read back in windows, each segment copied into
-DRAM as it lands, a window published at once), :meth:`~LowerTierCoordination._remember_prefix` / :meth:`~LowerTierCoordination._readahead` /
-:meth:`~LowerTierCoordination._prefetched` (speculative prefetch of the chunks that followed a prefix),
+DRAM as it lands, a window published at once), :meth:`~LowerTierCoordination._remember_prefix` /
+:meth:`~LowerTierCoordination._readahead` / :meth:`~LowerTierCoordination._prefetched` (speculative prefetch
+of the chunks that followed a prefix),
 :meth:`~LowerTierCoordination._checked_lower` / :meth:`~LowerTierCoordination._checked_header` (the
 lower tier's bytes checked against their key), :meth:`~LowerTierCoordination._admit` (a verified segment
 into DRAM), :meth:`~LowerTierCoordination.invalidate`, :meth:`~LowerTierCoordination.flush_dram`,
