@@ -5,7 +5,8 @@ An object is one segment of one chunk: ``(namespace, chunk, layer, role)``. ``na
 hash whatever their engine uses down to 16 bytes with :func:`chunk_key`). The packed form is fixed-size
 (:data:`PACKED_SIZE` bytes) so that record headers and wire messages can carry it verbatim. A chunk's keys
 are its 32-byte prefix (namespace + chunk) followed by a 4-byte (layer, role) tail (:func:`key_tails`,
-:func:`segment_keys`).
+:func:`segment_keys`). Packed keys sort chunk by chunk, so a listing in key order is one in prefix order
+(:func:`page_of_chunks`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .segment import Role
 
@@ -42,6 +43,23 @@ def segment_keys(namespace: bytes, chunk: bytes, tails: Sequence[bytes]) -> list
     callers whose namespace and chunk are already checked 16-byte values."""
     prefix = namespace + chunk
     return [prefix + t for t in tails]
+
+
+def page_of_chunks(prefixes: Iterable[bytes], rows_of: Callable[[bytes], list], after: bytes = b"",
+                   limit: int | None = None, match_chunk: Callable[[bytes], bool] | None = None) -> list:
+    """A page of a listing in packed-key order: the rows (each a tuple whose first item is its packed key) of
+    the chunks among ``prefixes`` (32-byte prefixes) that ``match_chunk`` takes (all without it), whose key
+    sorts after ``after``: chunk by chunk in prefix order, each chunk's rows from ``rows_of(prefix)``, until
+    ``limit`` rows are in (at least; all without it). A page builds its own chunks' rows, not every object's
+    and a sort of them all (both tiers list under their locks)."""
+    floor = after[:32]
+    rows: list = []
+    for p in sorted(p for p in prefixes if p >= floor and (match_chunk is None or match_chunk(p))):
+        if limit is not None and len(rows) >= limit:
+            break
+        chunk = sorted(rows_of(p))
+        rows += chunk if p > floor else [r for r in chunk if r[0] > after]
+    return rows
 
 
 def key_layer_role(packed: bytes) -> tuple[int, int]:

@@ -322,7 +322,7 @@ def test_invalidate_flush_and_listing(engine):
         rest = m.list_objects(ns, limit=1000, cursor=page.next_cursor)
         assert len(rest.objects) == 4 * 2 * L - 10 and rest.next_cursor is None
         assert len(m.list_objects(ns, prefix=ch[0].key.hex()[:6]).objects) == 2 * L
-        for bad in ("dram:zz", "dram:abc", "disk:00"):  # a cursor this listing did not make
+        for bad in ("dram:zz", "dram:abc", "disk:00", "lower:zz", "lower:abc"):  # a cursor this listing did not make
             with pytest.raises(RequestError):
                 m.list_objects(ns, cursor=bad)
         r = m.invalidate(engine_id=e.engine_id, chunks=[ch[0].key])

@@ -229,25 +229,19 @@ def test_lookup_that_fails_in_the_lower_tier_leaves_no_pins(tier, monkeypatch):
             m.flush_dram()  # b lives on the SSD only
             m.save(e.engine_id, a)  # a in DRAM: the lookup pins it, then promotes b
 
-            def broken(keys, sink=None):
-                raise ssd.SsdIoError("io_uring_enter: injected")
-
-            monkeypatch.setattr(tier, "read_many", broken)
-            with pytest.raises(ssd.SsdIoError):
-                m.lookup(e.engine_id, [a[0].key, b[0].key])
-            assert_reservations_zero(m)
-            monkeypatch.undo()
             real = tier.read_many
+            for landed in (0, 3):  # the ring fails at once, or after three segments landed (copied into DRAM)
 
-            def partial(keys, sink=None):  # three segments land (and are copied into DRAM), then the ring fails
-                real(keys[:3], sink=sink)
-                raise ssd.SsdIoError("io_uring_enter: injected after three reads")
+                def failing(keys, sink=None, landed=landed):
+                    if landed:
+                        real(keys[:landed], sink=sink)
+                    raise ssd.SsdIoError(f"io_uring_enter: injected after {landed} reads")
 
-            monkeypatch.setattr(tier, "read_many", partial)
-            with pytest.raises(ssd.SsdIoError):
-                m.lookup(e.engine_id, [a[0].key, b[0].key])
-            assert_reservations_zero(m)
-            monkeypatch.undo()
+                monkeypatch.setattr(tier, "read_many", failing)
+                with pytest.raises(ssd.SsdIoError):
+                    m.lookup(e.engine_id, [a[0].key, b[0].key])
+                assert_reservations_zero(m)
+                monkeypatch.undo()
             lk = m.lookup(e.engine_id, [a[0].key, b[0].key])
             assert (lk.count, lk.dram, lk.lower) == (2, 1, 1)
             m.release(lk.lease_id)

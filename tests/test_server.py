@@ -307,7 +307,7 @@ def test_invalidate_flush_and_objects(stack):
         if cursor is None:
             break
     assert pages_n == -(-len(seen) // 7) and len(seen) == 8 * 2 * L == len(set(_ids(seen)))
-    for forged in ("dram:zz", "dram:" + "0" * 71, "ssd:00", "dram"):  # cursors no page handed out
+    for forged in ("dram:zz", "dram:" + "0" * 71, "ssd:00", "dram", "lower:zz", "lower:abc"):  # cursors no page handed out
         assert_error(stack.http.get("/v1/objects", params={"cursor": forged}), 422, "invalid_request")
     tiers = {o["tier"] for o in seen}
     assert tiers == {"dram", "ssd"}

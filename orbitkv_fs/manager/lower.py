@@ -126,9 +126,8 @@ class LowerTierCoordination:
                 if h is None:
                     return
                 got.add(kb)
-                off = self.dram.reserve(len(blob))
+                off = self._copy_in(blob)
                 if off is not None:
-                    self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
                     landed.append((kb, off, len(blob), h))
 
             try:
@@ -138,8 +137,9 @@ class LowerTierCoordination:
                     self.dram.cancel(off, n)
                 raise
             if landed:
-                self.dram.publish_many([x[0] for x in landed], [x[1] for x in landed], [x[2] for x in landed],
-                                       [x[3].original_length for x in landed], [int(x[3].format) for x in landed])
+                kbs, offs, lens, heads = zip(*landed)
+                self.dram.publish_many(kbs, offs, lens, [h.original_length for h in heads],
+                                       [int(h.format) for h in heads])
             if len(got) < len(flat):
                 self._add(misses=len(flat) - len(got))
             good = 0
@@ -241,11 +241,18 @@ class LowerTierCoordination:
         """Copy a verified segment (``h``: its parsed header, when the caller has it) into DRAM and publish
         it; None when it did not fit or was present."""
         h = h or parse_header(blob)
-        off = self.dram.reserve(len(blob))
+        off = self._copy_in(blob)
         if off is None:
             return None
-        self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
         return self.dram.publish(kb, off, len(blob), h.original_length, int(h.format), prefetched=prefetched)
+
+    def _copy_in(self, blob: "bytes | memoryview") -> int | None:
+        """Reserve a DRAM extent for ``blob`` and copy it there, unpublished: its offset, or None when DRAM has no
+        room (leased or pinned objects)."""
+        off = self.dram.reserve(len(blob))
+        if off is not None:
+            self.dram.view(off, len(blob))[:] = np.frombuffer(blob, dtype=np.uint8)
+        return off
 
     def invalidate(self, *, keys: Sequence[ObjectKey] | None = None, chunks: Sequence[bytes] | None = None,
                    namespace: bytes | None = None, engine_id: str | None = None,

@@ -51,7 +51,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from ..index import HIDDEN, ObjectIndex
-from ..keys import ObjectKey
+from ..keys import ObjectKey, page_of_chunks
 from .eviction import make_policy
 
 log = logging.getLogger(__name__)
@@ -775,17 +775,10 @@ class DramTier:
         an admin listing builds the rows of its own chunks, not of every object under the lock."""
         ix = self.index
         keys = ix.keys
-        rows: list[tuple[bytes, int, int, int, int]] = []
         with self.lock:
-            floor = after[:32]
-            prefixes = sorted(p for p in ix.prefixes() if p >= floor and (match_chunk is None or match_chunk(p)))
-            for p in prefixes:
-                if limit is not None and len(rows) >= limit:
-                    break
-                chunk = sorted((keys[s], ix.rep[s], ix.logical[s], ix.length[s], ix.generation[s])
-                               for s in ix.chunk_slots((p,)))
-                rows += chunk if p > floor else [r for r in chunk if r[0] > after]
-        return rows
+            return page_of_chunks(ix.prefixes(), lambda p: [(keys[s], ix.rep[s], ix.logical[s], ix.length[s],
+                                                             ix.generation[s]) for s in ix.chunk_slots((p,))],
+                                  after, limit, match_chunk)
 
     def close(self) -> None:
         self.arena.close()

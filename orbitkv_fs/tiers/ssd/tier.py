@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ...errors import OrbitKVError
-from ...keys import PACKED_SIZE, ObjectKey
+from ...keys import PACKED_SIZE, ObjectKey, page_of_chunks
 from ...segment import Format, crc32c
 from .index import SsdIndex
 from .lane import WritebackLane, _Write
@@ -627,8 +627,6 @@ class SsdTier(WritebackLane, ReadPath):
         through each shard's records by chunk, so that a page of an admin listing builds its own chunks' rows
         under the tier's lock, not every record's key and a sort of them all (every read, demotion and lookup
         waits on that lock)."""
-        floor = after[:32]
-        rows: list[tuple[bytes, int]] = []
         with self._lock:
             index = self._index
             pending: dict[bytes, list[tuple[bytes, int]]] = {}
@@ -638,13 +636,10 @@ class SsdTier(WritebackLane, ReadPath):
             prefixes = set(pending)
             for sh in self._shards:
                 prefixes.update(sh.by_chunk)
-            for p in sorted(p for p in prefixes if p >= floor and (match_chunk is None or match_chunk(p))):
-                if limit is not None and len(rows) >= limit:
-                    break
-                chunk = sorted([(s.key.pack(), s.stored) for sh in self._shards  # type: ignore[union-attr]
-                                for s in sh.by_chunk.get(p, ()) if index.get(s.key) is s] + pending.get(p, []))
-                rows += chunk if p > floor else [r for r in chunk if r[0] > after]
-        return rows
+            return page_of_chunks(prefixes, lambda p: [(s.key.pack(), s.stored)  # type: ignore[union-attr]
+                                                       for sh in self._shards for s in sh.by_chunk.get(p, ())
+                                                       if index.get(s.key) is s] + pending.get(p, []),
+                                  after, limit, match_chunk)
 
     def iter_records(self, namespace: bytes | None = None) -> Iterator[SsdObject]:
         with self._lock:
