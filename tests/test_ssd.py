@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import random
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import pytest
 from orbitkv_fs.errors import SegmentError
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdConfigError, SsdIoError, SsdTier
+from orbitkv_fs.tiers.ssd import reads
 from orbitkv_fs.tiers.ssd.faults import FaultyBackend, Faults
+from orbitkv_fs.tiers.ssd.reads import plan_reads
 from orbitkv_fs.tiers.ssd.record import record_length
 from orbitkv_fs.tiers.ssd.ring import Shard, Slot, State
 from orbitkv_fs.tiers.ssd.staging import size_class
@@ -474,6 +477,85 @@ def test_read_many_sink_streams_and_survives_a_raising_sink(ssd_dir):
         assert t.read_many(keys) == [segment(i) for i in range(40)]
         assert all(s.leases == 0 for sh in t._shards for s in sh.slots.values())
         assert t.snapshot().read_hits_total == 40 + 1 + 40
+
+
+def test_a_reads_plan_puts_records_end_to_end_on_disk_in_one_read_and_cuts_windows():
+    # (index, shard, offset, length): two runs in shard 0 (the second one out of order in the request), one
+    # record of shard 1 right where shard 0's run ends (another file: not joined), a key named twice.
+    places = [(0, 0, 8192, 4096), (1, 0, 4096, 4096), (2, 0, 40960, 8192), (3, 1, 53248, 4096),
+              (4, 0, 32768, 8192), (5, 0, 4096, 4096), (6, 0, 49152, 4096)]
+    (w,) = plan_reads(places, 1 << 20, 64)
+    assert [r[0] for r in w.records] == [1, 5, 0, 4, 2, 6, 3]  # disk order; the twice-named key twice
+    # buffer positions follow one another; each extent is one read of records that follow on disk
+    assert [r[1] for r in w.records] == [0, 4096, 8192, 12288, 20480, 28672, 32768]
+    assert w.extents == [[0, 4096, 0, 4096], [0, 4096, 4096, 8192], [0, 32768, 12288, 20480],
+                         [1, 53248, 32768, 4096]]
+    assert [r[2] for r in w.records] == [0, 1, 1, 2, 2, 2, 3] and w.nbytes == 36864 and w.left == 4
+    # A window holds at most ``window`` bytes of records, at least one, and an extent never crosses windows.
+    ws = plan_reads(places, 12288, 64)
+    assert [[r[0] for r in x.records] for x in ws] == [[1, 5, 0], [4], [2, 6], [3]]
+    assert [x.extents for x in ws] == [[[0, 4096, 0, 4096], [0, 4096, 4096, 8192]], [[0, 32768, 0, 8192]],
+                                       [[0, 40960, 0, 12288]], [[1, 53248, 0, 4096]]]
+    # ... and at most ``extents`` reads: a record that joins the last one's read still comes in.
+    assert [[r[0] for r in x.records] for x in plan_reads(places, 1 << 20, 2)] == [[1, 5, 0], [4, 2, 6, 3]]
+    assert [r[0] for r in plan_reads([(0, 0, 0, 1 << 20)], 4096, 1)[0].records] == [0]
+    assert plan_reads([], 4096, 1) == []
+
+
+@pytest.mark.parametrize("window", [1 << 20, 3 * 20480, 20480])
+def test_read_many_over_many_windows_serves_every_record_and_holds_few_buffers(ssd_dir, monkeypatch, window):
+    """Records end to end and apart on disk, read in windows smaller than the read (one record each, at the
+    smallest), the read-ahead cut short: every segment reaches the sink, in the right place, once."""
+    monkeypatch.setattr(reads, "READ_WINDOW", window)
+    monkeypatch.setattr(reads, "READ_AHEAD", 2 * window)
+    with make(ssd_dir, shards=2) as t:
+        keys = [key(i) for i in range(96)]
+        for i, k in enumerate(keys):
+            assert t.submit(k, segment(i), timeout=5.0)
+        t.flush()
+        taken, out, peak = [], {}, [0]
+        real_host, real_recycle = t._staging.host, t._staging.recycle
+
+        def host(n):
+            buf = real_host(n)
+            taken.append(n)
+            out[id(buf)] = n
+            peak[0] = max(peak[0], sum(out.values()))
+            return buf
+
+        def recycle(buf):
+            out.pop(id(buf), None)
+            real_recycle(buf)
+
+        monkeypatch.setattr(t._staging, "host", host)
+        monkeypatch.setattr(t._staging, "recycle", recycle)
+        for want in (keys, keys[::3] + [key(500)] + keys[1::3]):
+            got = {}
+            assert t.read_many(want, sink=lambda i, b: got.__setitem__(i, bytes(b))) == [None] * len(want)
+            assert got == {i: segment(keys.index(k)) for i, k in enumerate(want) if k in keys}
+            assert t.read_many(want) == [segment(keys.index(k)) if k in keys else None for k in want]
+        assert taken and max(taken) <= window and not out  # every window buffer went back
+        assert peak[0] <= 2 * window  # two windows, or the read-ahead's bytes
+        assert all(s.leases == 0 for sh in t._shards for s in sh.slots.values())
+
+
+def test_a_short_read_serves_the_records_it_covered_and_invalidates_none(ssd_dir):
+    with make(ssd_dir, shards=1) as t:
+        keys = [key(i) for i in range(12)]
+        for i, k in enumerate(keys):
+            assert t.submit(k, segment(i), timeout=5.0)
+        t.flush()
+        recs = sorted((o.offset, o.key) for o in t.iter_records())
+        assert [k for _, k in recs] == keys  # end to end: one read for all of them
+        rec = record_length(len(segment(0)))
+        assert all(b[0] - a[0] == rec for a, b in zip(recs, recs[1:]))
+        # The disk ends 4 KiB into the sixth record: the read of all twelve comes back short.
+        os.truncate(t.config.paths[0], recs[5][0] + 4096)
+        assert t.read_many(keys) == [segment(i) for i in range(5)] + [None] * 7
+        s = t.snapshot()
+        assert (s.read_hits_total, s.read_errors_total, s.corrupt_records_total) == (5, 7, 0)
+        assert s.errors_by_errno == {"short_read": 7}
+        assert all(t.contains(k) for k in keys)  # an I/O error invalidates nothing
 
 
 def test_submit_with_timeout_waits_for_room_instead_of_dropping(ssd_dir):

@@ -6,7 +6,7 @@ index). It owns the pool of demand-read rings (``_read_rings``), the demand coun
 
 Primitives: :meth:`ReadPath.contains`, :meth:`ReadPath.read`, :meth:`ReadPath.read_many` (optionally
 streaming to a sink), :meth:`ReadPath.describe`, :meth:`ReadPath.read_many_device` (the cuFile direct
-path), :meth:`ReadPath.prefetch`.
+path), :meth:`ReadPath.prefetch`; :func:`plan_reads`, a host demand read's windows and extents.
 
 Invariants:
 
@@ -16,7 +16,7 @@ Invariants:
    the consumer). The tag is recovery's: at run time the index says which record must be where.
 2. A record that fails is a miss and only that generation leaves the index at once (counted as
    corrupt); its space is reclaimed when its leases drain. An I/O error is a miss that invalidates
-   nothing.
+   nothing (of a read of several records: a miss of each record it did not bring in whole).
 3. A record is leased from the moment a read of it is prepared until that read is settled, so the ring
    never overwrites a record under a read; a read in flight keeps its buffer until the kernel is done.
 4. Keys submitted and not yet written are served from the submitted bytes (the index's ``pending``).
@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -57,6 +58,64 @@ def _heads(arr: Any, offsets: list[int]) -> list[bytes]:
     return [row.tobytes() for row in host]
 
 
+#: Bytes of records a demand read reads into one buffer (at least one record): records that lie end to end
+#: on disk in it are read by one I/O.
+READ_WINDOW = 2 << 20
+#: Bytes of window buffers a demand read holds at most beyond its first two windows.
+READ_AHEAD = 16 << 20
+
+
+class ReadWindow:
+    """The records a demand read reads into one buffer: ``records`` (index into the keys, position in the
+    buffer, extent), ``extents`` (shard, disk offset, position in the buffer, length: one read each), the
+    buffer once taken, and what each extent's read answered."""
+
+    __slots__ = ("records", "extents", "nbytes", "buf", "results", "started", "took", "left")
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int, int]] = []
+        self.extents: list[list[int]] = []
+        self.nbytes = 0
+        self.buf: Any = None
+        self.results: list[int] = []
+        self.started: list[float] = []
+        self.took: list[float] = []
+        self.left = 0
+
+    def landed(self, e: int, res: int, now: float) -> None:
+        """Extent ``e``'s read ended with ``res`` (bytes read or -errno) at ``now``."""
+        self.results[e] = res
+        self.took[e] = now - self.started[e]
+        self.left -= 1
+
+
+def plan_reads(places: Sequence[tuple[int, int, int, int]], window: int, extents: int) -> list[ReadWindow]:
+    """The windows of a demand read of records at ``places`` (index into the keys, shard, disk offset, record
+    length), in disk order: each holds records up to ``window`` bytes (at least one), laid in its buffer in
+    that order, and records that follow each other on disk in one shard form one extent (one read), up to
+    ``extents`` extents a window. A record named twice gets two places."""
+    out: list[ReadWindow] = []
+    w: ReadWindow | None = None
+    end = (-1, -1)  # (shard, disk offset) where the window's last extent ends
+    for i, shard, offset, length in sorted(places, key=lambda p: (p[1], p[2], p[0])):
+        joins = end == (shard, offset)
+        if w is None or (w.records and (w.nbytes + length > window or (not joins and len(w.extents) == extents))):
+            w = ReadWindow()
+            out.append(w)
+            joins = False
+        if joins:
+            w.extents[-1][3] += length
+        else:
+            w.extents.append([shard, offset, w.nbytes, length])
+        w.records.append((i, w.nbytes, len(w.extents) - 1))
+        w.nbytes += length
+        end = (shard, offset + length)
+    for w in out:
+        n = len(w.extents)
+        w.results, w.started, w.took, w.left = [0] * n, [0.0] * n, [0.0] * n, n
+    return out
+
+
 class ReadPath:
     """Mixin: the read half of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (see the module docstring)."""
 
@@ -77,12 +136,17 @@ class ReadPath:
 
     def read_many(self, keys: Sequence[ObjectKey],
                   sink: "Callable[[int, bytes], None] | None" = None) -> list[bytes | None]:
-        """Demand-read several keys at once (up to the read queue depth in flight).
+        """Demand-read several keys at once.
+
+        The records are read in windows (:func:`plan_reads`): each window's records into one buffer, records
+        that lie end to end on disk by one read, up to the read queue depth in flight; the next window's
+        reads are in flight while this thread checks the one that landed.
 
         With ``sink``, each segment is handed to ``sink(index, segment)`` as soon as it is validated and
         not kept in the returned list (which then holds None for it): a consumer that stores segments
-        elsewhere (DRAM) never holds more than the reads in flight. The segment is then a view valid
-        during the call only (of the read buffer itself, reused afterwards): copy what you keep."""
+        elsewhere (DRAM) never holds more than two windows, or :data:`READ_AHEAD` bytes of them. The
+        segment is then a view valid during the call only (of the window's buffer, reused afterwards): copy
+        what you keep."""
         begun = self._begin_reads(keys)
         if begun is None:
             return [None] * len(keys)
@@ -90,7 +154,13 @@ class ReadPath:
         out: list[bytes | None] = [None] * len(keys)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
-        bufs: dict[int, memoryview] = {}  # reads in flight -> their buffers
+        bufs: dict[int, tuple[ReadWindow, int]] = {}  # reads in flight: tag -> (window, extent)
+        # A window of records apart on disk holds half a ring of reads: it is checked while the next one's
+        # reads keep the ring busy.
+        windows = plan_reads([(i, s.shard, s.offset, s.length) for i, s in enumerate(slots) if s is not None],
+                             READ_WINDOW, max(1, self.config.read_queue_depth // 2))
+        held: list[ReadWindow] = []  # windows with a buffer, in order; the first is checked next
+        queue: collections.deque[tuple[ReadWindow, int]] = collections.deque()  # (window, extent) to read
         broken = False  # the ring raised: reads may sit in it prepped, never submitted
         try:
             # Inside the try: a sink that raises must still give back the leases and the demand count.
@@ -99,56 +169,75 @@ class ReadPath:
                     out[i] = data
                 else:
                     sink(i, data)
-            if ring is None:
+            if windows and ring is None:
                 ring = self._io.ring(self.config.read_queue_depth)
-            todo = [i for i, s in enumerate(slots) if s is not None]
-            started: dict[int, float] = {}
-            pos = 0
-
-            def fill() -> bool:
-                nonlocal pos
-                n = pos
-                while pos < len(todo) and ring.space() > 0:
-                    i = todo[pos]
-                    s = slots[i]
-                    bufs[i] = self._staging.host(s.length)
-                    started[i] = time.perf_counter()
-                    ring.prep_read(self._shards[s.shard].fid, bufs[i], s.offset, i)
-                    pos += 1
-                return pos > n
-
-            while pos < len(todo) or bufs:
-                fill()
-                landed = [(i, res, bufs.pop(i)) for i, res in ring.submit_and_wait()]
-                # The freed slots get their next reads before this thread validates what landed: at
-                # 64 KiB and a shallow queue, checking and copying a batch takes as long as the device
-                # needs to drain the reads still in flight.
-                if fill():
+            nxt = tag = held_bytes = 0
+            while nxt < len(windows) or held:
+                # A window is taken once the reads of those before it are all prepped: while fewer than two
+                # have buffers (the one to check next, and one whose reads go on meanwhile), or while the
+                # ring has room and the buffers held stay within READ_AHEAD (records apart on disk: one read
+                # each, as many in flight as the ring takes).
+                while nxt < len(windows) and not queue and (
+                        len(held) < 2 or (ring.space() > 0 and held_bytes + windows[nxt].nbytes <= READ_AHEAD)):
+                    w = windows[nxt]
+                    nxt += 1
+                    w.buf = self._staging.host(w.nbytes)
+                    held.append(w)
+                    held_bytes += w.nbytes
+                    queue.extend((w, e) for e in range(len(w.extents)))
+                while queue and ring.space() > 0:
+                    w, e = queue.popleft()
+                    shard, offset, pos, length = w.extents[e]
+                    tag += 1
+                    bufs[tag] = (w, e)
+                    w.started[e] = time.perf_counter()
+                    ring.prep_read(self._shards[shard].fid, w.buf[pos:pos + length], offset, tag)
+                if ring is not None and ring.unsent():
                     ring.submit()
-                for i, res, buf in landed:
-                    # Validate as each read lands, so only the reads in flight hold buffers. A sink gets a
-                    # view of the read buffer itself (no copy), which goes back to the pool after it.
-                    data, why = self._check_read(slots[i], res, buf, keep=sink is not None)
-                    try:
-                        if data is None:
-                            verdicts[i] = why
-                            continue
-                        self._read_lat.append(time.perf_counter() - started[i])
-                        hits.add(i)
-                        if sink is None:
-                            out[i] = data
-                        else:
-                            sink(i, data)
-                    finally:
-                        del data
-                        if sink is not None:
-                            self._staging.recycle(buf)
+                w = held[0]
+                if w.left:
+                    for t, res in ring.submit_and_wait():
+                        done, e = bufs.pop(t)
+                        done.landed(e, res, time.perf_counter())
+                    continue
+                self._check_window(w, slots, out, verdicts, hits, sink)
+                held.pop(0)
+                held_bytes -= w.nbytes
+                self._staging.recycle(w.buf)
         except SsdIoError:
             broken = True
             raise
         finally:
             self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
+            if not bufs:  # a buffer still in the kernel's hands is left alone
+                for w in held:
+                    self._staging.recycle(w.buf)
         return out
+
+    def _check_window(self, w: "ReadWindow", slots: "list[Slot | None]", out: "list[bytes | None]",
+                      verdicts: dict[int, str], hits: set[int],
+                      sink: "Callable[[int, bytes], None] | None") -> None:
+        """Check each record of a landed window (:func:`~.record.verify_record`) and serve it: into ``out``
+        (a copy) or to ``sink`` (a view of the window's buffer). A record its extent's read did not cover
+        (an errno, or a short read) is a miss with that reason; one that fails a check is "corrupt"."""
+        for i, pos, e in w.records:
+            s = slots[i]
+            res = w.results[e]
+            if res < 0 or w.extents[e][2] + res < pos + s.length:
+                verdicts[i] = io_reason(res, "short_read")
+                continue
+            try:
+                seg = verify_record(w.buf[pos:pos + s.length], s.offset, s.key.pack(), s.generation, s.stored,
+                                    s.crc)
+            except SegmentError:
+                verdicts[i] = "corrupt"
+                continue
+            self._read_lat.append(w.took[e])
+            hits.add(i)
+            if sink is None:
+                out[i] = bytes(seg)
+            else:
+                sink(i, seg)
 
     def _begin_reads(self, keys: Sequence[ObjectKey]) -> "tuple[list[Slot | None], dict[int, bytes], IoRing | None] | None":
         """Start a demand read of ``keys``: the demand count goes up (writeback throttles, the prefetch
