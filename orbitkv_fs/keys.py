@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
+
+import msgspec
 
 from .segment import Role
 
@@ -76,8 +77,12 @@ def chunk_key(data: "bytes | str | int") -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectKey:
+class ObjectKey(msgspec.Struct, frozen=True, gc=False):
+    """One object's key. Not tracked by Python's cycle collector (``gc=False``: it refers to bytes, an int and
+    an enum member only, so it can be in no cycle): the SSD tier keeps one per record, and a full collection
+    traverses every tracked object of the process while it holds the GIL
+    (docs/results/2026-12-05-gc-pauses)."""
+
     namespace: bytes
     chunk: bytes
     layer: int

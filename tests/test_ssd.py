@@ -4,6 +4,7 @@ invalidation, stats, configuration errors."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import random
@@ -556,6 +557,23 @@ def test_a_short_read_serves_the_records_it_covered_and_invalidates_none(ssd_dir
         assert (s.read_hits_total, s.read_errors_total, s.corrupt_records_total) == (5, 7, 0)
         assert s.errors_by_errno == {"short_read": 7}
         assert all(t.contains(k) for k in keys)  # an I/O error invalidates nothing
+
+
+def test_records_and_keys_are_not_tracked_by_the_cycle_collector(ssd_dir):
+    """A cache holds a slot and a key per record, millions of them: tracked, every full collection of the
+    Manager's process would traverse them all with the GIL held (docs/results/2026-12-05-gc-pauses)."""
+    with make(ssd_dir, shards=1) as t:
+        for i in range(8):
+            assert t.submit(key(i), segment(i))
+        t.flush()
+        slots = [s for sh in t._shards for s in sh.slots.values()]
+        assert len(slots) == 8 and len(t._index) == 8
+        assert not any(gc.is_tracked(s) or gc.is_tracked(s.key) for s in slots)
+        assert not any(gc.is_tracked(k) or gc.is_tracked(s) for k, s in t._index.items())
+    a, b = key(1), key(1)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1 and a != key(2)
+    s1, s2 = Slot(0, 4096, 4096, a, 1, 64, None, 0), Slot(0, 4096, 4096, a, 1, 64, None, 0)
+    assert s1 == s1 and s1 != s2 and len({s1, s2}) == 2  # by identity: a chunk's records are a set
 
 
 def test_submit_with_timeout_waits_for_room_instead_of_dropping(ssd_dir):
