@@ -196,6 +196,56 @@ def test_submit_many_drops_what_the_lane_has_no_room_for(ssd_dir):
         assert t.read(key(5)) == big[5]
 
 
+def test_a_batch_for_a_shard_is_placed_end_to_end_from_one_search(ssd_dir, monkeypatch):
+    """Eviction's batch: a shard's records go end to end from one place the ring's search found for all of them,
+    in generation order, each its own record of the chain: they read back, and a restart recovers them all
+    (twice named keys keep the later segment)."""
+    searches = []
+    real = Shard.find_room
+    monkeypatch.setattr(Shard, "find_room", lambda sh, n: searches.append(n) or real(sh, n))
+    with make(ssd_dir, shards=2) as t:
+        keys = [key(i, layer=i % 3) for i in range(40)] + [key(3, layer=0)]
+        segs = [segment(i, layer=i % 3) for i in range(40)] + [segment(3, layer=0, version=1)]
+        assert t.submit_many(keys, segs) == 41
+        assert len(searches) == 2  # one search a shard, not one a record
+        t.flush()
+        for sh in t._shards:
+            mine = sorted(sh.slots.values(), key=lambda x: x.generation)
+            assert len(mine) > 1 and sum(x.length for x in mine) in searches
+            assert all(b.offset == a.end for a, b in zip(mine, mine[1:]))
+        want = [segment(i, layer=i % 3) if i != 3 else segs[-1] for i in range(40)]
+        assert t.read_many(keys[:40]) == want
+        paths = t.config.paths
+    with SsdTier(SsdConfig(paths=paths, capacity=32 << 20, recover=True)) as t:
+        s = t.snapshot()
+        assert s.objects == 40 and s.recovered_chain_breaks_total == 0 and s.recovered_torn_total == 0
+        assert t.read_many(keys[:40]) == want
+
+
+def test_a_batch_with_no_run_long_enough_is_placed_record_by_record(ssd_dir):
+    """Leased records every few places leave no run of the ring as long as the batch: its records still go in
+    one by one, around them, and nothing is dropped."""
+    rec = record_length(len(segment(0, n=24576)))  # 52 KiB: a ring of 24 is over the 1 MiB a shard needs
+    with make(ssd_dir, shards=1, capacity=RING_START + 24 * rec) as t:  # 24 records fill the ring
+        for i in range(24):
+            assert t.submit(key(i), segment(i, n=24576), timeout=5.0)
+        t.flush()
+        held = [s for s in t._shards[0].slots.values() if (s.offset - RING_START) // rec % 4 == 3]
+        for s in held:  # leased: readers hold them, the ring must go around
+            s.leases += 1
+        try:
+            new = [key(100 + i) for i in range(12)]
+            assert t.submit_many(new, [segment(100 + i, n=24576) for i in range(12)]) == 12
+            t.flush()
+            assert t.read_many(new) == [segment(100 + i, n=24576) for i in range(12)]
+            assert t.snapshot().write_dropped_total == 0
+        finally:
+            for s in held:
+                s.leases -= 1
+        first = {key(i): segment(i, n=24576) for i in range(24)}
+        assert held and t.read_many([s.key for s in held]) == [first[s.key] for s in held]  # went around them
+
+
 def _room_by_scan(sh: Shard, length: int):
     """:meth:`Shard.find_room` by a scan of every slot: from the head, the first place whose overlapping
     slots are neither being written nor leased (the first such slot in offset order is the one skipped)."""

@@ -177,7 +177,7 @@ class WritebackLane:
                     self._start(timeout)
         elif staged:
             with self._lock:
-                queued = sum(self._enqueue(*s, 0.0) for s in staged)
+                queued = self._enqueue_many(staged)
             if queued:
                 taken += queued
                 self._start(0.0)
@@ -190,13 +190,60 @@ class WritebackLane:
         slot = self._place(self._shard_of_packed(packed), key, rec_len, seg_len, fmt, original, pcrc, buf, timeout)
         if slot is None:
             return False
+        self._start_record(slot, packed, seg_len, buf)
+        return True
+
+    def _enqueue_many(self, staged: Sequence[tuple]) -> int:
+        """:meth:`_enqueue` of each staged record (``(key, packed, rec_len, seg_len, fmt, original, pcrc,
+        buf)``, no waiting), a shard's records placed end to end at one place found for all of them where
+        the lane and the ring have room for them at once (:meth:`_place_run`), else one by one. How many
+        were queued. Lock held."""
+        groups: dict[int, list[tuple]] = {}
+        for r in staged:
+            groups.setdefault(self._shard_of_packed(r[1]).index, []).append(r)
+        queued = 0
+        for si, recs in groups.items():
+            slots = self._place_run(self._shards[si], recs) if len(recs) > 1 else None
+            if slots is None:
+                queued += sum(self._enqueue(*r, 0.0) for r in recs)
+                continue
+            for slot, (_, packed, _, seg_len, _, _, _, buf) in zip(slots, recs):
+                self._start_record(slot, packed, seg_len, buf)
+            queued += len(recs)
+        return queued
+
+    def _start_record(self, slot: Slot, packed: bytes, seg_len: int, buf: memoryview) -> None:
+        """A placed record's header (its link: the chain's tail), its segment as the key's pending bytes, its
+        write queued. Lock held."""
         sh = self._shards[slot.shard]
         sh.append(slot, pack_record_header_into(buf, sh.key, Kind.SEGMENT, packed, slot.generation, seg_len,
                                                 slot.offset, *sh.link()))
         # The staging buffer holds the segment until the write ends (readers copy it under the lock).
-        self._index.pending[key] = (slot.generation, buf[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + seg_len])
+        self._index.pending[slot.key] = (slot.generation, buf[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + seg_len])
         self._queue_write(slot, buf)
-        return True
+
+    def _place_run(self, sh: Shard, recs: Sequence[tuple]) -> "list[Slot] | None":
+        """WRITING slots for records staged for ``sh`` (as :meth:`_enqueue_many` takes them), end to end from
+        one place the ring's search found for all of them (one search, not one a record), generations in
+        their order; None, with nothing changed, when the tier is closing, the lane has no room for all of
+        them at once, the generations would run out, or the ring has no run that long. Lock held."""
+        total = sum(r[2] for r in recs)
+        if (self._closed or self._generation + len(recs) - 1 > GEN_MAX
+                or self._pending_bytes + total > self.config.max_pending_bytes):
+            return None
+        pos = self._allocate(sh, total)
+        if pos is None:
+            return None
+        slots = []
+        for key, _, rec_len, seg_len, fmt, original, pcrc, _ in recs:
+            slot = Slot(sh.index, pos, rec_len, key, self._generation, seg_len, fmt, original, pcrc)
+            self._generation += 1
+            sh.insert(slot)
+            slots.append(slot)
+            pos += rec_len
+        self._writing += total
+        self._pending_bytes += total
+        return slots
 
     def _already_stored(self, key: ObjectKey, seg_len: int, fmt: Format, original: int, pcrc: int) -> bool:
         """True (counted) when the key's published record holds a segment with these header fields and no
