@@ -445,22 +445,19 @@ class ReadPath:
                 result[i] = verdicts[i]
         return result
 
-    def _check_read(self, s: "Slot", res: int, buf: memoryview, *,
-                    keep: bool = False) -> "tuple[bytes | memoryview | None, str]":
-        """A landed read of ``s``'s record (``res``: bytes read or -errno): its verified segment and "", or
-        None and why (the short read or errno, or "corrupt"). ``buf`` goes back to the pool, unless
-        ``keep``: the segment is then a view of ``buf``, which the caller recycles once done with it."""
+    def _check_read(self, s: "Slot", res: int, buf: memoryview) -> "tuple[bytes | None, str]":
+        """A landed read of ``s``'s record into ``buf`` (``res``: bytes read or -errno), for the prefetch lane:
+        a copy of its verified segment and "", or None and why (the short read or errno, or "corrupt"). ``buf``
+        goes back to the pool."""
         try:
             if res != s.length:
                 return None, io_reason(res, "short_read")
             try:
-                seg = verify_record(buf, s.offset, s.key.pack(), s.generation, s.stored, s.crc)
-                return (seg if keep else bytes(seg)), ""
+                return bytes(verify_record(buf, s.offset, s.key.pack(), s.generation, s.stored, s.crc)), ""
             except SegmentError:
                 return None, "corrupt"
         finally:
-            if not keep:
-                self._staging.recycle(buf)
+            self._staging.recycle(buf)
 
     def _settle_read(self, s: "Slot", why: str, errors_counter: str) -> None:
         """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
