@@ -637,7 +637,7 @@ class SsdTier(WritebackLane, ReadPath):
             for sh in self._shards:
                 prefixes.update(sh.by_chunk)
             return page_of_chunks(prefixes, lambda p: [(s.key.pack(), s.stored)  # type: ignore[union-attr]
-                                                       for sh in self._shards for s in sh.by_chunk.get(p, ())
+                                                       for sh in self._shards for s in sh.chunk_records(p)
                                                        if index.get(s.key) is s] + pending.get(p, []),
                                   after, limit, match_chunk)
 
