@@ -620,6 +620,7 @@ def test_records_and_keys_are_not_tracked_by_the_cycle_collector(ssd_dir):
         assert len(slots) == 8 and len(t._index) == 8
         assert not any(gc.is_tracked(s) or gc.is_tracked(s.key) for s in slots)
         assert not any(gc.is_tracked(k) or gc.is_tracked(s) for k, s in t._index.items())
+        assert t._shards[0].by_chunk and not any(gc.is_tracked(g) for g in t._shards[0].by_chunk.values())
     a, b = key(1), key(1)
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1 and a != key(2)
     s1, s2 = Slot(0, 4096, 4096, a, 1, 64, None, 0), Slot(0, 4096, 4096, a, 1, 64, None, 0)
