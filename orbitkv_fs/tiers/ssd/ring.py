@@ -90,8 +90,8 @@ class Shard:
         self.slots: dict[int, Slot] = {}
         # namespace + chunk (32 bytes) -> the offsets of that chunk's segment records in this ring: what an
         # invalidation of some chunks or keys visits, instead of every record of the shard. Arrays of ints, not
-        # sets of slots: Python's cycle collector traverses every set in each full collection (half a million
-        # slots' worth at 500,000 records), never an array.
+        # sets of slots: a full collection of Python's cycle collector follows every reference of every set
+        # (half a million slots at 500,000 records), and an array of ints has none to follow.
         self.by_chunk: dict[bytes, array.array] = {}
         # The log: its tail (what the next record links to), records whose write has not ended in
         # allocation order, and the durable front behind them.
