@@ -7,8 +7,9 @@ the staged-bytes gauge (``_pending_bytes``, ``_writing``), the writeback ring (`
 
 Primitives: :meth:`WritebackLane.submit` (host bytes), :meth:`WritebackLane.submit_many` (a batch of them,
 read during the call only: DRAM's eviction), :meth:`WritebackLane.submit_device` (device memory, the cuFile
-direct path), :meth:`WritebackLane.flush`; for the tier: ``_place`` (ring space, a generation, the record's
-header and tag, its link in the log), ``_queue_write``, ``_start``.
+direct path), :meth:`WritebackLane.flush`; for the tier: ``_place`` (ring space and a generation for a
+record), ``_place_run`` (for a batch's records of one shard, end to end from one search), ``_start_record``
+(the record's header and tag, its link in the log, its write queued), ``_queue_write``, ``_start``.
 
 Invariants:
 
@@ -18,7 +19,7 @@ Invariants:
 2. The lane is bounded in queue depth and staged bytes; beyond that, a submit drops (counted). Demand
    reads never queue behind it (they use their own rings); while one is in progress, and for
    ``demand_holdoff`` after, the lane keeps at most ``write_bytes_while_reading`` bytes in flight.
-3. A record's header is made under the tier's lock in the same step as its allocation, so records link to
+3. A record's header is made under the tier's lock in the same hold as its allocation, so records link to
    each other in allocation (= generation) order, and the tag covers the body already staged.
 4. Generations never pass :data:`~orbitkv_fs.tiers.ssd.record.GEN_MAX`: then writes are refused
    (:class:`GenerationsExhausted`, counted), never wrapped.
