@@ -99,7 +99,7 @@ def plan_reads(places: Sequence[tuple[int, int, int, int]], window: int, extents
     end = (-1, -1)  # (shard, disk offset) where the window's last extent ends
     for i, shard, offset, length in sorted(places, key=lambda p: (p[1], p[2], p[0])):
         joins = end == (shard, offset)
-        if w is None or (w.records and (w.nbytes + length > window or (not joins and len(w.extents) == extents))):
+        if w is None or w.nbytes + length > window or (not joins and len(w.extents) == extents):
             w = ReadWindow()
             out.append(w)
             joins = False
