@@ -25,7 +25,7 @@ import numpy as np
 
 from ..access import AdminRequired, Caller, authorize
 from ..errors import SegmentError
-from ..keys import ObjectKey, pack_key, segment_keys
+from ..keys import ObjectKey, segment_keys
 from ..segment import HEADER_SIZE, SegmentHeader, parse_header
 from ..tiers.dram import Demote
 from .api import (FlushResult, InvalidateResult, LowerTier, ObjectInfo, ObjectPage, RequestError, TierCounts,
@@ -98,8 +98,7 @@ class LowerTierCoordination:
             window: list[tuple[bytes, list[bytes]]] = []  # (chunk, its keys DRAM lacks)
             wanted: list[ObjectKey] = []  # those keys as the tier takes them, window order
             for c in chunks[pos:]:
-                keys = segment_keys(eng.ns, c, eng.tails)
-                missing = [kb for kb, have in zip(keys, self.dram.contains_many(keys)) if not have]
+                missing = self._dram_lacks(eng, c)
                 objs = [ObjectKey.unpack(kb) for kb in missing]
                 if not all(_lower_contains(self.lower, objs)):
                     break
@@ -157,6 +156,12 @@ class LowerTierCoordination:
                 break
         return counted
 
+    def _dram_lacks(self, eng: _Engine, chunk: bytes) -> list[bytes]:
+        """The packed keys of ``chunk``'s segments that DRAM does not hold, in the engine's segment order (its
+        membership asked once for the chunk)."""
+        keys = segment_keys(eng.ns, chunk, eng.tails)
+        return [kb for kb, have in zip(keys, self.dram.contains_many(keys)) if not have]
+
     def _remember_prefix(self, eng: _Engine, chunks: Sequence[bytes]) -> None:
         """Record which chunks follow which in a prefix (the order a save or lookup names them), for
         :meth:`_readahead`. Bounded: the oldest entries go past :data:`_PREFIX_MEMORY`."""
@@ -181,8 +186,7 @@ class LowerTierCoordination:
             return
         with self._succ_lock:
             nxt = self._succ.get(eng.ns + after, ())
-        keys = [ObjectKey(eng.ns, c, s.layer, s.role) for c in nxt if c not in exclude for s in eng.segs
-                if not self.dram.contains(pack_key(eng.ns, c, s.layer, s.role))]
+        keys = [ObjectKey.unpack(kb) for c in nxt if c not in exclude for kb in self._dram_lacks(eng, c)]
         if not keys:
             return
         epoch = self._inval_epoch
