@@ -40,7 +40,11 @@ Limits (:class:`DataPlaneLimits`, flags of ``orbitkv-cache-manager``), each coun
   slot is an engine's or is answering a request, the new connection is refused with a ZMTP ``ERROR``
   command the client reads (:class:`DataPlaneBusy`), not a bare EOF;
 * a deadline per message (``message_timeout_s``): a handshake, or a message from its first byte to its
-  last, that takes longer is cut off, however slowly its bytes keep coming.
+  last, that takes longer is cut off, however slowly its bytes keep coming;
+* what a request makes the server build: an engine call's chunks and keys are decoded only once its
+  credential passed (:func:`_deferred`, :meth:`~orbitkv_fs.manager.Manager.authenticate`), each list of a
+  request holds at most :data:`MAX_ITEMS` items and a registration at most
+  :data:`~orbitkv_fs.geometry.MAX_TENSORS` tensors, both checked from the list's header.
 
 Invariants: malformed or hostile input gets a typed error reply, never a crash (bytes that are not ZMTP,
 a message over :data:`MAX_MESSAGE` bytes or more than :data:`MAX_FRAMES` frames close that connection, as
@@ -65,7 +69,7 @@ import time
 import urllib.parse
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import msgspec
 
@@ -107,6 +111,9 @@ MAX_ENGINE_CONNECTIONS = 64
 STALL_TIMEOUT_S = 30.0
 #: Bytes of each message that need no share of ``max_buffered_bytes`` (lookups, releases, small saves).
 _FREE_BYTES = 64 << 10
+#: Items of one list in a request (chunks, keys, layers), checked from the list's header before any item is
+#: built: 65,536 chunks are 16M tokens at 256-token chunks.
+MAX_ITEMS = 1 << 16
 _KEEPALIVE_IDLE_S = 60
 _CLOSE_WAIT_S = 60.0  # close(): longest wait, all connections together, for the requests in flight
 _RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
@@ -156,24 +163,27 @@ class Unregister(msgspec.Struct, tag="unregister", array_like=True):
     credential: str = ""
 
 
+_Items = msgspec.Meta(max_length=MAX_ITEMS)
+
+
 class Lookup(msgspec.Struct, tag="lookup", array_like=True):
     engine_id: str
-    chunks: list[bytes]
+    chunks: Annotated[list[bytes], _Items]
     lease: bool = True
     credential: str = ""
 
 
 class Save(msgspec.Struct, tag="save", array_like=True):
     engine_id: str
-    chunks: list[ChunkBlocks]
+    chunks: Annotated[list[ChunkBlocks], _Items]
     credential: str = ""
 
 
 class Restore(msgspec.Struct, tag="restore", array_like=True):
     engine_id: str
-    chunks: list[ChunkBlocks]
+    chunks: Annotated[list[ChunkBlocks], _Items]
     lease_id: int = 0
-    layers: list[int] | None = None
+    layers: Annotated[list[int], _Items] | None = None
     credential: str = ""
 
 
@@ -184,8 +194,8 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 
 
 class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
-    keys: list[bytes] | None = None  # packed ObjectKeys
-    chunks: list[bytes] | None = None
+    keys: Annotated[list[bytes], _Items] | None = None  # packed ObjectKeys
+    chunks: Annotated[list[bytes], _Items] | None = None
     namespace: bytes | None = None
     engine_id: str | None = None
     all: bool = False
@@ -212,7 +222,37 @@ class WireError(msgspec.Struct, array_like=True):
 
 _OK, _ERR = b"\x00", b"\x01"
 _ENC = msgspec.msgpack.Encoder()
-_REQ_DEC = msgspec.msgpack.Decoder(Request)
+_NIL = msgspec.Raw(b"\xc0")
+
+
+def _deferred(cls: type, bulk: tuple[str, ...]) -> type:
+    """``cls`` as the server first reads it: its ``bulk`` fields (a request's chunks, keys) kept as raw msgpack,
+    skipped over without building anything. They are decoded (:func:`_bulk`, as ``cls`` types them) once the
+    call's credential passed, so a process without one makes the Manager build nothing per item."""
+    fields: list[tuple] = []
+    for f in msgspec.structs.fields(cls):
+        if f.name in bulk:
+            fields.append((f.name, msgspec.Raw) if f.required else (f.name, msgspec.Raw, _NIL))
+        else:
+            fields.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+    return msgspec.defstruct(f"Deferred{cls.__name__}", fields, tag=cls.__struct_config__.tag, array_like=True,
+                             module=__name__)
+
+
+_LOOKUP, _SAVE, _RESTORE = (_deferred(c, ("chunks",)) for c in (Lookup, Save, Restore))
+_INVALIDATE = _deferred(Invalidate, ("keys", "chunks"))
+_REQ_DEC = msgspec.msgpack.Decoder(Register | Unregister | _LOOKUP | _SAVE | _RESTORE | Release |  # type: ignore
+                                   _INVALIDATE | Stats | Ping)
+_BULK_DEC = {(c, f.name): msgspec.msgpack.Decoder(f.type) for c in (Lookup, Save, Restore, Invalidate)
+             for f in msgspec.structs.fields(c) if f.name in ("chunks", "keys")}
+
+
+def _bulk(raw: msgspec.Raw, cls: type, field: str) -> Any:
+    """The ``field`` of a ``cls`` request from its raw msgpack (:func:`_deferred`). Raises :class:`RequestError`."""
+    try:
+        return _BULK_DEC[cls, field].decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise RequestError(f"malformed request: {field}: {e}") from None
 
 
 class ProtocolError(OrbitKVError):
@@ -685,10 +725,10 @@ class DataPlaneServer:
     def _answer(self, msg: bytes, link: _Link) -> bytes:
         try:
             req = _REQ_DEC.decode(msg)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, RecursionError) as e:  # ValidationError is a DecodeError
             return _ERR + _ENC.encode(WireError("RequestError", f"malformed request: {e}"))
         m = self.manager
-        if type(req) in _LIGHT or (type(req) is Lookup and m.lower is None and m.peers is None):
+        if type(req) in _LIGHT or (type(req) is _LOOKUP and m.lower is None and m.peers is None):
             return self._reply(req, link)
         with self._permits:
             return self._reply(req, link)
@@ -718,12 +758,18 @@ class DataPlaneServer:
         m = self.manager
         caller = link.caller
         caller.credential = getattr(req, "credential", "")
-        if isinstance(req, Lookup):
-            return m.lookup(req.engine_id, req.chunks, lease=req.lease, caller=caller)
-        if isinstance(req, Save):
-            return m.save(req.engine_id, req.chunks, caller=caller)
-        if isinstance(req, Restore):
-            return m.restore(req.engine_id, req.chunks, lease_id=req.lease_id, layers=req.layers, caller=caller)
+        # Each engine call is authenticated before its chunks or keys are decoded (_deferred), and again by
+        # the call itself.
+        if type(req) is _LOOKUP:
+            m.authenticate(req.engine_id, caller, lookup=not req.lease)
+            return m.lookup(req.engine_id, _bulk(req.chunks, Lookup, "chunks"), lease=req.lease, caller=caller)
+        if type(req) is _SAVE:
+            m.authenticate(req.engine_id, caller)
+            return m.save(req.engine_id, _bulk(req.chunks, Save, "chunks"), caller=caller)
+        if type(req) is _RESTORE:
+            m.authenticate(req.engine_id, caller)
+            return m.restore(req.engine_id, _bulk(req.chunks, Restore, "chunks"), lease_id=req.lease_id,
+                             layers=req.layers, caller=caller)
         if isinstance(req, Release):
             m.release(req.lease_id, engine_id=req.engine_id, caller=caller)
             return None
@@ -732,15 +778,23 @@ class DataPlaneServer:
         if isinstance(req, Unregister):
             m.unregister_engine(req.engine_id, caller=caller)
             return None
-        if isinstance(req, Invalidate):
-            keys = None if req.keys is None else _unpack_keys(req.keys)
-            return m.invalidate(keys=keys, chunks=req.chunks, namespace=req.namespace, engine_id=req.engine_id,
-                                all=req.all, caller=self._invalidator(req, caller))
+        if type(req) is _INVALIDATE:
+            who = self._invalidator(req, caller)
+            if who is None or req.engine_id is not None:  # the operator, or an engine that proves it is one
+                if who is not None:
+                    m.authenticate(req.engine_id, who)
+                packed, chunks = _bulk(req.keys, Invalidate, "keys"), _bulk(req.chunks, Invalidate, "chunks")
+            else:  # neither: the Manager refuses it by which selectors it names, never reading their lists
+                packed = None if req.keys == _NIL else []
+                chunks = None if req.chunks == _NIL else []
+            keys = None if packed is None else _unpack_keys(packed)
+            return m.invalidate(keys=keys, chunks=chunks, namespace=req.namespace, engine_id=req.engine_id,
+                                all=req.all, caller=who)
         if isinstance(req, Stats):
             return m.stats()
         return None  # Ping
 
-    def _invalidator(self, req: Invalidate, caller: Caller) -> Caller | None:
+    def _invalidator(self, req: Any, caller: Caller) -> Caller | None:
         """None (the operator: anything goes) for a call with the admin token, else the engine ``caller``
         (its own namespace only)."""
         if not req.admin_token:

@@ -36,6 +36,8 @@ raises before anything is imported or registered.
 from __future__ import annotations
 
 import enum
+from typing import Annotated
+
 import msgspec
 import numpy as np
 
@@ -45,10 +47,13 @@ from .segment import Role, dtype_code
 __all__ = [
     "AttentionKind",
     "CudaIpcHandle",
+    "Dims",
     "EngineRegistration",
     "GeometryError",
     "HostPagesHandle",
     "Layout",
+    "MAX_DIMS",
+    "MAX_TENSORS",
     "TensorDesc",
     "block_views",
     "check_imported",
@@ -58,6 +63,15 @@ __all__ = [
     "process_start_time",
     "validate_registration",
 ]
+
+
+#: Tensors of one registration (two per layer for 4096 layers) and dimensions of one tensor. Checked from a
+#: list's header when a registration or a pages file's table is decoded, before any item is built: anyone may
+#: register, so what a registration makes the Manager build is bounded.
+MAX_TENSORS = 8192
+MAX_DIMS = 8
+#: A tensor's shape or strides as a registration or a pages file declares them.
+Dims = Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)]
 
 
 class GeometryError(OrbitKVError, ValueError):
@@ -116,8 +130,8 @@ class TensorDesc(msgspec.Struct, frozen=True):
     layer: int
     role: str
     layout: str
-    shape: list[int]
-    strides: list[int]
+    shape: Dims
+    strides: Dims
     dtype: str
     handle: HostPagesHandle | CudaIpcHandle
     name: str = ""
@@ -135,7 +149,7 @@ class EngineRegistration(msgspec.Struct, frozen=True):
     num_heads: int
     head_dim: int
     dtype: str
-    tensors: list[TensorDesc]
+    tensors: Annotated[list[TensorDesc], msgspec.Meta(max_length=MAX_TENSORS)]
     attention: str = "gqa"
     model_revision: str = ""
     engine_kind: str = "generic"

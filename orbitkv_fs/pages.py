@@ -15,7 +15,9 @@ builds a whole engine's KV in one file (tests, benchmarks, CPU engines); :func:`
 GPU counterpart of :meth:`HostPages.at`.
 
 Invariants: tensors never overlap and lie inside the file; the table is validated on open (a file that
-lies about its tensors is refused with :class:`PagesError`); ``create`` unlinks nothing it did not create.
+lies about its tensors is refused with :class:`PagesError`), and bounded before it is decoded (at most
+:data:`MAX_TABLE_BYTES`, :data:`~orbitkv_fs.geometry.MAX_TENSORS` tensors): anyone may register their own file;
+``create`` unlinks nothing it did not create.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import mmap
 import os
 import struct
 import uuid
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import msgspec
 import numpy as np
 
 from .errors import OrbitKVError
-from .geometry import HostPagesHandle, TensorDesc, parse_dtype
+from .geometry import MAX_TENSORS, Dims, HostPagesHandle, TensorDesc, parse_dtype
 
 #: One page block of a GPU gather or scatter (the codec engine's block-copy kernel, ``struct BlockCopy``
 #: of ``gpu/kernels/blocks.cu``, byte for byte): ``rows`` rows of ``row_bytes`` bytes, ``src_stride`` /
@@ -44,6 +46,9 @@ VERSION = 1
 HEADER_BYTES = 4096
 ALIGN = 4096
 _HDR = struct.Struct("<4sII")
+#: The longest tensor table a pages file may carry (about 160 bytes a tensor at MAX_TENSORS). The file is
+#: the registrant's: its table is read with what it may make the Manager build bounded, like a registration.
+MAX_TABLE_BYTES = 4 << 20
 
 
 class PagesError(OrbitKVError, ValueError):
@@ -53,12 +58,15 @@ class PagesError(OrbitKVError, ValueError):
 class PageTensor(msgspec.Struct, frozen=True):
     name: str
     offset: int
-    shape: list[int]
-    strides: list[int]
+    shape: Dims
+    strides: Dims
     dtype: str
     role: str
     layer: int = -1
     layout: str = ""
+
+
+_TABLE = msgspec.msgpack.Decoder(Annotated[list[PageTensor], msgspec.Meta(max_length=MAX_TENSORS)])
 
 
 class HostPages:
@@ -130,8 +138,10 @@ class HostPages:
             magic, version, n = _HDR.unpack(mm[: _HDR.size])
             if magic != MAGIC or version != VERSION or _HDR.size + n > size:
                 raise PagesError(f"{path!r} is not an engine pages file (v{VERSION})")
+            if n > MAX_TABLE_BYTES:
+                raise PagesError(f"{path!r}: a tensor table of {n} bytes (at most {MAX_TABLE_BYTES})")
             try:
-                table = msgspec.msgpack.decode(mm[_HDR.size:_HDR.size + n], type=list[PageTensor])
+                table = _TABLE.decode(mm[_HDR.size:_HDR.size + n])
             except msgspec.DecodeError as e:
                 raise PagesError(f"{path!r}: bad tensor table: {e}") from None
             end = _HDR.size + n

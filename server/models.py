@@ -21,7 +21,16 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from orbitkv_fs.codecs import CODEC_NAMES
-from orbitkv_fs.geometry import AttentionKind, CudaIpcHandle, EngineRegistration, HostPagesHandle, Layout, TensorDesc
+from orbitkv_fs.geometry import (
+    MAX_DIMS,
+    MAX_TENSORS,
+    AttentionKind,
+    CudaIpcHandle,
+    EngineRegistration,
+    HostPagesHandle,
+    Layout,
+    TensorDesc,
+)
 
 __all__ = [
     "ConfigOut", "CudaIpcHandleIn", "EngineList", "EngineOut", "FlushOut", "HealthOut", "HostHandleIn",
@@ -29,8 +38,6 @@ __all__ = [
     "TensorIn", "TierCountsOut", "model_of_struct",
 ]
 
-MAX_TENSORS = 8192  # two per layer for 4096 layers
-MAX_DIMS = 8
 MAX_KEYS = 10_000
 MAX_CHUNKS = 10_000
 MAX_OBJECTS_PAGE = 1000

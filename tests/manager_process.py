@@ -43,13 +43,13 @@ class ManagerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def rss(self) -> int:
-        """Resident bytes of the manager process now."""
+    def rss(self, field: str = "VmRSS") -> int:
+        """Resident bytes of the manager process now (``VmHWM``: the most it has held)."""
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) << 10
-        raise AssertionError("no VmRSS")
+        raise AssertionError(f"no {field}")
 
     def metric(self, name: str) -> float:
         """One unlabelled sample of ``/metrics``."""

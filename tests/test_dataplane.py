@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from orbitkv_fs import dataplane as dp
+from orbitkv_fs.access import AdminRequired, AdminToken
 from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import EngineRegistration
@@ -215,7 +216,9 @@ def test_bad_framing_closes_that_connection_only(server, frames, monkeypatch):
 @pytest.mark.parametrize("body, error", [
     (b"", "malformed request"),
     (b"\xc1", "malformed request"),
-    (msgspec.msgpack.encode(["lookup", "e", "not-a-list"]), "malformed request"),
+    (msgspec.msgpack.encode(["lookup", "e", [], "not-a-bool"]), "malformed request"),
+    (msgspec.msgpack.encode(["lookup", "e", [], True, 7]), "malformed request"),  # a credential not a str
+    (b"\x94\xa4save\xa1e" + b"\x91" * 100_000 + b"\xc0\xa0", "malformed request"),  # chunks nested 100,000 deep
     (msgspec.msgpack.encode(["nosuchcall"]), "malformed request"),
     (os.urandom(300), "malformed request"),  # a long frame of noise
     (msgspec.msgpack.encode(dp.Invalidate(namespace=b"abc")), ""),  # passes the schema, not the Manager
@@ -233,20 +236,101 @@ def test_undecodable_or_invalid_requests_get_typed_errors(server, body, error):
     s.close()
 
 
-def test_a_short_packed_key_is_a_request_error_not_an_internal_one(server, caplog):
-    """A data-plane Invalidate whose key is 10 bytes: a typed request error naming the key, no traceback."""
-    s, rfile = _handshaken(server, b"REQ")
-    with caplog.at_level("DEBUG", logger=dp.__name__):
-        s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Invalidate(keys=[b"k" * 10]))))
-        frames = dp._read_message(rfile)
-    err = msgspec.msgpack.decode(frames[1][1:], type=dp.WireError)
-    assert (err.type, err.message) == ("RequestError", "keys[0]: a packed object key is 36 bytes, not 10")
-    assert not [r for r in caplog.records if r.exc_info]
-    s.close()
+def test_a_short_packed_key_is_a_request_error_not_an_internal_one(manager, tmp_path, caplog):
+    """An operator's data-plane Invalidate whose key is 10 bytes: a typed request error naming the key, no
+    traceback. Without the admin token the keys are not read at all: the call is refused for who sends it."""
+    token = "t" * 32
+    server = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", admin_token=AdminToken(token))
+    try:
+        s, rfile = _handshaken(server, b"REQ")
+        with caplog.at_level("DEBUG", logger=dp.__name__):
+            s.sendall(dp._DELIMITER + dp._frame(msgspec.msgpack.encode(dp.Invalidate(keys=[b"k" * 10],
+                                                                                     admin_token=token))))
+            frames = dp._read_message(rfile)
+        err = msgspec.msgpack.decode(frames[1][1:], type=dp.WireError)
+        assert (err.type, err.message) == ("RequestError", "keys[0]: a packed object key is 36 bytes, not 10")
+        assert not [r for r in caplog.records if r.exc_info]
+        s.close()
+        c = RemoteClient(server.endpoint, timeout=10)
+        with pytest.raises(RequestError, match="keys\\[0\\]"):
+            c._call(dp.Invalidate(keys=[b"k" * 40], admin_token=token), dp.InvalidateResult)
+        with pytest.raises(AdminRequired):
+            c._call(dp.Invalidate(keys=[b"k" * 40]), dp.InvalidateResult)
+        c.close()
+    finally:
+        server.close()
+
+
+def _send(s: socket.socket, rfile, body: bytes) -> dp.WireError | bytes:
+    """One request on a raw REQ connection: its error, or its reply's msgpack."""
+    s.sendall(dp._DELIMITER + dp._frame(body))
+    empty, reply = dp._read_message(rfile)
+    assert empty == b""
+    return msgspec.msgpack.decode(reply[1:], type=dp.WireError) if reply[:1] == b"\x01" else reply[1:]
+
+
+def _chunks(n: int) -> bytes:
+    """msgpack of ``n`` empty chunks ([b"", []]): four bytes each on the wire, about 120 bytes each once built."""
+    return b"\xdd" + n.to_bytes(4, "big") + b"\x92\xc4\x00\x90" * n
+
+
+def test_an_engine_calls_chunks_are_decoded_only_once_its_credential_passed(server, tmp_path):
+    """What a process without an engine's credential sends as chunks or keys is never built: the call is
+    refused by whom it names and what it carries (UnknownEngine, Unauthenticated, AdminRequired), whatever
+    its chunks hold. The engine itself gets a request error naming the field. A check after the decode
+    answers RequestError to the first three (and builds what they sent first)."""
+    pages, descs = host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
     c = RemoteClient(server.endpoint, timeout=10)
-    with pytest.raises(RequestError, match="keys\\[0\\]"):
-        c._call(dp.Invalidate(keys=[b"k" * 40]), dp.InvalidateResult)
-    c.close()
+    try:
+        info = c.register(EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16,
+                                             num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs))
+        eid, cred = info.engine_id, info.credential
+        s, rfile = _handshaken(server, b"REQ")
+        bad = msgspec.Raw(msgspec.msgpack.encode("not-a-list"))  # where the chunks go
+        calls = {"save": lambda e, c: ["save", e, bad, c], "lookup": lambda e, c: ["lookup", e, bad, True, c],
+                 "restore": lambda e, c: ["restore", e, bad, 0, None, c]}
+        for call, body in calls.items():
+            assert _send(s, rfile, msgspec.msgpack.encode(body("nope", ""))).type == "UnknownEngine"
+            assert _send(s, rfile, msgspec.msgpack.encode(body(eid, "0" * 64))).type == "Unauthenticated"
+            err = _send(s, rfile, msgspec.msgpack.encode(body(eid, cred)))
+            assert err.type == "RequestError" and err.message.startswith("malformed request: chunks:"), err
+        inval = [None, None, None, None, False, "", ""]  # keys, chunks, namespace, engine_id, all, credential, token
+        for fields, error in (({0: bad}, "AdminRequired"), ({1: bad, 3: "nope"}, "UnknownEngine"),
+                              ({1: bad, 3: eid, 5: "0" * 64}, "Unauthenticated"),
+                              ({1: bad, 3: eid, 5: cred}, "RequestError")):
+            body = list(inval)
+            for i, v in fields.items():
+                body[i] = v
+            err = _send(s, rfile, msgspec.msgpack.encode(["invalidate"] + body))
+            assert err.type == error, (fields, err)
+        # A credential that passed, and as many chunks as the bound allows once more: refused from the list's
+        # header alone.
+        err = _send(s, rfile, b"\x94\xa4save" + msgspec.msgpack.encode(eid) + _chunks(dp.MAX_ITEMS + 1) +
+                    msgspec.msgpack.encode(cred))
+        assert err.type == "RequestError" and f"length <= {dp.MAX_ITEMS}" in err.message
+        assert server.stats().auth_failures_total == 5
+        assert c.save(eid, [dp.ChunkBlocks(bytes(16), [0])]).chunks_saved == 1  # the engine is served on
+        s.close()
+    finally:
+        c.close()
+        pages.close()
+
+
+def test_a_registration_bigger_than_any_engine_is_refused_before_it_is_built(server):
+    """Anyone may register: a registration of more tensors than MAX_TENSORS, or a tensor of more dimensions
+    than MAX_DIMS, is a request error from the lists' headers. Without the bounds 9,000 tensors are built and
+    then refused by the checks of each one."""
+    s, rfile = _handshaken(server, b"REQ")
+    tensor = {"layer": 0, "role": "kv", "layout": "vllm_packed", "shape": [1], "strides": [1], "dtype": "bfloat16",
+              "handle": {"type": "host", "path": "/nope", "offset": 0}}
+    reg = {"model": "m", "num_layers": 1, "layer_start": 0, "layer_end": 1, "block_size": 16, "num_heads": 1,
+           "head_dim": 64, "dtype": "bfloat16"}
+    too_many = _send(s, rfile, msgspec.msgpack.encode(["register", dict(reg, tensors=[tensor] * 9000)]))
+    assert too_many.type == "RequestError" and "length <= 8192" in too_many.message
+    deep = dict(tensor, shape=[1] * 9, strides=[1] * 9)
+    too_deep = _send(s, rfile, msgspec.msgpack.encode(["register", dict(reg, tensors=[deep])]))
+    assert too_deep.type == "RequestError" and "length <= 8" in too_deep.message
+    s.close()
 
 
 def test_request_errors_reraise_as_the_embedded_classes(server):

@@ -187,3 +187,46 @@ def test_dripping_connections_are_cut_off_at_the_message_deadline(tmp_path):
         for s in conns:
             s.close()
         assert mgr.stop() == 0, mgr.log
+
+
+def test_anonymous_messages_of_millions_of_block_ids_build_nothing(tmp_path):
+    """Two connections each send a 58 MiB save of 60,000 chunks of 1,000 block ids in a registered engine's
+    name, without its credential: each is answered Unauthenticated, the manager's peak RSS grows by no more
+    than the bytes of the messages it holds, and the engine is served. When the chunks were decoded before the
+    credential was checked, each such message was built (60 million list items, about 0.5 GB) and only then
+    refused."""
+    mgr = ManagerProcess(shm_dir=str(tmp_path), endpoint=f"ipc://{tmp_path}/dp.sock")
+    pages, reg = _engine(str(tmp_path))
+    conns: list[socket.socket] = []
+    try:
+        engine = RemoteClient(mgr.endpoint, timeout=60)
+        eid = engine.register(reg).engine_id
+        n = 60_000  # within the bound on chunks a request (MAX_ITEMS), each of 1,000 one-byte block ids
+        body = (b"\x94\xa4save" + msgspec.msgpack.encode(eid) + b"\xdc" + n.to_bytes(2, "big") +
+                (b"\x92\xc4\x00\xdc\x03\xe8" + b"\x01" * 1000) * n + b"\xa0")
+        base = mgr.rss("VmHWM")
+        answers: list[dp.WireError] = []
+
+        def attack() -> None:
+            s = _handshaken(mgr.endpoint)
+            conns.append(s)
+            s.sendall(dp._DELIMITER + dp._frame(body))
+            empty, reply = dp._read_message(s.makefile("rb"))
+            answers.append(msgspec.msgpack.decode(reply[1:], type=dp.WireError))
+
+        threads = [threading.Thread(target=attack) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [a.type for a in answers] == ["Unauthenticated"] * 2, answers
+        grown = mgr.rss("VmHWM") - base
+        assert grown < 2 * len(body) + 64 * MIB, f"peak RSS grew by {grown / MIB:.0f} MiB"
+        assert engine.lookup(eid, [bytes(16)], lease=False).count == 0
+        assert mgr.metric("orbitkv_dataplane_auth_failures_total") == 2
+        engine.close()
+    finally:
+        for s in conns:
+            s.close()
+        pages.close()
+        assert mgr.stop() == 0, mgr.log

@@ -1,10 +1,12 @@
-"""Engine pages files: opening follows no symlink."""
+"""Engine pages files: opening follows no symlink, reads a table over several header pages, and refuses
+tables that lie about the file or are bigger than any engine's."""
 
 import os
 
+import msgspec
 import pytest
 
-from orbitkv_fs.pages import HostPages, PagesError
+from orbitkv_fs.pages import HostPages, PagesError, PageTensor
 
 
 def test_open_refuses_a_symlink(tmp_path):
@@ -73,3 +75,24 @@ def test_a_header_page_count_that_does_not_add_up_is_refused(tmp_path):
             HostPages.open(p.path)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("table, why", [
+    (b"\x00" * ((4 << 20) + 1), "a tensor table of 4194305 bytes"),
+    (msgspec.msgpack.encode([PageTensor("t", 0, [1], [1], "float16", "opaque")] * 8193), "length <= 8192"),
+    (msgspec.msgpack.encode([PageTensor("t", 0, [1] * 9, [1] * 9, "float16", "opaque")]), "length <= 8"),
+])
+def test_a_table_bigger_than_any_engine_is_refused_before_it_is_built(tmp_path, table, why):
+    """Anyone may register their own pages file: a table longer than MAX_TABLE_BYTES, of more than
+    MAX_TENSORS tensors or with a tensor of more than MAX_DIMS dimensions is refused from its header and its
+    lists' headers. Without the bounds such a table is built whole (about 7 bytes of objects a byte of table,
+    with a table of up to 4 GiB) before it is refused."""
+    from orbitkv_fs.pages import _HDR, ALIGN, MAGIC, VERSION
+
+    path = tmp_path / "forged"
+    size = -(-(_HDR.size + len(table)) // ALIGN) * ALIGN + ALIGN
+    with open(path, "wb") as f:
+        f.write(_HDR.pack(MAGIC, VERSION, len(table)) + table)
+        f.truncate(size)
+    with pytest.raises(PagesError, match=why):
+        HostPages.open(str(path))

@@ -3,7 +3,8 @@
 Primitives: :meth:`Registry.register_engine` (validated against the imported tensors; a credential per
 engine), :meth:`~Registry.list_engines`, :meth:`~Registry.get_engine`, :meth:`~Registry.unregister_engine`,
 :meth:`~Registry._enter` / :meth:`~Registry._exit` (every engine call: authorisation and the in-flight
-count), :meth:`~Registry._check_chunks` (a request's keys and block ids), the housekeeping thread
+count), :meth:`~Registry.authenticate` (the same check, before a remote request's bulk is decoded),
+:meth:`~Registry._check_chunks` (a request's keys and block ids), the housekeeping thread
 (:func:`_housekeep`: :meth:`~Registry._reap_dead` of engines whose process exited, and the lease expiry of
 :mod:`.leases`). :class:`_Seg` is one (layer, role) segment of an engine's chunks and how to gather,
 scatter and code it; :class:`_ProcessWatch` one engine process.
@@ -309,6 +310,17 @@ class Registry:
             eng.inflight += 1
             self._inflight += 1
             return eng
+
+    def authenticate(self, engine_id: str, caller: Caller, *, lookup: bool = False) -> None:
+        """Check that ``caller`` may act for ``engine_id`` (``lookup``: a lease-free lookup) without starting a
+        call: the data plane asks before it decodes a request's chunks or keys, so that a process without the
+        credential makes the Manager build nothing. The call itself checks again (:meth:`_enter`). Raises
+        :class:`UnknownEngine` or :class:`~orbitkv_fs.access.Unauthenticated`."""
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                raise UnknownEngine(f"no engine {engine_id!r} is registered")
+            authorize(engine_id, eng.secret, eng.owner_uid, eng.reg.lookup_by_user, caller, lookup=lookup)
 
     def _exit(self, eng: _Engine) -> None:
         with self._lock:
