@@ -112,8 +112,8 @@ STALL_TIMEOUT_S = 30.0
 #: Bytes of each message that need no share of ``max_buffered_bytes`` (lookups, releases, small saves).
 _FREE_BYTES = 64 << 10
 #: Items of one list in a request (chunks, keys, layers), checked from the list's header before any item is
-#: built: 65,536 chunks are 16M tokens at 256-token chunks.
-MAX_ITEMS = 1 << 16
+#: built: 2^20 chunks are a 16M-token prompt at one 16-token block a chunk, more than any engine sends at once.
+MAX_ITEMS = 1 << 20
 _KEEPALIVE_IDLE_S = 60
 _CLOSE_WAIT_S = 60.0  # close(): longest wait, all connections together, for the requests in flight
 _RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
