@@ -42,7 +42,8 @@ Limits (:class:`DataPlaneLimits`, flags of ``orbitkv-cache-manager``), each coun
 * a deadline per message (``message_timeout_s``): a handshake, or a message from its first byte to its
   last, that takes longer is cut off, however slowly its bytes keep coming;
 * what a request makes the server build: an engine call's chunks and keys are decoded only once its
-  credential passed (:func:`_deferred`, :meth:`~orbitkv_fs.manager.Manager.authenticate`), each list of a
+  credential passed (:func:`_deferred`, :meth:`~orbitkv_fs.manager.Manager.authenticate`), and what they
+  will build counts against ``max_buffered_bytes`` first (:meth:`DataPlaneServer._charge`); each list of a
   request holds at most :data:`MAX_ITEMS` items and a registration at most
   :data:`~orbitkv_fs.geometry.MAX_TENSORS` tensors, both checked from the list's header.
 
@@ -114,6 +115,11 @@ _FREE_BYTES = 64 << 10
 #: Items of one list in a request (chunks, keys, layers), checked from the list's header before any item is
 #: built: 2^20 chunks are a 16M-token prompt at one 16-token block a chunk, more than any engine sends at once.
 MAX_ITEMS = 1 << 20
+#: Bytes of Python objects a request's chunks or keys may build from one byte of msgpack, the most measured
+#: (docs/results/2026-12-05-dataplane-bulk): a block id 257..65535 is 3 bytes on the wire, an int and a list
+#: slot (36 bytes) once built. An engine call's decoded lists count against ``max_buffered_bytes`` at this
+#: rate, past the first :data:`_FREE_BYTES` of the message.
+_BUILT_PER_BYTE = 13
 _KEEPALIVE_IDLE_S = 60
 _CLOSE_WAIT_S = 60.0  # close(): longest wait, all connections together, for the requests in flight
 _RECONNECT_S = 0.1  # libzmq's default reconnect interval (ZMQ_RECONNECT_IVL)
@@ -166,9 +172,12 @@ class Unregister(msgspec.Struct, tag="unregister", array_like=True):
 _Items = msgspec.Meta(max_length=MAX_ITEMS)
 
 
+_ChunkKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
 class Lookup(msgspec.Struct, tag="lookup", array_like=True):
     engine_id: str
-    chunks: Annotated[list[bytes], _Items]
+    chunks: Annotated[list[_ChunkKey], _Items]
     lease: bool = True
     credential: str = ""
 
@@ -195,7 +204,7 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 
 class Invalidate(msgspec.Struct, tag="invalidate", array_like=True):
     keys: Annotated[list[bytes], _Items] | None = None  # packed ObjectKeys
-    chunks: Annotated[list[bytes], _Items] | None = None
+    chunks: Annotated[list[_ChunkKey], _Items] | None = None
     namespace: bytes | None = None
     engine_id: str | None = None
     all: bool = False
@@ -696,9 +705,7 @@ class DataPlaneServer:
                     self._give(link)
                     if e.envelope is None:
                         raise ProtocolError("an envelope frame over the buffer bound") from None
-                    reply = _ERR + _ENC.encode(WireError(
-                        "DataPlaneBusy", f"the data plane holds {self._buffered} bytes of requests (bound "
-                        f"{self.limits.max_buffered_bytes}, --data-plane-max-buffered): retry"))
+                    reply = _ERR + _ENC.encode(WireError("DataPlaneBusy", self._busy()))
                     frames = e.envelope + [b""]
                 else:
                     link.busy = True
@@ -762,12 +769,15 @@ class DataPlaneServer:
         # the call itself.
         if type(req) is _LOOKUP:
             m.authenticate(req.engine_id, caller, lookup=not req.lease)
+            self._charge(link, req.chunks)
             return m.lookup(req.engine_id, _bulk(req.chunks, Lookup, "chunks"), lease=req.lease, caller=caller)
         if type(req) is _SAVE:
             m.authenticate(req.engine_id, caller)
+            self._charge(link, req.chunks)
             return m.save(req.engine_id, _bulk(req.chunks, Save, "chunks"), caller=caller)
         if type(req) is _RESTORE:
             m.authenticate(req.engine_id, caller)
+            self._charge(link, req.chunks)
             return m.restore(req.engine_id, _bulk(req.chunks, Restore, "chunks"), lease_id=req.lease_id,
                              layers=req.layers, caller=caller)
         if isinstance(req, Release):
@@ -783,6 +793,7 @@ class DataPlaneServer:
             if who is None or req.engine_id is not None:  # the operator, or an engine that proves it is one
                 if who is not None:
                     m.authenticate(req.engine_id, who)
+                self._charge(link, req.keys, req.chunks)
                 packed, chunks = _bulk(req.keys, Invalidate, "keys"), _bulk(req.chunks, Invalidate, "chunks")
             else:  # neither: the Manager refuses it by which selectors it names, never reading their lists
                 packed = None if req.keys == _NIL else []
@@ -793,6 +804,25 @@ class DataPlaneServer:
         if isinstance(req, Stats):
             return m.stats()
         return None  # Ping
+
+    def _charge(self, link: _Link, *bulk: msgspec.Raw) -> None:
+        """Count what an authenticated call's lists will build against the buffer bound, before they are
+        built (:data:`_BUILT_PER_BYTE` a byte past the message's free part; given back with the message's
+        bytes once the call is answered). Raises :class:`RequestError` for lists that could never fit,
+        :class:`DataPlaneBusy` for lists that do not fit now."""
+        n = _BUILT_PER_BYTE * (sum(len(b) for b in bulk) - _FREE_BYTES)
+        if n <= 0:
+            return
+        if n > self.limits.max_buffered_bytes:
+            raise RequestError(f"this request's lists would build about {n} bytes, over the data plane's bound "
+                               f"({self.limits.max_buffered_bytes}, --data-plane-max-buffered): send fewer chunks "
+                               "a call")
+        if not self._take(link, n):
+            raise DataPlaneBusy(self._busy())
+
+    def _busy(self) -> str:
+        return (f"the data plane holds {self._buffered} bytes of requests (bound {self.limits.max_buffered_bytes}, "
+                "--data-plane-max-buffered): retry")
 
     def _invalidator(self, req: Any, caller: Caller) -> Caller | None:
         """None (the operator: anything goes) for a call with the admin token, else the engine ``caller``

@@ -316,6 +316,48 @@ def test_an_engine_calls_chunks_are_decoded_only_once_its_credential_passed(serv
         pages.close()
 
 
+def test_an_engines_lists_count_against_the_buffer_bound_before_they_are_built(manager, tmp_path):
+    """What an engine call's chunks will build is counted against ``max_buffered_bytes`` (13 bytes a byte of
+    msgpack past the first 64 KiB) once its credential passed and before they are decoded: lists that could
+    never fit are a request error that says so, lists that do not fit beside what other connections hold are
+    DataPlaneBusy, and once those are gone the same request is decoded (here: its 15-byte key refused by the
+    wire schema). Counted or not, nothing of it stays held."""
+    limits = dp.DataPlaneLimits(max_buffered_bytes=24 << 20)
+    srv = DataPlaneServer(manager, f"ipc://{tmp_path}/dp.sock", limits=limits)
+    pages, descs = host_engine_pages(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+    c = RemoteClient(srv.endpoint, timeout=10)
+    try:
+        info = c.register(EngineRegistration(model="m", num_layers=1, layer_start=0, layer_end=1, block_size=16,
+                                             num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs))
+
+        def save(chunks: list) -> bytes:
+            return msgspec.msgpack.encode(["save", info.engine_id, chunks, info.credential])
+
+        short_key = [b"k" * 15, [1]]
+        s, rfile = _handshaken(srv, b"REQ")
+        big = save([short_key] + [[b"k" * 16, [1] * 1000]] * 2100)  # 2.1 MB: would build ~27 MB
+        err = _send(s, rfile, big)
+        assert err.type == "RequestError" and "--data-plane-max-buffered): send fewer chunks" in err.message, err
+        fits = save([short_key] + [[b"k" * 16, [1] * 1000]] * 1000)  # 1 MB: ~12.5 MB
+        hold, hold_file = _handshaken(srv, b"REQ")  # another connection holds 12 MiB of a message it has not finished
+        hold.sendall(dp._DELIMITER + bytes((dp._LONG,)) + struct.pack(">Q", 13 << 20) + bytes(12 << 20))
+        assert wait_until(lambda: srv.stats().buffered_bytes >= (12 << 20) - dp._FREE_BYTES, timeout=10)
+        assert _send(s, rfile, fits).type == "DataPlaneBusy"
+        hold_file.close()
+        hold.close()
+        assert wait_until(lambda: srv.stats().buffered_bytes == 0, timeout=10)
+        err = _send(s, rfile, fits)
+        assert err.type == "RequestError" and "Expected `bytes` of length >= 16 - at `$[0][0]`" in err.message, err
+        assert wait_until(lambda: srv.stats().buffered_bytes == 0, timeout=10)  # given back once it is answered
+        no_blocks = _send(s, rfile, save([[b"k" * 16, []]]))
+        assert no_blocks.type == "RequestError" and "length >= 1" in no_blocks.message
+        s.close()
+    finally:
+        c.close()
+        srv.close()
+        pages.close()
+
+
 def test_a_registration_bigger_than_any_engine_is_refused_before_it_is_built(server):
     """Anyone may register: a registration of more tensors than MAX_TENSORS, or a tensor of more dimensions
     than MAX_DIMS, is a request error from the lists' headers. Without the bounds 9,000 tensors are built and

@@ -189,25 +189,27 @@ def test_dripping_connections_are_cut_off_at_the_message_deadline(tmp_path):
         assert mgr.stop() == 0, mgr.log
 
 
-def test_anonymous_messages_of_millions_of_block_ids_build_nothing(tmp_path):
+def test_messages_of_millions_of_block_ids_build_nothing(tmp_path):
     """Two connections each send a 58 MiB save of 60,000 chunks of 1,000 block ids in a registered engine's
-    name, without its credential: each is answered Unauthenticated, the manager's peak RSS grows by no more
-    than the bytes of the messages it holds, and the engine is served. When the chunks were decoded before the
-    credential was checked, each such message was built (60 million list items, about 0.5 GB) and only then
-    refused."""
+    name, without its credential: each is answered Unauthenticated. Then the engine sends the same with its
+    credential: a request error (its lists would build more than --data-plane-max-buffered). The manager's peak
+    RSS grows by no more than the bytes of the messages it holds, and the engine is served. When the chunks
+    were decoded before the credential was checked and counted, each such message was built (60 million list
+    items, about 0.5 GB) and only then refused."""
     mgr = ManagerProcess(shm_dir=str(tmp_path), endpoint=f"ipc://{tmp_path}/dp.sock")
     pages, reg = _engine(str(tmp_path))
     conns: list[socket.socket] = []
     try:
         engine = RemoteClient(mgr.endpoint, timeout=60)
-        eid = engine.register(reg).engine_id
+        info = engine.register(reg)
+        eid, cred = info.engine_id, info.credential
         n = 60_000  # within the bound on chunks a request (MAX_ITEMS), each of 1,000 one-byte block ids
-        body = (b"\x94\xa4save" + msgspec.msgpack.encode(eid) + b"\xdc" + n.to_bytes(2, "big") +
-                (b"\x92\xc4\x00\xdc\x03\xe8" + b"\x01" * 1000) * n + b"\xa0")
+        chunks = b"\xdc" + n.to_bytes(2, "big") + (b"\x92\xc4\x10" + bytes(16) + b"\xdc\x03\xe8" + b"\x01" * 1000) * n
+        body = b"\x94\xa4save" + msgspec.msgpack.encode(eid) + chunks + b"\xa0"
         base = mgr.rss("VmHWM")
         answers: list[dp.WireError] = []
 
-        def attack() -> None:
+        def attack(body: bytes = body) -> None:
             s = _handshaken(mgr.endpoint)
             conns.append(s)
             s.sendall(dp._DELIMITER + dp._frame(body))
@@ -220,6 +222,8 @@ def test_anonymous_messages_of_millions_of_block_ids_build_nothing(tmp_path):
         for t in threads:
             t.join(120)
         assert [a.type for a in answers] == ["Unauthenticated"] * 2, answers
+        attack(b"\x94\xa4save" + msgspec.msgpack.encode(eid) + chunks + msgspec.msgpack.encode(cred))
+        assert answers[2].type == "RequestError" and "send fewer chunks" in answers[2].message, answers[2]
         grown = mgr.rss("VmHWM") - base
         assert grown < 2 * len(body) + 64 * MIB, f"peak RSS grew by {grown / MIB:.0f} MiB"
         assert engine.lookup(eid, [bytes(16)], lease=False).count == 0

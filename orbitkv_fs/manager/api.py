@@ -14,7 +14,7 @@ default.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Annotated, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgspec
 
@@ -92,10 +92,11 @@ SKIP_BLOCK = -1
 class ChunkBlocks(msgspec.Struct, frozen=True, array_like=True):
     """One chunk of a save/restore: its 16-byte chunk key (:func:`orbitkv_fs.keys.chunk_key`) and the
     engine block ids (in token order) that hold it. In a restore, :data:`SKIP_BLOCK` entries are positions
-    of the chunk left unwritten (the segment still spans every position)."""
+    of the chunk left unwritten (the segment still spans every position). The key's length and the blocks'
+    presence are checked when a request is decoded (the data plane), and by the Manager."""
 
-    key: bytes
-    blocks: list[int]
+    key: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    blocks: Annotated[list[int], msgspec.Meta(min_length=1)]
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

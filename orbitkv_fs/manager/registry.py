@@ -520,7 +520,13 @@ class Registry:
     def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks], *, skips: bool = False) -> None:
         """Keys and block ids of a request; ``skips``: :data:`SKIP_BLOCK` positions are allowed (a restore),
         as long as each chunk writes at least one block. The blocks are checked as one array; a request that
-        fails is walked again chunk by chunk, block by block, for the first fault's message."""
+        fails is walked again chunk by chunk, block by block, for the first fault's message. A save naming more
+        blocks than the engine has (each may come once) is refused before either."""
+        if not skips:
+            total = sum(map(len, map(_BLOCKS, chunks)))
+            if total > eng.num_blocks:
+                raise RequestError(f"chunks: {total} block ids in one request, the engine has {eng.num_blocks} "
+                                   "blocks (each at most once)")
         if not _chunks_ok(chunks, eng.num_blocks, skips):
             self._check_chunks_walk(eng, chunks, skips=skips)
 

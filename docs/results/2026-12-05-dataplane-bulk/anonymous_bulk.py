@@ -1,13 +1,15 @@
-"""What one anonymous local process costs a real ``orbitkv-cache-manager`` with one message: for each shape
-below, a fresh manager (the tree on ``PYTHONPATH``), one registered engine probing it with lease-free
-lookups, then one message from a connection without the engine's credential (``blocks-engine``: with it).
-Prints, per shape: the reply, how long the manager took to answer, how much its peak RSS (``VmHWM``) grew, and the engine's longest lookup
-while the message was being handled (the GIL the decode holds).
+"""What one message from a local process costs a real ``orbitkv-cache-manager``: for each shape below, a fresh
+manager (the tree on ``PYTHONPATH``), one registered engine probing it with lease-free lookups, then one
+message from a connection without the engine's credential (``blocks-engine*``: with it). Prints, per shape:
+the reply, how long the manager took to answer, how much its peak RSS (``VmHWM``) grew, and the engine's
+longest lookup while the message was being handled (the GIL the decode holds).
 
 Shapes (each near the 64 MiB message limit):
   chunks   a save naming the engine: 16 million empty chunks (4 bytes each on the wire)
   blocks   a save naming the engine: 60,000 chunks of 1,000 one-byte block ids
-  blocks-engine  the same with the engine's credential: what an engine may still make the manager build
+  blocks-engine  the same with the engine's credential
+  blocks-engine-fits  18,000 such chunks (16-byte keys) with the credential: the most an engine's message may
+           build under the default --data-plane-max-buffered (256 MiB)
   keys     a lookup naming the engine: 30 million empty chunk keys
   register a registration of 200,000 tensors (anyone may register)
   table    a registration naming the sender's own pages file, its table 256 MiB of tensors
@@ -45,6 +47,10 @@ def _body(shape: str, eid: str, cred: str, shm: str, descs: list) -> bytes:
         return (b"\x94\xa4save" + enc(eid) + b"\xdc" + n.to_bytes(2, "big") +
                 (b"\x92\xc4\x00\xdc\x03\xe8" + b"\x01" * 1000) * n +
                 (enc(cred) if shape == "blocks-engine" else b"\xa0"))
+    if shape == "blocks-engine-fits":  # the most block ids an engine's message may carry under the default bound
+        n = 18_000
+        return (b"\x94\xa4save" + enc(eid) + b"\xdc" + n.to_bytes(2, "big") +
+                (b"\x92\xc4\x10" + bytes(16) + b"\xdc\x03\xe8" + b"\x01" * 1000) * n + enc(cred))
     if shape == "keys":
         n = 30_000_000
         return b"\x95\xa6lookup" + enc(eid) + b"\xdd" + n.to_bytes(4, "big") + b"\xc4\x00" * n + b"\xc3\xa0"
