@@ -238,14 +238,15 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     # -- engines ---------------------------------------------------------------------------------------
 
     @app.post("/v1/engines", status_code=201, response_model=RegisteredOut, dependencies=admin, tags=["engines"],
-              responses=responses(400, 401, 403, 409, 413, 422))
+              responses=responses(400, 401, 403, 409, 413, 422, 429))
     def register_engine(body: RegisterRequest, request: Request, response: Response) -> RegisteredOut:
         """Register an engine's tensor geometry and handles. The Manager maps the handles (host pages by
         shared-memory object name -- a file of the requesting user --, or CUDA IPC) for this engine only and
         checks every tensor against its descriptor: 422 ``invalid_registration`` naming the field on any
         mismatch, nothing registered. Memory another registered engine holds, under any name, is refused
-        (409 ``handle_in_use``). The answer carries the engine's ``credential``: every data-plane call for
-        the engine must present it, and no other answer shows it."""
+        (409 ``handle_in_use``); a registration over its OS user's quota of engines or tensors is 429
+        ``too_many_engines``. The answer carries the engine's ``credential``: every data-plane call for the
+        engine must present it, and no other answer shows it."""
         reg = body.to_registration(resolve)
         info = _manager(request).register_engine(reg, caller=_requester(request))
         response.headers["Location"] = f"/v1/engines/{info.engine_id}"

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine is unregistered as by DELETE /v1/engines/{id})")
     g.add_argument("--lease-ttl", type=float, default=300.0, metavar="SECONDS",
                    help="how long a lookup's lease pins its chunks without a restore or release (0: forever)")
+    g.add_argument("--max-engines-per-user", type=_positive(int), default=ManagerConfig().max_engines_per_user,
+                   metavar="N", help="engines one OS user may have registered at once (default %(default)s)")
+    g.add_argument("--max-tensors-per-user", type=_positive(int), default=ManagerConfig().max_tensors_per_user,
+                   metavar="N", help="tensors across one OS user's registered engines; each costs the Manager "
+                                     "about 1.6 KB (default %(default)s)")
     g.add_argument("--data-plane", default="tcp://127.0.0.1:9092",
                    help="ZeroMQ endpoint of the data plane (ipc://PATH or tcp://127.0.0.1:PORT)")
     g.add_argument("--data-plane-workers", type=int, default=4,
@@ -163,7 +168,8 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
                          storage_codec_budget=args.storage_codec_budget, batch_segments=args.batch_segments,
                          eviction=args.eviction,
                          shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
-                         lease_ttl=args.lease_ttl,
+                         lease_ttl=args.lease_ttl, max_engines_per_user=args.max_engines_per_user,
+                         max_tensors_per_user=args.max_tensors_per_user,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)
 
 

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orbitkv_fs.access import AccessDenied, HandleInUse
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.geometry import GeometryError
-from orbitkv_fs.manager import EngineBusy, LeaseError, PoolExhausted, RequestError, UnknownEngine
+from orbitkv_fs.manager import EngineBusy, LeaseError, PoolExhausted, RequestError, TooManyEngines, UnknownEngine
 
 log = logging.getLogger("orbitkv.http")
 
@@ -61,6 +61,7 @@ MANAGER_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
     (AccessDenied, 403, "forbidden"),
     (UnknownEngine, 404, "unknown_engine"),
     (EngineBusy, 409, "engine_busy"),
+    (TooManyEngines, 429, "too_many_engines"),
     (LeaseError, 409, "unknown_lease"),
     (PoolExhausted, 503, "pool_exhausted"),
     (RequestError, 422, "invalid_request"),
@@ -70,7 +71,7 @@ MANAGER_ERRORS: tuple[tuple[type[Exception], int, str], ...] = (
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 411: "length_required",
                  413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_request",
-                 500: "internal", 503: "unavailable"}
+                 429: "too_many_requests", 500: "internal", 503: "unavailable"}
 
 
 def error_response(status: int, code: str, message: str, *, field: str | None = None,

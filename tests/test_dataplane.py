@@ -21,7 +21,7 @@ from orbitkv_fs import dataplane as dp
 from orbitkv_fs.access import AdminRequired, AdminToken
 from orbitkv_fs.dataplane import DataPlaneServer, RemoteClient
 from orbitkv_fs.errors import OrbitKVError
-from orbitkv_fs.geometry import EngineRegistration
+from orbitkv_fs.geometry import EngineRegistration, GeometryError
 from orbitkv_fs.manager import Manager, ManagerConfig, RequestError, UnknownEngine
 from orbitkv_fs.pages import host_engine_pages
 from manager_process import peer_closed as _closed
@@ -356,6 +356,110 @@ def test_an_engines_lists_count_against_the_buffer_bound_before_they_are_built(m
         c.close()
         srv.close()
         pages.close()
+
+
+def test_one_os_user_may_have_so_many_engines_and_tensors_registered(tmp_path, monkeypatch):
+    """Registrations from another process count against their OS user's quota (engines, and tensors across
+    them): over either is TooManyEngines, counted, with nothing of it mapped or claimed (its pages register
+    once the user unregisters an engine). In-process registrations are not counted. Without the quota one
+    local user could register engines until the Manager's memory ran out (about 1.6 KB a tensor, 12.8 MiB a
+    registration of 8,192)."""
+    from orbitkv_fs.manager import TooManyEngines
+
+    cfg = ManagerConfig(pool_size=1 << 20, device="cpu", max_engines_per_user=2, max_tensors_per_user=6)
+    made = []
+    imported = []  # registrations whose tensors were mapped
+    real_import = Manager._import_tensors
+    monkeypatch.setattr(Manager, "_import_tensors", lambda self, reg, *a: imported.append(reg) or
+                        real_import(self, reg, *a))
+
+    def reg(layers: int) -> EngineRegistration:
+        pages, descs = host_engine_pages(num_layers=layers, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+        made.append(pages)
+        return EngineRegistration(model="m", num_layers=layers, layer_start=0, layer_end=layers, block_size=16,
+                                  num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs)
+
+    with Manager(cfg) as m:
+        srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock")
+        c = RemoteClient(srv.endpoint, timeout=10)
+        try:
+            first = c.register(reg(1))  # 2 tensors
+            with pytest.raises(TooManyEngines, match="1 engines of 2 tensors registered; one more, of 6 tensors,"):
+                c.register(reg(3))  # 2 + 6 > 6 tensors
+            c.register(reg(1))  # 4 tensors, 2 engines
+            third = reg(1)
+            with pytest.raises(TooManyEngines, match="2 engines of 4 tensors registered; one more, of 2 tensors,"):
+                c.register(third)  # 6 tensors would do, a third engine would not
+            assert len(imported) == 2  # the refused ones mapped nothing
+            m.register_engine(reg(2))  # in-process: not counted
+            assert m.stats().registrations_refused == 2 and m.stats().engines == 3
+            c.unregister(first.engine_id)
+            assert c.register(third).engine_id  # its pages were never claimed
+        finally:
+            c.close()
+            srv.close()
+            for p in made:
+                p.close()
+
+
+def test_an_engines_tensors_lie_in_at_most_eight_pages_files(manager):
+    """Each pages file the Manager maps holds one of its descriptors (Python's mmap keeps one) and a memory
+    map: a registration of one file a layer for 4,096 layers took 4,096 of them before it was refused for
+    something else (docs/results/2026-12-05-dataplane-bulk). Nine files are refused at the ninth, before it
+    is opened; eight register."""
+    def engine(files: int):
+        parts = [host_engine_pages(num_layers=1, layer_start=i, num_blocks=4, block_size=16, num_heads=1,
+                                   head_dim=64) for i in range(files)]
+        reg = EngineRegistration(model="m", num_layers=files, layer_start=0, layer_end=files, block_size=16,
+                                 num_heads=1, head_dim=64, dtype="bfloat16", tensors=[d for _, ds in parts for d in ds])
+        return [p for p, _ in parts], reg
+
+    nine, reg9 = engine(9)
+    eight, reg8 = engine(8)
+    try:
+        with pytest.raises(GeometryError, match="at most 8 pages files") as e:
+            manager.register_engine(reg9)
+        assert e.value.field == "tensors[16].handle.path"
+        assert manager.register_engine(reg8).segments_per_chunk == 16
+    finally:
+        for p in nine + eight:
+            p.close()
+
+
+def test_racing_registrations_of_one_user_admit_exactly_its_quota(tmp_path):
+    """Eight registrations of one OS user at once, each mapping its own pages (milliseconds between the quota's
+    first look and the engine's insertion), against a quota of three engines: exactly three are registered."""
+    from orbitkv_fs.manager import TooManyEngines
+
+    made = [host_engine_pages(num_layers=8, num_blocks=4, block_size=16, num_heads=1, head_dim=64)
+            for _ in range(8)]
+    with Manager(ManagerConfig(pool_size=1 << 20, device="cpu", max_engines_per_user=3)) as m:
+        srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock", workers=8)
+        c = RemoteClient(srv.endpoint, timeout=30)
+        outcomes: list[str] = []
+        start = threading.Barrier(8)
+
+        def register(descs) -> None:
+            start.wait()
+            try:
+                c.register(EngineRegistration(model="m", num_layers=8, layer_start=0, layer_end=8, block_size=16,
+                                              num_heads=1, head_dim=64, dtype="bfloat16", tensors=descs))
+                outcomes.append("ok")
+            except TooManyEngines:
+                outcomes.append("refused")
+
+        threads = [threading.Thread(target=register, args=(descs,)) for _, descs in made]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert sorted(outcomes) == ["ok"] * 3 + ["refused"] * 5 and m.stats().engines == 3
+        finally:
+            c.close()
+            srv.close()
+            for p, _ in made:
+                p.close()
 
 
 def test_a_registration_bigger_than_any_engine_is_refused_before_it_is_built(server):

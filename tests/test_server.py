@@ -10,6 +10,7 @@ import threading
 import time
 
 import ml_dtypes
+import msgspec
 import numpy as np
 import pytest
 
@@ -262,6 +263,23 @@ def test_registration_errors(stack, tmp_path):
                  400, "bad_request")
     assert stack.manager.list_engines() == []  # nothing half-registered
     assert post(good).status_code == 201
+
+
+def test_a_registration_over_its_users_quota_is_429_and_counted(stack):
+    """The registering OS user's quota of engines (``--max-engines-per-user``) over REST: 429
+    ``too_many_engines``, nothing registered, ``orbitkv_registrations_refused_total`` counts it."""
+    from orbitkv_fs.server.cli import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--max-engines-per-user", "1", "--max-tensors-per-user", "64"]))
+    assert (cfg.max_engines_per_user, cfg.max_tensors_per_user) == (1, 64)
+    stack.manager._config = msgspec.structs.replace(stack.manager._config, max_engines_per_user=1)
+    _, descs = stack.engine_pages()
+    assert stack.http.post("/v1/engines", json=reg_body(descs)).status_code == 201
+    _, other = stack.engine_pages()
+    body = assert_error(stack.http.post("/v1/engines", json=reg_body(other)), 429, "too_many_engines")
+    assert "--max-engines-per-user" in body["message"]
+    assert len(stack.http.get("/v1/engines").json()["engines"]) == 1
+    assert m1(metrics(stack.http), "orbitkv_registrations_refused_total") == 1
 
 
 def test_body_limits(stack):

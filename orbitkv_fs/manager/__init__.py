@@ -126,6 +126,7 @@ from .api import (
     SKIP_BLOCK,
     SaveResult,
     TierCounts,
+    TooManyEngines,
     UnknownEngine,
 )
 from .facade import Manager
@@ -159,5 +160,6 @@ __all__ = [
     "SaveResult",
     "TensorDesc",
     "TierCounts",
+    "TooManyEngines",
     "UnknownEngine",
 ]

@@ -39,6 +39,11 @@ class EngineBusy(OrbitKVError):
     """The engine id is taken, or unregister timed out waiting for outstanding work."""
 
 
+class TooManyEngines(OrbitKVError):
+    """A registration over the registering OS user's quota (``max_engines_per_user``, ``max_tensors_per_user``):
+    unregister one of its engines first."""
+
+
 class LeaseError(OrbitKVError, KeyError):
     """Unknown or already released lease id."""
 
@@ -81,6 +86,11 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     engine_check_interval: float = 1.0
     #: Seconds a lookup's (or a peer's) lease lives unless a restore or release ends it first. 0: forever.
     lease_ttl: float = 300.0
+    #: Engines, and tensors across them, that one OS user may have registered at once (registrations from
+    #: another process: the data plane, the HTTP plane). Each registered tensor costs the Manager about 1.6 KB
+    #: (an 8,192-tensor registration 12.8 MiB). In-process registrations (embedded mode) are not counted.
+    max_engines_per_user: int = 256
+    max_tensors_per_user: int = 16384
 
 
 #: A restore destination that is not written: that block's part of the chunk is read and dropped. An engine
@@ -260,6 +270,7 @@ class ManagerStats(msgspec.Struct, frozen=True):
     prefetch_wasted: int = 0
     #: Engines the Manager unregistered because their process had exited.
     engines_reaped: int = 0
+    registrations_refused: int = 0  # over an OS user's quota of engines or tensors
     leases_expired: int = 0
     #: The cuFile direct path (an SSD tier with ``--ssd-backend cufile`` under the GPU codec engine):
     #: segments saves wrote from device memory straight to the SSD, and segments restores read from the

@@ -60,6 +60,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
             raise ValueError("lease_ttl must be >= 0")
         if config.batch_segments < 1:
             raise ValueError("batch_segments must be >= 1")
+        if config.max_engines_per_user < 1 or config.max_tensors_per_user < 1:
+            raise ValueError("max_engines_per_user and max_tensors_per_user must be >= 1")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:

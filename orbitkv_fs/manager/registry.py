@@ -53,7 +53,7 @@ from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
 from ..tiers.dram import arena_dir
-from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, UnknownEngine
+from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, TooManyEngines, UnknownEngine
 from .batching import _coded_bound
 from .device import _BLOCKS, _array_module, _geometry, _rows_of, _run_of, _to_host
 
@@ -61,6 +61,10 @@ if TYPE_CHECKING:
     from .facade import Manager
 
 log = logging.getLogger("orbitkv_fs.manager")
+
+#: Distinct pages files one registration may map (the connectors write one an engine). Python's mmap keeps a
+#: descriptor of each mapped file, and descriptors are what the data plane's connections need too.
+MAX_PAGES_FILES = 8
 
 
 class _Seg:
@@ -181,10 +185,11 @@ class _Seg:
 class _Engine:
     def __init__(self, info: EngineInfo, reg: EngineRegistration, ns: bytes, segs: list[_Seg],
                  num_blocks: int, imports: list, watch: "_ProcessWatch | None", secret: bytes,
-                 owner_uid: int | None) -> None:
+                 owner_uid: int | None, counted: bool = False) -> None:
         self.info = info
         self.secret = secret  # the credential, as bytes
         self.owner_uid = owner_uid  # the registering OS user, when known
+        self.counted = counted  # registered from another process: in its user's quota (Registry._check_quota)
         self.reg = reg
         self.ns = ns
         self.segs = segs
@@ -360,6 +365,9 @@ class Registry:
                                                                 for d in reg.tensors):
                 raise GeometryError("tensors", "cannot tell which OS user sent this registration (a remote "
                                                "TCP peer?): host pages are registered over ipc:// or loopback")
+            if caller is not None:  # before anything is mapped, and again as it is registered
+                with self._lock:
+                    self._check_quota(owner_uid, len(reg.tensors))
             arrays, device, handles = self._import_tensors(reg, imports, caller is not None, owner_uid)
             segs: list[_Seg] = []
             exact_layers: set[int] = set()
@@ -378,6 +386,8 @@ class Registry:
                 engine_id = reg.engine_id or f"{reg.engine_kind}-{uuid.uuid4().hex[:12]}"
                 if engine_id in self._engines:
                     raise EngineBusy(f"engine id {engine_id!r} is already registered")
+                if caller is not None:
+                    self._check_quota(owner_uid, len(reg.tensors))
                 self._claims.claim(engine_id, handles)
                 info = EngineInfo(engine_id=engine_id, namespace=ns.hex(), codec=codec_name, model=reg.model,
                                   layer_start=reg.layer_start, layer_end=reg.layer_end, num_blocks=blocks,
@@ -385,13 +395,27 @@ class Registry:
                                   registration=reg, watched=watch is not None)
                 credential = issue_credential()
                 self._engines[engine_id] = _Engine(info, reg, ns, segs, blocks, imports, watch, credential.encode(),
-                                                   owner_uid)
+                                                   owner_uid, caller is not None)
                 if watch is not None:
                     self._start_housekeeping()
             return msgspec.structs.replace(info, credential=credential)
         except BaseException:
             _close_imports(imports)
             raise
+
+    def _check_quota(self, uid: int | None, tensors: int) -> None:
+        """Raise :class:`TooManyEngines` when one more engine of ``tensors`` tensors would put OS user ``uid``
+        over its quota (``max_engines_per_user``, ``max_tensors_per_user``), counting the engines it registered
+        from another process. Called with ``_lock`` held."""
+        mine = [e for e in self._engines.values() if e.counted and e.owner_uid == uid]
+        held = sum(len(e.reg.tensors) for e in mine)
+        c = self._config
+        if len(mine) + 1 > c.max_engines_per_user or held + tensors > c.max_tensors_per_user:
+            self._add(registrations_refused=1)
+            raise TooManyEngines(f"OS user {uid} has {len(mine)} engines of {held} tensors registered; one more, of "
+                                 f"{tensors} tensors, would be over the quota of {c.max_engines_per_user} engines "
+                                 f"and {c.max_tensors_per_user} tensors a user (--max-engines-per-user, "
+                                 "--max-tensors-per-user): unregister one first")
 
     def _import_tensors(self, reg: EngineRegistration, imports: list, untrusted: bool,
                         owner_uid: int | None) -> tuple[list, str, list[tuple[str, tuple, int, int]]]:
@@ -412,6 +436,10 @@ class Registry:
             if isinstance(h, HostPagesHandle):
                 pages = files.get(h.path)
                 if pages is None:
+                    if len(files) == MAX_PAGES_FILES:
+                        raise GeometryError(f"{at}.handle.path", f"an engine's tensors lie in at most "
+                                            f"{MAX_PAGES_FILES} pages files (each holds a descriptor and a memory "
+                                            "map of the Manager)")
                     fd = open_pages_file(h.path, arena_dir(self._config.shm_dir) if untrusted else None,
                                          owner_uid if untrusted else None, f"{at}.handle.path")
                     ident = file_identity(fd)
