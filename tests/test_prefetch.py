@@ -74,6 +74,23 @@ def test_lane_reads_validated_segments_into_the_sink(ssd_dir):
         assert t.stats()["ssd_prefetch_read_total"] >= 4
 
 
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_window_of_records_apart_takes_what_the_ring_has_reads_for_and_the_rest_waits(ssd_dir, depth):
+    """Every other record of a shard (none end to end): a window holds as many records as the lane's ring has
+    reads for (``prefetch_queue_depth``); the others go back to the head of the queue and are read in later
+    windows, none lost, none read twice, every lease given back."""
+    with make(ssd_dir, prefetch_queue_depth=depth) as t:
+        keys = stored(t, 24)[::2]
+        sink = Sink()
+        assert t.prefetch(keys, sink) == len(keys)
+        sink.wait_for(len(keys))
+        assert sink.got == {k: segment(2 * i) for i, k in enumerate(keys)}
+        s = t.snapshot()
+        assert s.prefetch_read_total == len(keys) and s.prefetch_errors_total == 0 and s.prefetch_dropped_total == 0
+        assert wait_until(lambda: all(sl.leases == 0 for sh in t._shards for sl in sh.slots.values()))
+        assert not t._pf_keys and t._pf_bytes == 0
+
+
 def test_lane_is_off_with_zero_bytes(ssd_dir):
     with make(ssd_dir, prefetch_max_bytes=0) as t:
         t.submit(key(1), segment(1))

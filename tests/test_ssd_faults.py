@@ -131,6 +131,31 @@ def test_read_eio_of_records_read_together_misses_each_and_invalidates_none(tier
     assert tier.read_many(keys) == [segment(i) for i in range(N)]
 
 
+def test_prefetch_eio_of_records_read_together_misses_each_and_invalidates_none(tier):
+    """The prefetch lane reads records that lie end to end on disk by one I/O too: one injected EIO is a miss
+    of every record of that read (more than one), none corrupt, their leases given back; a later prefetch
+    serves them all. A lane reading a record per I/O misses one record; one that counts a read per record
+    where records of two shards interleave in its queue, at most the ring's depth of them."""
+    keys = [key(i) for i in range(N)]
+    shards = {o.key: o.shard for o in tier.iter_records()}
+    tier.faults.read_errno, tier.faults.read_errors = errno.EIO, 1
+    got: dict = {}
+    assert tier.prefetch(keys, got.__setitem__) == N
+    assert wait_until(lambda: tier.snapshot().prefetch_read_total + tier.snapshot().prefetch_errors_total == N)
+    missed = [k for k in keys if k not in got]
+    s = tier.snapshot()
+    # the first read prepped is one shard's whole run of records (the shards' records interleave in the queue)
+    assert missed and len({shards[k] for k in missed}) == 1
+    assert len(missed) == sum(1 for k in keys if shards[k] == shards[missed[0]]) > 1
+    assert s.prefetch_errors_total == len(missed) and s.corrupt_records_total == 0
+    assert s.errors_by_errno == {"EIO": len(missed)}
+    assert all(got[k] == segment(i) for i, k in enumerate(keys) if k in got)
+    assert all(sl.leases == 0 for sh in tier._shards for sl in sh.slots.values())
+    assert tier.prefetch(missed, got.__setitem__) == len(missed)
+    assert wait_until(lambda: len(got) == N)
+    assert got == {k: segment(i) for i, k in enumerate(keys)}
+
+
 def test_slow_writeback_never_delays_demand_reads(tier):
     tier.faults.write_delay = 1.0
     for i in range(8):

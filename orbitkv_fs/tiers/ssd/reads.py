@@ -6,7 +6,8 @@ index). It owns the pool of demand-read rings (``_read_rings``), the demand coun
 
 Primitives: :meth:`ReadPath.contains`, :meth:`ReadPath.read`, :meth:`ReadPath.read_many` (optionally
 streaming to a sink), :meth:`ReadPath.describe`, :meth:`ReadPath.read_many_device` (the cuFile direct
-path), :meth:`ReadPath.prefetch`; :func:`plan_reads`, a host demand read's windows and extents.
+path), :meth:`ReadPath.prefetch`; :func:`plan_reads`, the windows and extents of a host read (demand or
+prefetch).
 
 Invariants:
 
@@ -445,20 +446,6 @@ class ReadPath:
                 result[i] = verdicts[i]
         return result
 
-    def _check_read(self, s: "Slot", res: int, buf: memoryview) -> "tuple[bytes | None, str]":
-        """A landed read of ``s``'s record into ``buf`` (``res``: bytes read or -errno), for the prefetch lane:
-        a copy of its verified segment and "", or None and why (the short read or errno, or "corrupt"). ``buf``
-        goes back to the pool."""
-        try:
-            if res != s.length:
-                return None, io_reason(res, "short_read")
-            try:
-                return bytes(verify_record(buf, s.offset, s.key.pack(), s.generation, s.stored, s.crc)), ""
-            except SegmentError:
-                return None, "corrupt"
-        finally:
-            self._staging.recycle(buf)
-
     def _settle_read(self, s: "Slot", why: str, errors_counter: str) -> None:
         """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
         record dies, an I/O error is counted under ``errors_counter``. Lock held."""
@@ -507,63 +494,118 @@ class ReadPath:
                 self._pf_cond.notify_all()
         return n
 
+    def _serve_prefetched(self, w: ReadWindow, reqs: list) -> None:
+        """Check each record of a landed prefetch window (the demand read's checks) and hand each verified
+        segment (a copy: one at a time, as a consumer that drops it frees it before the next) to its request's
+        sink, then settle them all under one hold of the lock. The window's buffer goes back to the pool."""
+        verdicts: list[str] = []
+        for j, pos, e in w.records:
+            k, _, sink, s = reqs[j]
+            res = w.results[e]
+            if res < 0 or w.extents[e][2] + res < pos + s.length:
+                verdicts.append(io_reason(res, "short_read"))
+                continue
+            try:
+                seg = verify_record(w.buf[pos:pos + s.length], s.offset, s.key.pack(), s.generation, s.stored,
+                                    s.crc)
+            except SegmentError:
+                verdicts.append("corrupt")
+                continue
+            verdicts.append("")
+            try:
+                sink(k, bytes(seg))
+            except Exception:  # the consumer's failure must not stop the lane
+                log.exception("SSD prefetch sink failed for %s", k)
+        self._staging.recycle(w.buf)
+        with self._lock:
+            for (j, _, _), verdict in zip(w.records, verdicts):
+                k, length, _, s = reqs[j]
+                self._pf_keys.discard(k)
+                self._pf_bytes -= length
+                if not verdict:
+                    self._c["prefetch_read_total"] += 1
+                    self._c["prefetch_read_bytes_total"] += s.stored
+                self._settle_read(s, verdict, "prefetch_errors_total")
+
+    def _take_prefetch_window(self, room: int) -> "tuple[list, int]":
+        """The queued requests of the prefetch lane's next window, leased, and the reads they take: records up
+        to :data:`READ_WINDOW` bytes (at least one) in at most ``room`` reads. A record that starts where the
+        last one taken of its shard ended joins its read (laid in disk order, as :func:`plan_reads` lays them,
+        they make as many reads or fewer). Requests whose record is gone are dropped. Lock held."""
+        reqs: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot]] = []
+        size = extents = 0
+        ends: dict[int, int] = {}  # shard -> where the last record taken of it ends
+        while self._pf_queue and (not reqs or size + self._pf_queue[0][1] <= READ_WINDOW):
+            k, length, sink = self._pf_queue[0]
+            s = self._index.get(k)
+            if s is None:  # evicted, invalidated or replaced since it was queued
+                self._pf_queue.popleft()
+                self._pf_keys.discard(k)
+                self._pf_bytes -= length
+                self._c["prefetch_dropped_total"] += 1
+                continue
+            joins = ends.get(s.shard) == s.offset
+            if not joins and extents == room:
+                break
+            self._pf_queue.popleft()
+            s.leases += 1
+            reqs.append((k, length, sink, s))
+            size += s.length
+            extents += not joins
+            ends[s.shard] = s.offset + s.length
+        return reqs, extents
+
     def _prefetch_lane(self) -> None:
         """The lane's thread: its own ring (prefetch_queue_depth), reads started only while no demand read
-        is in progress, validated like demand reads, results to each request's sink. An I/O engine failure
-        (the ring cannot be made or submitted to) ends the lane: its requests are dropped, their leases
-        given back, and the next :meth:`prefetch` starts a new lane."""
+        is in progress, validated like demand reads, results to each request's sink. Queued keys go out in
+        windows (:func:`plan_reads`: up to :data:`READ_WINDOW` bytes into one buffer, records end to end on
+        disk by one read); a window is checked once all its reads landed. An I/O engine failure (the ring
+        cannot be made or submitted to) ends the lane: its requests are dropped, their leases given back,
+        and the next :meth:`prefetch` starts a new lane."""
         ring: IoRing | None = None
-        inflight: dict[int, tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot, memoryview]] = {}
-        batch: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot]] = []
+        inflight: dict[int, tuple[ReadWindow, int]] = {}  # tag -> (window, extent)
+        windows: list[tuple[ReadWindow, list]] = []  # windows with reads in flight, and their requests
+        taken: list[list] = []  # requests of windows taken, not yet prepped
         tag = 0
         try:
             ring = self._io.ring(self.config.prefetch_queue_depth)
             while True:
-                batch = []
                 with self._lock:
-                    while not inflight and not self._closed and (not self._pf_queue or self._demand):
+                    while not windows and not self._closed and (not self._pf_queue or self._demand):
                         self._pf_cond.wait(0.5)
                     if self._closed:  # queued requests go; reads in flight are waited for below
                         for k, length, _ in self._pf_queue:
                             self._pf_keys.discard(k)
                             self._pf_bytes -= length
                         self._pf_queue.clear()
-                        if not inflight:
+                        if not windows:
                             return
-                    while not self._demand and self._pf_queue and ring.space() > len(batch):
-                        k, length, sink = self._pf_queue.popleft()
-                        s = self._index.get(k)
-                        if s is None:  # evicted, invalidated or replaced since it was queued
-                            self._pf_keys.discard(k)
-                            self._pf_bytes -= length
-                            self._c["prefetch_dropped_total"] += 1
-                            continue
-                        s.leases += 1
-                        batch.append((k, length, sink, s))
-                prepped = bool(batch)
-                while batch:
-                    k, length, sink, s = batch.pop()
-                    tag += 1
-                    buf = self._staging.host(s.length)
-                    inflight[tag] = (k, length, sink, s, buf)
-                    ring.prep_read(self._shards[s.shard].fid, buf, s.offset, tag)
-                if prepped:
+                    room = ring.space()
+                    while room and not self._demand and self._pf_queue:
+                        reqs, extents = self._take_prefetch_window(room)
+                        if not reqs:
+                            break
+                        taken.append(reqs)
+                        room -= extents
+                while taken:
+                    reqs = taken[0]
+                    for w in plan_reads([(j, r[3].shard, r[3].offset, r[3].length) for j, r in enumerate(reqs)],
+                                        READ_WINDOW, len(reqs)):  # one window: its bytes and extents were counted
+                        w.buf = self._staging.host(w.nbytes)
+                        windows.append((w, reqs))
+                        for e, (shard, offset, pos, length) in enumerate(w.extents):
+                            tag += 1
+                            inflight[tag] = (w, e)
+                            w.started[e] = time.perf_counter()
+                            ring.prep_read(self._shards[shard].fid, w.buf[pos:pos + length], offset, tag)
+                    taken.pop(0)
+                if ring.unsent():
                     ring.submit()
                 for t, res in ring.wait(0.05) if inflight else ():
-                    k, length, sink, s, buf = inflight.pop(t)
-                    seg, verdict = self._check_read(s, res, buf)
-                    with self._lock:
-                        self._pf_keys.discard(k)
-                        self._pf_bytes -= length
-                        if seg is not None:
-                            self._c["prefetch_read_total"] += 1
-                            self._c["prefetch_read_bytes_total"] += s.stored
-                        self._settle_read(s, verdict, "prefetch_errors_total")
-                    if seg is not None:
-                        try:
-                            sink(k, seg)
-                        except Exception:  # the consumer's failure must not stop the lane
-                            log.exception("SSD prefetch sink failed for %s", k)
+                    w, e = inflight.pop(t)
+                    w.landed(e, res, time.perf_counter())
+                while windows and not windows[0][0].left:
+                    self._serve_prefetched(*windows.pop(0))
         except SsdIoError as e:
             log.warning("SSD prefetch lane stopped: %s", e)
         finally:
@@ -572,8 +614,8 @@ class ReadPath:
             if ring is not None:
                 ring.close()
             with self._lock:
-                left = [(k, length, s) for k, length, _, s, _ in inflight.values()]
-                left += [(k, length, s) for k, length, _, s in batch]
+                left = [(rs[j][0], rs[j][1], rs[j][3]) for w, rs in windows for j, _, _ in w.records]
+                left += [(k, length, s) for reqs in taken for k, length, _, s in reqs]
                 for k, length, s in left:
                     s.leases -= 1
                 left_keys = [(k, length) for k, length, _ in left]
