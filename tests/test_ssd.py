@@ -120,7 +120,9 @@ def test_records_being_written_are_skipped_or_dropped(ssd_dir):
 
 
 def test_lane_bound_drops_and_counts(ssd_dir):
-    faults = Faults(write_delay=0.2)
+    # Each write's completion is held back longer than eight submits of 8 MiB take on a loaded machine (copying
+    # into fresh staging pages: 0.2 GB/s on the development VM), so none frees its bytes before the last submit.
+    faults = Faults(write_delay=2.0)
     with make(ssd_dir, shards=1, capacity=128 << 20, backend=FaultyBackend(UringBackend(), faults),
               max_pending_bytes=33 << 20) as t:
         big = segment(0, n=4 << 20)  # 8 MiB segments: only four fit in the staging bound
