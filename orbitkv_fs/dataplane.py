@@ -99,7 +99,10 @@ from .manager import (
 log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:9092"
-MAX_MESSAGE = 64 << 20  # bytes of one message; a save of 10^6 chunks of a few blocks fits
+#: Bytes of one message. What an engine call's lists build counts against ``max_buffered_bytes`` too
+#: (:data:`_BUILT_PER_BYTE`): at the default 256 MiB, up to about 19 MiB of chunks a call (290,000 chunks of 16
+#: blocks).
+MAX_MESSAGE = 64 << 20
 MAX_FRAMES = 16  # frames of one message: a REQ sends 2, a DEALER client its own envelope
 MAX_CONNECTIONS = 1024
 #: Connections one engine's credential marks as the engine's own (never displaced); more are served as
