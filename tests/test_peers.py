@@ -259,6 +259,24 @@ def test_leases_of_a_requester_that_never_releases_expire():
         arena.close()
 
 
+@pytest.mark.parametrize("frame, side", [
+    (b"\x84\xa4type\xa5lease\xa6req_id\x01\xa9namespace\xc4\x10" + bytes(16) + b"\xa4keys\xdc\x40\x01"
+     + b"\xc4\x00" * (P.MAX_KEYS + 1), "request"),
+    (b"\x85\xa4type\xa6prefix\xa6req_id\x01\xa9namespace\xc4\x10" + bytes(16) + b"\xa6chunks\xdc\x40\x01"
+     + b"\xc4\x00" * (P.MAX_KEYS + 1) + b"\xa6layers\x90", "request"),
+    (b"\x85\xa4type\xa6prefix\xa6req_id\x01\xa9namespace\xc4\x10" + bytes(16) + b"\xa6chunks\x90\xa6layers"
+     + b"\xdd" + (4 * P.MAX_KEYS + 1).to_bytes(4, "big") + b"\x92\x00\x00" * (4 * P.MAX_KEYS + 1), "request"),
+    (b"\x87\xa4type\xa6leased\xa6req_id\x01\xa9namespace\xc4\x10" + bytes(16) + b"\xaasession_id\xa0"
+     + b"\xacbase_address\x00\xa8lease_id\x01\xa7extents\xdc\x40\x01" + b"\xc0" * (P.MAX_KEYS + 1), "reply"),
+])
+def test_a_frames_lists_are_bounded_before_they_are_built(frame, side):
+    """Keys, chunks, layers and extents over the protocol's bounds are refused from the lists' headers (the
+    schema's length check, not the count after the decode): a frame of a million empty items builds nothing."""
+    decode = P.decode_request if side == "request" else P.decode_reply
+    with pytest.raises(P.ProtocolError, match="Expected `array` of length <= "):
+        decode(frame)
+
+
 def test_server_survives_garbage_and_answers_typed_refusals(servers):
     import zmq
 

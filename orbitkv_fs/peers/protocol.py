@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -45,6 +45,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 2 << 20
 REQUEST, REPLY = b"orbitkv-peer-request-v1\0", b"orbitkv-peer-reply-v1\0"
 _TAG = 32
+# A frame's lists are bounded from their headers, before any item is built (a 2 MiB frame of empty items would
+# otherwise build up to a million objects); the checks after the decode still apply.
+_Keys = msgspec.Meta(max_length=MAX_KEYS)
 
 
 class ProtocolError(OrbitKVError):
@@ -63,7 +66,7 @@ class LeaseRequest(msgspec.Struct, tag="lease", frozen=True):
     req_id: int
     namespace: bytes
     #: Packed :class:`~orbitkv_fs.keys.ObjectKey` s, all of ``namespace``.
-    keys: list[bytes]
+    keys: Annotated[list[bytes], _Keys]
     #: The requester's Transfer Engine session id (for the peer's logs and lease accounting).
     requester: str = ""
     version: int = PROTOCOL_VERSION
@@ -77,9 +80,9 @@ class ReleaseRequest(msgspec.Struct, tag="release", frozen=True):
 class PrefixRequest(msgspec.Struct, tag="prefix", frozen=True):
     req_id: int
     namespace: bytes
-    chunks: list[bytes]
+    chunks: Annotated[list[bytes], _Keys]
     #: ``(layer, role)`` pairs a chunk needs in full.
-    layers: list[tuple[int, int]]
+    layers: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=4 * MAX_KEYS)]
     version: int = PROTOCOL_VERSION
 
 
@@ -98,7 +101,7 @@ class LeaseReply(msgspec.Struct, tag="leased", frozen=True):
     base_address: int
     lease_id: int
     #: One per requested key, None where the peer does not hold it in DRAM.
-    extents: list[Extent | None]
+    extents: Annotated[list[Extent | None], _Keys]
 
 
 class PrefixReply(msgspec.Struct, tag="prefix_count", frozen=True):
