@@ -771,17 +771,12 @@ class DataPlaneServer:
         # Each engine call is authenticated before its chunks or keys are decoded (_deferred), and again by
         # the call itself.
         if type(req) is _LOOKUP:
-            m.authenticate(req.engine_id, caller, lookup=not req.lease)
-            self._charge(link, req.chunks)
-            return m.lookup(req.engine_id, _bulk(req.chunks, Lookup, "chunks"), lease=req.lease, caller=caller)
+            chunks = self._chunks(req, Lookup, link, caller, lookup=not req.lease)
+            return m.lookup(req.engine_id, chunks, lease=req.lease, caller=caller)
         if type(req) is _SAVE:
-            m.authenticate(req.engine_id, caller)
-            self._charge(link, req.chunks)
-            return m.save(req.engine_id, _bulk(req.chunks, Save, "chunks"), caller=caller)
+            return m.save(req.engine_id, self._chunks(req, Save, link, caller), caller=caller)
         if type(req) is _RESTORE:
-            m.authenticate(req.engine_id, caller)
-            self._charge(link, req.chunks)
-            return m.restore(req.engine_id, _bulk(req.chunks, Restore, "chunks"), lease_id=req.lease_id,
+            return m.restore(req.engine_id, self._chunks(req, Restore, link, caller), lease_id=req.lease_id,
                              layers=req.layers, caller=caller)
         if isinstance(req, Release):
             m.release(req.lease_id, engine_id=req.engine_id, caller=caller)
@@ -807,6 +802,13 @@ class DataPlaneServer:
         if isinstance(req, Stats):
             return m.stats()
         return None  # Ping
+
+    def _chunks(self, req: Any, cls: type, link: _Link, caller: Caller, *, lookup: bool = False) -> Any:
+        """The chunks of an engine call ``req`` (deferred ``cls``), once the caller proved it may act for the
+        engine and what they will build was counted against the buffer bound."""
+        self.manager.authenticate(req.engine_id, caller, lookup=lookup)
+        self._charge(link, req.chunks)
+        return _bulk(req.chunks, cls, "chunks")
 
     def _charge(self, link: _Link, *bulk: msgspec.Raw) -> None:
         """Count what an authenticated call's lists will build against the buffer bound, before they are

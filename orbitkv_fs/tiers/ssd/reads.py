@@ -117,6 +117,19 @@ def plan_reads(places: Sequence[tuple[int, int, int, int]], window: int, extents
     return out
 
 
+def _window_segment(w: ReadWindow, pos: int, e: int, s: "Slot") -> "tuple[memoryview | None, str]":
+    """The record of ``s`` at ``pos`` of landed window ``w`` (extent ``e``): its verified segment (a view of the
+    window's buffer) and "", or None and why: the errno or short read of an extent that did not bring it in
+    whole, or "corrupt" when it fails :func:`~.record.verify_record`. Demand reads and the prefetch lane alike."""
+    res = w.results[e]
+    if res < 0 or w.extents[e][2] + res < pos + s.length:
+        return None, io_reason(res, "short_read")
+    try:
+        return verify_record(w.buf[pos:pos + s.length], s.offset, s.key.pack(), s.generation, s.stored, s.crc), ""
+    except SegmentError:
+        return None, "corrupt"
+
+
 class ReadPath:
     """Mixin: the read half of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (see the module docstring)."""
 
@@ -222,16 +235,9 @@ class ReadPath:
         (a copy) or to ``sink`` (a view of the window's buffer). A record its extent's read did not cover
         (an errno, or a short read) is a miss with that reason; one that fails a check is "corrupt"."""
         for i, pos, e in w.records:
-            s = slots[i]
-            res = w.results[e]
-            if res < 0 or w.extents[e][2] + res < pos + s.length:
-                verdicts[i] = io_reason(res, "short_read")
-                continue
-            try:
-                seg = verify_record(w.buf[pos:pos + s.length], s.offset, s.key.pack(), s.generation, s.stored,
-                                    s.crc)
-            except SegmentError:
-                verdicts[i] = "corrupt"
+            seg, why = _window_segment(w, pos, e, slots[i])
+            if seg is None:
+                verdicts[i] = why
                 continue
             self._read_lat.append(w.took[e])
             hits.add(i)
@@ -501,17 +507,10 @@ class ReadPath:
         verdicts: list[str] = []
         for j, pos, e in w.records:
             k, _, sink, s = reqs[j]
-            res = w.results[e]
-            if res < 0 or w.extents[e][2] + res < pos + s.length:
-                verdicts.append(io_reason(res, "short_read"))
+            seg, why = _window_segment(w, pos, e, s)
+            verdicts.append(why)
+            if seg is None:
                 continue
-            try:
-                seg = verify_record(w.buf[pos:pos + s.length], s.offset, s.key.pack(), s.generation, s.stored,
-                                    s.crc)
-            except SegmentError:
-                verdicts.append("corrupt")
-                continue
-            verdicts.append("")
             try:
                 sink(k, bytes(seg))
             except Exception:  # the consumer's failure must not stop the lane
