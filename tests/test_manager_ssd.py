@@ -141,6 +141,7 @@ def test_ssd_corruption_is_a_counted_miss_in_lookup_and_restore(tier):
             lk = m.lookup(e.engine_id, [c.key for c in ch[:3]], lease=False)
             assert (lk.count, lk.lower) == (1, 1)
             assert m.stats().misses == 1  # the bad segment the lookup read
+            assert_reservations_zero(m)  # the bad segment's extent, reserved with its window, was given back
             assert tier.snapshot().corrupt_records_total == 1
             # The window's reads land in DRAM as they arrive: chunk 2, read beside the corrupt chunk 1, is
             # not counted but stays in DRAM, where a later lookup finds it without the SSD.
@@ -245,6 +246,45 @@ def test_lookup_that_fails_in_the_lower_tier_leaves_no_pins(tier, monkeypatch):
             lk = m.lookup(e.engine_id, [a[0].key, b[0].key])
             assert (lk.count, lk.dram, lk.lower) == (2, 1, 1)
             m.release(lk.lease_id)
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
+
+
+@pytest.mark.parametrize("sizes", ["told", "unknown", "wrong"])
+def test_a_promotion_window_reserves_its_dram_at_once_from_the_sizes_the_tier_tells(tier, monkeypatch, sizes):
+    """A lookup's promotion reserves the DRAM for a window's segments in one round, from the sizes the SSD
+    tier knows before reading (``describe``), not one extent a segment as they land. A segment the tier
+    could not size, or whose record changed size since (here: a tier that lies), gets an extent of its own;
+    either way every segment is promoted whole and no reservation is left over."""
+    pages, reg = make_engine()
+    try:
+        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            ch = chunks_for(3)
+            m.save(e.engine_id, ch)
+            want = snapshot(pages)
+            m.flush_dram()
+            told = tier.describe
+            if sizes == "unknown":
+                monkeypatch.setattr(tier, "describe", lambda keys: [None] * len(keys))
+            elif sizes == "wrong":
+                monkeypatch.setattr(tier, "describe", lambda keys: [(o, n + 4096) for o, n in told(keys)])
+            ones = []
+            real_reserve = m.dram.reserve
+            monkeypatch.setattr(m.dram, "reserve", lambda n: ones.append(n) or real_reserve(n))
+            lk = m.lookup(e.engine_id, [c.key for c in ch], lease=False)
+            assert (lk.count, lk.dram, lk.lower) == (3, 0, 3)
+            assert len(ones) == (0 if sizes == "told" else 3 * 2 * L)
+            assert_reservations_zero(m)
+            monkeypatch.undo()
+            again = m.lookup(e.engine_id, [c.key for c in ch], lease=False)
+            assert (again.count, again.dram, again.lower) == (3, 3, 0)  # every segment came back into DRAM whole
+            zero(pages)
+            res = m.restore(e.engine_id, ch)
+            assert res.restored == [True] * 3, res.misses
+            for name in pages.tensors:
+                assert np.array_equal(pages.array(name)[:6].view(np.uint16), want[name][:6].view(np.uint16))
             assert_reservations_zero(m)
     finally:
         pages.close()

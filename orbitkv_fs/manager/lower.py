@@ -2,10 +2,10 @@
 flush and listing.
 
 Primitives: :func:`demoter` (DRAM's eviction handed to the tier, a batch a call),
-:meth:`LowerTierCoordination._promote_run` (a lookup's run read back in windows, each segment copied into
-DRAM as it lands, a window published at once), :meth:`~LowerTierCoordination._remember_prefix` /
-:meth:`~LowerTierCoordination._readahead` / :meth:`~LowerTierCoordination._prefetched` (speculative prefetch
-of the chunks that followed a prefix),
+:meth:`LowerTierCoordination._promote_run` (a lookup's run read back in windows, the window's DRAM reserved
+at once, each segment copied into it as it lands, a window published at once),
+:meth:`~LowerTierCoordination._remember_prefix` / :meth:`~LowerTierCoordination._readahead` /
+:meth:`~LowerTierCoordination._prefetched` (speculative prefetch of the chunks that followed a prefix),
 :meth:`~LowerTierCoordination._checked_lower` / :meth:`~LowerTierCoordination._checked_header` (the
 lower tier's bytes checked against their key), :meth:`~LowerTierCoordination._admit` (a verified segment
 into DRAM), :meth:`~LowerTierCoordination.invalidate`, :meth:`~LowerTierCoordination.flush_dram`,
@@ -90,8 +90,9 @@ class LowerTierCoordination:
         miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together.
 
         A lookup answers the engine's scheduler, so the work per segment is per window where it can be: DRAM's
-        and the tier's membership asked once a chunk, each landed segment copied into an extent reserved for
-        it as it lands, and the window's segments published together once its reads are done."""
+        and the tier's membership asked once a chunk, the window's DRAM reserved in one round from the sizes
+        the tier tells (:meth:`_reserve_window`), each landed segment copied into its extent as it lands, and
+        the window's segments published together once its reads are done."""
         counted = 0
         pos = 0
         while pos < len(chunks):
@@ -116,6 +117,7 @@ class LowerTierCoordination:
             flat = [kb for _, m in window for kb in m]
             got: set[bytes] = set()
             landed: list[tuple[bytes, int, int, SegmentHeader]] = []  # reserved, copied, not yet published
+            held = self._reserve_window(wanted)  # index -> (offset, length) of an extent reserved for it
 
             def admit(i: int, blob: "bytes | memoryview") -> None:
                 # As each read lands, while the next ones are in flight: DRAM copies it into an extent of its
@@ -125,7 +127,14 @@ class LowerTierCoordination:
                 if h is None:
                     return
                 got.add(kb)
-                off = self._copy_in(blob)
+                extent = held.pop(i, None)
+                if extent is not None and extent[1] == len(blob):
+                    off: int | None = extent[0]
+                    self.dram.view(extent[0], extent[1])[:] = np.frombuffer(blob, dtype=np.uint8)
+                else:  # the tier had no size for it, or its record changed since: an extent of its own
+                    if extent is not None:
+                        self.dram.cancel(*extent)
+                    off = self._copy_in(blob)
                 if off is not None:
                     landed.append((kb, off, len(blob), h))
 
@@ -135,6 +144,9 @@ class LowerTierCoordination:
                 for _, off, n, _ in landed:
                     self.dram.cancel(off, n)
                 raise
+            finally:
+                for extent in held.values():  # reserved for segments that did not land
+                    self.dram.cancel(*extent)
             if landed:
                 kbs, offs, lens, heads = zip(*landed)
                 self.dram.publish_many(kbs, offs, lens, [h.original_length for h in heads],
@@ -155,6 +167,17 @@ class LowerTierCoordination:
             if good < len(window):
                 break
         return counted
+
+    def _reserve_window(self, keys: Sequence[ObjectKey]) -> dict[int, tuple[int, int]]:
+        """DRAM extents for a promotion window's segments, reserved under one lock round from the sizes the
+        lower tier knows before reading (its ``describe``: the SSD tier's): ``{index: (offset, length)}``; none
+        for a key the tier cannot size, or where DRAM had no room (leased or pinned objects)."""
+        describe = getattr(self.lower, "describe", None)
+        if describe is None:
+            return {}
+        sized = [(i, d[1]) for i, d in enumerate(describe(keys)) if d is not None]
+        offs = self.dram.reserve_many([n for _, n in sized])
+        return {i: (off, n) for (i, n), off in zip(sized, offs) if off is not None}
 
     def _dram_lacks(self, eng: _Engine, chunk: bytes) -> list[bytes]:
         """The packed keys of ``chunk``'s segments that DRAM does not hold, in the engine's segment order (its
