@@ -32,11 +32,13 @@ def make(ssd_dir, **kw) -> SsdTier:
 class Sink:
     def __init__(self) -> None:
         self.got: dict = {}
+        self.kinds: set = set()
         self.cond = threading.Condition()
 
     def __call__(self, k, seg: bytes) -> None:
         with self.cond:
-            self.got[k] = seg
+            self.got[k] = bytes(seg)  # a view valid during the call only
+            self.kinds.add(type(seg))
             self.cond.notify_all()
 
     def wait_for(self, n: int, timeout: float = 10.0) -> None:
@@ -64,6 +66,7 @@ def test_lane_reads_validated_segments_into_the_sink(ssd_dir):
         assert t.prefetch(keys[:4] + [key(99)], sink) == 4  # the absent key is skipped
         sink.wait_for(4)
         assert sink.got == {k: segs[k] for k in keys[:4]}
+        assert sink.kinds == {memoryview}  # views of the lane's window: no copy a record the sink may not keep
         s = t.snapshot()
         assert s.prefetch_requested_total == 4 and s.prefetch_read_total == 4
         assert s.prefetch_read_bytes_total == sum(len(segs[k]) for k in keys[:4])

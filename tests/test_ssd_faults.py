@@ -140,7 +140,7 @@ def test_prefetch_eio_of_records_read_together_misses_each_and_invalidates_none(
     shards = {o.key: o.shard for o in tier.iter_records()}
     tier.faults.read_errno, tier.faults.read_errors = errno.EIO, 1
     got: dict = {}
-    assert tier.prefetch(keys, got.__setitem__) == N
+    assert tier.prefetch(keys, lambda k, seg: got.__setitem__(k, bytes(seg))) == N
     assert wait_until(lambda: tier.snapshot().prefetch_read_total + tier.snapshot().prefetch_errors_total == N)
     missed = [k for k in keys if k not in got]
     s = tier.snapshot()
@@ -151,7 +151,7 @@ def test_prefetch_eio_of_records_read_together_misses_each_and_invalidates_none(
     assert s.errors_by_errno == {"EIO": len(missed)}
     assert all(got[k] == segment(i) for i, k in enumerate(keys) if k in got)
     assert all(sl.leases == 0 for sh in tier._shards for sl in sh.slots.values())
-    assert tier.prefetch(missed, got.__setitem__) == len(missed)
+    assert tier.prefetch(missed, lambda k, seg: got.__setitem__(k, bytes(seg))) == len(missed)
     assert wait_until(lambda: len(got) == N)
     assert got == {k: segment(i) for i, k in enumerate(keys)}
 
@@ -273,10 +273,10 @@ def test_prefetch_lane_that_fails_to_submit_gives_back_its_leases_and_restarts(t
     with _stored_tier(tmp_path, backend) as (t, keys):
         got: dict = {}
         backend.fail_next_ring = True  # the lane's ring (made by its first request)
-        assert t.prefetch(keys, got.__setitem__) == 4
+        assert t.prefetch(keys, lambda k, seg: got.__setitem__(k, bytes(seg))) == 4
         assert wait_until(lambda: t.snapshot().prefetch_errors_total >= 4), t.snapshot()
         assert got == {}
-        assert t.prefetch(keys, got.__setitem__) == 4  # nothing left behind as "queued"
+        assert t.prefetch(keys, lambda k, seg: got.__setitem__(k, bytes(seg))) == 4  # nothing left behind as "queued"
         assert wait_until(lambda: len(got) >= 4), t.snapshot()
         assert got == {k: segment(i) for i, k in enumerate(keys)}
         # No lease stays on the records (the ring may reuse their space).

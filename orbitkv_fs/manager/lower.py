@@ -219,9 +219,10 @@ class LowerTierCoordination:
         except Exception as e:  # speculation must never fail the request that triggered it
             log.warning("SSD prefetch request failed: %s", e)
 
-    def _prefetched(self, key: ObjectKey, blob: bytes, epoch: int) -> None:
-        """A prefetched segment landed (on the lower tier's lane thread; the tier validated every CRC):
-        admit it to DRAM as a prefetched object, unless an invalidation ran since it was requested."""
+    def _prefetched(self, key: ObjectKey, blob: "bytes | memoryview", epoch: int) -> None:
+        """A prefetched segment landed (on the lower tier's lane thread; the tier validated every CRC; ``blob``
+        may be a view of the tier's read buffer, valid during the call): copy it into DRAM as a prefetched
+        object, unless an invalidation ran since it was requested."""
         kb = key.pack()
         if self._inval_epoch != epoch or self._closed:
             return
@@ -263,7 +264,7 @@ class LowerTierCoordination:
         self._count(self._hits, "lower")
         return h
 
-    def _admit(self, kb: bytes, blob: bytes, h: SegmentHeader | None = None, *,
+    def _admit(self, kb: bytes, blob: "bytes | memoryview", h: SegmentHeader | None = None, *,
                prefetched: bool = False) -> tuple[int, int] | None:
         """Copy a verified segment (``h``: its parsed header, when the caller has it) into DRAM and publish
         it; None when it did not fit or was present."""

@@ -246,7 +246,8 @@ class ReadPath:
             else:
                 sink(i, seg)
 
-    def _begin_reads(self, keys: Sequence[ObjectKey]) -> "tuple[list[Slot | None], dict[int, bytes], IoRing | None] | None":
+    def _begin_reads(self, keys: Sequence[ObjectKey]
+                     ) -> "tuple[list[Slot | None], dict[int, bytes], IoRing | None] | None":
         """Start a demand read of ``keys``: the demand count goes up (writeback throttles, the prefetch
         lane waits), each published record gets a read lease. Answers the slots (None: not published),
         the bytes of keys submitted but not yet written (index -> segment) and a pooled read ring (None:
@@ -396,7 +397,8 @@ class ReadPath:
                         s = slots[i]
                         view = arr[offs[i]:offs[i] + s.length]
                         bufs[i] = view
-                        ring.prep_read(self._shards[s.shard].fid, view if on_device else window_buf[offs[i]:offs[i] + s.length],
+                        ring.prep_read(self._shards[s.shard].fid,
+                                       view if on_device else window_buf[offs[i]:offs[i] + s.length],
                                        s.offset, i)
                         k += 1
                     for i, res in ring.submit_and_wait():
@@ -463,16 +465,17 @@ class ReadPath:
             self._c[errors_counter] += 1
             self._errnos[why] += 1
 
-    def prefetch(self, keys: Sequence[ObjectKey], sink: Callable[[ObjectKey, bytes], None], *,
+    def prefetch(self, keys: Sequence[ObjectKey], sink: Callable[[ObjectKey, memoryview], None], *,
                  max_bytes: int | None = None) -> int:
         """Queue speculative reads of ``keys`` on the background lane; answer how many were queued.
 
         Each record that validates (the demand-read checks) is handed to ``sink(key, segment)`` on the
-        lane's thread; an absent key is skipped, a corrupt record is invalidated and dropped like a demand
-        miss, an I/O error drops the key. Never waits for I/O, and never delays demand reads: the lane
-        starts no read while a demand read is in progress. Keys already queued, not published yet (their
-        bytes are still in memory), or over ``max_bytes`` of records for this call or the lane's
-        ``prefetch_max_bytes`` (counted as dropped) are skipped."""
+        lane's thread, the segment a view valid during the call only (of the lane's window buffer, reused
+        afterwards: copy what you keep, as with :meth:`read_many`'s sink); an absent key is skipped, a corrupt
+        record is invalidated and dropped like a demand miss, an I/O error drops the key. Never waits for
+        I/O, and never delays demand reads: the lane starts no read while a demand read is in progress. Keys
+        already queued, not published yet (their bytes are still in memory), or over ``max_bytes`` of records
+        for this call or the lane's ``prefetch_max_bytes`` (counted as dropped) are skipped."""
         limit = self.config.prefetch_max_bytes
         budget = limit if max_bytes is None else min(max_bytes, limit)
         n = 0
@@ -502,8 +505,8 @@ class ReadPath:
 
     def _serve_prefetched(self, w: ReadWindow, reqs: list) -> None:
         """Check each record of a landed prefetch window (the demand read's checks) and hand each verified
-        segment (a copy: one at a time, as a consumer that drops it frees it before the next) to its request's
-        sink, then settle them all under one hold of the lock. The window's buffer goes back to the pool."""
+        segment (a view of the window's buffer) to its request's sink, then settle them all under one hold of
+        the lock. The window's buffer goes back to the pool."""
         verdicts: list[str] = []
         for j, pos, e in w.records:
             k, _, sink, s = reqs[j]
@@ -512,7 +515,7 @@ class ReadPath:
             if seg is None:
                 continue
             try:
-                sink(k, bytes(seg))
+                sink(k, seg)
             except Exception:  # the consumer's failure must not stop the lane
                 log.exception("SSD prefetch sink failed for %s", k)
         self._staging.recycle(w.buf)
@@ -531,7 +534,7 @@ class ReadPath:
         to :data:`READ_WINDOW` bytes (at least one) in at most ``room`` reads. A record that starts where the
         last one taken of its shard ended joins its read (laid in disk order, as :func:`plan_reads` lays them,
         they make as many reads or fewer). Requests whose record is gone are dropped. Lock held."""
-        reqs: list[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None], Slot]] = []
+        reqs: list[tuple[ObjectKey, int, Callable[[ObjectKey, memoryview], None], Slot]] = []
         size = extents = 0
         ends: dict[int, int] = {}  # shard -> where the last record taken of it ends
         while self._pf_queue and (not reqs or size + self._pf_queue[0][1] <= READ_WINDOW):

@@ -282,7 +282,7 @@ class SsdTier(WritebackLane, ReadPath):
         self._exhausted_logged = False
         self._closed = False
         # Prefetch lane: (key, record bytes, sink) queued; its thread starts with the first request.
-        self._pf_queue: collections.deque[tuple[ObjectKey, int, Callable[[ObjectKey, bytes], None]]] = \
+        self._pf_queue: collections.deque[tuple[ObjectKey, int, Callable[[ObjectKey, memoryview], None]]] = \
             collections.deque()
         self._pf_keys: set[ObjectKey] = set()  # queued or in flight
         self._pf_bytes = 0
