@@ -7,7 +7,6 @@ figures are printed, not asserted (per-vector uniform quantisation has no such b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os

@@ -199,7 +199,6 @@ def test_benchmarks_run_small_or_name_their_extra(fresh, tmp_path):
 @pytest.fixture(scope="module")
 def small_inputs(tmp_path_factory):
     """A shard of two records and a K dump, for scripts that print what they read."""
-    from orbitkv_fs.codecs import encode_segment
     from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
     from test_ssd_common import key, segment
 

@@ -421,6 +421,7 @@ def test_progress_and_views_of_part_of_a_buffer():
     log.checkpoint(rs[-1])
     calls = []
     rec = log.recover(on_progress=lambda d, t: calls.append((d, t)))
+    assert live_offsets(rec) == {r.offset for r in rs}
     total = log.capacity - RING_START
     assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) >= 3
     assert all(a[0] < b[0] for a, b in zip(calls, calls[1:]))

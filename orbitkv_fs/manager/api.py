@@ -19,7 +19,7 @@ from typing import Annotated, Callable, Iterator, Mapping, Protocol, Sequence, r
 import msgspec
 
 from ..errors import OrbitKVError
-from ..geometry import EngineRegistration, num_blocks
+from ..geometry import EngineRegistration
 from ..histogram import DurationHistogram
 from ..keys import ObjectKey
 
