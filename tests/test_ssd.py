@@ -58,6 +58,27 @@ def test_roundtrip_many_keys_two_shards(ssd_dir):
         assert t.stats()["ssd_objects"] == 64.0
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 100, 4096])
+def test_latency_quantiles_are_the_nearest_rank_below_of_the_last_samples(ssd_dir, n):
+    """p50 and p99 of the read and write latencies: the sample at rank int(q * n) of the samples sorted, as the
+    tier reported them when it sorted them whole."""
+    rng = random.Random(n)
+    with make(ssd_dir, shards=1) as t:
+        reads_, writes = [rng.random() for _ in range(n)], [rng.expovariate(1.0) for _ in range(n)]
+        t._read_lat.clear()
+        t._write_lat.clear()
+        t._read_lat.extend(reads_)
+        t._write_lat.extend(writes)
+
+        def rank(xs, q):
+            return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+        s = t.snapshot()
+        assert (s.read_latency_p50_seconds, s.read_latency_p99_seconds) == (rank(reads_, 0.5), rank(reads_, 0.99))
+        assert (s.write_latency_p50_seconds, s.write_latency_p99_seconds) == (rank(writes, 0.5), rank(writes, 0.99))
+        assert t.stats()["ssd_read_latency_p99_seconds"] == rank(reads_, 0.99)
+
+
 def test_republish_replaces_and_old_generation_is_dead(ssd_dir):
     with make(ssd_dir, shards=1) as t:
         k = key(1)
