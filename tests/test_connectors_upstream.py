@@ -37,7 +37,7 @@ import orbitkv_fs.connectors.vllm as our_vllm
 
 CACHE = Path(os.environ.get("ORBITKV_WHEEL_CACHE") or Path(tempfile.gettempdir()) / "orbitkv-upstream-wheels")
 
-VLLM = ("vllm", "vllm==0.33.*", "vllm-0.33.*.whl")
+VLLM = ("vllm", "vllm==0.34.*", "vllm-0.34.*.whl")
 SGLANG = ("sglang", "sglang>=0.5.20,<0.5.30", "sglang-0.5.2[0-9]*.whl")
 
 
@@ -231,7 +231,7 @@ def test_vllm_imported_names_exist_in_the_wheel(vllm_wheel: zipfile.ZipFile) -> 
     imports = _guarded_imports(_our_tree(our_vllm), "vllm")
     assert ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1") in imports
     missing = [f"{m}.{n}" for m, n in imports if not _defines(vllm_wheel, m, n)]
-    assert not missing, f"names we import that vLLM 0.33 does not define: {missing}"
+    assert not missing, f"names we import that {VLLM[1]} does not define: {missing}"
 
 
 def test_vllm_config_fields_we_read_exist(vllm_wheel: zipfile.ZipFile) -> None:
@@ -244,9 +244,41 @@ def test_vllm_config_fields_we_read_exist(vllm_wheel: zipfile.ZipFile) -> None:
     for field in ("tensor_parallel_size", "pipeline_parallel_size", "rank"):
         assert field in parallel
     out = _source(vllm_wheel, "vllm.v1.core.sched.output")
-    for field in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "resumed_req_ids",
-                  "new_block_ids", "num_computed_tokens", "block_ids", "prompt_token_ids"):
+    # resumed_req_ids is read where present (up to 0.33): from 0.34 a resumed request comes as a new one.
+    for field in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "new_block_ids",
+                  "num_computed_tokens", "block_ids", "prompt_token_ids"):
         assert field in out, field
+
+
+def test_vllm_keeps_its_kv_cache_exportable_through_legacy_cuda_ipc_for_us(vllm_wheel: zipfile.ZipFile,
+                                                                         monkeypatch) -> None:
+    """vLLM 0.34 maps its GPU KV cache with the driver's virtual memory calls by default (the extensible KV
+    cache), which legacy CUDA IPC, the Manager's import, cannot export. Our connector's ``kv_cache_access``,
+    run against the wheel's own ``KVCacheAccess``, answers ``LEGACY_IPC`` (``IN_PROCESS`` when the KV only
+    goes through staging pages), and the wheel's config turns the extensible KV cache off on that flag."""
+    src = _source(vllm_wheel, "vllm.config.kv_transfer")
+    tree = ast.parse(src)
+    enum_src = ast.get_source_segment(src, _class(tree, "KVCacheAccess"))
+    ns: dict = {}
+    exec("import enum\n" + enum_src, ns)
+    access = ns["KVCacheAccess"]
+    module = type(sys)("vllm.config.kv_transfer")
+    module.KVCacheAccess = access
+    for name in ("vllm", "vllm.config"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or type(sys)(name))
+    monkeypatch.setitem(sys.modules, "vllm.config.kv_transfer", module)
+    from types import SimpleNamespace
+
+    def ktc(**extra):
+        return SimpleNamespace(kv_connector_extra_config=extra)
+
+    cls = our_vllm.OrbitKVConnector
+    assert cls.kv_cache_access(ktc()) is access.LEGACY_IPC
+    assert cls.kv_cache_access(ktc(**{"orbitkv.staging": "auto"})) is access.LEGACY_IPC
+    assert cls.kv_cache_access(ktc(**{"orbitkv.staging": "always"})) is access.IN_PROCESS
+    decision = _source(vllm_wheel, "vllm.config.vllm")
+    assert "elif KVCacheAccess.LEGACY_IPC in kv_cache_access:" in decision
+    assert "cannot export driver-mapped memory" in decision
 
 
 # ------------------------------------------------------------------------------------------------- SGLang

@@ -53,14 +53,16 @@ def _new(req: Req, blocks: list[int], computed: int) -> SimpleNamespace:  # NewR
                            num_computed_tokens=computed)
 
 
-def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:  # SchedulerOutput
+def _output(new=(), cached=(), scheduled=None, resumed=(), vllm="0.33") -> SimpleNamespace:  # SchedulerOutput
+    """vLLM's scheduler output. Up to 0.33 a preempted request resumes among the cached ones, named in
+    ``resumed_req_ids``; from 0.34 it is re-sent in full as a new one and that field is gone."""
     cached = list(cached)
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
-                                              new_block_ids=[(c[1],) if c[1] else None for c in cached],
-                                              num_computed_tokens=[c[2] for c in cached]),
-        num_scheduled_tokens=dict(scheduled or {}))
+    data = SimpleNamespace(req_ids=[c[0] for c in cached], new_block_ids=[(c[1],) if c[1] else None for c in cached],
+                           num_computed_tokens=[c[2] for c in cached])
+    if vllm == "0.33":
+        data.resumed_req_ids = set(resumed)
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=data,
+                           num_scheduled_tokens=dict(scheduled or {}))
 
 
 def _backend(name: str) -> SimpleNamespace:  # an attention layer of vLLM's static forward context
@@ -382,6 +384,30 @@ def test_planner_preemption_replaces_blocks() -> None:
     assert not p.known("r")
     p.scheduled("r", 50, [1, 2, 3])  # unknown request: nothing planned
     assert p.take() == ([], [])
+
+
+@pytest.mark.parametrize("vllm", ["0.33", "0.34"])
+def test_a_preempted_request_resumes_on_its_new_block_table_in_either_vllm(env, vllm) -> None:
+    """A request preempted after its first chunk resumes on a new block table: up to vLLM 0.33 among the
+    running requests, named in ``resumed_req_ids``; from 0.34 as a new request (the field is gone). Either
+    way the chunks still to save are saved from the new blocks, while another running request goes on."""
+    sched = env.sched
+    r0, r1 = Req("r0", list(range(500, 520))), Req("r1", list(range(100, 150)))
+    for r in (r0, r1):
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        sched.update_state_after_alloc(r, Blocks([]), 0)
+    meta = sched.build_connector_meta(_output(new=[_new(r0, [1, 2], 0), _new(r1, [3, 4], 0)],
+                                              scheduled={"r0": 4, "r1": 20}, vllm=vllm))
+    assert [t.blocks for t in meta.saves] == [[[3]]]
+    # r1 preempted (its blocks freed), then resumed from token 0 on blocks 7..10, while r0 runs on.
+    if vllm == "0.33":
+        out = _output(cached=[("r0", [], 4), ("r1", [7, 8, 9, 10], 0)], scheduled={"r0": 1, "r1": 50},
+                      resumed=["r1"], vllm=vllm)
+    else:
+        out = _output(new=[_new(r1, [7, 8, 9, 10], 0)], cached=[("r0", [], 4)], scheduled={"r0": 1, "r1": 50},
+                      vllm=vllm)
+    meta = sched.build_connector_meta(out)
+    assert [t.blocks for t in meta.saves] == [[[8], [9]]]  # blocks 1 and 2 of r1, from its new table
 
 
 def test_worker_shutdown_unregisters_its_engine(env) -> None:

@@ -261,6 +261,19 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                         "to have vLLM recompute it", policy)
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+: how the workers reach the GPU KV cache. The Manager imports it through legacy CUDA
+        IPC (``cudaIpcGetMemHandle``), which cannot export the driver-mapped memory of vLLM's extensible KV
+        cache, on by default on CUDA: ``LEGACY_IPC`` makes vLLM allocate the cache as before. With
+        ``orbitkv.staging`` ``always`` the KV only goes through the staging pages, and any allocation works."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        if str(extra.get(EXTRA_PREFIX + "staging", "auto")).lower() == "always":
+            return KVCacheAccess.IN_PROCESS
+        return KVCacheAccess.LEGACY_IPC
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Asynchronous loads are waited for per layer (``wait_for_layer_load``), which a full CUDA graph
         would skip on replay: attention could read blocks still being written."""
@@ -339,11 +352,13 @@ class OrbitKVConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._planner.scheduled(new.req_id, done, new.block_ids[0], replace_blocks=True)
         cached = scheduler_output.scheduled_cached_reqs
+        # Up to vLLM 0.33 a preempted request resumes among these, on a new block table; from 0.34 it is
+        # re-sent in full as a new request (above) and the field is gone.
+        resumed = getattr(cached, "resumed_req_ids", ())
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._planner.scheduled(req_id, done, new_ids[0] if new_ids else [],
-                                    replace_blocks=req_id in cached.resumed_req_ids)
+            self._planner.scheduled(req_id, done, new_ids[0] if new_ids else [], replace_blocks=req_id in resumed)
         loads, saves = self._planner.take()
         return OrbitKVConnectorMetadata(loads=loads, saves=saves)
 
