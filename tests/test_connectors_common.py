@@ -293,6 +293,22 @@ def test_a_load_job_that_hits_a_bug_wakes_its_waiters_and_reraises() -> None:
         job.wait()
 
 
+def test_a_gpu_tensor_whose_memory_has_no_ipc_handle_is_not_shared_and_does_not_fail(caplog) -> None:
+    """vLLM's sleep mode allocates the KV cache through a pluggable (cuMem) allocator, whose storages refuse
+    ``_share_cuda_``: the tensor has no handle (the adapter stages its KV or stays off), the worker goes on."""
+    from types import SimpleNamespace
+
+    from orbitkv_fs.connectors.common import tensor_handle
+
+    def refuse():
+        raise RuntimeError("CUDAPluggableAllocator does not yet support shareIpcHandle")
+
+    t = SimpleNamespace(is_cuda=True, untyped_storage=lambda: SimpleNamespace(_share_cuda_=refuse))
+    with caplog.at_level("WARNING"):
+        assert tensor_handle(t) is None
+    assert "cannot be shared through CUDA IPC" in caplog.text
+
+
 def test_tensor_handle_finds_shared_pages_and_refuses_private_memory(tmp_path) -> None:
     torch = pytest.importorskip("torch")
     import numpy as np

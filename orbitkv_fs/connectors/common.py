@@ -816,7 +816,13 @@ def tensor_handle(t: "object") -> object | None:
         return _shared_file_handle(int(t.data_ptr()))  # type: ignore[attr-defined]
     # torch's caching allocator hands out slices of larger cudaMalloc blocks: the IPC handle names the
     # block, and the storage sits at an offset inside it.
-    shared = t.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]  # (device, handle, size, offset, ...)
+    try:
+        shared = t.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]  # (device, handle, size, offset, ...)
+    except RuntimeError as e:
+        # Memory of a pluggable allocator has no CUDA IPC handle: vLLM's sleep mode allocates its KV cache
+        # through cuMem. The adapter then stages that KV (or stays off) instead of failing the worker.
+        log.warning("OrbitKV-FS: a KV tensor's memory cannot be shared through CUDA IPC (%s)", e)
+        return None
     base, size = int(shared[3]), int(shared[2])
     ipc = cuda_ipc_mem_handle(bytes(shared[1]))
     if ipc is None:
