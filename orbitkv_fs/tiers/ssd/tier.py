@@ -663,8 +663,8 @@ class SsdTier(WritebackLane, ReadPath):
                 live_bytes=self._index.live, dead_bytes=self._index.dead, writing_bytes=self._writing,
                 pending_bytes=self._pending_bytes, write_inflight_bytes=self._inflight_bytes,
                 **{k: c[k] for k in _COUNTERS}, errors_by_errno=dict(self._errnos))
-            reads = np.fromiter(self._read_lat, np.float64, len(self._read_lat))
-            writes = np.fromiter(self._write_lat, np.float64, len(self._write_lat))
+            reads = np.fromiter(self._read_lat, np.float64)
+            writes = np.fromiter(self._write_lat, np.float64)
         r50, r99 = _percentiles(reads, (0.5, 0.99))
         w50, w99 = _percentiles(writes, (0.5, 0.99))
         return SsdStats(**fields, read_latency_p50_seconds=r50, read_latency_p99_seconds=r99,
