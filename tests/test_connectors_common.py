@@ -294,19 +294,24 @@ def test_a_load_job_that_hits_a_bug_wakes_its_waiters_and_reraises() -> None:
 
 
 def test_a_gpu_tensor_whose_memory_has_no_ipc_handle_is_not_shared_and_does_not_fail(caplog) -> None:
-    """vLLM's sleep mode allocates the KV cache through a pluggable (cuMem) allocator, whose storages refuse
-    ``_share_cuda_``: the tensor has no handle (the adapter stages its KV or stays off), the worker goes on."""
+    """vLLM's sleep mode allocates the KV cache through a pluggable (cuMem) allocator, and torch's
+    ``cudaMallocAsync`` backend serves any tensor: their storages refuse ``_share_cuda_`` (torch's own
+    messages below). The tensor has no handle (the adapter stages its KV or stays off), the worker goes on."""
     from types import SimpleNamespace
 
     from orbitkv_fs.connectors.common import tensor_handle
 
-    def refuse():
-        raise RuntimeError("CUDAPluggableAllocator does not yet support shareIpcHandle")
+    for who in ("CUDAPluggableAllocator does not yet support shareIPcHandle",
+                "cudaMallocAsync does not yet support shareIpcHandle"):
 
-    t = SimpleNamespace(is_cuda=True, untyped_storage=lambda: SimpleNamespace(_share_cuda_=refuse))
-    with caplog.at_level("WARNING"):
-        assert tensor_handle(t) is None
-    assert "cannot be shared through CUDA IPC" in caplog.text
+        def refuse(who=who):
+            raise RuntimeError(who + ". If you need it, please file an issue describing your use case.")
+
+        t = SimpleNamespace(is_cuda=True, untyped_storage=lambda: SimpleNamespace(_share_cuda_=refuse))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert tensor_handle(t) is None
+        assert "cannot be shared through CUDA IPC" in caplog.text and who in caplog.text
 
 
 def test_tensor_handle_finds_shared_pages_and_refuses_private_memory(tmp_path) -> None:

@@ -819,8 +819,9 @@ def tensor_handle(t: "object") -> object | None:
     try:
         shared = t.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]  # (device, handle, size, offset, ...)
     except RuntimeError as e:
-        # Memory of a pluggable allocator has no CUDA IPC handle: vLLM's sleep mode allocates its KV cache
-        # through cuMem. The adapter then stages that KV (or stays off) instead of failing the worker.
+        # torch refuses IPC handles of memory from a pluggable allocator (vLLM's sleep mode allocates its KV
+        # cache through cuMem) or from PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync. The adapter then stages
+        # that KV (or stays off) instead of failing the worker.
         log.warning("OrbitKV-FS: a KV tensor's memory cannot be shared through CUDA IPC (%s)", e)
         return None
     base, size = int(shared[3]), int(shared[2])
