@@ -55,7 +55,7 @@ class KVSplit(str, enum.Enum):
     TOKEN = "token"  # x.view(B, H, 2T, D): K = [:, :, :T], V = [:, :, T:]
 
 
-# vLLM 0.32 / 0.33 attention backends (``AttentionBackend.get_name()``) whose K/V split was read in their
+# vLLM 0.32 to 0.34 attention backends (``AttentionBackend.get_name()``) whose K/V split was read in their
 # source: the GPU ones split the content axis (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``),
 # CPU_ATTN the token axis (``kv_cache.view(B, H, 2 * T, -1).chunk(2, dim=2)``). Any other backend (MLA,
 # recurrent state, NVFP4 head groups, backends not checked) leaves the connector off rather than guess.
