@@ -254,9 +254,10 @@ def test_lookup_that_fails_in_the_lower_tier_leaves_no_pins(tier, monkeypatch):
 @pytest.mark.parametrize("sizes", ["told", "unknown", "wrong"])
 def test_a_promotion_window_reserves_its_dram_at_once_from_the_sizes_the_tier_tells(tier, monkeypatch, sizes):
     """A lookup's promotion reserves the DRAM for a window's segments in one round, from the sizes the SSD
-    tier knows before reading (``describe``), not one extent a segment as they land. A segment the tier
-    could not size, or whose record changed size since (here: a tier that lies), gets an extent of its own;
-    either way every segment is promoted whole and no reservation is left over."""
+    tier knows before reading (``describe``), not one extent a segment as they land. A tier that cannot size
+    its segments (no ``describe``: membership only), or a segment whose record changed size since (here: a
+    tier that lies), gets an extent a segment; either way every segment is promoted whole and no reservation
+    is left over."""
     pages, reg = make_engine()
     try:
         with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
@@ -267,7 +268,7 @@ def test_a_promotion_window_reserves_its_dram_at_once_from_the_sizes_the_tier_te
             m.flush_dram()
             told = tier.describe
             if sizes == "unknown":
-                monkeypatch.setattr(tier, "describe", lambda keys: [None] * len(keys))
+                monkeypatch.setattr(tier, "describe", None)
             elif sizes == "wrong":
                 monkeypatch.setattr(tier, "describe", lambda keys: [(o, n + 4096) for o, n in told(keys)])
             ones = []
@@ -285,6 +286,27 @@ def test_a_promotion_window_reserves_its_dram_at_once_from_the_sizes_the_tier_te
             assert res.restored == [True] * 3, res.misses
             for name in pages.tensors:
                 assert np.array_equal(pages.array(name)[:6].view(np.uint16), want[name][:6].view(np.uint16))
+            assert_reservations_zero(m)
+    finally:
+        pages.close()
+
+
+def test_a_promotion_run_ends_at_the_first_chunk_the_tier_lacks_without_reading_it(tier):
+    """The window is formed from what the tier holds (its ``describe``): the run stops before a chunk it lacks,
+    which is neither read nor counted as a miss, nor is anything after it."""
+    pages, reg = make_engine()
+    try:
+        with Manager(ManagerConfig(pool_size=1 << 20, ssd_prefetch_chunks=0), lower_tier=tier) as m:
+            e = m.register_engine(reg)
+            ch = chunks_for(3)
+            m.save(e.engine_id, ch)
+            m.flush_dram()
+            absent = chunks_for(1, salt="absent")[0]
+            before, misses = tier.snapshot().read_hits_total, m.stats().misses
+            lk = m.lookup(e.engine_id, [ch[0].key, ch[1].key, absent.key, ch[2].key], lease=False)
+            assert (lk.count, lk.dram, lk.lower) == (2, 0, 2)
+            assert tier.snapshot().read_hits_total - before == 2 * 2 * L  # ch[0] and ch[1], nothing after
+            assert m.stats().misses == misses
             assert_reservations_zero(m)
     finally:
         pages.close()

@@ -71,6 +71,16 @@ def _lower_listing(lower: LowerTier, match_chunk: Callable[[bytes], bool], after
                   if kb > after and match_chunk(kb[:32]))
 
 
+def _lower_lengths(lower: LowerTier, keys: list[ObjectKey]) -> list[int | None]:
+    """The segment length of each key the tier holds, None where it holds none: one ``describe`` (the SSD tier:
+    one lock round, presence and size at once), else ``contains`` of each, 0 for a length not known before
+    reading."""
+    describe = getattr(lower, "describe", None)
+    if describe is None:
+        return [0 if have else None for have in _lower_contains(lower, keys)]
+    return [None if d is None else d[1] for d in describe(keys)]
+
+
 def _lower_contains(lower: LowerTier, keys: list[ObjectKey]) -> list[bool]:
     """The tier's ``contains`` of each key: its ``contains_many`` where it has one (the SSD tier: one lock round),
     else one call a key."""
@@ -90,21 +100,24 @@ class LowerTierCoordination:
         miss. Reads go out in windows of up to :data:`_PROMOTE_WINDOW` segments, all in flight together.
 
         A lookup answers the engine's scheduler, so the work per segment is per window where it can be: DRAM's
-        and the tier's membership asked once a chunk, the window's DRAM reserved in one round from the sizes
-        the tier tells (:meth:`_reserve_window`), each landed segment copied into its extent as it lands, and
+        membership and the tier's lengths asked once a chunk, the window's DRAM reserved in one round from
+        those lengths (:meth:`_reserve_window`), each landed segment copied into its extent as it lands, and
         the window's segments published together once its reads are done."""
         counted = 0
         pos = 0
         while pos < len(chunks):
             window: list[tuple[bytes, list[bytes]]] = []  # (chunk, its keys DRAM lacks)
             wanted: list[ObjectKey] = []  # those keys as the tier takes them, window order
+            lengths: list[int] = []  # their segment lengths as the tier tells them (0: not known)
             for c in chunks[pos:]:
                 missing = self._dram_lacks(eng, c)
                 objs = [ObjectKey.unpack(kb) for kb in missing]
-                if not all(_lower_contains(self.lower, objs)):
+                told = _lower_lengths(self.lower, objs)
+                if None in told:
                     break
                 window.append((c, missing))
                 wanted += objs
+                lengths += told  # type: ignore[arg-type]
                 if len(wanted) >= _PROMOTE_WINDOW:
                     break
             if not window:
@@ -117,7 +130,7 @@ class LowerTierCoordination:
             flat = [kb for _, m in window for kb in m]
             got: set[bytes] = set()
             landed: list[tuple[bytes, int, int, SegmentHeader]] = []  # reserved, copied, not yet published
-            held = self._reserve_window(wanted)  # index -> (offset, length) of an extent reserved for it
+            held = self._reserve_window(lengths)  # index -> (offset, length) of an extent reserved for it
 
             def admit(i: int, blob: "bytes | memoryview") -> None:
                 # As each read lands, while the next ones are in flight: DRAM copies it into an extent of its
@@ -168,14 +181,11 @@ class LowerTierCoordination:
                 break
         return counted
 
-    def _reserve_window(self, keys: Sequence[ObjectKey]) -> dict[int, tuple[int, int]]:
-        """DRAM extents for a promotion window's segments, reserved under one lock round from the sizes the
-        lower tier knows before reading (its ``describe``: the SSD tier's): ``{index: (offset, length)}``; none
-        for a key the tier cannot size, or where DRAM had no room (leased or pinned objects)."""
-        describe = getattr(self.lower, "describe", None)
-        if describe is None:
-            return {}
-        sized = [(i, d[1]) for i, d in enumerate(describe(keys)) if d is not None]
+    def _reserve_window(self, lengths: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """DRAM extents for a promotion window's segments, reserved under one lock round from the lengths the
+        lower tier told before reading (:func:`_lower_lengths`): ``{index: (offset, length)}``; none for a
+        length not known (0), or where DRAM had no room (leased or pinned objects)."""
+        sized = [(i, n) for i, n in enumerate(lengths) if n]
         offs = self.dram.reserve_many([n for _, n in sized])
         return {i: (off, n) for (i, n), off in zip(sized, offs) if off is not None}
 
