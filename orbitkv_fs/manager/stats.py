@@ -22,8 +22,7 @@ _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_lo
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
              "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "registrations_refused",
-             "leases_expired",
-             "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
+             "leases_expired", "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
 
 
 class Counters:
