@@ -44,14 +44,16 @@ def _free_port() -> int:
 
 
 class ManagerProcess:
-    """``orbitkv-cache-manager`` on the CPU, DRAM only, loopback."""
+    """``orbitkv-cache-manager`` on the CPU, loopback: DRAM only, or with an SSD tier of ``ssd_capacity`` in a
+    file under ``tmp``."""
 
-    def __init__(self, tmp: Path, pool: str = "1gib") -> None:
+    def __init__(self, tmp: Path, pool: str = "1gib", ssd_capacity: str | None = None) -> None:
         self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
         self.http = f"127.0.0.1:{_free_port()}"
         log = open(tmp / "manager.log", "w")
+        ssd = ["--ssd-cache-path", str(tmp / "ssd0.log"), "--ssd-cache-capacity", ssd_capacity] if ssd_capacity else []
         self.proc = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", pool, "--device",
-                                      "cpu", "--data-plane", self.data_plane, "--http-addr", self.http],
+                                      "cpu", "--data-plane", self.data_plane, "--http-addr", self.http, *ssd],
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
         from orbitkv_fs.dataplane import RemoteClient
@@ -68,6 +70,12 @@ class ManagerProcess:
                 time.sleep(0.3)
             finally:
                 c.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The Manager's ``GET /v1/stats``."""
+        import httpx
+
+        return httpx.get(f"http://{self.http}/v1/stats", timeout=30).raise_for_status().json()
 
     def close(self) -> None:
         self.proc.terminate()
@@ -212,7 +220,7 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
     from .vllm_env import VllmEngineProcess
 
     py, model = _python_and_model(args)
-    manager = ManagerProcess(tmp, pool=args.pool)
+    manager = ManagerProcess(tmp, pool=args.pool, ssd_capacity=args.ssd_capacity)
     engines: list[VllmEngineProcess] = []
     kv_bytes = int(args.kv_cache_mib * 2**20)
 
@@ -270,6 +278,7 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
         again = base("generate", prompts=[prefixes[n + i] + questions[-1] for i in range(n)],
                      max_tokens=args.batch_tokens, one_by_one=False)["tokens"]
         counters = conn("connector")
+        mstats = manager.stats()
     finally:
         for e in engines:
             try:
@@ -296,6 +305,9 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
                                                    [t for cyc in tokens["base"] for t in cyc]),
         "noise_floor_base_vs_base": _agreement(again, tokens["base"][-1]),
         "connector": counters,
+        "pool": args.pool, "ssd_capacity": args.ssd_capacity,
+        "manager_hits": mstats.get("hits"), "manager_evictions": mstats.get("evictions"),
+        "manager_demoted": mstats.get("demoted"),
     }
 
 
@@ -426,7 +438,10 @@ def _markdown(result: dict[str, Any]) -> str:
             f"{r['kv_cache_mib']:g} MiB KV cache, one with the connector (codec `{r['codec']}`, "
             f"{'staged' if r['staged'] else 'direct'} path, chunks of {r['chunk_tokens']} tokens), taking turns. "
             f"{r['prefixes']} distinct {r['prefix_tokens']}-token prefixes, each asked {r['cycles']} times with "
-            f"another question.", "",
+            f"another question. The Manager: DRAM pool {r['pool']}"
+            + (f", an SSD tier of {r['ssd_capacity']}" if r["ssd_capacity"] else ", no SSD tier")
+            + f"; its hits by tier at the end: {r['manager_hits']}, evictions {r['manager_evictions']}, "
+            f"demoted {r['manager_demoted']}.", "",
             "| | without the connector | with it | with / without |", "| --- | ---: | ---: | ---: |",
             f"| one at a time: TTFT p50, first cycle (ms) | {first['base']:.0f} | {first['conn']:.0f} | "
             f"{first['conn'] / first['base']:.3f} |",
@@ -474,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pressure mode: each engine's KV cache (SmolLM2-135M float32: 45 KiB a token)")
     p.add_argument("--batch-tokens", type=int, default=16, help="pressure mode: tokens generated per batched request")
     p.add_argument("--pool", default="1gib", help="pressure mode: the Manager's DRAM pool")
+    p.add_argument("--ssd-capacity", default=None,
+                   help="pressure mode: an SSD tier of this size (a file in the run's temporary folder)")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--venv", default=None, help="the vLLM venv (default $ORBITKV_VLLM_VENV or ~/.cache/orbitkv_fs/...)")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-vllm-<mode>)")
