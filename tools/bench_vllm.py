@@ -72,10 +72,12 @@ class ManagerProcess:
                 c.close()
 
     def stats(self) -> dict[str, Any]:
-        """The Manager's ``GET /v1/stats``."""
-        import httpx
+        """The Manager's ``GET /v1/stats`` (the standard library's client: the bench runs where the `test` extra,
+        which brings httpx, is not installed)."""
+        import urllib.request
 
-        return httpx.get(f"http://{self.http}/v1/stats", timeout=30).raise_for_status().json()
+        with urllib.request.urlopen(f"http://{self.http}/v1/stats", timeout=30) as r:
+            return json.loads(r.read())
 
     def close(self) -> None:
         self.proc.terminate()
