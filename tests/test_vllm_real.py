@@ -277,7 +277,10 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
     prefixes for the next), one with the connector and a staging area of one chunk per half (a batch's
     concurrent loads take turns in it). Each engine gets the same batch of six prompts twice, with another
     question the second time: by then vLLM's own cache has evicted the first prefixes, the baseline
-    recomputes them, the connector restores them, and both batches give the baseline's tokens."""
+    recomputes them, the connector restores them, and both batches give the baseline's tokens. A third batch
+    of four with long answers (250 tokens: two requests of 5 blocks each grow to 7 in a cache of 12) makes
+    vLLM preempt running requests on both engines; a preempted request starts over, its prefix restored by
+    the connector, and the answers are the baseline's."""
     from orbitkv_fs.tools.models import SAMPLE_TEXT
     from orbitkv_fs.tools.vllm_env import VllmEngineProcess
 
@@ -303,11 +306,12 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
                        "orbitkv.staging_mib": 4 * block_bytes / 2**20, "orbitkv.timeout_s": 60})
         got: dict[str, list[dict[str, Any]]] = {"base": [], "conn": []}
         loaded = []
-        for prompts in rounds:
-            got["base"].append(base("generate", prompts=prompts, max_tokens=NEW_TOKENS, one_by_one=False))
+        for prompts, new in ((rounds[0], NEW_TOKENS), (rounds[1], NEW_TOKENS), (rounds[0][:4], 250)):
+            got["base"].append(base("generate", prompts=prompts, max_tokens=new, one_by_one=False))
             before = conn("connector")["load_chunks"]
-            got["conn"].append(conn("generate", prompts=prompts, max_tokens=NEW_TOKENS, one_by_one=False))
+            got["conn"].append(conn("generate", prompts=prompts, max_tokens=new, one_by_one=False))
             loaded.append(conn("connector")["load_chunks"] - before)
+        preempted = {"base": base("scheduler")["preemptions"], "conn": conn("scheduler")["preemptions"]}
         counters = conn("connector")
         stats = manager.stats()
     finally:
@@ -322,8 +326,9 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
     assert got["base"][1]["num_cached_tokens"][0] == 0, got["base"][1]["num_cached_tokens"]
     assert loaded[0] == 0 and loaded[1] >= 2, loaded  # the connector restored at least the first prefix
     assert got["conn"][1]["num_cached_tokens"][0] == 2 * CHUNK, got["conn"][1]["num_cached_tokens"]
-    for r in range(2):
+    assert preempted["base"] > 0 and preempted["conn"] > 0 and loaded[2] >= 2, (preempted, loaded)
+    for r in range(3):
         assert got["conn"][r]["tokens"] == got["base"][r]["tokens"], f"round {r + 1}: the connector changed tokens"
     assert stats.get("decode_failures", 0) == 0, stats
-    report("vllm_pressure", {"chunks_restored": loaded, "connector_timings": counters,
+    report("vllm_pressure", {"chunks_restored": loaded, "connector_timings": counters, "preemptions": preempted,
                              "num_cached_tokens": {k: [x["num_cached_tokens"] for x in v] for k, v in got.items()}})

@@ -4,7 +4,7 @@ Run by :class:`~orbitkv_fs.tools.vllm_env.VllmEngineProcess` inside the vLLM ven
 main environment, which has no vLLM). The first line is the engine's settings (:func:`make_llm`); every
 later line is a command: ``generate`` (greedy, per prompt: tokens, their log-probabilities,
 ``num_cached_tokens``, seconds), ``reset_prefix_cache``, ``connector`` (the worker connector's load/save
-counters) or ``exit``. vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's
+counters), ``scheduler`` (the scheduler's preemptions) or ``exit``. vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's
 scheduler and worker sides live here too.
 
 Invariants: library output never reaches stdout (the protocol); an error in a command is answered (the
@@ -49,6 +49,19 @@ class Engine:
         t0 = time.perf_counter()
         self.llm = make_llm(**settings)
         self.load_seconds = time.perf_counter() - t0
+        self.preemptions = 0
+        self._count_preemptions()
+
+    def _count_preemptions(self) -> None:
+        """Count the scheduler's preemptions (vLLM's in-process engine core: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        preempt = scheduler._preempt_request
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
 
     def op_tokenize(self, texts: list[str]) -> dict[str, Any]:
         tok = self.llm.get_tokenizer()
@@ -74,6 +87,10 @@ class Engine:
                 res["num_cached_tokens"].append(int(o.num_cached_tokens or 0))
                 res["seconds"].append(dt)
         return res
+
+    def op_scheduler(self) -> dict[str, Any]:
+        """The scheduler's counts: requests preempted so far."""
+        return {"preemptions": self.preemptions}
 
     def op_reset_prefix_cache(self) -> dict[str, Any]:
         return {"reset": bool(self.llm.reset_prefix_cache())}
