@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eviction", choices=("lru", "s3fifo"), default="lru", help="DRAM eviction policy")
     g.add_argument("--shm-dir", default="/dev/shm",
                    help="directory of the arena file (a tmpfs); engines' host pages files must lie in it too")
+    g.add_argument("--reserve-pool", action=argparse.BooleanOptionalAction, default=True,
+                   help="allocate the whole pool in --shm-dir at start (refused there when it does not fit: "
+                        "a container's /dev/shm is 64 MiB unless sized); --no-reserve-pool: only check the "
+                        "directory's free space, and take pages as the pool fills")
     g.add_argument("--device", choices=("auto", "cpu"), default="auto",
                    help="auto: pin the arena and use the GPU codec engine when a GPU is present")
     g.add_argument("--engine-check-interval", type=float, default=1.0, metavar="SECONDS",
@@ -167,7 +171,8 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
     return ManagerConfig(pool_size=args.pool_size, storage_codec=args.storage_codec,
                          storage_codec_budget=args.storage_codec_budget, batch_segments=args.batch_segments,
                          eviction=args.eviction,
-                         shm_dir=args.shm_dir, device=args.device, engine_check_interval=args.engine_check_interval,
+                         shm_dir=args.shm_dir, reserve_pool=args.reserve_pool, device=args.device,
+                         engine_check_interval=args.engine_check_interval,
                          lease_ttl=args.lease_ttl, max_engines_per_user=args.max_engines_per_user,
                          max_tensors_per_user=args.max_tensors_per_user,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)

@@ -66,6 +66,9 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     eviction: str = "lru"  # lru | s3fifo
     #: Directory of the arena file (a tmpfs: /dev/shm where it exists).
     shm_dir: str = "/dev/shm"
+    #: Allocate the arena's memory when the Manager starts (``--reserve-pool``, the server's default), not page
+    #: by page as it fills (:class:`~orbitkv_fs.tiers.dram.Arena`).
+    reserve_pool: bool = False
     #: "auto": pin with cudaHostRegister and use the GPU codec engine when a GPU is present; "cpu": never.
     device: str = "auto"
     #: Segments per codec batch, at most (``--batch-segments``; the GPU engine splits more than 1,024

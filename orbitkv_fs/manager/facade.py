@@ -72,7 +72,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
-                             demote=None if lower_tier is None else demoter(lower_tier))
+                             demote=None if lower_tier is None else demoter(lower_tier), reserve=config.reserve_pool)
         if self.dram.reclaimed[0]:
             log.warning("removed %d arena files (%.1f MB) of Managers that were killed, from %s",
                         self.dram.reclaimed[0], self.dram.reclaimed[1] / 1e6, config.shm_dir)
