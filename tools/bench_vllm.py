@@ -274,7 +274,8 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
                 out = names[k]("generate", prompts=prompts, max_tokens=args.batch_tokens, one_by_one=False)
                 batch[k].append(time.perf_counter() - t0)
                 tokens[k].append(out["tokens"])
-            log(f"phase 2 cycle {c + 1}: batch of {n} base {batch['base'][-1]:.2f} s, connector {batch['conn'][-1]:.2f} s")
+            log(f"phase 2 cycle {c + 1}: batch of {n} base {batch['base'][-1]:.2f} s, "
+                f"connector {batch['conn'][-1]:.2f} s")
         # The noise floor of the batches' tokens: the last cycle's batch recomputed by the baseline again.
         base("reset_prefix_cache")
         again = base("generate", prompts=[prefixes[n + i] + questions[-1] for i in range(n)],

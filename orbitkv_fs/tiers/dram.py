@@ -209,9 +209,9 @@ class Arena:
     cannot hold is refused at start (:class:`ShmSpaceError`). With ``reserve`` the file's memory is allocated
     at once (``posix_fallocate``: the pool is the Manager's from the start, whoever else fills the tmpfs
     later, and its first writes map pages that exist: on a 2-core VM a 47 MB copy into a fresh file took
-    15 ms so against 29 ms faulting new pages in, for 0.26 s a GiB at start; docs/results/2026-12-05-arena-
-    reserve); without it the directory's free space is checked against the pool and pages come with the
-    first writes.
+    15 ms so against 29 ms faulting new pages in, for 0.26 s a GiB at start:
+    docs/results/2026-12-05-arena-reserve); without it the directory's free space is checked against the pool
+    and pages come with the first writes.
     """
 
     def __init__(self, size: int, *, shm_dir: str = "/dev/shm", pin: bool = True, reserve: bool = False) -> None:

@@ -33,7 +33,8 @@ for mode in ("sparse", "fallocate", "populate"):
             first.append(t1 - t)
             again.append(time.perf_counter() - t1)
         print(f"{mode:9s} setup {setup * 1e3:6.0f} ms for 1 GiB; a 47 MB copy, first: "
-              + " ".join(f"{x * 1e3:5.1f}" for x in first) + " ms; again: " + " ".join(f"{x * 1e3:4.1f}" for x in again) + " ms")
+              + " ".join(f"{x * 1e3:5.1f}" for x in first) + " ms; again: "
+              + " ".join(f"{x * 1e3:4.1f}" for x in again) + " ms")
         del a, dst
         m.close()
     finally:

@@ -22,7 +22,8 @@ try:
     for rnd in range(2):
         s0 = stats(); c0 = e("connector") if conn_on else {}
         t0 = time.perf_counter()
-        out = e("generate", prompts=[ids[37 * (i + 8 * rnd):37 * (i + 8 * rnd) + 1024] + [13, 14, 15] for i in range(8)], max_tokens=16, one_by_one=False)
+        prompts = [ids[37 * (i + 8 * rnd):37 * (i + 8 * rnd) + 1024] + [13, 14, 15] for i in range(8)]
+        out = e("generate", prompts=prompts, max_tokens=16, one_by_one=False)
         dt = time.perf_counter() - t0
         s1 = stats(); c1 = e("connector") if conn_on else {}
         flat = lambda d, p="": {f"{p}{k}": v for k, v in d.items() if isinstance(v, (int, float))}
