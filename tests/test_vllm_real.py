@@ -326,7 +326,7 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
     assert got["base"][1]["num_cached_tokens"][0] == 0, got["base"][1]["num_cached_tokens"]
     assert loaded[0] == 0 and loaded[1] >= 2, loaded  # the connector restored at least the first prefix
     assert got["conn"][1]["num_cached_tokens"][0] == 2 * CHUNK, got["conn"][1]["num_cached_tokens"]
-    assert preempted["base"] > 0 and preempted["conn"] > 0 and loaded[2] >= 2, (preempted, loaded)
+    assert all(isinstance(n, int) and n > 0 for n in preempted.values()) and loaded[2] >= 2, (preempted, loaded)
     for r in range(3):
         assert got["conn"][r]["tokens"] == got["base"][r]["tokens"], f"round {r + 1}: the connector changed tokens"
     assert stats.get("decode_failures", 0) == 0, stats

@@ -49,16 +49,21 @@ class Engine:
         t0 = time.perf_counter()
         self.llm = make_llm(**settings)
         self.load_seconds = time.perf_counter() - t0
-        self.preemptions = 0
+        self.preemptions: int | None = 0
         self._count_preemptions()
 
     def _count_preemptions(self) -> None:
-        """Count the scheduler's preemptions (vLLM's in-process engine core: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
-        preempt = scheduler._preempt_request
+        """Count the scheduler's preemptions (vLLM's in-process engine core: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        Private to vLLM: where it is not found the count stays None and the other commands work as before."""
+        try:
+            scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+            preempt = scheduler._preempt_request
+        except AttributeError:
+            self.preemptions = None
+            return
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.preemptions += 1
+            self.preemptions = (self.preemptions or 0) + 1
             return preempt(*args, **kwargs)
 
         scheduler._preempt_request = counted
@@ -89,7 +94,7 @@ class Engine:
         return res
 
     def op_scheduler(self) -> dict[str, Any]:
-        """The scheduler's counts: requests preempted so far."""
+        """The scheduler's counts: requests preempted so far (None: this vLLM's scheduler was not found)."""
         return {"preemptions": self.preemptions}
 
     def op_reset_prefix_cache(self) -> dict[str, Any]:
