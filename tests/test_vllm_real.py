@@ -116,7 +116,7 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                                                                         tmp_path: Path) -> None:
     from orbitkv_fs.connectors.common import prefix_chunk_keys
     from orbitkv_fs.tools.models import SAMPLE_TEXT
-    from orbitkv_fs.tools.vllm_env import VllmEngineProcess
+    from orbitkv_fs.tools.vllm_env import VllmEngineProcess, close_engines
 
     manager = Manager(tmp_path)
     managers = [manager]
@@ -261,11 +261,7 @@ def test_real_vllm_stores_restores_recovers_and_reads_what_it_restored(vllm_pyth
                                  "num_cached_tokens": recovered["num_cached_tokens"]},
                              "manager_decode_failures": manager.stats().get("decode_failures")})
     finally:
-        for e in engines:
-            try:
-                e.close()
-            except Exception:  # already failed; the assertion that failed is the report
-                pass
+        close_engines(engines)
         for m in managers:
             m.close()
 
@@ -282,7 +278,7 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
     vLLM preempt running requests on both engines; a preempted request starts over, its prefix restored by
     the connector, and the answers are the baseline's."""
     from orbitkv_fs.tools.models import SAMPLE_TEXT
-    from orbitkv_fs.tools.vllm_env import VllmEngineProcess
+    from orbitkv_fs.tools.vllm_env import VllmEngineProcess, close_engines
 
     block_bytes = 30 * 2 * 3 * 64 * 4 * 128  # SmolLM2-135M float32: layers x K,V x heads x head_dim x 4 B, a block
     manager = Manager(tmp_path)
@@ -315,11 +311,7 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
         counters = conn("connector")
         stats = manager.stats()
     finally:
-        for e in engines:
-            try:
-                e.close()
-            except Exception:
-                pass
+        close_engines(engines)
         manager.close()
     assert counters["staged"] and counters["save_chunks"] >= 12, counters
     # The pressure is real: the baseline's second round found its first prefixes evicted.

