@@ -481,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefixes", type=int, default=8, help="pressure mode: distinct prefixes per phase")
     p.add_argument("--cycles", type=int, default=3, help="pressure mode: times each prefix is asked")
     p.add_argument("--kv-cache-mib", type=float, default=128.0,
-                   help="pressure mode: each engine's KV cache (SmolLM2-135M float32: 45 KiB a token)")
+                   help="pressure mode: each engine's KV cache (SmolLM2-135M float32: 45 KiB a token; vLLM "
+                        "wants one request of the bench's 2,048-token limit to fit: 90 MiB at least)")
     p.add_argument("--batch-tokens", type=int, default=16, help="pressure mode: tokens generated per batched request")
     p.add_argument("--pool", default="1gib", help="pressure mode: the Manager's DRAM pool")
     p.add_argument("--ssd-capacity", default=None,
