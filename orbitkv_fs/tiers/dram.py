@@ -225,11 +225,11 @@ class Arena:
             # Held until close (or this process's death): what tells reclaim_stale_arenas a live arena,
             # whatever PID namespace its owner is in.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not (reserve and _allocate(fd, size, directory)):
+            if not (reserve and _allocate(fd, size, directory)):  # posix_fallocate sized the file itself
                 free = _free_bytes(directory)
                 if free < size:
                     raise _no_room(directory, size, free)
-            os.ftruncate(fd, size)
+                os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self.path)
