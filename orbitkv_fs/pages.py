@@ -11,13 +11,18 @@ the tensors' bytes, each 4096-aligned, C-contiguous.
 
 Primitives: :meth:`HostPages.create`, :meth:`HostPages.open`, :meth:`HostPages.array`,
 :meth:`HostPages.handle`, :meth:`HostPages.descriptor`, :meth:`HostPages.close`; :func:`host_engine_pages`
-builds a whole engine's KV in one file (tests, benchmarks, CPU engines); :func:`import_cuda_tensor` is the
-GPU counterpart of :meth:`HostPages.at`.
+builds a whole engine's KV in one file (tests, benchmarks, CPU engines); :func:`reclaim_stale_pages` removes
+the files of creators that were killed; :func:`import_cuda_tensor` is the GPU counterpart of
+:meth:`HostPages.at`.
 
 Invariants: tensors never overlap and lie inside the file; the table is validated on open (a file that
 lies about its tensors is refused with :class:`PagesError`), and bounded before it is decoded (at most
 :data:`MAX_TABLE_BYTES`, :data:`~orbitkv_fs.geometry.MAX_TENSORS` tensors): anyone may register their own file;
-``create`` unlinks nothing it did not create.
+``create`` unlinks nothing it did not create. A file ``create`` names itself (``orbitkv-pages-<pid>-<hex>``) is
+its creator's for as long as the creator lives (:func:`~orbitkv_fs.shmfiles.create_owned`: its flock), so a
+creator killed with SIGKILL leaves nothing that :func:`reclaim_stale_pages` cannot remove; its memory is
+allocated when it is made, so a directory too small for it refuses it
+(:class:`~orbitkv_fs.shmfiles.ShmSpaceError`) instead of a later write dying of SIGBUS.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import uuid
 from typing import Annotated, Sequence
 
 import msgspec
@@ -33,6 +37,7 @@ import numpy as np
 
 from .errors import OrbitKVError
 from .geometry import MAX_TENSORS, Dims, HostPagesHandle, TensorDesc, parse_dtype
+from .shmfiles import create_owned, reclaim_stale, size_file
 
 #: One page block of a GPU gather or scatter (the codec engine's block-copy kernel, ``struct BlockCopy``
 #: of ``gpu/kernels/blocks.cu``, byte for byte): ``rows`` rows of ``row_bytes`` bytes, ``src_stride`` /
@@ -41,6 +46,9 @@ BLOCK_COPY_DTYPE = np.dtype({"names": ["src", "dst", "src_stride", "dst_stride",
                              "formats": ["<u8", "<u8", "<u8", "<u8", "<u4", "<u4"],
                              "offsets": [0, 8, 16, 24, 32, 36], "itemsize": 40})
 
+#: Files :meth:`HostPages.create` names itself: ``orbitkv-pages-<pid>-<12 hex>``, locked by their creator.
+PAGES_PREFIX = "orbitkv-pages-"
+_SMALLER = "make the engine's pages or staging area smaller (the connectors' orbitkv.staging_mib)"
 MAGIC = b"OKVP"
 VERSION = 1
 HEADER_BYTES = 4096
@@ -72,8 +80,9 @@ _TABLE = msgspec.msgpack.Decoder(Annotated[list[PageTensor], msgspec.Meta(max_le
 class HostPages:
     """An engine pages file mapped read-write."""
 
-    def __init__(self, path: str, mm: mmap.mmap, table: list[PageTensor], owner: bool) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, table: list[PageTensor], owner: bool, lock: int = -1) -> None:
         self.path = path
+        self._lock = lock  # the descriptor holding the file's flock (create_owned), -1 for none
         self._mm = mm
         self._buf = np.frombuffer(mm, dtype=np.uint8)
         self.tensors = {t.name: t for t in table}
@@ -105,16 +114,25 @@ class HostPages:
             if _HDR.size + len(blob) <= header:
                 break
             header = -(-(_HDR.size + len(blob)) // ALIGN) * ALIGN
-        path = path or os.path.join(directory if os.path.isdir(directory) else "/tmp",
-                                    f"orbitkv-pages-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if path is None:  # this process's own file: locked while it lives, reclaimed once it is gone
+            path, fd = create_owned(directory if os.path.isdir(directory) else "/tmp", PAGES_PREFIX, off,
+                                    reserve=True, what="the pages file", hint=_SMALLER)
+            lock = fd
+        else:  # a file named by the caller outlives its creator (the sample engine's): no lock, never reclaimed
+            fd, lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), -1
         try:
-            os.ftruncate(fd, off)
+            if lock < 0:
+                size_file(fd, off, os.path.dirname(os.path.abspath(path)), reserve=True, what="the pages file",
+                          hint=_SMALLER)
             mm = mmap.mmap(fd, off)
-        finally:
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        if lock < 0:
             os.close(fd)
         mm[: _HDR.size + len(blob)] = _HDR.pack(MAGIC, VERSION, len(blob)) + blob
-        return cls(path, mm, table, owner=True)
+        return cls(path, mm, table, owner=True, lock=lock)
 
     @classmethod
     def open(cls, path: str, *, fd: int | None = None) -> "HostPages":
@@ -196,6 +214,9 @@ class HostPages:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._lock >= 0:  # after the unlink: a reclaimer never finds the file unlocked while it has its name
+            os.close(self._lock)
+            self._lock = -1
 
     def __enter__(self) -> "HostPages":
         return self
@@ -229,6 +250,14 @@ def host_engine_pages(*, num_layers: int, num_blocks: int, block_size: int, num_
              for layer in range(layer_start, layer_start + num_layers) for role, shape in shapes[layout]]
     pages = HostPages.create(specs, directory=directory)
     return pages, [pages.descriptor(t.name) for t in specs]
+
+
+def reclaim_stale_pages(directory: str = "/dev/shm") -> tuple[int, int]:
+    """Remove the pages files :meth:`HostPages.create` named in ``directory`` whose creator is gone (killed
+    before it could remove them: a tmpfs file holds its memory until then); answers (files, bytes). A live
+    creator's file, a file named by its caller and every other file stay
+    (:func:`~orbitkv_fs.shmfiles.reclaim_stale`)."""
+    return reclaim_stale(directory, PAGES_PREFIX, hex_digits=12)
 
 
 _CUPY_NATIVE = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",

@@ -95,6 +95,8 @@ class ManagerCollector(Collector):
         yield _gauge("engines", "registered engines", s.engines)
         yield _counter("engines_reaped", "engines unregistered by the Manager because their process exited",
                        s.engines_reaped)
+        yield _counter("pages_files_reclaimed", "engine pages files (staging areas, CPU engines' KV) of killed "
+                       "processes that the Manager removed from its shared-memory directory", s.pages_files_reclaimed)
         yield _counter("registrations_refused", "registrations refused over their OS user's quota of engines or "
                        "tensors (--max-engines-per-user, --max-tensors-per-user)", s.registrations_refused)
         yield _counter("leases_expired", "lookup and peer leases dropped after --lease-ttl without a restore or "

@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +83,20 @@ def _in_use(paths: set[str]) -> set[str]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return used
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A real 16 MiB tmpfs (a container's small /dev/shm), where one can be mounted (as root)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """Dead engines: a real engine process registers host pages through the data plane, is killed with SIGKILL,
-and the Manager unregisters it by itself (its leases, reservations and pages-file mapping released),
-after the requests it still had in flight; engines without a pid, or whose pid names another process, stay."""
+and the Manager unregisters it by itself (its leases, reservations and pages-file mapping released, and the
+pages file the engine could not remove removed), after the requests it still had in flight; engines
+without a pid, or whose pid names another process, stay."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ ENGINE = textwrap.dedent("""
     from orbitkv_fs.keys import chunk_key
     from orbitkv_fs.manager import ChunkBlocks
 
-    pages = StagingPages(num_layers=2, slots=16, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16")
+    pages = StagingPages(num_layers=2, slots=16, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16",
+                         directory=sys.argv[2])
     pages.key(0)[...] = 1
     c = RemoteClient(sys.argv[1], timeout=30)
     eng = c.register(pages.registration(model="m", engine_kind="test"))
@@ -49,8 +51,8 @@ def mapped(path: str) -> bool:
         return any(line.rstrip().endswith(path) for line in f)
 
 
-def start_engine(endpoint: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, endpoint], stdout=subprocess.PIPE, text=True)
+def start_engine(endpoint: str, shm_dir: str = "/dev/shm") -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, endpoint, shm_dir], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     if len(line) != 5:
         proc.kill()
@@ -65,9 +67,13 @@ def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monk
         pytest.skip("no pidfd on this platform")
     if mode == "kill0":
         monkeypatch.delattr(os, "pidfd_open", raising=False)  # kill(pid, 0) + /proc/PID/stat start time
-    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu", engine_check_interval=INTERVAL)) as m:
+    # A directory of its own: the count of pages files reclaimed is this engine's alone.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with Manager(ManagerConfig(pool_size=4 << 20, device="cpu", engine_check_interval=INTERVAL,
+                               shm_dir=str(shm))) as m:
         srv = DataPlaneServer(m, f"ipc://{tmp_path}/dp.sock", workers=2)
-        proc, (engine_id, path, count, lease_id, watched) = start_engine(srv.endpoint)
+        proc, (engine_id, path, count, lease_id, watched) = start_engine(srv.endpoint, str(shm))
         try:
             assert (count, watched) == ("4", "True") and lease_id != "0"
             info = m.get_engine(engine_id)
@@ -94,13 +100,17 @@ def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monk
                     st.inflight_requests) == (0, 0, 0, 0, 0, 0)
             assert st.resident_objects["dram"] == 16  # cached objects belong to the namespace: they stay
             assert not mapped(path)
-            assert b"orbitkv_engines_reaped_total 1.0" in prometheus_text(m)  # last: skips without the extra
+            # The engine died before it could remove its staging file (64 MiB of /dev/shm for a vLLM worker):
+            # the Manager removed it after the reap.
+            assert not os.path.exists(path) and st.pages_files_reclaimed == 1
+            text = prometheus_text(m)  # last: skips without the extra
+            assert b"orbitkv_engines_reaped_total 1.0" in text and b"orbitkv_pages_files_reclaimed_total 1.0" in text
         finally:
             proc.kill()
             proc.wait()
             srv.close()
             if os.path.exists(path):
-                os.unlink(path)  # the engine died before it could remove its pages file
+                os.unlink(path)  # a failed run may have left it
 
 
 def test_engine_without_pid_or_unidentified_process_is_never_reaped():

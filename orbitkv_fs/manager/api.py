@@ -273,6 +273,9 @@ class ManagerStats(msgspec.Struct, frozen=True):
     prefetch_wasted: int = 0
     #: Engines the Manager unregistered because their process had exited.
     engines_reaped: int = 0
+    #: Pages files (staging areas, CPU engines' KV) of processes killed before they could remove them, which
+    #: the Manager removed from its shared-memory directory (at start, and after it reaps an engine).
+    pages_files_reclaimed: int = 0
     registrations_refused: int = 0  # over an OS user's quota of engines or tensors
     leases_expired: int = 0
     #: The cuFile direct path (an SSD tier with ``--ssd-backend cufile`` under the GPU codec engine):

@@ -107,6 +107,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         self._housekeeper_stop = threading.Event()
         # recently expired lease ids -> engine id: a late restore naming one still runs, without the lease
         self._expired: collections.OrderedDict[int, str | None] = collections.OrderedDict()
+        self._reclaim_pages()  # those of engines killed while no Manager was there to reap them
 
     def config(self) -> ManagerConfig:
         return self._config

@@ -50,7 +50,7 @@ from ..geometry import (
 from ..index import tail_subs
 from ..keys import key_tails
 from ..namespace import namespace_v2
-from ..pages import HostPages, PagesError, import_cuda_tensor
+from ..pages import HostPages, PagesError, import_cuda_tensor, reclaim_stale_pages
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
 from ..tiers.dram import arena_dir
 from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, TooManyEngines, UnknownEngine
@@ -542,8 +542,21 @@ class Registry:
             except EngineBusy as e:  # requests still running for it: the next round tries again
                 log.warning("engine %r (pid %d) exited but %s", engine_id, eng.watch.pid, e)
                 continue
+            # Killed with SIGKILL, it left its pages file (vLLM force-kills a worker that does not stop in
+            # time). Removed before the reap is counted: the count says the reaping is complete.
+            self._reclaim_pages()
             self._add(engines_reaped=1)
             log.warning("engine %r: its process %d exited; unregistered it", engine_id, eng.reg.pid)
+
+    def _reclaim_pages(self) -> None:
+        """Remove the pages files of processes that were killed before they could remove them: a tmpfs file
+        holds its memory until then. Only files whose creator is gone (:func:`reclaim_stale_pages`)."""
+        directory = arena_dir(self._config.shm_dir)
+        files, nbytes = reclaim_stale_pages(directory)
+        if files:
+            self._add(pages_files_reclaimed=files)
+            log.warning("removed %d engine pages files (%.1f MB) of processes that were killed, from %s", files,
+                        nbytes / 1e6, directory)
 
     def _check_chunks(self, eng: _Engine, chunks: Sequence[ChunkBlocks], *, skips: bool = False) -> None:
         """Keys and block ids of a request; ``skips``: :data:`SKIP_BLOCK` positions are allowed (a restore),

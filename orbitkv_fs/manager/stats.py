@@ -21,7 +21,8 @@ _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seco
 _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_logical_bytes", "save_stored_bytes",
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
-             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "registrations_refused",
+             "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "pages_files_reclaimed",
+             "registrations_refused",
              "leases_expired", "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
 
 
@@ -112,6 +113,7 @@ class Counters:
                                   if gpu else {}),
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
+                pages_files_reclaimed=int(c["pages_files_reclaimed"]),
                 registrations_refused=int(c["registrations_refused"]),
                 leases_expired=int(c["leases_expired"]), ssd_direct_writes=int(c["ssd_direct_writes"]),
                 ssd_direct_reads=int(c["ssd_direct_reads"]),

@@ -4,7 +4,8 @@ Primitives:
 
 * :class:`Allocator` -- first-fit over 512-byte units with size-class bins and coalescing on free.
 * :class:`Arena` -- the file under ``/dev/shm`` (``orbitkv-arena-<pid>-<id>``), mapped once; refused
-  (:class:`ShmSpaceError`) where its directory cannot hold it, its memory allocated at once on request;
+  (:class:`~orbitkv_fs.shmfiles.ShmSpaceError`) where its directory cannot hold it, its memory allocated at
+  once on request;
   pinned with ``cudaHostRegister`` when a GPU is present (cupy imported lazily). Connectors and peers may map the same
   file: an object is the extent ``(offset, length)`` of it, valid while its ``generation`` is leased. Its
   owner holds an exclusive ``flock`` on it for as long as the arena is open.
@@ -37,24 +38,20 @@ Invariants (all under :attr:`DramTier.lock`):
 from __future__ import annotations
 
 import collections
-import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
 import threading
 import time
-import uuid
 from bisect import bisect_right
 from itertools import accumulate, compress
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import OrbitKVError
 from ..index import HIDDEN, ObjectIndex
 from ..keys import ObjectKey, page_of_chunks
+from ..shmfiles import create_owned, reclaim_stale
 from .eviction import make_policy
 
 log = logging.getLogger(__name__)
@@ -173,34 +170,6 @@ class Allocator:
         return 0
 
 
-class ShmSpaceError(OrbitKVError):
-    """The arena's directory cannot hold the DRAM pool."""
-
-
-def _no_room(directory: str, size: int, free: int) -> ShmSpaceError:
-    return ShmSpaceError(f"{directory} has {free >> 20} MiB free, the DRAM pool takes {size >> 20} MiB: lower "
-                         f"--pool-size or give the shared-memory directory more room (a container's /dev/shm: "
-                         f"docker run --shm-size, or Kubernetes' emptyDir with medium: Memory)")
-
-
-def _free_bytes(directory: str) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def _allocate(fd: int, size: int, directory: str) -> bool:
-    """Allocate the arena file's memory now (``posix_fallocate``). False where the filesystem cannot."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:  # tmpfs gives back what it allocated before it ran out
-            raise _no_room(directory, size, _free_bytes(directory)) from None
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            return False
-        raise
-    return True
-
-
 class Arena:
     """The shared-memory file and its one mapping.
 
@@ -219,17 +188,9 @@ class Arena:
             raise ValueError(f"pool size {size} is smaller than one {UNIT}-byte unit")
         size = units_of(size) * UNIT
         directory = arena_dir(shm_dir)
-        self.path = os.path.join(directory, f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.path, fd = create_owned(directory, ARENA_PREFIX, size, reserve=reserve, what="the DRAM pool",
+                                     hint="lower --pool-size", hex_digits=8)
         try:
-            # Held until close (or this process's death): what tells reclaim_stale_arenas a live arena,
-            # whatever PID namespace its owner is in.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not (reserve and _allocate(fd, size, directory)):  # posix_fallocate sized the file itself
-                free = _free_bytes(directory)
-                if free < size:
-                    raise _no_room(directory, size, free)
-                os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self.path)
@@ -262,7 +223,6 @@ class Arena:
 
 
 ARENA_PREFIX = "orbitkv-arena-"
-_ARENA_NAME = re.compile(re.escape(ARENA_PREFIX) + r"(\d+)-[0-9a-f]{8}")
 
 
 def arena_dir(shm_dir: str) -> str:
@@ -276,43 +236,8 @@ def reclaim_stale_arenas(shm_dir: str = "/dev/shm") -> tuple[int, int]:
     A file is stale when its exclusive flock can be taken (a live arena's owner holds it) and the pid in
     its name is not a live process here (an arena made before the lock existed). Either test alone keeps a
     live arena: a Manager in another PID namespace sharing the directory holds its lock, and one of an
-    older version is a live pid. Other files are never touched."""
-    d = arena_dir(shm_dir)
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return 0, 0
-    files = freed = 0
-    for name in names:
-        m = _ARENA_NAME.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        path = os.path.join(d, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # gone meanwhile, or not ours to open
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            size = os.fstat(fd).st_size
-            os.unlink(path)
-        except OSError:  # BlockingIOError: its owner lives; else gone meanwhile
-            continue
-        finally:
-            os.close(fd)
-        files += 1
-        freed += size
-    return files, freed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    older version is a live pid. Other files are never touched (:func:`~orbitkv_fs.shmfiles.reclaim_stale`)."""
+    return reclaim_stale(arena_dir(shm_dir), ARENA_PREFIX, hex_digits=8, dead_pid_only=True)
 
 
 def _host_register(address: int, size: int) -> bool:
