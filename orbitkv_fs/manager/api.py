@@ -274,7 +274,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     #: Engines the Manager unregistered because their process had exited.
     engines_reaped: int = 0
     #: Pages files (staging areas, CPU engines' KV) of processes killed before they could remove them, which
-    #: the Manager removed from its shared-memory directory (at start, and after it reaps an engine).
+    #: the Manager removed from its shared-memory directory (at start, after it reaps an engine, and every
+    #: ``RECLAIM_INTERVAL_S`` while its housekeeping runs).
     pages_files_reclaimed: int = 0
     registrations_refused: int = 0  # over an OS user's quota of engines or tensors
     leases_expired: int = 0

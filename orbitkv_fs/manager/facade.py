@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 
 from ..access import HandleClaims
 from ..codecs import CODEC_NAMES, get_codec
@@ -30,7 +31,7 @@ from .hostpath import HostPath
 from .leases import Leases, _Lease
 from .lookup import Lookup
 from .lower import LowerTierCoordination, demoter
-from .registry import Registry, _Engine
+from .registry import RECLAIM_INTERVAL_S, Registry, _Engine
 from .restore import RestorePipeline
 from .save import SavePipeline
 from .stats import Counters, _COUNTERS, _DURATIONS
@@ -108,6 +109,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         # recently expired lease ids -> engine id: a late restore naming one still runs, without the lease
         self._expired: collections.OrderedDict[int, str | None] = collections.OrderedDict()
         self._reclaim_pages()  # those of engines killed while no Manager was there to reap them
+        self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL_S
 
     def config(self) -> ManagerConfig:
         return self._config

@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import threading
+import time
 import uuid
 import weakref
 from itertools import chain
@@ -286,15 +287,20 @@ def _close_imports(imports: list) -> None:
     imports.clear()
 
 
+#: How often the housekeeping thread looks for pages files of killed processes (a listing of --shm-dir and a
+#: lock attempt on each pages file in it).
+RECLAIM_INTERVAL_S = 5.0
+
+
 def _housekeep(manager: "weakref.ref[Manager]", stop: threading.Event, interval: float) -> None:
     """The housekeeping thread: every ``interval`` seconds, reap the Manager's dead engines and drop its
-    expired leases. Holds the Manager only during a round, so a Manager dropped without
-    :meth:`Manager.close` can still go."""
+    expired leases; every :data:`RECLAIM_INTERVAL_S`, remove stale pages files. Holds the Manager only during
+    a round, so a Manager dropped without :meth:`Manager.close` can still go."""
     while not stop.wait(interval):
         m = manager()
         if m is None:
             return
-        for job in (m._reap_dead, m._expire_leases):
+        for job in (m._reap_dead, m._expire_leases, m._reclaim_round):
             try:
                 job()
             except Exception:  # the thread must outlive one bad round
@@ -547,6 +553,15 @@ class Registry:
             self._reclaim_pages()
             self._add(engines_reaped=1)
             log.warning("engine %r: its process %d exited; unregistered it", engine_id, eng.reg.pid)
+
+    def _reclaim_round(self) -> None:
+        """:meth:`_reclaim_pages` at most every :data:`RECLAIM_INTERVAL_S` (a housekeeping job). A reap does not
+        see every killed engine: vLLM's shutdown lets the worker unregister, then may kill it before it
+        removed its staging file."""
+        now = time.monotonic()
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + RECLAIM_INTERVAL_S
+            self._reclaim_pages()
 
     def _reclaim_pages(self) -> None:
         """Remove the pages files of processes that were killed before they could remove them: a tmpfs file
