@@ -203,7 +203,8 @@ class HostPages:
                           strides=list(t.strides), dtype=t.dtype, handle=self.handle(name), name=name)
 
     def close(self, *, unlink: bool | None = None) -> None:
-        """Unmap; unlink the file when this object created it (or when ``unlink``)."""
+        """Unmap; unlink the file when this object created it (or when ``unlink``). A file ``create`` named
+        itself and kept here with ``unlink=False`` is no longer locked: :func:`reclaim_stale_pages` may take it."""
         self._buf = None  # type: ignore[assignment]
         try:
             self._mm.close()

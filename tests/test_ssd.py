@@ -690,6 +690,11 @@ def test_writeback_yields_to_demand_reads(ssd_dir, throttle):
         def watch() -> None:
             while not watching.is_set():
                 peak[0] = max(peak[0], t.snapshot().write_inflight_bytes)
+                # Hands the GIL over: without it this loop re-takes the tier's lock before a waiting submitter
+                # wakes (Python's locks are not fair), and on a 2-core AMD EPYC VM 199 submits took 18 s, past
+                # the sink's wait, so the read ended and the throttle with it. Still samples every few us: an
+                # unthrottled lane shows its full depth (655,360 bytes) here.
+                time.sleep(0)
 
         watcher = threading.Thread(target=watch)
         try:

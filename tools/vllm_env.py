@@ -239,6 +239,29 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
+    def stream(self, body: dict[str, Any], timeout: float = 300) -> tuple[float, str, dict[str, Any]]:
+        """A streamed ``/v1/completions``: seconds from sending the request to its first token, the text, and the
+        usage the last event carries (``stream_options.include_usage``)."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        first, text, usage = None, [], {}
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or ():
+                    if choice.get("text") and first is None:
+                        first = time.perf_counter() - t0
+                    text.append(choice.get("text") or "")
+                usage = event.get("usage") or usage
+        if first is None:
+            raise RuntimeError(f"no token in the stream of {self.url}")
+        return first, "".join(text), usage
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             return r.read().decode()
