@@ -312,6 +312,14 @@ def run_pressure(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[
 # --------------------------------------------------------------------------------------------------- serve
 
 
+def _worker_cores(log: Path) -> str | None:
+    """The cores vLLM bound its worker's OpenMP threads to, from its log (``core ids=[...]``)."""
+    import re
+
+    found = re.findall(r"core ids=(\[[0-9, ]*\])", log.read_text(errors="replace"))
+    return found[-1] if found else None
+
+
 def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str, Any]:
     """TTFT through ``vllm.entrypoints.openai.api_server``, streamed. A server without the connector (vLLM's dev
     mode, so that its prefix cache can be reset before each request) is up throughout; a server with the
@@ -331,12 +339,18 @@ def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"orbitkv.manager": manager.data_plane, "orbitkv.codec": args.codec,
                                         "orbitkv.chunk_tokens": args.chunk_tokens}}
-    common = ["--dtype", "float32", "--max-model-len", "2048", "--enable-prompt-tokens-details"]
+    # --enforce-eager: vLLM's CPU build compiles with torch.compile otherwise, a minute per server here.
+    common = ["--dtype", "float32", "--max-model-len", "2048", "--enable-prompt-tokens-details", "--enforce-eager"]
+    # vLLM's CPU backend keeps cores off its worker's OpenMP threads: one for the engine core, and one more when
+    # any KV connector is configured (for NIXL's). On 2 cores that leaves the server without the connector one
+    # core and the one with it two (no room to reserve two: vLLM then reserves none), and the first runs here
+    # prefilled at 2.8 and 1.3 s. Both reserve the same here (docs/results/2026-12-05-vllm-serve).
+    reserve = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
     servers: list[VllmServer] = []
 
     def serve(connector: bool, env: dict[str, str] | None = None) -> VllmServer:
         s = VllmServer(py, model, common + (["--kv-transfer-config", json.dumps(kv)] if connector else []), tmp=tmp,
-                       log=tmp / f"vllm-serve-{len(servers)}.log", port=_free_port(), env=env)
+                       log=tmp / f"vllm-serve-{len(servers)}.log", port=_free_port(), env={**reserve, **(env or {})})
         servers.append(s)
         return s
 
@@ -350,8 +364,10 @@ def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str
                                timeout=60).close()
 
     stops: list[dict[str, Any]] = []
+    cores: dict[str, str | None] = {}
     try:
         base = serve(False, env={"VLLM_SERVER_DEV_MODE": "1"})
+        cores["without"] = _worker_cores(base.log_path)
         text_ids = base.post("/tokenize", {"model": str(model), "prompt": SAMPLE_TEXT * 12})["tokens"]
         question = base.post("/tokenize", {"model": str(model), "prompt": " Question: what does the text say? Answer:",
                                            "add_special_tokens": False})["tokens"]
@@ -377,6 +393,7 @@ def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str
                     r[f"{which}_text"].append(text)
             log(f"{name} connector server: TTFT p50 {statistics.median(r['conn_ttft']) * 1e3:.0f} ms, recomputed "
                 f"{statistics.median(r['base_ttft']) * 1e3:.0f} ms, cached tokens {r['cached']}")
+            cores[name] = _worker_cores(conn.log_path)
             t0 = time.monotonic()
             rc = conn.stop()
             stops.append({"rc": rc, "seconds": round(time.monotonic() - t0, 1), "worker_force_killed":
@@ -404,6 +421,7 @@ def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str
         "texts_equal_restored_vs_recompute": sum(same), "texts_equal_recompute_vs_recompute":
             sum(a == b for a, b in zip(first["base_text"], again["base_text"])),
         "texts_equal_first_vs_recompute": sum(a == b for a, b in zip(first["conn_text"], first["base_text"])),
+        "reserved_cpus": args.reserved_cpus, "worker_cores": cores,
         "server_stops": stops, "manager_hits": mstats.get("hits"), "manager_engines_at_end": mstats.get("engines"),
         "pages_files_reclaimed": mstats.get("pages_files_reclaimed"),
     }
@@ -573,6 +591,8 @@ def _markdown(result: dict[str, Any]) -> str:
             f"**{r['texts_equal_restored_vs_recompute']}/{r['reps']}**, first connector round "
             f"{r['texts_equal_first_vs_recompute']}/{r['reps']}; noise floor (the recompute of round 1 against "
             f"round 2) {r['texts_equal_recompute_vs_recompute']}/{r['reps']}.", "",
+            f"Both servers reserve {r['reserved_cpus']} CPU for vLLM's engine core (VLLM_CPU_NUM_OF_RESERVED_CPU; "
+            f"vLLM reserves one more by default with a connector); worker cores {r['worker_cores']}.", "",
             f"Connector servers stopped with SIGINT: {r['server_stops']}. The Manager at the end: "
             f"{r['manager_engines_at_end']} engines registered, {r['pages_files_reclaimed']} pages files of killed "
             f"workers removed, hits {r['manager_hits']}."]
@@ -613,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="1gib", help="pressure and serve modes: the Manager's DRAM pool")
     p.add_argument("--ssd-capacity", default=None,
                    help="pressure mode: an SSD tier of this size (a file in the run's temporary folder)")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="serve mode: VLLM_CPU_NUM_OF_RESERVED_CPU of both servers (vLLM's default: 1 without a "
+                        "connector, 2 with one)")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--venv", default=None, help="the vLLM venv (default $ORBITKV_VLLM_VENV or ~/.cache/orbitkv_fs/...)")
     p.add_argument("--out", default=None, help="result folder (default docs/results/<date>-vllm-<mode>)")
