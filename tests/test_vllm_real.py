@@ -366,7 +366,7 @@ def test_openai_server_saves_and_a_restarted_server_restores_the_prefix(vllm_pyt
     stops: list[dict[str, Any]] = []
 
     def serve() -> VllmServer:
-        s = VllmServer(vllm_python, vllm_model, args, tmp=tmp_path, log=tmp_path / "vllm-serve.log",
+        s = VllmServer(vllm_python, vllm_model, args, tmp=tmp_path, log=tmp_path / f"vllm-serve-{len(servers)}.log",
                        port=_free_port())
         servers.append(s)
         return s

@@ -378,7 +378,8 @@ def run_serve(args: argparse.Namespace, tmp: Path, log: Any = print) -> dict[str
         rounds: dict[str, dict[str, list]] = {}
         for name in ("first", "restarted"):
             conn = serve(True)
-            for s in (base, conn):  # one-time costs (the first forward, the connector's registration) out of the figures
+            # One-time costs (the first forward, the connector's registration) kept out of the figures.
+            for s in (base, conn):
                 request(s, warm)
             r = rounds[name] = {"base_ttft": [], "base_text": [], "conn_ttft": [], "conn_text": [], "cached": []}
             for i, p in enumerate(prompts):

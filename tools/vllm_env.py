@@ -217,6 +217,7 @@ class VllmServer:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
+                self.stop(timeout=5)  # its engine core and worker, should they outlive it
                 raise RuntimeError(f"vLLM server exited (rc={self.proc.returncode}); log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -230,7 +231,8 @@ class VllmServer:
             time.sleep(1)
 
     def log_tail(self, n: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return Path(self.log_path).read_text(errors="replace")[-n:]
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
