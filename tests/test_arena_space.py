@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orbitkv_fs.tiers import dram
+from orbitkv_fs import shmfiles
 from orbitkv_fs.shmfiles import ShmSpaceError
 from orbitkv_fs.tiers.dram import ARENA_PREFIX, Arena
 
@@ -36,11 +36,11 @@ class _Statvfs:
 
 @pytest.mark.parametrize("reserve", [False, True])
 def test_a_pool_its_directory_cannot_hold_is_refused_and_leaves_nothing(reserve, tmp_path, monkeypatch):
-    monkeypatch.setattr(dram.os, "statvfs", lambda d: _Statvfs(4 << 20))
+    monkeypatch.setattr(shmfiles.os, "statvfs", lambda d: _Statvfs(4 << 20))
     if reserve:  # the filesystem's own refusal: tmpfs answers ENOSPC
         def enospc(fd, offset, size):
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(dram.os, "posix_fallocate", enospc)
+        monkeypatch.setattr(shmfiles.os, "posix_fallocate", enospc)
     with pytest.raises(ShmSpaceError) as e:
         Arena(8 << 20, shm_dir=str(tmp_path), pin=False, reserve=reserve)
     assert f"{tmp_path} has 4 MiB free, the DRAM pool takes 8 MiB" in str(e.value)
@@ -52,13 +52,13 @@ def test_a_filesystem_without_fallocate_falls_back_to_the_free_space_check(tmp_p
     def unsupported(fd, offset, size):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(dram.os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(shmfiles.os, "posix_fallocate", unsupported)
     a = Arena(1 << 20, shm_dir=str(tmp_path), pin=False, reserve=True)
     try:
         assert a.size == 1 << 20 and os.path.getsize(a.path) == 1 << 20
     finally:
         a.close()
-    monkeypatch.setattr(dram.os, "statvfs", lambda d: _Statvfs(512 << 10))
+    monkeypatch.setattr(shmfiles.os, "statvfs", lambda d: _Statvfs(512 << 10))
     with pytest.raises(ShmSpaceError):
         Arena(1 << 20, shm_dir=str(tmp_path), pin=False, reserve=True)
     assert _arenas(tmp_path) == []

@@ -123,6 +123,14 @@ def _shim(tmp: Path) -> Path:
     return shim
 
 
+def _child_env(tmp: Path, extra_path: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM process: this checkout's ``orbitkv_fs`` (and ``extra_path``) importable, no
+    network, no usage reports, a 1 GiB CPU KV cache unless set otherwise; ``env`` last."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(_shim(tmp)), *extra_path]), "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+
+
 class VllmEngineProcess:
     """A vLLM engine process (:mod:`.vllm_engine`) in the vLLM venv, driven over its stdin/stdout.
 
@@ -134,10 +142,7 @@ class VllmEngineProcess:
                  extra_path: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout_s: float = 600) -> None:
         from . import vllm_engine
 
-        path = os.pathsep.join([str(_shim(tmp)), *extra_path])
-        child_env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        child_env = _child_env(tmp, extra_path, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
         if init.get("kv_cache_memory_bytes") is not None:  # the CPU backend lets the variable override the size
             child_env.pop("VLLM_CPU_KVCACHE_SPACE")
         self.log = open(log, "a")
@@ -205,9 +210,7 @@ class VllmServer:
     def __init__(self, python: Path, model: Path | str, args: list[str], *, tmp: Path, log: Path, port: int,
                  env: dict[str, str] | None = None, start_timeout_s: float = 600) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        child_env = {**os.environ, "PYTHONPATH": str(_shim(tmp)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                     "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        child_env = _child_env(tmp, env=env)
         self.log_path = log
         self._log = open(log, "a")
         argv = [str(python), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),

@@ -175,10 +175,10 @@ class Arena:
 
     Its memory must fit its directory: a tmpfs file is sparse, and a write past what the tmpfs has left kills
     the writing process with SIGBUS (a container's /dev/shm is 64 MiB unless sized), so a pool its directory
-    cannot hold is refused at start (:class:`ShmSpaceError`). With ``reserve`` the file's memory is allocated
+    cannot hold is refused at start (:class:`~orbitkv_fs.shmfiles.ShmSpaceError`). With ``reserve`` the file's memory is allocated
     at once (``posix_fallocate``: the pool is the Manager's from the start, whoever else fills the tmpfs
     later, and its first writes map pages that exist: on a 2-core VM a 47 MB copy into a fresh file took
-    15 ms so against 29 ms faulting new pages in, for 0.26 s a GiB at start:
+    15 ms against 29 ms faulting new pages in, for 0.26 s a GiB at start:
     docs/results/2026-12-05-arena-reserve); without it the directory's free space is checked against the pool
     and pages come with the first writes.
     """
