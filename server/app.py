@@ -342,7 +342,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
         r = _manager(request).flush_dram()
         return FlushOut(submitted=TierCountsOut(objects=r.submitted.objects, bytes=r.submitted.bytes),
                         dropped=TierCountsOut(objects=r.dropped.objects, bytes=r.dropped.bytes),
-                        skipped_leased=r.skipped_leased)
+                        skipped_leased=r.skipped_leased, complete=r.complete)
 
     @app.get("/v1/objects", response_model=ObjectPageOut, dependencies=admin, tags=["admin"],
              responses=responses(401, 422))

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-checkpoint-interval", type=float, default=1.0, metavar="SECONDS",
                    help="sync the shard files and checkpoint their logs this often (default 1; 0: only at "
                         "invalidation and clean shutdown): a crash can tear only records written since")
+    g.add_argument("--ssd-read-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="a read of the SSD that sees no completion this long gives up (default 5): its chunks "
+                        "miss, and reads of its shard miss at once until the disk answers again")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
                         "chunks of the prefix into DRAM in the background (default 2; 0: off)")
@@ -188,7 +191,8 @@ def build_lower_tier(args: argparse.Namespace):
         raise ValueError("--ssd-cache-path needs --ssd-cache-capacity (e.g. 100gb)")
     config = SsdConfig(paths=tuple(args.ssd_cache_path), capacity=args.ssd_cache_capacity,
                        backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
-                       recover=args.ssd_recover, checkpoint_interval=args.ssd_checkpoint_interval)
+                       recover=args.ssd_recover, checkpoint_interval=args.ssd_checkpoint_interval,
+                       read_timeout=args.ssd_read_timeout)
     if not args.ssd_recover:
         return SsdTier(config)
     with progress(None, "recovering SSD shards", "B") as bar:  # a large cache takes a while to scan

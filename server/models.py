@@ -256,6 +256,8 @@ class FlushOut(BaseModel):
     submitted: TierCountsOut = Field(description="objects handed to the lower tier and written back")
     dropped: TierCountsOut = Field(description="objects the lower tier did not take (or there is none)")
     skipped_leased: int = Field(description="objects left in DRAM because a lease holds them")
+    complete: bool = Field(description="false: the flush's deadline (60 s) passed before the lower tier took "
+                                       "and wrote back everything (its disk does not answer)")
 
 
 class ObjectOut(BaseModel):

@@ -214,7 +214,7 @@ class _StallingTier:
     def invalidate(self, *, keys=None, namespace=None, all=False):
         return TierCounts()
 
-    def flush(self):
+    def flush(self, timeout=None):
         pass
 
     def stats(self):

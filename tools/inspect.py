@@ -1,4 +1,5 @@
-"""``orbitkv-inspect``: offline inspection of SSD tier shard files (no server, no GPU; reads via mmap).
+"""``orbitkv-inspect``: offline inspection of SSD tier shard files (no server, no GPU; reads with ``pread``:
+blocks the disk cannot read are reported, not a crash).
 
 It runs as the Manager's user: the shard's superblock holds the secret that every record's tag is checked
 with (the same recovery scan as ``--ssd-recover``, :func:`orbitkv_fs.tiers.ssd.recovery.recover_shard`).
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import mmap
 import os
 import sys
 from dataclasses import dataclass
@@ -40,7 +40,8 @@ from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.errors import OrbitKVError
 from orbitkv_fs.progress import progress
 from orbitkv_fs.tiers.ssd.record import RECORD_HEADER_SIZE, Kind, check_segment_body
-from orbitkv_fs.tiers.ssd.recovery import ChainEnd, Fate, RecordInfo, ShardRecovery, Status, recover_shard
+from orbitkv_fs.tiers.ssd.recovery import (ChainEnd, Fate, RecordInfo, ShardFile, ShardRecovery, Status,
+                                          recover_shard)
 from orbitkv_fs.tiers.ssd.superblock import RING_START
 
 
@@ -99,14 +100,8 @@ def load(path: str) -> tuple[ShardRecovery, list[Record]]:
         if size < RING_START:
             raise InspectError(f"{path}: {size} bytes, too small to be a shard file (it starts with "
                                f"{RING_START} bytes of superblocks)")
-        try:
-            image = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        except (OSError, ValueError) as e:
-            raise InspectError(f"{path}: cannot map: {e}") from None
-        with image:
-            image.madvise(mmap.MADV_SEQUENTIAL)
-            with progress(None, f"scanning {os.path.basename(path)}", "B") as bar:  # the scan knows its total
-                rec = recover_shard(image, on_progress=bar.update_to)
+        with progress(None, f"scanning {os.path.basename(path)}", "B") as bar:  # the scan knows its total
+            rec = recover_shard(ShardFile(f.fileno(), size), on_progress=bar.update_to)
     if rec.superblock is None:
         raise InspectError(f"{path}: no valid superblock: not a shard file (or one of a format before version 2)")
     return rec, [Record(i, r) for i, r in enumerate(rec.records)]
@@ -155,6 +150,7 @@ def summarize(path: str, rec: ShardRecovery, records: list[Record]) -> dict[str,
         "live_bytes": live,
         "dead_bytes": dead,
         "unverified_blocks": rec.unverified_blocks,
+        "unreadable": [list(r) for r in rec.unreadable],
         "formats": formats,
         "chain": _chain(rec),
         "generation_min": min(gens) if gens else None,
@@ -170,6 +166,7 @@ def _problems(rec: ShardRecovery) -> list[str]:
                    "(older records are not recovered)")
     if rec.cut:
         out.append(f"chain cut: {rec.cut}")
+    out += [f"unreadable: {n} bytes at offset {o} (the disk failed to read them)" for o, n in rec.unreadable]
     return out
 
 
@@ -196,8 +193,11 @@ def _dump(path: str, records: list[Record], number: int, out: str) -> dict[str, 
         raise InspectError(f"record {number} is a tombstone, not a segment")
     if rec.status is not Status.VALID:
         raise InspectError(f"record {number} is {rec.status.value}: {rec.error}")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as image:
-        body = image[h.offset + RECORD_HEADER_SIZE:h.offset + RECORD_HEADER_SIZE + h.body_length]  # a copy
+    try:
+        with open(path, "rb") as f:
+            body = os.pread(f.fileno(), h.body_length, h.offset + RECORD_HEADER_SIZE)
+    except OSError as e:
+        raise InspectError(f"{path}: record {number} cannot be read: {e.strerror}") from None
     check_segment_body(h, body)
     arr = decode_segment(body)
     source = arr.dtype

@@ -185,6 +185,9 @@ class FlushResult(msgspec.Struct, frozen=True):
     submitted: TierCounts
     dropped: TierCounts
     skipped_leased: int
+    #: False: the flush's deadline passed before the lower tier took or wrote back everything (a disk that
+    #: does not answer); what it did not take is counted in ``dropped``.
+    complete: bool = True
 
 
 class ObjectExtent(msgspec.Struct, frozen=True, array_like=True):
@@ -328,8 +331,9 @@ class LowerTier(Protocol):
         ``namespace``; ``all``) from readers at once, and answer (how many, their stored bytes) only once
         the invalidation is durable: a restart never brings them back."""
 
-    def flush(self) -> None:
-        """Wait until every submitted object is published (or dropped)."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every submitted object is published (or dropped); ``TimeoutError`` past ``timeout``
+        seconds."""
 
     def stats(self) -> Mapping[str, float]:
         """The tier's counters and gauges (flat, Prometheus-style names without the orbitkv_ prefix)."""

@@ -19,6 +19,7 @@ raced an invalidation is not kept; an invalidation hides matching objects in bot
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -40,6 +41,9 @@ log = logging.getLogger("orbitkv_fs.manager")
 #: Segments a lookup reads from the lower tier in one batch (all in flight together).
 _PROMOTE_WINDOW = 256
 
+
+#: Seconds a DRAM flush may take in all (:meth:`LowerTierCoordination.flush_dram`).
+FLUSH_TIMEOUT = 60.0
 
 #: Chunks whose successors the prefetch remembers (about 100 bytes each).
 _PREFIX_MEMORY = 1 << 16
@@ -339,9 +343,12 @@ class LowerTierCoordination:
                 lower = self.lower.invalidate(all=True)
         return InvalidateResult(dram=TierCounts(*d), lower=lower)
 
-    def flush_dram(self) -> FlushResult:
-        """Demote every unleased DRAM object to the lower tier and wait for its writeback; DRAM keeps
-        nothing it could hand over (without a lower tier the objects are simply dropped)."""
+    def flush_dram(self, timeout: float = FLUSH_TIMEOUT) -> FlushResult:
+        """Demote every unleased DRAM object to the lower tier and wait for its writeback, for at most
+        ``timeout`` seconds in all (a disk that stops answering must not hold the caller forever: past it,
+        what the tier has no room for is dropped and the result says ``complete=False``); DRAM keeps nothing
+        it could hand over (without a lower tier the objects are simply dropped)."""
+        deadline = time.monotonic() + timeout
         sub = [0, 0]
         drop = [0, 0]
         while True:  # in slices, so a flush never holds a copy of the whole pool
@@ -350,13 +357,20 @@ class LowerTierCoordination:
                 break
             for key, blob in objs:
                 # A flush hands over everything at once: wait for room in the lane rather than drop.
-                ok = self.lower is not None and self.lower.submit(key, blob, timeout=60.0)
+                ok = self.lower is not None and self.lower.submit(key, blob,
+                                                                  timeout=max(0.0, deadline - time.monotonic()))
                 t = sub if ok else drop
                 t[0] += 1
                 t[1] += len(blob)
+        complete = True
         if self.lower is not None:
-            self.lower.flush()
-        return FlushResult(submitted=TierCounts(*sub), dropped=TierCounts(*drop), skipped_leased=leased)
+            try:
+                self.lower.flush(timeout=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                complete = False
+                log.warning("DRAM flush: the lower tier did not write back everything within %.0f s", timeout)
+        return FlushResult(submitted=TierCounts(*sub), dropped=TierCounts(*drop), skipped_leased=leased,
+                           complete=complete and time.monotonic() < deadline)
 
     def list_objects(self, namespace: bytes | None = None, prefix: str = "", limit: int = 1000,
                      cursor: str | None = None) -> ObjectPage:

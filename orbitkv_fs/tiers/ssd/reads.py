@@ -22,6 +22,10 @@ Invariants:
    never overwrites a record under a read; a read in flight keeps its buffer until the kernel is done.
 4. Keys submitted and not yet written are served from the submitted bytes (the index's ``pending``).
 5. The prefetch lane never delays demand reads: it starts no read while one is in progress.
+6. A disk that stops answering costs a reader at most ``read_timeout`` once: a demand read that sees no
+   completion for that long gives up (its records miss, reason ``timeout``; nothing is invalidated), its
+   ring and buffers are set aside until the kernel is done with them (:class:`_Stuck`), and its shards are
+   *stalled*: reads of their records miss at once (``read_stalled_total``) until those reads complete.
 """
 
 from __future__ import annotations
@@ -89,6 +93,31 @@ class ReadWindow:
         self.took[e] = now - self.started[e]
         self.left -= 1
 
+    def split_failed(self, slots: "Sequence[Slot | None]") -> list[int]:
+        """Give each record of an extent of several records whose read failed (an errno, or short of the
+        record) an extent of its own, to be read again; answer those extents. A disk fails a whole request
+        for one bad block: without this, one bad sector cost every record read beside it, at every read."""
+        redo = {e for e, (_, _, pos, length) in enumerate(self.extents)
+                if sum(1 for _, _, re in self.records if re == e) > 1
+                and (self.results[e] < 0 or self.results[e] < length)}
+        if not redo:
+            return []
+        out = []
+        for k, (i, pos, e) in enumerate(self.records):
+            if e not in redo:
+                continue
+            s = slots[i]
+            if self.results[e] >= 0 and pos + s.length <= self.extents[e][2] + self.results[e]:
+                continue  # a short read that brought this record in whole
+            self.extents.append([s.shard, s.offset, pos, s.length])
+            self.records[k] = (i, pos, len(self.extents) - 1)
+            out.append(len(self.extents) - 1)
+        self.results += [0] * len(out)
+        self.started += [0.0] * len(out)
+        self.took += [0.0] * len(out)
+        self.left += len(out)
+        return out
+
 
 def plan_reads(places: Sequence[tuple[int, int, int, int]], window: int, extents: int) -> list[ReadWindow]:
     """The windows of a demand read of records at ``places`` (index into the keys, shard, disk offset, record
@@ -130,6 +159,20 @@ def _window_segment(w: ReadWindow, pos: int, e: int, s: "Slot") -> "tuple[memory
         return None, "corrupt"
 
 
+class _ReadStalled(Exception):
+    """No read of a demand read completed within ``read_timeout``."""
+
+
+class _Stuck:
+    """A demand read given up on a stalled disk: its ring, the reads the kernel still holds (tag -> shard)
+    and every buffer they may write into, kept until the last of them completes."""
+
+    __slots__ = ("ring", "reads", "buffers", "since")
+
+    def __init__(self, ring: IoRing, reads: dict[int, int], buffers: list) -> None:
+        self.ring, self.reads, self.buffers, self.since = ring, reads, buffers, time.monotonic()
+
+
 class ReadPath:
     """Mixin: the read half of :class:`~orbitkv_fs.tiers.ssd.tier.SsdTier` (see the module docstring)."""
 
@@ -164,18 +207,20 @@ class ReadPath:
         begun = self._begin_reads(keys)
         if begun is None:
             return [None] * len(keys)
-        slots, staged, ring = begun
+        slots, staged, ring, skip = begun
         out: list[bytes | None] = [None] * len(keys)
         verdicts: dict[int, str] = {}  # index -> why it is a miss: "corrupt" or the I/O error
         hits: set[int] = set()
         bufs: dict[int, tuple[ReadWindow, int]] = {}  # reads in flight: tag -> (window, extent)
         # A window of records apart on disk holds half a ring of reads: it is checked while the next one's
         # reads keep the ring busy.
-        windows = plan_reads([(i, s.shard, s.offset, s.length) for i, s in enumerate(slots) if s is not None],
+        windows = plan_reads([(i, s.shard, s.offset, s.length) for i, s in enumerate(slots)
+                              if s is not None and i not in skip],
                              READ_WINDOW, max(1, self.config.read_queue_depth // 2))
         held: list[ReadWindow] = []  # windows with a buffer, in order; the first is checked next
         queue: collections.deque[tuple[ReadWindow, int]] = collections.deque()  # (window, extent) to read
         broken = False  # the ring raised: reads may sit in it prepped, never submitted
+        stuck: _Stuck | None = None  # the disk stopped answering
         try:
             # Inside the try: a sink that raises must still give back the leases and the demand count.
             for i, data in staged.items():
@@ -210,9 +255,13 @@ class ReadPath:
                     ring.submit()
                 w = held[0]
                 if w.left:
-                    for t, res in ring.submit_and_wait():
+                    for t, res in self._wait_reads(ring):
                         done, e = bufs.pop(t)
                         done.landed(e, res, time.perf_counter())
+                    continue
+                again = w.split_failed(slots)
+                if again:  # one unreadable block failed every record read with it: read those one by one
+                    queue.extendleft((w, e) for e in reversed(again))
                     continue
                 self._check_window(w, slots, out, verdicts, hits, sink)
                 held.pop(0)
@@ -221,12 +270,38 @@ class ReadPath:
         except SsdIoError:
             broken = True
             raise
+        except _ReadStalled:
+            stuck = _Stuck(ring, {t: w.extents[e][0] for t, (w, e) in bufs.items()}, [w.buf for w in held])
+            bufs = {}
+            self._give_up(slots, hits, verdicts, skip)
         finally:
-            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
-            if not bufs:  # a buffer still in the kernel's hands is left alone
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts, stuck, skip)
+            if not bufs and stuck is None:  # a buffer still in the kernel's hands is left alone
                 for w in held:
                     self._staging.recycle(w.buf)
         return out
+
+    def _wait_reads(self, ring: IoRing) -> list[tuple[int, int]]:
+        """Submit what is prepped and wait for at least one completion, at most ``read_timeout`` seconds
+        without one (:class:`_ReadStalled`)."""
+        got = ring.reap()
+        if ring.unsent():
+            ring.submit()
+        if got:
+            return got
+        deadline = time.monotonic() + self.config.read_timeout
+        while True:
+            got = ring.wait(max(0.0, deadline - time.monotonic()))
+            if got:
+                return got
+            if time.monotonic() >= deadline:
+                raise _ReadStalled()
+
+    def _give_up(self, slots: "list[Slot | None]", hits: set[int], verdicts: dict[int, str], skip: set[int]) -> None:
+        """A demand read stalled: each record it has not served or judged misses as ``timeout``."""
+        for i, s in enumerate(slots):
+            if s is not None and i not in hits and i not in verdicts and i not in skip:
+                verdicts[i] = "timeout"
 
     def _check_window(self, w: "ReadWindow", slots: "list[Slot | None]", out: "list[bytes | None]",
                       verdicts: dict[int, str], hits: set[int],
@@ -251,7 +326,10 @@ class ReadPath:
         """Start a demand read of ``keys``: the demand count goes up (writeback throttles, the prefetch
         lane waits), each published record gets a read lease. Answers the slots (None: not published),
         the bytes of keys submitted but not yet written (index -> segment) and a pooled read ring (None:
-        make one); None when the tier is closed. :meth:`_end_reads` undoes it all."""
+        make one) and the indices whose records lie on a stalled shard (leased, not to be read); None when
+        the tier is closed. :meth:`_end_reads` undoes it all."""
+        if self._stuck:
+            self._reap_stuck()
         with self._lock:
             if self._closed:
                 return None
@@ -272,13 +350,47 @@ class ReadPath:
                 slots.append(s)
             self._c["read_pending_hits_total"] += len(staged)
             ring = self._read_rings.pop() if self._read_rings else None
-        return slots, staged, ring
+            stalled = self._stalled
+            skip = {i for i, s in enumerate(slots) if s is not None and s.shard in stalled} if stalled else set()
+        return slots, staged, ring, skip
+
+    def _reap_stuck(self) -> None:
+        """Collect what the kernel finished of reads given up on (:class:`_Stuck`); a ring whose reads all
+        ended goes back to the pool with its buffers, and shards none of them hold answer again. One thread
+        at a time (a ring has one owner); others go on."""
+        if not self._stuck_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                stuck = list(self._stuck)
+            for st in stuck:
+                for t, _ in st.ring.reap():
+                    st.reads.pop(t, None)
+                if st.reads:
+                    continue
+                with self._lock:
+                    self._stuck.remove(st)
+                    self._stalled = {sh for other in self._stuck for sh in other.reads.values()}
+                    if self._closed:
+                        st.ring.close()
+                    else:
+                        self._read_rings.append(st.ring)
+                for b in st.buffers:
+                    self._staging.recycle(b)
+                log.warning("SSD: the reads given up on %.1f s ago completed; its shards are read again",
+                            time.monotonic() - st.since)
+        finally:
+            self._stuck_lock.release()
 
     def _end_reads(self, ring: "IoRing | None", broken: bool, bufs: dict, nkeys: int,
-                   slots: "list[Slot | None]", hits: set[int], verdicts: dict[int, str]) -> None:
+                   slots: "list[Slot | None]", hits: set[int], verdicts: dict[int, str],
+                   stuck: "_Stuck | None" = None, skip: "set[int] | None" = None) -> None:
         """End a demand read begun by :meth:`_begin_reads`: wait for reads still in flight (``bufs``:
         index -> buffer), give the ring back, count, and settle every leased slot (``hits``: served;
-        ``verdicts``: index -> why it missed)."""
+        ``verdicts``: index -> why it missed). A read that stalled (``stuck``) waits for nothing: its ring
+        and buffers are set aside and its shards stalled; ``skip``: records not read, their shard stalled."""
+        if stuck is not None:
+            ring = None
         # Interrupted (a sink raised, the ring failed): the kernel may still write into buffers of
         # reads in flight, and their completions must not reach the ring's next user. A ring that
         # failed to submit is closed instead (close waits for what the kernel got; reads it never got
@@ -294,6 +406,13 @@ class ReadPath:
                 ring.close()
             elif ring is not None:
                 self._read_rings.append(ring)
+            if stuck is not None:
+                self._stuck.append(stuck)
+                self._stalled = self._stalled | set(stuck.reads.values())
+                log.warning("SSD: no read completed within %.1f s on shard(s) %s: reads of them miss until the "
+                            "disk answers", self.config.read_timeout,
+                            ", ".join(self._shards[i].path for i in sorted(set(stuck.reads.values()))))
+            self._c["read_stalled_total"] += len(skip or ())
             self._c["read_total"] += nkeys
             self._demand -= 1
             self._demand_until = time.perf_counter() + self.config.demand_holdoff
@@ -347,17 +466,18 @@ class ReadPath:
         begun = self._begin_reads(keys)
         if begun is None:
             return ["absent"] * len(keys)
-        slots, staged, ring = begun
+        slots, staged, ring, skip = begun
         on_device = self.device_io
         result: list[str | None] = ["absent"] * len(keys)
         verdicts: dict[int, str] = {}
         hits: set[int] = set()
         bufs: dict[int, Any] = {}  # reads in flight
         broken = False
+        stuck: _Stuck | None = None
         window_buf: Any = None
         try:
             todo = [(i, s.length if s is not None else record_length(len(staged[i])))
-                    for i, s in enumerate(slots) if s is not None or i in staged]
+                    for i, s in enumerate(slots) if (s is not None and i not in skip) or i in staged]
             windows: list[list[tuple[int, int]]] = []
             size = 0
             for i, n in todo:
@@ -401,7 +521,7 @@ class ReadPath:
                                        view if on_device else window_buf[offs[i]:offs[i] + s.length],
                                        s.offset, i)
                         k += 1
-                    for i, res in ring.submit_and_wait():
+                    for i, res in self._wait_reads(ring):
                         bufs.pop(i, None)
                         landed[i] = res
                 ok = [i for i in reads if landed[i] == slots[i].length]
@@ -435,9 +555,13 @@ class ReadPath:
         except SsdIoError:
             broken = True
             raise
+        except _ReadStalled:
+            stuck = _Stuck(ring, {i: slots[i].shard for i in bufs}, [window_buf])
+            bufs = {}
+            self._give_up(slots, hits, verdicts, skip)
         finally:
-            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts)
-            if window_buf is not None and not bufs:  # a buffer still in the kernel's hands is left alone
+            self._end_reads(ring, broken, bufs, len(keys), slots, hits, verdicts, stuck, skip)
+            if window_buf is not None and not bufs and stuck is None:  # still in the kernel's hands: left alone
                 self._staging.recycle(window_buf)
             with self._lock:
                 for i in hits:
@@ -452,6 +576,8 @@ class ReadPath:
                 result[i] = None
             elif i in verdicts:
                 result[i] = verdicts[i]
+            elif i in skip:
+                result[i] = "stalled"
         return result
 
     def _settle_read(self, s: "Slot", why: str, errors_counter: str) -> None:

@@ -1,5 +1,10 @@
 """The recovery scan: which records of a shard image a restart may serve again. Shared by
-``SsdTier(recover=True)`` and ``orbitkv-inspect``; works on any buffer (an mmap of the file, bytes).
+``SsdTier(recover=True)`` and ``orbitkv-inspect``; works on a shard file (:class:`ShardFile`) or any buffer.
+
+A shard file is read with ``pread``, a window at a time, never mapped: a block the disk cannot read (EIO)
+reads as zeros and is listed, where a page fault on it in an mmap would kill the process with SIGBUS (and a
+Manager started with ``--ssd-recover`` would die at every start). Zeros are never record magic and fail every
+CRC, so an unreadable block is damage to the scan like any other: a record in it is not adopted.
 
 Three steps:
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import bisect
 import enum
 import hmac
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,6 +113,7 @@ class ShardRecovery:
     head: RecordHeader | None = None  # the newest record on the chain: the next record links to it
     next_generation: int = 1
     scanned_bytes: int = 0
+    unreadable: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) the disk failed to read
 
     @property
     def live(self) -> list[RecordInfo]:
@@ -126,11 +133,83 @@ class ShardIdentity:
 _ROOT, _OVERWRITTEN, _MISSING = "root", "overwritten", "missing"
 
 
-def recover_shard(image: "bytes | memoryview", *, expect: ShardIdentity | None = None,
+class ShardFile:
+    """A shard file as the scan reads it: :meth:`read` answers a range, the blocks the disk failed to read
+    as zeros (:attr:`unreadable`). ``fd`` stays the caller's."""
+
+    def __init__(self, fd: int, size: int | None = None) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size if size is None else size
+        self._bad: set[int] = set()  # block offsets
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, offset: int, length: int, into: bytearray | None = None) -> memoryview:
+        """``length`` bytes from ``offset`` (fewer past the file's end), in ``into`` when given (a buffer the
+        caller reuses: a window of the scan) or in a new one."""
+        length = max(0, min(length, self.size - offset))
+        buf = bytearray(length) if into is None or len(into) < length else into
+        try:
+            self._read_into(memoryview(buf), offset)
+        except OSError:  # somewhere in the range the disk fails: read it block by block, keep what reads
+            mv = memoryview(buf)
+            for lo in range(offset - offset % BLOCK, offset + length, BLOCK):
+                a, b = max(lo, offset), min(lo + BLOCK, offset + length)
+                try:
+                    self._read_into(mv[a - offset:b - offset], a)
+                except OSError:
+                    mv[a - offset:b - offset] = bytes(b - a)
+                    self._bad.add(lo)
+        return memoryview(buf)[:length]
+
+    def _read_into(self, mv: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(mv):
+            n = os.preadv(self.fd, [mv[done:]], offset + done)
+            if n == 0:  # the file ended (it shrank under us): the rest reads as zeros
+                mv[done:] = bytes(len(mv) - done)
+                return
+            done += n
+
+    @property
+    def unreadable(self) -> list[tuple[int, int]]:
+        """The ranges (offset, length) whose blocks failed to read, merged, in file order."""
+        out: list[tuple[int, int]] = []
+        for b in sorted(self._bad):
+            if out and out[-1][0] + out[-1][1] == b:
+                out[-1] = (out[-1][0], out[-1][1] + BLOCK)
+            else:
+                out.append((b, BLOCK))
+        return out
+
+
+class _Buffer:
+    """A shard image already in memory (bytes, a memoryview, an mmap), read as :class:`ShardFile` reads."""
+
+    def __init__(self, image: "bytes | memoryview") -> None:
+        self.mv = image.cast("B") if isinstance(image, memoryview) else memoryview(image)
+        self.unreadable: list[tuple[int, int]] = []  # memory reads
+
+    def __len__(self) -> int:
+        return len(self.mv)
+
+    def read(self, offset: int, length: int, into: bytearray | None = None) -> memoryview:
+        return self.mv[offset:offset + length]
+
+
+def recover_shard(image: "ShardFile | bytes | memoryview", *, expect: ShardIdentity | None = None,
                   on_progress: Callable[[int, int], None] | None = None) -> ShardRecovery:
     """Classify every record of a shard image and decide what a restart serves (see the module docstring)."""
-    mv = memoryview(image).cast("B") if isinstance(image, memoryview) else memoryview(image)
-    sb, errors = read_superblocks(mv[:RING_START])
+    img = image if isinstance(image, ShardFile) else _Buffer(image)
+    out = _recover(img, expect, on_progress)
+    out.unreadable = img.unreadable
+    return out
+
+
+def _recover(img: "ShardFile | _Buffer", expect: ShardIdentity | None,
+             on_progress: Callable[[int, int], None] | None) -> ShardRecovery:
+    sb, errors = read_superblocks(img.read(0, RING_START))
     out = ShardRecovery(sb, errors)
     if sb is None:
         out.problem = "no valid superblock"
@@ -143,7 +222,7 @@ def recover_shard(image: "bytes | memoryview", *, expect: ShardIdentity | None =
         return out
     key = ShardKey(sb.secret)
     # The ring ends where the tier now says (a resized cache keeps what fits), or where it ended.
-    _scan(mv, sb, expect.capacity if expect is not None else sb.capacity, key, out, on_progress)
+    _scan(img, sb, expect.capacity if expect is not None else sb.capacity, key, out, on_progress)
     _walk(sb, out)
     _adopt(sb, out)
     gens = [r.header.generation for r in out.records]
@@ -151,18 +230,21 @@ def recover_shard(image: "bytes | memoryview", *, expect: ShardIdentity | None =
     return out
 
 
-def _scan(mv: memoryview, sb: Superblock, capacity: int, key: ShardKey, out: ShardRecovery,
+def _scan(img: "ShardFile | _Buffer", sb: Superblock, capacity: int, key: ShardKey, out: ShardRecovery,
           on_progress: Callable[[int, int], None] | None) -> None:
-    limit = min(len(mv), capacity)
+    limit = min(len(img), capacity)
     size = limit - limit % BLOCK
     out.scanned_bytes = total = max(size - RING_START, 0)
+    buf = bytearray(min(PROGRESS_EVERY, total))
     for lo in range(RING_START, size, PROGRESS_EVERY):
         if on_progress is not None:
             on_progress(lo - RING_START, total)
         # Every block is looked at, also inside a record: a newer record torn by a crash can leave an older
         # record's header whole inside its extent, and only the chain says which of them counts.
-        for off in _magic_blocks(mv, lo, min(lo + PROGRESS_EVERY, size)):
-            info = _candidate(mv, off, size, capacity, sb, key)
+        hi = min(lo + PROGRESS_EVERY, size)
+        window = img.read(lo, hi - lo, buf)
+        for off in _magic_blocks(window, 0, hi - lo):
+            info = _candidate(img, window, lo, lo + off, size, capacity, sb, key)
             if info is None:
                 out.unverified_blocks += 1
             else:
@@ -182,10 +264,11 @@ def _magic_blocks(mv: memoryview, lo: int, hi: int) -> list[int]:
     return (np.flatnonzero(words == _MAGIC_WORD) * BLOCK + lo).tolist()
 
 
-def _candidate(mv: memoryview, off: int, size: int, capacity: int, sb: Superblock,
-               key: ShardKey) -> RecordInfo | None:
-    """The verified record at ``off``, or None (not a record this shard's log wrote there)."""
-    head = mv[off:off + RECORD_HEAD_BYTES]  # whole: ``size`` is block-aligned
+def _candidate(img: "ShardFile | _Buffer", window: memoryview, lo: int, off: int, size: int, capacity: int,
+               sb: Superblock, key: ShardKey) -> RecordInfo | None:
+    """The verified record at ``off`` (inside ``window``, the image from ``lo``), or None (not a record this
+    shard's log wrote there)."""
+    head = window[off - lo:off - lo + RECORD_HEAD_BYTES]  # whole: windows end block-aligned
     try:
         rh = parse_record_header(head)
         verify_record_tag(head, key)
@@ -193,7 +276,8 @@ def _candidate(mv: memoryview, off: int, size: int, capacity: int, sb: Superbloc
         return None
     if rh.offset != off or rh.end > capacity:
         return None
-    body = mv[off + RECORD_HEADER_SIZE:min(off + RECORD_HEADER_SIZE + rh.body_length, size)]
+    a, b = off + RECORD_HEADER_SIZE, min(off + RECORD_HEADER_SIZE + rh.body_length, size)
+    body = window[a - lo:b - lo] if b <= lo + len(window) else img.read(a, b - a)
     info = RecordInfo(rh, Status.VALID)
     try:
         if rh.kind is Kind.SEGMENT:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import collections
 import fcntl
 import logging
-import mmap
 import os
 import re
 import stat
@@ -63,7 +62,7 @@ from .lane import WritebackLane, _Write
 from .reads import ReadPath
 from .record import (BLOCK, ENTRY_SIZE, GEN_MAX, MAX_RECORD, MAX_TOMBSTONE_BODY, NO_PREV, NO_TAG, Kind, Scope,
                      pack_record_header_into, record_length, tombstone_body, write_record_body)
-from .recovery import ChainEnd, Fate, ShardIdentity, ShardRecovery, Status, recover_shard
+from .recovery import ChainEnd, Fate, ShardFile, ShardIdentity, ShardRecovery, Status, recover_shard
 from .ring import Shard, Slot, State
 from .staging import StagingPool
 from .superblock import RING_START, Superblock, copy_offset, new_secret, pack_superblock
@@ -113,6 +112,13 @@ class SsdConfig:
     #: How long an invalidation waits for its tombstones (and the writes queued before them) to reach the
     #: disk; past it, the shard's floor is raised instead (everything older is never recovered).
     invalidate_timeout: float = 30.0
+    #: Seconds a demand read waits with no read completing before it gives up (``--ssd-read-timeout``):
+    #: its records miss and its shards are stalled (reads of them miss at once) until the disk answers.
+    #: A hung disk then costs one reader this long, not every lookup forever.
+    read_timeout: float = 5.0
+    #: Seconds :meth:`SsdTier.close` waits for queued writes, the lanes and the checkpointer before it
+    #: leaves a disk that does not answer as it is.
+    close_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -141,6 +147,10 @@ class SsdConfig:
             raise SsdConfigError("--ssd-checkpoint-interval must be >= 0 seconds")
         if not self.invalidate_timeout > 0:
             raise SsdConfigError("invalidate_timeout must be > 0 seconds")
+        if not self.read_timeout > 0:
+            raise SsdConfigError("--ssd-read-timeout must be > 0 seconds")
+        if not self.close_timeout > 0:
+            raise SsdConfigError("close_timeout must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -207,12 +217,17 @@ class SsdStats:
     #: where the chain ends) or covered by a tombstone or floor; shards whose chain ended in damage to a
     #: record the checkpoint called durable (nothing older adopted); blocks with the record magic that are
     #: not records (KV content, or damage); shards not recovered (no valid superblock, another layout, a
-    #: file others could read).
+    #: file others could read); bytes the disk failed to read (EIO), read as zeros: damage.
     recovered_stale_total: int = 0
     recovered_invalidated_total: int = 0
     recovered_chain_breaks_total: int = 0
     recovered_unverified_blocks_total: int = 0
     recovered_shards_refused_total: int = 0
+    recovered_unreadable_bytes_total: int = 0
+    #: Records not read because their shard is stalled (a read of it timed out and the disk still holds
+    #: it: ``read_timeout``); they miss at once. Shards stalled now.
+    read_stalled_total: int = 0
+    stalled_shards: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +323,10 @@ class SsdTier(WritebackLane, ReadPath):
                 os.close(sh.sb_fd)
             raise
         self._read_rings: list[IoRing] = []
+        self._stuck: list = []  # demand reads given up on a stalled disk (reads._Stuck)
+        self._stuck_lock = threading.Lock()
+        self._stalled: set[int] = set()  # shards with reads given up on still in the kernel's hands
+        self._close_done = threading.Event()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # A wake-up is written and not yet consumed: further kicks need no system call (see _kick).
         self._wake_pending = False
@@ -378,9 +397,15 @@ class SsdTier(WritebackLane, ReadPath):
         size = min(os.fstat(fd).st_size, capacity)
         if size < RING_START:
             return recover_shard(b"", expect=ShardIdentity(index, count, capacity))
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as image:
-            image.madvise(mmap.MADV_SEQUENTIAL)
-            return recover_shard(image, expect=ShardIdentity(index, count, capacity), on_progress=on_progress)
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+        rec = recover_shard(ShardFile(fd, size), expect=ShardIdentity(index, count, capacity), on_progress=on_progress)
+        if rec.unreadable:
+            n = sum(length for _, length in rec.unreadable)
+            self._c["recovered_unreadable_bytes_total"] += n
+            log.warning("SSD shard %s: %d bytes in %d ranges could not be read (first at offset %d); the records "
+                        "in them are not recovered", self.config.paths[index], n, len(rec.unreadable),
+                        rec.unreadable[0][0])
+        return rec
 
     def _adopt(self, sh: Shard, rec: ShardRecovery) -> None:
         """Serve ``rec``'s live records again; the next record of ``sh`` links to the end of its chain."""
@@ -662,7 +687,7 @@ class SsdTier(WritebackLane, ReadPath):
                 backend=getattr(self._io, "name", type(self._io).__name__), objects=len(self._index),
                 live_bytes=self._index.live, dead_bytes=self._index.dead, writing_bytes=self._writing,
                 pending_bytes=self._pending_bytes, write_inflight_bytes=self._inflight_bytes,
-                **{k: c[k] for k in _COUNTERS}, errors_by_errno=dict(self._errnos))
+                stalled_shards=len(self._stalled), **{k: c[k] for k in _COUNTERS}, errors_by_errno=dict(self._errnos))
             reads = np.fromiter(self._read_lat, np.float64)
             writes = np.fromiter(self._write_lat, np.float64)
         r50, r99 = _percentiles(reads, (0.5, 0.99))
@@ -682,7 +707,10 @@ class SsdTier(WritebackLane, ReadPath):
         return out
 
     def close(self) -> None:
-        """Finish queued writes, stop the lanes, checkpoint every shard, close rings and files. Idempotent."""
+        """Finish queued writes, stop the lanes, checkpoint every shard, close rings and files. Idempotent.
+        A disk that does not let that finish within ``close_timeout`` does not hold the caller: the close
+        returns and goes on in the background (:meth:`wait_closed`) until the disk answers; a process that
+        exits meanwhile leaves its I/O to the kernel, and a restart recovers up to the last checkpoint."""
         with self._lock:
             if self._closed:
                 return
@@ -691,10 +719,35 @@ class SsdTier(WritebackLane, ReadPath):
             self._ckpt_cond.notify_all()
             lane = self._pf_thread
         os.eventfd_write(self._wake, 1)
-        self._writer.join()
-        if lane is not None:
-            lane.join()
-        self._checkpointer.join()
+        threads = [t for t in (self._writer, lane, self._checkpointer) if t is not None]
+        deadline = time.monotonic() + self.config.close_timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self._stuck:
+            self._reap_stuck()
+        busy = [t.name for t in threads if t.is_alive()] + ["reads given up on"] * bool(self._stuck)
+        if not busy:
+            self._finish_close(threads)
+            return
+        log.error("SSD: the disk did not answer within %.0f s of closing (%s): the close goes on in the "
+                  "background; if the process exits first, a restart recovers up to the last checkpoint",
+                  self.config.close_timeout, ", ".join(busy))
+        threading.Thread(target=self._finish_close, args=(threads,), name="orbitkv-ssd-close", daemon=True).start()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Whether :meth:`close` finished (files closed, shard locks released), waiting up to ``timeout``."""
+        return self._close_done.wait(timeout)
+
+    def _finish_close(self, threads: list[threading.Thread]) -> None:
+        for t in threads:
+            t.join()
+        with self._stuck_lock:  # reads given up on: their buffers stay until the kernel is done with them
+            for st in self._stuck:
+                while st.reads:
+                    for tag, _ in st.ring.wait(1.0):
+                        st.reads.pop(tag, None)
+                st.ring.close()
+            self._stuck.clear()
         try:  # a clean close: everything written is durable
             self.checkpoint()
         except SsdIoError as e:
@@ -710,6 +763,7 @@ class SsdTier(WritebackLane, ReadPath):
         self._io.close()
         for sh in self._shards:
             os.close(sh.sb_fd)  # releases the shard's lock
+        self._close_done.set()
 
     def __enter__(self) -> "SsdTier":
         return self
