@@ -286,3 +286,19 @@ def test_a_manager_over_a_hung_disk_answers_lookups_restores_flushes_and_closes_
     finally:
         disk.set()
         pages.close()
+
+
+def test_closing_over_a_disk_whose_syncs_hang_returns_at_its_deadline_and_ends_once_it_answers(disk):
+    """Nothing queued, nothing in flight: only the final checkpoint's sync meets the hung disk."""
+    t, _ = _filled(disk, close_timeout=1.0)
+    disk.set(hang=True)
+    t0 = time.monotonic()
+    _bounded(disk, 3.0, t.close)
+    assert time.monotonic() - t0 >= 0.9 and not t.wait_closed(0)
+    disk.set()
+    assert t.wait_closed(30)
+    again = SsdTier(SsdConfig(paths=(str(disk.path / "a.okv"),), capacity=32 << 20, recover=True))
+    try:  # the shard's lock was let go, and the checkpoint the close finished covers every record
+        assert again.read_many([key(i) for i in range(N)]) == [segment(i) for i in range(N)]
+    finally:
+        again.close()

@@ -327,6 +327,7 @@ class SsdTier(WritebackLane, ReadPath):
         self._stuck_lock = threading.Lock()
         self._stalled: set[int] = set()  # shards with reads given up on still in the kernel's hands
         self._close_done = threading.Event()
+        self._close_error: BaseException | None = None
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # A wake-up is written and not yet consumed: further kicks need no system call (see _kick).
         self._wake_pending = False
@@ -720,25 +721,33 @@ class SsdTier(WritebackLane, ReadPath):
             lane = self._pf_thread
         os.eventfd_write(self._wake, 1)
         threads = [t for t in (self._writer, lane, self._checkpointer) if t is not None]
-        deadline = time.monotonic() + self.config.close_timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if self._stuck:
-            self._reap_stuck()
-        busy = [t.name for t in threads if t.is_alive()] + ["reads given up on"] * bool(self._stuck)
-        if not busy:
-            self._finish_close(threads)
+        # The rest runs on a thread of its own, so that a disk that stops answering (a write, a sync that
+        # never returns) holds only that thread.
+        closer = threading.Thread(target=self._finish_close, args=(threads,), name="orbitkv-ssd-close", daemon=True)
+        closer.start()
+        if self._close_done.wait(self.config.close_timeout):
+            if self._close_error is not None:
+                raise self._close_error
             return
+        busy = [t.name for t in threads if t.is_alive()] + ["reads given up on"] * bool(self._stuck)
         log.error("SSD: the disk did not answer within %.0f s of closing (%s): the close goes on in the "
                   "background; if the process exits first, a restart recovers up to the last checkpoint",
-                  self.config.close_timeout, ", ".join(busy))
-        threading.Thread(target=self._finish_close, args=(threads,), name="orbitkv-ssd-close", daemon=True).start()
+                  self.config.close_timeout, ", ".join(busy or ["the final checkpoint"]))
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Whether :meth:`close` finished (files closed, shard locks released), waiting up to ``timeout``."""
         return self._close_done.wait(timeout)
 
     def _finish_close(self, threads: list[threading.Thread]) -> None:
+        try:
+            self._close_files(threads)
+        except BaseException as e:  # handed to close() when it still waits, logged otherwise
+            self._close_error = e
+            log.error("SSD: closing failed: %s", e)
+        finally:
+            self._close_done.set()
+
+    def _close_files(self, threads: list[threading.Thread]) -> None:
         for t in threads:
             t.join()
         with self._stuck_lock:  # reads given up on: their buffers stay until the kernel is done with them
@@ -763,7 +772,6 @@ class SsdTier(WritebackLane, ReadPath):
         self._io.close()
         for sh in self._shards:
             os.close(sh.sb_fd)  # releases the shard's lock
-        self._close_done.set()
 
     def __enter__(self) -> "SsdTier":
         return self
