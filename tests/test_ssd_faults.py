@@ -185,11 +185,11 @@ class _FailOnceSubmit:
             raise SsdIoError("io_uring_enter: injected")
         self._inner.submit()
 
-    def submit_and_wait(self):
+    def submit_and_wait(self, timeout=None):
         if self.fail:
             self.fail = False
             raise SsdIoError("io_uring_enter: injected")
-        return self._inner.submit_and_wait()
+        return self._inner.submit_and_wait(timeout)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -117,11 +117,12 @@ class FaultyRing:
             else:
                 time.sleep(0.002)
 
-    def submit_and_wait(self) -> list[tuple[int, int]]:
+    def submit_and_wait(self, timeout: float | None = None) -> list[tuple[int, int]]:
         self.submit()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            out = self.wait(None)
-            if out:
+            out = self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if out or (deadline is not None and time.monotonic() >= deadline):
                 return out
 
     def close(self) -> None:

@@ -284,14 +284,9 @@ class ReadPath:
     def _wait_reads(self, ring: IoRing) -> list[tuple[int, int]]:
         """Submit what is prepped and wait for at least one completion, at most ``read_timeout`` seconds
         without one (:class:`_ReadStalled`)."""
-        got = ring.reap()
-        if ring.unsent():
-            ring.submit()
-        if got:
-            return got
         deadline = time.monotonic() + self.config.read_timeout
         while True:
-            got = ring.wait(max(0.0, deadline - time.monotonic()))
+            got = ring.submit_and_wait(max(0.0, deadline - time.monotonic()))
             if got:
                 return got
             if time.monotonic() >= deadline:
