@@ -27,7 +27,7 @@ from orbitkv_fs.tiers.ssd.record import record_length
 from orbitkv_fs.tiers.ssd.ring import Shard, Slot, State
 from orbitkv_fs.tiers.ssd.staging import size_class
 from orbitkv_fs.tiers.ssd.superblock import RING_START
-from orbitkv_fs.tiers.ssd.uring import SysRing, UringBackend
+from orbitkv_fs.tiers.ssd.uring import SysRing, UringBackend, aligned_buffer
 from test_ssd_common import NS, direct_io_dir, key, segment
 
 
@@ -445,6 +445,40 @@ def test_config_errors(ssd_dir):
 def test_unusable_path_is_a_clear_error(ssd_dir):
     with pytest.raises(SsdIoError, match="cannot open"):
         SsdTier(SsdConfig(paths=(str(ssd_dir / "missing-dir" / "shard.okv"),), capacity=4 << 20))
+
+
+@pytest.mark.parametrize("ext_arg", [True, False], ids=["in-io_uring_enter", "eventfd-fallback"])
+def test_a_ring_wait_with_a_timeout_returns_at_it_or_with_the_completion(ssd_dir, ext_arg, monkeypatch):
+    """A demand read's deadline: the wait in one io_uring_enter (IORING_ENTER_EXT_ARG), or on a kernel
+    without it the eventfd wait, returns nothing at the timeout, and a read's completion before it."""
+    from orbitkv_fs.tiers.ssd import uring
+
+    fallback = []
+    base_wait = uring.EventfdRing.submit_and_wait
+    monkeypatch.setattr(uring.EventfdRing, "submit_and_wait",
+                        lambda self, timeout=None: fallback.append(timeout) or base_wait(self, timeout))
+    backend = UringBackend()
+    ring = backend.ring(8)
+    try:
+        if not ext_arg:
+            ring._ext_arg = False
+        elif not ring._ext_arg:
+            pytest.skip("this kernel's io_uring has no IORING_FEAT_EXT_ARG")
+        for _ in range(3):  # each call alike (a Python int as the argument size failed some calls only)
+            t0 = time.monotonic()
+            assert ring.submit_and_wait(0.2) == []
+            assert 0.15 <= time.monotonic() - t0 < 2.0
+        path = ssd_dir / "wait.bin"
+        fid = backend.open(str(path), 1 << 20, truncate=True)
+        buf = aligned_buffer(4096)
+        ring.prep_read(fid, buf, 0, 7)
+        t0 = time.monotonic()
+        assert ring.submit_and_wait(5.0) == [(7, 4096)]
+        assert time.monotonic() - t0 < 2.0
+        assert bool(fallback) is not ext_arg  # the kernel's own timeout where it has one, else the eventfd's
+    finally:
+        ring.close()
+        backend.close()
 
 
 def test_uring_backend_is_the_syscall_ring_and_starts_without_a_child_process(ssd_dir):

@@ -249,9 +249,11 @@ class SysRing(EventfdRing):
         # One io_uring_enter submits and blocks for a completion: a single GIL release per wait, which
         # matters for demand-read latency next to busy Python threads. A timeout rides along in the same
         # call (IORING_ENTER_EXT_ARG), so a read with a deadline pays no more system calls than one without.
+        if timeout is not None and not self._ext_arg:  # a kernel before 5.11: the eventfd wait keeps the deadline
+            return super().submit_and_wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         flags, arg, argsz = _ENTER_GETEVENTS, None, 0
-        if timeout is not None and self._ext_arg:
+        if timeout is not None:
             self._ts[0], self._ts[1] = int(timeout), int(timeout % 1 * 1e9)
             flags, arg, argsz = _ENTER_GETEVENTS | _ENTER_EXT_ARG, self._ext_ref, self._ext_size
         self._publish()
