@@ -17,7 +17,8 @@ Invariants:
    the consumer). The tag is recovery's: at run time the index says which record must be where.
 2. A record that fails is a miss and only that generation leaves the index at once (counted as
    corrupt); its space is reclaimed when its leases drain. An I/O error is a miss that invalidates
-   nothing (of a read of several records: a miss of each record it did not bring in whole).
+   nothing (a failed read of several records is read again record by record), until a record's own
+   demand reads failed :data:`UNREADABLE_AFTER` times in a row: then it leaves the index as a corrupt one.
 3. A record is leased from the moment a read of it is prepared until that read is settled, so the ring
    never overwrites a record under a read; a read in flight keeps its buffer until the kernel is done.
 4. Keys submitted and not yet written are served from the submitted bytes (the index's ``pending``).
@@ -68,6 +69,10 @@ def _heads(arr: Any, offsets: list[int]) -> list[bytes]:
 READ_WINDOW = 2 << 20
 #: Bytes of window buffers a demand read holds at most beyond its first two windows.
 READ_AHEAD = 16 << 20
+#: Demand reads of a record that failed in a row (I/O errors, not timeouts) after which it is dropped.
+UNREADABLE_AFTER = 2
+#: Records whose failed reads are remembered at most (a disk failing everywhere must not grow it unbounded).
+_FAILURES_KEPT = 1 << 16
 
 
 class ReadWindow:
@@ -419,6 +424,8 @@ class ReadPath:
                 if i in hits:
                     self._c["read_hits_total"] += 1
                     self._c["read_bytes_total"] += s.length
+                    if self._read_failures:
+                        self._read_failures.pop(s, None)
                 self._settle_read(s, verdicts.get(i, ""), "read_errors_total")
 
     def describe(self, keys: Sequence[ObjectKey]) -> "list[tuple[int, int] | None]":
@@ -577,7 +584,11 @@ class ReadPath:
 
     def _settle_read(self, s: "Slot", why: str, errors_counter: str) -> None:
         """A read of ``s`` ended (``why``: "" when it served or never ran): its lease goes, a corrupt
-        record dies, an I/O error is counted under ``errors_counter``. Lock held."""
+        record dies, an I/O error is counted under ``errors_counter``. A demand read's error is the
+        record's own (a failed read of several records was read again record by record): a record whose
+        reads failed :data:`UNREADABLE_AFTER` times in a row is dropped, as a corrupt one is (a failing
+        block is tried again at every read otherwise, and a drive may take seconds over each try); a
+        timeout is the disk's, not the record's, and drops nothing. Lock held."""
         s.leases -= 1
         if why == "corrupt":
             self._c["corrupt_records_total"] += 1
@@ -585,6 +596,13 @@ class ReadPath:
         elif why:
             self._c[errors_counter] += 1
             self._errnos[why] += 1
+            if errors_counter == "read_errors_total" and why != "timeout":
+                failed = self._read_failures.pop(s, 0) + 1
+                if failed >= UNREADABLE_AFTER:
+                    self._c["unreadable_records_dropped_total"] += 1
+                    self._index.kill(s)
+                elif len(self._read_failures) < _FAILURES_KEPT:
+                    self._read_failures[s] = failed
 
     def prefetch(self, keys: Sequence[ObjectKey], sink: Callable[[ObjectKey, memoryview], None], *,
                  max_bytes: int | None = None) -> int:

@@ -228,6 +228,8 @@ class SsdStats:
     #: it: ``read_timeout``); they miss at once. Shards stalled now.
     read_stalled_total: int = 0
     stalled_shards: int = 0
+    #: Records dropped because their demand reads failed with an I/O error twice in a row (reads.UNREADABLE_AFTER).
+    unreadable_records_dropped_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,7 @@ class SsdTier(WritebackLane, ReadPath):
         self._stuck_lock = threading.Lock()
         self._stalled: set[int] = set()  # shards with reads given up on still in the kernel's hands
         self._close_done = threading.Event()
+        self._read_failures: dict = {}  # Slot -> demand reads of it that failed in a row (reads.UNREADABLE_AFTER)
         self._close_error: BaseException | None = None
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # A wake-up is written and not yet consumed: further kicks need no system call (see _kick).
