@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-checkpoint-interval", type=float, default=1.0, metavar="SECONDS",
                    help="sync the shard files and checkpoint their logs this often (default 1; 0: only at "
                         "invalidation and clean shutdown): a crash can tear only records written since")
-    g.add_argument("--ssd-read-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="a read of the SSD that sees no completion this long gives up (default 5): its chunks "
+    g.add_argument("--ssd-read-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="a read of the SSD that sees no completion this long gives up (default 2): its chunks "
                         "miss, and reads of its shard miss at once until the disk answers again")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "

@@ -114,8 +114,10 @@ class SsdConfig:
     invalidate_timeout: float = 30.0
     #: Seconds a demand read waits with no read completing before it gives up (``--ssd-read-timeout``):
     #: its records miss and its shards are stalled (reads of them miss at once) until the disk answers.
-    #: A hung disk then costs one reader this long, not every lookup forever.
-    read_timeout: float = 5.0
+    #: A hung disk then costs one reader this long, not every lookup forever. Below the vLLM connector's
+    #: lookup timeout (5 s): a lookup over a hung disk answers (its DRAM hits counted) before the engine gives
+    #: up on the Manager and stops asking it for a cool-down, DRAM hits and all.
+    read_timeout: float = 2.0
     #: Seconds :meth:`SsdTier.close` waits for queued writes, the lanes and the checkpointer before it
     #: leaves a disk that does not answer as it is.
     close_timeout: float = 30.0
