@@ -76,8 +76,18 @@ def test_cli_flags(ssd_paths):
     try:
         s = t.snapshot()
         assert (s.shards, s.capacity_bytes, t.config.write_queue_depth, t.config.recover) == (2, 64 << 20, 8, False)
+        assert t.config.read_timeout == 2.0  # below the vLLM connector's 5 s lookup timeout
     finally:
         t.close()
+    t = build_lower_tier(p.parse_args(["--ssd-cache-path", ssd_paths[0], "--ssd-cache-capacity", "64mb",
+                                       "--ssd-read-timeout", "0.5"]))
+    try:
+        assert t.config.read_timeout == 0.5
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="--ssd-read-timeout"):
+        build_lower_tier(p.parse_args(["--ssd-cache-path", ssd_paths[0], "--ssd-cache-capacity", "64mb",
+                                       "--ssd-read-timeout", "0"]))
     with pytest.raises(ValueError, match="capacity"):
         build_lower_tier(p.parse_args(["--ssd-cache-path", ssd_paths[0]]))
     args = p.parse_args(["--ssd-cache-path", ssd_paths[0], "--ssd-cache-capacity", "64mb", "--ssd-recover"])

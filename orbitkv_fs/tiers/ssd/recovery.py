@@ -189,7 +189,7 @@ class _Buffer:
 
     def __init__(self, image: "bytes | memoryview") -> None:
         self.mv = image.cast("B") if isinstance(image, memoryview) else memoryview(image)
-        self.unreadable: list[tuple[int, int]] = []  # memory reads
+        self.unreadable: list[tuple[int, int]] = []  # memory does not fail a read
 
     def __len__(self) -> int:
         return len(self.mv)
