@@ -5,9 +5,10 @@ vLLM venv either way) with its SSD shard on tests/faultyfs.py (FUSE; root).
 1. Prompts A and B (each a 768-token prefix of its own, three 256-token chunks, plus a question) run cold:
    the reference tokens, saved by the connector. An admin flush moves every chunk to the SSD; B is asked
    again, so its chunks come back to DRAM (read from the healthy disk). A's chunks are on the SSD only.
-2. The disk stops answering (reads, writes, syncs). vLLM's prefix cache is reset; A, then B, then A again
-   are generated one at a time, each timed: wall seconds, the tokens vLLM took from the connector
-   (``num_cached_tokens``), and whether the tokens are the reference's.
+2. The disk stops answering (reads, writes, syncs). A, then B, then A again are generated one at a time,
+   vLLM's prefix cache reset before each, each timed: wall seconds, the tokens vLLM took from the connector
+   (``num_cached_tokens``), and whether the tokens are the reference's; then ``/metrics``, ``/v1/stats`` and
+   ``/readyz`` are asked, timed.
 3. The disk answers again (60 s after it stopped, if the run got that far); the Manager is stopped with
    SIGTERM and its exit timed.
 
@@ -95,9 +96,20 @@ def main() -> None:
         engine("reset_prefix_cache")
         hung = {}
         for name, prompt, want in (("a", a, ref["a"]), ("b", b, ref["b"]), ("a_again", a, ref["a"])):
+            engine("reset_prefix_cache")  # what is cached comes from the connector, never vLLM's own cache
             r = gen(prompt)
             hung[name] = {"seconds": r["seconds"], "num_cached_tokens": r["num_cached_tokens"],
                           "same_tokens": r["tokens"] == want["tokens"]}
+        for path in ("/metrics", "/v1/stats", "/readyz"):  # what an operator's scrapes and probes see meanwhile
+            t0 = time.monotonic()
+            try:
+                body = urllib.request.urlopen(f"http://{http}{path}", timeout=30).read().decode()
+                took = {"seconds": round(time.monotonic() - t0, 2)}
+                if path == "/metrics":
+                    took["stalled_shards"] = [ln for ln in body.splitlines() if ln.startswith("orbitkv_ssd_stalled")]
+            except OSError as e:
+                took = {"seconds": round(time.monotonic() - t0, 2), "error": str(e)}
+            hung[path] = took
         result["disk_hung"] = hung
         result["connector"] = engine("connector")
     finally:
