@@ -1,6 +1,6 @@
 """QD1 demand-read latency of 64 KiB segments (64 records, 3,000 reads): a tree against another, alternating.
 Usage: QD1_DIR=/tmp/ssdx PYTHONPATH=TREE python qd1.py TREE"""
-import sys, time, statistics, os
+import sys, time, os
 sys.path.insert(0, sys.argv[1] + "/tests")
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
 from test_ssd_common import key, segment

@@ -59,9 +59,9 @@ def main() -> None:
         time.sleep(0.1)
     dp, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     mlog = open(base / "manager.log", "w")
-    manager = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mib", "--device", "cpu",
-                                "--data-plane", dp, "--http-addr", http, "--ssd-cache-path", str(mnt / "ssd0.okv"),
-                                "--ssd-cache-capacity", "512mib"], stdout=mlog, stderr=subprocess.STDOUT,
+    manager = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mib",
+                                "--device", "cpu", "--data-plane", dp, "--http-addr", http,
+                                "--ssd-cache-path", str(mnt / "ssd0.okv"), "--ssd-cache-capacity", "512mib"], stdout=mlog, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONPATH": tree})
     for _ in range(600):
         try:
