@@ -61,8 +61,8 @@ def main() -> None:
     mlog = open(base / "manager.log", "w")
     manager = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "512mib",
                                 "--device", "cpu", "--data-plane", dp, "--http-addr", http,
-                                "--ssd-cache-path", str(mnt / "ssd0.okv"), "--ssd-cache-capacity", "512mib"], stdout=mlog, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": tree})
+                                "--ssd-cache-path", str(mnt / "ssd0.okv"), "--ssd-cache-capacity", "512mib"],
+                               stdout=mlog, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": tree})
     for _ in range(600):
         try:
             urllib.request.urlopen(f"http://{http}/healthz", timeout=1).read()
