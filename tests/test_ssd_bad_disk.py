@@ -117,6 +117,16 @@ def _filled(disk: FaultyDisk, **config) -> tuple[SsdTier, list]:
     return t, sorted(t.iter_records(), key=lambda o: o.offset)
 
 
+def _number(k) -> int:
+    """Which of the ``N`` keys ``k`` is."""
+    return next(i for i in range(N) if key(i) == k)
+
+
+def _others_served(t: SsdTier, but: int) -> bool:
+    others = [j for j in range(N) if j != but]
+    return t.read_many([key(j) for j in others]) == [segment(j) for j in others]
+
+
 def _recover_in_child(shard: str) -> subprocess.CompletedProcess:
     """``SsdTier(recover=True)`` over ``shard`` in a child process (a page fault on an unreadable block
     kills its process with SIGBUS: the test process must survive to report it), reading back every key."""
@@ -174,15 +184,15 @@ def test_eio_from_the_disk_misses_only_its_record_which_is_served_once_it_reads_
     t, recs = _filled(disk)
     try:
         victim = recs[7]
-        i = next(i for i in range(N) if key(i) == victim.key)
+        i = _number(victim.key)
         disk.set(read_eio=[["a.okv", victim.offset + 4096, 1]])  # inside the record, past its header
         before = disk.reads()
         got = t.read_many([o.key for o in recs])
         assert disk.reads() > before  # the reads went through the failing disk
-        want = [segment(next(j for j in range(N) if key(j) == o.key)) for o in recs]
+        want = [segment(_number(o.key)) for o in recs]
         assert all(g is None or g == w for g, w in zip(got, want))  # nothing served is wrong
-        assert [k for k, g in enumerate(got) if g is None] == [7]  # its neighbours, read by the same failed
-        # request, were read again alone
+        # Only the victim misses: its neighbours, read by the same failed request, were read again alone.
+        assert [k for k, g in enumerate(got) if g is None] == [7]
         s = t.snapshot()
         assert s.errors_by_errno == {"EIO": 1} and s.corrupt_records_total == 0
         assert t.contains(victim.key)  # one I/O error invalidates nothing
@@ -196,8 +206,7 @@ def test_eio_from_the_disk_misses_only_its_record_which_is_served_once_it_reads_
         s = t.snapshot()
         assert s.unreadable_records_dropped_total == 1 and s.errors_by_errno == {"EIO": 3}
         disk.set()
-        others = [j for j in range(N) if j != i]
-        assert t.read_many([key(j) for j in others]) == [segment(j) for j in others]
+        assert _others_served(t, but=i)
     finally:
         t.close()
 
@@ -206,12 +215,10 @@ def test_bit_rot_under_the_tier_is_a_miss_never_wrong_bytes(disk):
     t, recs = _filled(disk)
     try:
         victim = recs[11]
-        i = next(i for i in range(N) if key(i) == victim.key)
         disk.set(corrupt=[["a.okv", victim.offset + 5000]])
         assert t.read(victim.key) is None
         assert t.snapshot().corrupt_records_total == 1 and not t.contains(victim.key)
-        others = [j for j in range(N) if j != i]
-        assert t.read_many([key(j) for j in others]) == [segment(j) for j in others]
+        assert _others_served(t, but=_number(victim.key))
     finally:
         t.close()
 

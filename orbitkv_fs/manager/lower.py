@@ -351,6 +351,7 @@ class LowerTierCoordination:
         deadline = time.monotonic() + timeout
         sub = [0, 0]
         drop = [0, 0]
+        late = False  # an object refused because the deadline ran out
         while True:  # in slices, so a flush never holds a copy of the whole pool
             objs, leased = self.dram.drain(64 << 20)
             if not objs:
@@ -362,15 +363,16 @@ class LowerTierCoordination:
                 t = sub if ok else drop
                 t[0] += 1
                 t[1] += len(blob)
-        complete = True
+                late = late or (not ok and self.lower is not None and time.monotonic() >= deadline)
         if self.lower is not None:
             try:
                 self.lower.flush(timeout=max(0.001, deadline - time.monotonic()))
             except TimeoutError:
-                complete = False
-                log.warning("DRAM flush: the lower tier did not write back everything within %.0f s", timeout)
+                late = True
+        if late:
+            log.warning("DRAM flush: the lower tier did not take and write back everything within %.0f s", timeout)
         return FlushResult(submitted=TierCounts(*sub), dropped=TierCounts(*drop), skipped_leased=leased,
-                           complete=complete and time.monotonic() < deadline)
+                           complete=not late)
 
     def list_objects(self, namespace: bytes | None = None, prefix: str = "", limit: int = 1000,
                      cursor: str | None = None) -> ObjectPage:

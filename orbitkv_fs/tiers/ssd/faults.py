@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .uring import IoBackend, IoRing
+from .uring import IoBackend, IoRing, wait_any
 
 
 @dataclass
@@ -119,11 +119,7 @@ class FaultyRing:
 
     def submit_and_wait(self, timeout: float | None = None) -> list[tuple[int, int]]:
         self.submit()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            out = self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if out or (deadline is not None and time.monotonic() >= deadline):
-                return out
+        return wait_any(self, timeout)
 
     def close(self) -> None:
         while self._ready or self._kind:

@@ -102,9 +102,11 @@ class ReadWindow:
         """Give each record of an extent of several records whose read failed (an errno, or short of the
         record) an extent of its own, to be read again; answer those extents. A disk fails a whole request
         for one bad block: without this, one bad sector cost every record read beside it, at every read."""
-        redo = {e for e, (_, _, pos, length) in enumerate(self.extents)
-                if sum(1 for _, _, re in self.records if re == e) > 1
-                and (self.results[e] < 0 or self.results[e] < length)}
+        failed = {e for e, (_, _, _, length) in enumerate(self.extents) if self.results[e] < length}
+        if not failed:  # the common case, checked first: every window of every read passes here
+            return []
+        records = collections.Counter(e for _, _, e in self.records if e in failed)
+        redo = {e for e, n in records.items() if n > 1}
         if not redo:
             return []
         out = []

@@ -141,6 +141,7 @@ class ShardFile:
         self.fd = fd
         self.size = os.fstat(fd).st_size if size is None else size
         self._bad: set[int] = set()  # block offsets
+        os.posix_fadvise(fd, 0, self.size, os.POSIX_FADV_SEQUENTIAL)  # the scan reads it front to back once
 
     def __len__(self) -> int:
         return self.size

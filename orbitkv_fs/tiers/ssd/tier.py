@@ -403,7 +403,6 @@ class SsdTier(WritebackLane, ReadPath):
         size = min(os.fstat(fd).st_size, capacity)
         if size < RING_START:
             return recover_shard(b"", expect=ShardIdentity(index, count, capacity))
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
         rec = recover_shard(ShardFile(fd, size), expect=ShardIdentity(index, count, capacity), on_progress=on_progress)
         if rec.unreadable:
             n = sum(length for _, length in rec.unreadable)

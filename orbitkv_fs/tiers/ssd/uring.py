@@ -103,7 +103,6 @@ _OP_READ, _OP_WRITE = 22, 23
 _ENTER_GETEVENTS = 1
 _ENTER_EXT_ARG = 1 << 3  # io_uring_enter's last two arguments are an io_uring_getevents_arg (Linux 5.11)
 _FEAT_EXT_ARG = 1 << 8
-_ETIME = errno.ETIME
 _SQ_CQ_OVERFLOW = 1 << 1  # IORING_SQ_CQ_OVERFLOW in the SQ ring's flags
 _REGISTER_EVENTFD = 4
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
@@ -158,11 +157,16 @@ class EventfdRing:
     def submit_and_wait(self, timeout: float | None = None) -> list[tuple[int, int]]:
         # Waits on the eventfd in select (GIL released): a driver's own blocking wait may hold the GIL.
         self.submit()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            out = self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if out or (deadline is not None and time.monotonic() >= deadline):
-                return out
+        return wait_any(self, timeout)
+
+
+def wait_any(ring: "IoRing", timeout: float | None) -> list[tuple[int, int]]:
+    """``ring.wait`` until at least one completion, or ``[]`` once ``timeout`` seconds passed (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        out = ring.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if out or (deadline is not None and time.monotonic() >= deadline):
+            return out
 
 
 class SysRing(EventfdRing):
@@ -266,7 +270,7 @@ class SysRing(EventfdRing):
                     break
                 continue
             e = ctypes.get_errno()
-            if e == _ETIME:
+            if e == errno.ETIME:  # the timeout passed (IORING_ENTER_EXT_ARG)
                 break
             if e not in (errno.EINTR, errno.EAGAIN, errno.EBUSY):
                 raise SsdIoError(f"io_uring_enter: {os.strerror(e)}")
