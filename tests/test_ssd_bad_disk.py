@@ -145,7 +145,8 @@ def _recover_in_child(shard: str) -> subprocess.CompletedProcess:
         t.close()
     """)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
 
 
 def test_recovery_over_an_unreadable_block_recovers_the_rest_instead_of_dying(disk):

@@ -164,7 +164,9 @@ CHILD = textwrap.dedent("""
 
 
 def test_kill_9_during_writeback_recovers_only_completed_records(paths):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.getcwd()]))
+    # Prepended, not replaced: an install that lives on PYTHONPATH (the GPU host's) must reach the child too.
+    path = [str(Path(__file__).parent), str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     child = subprocess.Popen([sys.executable, "-c", CHILD, *paths], stdout=subprocess.PIPE, env=env, text=True)
     published = 0
     try:
