@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import stat
 import threading
 import time
@@ -60,6 +61,7 @@ from orbitkv_fs.segment import Role
 
 from . import errors
 from .auth import AdminToken, SameOrigin, bearer, check_bind, is_loopback, require_admin
+from .connections import LISTEN_QUEUE, AcceptFailures, ConnectionGuard, HttpLimits, limited_protocol
 from .errors import ApiError, responses
 from .metrics import build_registry
 from .models import (
@@ -208,11 +210,12 @@ def _key(text: str, field: str) -> ObjectKey:
 
 def create_app(manager: Manager, *, admin_token: AdminToken | None = None, address: str = "127.0.0.1:9091",
                peer_node: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               dataplane: Any = None) -> FastAPI:
+               dataplane: Any = None, http_limits: HttpLimits | None = None) -> FastAPI:
     """The control plane of ``manager``. ``address`` is what the server binds (checked here too: a
     non-loopback address without ``admin_token`` raises :class:`~.auth.InsecureBind`). ``peer_node`` is the
     process's :class:`~orbitkv_fs.peers.PeerNode` or None; ``dataplane`` its
-    :class:`~orbitkv_fs.dataplane.DataPlaneServer` (its limits and counters go to ``/metrics``) or None."""
+    :class:`~orbitkv_fs.dataplane.DataPlaneServer` (its limits and counters go to ``/metrics``) or None;
+    ``http_limits`` bound the connections of the :class:`HttpServer` that serves the app (:mod:`.connections`)."""
     host, _ = parse_http_addr(address)
     check_bind(host, admin_token)
     app = FastAPI(title="OrbitKV-FS cache manager", version="1",
@@ -224,8 +227,9 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     app.state.admin_token = admin_token
     app.state.peer_node = peer_node
     app.state.ready = True
+    app.state.http_guard = guard = ConnectionGuard(http_limits)
     registry = build_registry(manager, (lambda: peer_node.stats()) if peer_node is not None else None,
-                              dataplane.stats if dataplane is not None else None)
+                              dataplane.stats if dataplane is not None else None, guard.stats)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(SameOrigin, loopback=is_loopback(host))
@@ -328,7 +332,9 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
         m = _manager(request)
         return ConfigOut(manager=msgspec.to_builtins(m.config()),
                          http=HttpConfigOut(address=address, auth_required=admin_token is not None,
-                                            max_body_bytes=max_body_bytes),
+                                            max_body_bytes=max_body_bytes,
+                                            max_connections=guard.limits.max_connections,
+                                            request_timeout_s=guard.limits.request_timeout_s),
                          lower_tier=getattr(m.lower, "name", "lower") if m.lower is not None else None,
                          peers=peer_node is not None)
 
@@ -423,7 +429,8 @@ def parse_http_addr(text: str) -> tuple[str, int]:
 class HttpServer:
     """uvicorn serving ``app`` in a background thread. :meth:`start` returns once it listens (port 0
     picks a free port: see :attr:`port`); :meth:`close` stops accepting, finishes in-flight requests
-    (up to ``graceful_s``) and joins."""
+    (up to ``graceful_s``) and joins. Its connections are bounded by the app's guard (:mod:`.connections`;
+    an app not made by :func:`create_app` gets the default limits)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, *, log_level: str = "warning",
                  access_log: bool = False, graceful_s: float = 10.0) -> None:
@@ -431,11 +438,16 @@ class HttpServer:
 
         self.app = app
         self.host = host
+        guard = getattr(app.state, "http_guard", None) or ConnectionGuard()
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                                      access_log=access_log, lifespan="off",
                                                      log_config=None,  # the process's logging setup applies
                                                      timeout_graceful_shutdown=graceful_s,
-                                                     server_header=False))
+                                                     server_header=False, http=limited_protocol(guard), ws="none",
+                                                     backlog=guard.limits.backlog))
+        aio = logging.getLogger("asyncio")
+        if not any(isinstance(f, AcceptFailures) for f in aio.filters):
+            aio.addFilter(AcceptFailures())
         if access_log:  # uvicorn cuts the access logger off for servers without one; undo it for this one
             access = logging.getLogger("uvicorn.access")
             access.propagate = True
@@ -459,6 +471,16 @@ class HttpServer:
                 why = repr(self._error) if self._error is not None else "see the log"
                 raise HttpServerError(f"the HTTP server did not start on {self.host} ({why})")
             time.sleep(0.01)
+        # asyncio accepts as many connections in one go as the backlog it listened with (a quarter of the
+        # connection limit, :mod:`.connections`); the kernel's queue may hold more, so that a flood fills it
+        # less often (a full queue drops SYNs: a client's connect then waits a second for its retry).
+        for srv in self._server.servers:
+            for ts in srv.sockets:
+                sock = socket.socket(fileno=ts.fileno())
+                try:
+                    sock.listen(LISTEN_QUEUE)
+                finally:
+                    sock.detach()  # the descriptor stays the server's
         return self
 
     @property

@@ -26,6 +26,7 @@ from orbitkv_fs.codecs import CODEC_NAMES
 from orbitkv_fs.console import HelpFormatter, entry_point
 from orbitkv_fs.manager import Manager, ManagerConfig
 from orbitkv_fs.progress import progress
+from orbitkv_fs.server.connections import HttpLimits
 
 log = logging.getLogger("orbitkv.cache_manager")
 
@@ -161,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--http-addr", default="127.0.0.1:9091",
                    help="host:port of the REST API and /metrics (default 127.0.0.1:9091; a non-loopback "
                         "address needs an admin token)")
+    g.add_argument("--http-max-connections", type=_positive(int), default=HttpLimits().max_connections, metavar="N",
+                   help="control-plane connections open at once; at the limit a new one displaces the connection "
+                        "idle longest, else (every one answering a request) is answered 503 (default %(default)s)")
+    g.add_argument("--http-request-timeout", type=_positive(float), default=HttpLimits().request_timeout_s,
+                   metavar="SECONDS", help="longest a control-plane request may take to arrive, from a connection's "
+                                           "start or the request's first byte to its last, and an answer to be "
+                                           "taken (default %(default)g)")
     g.add_argument("--admin-token", default=None,
                    help="bearer token of mutating and admin endpoints (default: $ORBITKV_ADMIN_TOKEN); "
                         "prefer the environment variable, command lines are visible to other users")
@@ -217,8 +225,8 @@ def _http_settings(args: argparse.Namespace):
 
 
 def _raise_fd_limit(connections: int) -> None:
-    """Every data-plane connection is a descriptor: lift the soft limit toward the hard one so that the
-    connection limit, not EMFILE, is what bites (1024 is a common soft default)."""
+    """Every data-plane and control-plane connection is a descriptor: lift the soft limit toward the hard one
+    so that the connection limits, not EMFILE, are what bite (1024 is a common soft default)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = connections + 1024  # arena, SSD shards, HTTP, peers, the Python runtime
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -228,8 +236,8 @@ def _raise_fd_limit(connections: int) -> None:
         except (ValueError, OSError):
             new = soft
         if new < want:
-            log.warning("descriptor limit %d: fewer than --data-plane-max-connections %d plus room; raise "
-                        "`ulimit -n`", new, connections)
+            log.warning("descriptor limit %d: fewer than --data-plane-max-connections and --http-max-connections "
+                        "(with the HTTP accept backlog, %d together) plus room; raise `ulimit -n`", new, connections)
 
 
 @entry_point("orbitkv-cache-manager")
@@ -268,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OrbitKVError, ValueError) as e:
             print(f"orbitkv-cache-manager: {e}", file=sys.stderr)
             return 2
-        _raise_fd_limit(args.data_plane_max_connections)
+        http_limits = HttpLimits(args.http_max_connections, args.http_request_timeout)
+        _raise_fd_limit(args.data_plane_max_connections + http_limits.descriptors)
         limits = DataPlaneLimits(max_connections=args.data_plane_max_connections,
                                  max_buffered_bytes=args.data_plane_max_buffered,
                                  message_timeout_s=args.data_plane_message_timeout)
@@ -283,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         from orbitkv_fs.server.app import HttpServer, create_app
 
         try:
-            app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers, dataplane=dataplane)
+            app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers, dataplane=dataplane,
+                             http_limits=http_limits)
             http = HttpServer(app, http_host, http_port, log_level=args.log_level,
                               access_log=log.isEnabledFor(logging.INFO)).start()
         except (OrbitKVError, ValueError) as e:

@@ -11,7 +11,7 @@ then the lower tier, then peers); the misses of the last tier present are the se
 ``orbitkv_ssd_objects`` / ``orbitkv_ssd_live_bytes`` (the SSD index does not split it by representation). The lower tier's own flat stats (``ssd_*``) are exported as
 ``orbitkv_ssd_*``: names ending in ``_total`` as counters, others as gauges, the backend as an info label.
 The data plane's limits and the times they bit (:class:`~orbitkv_fs.dataplane.DataPlaneStats`) are
-``orbitkv_dataplane_*``.
+``orbitkv_dataplane_*``; the control plane's own (:class:`~.connections.HttpConnectionStats`) ``orbitkv_http_*``.
 """
 
 from __future__ import annotations
@@ -68,10 +68,12 @@ class ManagerCollector(Collector):
     (or None when peer sharing is off)."""
 
     def __init__(self, manager: Any, peer_stats: Callable[[], Any | None] | None = None,
-                 dataplane_stats: Callable[[], Any] | None = None) -> None:
+                 dataplane_stats: Callable[[], Any] | None = None,
+                 http_stats: Callable[[], Any] | None = None) -> None:
         self._manager = manager
         self._peer_stats = peer_stats
         self._dataplane_stats = dataplane_stats
+        self._http_stats = http_stats
 
     def describe(self) -> list[Metric]:
         # Families depend on the snapshot (tiers, reasons); an empty describe keeps registration cheap.
@@ -88,6 +90,8 @@ class ManagerCollector(Collector):
             yield from self._peer_families(peers)
         if self._dataplane_stats is not None:
             yield from self._dataplane_families(self._dataplane_stats())
+        if self._http_stats is not None:
+            yield from self._http_families(self._http_stats())
 
     # -- the Manager ------------------------------------------------------------------------------------
 
@@ -217,6 +221,19 @@ class ManagerCollector(Collector):
         yield _counter("dataplane_auth_failures", "engine calls without their engine's credential, admin acts "
                        "without the admin token", d.auth_failures_total)
 
+    # -- the control plane's connections ----------------------------------------------------------------
+
+    def _http_families(self, h: Any) -> Iterator[Metric]:
+        yield _gauge("http_connections", "control-plane (HTTP) connections open", h.connections)
+        yield _gauge("http_max_connections", "--http-max-connections", h.max_connections)
+        yield _gauge("http_request_timeout_seconds", "--http-request-timeout", h.request_timeout_s)
+        yield _counter("http_connections_displaced", "idle or unfinished HTTP connections closed to make room for a "
+                       "new one", h.connections_displaced_total)
+        yield _counter("http_connections_refused", "HTTP connections answered 503 busy: every connection was "
+                       "answering a request", h.connections_refused_total)
+        yield _counter("http_request_timeouts", "HTTP connections closed because a request did not arrive in full, "
+                       "or its answer was not taken, within --http-request-timeout", h.request_timeouts_total)
+
     # -- peers --------------------------------------------------------------------------------------------
 
     def _peer_families(self, p: Any) -> Iterator[Metric]:
@@ -245,8 +262,9 @@ def _valid_name(name: str) -> bool:
 
 
 def build_registry(manager: Any, peer_stats: Callable[[], Any | None] | None = None,
-                   dataplane_stats: Callable[[], Any] | None = None) -> CollectorRegistry:
+                   dataplane_stats: Callable[[], Any] | None = None,
+                   http_stats: Callable[[], Any] | None = None) -> CollectorRegistry:
     """A registry of its own (never the process-global one) holding the Manager's collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ManagerCollector(manager, peer_stats, dataplane_stats))
+    registry.register(ManagerCollector(manager, peer_stats, dataplane_stats, http_stats))
     return registry

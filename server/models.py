@@ -289,6 +289,10 @@ class HttpConfigOut(BaseModel):
     address: str
     auth_required: bool = Field(description="mutating and admin endpoints need the admin bearer token")
     max_body_bytes: int
+    max_connections: int = Field(description="--http-max-connections: at the limit a new connection displaces the "
+                                             "longest idle one")
+    request_timeout_s: float = Field(description="--http-request-timeout: a request must arrive in full, and its "
+                                                 "answer be taken, within this many seconds")
 
 
 class ConfigOut(BaseModel):

@@ -127,7 +127,8 @@ def test_health_ready_config_docs(stack):
     assert stack.http.get("/readyz").json() == {"status": "ready", "engines": 0, "lower_tier": "ssd", "peers": False}
     cfg = stack.http.get("/v1/config").json()
     assert cfg["manager"]["pool_size"] == 4 << 20 and cfg["lower_tier"] == "ssd"
-    assert cfg["http"] == {"address": "127.0.0.1:0", "auth_required": False, "max_body_bytes": 4 << 20}
+    assert cfg["http"] == {"address": "127.0.0.1:0", "auth_required": False, "max_body_bytes": 4 << 20,
+                           "max_connections": 256, "request_timeout_s": 30.0}
     assert "swagger" in stack.http.get("/docs").text.lower()
     paths = stack.http.get("/openapi.json").json()["paths"]
     for p in ("/v1/engines", "/v1/engines/{engine_id}", "/v1/invalidate", "/metrics", "/v1/stats", "/healthz",
