@@ -31,6 +31,7 @@ one engine.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -86,19 +87,26 @@ class Caller:
     """Who a data-plane call comes from. ``credential`` is what the call carried (empty: none); the OS
     user is asked of ``uid_of`` at most once, and only when a check needs it."""
 
-    __slots__ = ("credential", "_uid_of", "_uid", "_asked")
+    __slots__ = ("credential", "_uid_of", "_uid", "_asked", "unknown_because")
 
     def __init__(self, credential: str = "", uid_of: Callable[[], int | None] | None = None) -> None:
         self.credential = credential
         self._uid_of = uid_of
         self._uid: int | None = None
         self._asked = False
+        #: why :meth:`uid` is None when the lookup itself failed (out of descriptors, ``/proc`` not readable),
+        #: so that a refusal names the Manager's trouble rather than blaming the caller
+        self.unknown_because: str | None = None
 
     def uid(self) -> int | None:
-        """The calling OS user, or None when it cannot be told (a remote TCP peer, no ``/proc``)."""
+        """The calling OS user, or None when it cannot be told (a remote TCP peer, no ``/proc``, a failed
+        lookup: :attr:`unknown_because`)."""
         if not self._asked:
             self._asked = True
-            self._uid = self._uid_of() if self._uid_of is not None else None
+            try:
+                self._uid = self._uid_of() if self._uid_of is not None else None
+            except OSError as e:
+                self.unknown_because = f"the Manager could not look it up: {e}"
         return self._uid
 
 
@@ -240,24 +248,31 @@ class HandleClaims:
 # ---------------------------------------------------------------------------------------------- peer users
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: a user lookup that failed on the Manager's side: out of descriptors (its own or the system's), no access
+_LOOKUP_FAILED = (errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM, errno.ENOMEM)
 
 
 def socket_uid(sock: socket.socket) -> int | None:
     """The OS user at the other end of a connected socket: ``SO_PEERCRED`` of a Unix socket; for TCP the
     owner of the peer's socket as ``/proc/net/tcp[6]`` lists it (a loopback peer only: a remote host's
-    users are not this host's). None when it cannot be told."""
+    users are not this host's). None when it cannot be told; raises OSError when the lookup failed for want
+    of descriptors or access (not the caller's doing)."""
     try:
         if sock.family == socket.AF_UNIX:
             return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             return tcp_peer_uid(sock.getsockname()[:2], sock.getpeername()[:2])
-    except OSError:
-        return None
+    except OSError as e:
+        if e.errno in _LOOKUP_FAILED:
+            raise
+        return None  # the peer is gone (ENOTCONN)
     return None
 
 
 def tcp_peer_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
-    """Owner of the loopback TCP socket bound to ``remote`` and connected to ``local`` (this end)."""
+    """Owner of the loopback TCP socket bound to ``remote`` and connected to ``local`` (this end). Raises
+    OSError when a table cannot be read for want of descriptors or access (a missing table, as ``tcp6``
+    without IPv6, is skipped)."""
     try:
         if not ipaddress.ip_address(remote[0]).is_loopback and not _mapped_loopback(remote[0]):
             return None
@@ -272,7 +287,7 @@ def tcp_peer_uid(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
                     cols = line.split()
                     if len(cols) > 7 and (cols[1].decode(), cols[2].decode()) in pairs:
                         return int(cols[7])
-        except OSError:
+        except FileNotFoundError:
             continue
     return None
 

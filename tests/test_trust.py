@@ -254,3 +254,46 @@ def test_claims_are_byte_ranges_of_one_memory():
         claims.claim("d", [("tensors[0].handle", pages, 0, 1 << 64)])
     claims.release("a")
     claims.claim("d", [("tensors[0].handle", pages, 0, 1 << 64), ("tensors[1].handle", block, 0, 8192)])
+
+
+LOOKUP_WITHOUT_DESCRIPTORS = """
+import json, os, resource, socket
+from orbitkv_fs.access import Caller, socket_uid
+srv = socket.create_server(("127.0.0.1", 0))
+peer = socket.create_connection(srv.getsockname())
+conn, _ = srv.accept()
+known = socket_uid(conn)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+caller = Caller(uid_of=lambda: socket_uid(conn))
+print(json.dumps({"known": known == os.getuid(), "uid": caller.uid(), "because": caller.unknown_because}))
+"""
+
+
+def test_a_user_lookup_that_fails_for_want_of_descriptors_says_so(tmp_path, shm):
+    """A loopback TCP caller's OS user comes from /proc/net/tcp. A Manager out of descriptors cannot open it:
+    the refusal must name that, not call the caller a remote peer (as it did while a flood of HTTP connections
+    held every descriptor: docs/results/2026-12-05-http-flood)."""
+    from orbitkv_fs.access import Caller
+    from orbitkv_fs.geometry import GeometryError
+    from orbitkv_fs.manager import Manager, ManagerConfig
+
+    out = json.loads(run_python(LOOKUP_WITHOUT_DESCRIPTORS))
+    assert out["known"] is True and out["uid"] is None
+    assert "Too many open files" in out["because"], out
+    pages, reg = _engine(shm, 1)
+    m = Manager(ManagerConfig(pool_size=4 << 20, shm_dir=shm, device="cpu"))
+    try:
+        def no_descriptors() -> int:
+            raise OSError(24, "Too many open files")
+
+        with pytest.raises(GeometryError, match="could not look it up: .*Too many open files"):
+            m.register_engine(reg, caller=Caller(uid_of=no_descriptors))
+    finally:
+        m.close()
+        pages.close()

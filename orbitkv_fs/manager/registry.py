@@ -369,8 +369,9 @@ class Registry:
             owner_uid = caller.uid() if caller is not None else os.getuid()
             if caller is not None and owner_uid is None and any(isinstance(d.handle, HostPagesHandle)
                                                                 for d in reg.tensors):
-                raise GeometryError("tensors", "cannot tell which OS user sent this registration (a remote "
-                                               "TCP peer?): host pages are registered over ipc:// or loopback")
+                why = caller.unknown_because or "a remote TCP peer?"
+                raise GeometryError("tensors", f"cannot tell which OS user sent this registration ({why}): host "
+                                               "pages are registered over ipc:// or loopback")
             if caller is not None:  # before anything is mapped, and again as it is registered
                 with self._lock:
                     self._check_quota(owner_uid, len(reg.tensors))
