@@ -15,6 +15,10 @@ Invariants:
   it never stops the serving thread.
 * With a peer secret, a frame without a valid tag is counted (``unauthenticated``) and never answered or
   acted on; frames over :data:`~orbitkv_fs.peers.protocol.MAX_FRAME_BYTES` are dropped by the socket.
+* A connection that sends nothing -- not even the answer to the socket's heartbeat (ZMTP ``PING``, which
+  every libzmq peer answers by itself) -- is closed after :data:`HEARTBEAT_TIMEOUT_MS`: libzmq bounds
+  neither connections nor idleness, and a process holding connections it completed the handshake of would
+  otherwise keep their descriptors for good (docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ from .stats import ServerCounters
 __all__ = ["PeerServer", "PeerSource"]
 
 log = logging.getLogger(__name__)
+
+#: the peer port's heartbeat: a PING every interval; a connection with no traffic for the timeout is closed
+HEARTBEAT_IVL_MS = 10_000
+HEARTBEAT_TIMEOUT_MS = 30_000
 
 
 @runtime_checkable
@@ -78,6 +86,8 @@ class PeerServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
