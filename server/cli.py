@@ -228,7 +228,7 @@ def _raise_fd_limit(connections: int) -> None:
     """Every data-plane and control-plane connection is a descriptor: lift the soft limit toward the hard one
     so that the connection limits, not EMFILE, are what bite (1024 is a common soft default)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = connections + 1024  # arena, SSD shards, HTTP, peers, the Python runtime
+    want = connections + 1024  # arena, SSD shards, pages files, peers, the Python runtime
     if soft != resource.RLIM_INFINITY and soft < want:
         new = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:

@@ -178,7 +178,9 @@ def limited_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.since = 0.0  # when it connected or last completed a request: displacement's order
-            self._deadline: asyncio.TimerHandle | None = None  # the request's, or a stalled answer's
+            # Two clocks, so that a client's next request cannot stop the one its unread answer runs on.
+            self._request: asyncio.TimerHandle | None = None  # a request not yet received in full
+            self._stall: asyncio.TimerHandle | None = None  # an answer the client is not taking
 
         @property
         def answering(self) -> bool:
@@ -193,44 +195,47 @@ def limited_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
                 transport.close()
                 return
             self.since = self.loop.time()
-            self._arm()
+            self._request = self._timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
             guard.release(self)
-            self._disarm()
+            self._cancel()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._deadline is None and self.conn.their_state is h11.IDLE:  # a new request begins
-                self._arm()
+            if self._request is None and self.conn.their_state is h11.IDLE:  # a new request begins
+                self._request = self._timer()
             super().data_received(data)
-            if self._deadline is not None and self.conn.their_state in _REQUEST_DONE:
-                self._disarm()
+            if self._request is not None and self.conn.their_state in _REQUEST_DONE:
+                self._request.cancel()
+                self._request = None
                 self.since = self.loop.time()
 
         def pause_writing(self) -> None:  # the client is not taking the answer
             super().pause_writing()
-            self._arm()
+            if self._stall is None:
+                self._stall = self._timer()
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._disarm()
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
 
         def abort(self) -> None:
-            self._disarm()
+            self._cancel()
             self.transport.abort()  # even when closing: a close waits on a peer that may never read
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(timeout, self._expire)
+        def _timer(self) -> asyncio.TimerHandle:
+            return self.loop.call_later(timeout, self._expire)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        def _cancel(self) -> None:
+            for t in (self._request, self._stall):
+                if t is not None:
+                    t.cancel()
+            self._request = self._stall = None
 
         def _expire(self) -> None:
-            self._deadline = None
             guard.release(self)
             guard.timed_out()
             self.abort()

@@ -16,7 +16,6 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from orbitkv_fs.client import connect  # noqa: E402
 from orbitkv_fs.keys import chunk_key  # noqa: E402
@@ -25,6 +24,8 @@ from orbitkv_fs.pages import host_engine_pages  # noqa: E402
 from orbitkv_fs.server.app import HttpServer, create_app  # noqa: E402
 from orbitkv_fs.server.auth import AdminToken, InsecureBind  # noqa: E402
 from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier  # noqa: E402
+
+from metrics_text import m1, metrics  # noqa: E402
 
 L, B, T, H, D = 4, 64, 16, 2, 64
 TOKEN = "s3cr3t-admin-token-for-tests-0123"
@@ -81,20 +82,6 @@ def reg_body(descs, **kw) -> dict:
 
 def chunks(n: int, salt: str = "c", per: int = 2, base: int = 0) -> list[ChunkBlocks]:
     return [ChunkBlocks(chunk_key(f"{salt}{i}"), list(range(base + per * i, base + per * (i + 1)))) for i in range(n)]
-
-
-def metrics(http) -> dict[tuple[str, tuple], float]:
-    r = http.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def m1(ms: dict, name: str, **labels) -> float:
-    return ms[(name, tuple(sorted(labels.items())))]
 
 
 def assert_error(r, status: int, code: str) -> dict:

@@ -21,12 +21,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from fastapi import Response  # noqa: E402
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from orbitkv_fs.manager import Manager, ManagerConfig  # noqa: E402
 from orbitkv_fs.server.app import HttpServer, create_app  # noqa: E402
 from orbitkv_fs.server.connections import HttpLimits  # noqa: E402
 
+from metrics_text import m1, metrics  # noqa: E402
 from polling import wait_until  # noqa: E402
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -42,10 +41,10 @@ class Control:
         self.manager = Manager(ManagerConfig(pool_size=4 << 20, shm_dir=SHM, device="cpu"))
         self.app = create_app(self.manager, address="127.0.0.1:0", http_limits=limits)
         self.release = threading.Event()
-        self.holding = 0
+        self.holding: list[int] = []  # one entry per request inside /test/hold (appends are atomic)
 
         def hold() -> dict:
-            self.holding += 1
+            self.holding.append(1)
             self.release.wait(30)
             return {"held": True}
 
@@ -76,10 +75,6 @@ def control(request):
     c = Control(request.param if hasattr(request, "param") else HttpLimits(max_connections=8, request_timeout_s=2.0))
     yield c
     c.close()
-
-
-def sample(text: str, name: str) -> float:
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def status_of_answer(sock: socket.socket) -> int:
@@ -183,7 +178,7 @@ def test_requests_being_answered_are_never_displaced_and_the_next_connection_is_
     askers = [threading.Thread(target=ask) for _ in range(8)]
     for t in askers:
         t.start()
-    assert wait_until(lambda: control.holding == 8)
+    assert wait_until(lambda: len(control.holding) == 8)
     time.sleep(2.5)  # past the request deadline: a request being answered is not timed out either
     late = control.partial(b"")
     answer = b""
@@ -206,6 +201,8 @@ def test_an_answer_the_client_does_not_take_is_cut_off(control):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", control.port))
     s.sendall(b"GET /test/big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    time.sleep(1.0)  # the answer fills the socket; then a next request must not reset the answer's deadline
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert wait_until(lambda: control.stats().request_timeouts_total == 1, timeout=10)
     assert wait_until(lambda: control.stats().connections == 0)
     got = 0
@@ -225,13 +222,13 @@ def test_limits_are_in_the_config_and_the_metrics(control):
     for a in attackers:
         a.close()
     assert control.http.get("/v1/config").json()["http"]["max_connections"] == 8
-    text = control.http.get("/metrics").text
-    assert sample(text, "orbitkv_http_max_connections") == 8
-    assert sample(text, "orbitkv_http_request_timeout_seconds") == 2.0
-    assert sample(text, "orbitkv_http_connections_displaced_total") == control.stats().connections_displaced_total
-    assert sample(text, "orbitkv_http_connections") >= 1  # this scrape's own
+    ms = metrics(control.http)
+    assert m1(ms, "orbitkv_http_max_connections") == 8
+    assert m1(ms, "orbitkv_http_request_timeout_seconds") == 2.0
+    assert m1(ms, "orbitkv_http_connections_displaced_total") == control.stats().connections_displaced_total
+    assert m1(ms, "orbitkv_http_connections") >= 1  # this scrape's own
     for name in ("orbitkv_http_connections_refused_total", "orbitkv_http_request_timeouts_total"):
-        assert sample(text, name) == 0, name
+        assert m1(ms, name) == 0, name
 
 
 def test_limits_refuse_nonsense():
