@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import resource
 import socket
@@ -170,6 +171,7 @@ def main() -> None:
     lines = open(os.path.join(work, "manager.log"), errors="replace").read().splitlines()
     out["manager_log"] = {"lines": len(lines), "bytes": os.path.getsize(os.path.join(work, "manager.log")),
                           "first": [ln[:200] for ln in lines[:3]]}
+    shutil.rmtree(work)  # the arena, the sample engine's pages and the Manager's log (300 MB before)
     json.dump(out, open(out_path, "w"), indent=1)
     print(json.dumps(out, indent=1))
 

@@ -4,7 +4,7 @@ needed) and then say nothing. The Manager's descriptors, ``/healthz`` and an eng
 and its descriptors 35 s later. Same Manager setup as flood.py (PYTHONPATH=PKG).
 
 Usage: PYTHONPATH=PKG python peer_flood.py N OUT.json"""
-import json, os, resource, socket, subprocess, sys, time, urllib.request, tempfile
+import json, os, resource, shutil, socket, subprocess, sys, time, urllib.request, tempfile
 hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 work = tempfile.mkdtemp(dir="/dev/shm", prefix="pf-")
 def fp():
@@ -51,5 +51,6 @@ out["after_35s"] = {"descriptors": len(os.listdir(f"/proc/{m.pid}/fd")), "health
 for s in socks: s.close()
 m.terminate(); m.wait(30); log.close()
 out["manager_log_lines"] = sum(1 for _ in open(os.path.join(work, "m.log")))
+shutil.rmtree(work)  # the arena, the sample engine's pages, the secret and the log
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 print(json.dumps(out))
