@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine is unregistered as by DELETE /v1/engines/{id})")
     g.add_argument("--lease-ttl", type=float, default=300.0, metavar="SECONDS",
                    help="how long a lookup's lease pins its chunks without a restore or release (0: forever)")
+    g.add_argument("--max-leases-per-engine", type=_positive(int), default=ManagerConfig().max_leases_per_engine,
+                   metavar="N", help="lookup leases one engine may hold at once; past it the engine's oldest lease "
+                                     "ends early (default %(default)s)")
+    g.add_argument("--max-leased-chunks-per-engine", type=_positive(int),
+                   default=ManagerConfig().max_leased_chunks_per_engine, metavar="N",
+                   help="chunks one engine's leases may pin at once (about 85 bytes of the Manager's memory each); "
+                        "past it the engine's oldest leases end early, and a lookup over it alone gets no lease "
+                        "(default %(default)s)")
     g.add_argument("--max-engines-per-user", type=_positive(int), default=ManagerConfig().max_engines_per_user,
                    metavar="N", help="engines one OS user may have registered at once (default %(default)s)")
     g.add_argument("--max-tensors-per-user", type=_positive(int), default=ManagerConfig().max_tensors_per_user,
@@ -184,7 +192,9 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
                          eviction=args.eviction,
                          shm_dir=args.shm_dir, reserve_pool=args.reserve_pool, device=args.device,
                          engine_check_interval=args.engine_check_interval,
-                         lease_ttl=args.lease_ttl, max_engines_per_user=args.max_engines_per_user,
+                         lease_ttl=args.lease_ttl, max_leases_per_engine=args.max_leases_per_engine,
+                         max_leased_chunks_per_engine=args.max_leased_chunks_per_engine,
+                         max_engines_per_user=args.max_engines_per_user,
                          max_tensors_per_user=args.max_tensors_per_user,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)
 

@@ -105,6 +105,11 @@ class ManagerCollector(Collector):
                        "tensors (--max-engines-per-user, --max-tensors-per-user)", s.registrations_refused)
         yield _counter("leases_expired", "lookup and peer leases dropped after --lease-ttl without a restore or "
                        "release", s.leases_expired)
+        yield _counter("leases_displaced", "lookup leases ended early because their engine held "
+                       "--max-leases-per-engine leases or --max-leased-chunks-per-engine chunks under them",
+                       s.leases_displaced)
+        yield _counter("leases_refused", "lookups answered without a lease because their run alone was over "
+                       "--max-leased-chunks-per-engine", s.leases_refused)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
         yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],
@@ -154,8 +159,10 @@ class ManagerCollector(Collector):
                        s.decode_failures)
         yield _counter("dropped_segments", "segments neither DRAM nor the lower tier took", s.dropped_segments)
         yield _gauge("reserved_bytes", "arena bytes reserved, not yet published", s.reserved_bytes)
-        yield _gauge("leases_active", "leases held", s.leases_active)
-        yield _gauge("leased_bytes", "bytes under lease", s.leased_bytes)
+        yield _gauge("leases_active", "lookup and peer leases handed out and not ended", s.leases_active)
+        yield _gauge("pinned_chunks", "chunks pinned in DRAM by lookup leases", s.pinned_chunks)
+        yield _gauge("leased_bytes", "bytes of segments leased one by one (restores in progress, peers); lookup "
+                     "pins are in orbitkv_pinned_chunks", s.leased_bytes)
         yield _gauge("workspace_bytes", "codec workspace in use", s.workspace_bytes)
         # The GPU codec engine's own workspace and batches (zero without a GPU engine).
         yield _gauge("gpu_codec_workspace_bytes", "device workspace the GPU codec engine retains",

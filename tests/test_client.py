@@ -111,7 +111,8 @@ def test_two_engine_processes_against_one_manager_process(server):
     c = RemoteClient(endpoint)
     st = c.stats()
     assert st.evictions > 0  # 3 MiB pool, 2 x 4 rounds x 512 KiB saved
-    assert (st.reserved_bytes, st.leases_active, st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0)
+    assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+            st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0, 0, 0)
     assert st.engines == 0 and st.restore_requests == 8
     c.close()
     # SIGTERM: a clean exit that removes the arena file.
@@ -177,7 +178,8 @@ def test_embedded_mode_same_flow():
         c = connect(m)
         exercise(c, 5)
         st = c.stats()
-        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.workspace_bytes) == (0, 0, 0, 0, 0)
 
 
 def test_remote_client_times_out_without_server(tmp_path):

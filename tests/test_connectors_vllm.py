@@ -842,7 +842,8 @@ def test_many_steps_of_loads_saves_and_misses_leave_no_reservations(tmp_path) ->
                     assert all(kv.holds(base + j, float(10 * i + j)) for j in range(3))
                 sched.request_finished(r, [])
         st = m.stats()
-        assert (st.leases_active, st.reserved_bytes, st.inflight_requests) == (0, 0, 0)
+        assert (st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.reserved_bytes, st.inflight_requests) == (0, 0, 0, 0, 0)
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -37,7 +37,8 @@ def test_an_abandoned_lease_expires():
             assert m.stats().leases_active > 0
             assert wait_until(lambda: m.stats().leases_expired == 1)
             st = m.stats()
-            assert (st.leases_active, st.reserved_bytes) == (0, 0)
+            assert (st.leases_active, st.pinned_chunks, st.leased_bytes, st.reserved_bytes) == (0, 0, 0, 0)
+            assert (m._engines[e.engine_id].leases, m._engines[e.engine_id].leased_chunks) == ({}, 0)  # its books
             with pytest.raises(LeaseError):  # an expired lease of another engine is still not yours
                 m.restore(other.engine_id, chunks, lease_id=abandoned.lease_id)
             res = m.restore(e.engine_id, chunks, lease_id=abandoned.lease_id)  # late, but served

@@ -60,8 +60,8 @@ def chunks_for(n: int, per: int = 2, base: int = 0, salt: str = "c"):
 
 def assert_reservations_zero(m: Manager) -> None:
     st = m.stats()
-    assert (st.reserved_bytes, st.leases_active, st.leased_bytes, st.workspace_bytes, st.inflight_requests) == \
-        (0, 0, 0, 0, 0)
+    assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes, st.workspace_bytes,
+            st.inflight_requests) == (0, 0, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8", "turboquant-4", "turboquant-3"])

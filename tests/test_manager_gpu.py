@@ -99,7 +99,8 @@ def test_cuda_ipc_engine_round_trip(codec, engine):
         res = m.restore(e.engine_id, chunks, lease_id=lk.lease_id)
         assert all(res.restored), res.misses
         st = m.stats()
-        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.workspace_bytes) == (0, 0, 0, 0, 0)
         cmd.put("read")
         got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
     assert_restored(got, np.frombuffer(original, dtype=np.uint16), codec)
@@ -150,7 +151,8 @@ def test_restored_pages_are_in_place_when_restore_answers(codec, engine):
             cmd.put("read_now")
             assert reply.get(timeout=60) == ref
         st = m.stats()
-        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.workspace_bytes) == (0, 0, 0, 0, 0)
         # GPU pages: every segment, exact ones included, goes through the GPU engine both ways
         restores = 6
         assert st.gpu_segments["save"] + st.gpu_cpu_fallbacks["save"] == nseg
@@ -241,7 +243,8 @@ def test_corrupt_headers_are_misses_and_a_wrong_size_fails_on_gpu_pages(codec, e
         keep = [b for i, ch in enumerate(chunks) if i not in (5, 9) for b in ch.blocks]
         assert_restored(got[:, keep], saved[:, keep], codec)
         st = m.stats()
-        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.workspace_bytes) == (0, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("codec", ["none", "ans", "fp8", "turboquant-4"])
@@ -264,7 +267,8 @@ def test_shuffled_blocks_over_pipelined_batches(codec, engine):
         cmd.put("read_now")  # restore answered: the engine reads at once
         got = np.frombuffer(reply.get(timeout=60), dtype=np.uint16)
         st = m.stats()
-        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
+        assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                st.workspace_bytes) == (0, 0, 0, 0, 0)
         counters = m._gpu_codecs.stats()
         assert counters["save_batches"] >= 12 and counters["restore_batches"] >= 12
         moved = sum(len(c.blocks) for c in chunks if _run_of(c.blocks) is None) * 2 * L  # runs need no copy

@@ -79,7 +79,7 @@ def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monk
             info = m.get_engine(engine_id)
             assert info.watched and info.registration.pid == proc.pid
             st = m.stats()
-            assert st.engines == 1 and st.leases_active == 4  # the lookup pinned its 4 chunks
+            assert (st.engines, st.leases_active, st.pinned_chunks) == (1, 1, 4)  # the lookup pinned its 4 chunks
             assert mapped(path)
             time.sleep(3 * INTERVAL)  # alive: the watcher leaves it alone
             assert m.stats().engines == 1
@@ -96,8 +96,8 @@ def test_killed_engine_is_unregistered_and_its_resources_released(tmp_path, monk
                 m.get_engine(engine_id)
             st = m.stats()
             assert st.engines_reaped == 1
-            assert (st.engines, st.reserved_bytes, st.leases_active, st.leased_bytes, st.workspace_bytes,
-                    st.inflight_requests) == (0, 0, 0, 0, 0, 0)
+            assert (st.engines, st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes,
+                    st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0, 0, 0, 0)
             assert st.resident_objects["dram"] == 16  # cached objects belong to the namespace: they stay
             assert not mapped(path)
             # The engine died before it could remove its staging file (64 MiB of /dev/shm for a vLLM worker):

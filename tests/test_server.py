@@ -417,7 +417,8 @@ def test_metrics_move_with_work(stack):
     assert m1(after, "orbitkv_resident_bytes", tier="dram", representation="raw") > 0
     assert m1(after, "orbitkv_pool_used_bytes") > 0
     assert (m1(after, "orbitkv_reserved_bytes"), m1(after, "orbitkv_workspace_bytes"),
-            m1(after, "orbitkv_leases_active")) == (0, 0, 0)
+            m1(after, "orbitkv_leases_active"), m1(after, "orbitkv_pinned_chunks"),
+            m1(after, "orbitkv_leased_bytes")) == (0, 0, 0, 0, 0)
     assert m1(after, "orbitkv_ssd_write_bytes_total") == 0
     # Demote to SSD, read back from SSD: SSD counters and lower-tier hits move.
     stack.http.post("/v1/admin/flush-dram")
@@ -554,7 +555,8 @@ def test_concurrent_registrations_and_invalidations_during_saves_and_restores(st
     assert [e["engine_id"] for e in stack.http.get("/v1/engines").json()["engines"]] == ["busy"]
     assert stack.http.delete("/v1/engines/busy").status_code == 204
     st = stack.manager.stats()
-    assert (st.reserved_bytes, st.leases_active, st.workspace_bytes, st.inflight_requests) == (0, 0, 0, 0)
+    assert (st.reserved_bytes, st.leases_active, st.pinned_chunks, st.leased_bytes, st.workspace_bytes,
+            st.inflight_requests) == (0, 0, 0, 0, 0, 0)
 
 
 def test_racing_registrations_of_one_pages_file_admit_exactly_one(stack):

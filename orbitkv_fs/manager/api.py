@@ -89,6 +89,12 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     engine_check_interval: float = 1.0
     #: Seconds a lookup's (or a peer's) lease lives unless a restore or release ends it first. 0: forever.
     lease_ttl: float = 300.0
+    #: Leases one engine may hold at once, and chunks pinned under them (a lookup's lease pins the run it
+    #: found). A lease past either bound displaces the engine's oldest leases, which end as if expired (a
+    #: restore under one still runs, on a hold of its own); a lookup whose run alone is over the chunk bound
+    #: is answered without a lease. Each pinned chunk costs the Manager about 85 bytes.
+    max_leases_per_engine: int = 1024
+    max_leased_chunks_per_engine: int = 65536
     #: Engines, and tensors across them, that one OS user may have registered at once (registrations from
     #: another process: the data plane, the HTTP plane). Each registered tensor costs the Manager about 1.6 KB
     #: (an 8,192-tensor registration 12.8 MiB). In-process registrations (embedded mode) are not counted.
@@ -251,8 +257,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     decode_failures: int  # segments that failed validation or decode (served as misses)
     dropped_segments: int
     reserved_bytes: int  # arena bytes reserved, not yet published
-    leases_active: int
-    leased_bytes: int
+    leases_active: int  # lookup and peer leases handed out and not ended
+    leased_bytes: int  # bytes of segments leased one by one (restores in progress, peers); pins: pinned_chunks
     workspace_bytes: int
     inflight_requests: int
     lower: dict[str, float] = {}  # the lower tier's own stats()
@@ -282,6 +288,13 @@ class ManagerStats(msgspec.Struct, frozen=True):
     pages_files_reclaimed: int = 0
     registrations_refused: int = 0  # over an OS user's quota of engines or tensors
     leases_expired: int = 0
+    #: Leases ended early because their engine took more than ``max_leases_per_engine`` leases or
+    #: ``max_leased_chunks_per_engine`` chunks under them (oldest first), and lookups answered without a lease
+    #: because their run alone was over the chunk bound.
+    leases_displaced: int = 0
+    leases_refused: int = 0
+    #: Chunks pinned by lookup leases now (each chunk once, however many leases pin it).
+    pinned_chunks: int = 0
     #: The cuFile direct path (an SSD tier with ``--ssd-backend cufile`` under the GPU codec engine):
     #: segments saves wrote from device memory straight to the SSD, and segments restores read from the
     #: SSD into device memory and decoded there (the rest go through DRAM and io_uring writeback).

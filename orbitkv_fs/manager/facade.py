@@ -63,6 +63,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
             raise ValueError("batch_segments must be >= 1")
         if config.max_engines_per_user < 1 or config.max_tensors_per_user < 1:
             raise ValueError("max_engines_per_user and max_tensors_per_user must be >= 1")
+        if config.max_leases_per_engine < 1 or config.max_leased_chunks_per_engine < 1:
+            raise ValueError("max_leases_per_engine and max_leased_chunks_per_engine must be >= 1")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -106,7 +108,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         # or the first lease that can expire
         self._housekeeper: threading.Thread | None = None
         self._housekeeper_stop = threading.Event()
-        # recently expired lease ids -> engine id: a late restore naming one still runs, without the lease
+        # recently expired or displaced lease ids -> engine id: a late restore naming one still runs, without
+        # the lease
         self._expired: collections.OrderedDict[int, str | None] = collections.OrderedDict()
         self._reclaim_pages()  # those of engines killed while no Manager was there to reap them
         self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL_S

@@ -1,14 +1,18 @@
 """Leases: what keeps DRAM extents from being evicted or overwritten while someone reads them.
 
 Primitives: :class:`_Lease` (pinned chunks and leased (slot, generation) entries, one by one or as arrays),
-:meth:`Leases._hand_out` (an id and an expiry), :meth:`~Leases.release`, :meth:`~Leases._drop_lease`,
+:meth:`Leases._hand_out` (an id and an expiry), :meth:`~Leases._hand_out_to` (a lookup's lease, within its
+engine's bounds), :meth:`~Leases.release`, :meth:`~Leases._drop_lease`, :meth:`~Leases._forget_lease`,
 :meth:`~Leases._lease_dram` (a request's DRAM extents under one hold: views, or :class:`Spans`, their places
 as arrays in the request's key order), :meth:`~Leases._expire_leases` (the housekeeping round).
 
-State owned: ``_leases``, ``_lease_ids``, ``_expired`` (recently expired ids, so a late restore under one
-is served). Invariants: an extent under a lease is never freed, evicted or overwritten; every lease is
-dropped exactly once (release, the restore that consumes it, expiry, unregister or close); a caller
-releases only its own engine's leases.
+State owned: ``_leases``, ``_lease_ids``, ``_expired`` (recently expired or displaced ids, so a late restore
+under one is served), each engine's ``leases`` (id -> chunks pinned, oldest first) and ``leased_chunks``.
+Invariants: an extent under a lease is never freed, evicted or overwritten; every lease is dropped exactly
+once (release, the restore that consumes it, expiry, displacement, unregister or close); a caller releases
+only its own engine's leases; an engine holds at most ``max_leases_per_engine`` leases and
+``max_leased_chunks_per_engine`` chunks under them, so a process that looks up without end and never
+releases costs bounded memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from ..access import Caller, authorize
 from .api import LeaseError, UnknownEngine
+from .registry import _Engine
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -103,6 +108,63 @@ class Leases:
         self._leases[lease_id] = lease
         return lease_id
 
+    def _hand_out_to(self, eng: _Engine, lease: _Lease) -> int:
+        """Hand a lookup's ``lease`` (its pinned chunks) to ``eng`` within the engine's bounds: its oldest
+        leases end first where the new one would pass ``max_leases_per_engine`` or
+        ``max_leased_chunks_per_engine`` (remembered as expired: a restore under one still runs). A lease
+        over the chunk bound by itself is not handed out: its pins are dropped and the answer is 0."""
+        c = self._config
+        size = len(lease.chunks)
+        displaced: list[_Lease] = []
+        lease_id = 0
+        with self._lock:
+            if size <= c.max_leased_chunks_per_engine:
+                while eng.leases and (len(eng.leases) >= c.max_leases_per_engine
+                                      or eng.leased_chunks + size > c.max_leased_chunks_per_engine):
+                    oldest = next(iter(eng.leases))
+                    self._forget_lease(eng, oldest)
+                    old = self._leases.pop(oldest, None)
+                    if old is not None:
+                        self._remember_ended(oldest, eng.info.engine_id)
+                        displaced.append(old)
+                lease_id = self._hand_out(lease)
+                eng.leases[lease_id] = size
+                eng.leased_chunks += size
+        if not lease_id:
+            displaced.append(lease)
+        for old in displaced:
+            self._drop_lease(old)
+        if not lease_id:
+            self._add(leases_refused=1)
+            log.warning("engine %r looked up a run of %d chunks, over --max-leased-chunks-per-engine %d: answered "
+                        "without a lease", eng.info.engine_id, size, c.max_leased_chunks_per_engine)
+        elif displaced:
+            self._add(leases_displaced=len(displaced))
+            self._warn_displaced(eng)
+        return lease_id
+
+    def _warn_displaced(self, eng: _Engine) -> None:
+        """At most one line per engine and 10 s: a process that never releases would otherwise log per call."""
+        now = time.monotonic()
+        if now - eng.displace_warned < 10.0:
+            return
+        eng.displace_warned = now
+        c = self._config
+        log.warning("engine %r holds %d leases or %d chunks under them (--max-leases-per-engine, "
+                    "--max-leased-chunks-per-engine): its oldest leases end early; it should restore or release "
+                    "what it looks up", eng.info.engine_id, c.max_leases_per_engine, c.max_leased_chunks_per_engine)
+
+    @staticmethod
+    def _forget_lease(eng: _Engine, lease_id: int) -> None:
+        """Take ``lease_id`` off its engine's books (called with ``_lock`` held; an id not there is ignored)."""
+        eng.leased_chunks -= eng.leases.pop(lease_id, 0)
+
+    def _remember_ended(self, lease_id: int, engine_id: str | None) -> None:
+        """Keep an ended lease's id for a while, so that a late restore under it is served (``_lock`` held)."""
+        self._expired[lease_id] = engine_id
+        while len(self._expired) > _EXPIRED_IDS_KEPT:
+            self._expired.popitem(last=False)
+
     def _expire_leases(self) -> None:
         """Drop every lease past its expiry (the housekeeping thread's round)."""
         now = time.monotonic()
@@ -110,12 +172,10 @@ class Leases:
             expired = [(i, lease) for i, lease in self._leases.items() if lease.expires <= now]
             for i, lease in expired:
                 del self._leases[i]
-                self._expired[i] = lease.engine_id
-                while len(self._expired) > _EXPIRED_IDS_KEPT:
-                    self._expired.popitem(last=False)
+                self._remember_ended(i, lease.engine_id)
                 eng = self._engines.get(lease.engine_id) if lease.engine_id else None
                 if eng is not None:
-                    eng.leases.discard(i)
+                    self._forget_lease(eng, i)
         for _, lease in expired:
             self._drop_lease(lease)
         if expired:
@@ -142,7 +202,7 @@ class Leases:
                 raise LeaseError(f"unknown lease {lease_id}")
             eng = self._engines.get(lease.engine_id) if lease.engine_id else None
             if eng is not None:
-                eng.leases.discard(lease_id)
+                self._forget_lease(eng, lease_id)
         self._drop_lease(lease)
 
     def _drop_lease(self, lease: _Lease) -> None:

@@ -59,11 +59,7 @@ class Lookup:
                     n_peer = max(0, min(len(chunks) - count, self.peers.lookup_prefix(eng.ns, chunks[count:], layers)))
                 except Exception as e:  # a peer failure is a miss, never a failed lookup
                     log.warning("peer lookup failed: %s", e)
-            lease_id = 0
-            if pin.chunks:
-                with self._lock:
-                    lease_id = self._hand_out(pin)
-                    eng.leases.add(lease_id)
+            lease_id = self._hand_out_to(eng, pin) if pin.chunks else 0
             with self._stat_lock:  # not _add: its keyword loop costs more than the counting
                 self._c["lookups"] += 1
                 self._c["lookup_chunks_hit"] += count + n_peer

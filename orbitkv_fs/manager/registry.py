@@ -210,7 +210,9 @@ class _Engine:
         self.watch = watch
         self.inflight = 0
         self.closing = False
-        self.leases: set[int] = set()
+        self.leases: dict[int, int] = {}  # lookup lease id -> chunks it pins, oldest first (.leases)
+        self.leased_chunks = 0  # their sum
+        self.displace_warned = -1e9  # when a displacement of its leases was last logged (monotonic)
 
 
 class _ProcessWatch:

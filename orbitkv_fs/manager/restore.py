@@ -324,7 +324,7 @@ class RestorePipeline:
             if consume:
                 with self._lock:
                     lease = self._leases.pop(consume, None)
-                    eng.leases.discard(consume)
+                    self._forget_lease(eng, consume)
                 if lease is not None:
                     self._drop_lease(lease)
             self._exit(eng)

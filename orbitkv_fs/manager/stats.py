@@ -22,8 +22,8 @@ _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_lo
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
              "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "pages_files_reclaimed",
-             "registrations_refused",
-             "leases_expired", "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
+             "registrations_refused", "leases_expired", "leases_displaced", "leases_refused", "ssd_direct_writes",
+             "ssd_direct_reads", "restore_gpu_wait_seconds")
 
 
 class Counters:
@@ -71,7 +71,7 @@ class Counters:
             evictions, evicted, demoted = dram.evictions, dram.evicted_bytes, dram.demoted
             pf_hits, pf_wasted = dram.prefetch_hits, dram.prefetch_wasted
             reserved = dram.reserved_bytes
-            leases = dram.leases_active + dram.pins_active
+            pinned = len(dram.chunk_pins)
             leased = dram.leased_bytes
         lower_stats: dict[str, float] = {}
         gpu = self._gpu_codecs.stats() if self._gpu_codecs is not None else {}
@@ -86,6 +86,7 @@ class Counters:
         with self._lock:
             engines = sum(1 for e in self._engines.values() if not e.closing)
             inflight = self._inflight
+            leases = len(self._leases)
         with self._stat_lock:
             c = dict(self._c)
             return ManagerStats(
@@ -115,7 +116,9 @@ class Counters:
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
                 pages_files_reclaimed=int(c["pages_files_reclaimed"]),
                 registrations_refused=int(c["registrations_refused"]),
-                leases_expired=int(c["leases_expired"]), ssd_direct_writes=int(c["ssd_direct_writes"]),
+                leases_expired=int(c["leases_expired"]),
+                leases_displaced=int(c["leases_displaced"]), leases_refused=int(c["leases_refused"]),
+                pinned_chunks=pinned, ssd_direct_writes=int(c["ssd_direct_writes"]),
                 ssd_direct_reads=int(c["ssd_direct_reads"]),
                 host_cpu_seconds={k: v[0] for k, v in self._cpu_stages.items()},
                 host_cpu_segments={k: v[1] for k, v in self._cpu_stages.items()})

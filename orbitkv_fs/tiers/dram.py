@@ -270,7 +270,6 @@ class DramTier:
         self.reserved_bytes = 0
         # namespace + chunk -> lookup leases pinning it; a Counter: update() counts a list at C speed.
         self.chunk_pins: collections.Counter[bytes] = collections.Counter()
-        self.pins_active = 0
         self.leases_active = 0  # lease references held on objects
         self.leased_bytes = 0
         self.evictions = 0
@@ -561,7 +560,6 @@ class DramTier:
         one dict entry per chunk, not one lease per segment."""
         with self.lock:
             self.chunk_pins.update(ns_chunks)
-            self.pins_active += len(ns_chunks)
 
     def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
         pins = self.chunk_pins
@@ -572,7 +570,6 @@ class DramTier:
                 n = pop(c)
                 if n > 1:
                     pins[c] = n - 1
-            self.pins_active -= len(ns_chunks)
 
     def leading_complete(self, ns_chunks: Sequence[bytes], nseg: int, *, pin: bool) -> int:
         """How many leading chunks have all ``nseg`` segments published; with ``pin`` they are pinned
@@ -586,7 +583,6 @@ class DramTier:
                 n += 1
             if pin and n:
                 self.chunk_pins.update(ns_chunks if n == len(ns_chunks) else ns_chunks[:n])
-                self.pins_active += n
         return n
 
     def _pinned(self, slot: int) -> bool:
