@@ -57,7 +57,7 @@ text 'The sample engine registers itself over the data plane (the client API: `c
 answers the credential; the engine keeps it next to its pages for its later commands) and saves four chunks
 of two blocks (`save`); then the same id again, or another id over its pages:'
 run 'orbitkv-sample-engine save --codec fp8'
-SAMPLE_CREDENTIAL=$(cat /dev/shm/orbitkv-pages-sample-tp0.credential)
+SAMPLE_CREDENTIAL=$(head -1 /dev/shm/orbitkv-pages-sample-tp0.credential)  # its first line; the second is the codec
 run 'curl -s -X POST -H "$AUTH" http://127.0.0.1:9091/v1/engines -H "Content-Type: application/json" -d @register.json -w "\n%{http_code}\n"'
 run "jq '.engine_id = \"sample-tp1\"' register.json | curl -s -X POST -H \"\$AUTH\" http://127.0.0.1:9091/v1/engines -H 'Content-Type: application/json' -d @- -w '\n%{http_code}\n'"
 

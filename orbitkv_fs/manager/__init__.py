@@ -33,7 +33,9 @@ the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
 * data path: :meth:`~Manager.lookup` (leading run of present chunks, under a lease),
   :meth:`~Manager.save`, :meth:`~Manager.restore`, :meth:`~Manager.release`. A lease that neither a
   restore nor a release ends within ``lease_ttl`` seconds (its engine timed out and never came back for it)
-  expires: the housekeeping thread drops it, so its extents can be evicted again (``leases_expired``).
+  expires: the housekeeping thread drops it, so its extents can be evicted again (``leases_expired``). An
+  engine holds at most ``max_leases_per_engine`` leases and ``max_leased_chunks_per_engine`` chunks under them;
+  a lease past either ends its oldest first in the same way (``leases_displaced``).
 * admin: :meth:`~Manager.invalidate`, :meth:`~Manager.stats` (:class:`ManagerStats`, what metrics are built
   from), :meth:`~Manager.flush_dram`, :meth:`~Manager.list_objects`, :meth:`~Manager.config`.
 

@@ -119,8 +119,9 @@ class RestorePipeline:
                 with self._lock:
                     lease = self._leases.get(lease_id)
                     late = lease is None and self._expired.get(lease_id, 0) == engine_id
-                if late:  # its lease expired: the restore takes its own hold below; evicted chunks miss
-                    log.warning("engine %r restores under lease %d, which expired", engine_id, lease_id)
+                if late:  # its lease ended: the restore takes its own hold below; evicted chunks miss
+                    log.warning("engine %r restores under lease %d, which ended (expired, or displaced by its "
+                                "newer leases)", engine_id, lease_id)
                 elif lease is None or lease.engine_id != engine_id:
                     raise LeaseError(f"lease {lease_id} is not held by engine {engine_id!r}")
                 else:
