@@ -22,7 +22,9 @@ lies about its tensors is refused with :class:`PagesError`), and bounded before 
 its creator's for as long as the creator lives (:func:`~orbitkv_fs.shmfiles.create_owned`: its flock), so a
 creator killed with SIGKILL leaves nothing that :func:`reclaim_stale_pages` cannot remove; its memory is
 allocated when it is made, so a directory too small for it refuses it
-(:class:`~orbitkv_fs.shmfiles.ShmSpaceError`) instead of a later write dying of SIGBUS.
+(:class:`~orbitkv_fs.shmfiles.ShmSpaceError`) instead of a later write dying of SIGBUS. A file opened
+``guarded`` (the Manager's mapping of an engine's file, which its owner may shrink at any time) is guarded from
+before its header is read until it is unmapped (:mod:`~orbitkv_fs.mapguard`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from typing import Annotated, Sequence
 
 import msgspec
@@ -37,6 +40,7 @@ import numpy as np
 
 from .errors import OrbitKVError
 from .geometry import MAX_TENSORS, Dims, HostPagesHandle, TensorDesc, parse_dtype
+from .mapguard import Guard, guard as guard_mapping
 from .shmfiles import create_owned, reclaim_stale, size_file
 
 #: One page block of a GPU gather or scatter (the codec engine's block-copy kernel, ``struct BlockCopy``
@@ -80,11 +84,15 @@ _TABLE = msgspec.msgpack.Decoder(Annotated[list[PageTensor], msgspec.Meta(max_le
 class HostPages:
     """An engine pages file mapped read-write."""
 
-    def __init__(self, path: str, mm: mmap.mmap, table: list[PageTensor], owner: bool, lock: int = -1) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, table: list[PageTensor], owner: bool, lock: int = -1,
+                 guard: Guard | None = None) -> None:
         self.path = path
         self._lock = lock  # the descriptor holding the file's flock (create_owned), -1 for none
         self._mm = mm
         self._buf = np.frombuffer(mm, dtype=np.uint8)
+        #: Where the file is another process's (the Manager's mapping of an engine's file): faults past its end,
+        #: should the owner shrink it, are survived and counted here (:mod:`orbitkv_fs.mapguard`).
+        self.guard = guard
         self.tensors = {t.name: t for t in table}
         self._by_offset = {t.offset: t for t in table}
         self._owner = owner
@@ -135,10 +143,12 @@ class HostPages:
         return cls(path, mm, table, owner=True, lock=lock)
 
     @classmethod
-    def open(cls, path: str, *, fd: int | None = None) -> "HostPages":
+    def open(cls, path: str, *, fd: int | None = None, guarded: bool = False) -> "HostPages":
         """Map an existing file read-write, validating its table. ``fd`` (closed here) is the file already
         opened and checked by the caller (:func:`orbitkv_fs.access.open_pages_file`): what is mapped is
-        then exactly what was checked, whatever ``path`` names by now."""
+        then exactly what was checked, whatever ``path`` names by now. ``guarded``: the file is another
+        process's, which may shrink it while it is mapped; the mapping is guarded from the start
+        (:attr:`guard`), before its header is read."""
         if fd is None:
             try:
                 # O_NOFOLLOW: a symlink swapped in after the caller's checks must not redirect the mapping.
@@ -152,7 +162,12 @@ class HostPages:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        guard = None
         try:
+            if guarded:
+                view = np.frombuffer(mm, dtype=np.uint8)
+                guard = guard_mapping(view.ctypes.data, size)
+                del view
             magic, version, n = _HDR.unpack(mm[: _HDR.size])
             if magic != MAGIC or version != VERSION or _HDR.size + n > size:
                 raise PagesError(f"{path!r} is not an engine pages file (v{VERSION})")
@@ -173,8 +188,10 @@ class HostPages:
                     raise PagesError(f"{path!r}: tensor {t.name!r} extends past the end of the file")
         except BaseException:
             mm.close()
+            if guard is not None:
+                guard.release()
             raise
-        return cls(path, mm, table, owner=False)
+        return cls(path, mm, table, owner=False, guard=guard)
 
     def array(self, name: str) -> np.ndarray:
         """Writable view of tensor ``name``."""
@@ -208,8 +225,12 @@ class HostPages:
         self._buf = None  # type: ignore[assignment]
         try:
             self._mm.close()
-        except BufferError:
-            pass  # views still alive elsewhere: the mapping goes when they do
+        except BufferError:  # views still alive elsewhere: the mapping (and its guard) goes when they do
+            if self.guard is not None:
+                weakref.finalize(self._mm, self.guard.release)
+        else:
+            if self.guard is not None:
+                self.guard.release()
         if unlink if unlink is not None else self._owner:
             try:
                 os.unlink(self.path)

@@ -103,6 +103,8 @@ class ManagerCollector(Collector):
                        "processes that the Manager removed from its shared-memory directory", s.pages_files_reclaimed)
         yield _counter("registrations_refused", "registrations refused over their OS user's quota of engines or "
                        "tensors (--max-engines-per-user, --max-tensors-per-user)", s.registrations_refused)
+        yield _counter("engines_pages_lost", "engines whose pages file shrank under the Manager's mapping (its "
+                       "owner truncated it); their calls are refused until they register again", s.pages_lost)
         yield _counter("leases_expired", "lookup and peer leases dropped after --lease-ttl without a restore or "
                        "release", s.leases_expired)
         yield _counter("leases_displaced", "lookup leases ended early because their engine held "

@@ -83,6 +83,15 @@ def run_python(program: str, *args: str, timeout: float = 120.0) -> str:
     return p.stdout
 
 
+def sample_engine_round_trip(endpoint: str, shm_dir: str) -> None:
+    """``orbitkv-sample-engine`` saves its four chunks over the data plane at ``endpoint`` and restores them
+    byte for byte: a bystander engine still served after an attack."""
+    for op in ("save", "restore"):
+        out = run_python("import sys; from orbitkv_fs.tools.sample_engine import main; sys.exit(main(sys.argv[1:]))",
+                         op, "--codec", "none", "--data-plane", endpoint, "--shm-dir", shm_dir)
+        assert ("identical to what was saved" if op == "restore" else "saved 4 chunks") in out, out
+
+
 def peer_closed(s) -> bool:
     """True when the other end closed socket ``s`` (after reading whatever it had sent before); False when
     it is open (``s``'s timeout, or non-blocking with nothing to read)."""

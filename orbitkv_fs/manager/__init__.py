@@ -129,6 +129,7 @@ from .api import (
     SaveResult,
     TierCounts,
     TooManyEngines,
+    PagesLost,
     UnknownEngine,
 )
 from .facade import Manager
@@ -165,5 +166,6 @@ __all__ = [
     "TensorDesc",
     "TierCounts",
     "TooManyEngines",
+    "PagesLost",
     "UnknownEngine",
 ]

@@ -44,6 +44,12 @@ class TooManyEngines(OrbitKVError):
     unregister one of its engines first."""
 
 
+class PagesLost(OrbitKVError):
+    """The engine's pages file shrank under the Manager's mapping (its owner truncated it): what the call read
+    or wrote past the file's new end is lost, nothing the call read was published, and the engine's calls are
+    refused until it is unregistered and registers again over whole pages."""
+
+
 class LeaseError(OrbitKVError, KeyError):
     """Unknown or already released lease id."""
 
@@ -287,6 +293,8 @@ class ManagerStats(msgspec.Struct, frozen=True):
     #: ``RECLAIM_INTERVAL_S`` while its housekeeping runs).
     pages_files_reclaimed: int = 0
     registrations_refused: int = 0  # over an OS user's quota of engines or tensors
+    #: Engines whose pages file shrank while the Manager had it mapped (their calls are refused since).
+    pages_lost: int = 0
     leases_expired: int = 0
     #: Leases ended early because their engine took more than ``max_leases_per_engine`` leases or
     #: ``max_leased_chunks_per_engine`` chunks under them (oldest first), and lookups answered without a lease

@@ -209,6 +209,7 @@ class HostPath:
                         p = o + HEADER_SIZE
                         seg.gather_into(blocks, buf[p:p + n].view(seg.dtype).reshape((len(blocks),) + seg.block_shape))
                         pcrc[r] = crc(mv[p:p + n])
+            self._check_pages(eng)  # the pages shrank under the copies: they read zeros, which are not kept
             live = off >= 0
             if placed or live.any():
                 tid = tids if placed else tids[live]
@@ -272,8 +273,9 @@ class HostPath:
         if not placed:  # no room in DRAM: one at a time, as before
             for r in np.flatnonzero(off < 0).tolist():
                 ch, seg = chunks[sci[r]], segs[ssi[r]]
-                self._demote_direct(rows.keys[order[r]], raw_segment(_gather_host(seg, ch.blocks), role=seg.role,
-                                                                     layer=seg.layer, reason=seg.raw_reason), acc)
+                blob = raw_segment(_gather_host(seg, ch.blocks), role=seg.role, layer=seg.layer, reason=seg.raw_reason)
+                self._check_pages(eng)
+                self._demote_direct(rows.keys[order[r]], blob, acc)
         c2 = time.thread_time()
         self._cpu("save_encode", c1 - c0, k)
         self._cpu("save_publish", c2 - c1, k)

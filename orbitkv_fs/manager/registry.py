@@ -54,7 +54,8 @@ from ..namespace import namespace_v2
 from ..pages import HostPages, PagesError, import_cuda_tensor, reclaim_stale_pages
 from ..segment import Format, RawReason, Role, SegmentHeader, dtype_code, header_row
 from ..tiers.dram import arena_dir
-from .api import ChunkBlocks, EngineBusy, EngineInfo, RequestError, SKIP_BLOCK, TooManyEngines, UnknownEngine
+from .api import (ChunkBlocks, EngineBusy, EngineInfo, PagesLost, RequestError, SKIP_BLOCK, TooManyEngines,
+                  UnknownEngine)
 from .batching import _coded_bound
 from .device import _BLOCKS, _array_module, _geometry, _rows_of, _run_of, _to_host
 
@@ -207,6 +208,9 @@ class _Engine:
         self.codecs = frozenset(s.codec_name for s in segs)  # its segments' codecs (batching._flights)
         self.num_blocks = num_blocks
         self.imports = imports  # closed on unregister (the watch too, when there is one)
+        # Guards of the engine's pages files (host pages): faults past a file's end mean its owner shrank it.
+        self.guards = [p.guard for p in imports if isinstance(p, HostPages) and p.guard is not None]
+        self.lost = ""  # why the engine's calls are refused (its pages shrank), once they are
         self.watch = watch
         self.inflight = 0
         self.closing = False
@@ -320,9 +324,26 @@ class Registry:
                 raise UnknownEngine(f"no engine {engine_id!r} is registered")
             if caller is not None:
                 authorize(engine_id, eng.secret, eng.owner_uid, eng.reg.lookup_by_user, caller, lookup=lookup)
+            if eng.lost:
+                raise PagesLost(eng.lost)
             eng.inflight += 1
             self._inflight += 1
             return eng
+
+    def _check_pages(self, eng: _Engine) -> None:
+        """Raise :class:`PagesLost` when the engine's pages file shrank under the Manager's mapping since it was
+        registered (a fault past its end, survived by :mod:`orbitkv_fs.mapguard`): what was read there is
+        zeros, not the engine's KV, and must not be published. The engine's later calls are refused too."""
+        if not eng.guards or not any(g.faults for g in eng.guards):
+            return
+        if not eng.lost:
+            pages = sum(g.faults for g in eng.guards)
+            eng.lost = (f"engine {eng.info.engine_id!r}: its pages file shrank while the Manager had it mapped "
+                        f"({pages} pages past its end were touched): nothing read from it was kept; unregister "
+                        f"the engine and register it again over whole pages")
+            log.warning("%s", eng.lost)
+            self._add(pages_lost=1)
+        raise PagesLost(eng.lost)
 
     def authenticate(self, engine_id: str, caller: Caller, *, lookup: bool = False) -> None:
         """Check that ``caller`` may act for ``engine_id`` (``lookup``: a lease-free lookup) without starting a
@@ -456,7 +477,7 @@ class Registry:
                         os.close(fd)
                         raise GeometryError(f"{at}.handle.path", "names the Manager's own arena file")
                     try:
-                        pages = HostPages.open(h.path, fd=fd)
+                        pages = HostPages.open(h.path, fd=fd, guarded=True)
                     except PagesError as e:
                         raise GeometryError(f"{at}.handle.path", str(e)) from None
                     pages.identity = ident

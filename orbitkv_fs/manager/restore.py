@@ -314,6 +314,7 @@ class RestorePipeline:
             self._cpu("restore", time.thread_time() - c0, nkeys)
             self._add(restore_requests=1, restore_logical_bytes=logical, restore_stored_bytes=stored,
                       restore_seconds=dt)
+            self._check_pages(eng)  # pages that shrank under the writes: what went past their end is lost
             return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,
                                  segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
         except BaseException:

@@ -462,6 +462,7 @@ class SavePipeline:
         used_off = used_len = np.zeros(0, np.int64)  # arena extents of the batch's regions, published in place
         published = False
         try:
+            self._check_pages(eng)  # host pages that shrank under the gather: zeros were encoded, not the engine's KV
             all_keys = sb.rows.keys
             for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
                 self._admit_copy(all_keys[j], blobs[j], int(original[j]), int(fmt[j]), acc)

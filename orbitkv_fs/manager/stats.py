@@ -22,8 +22,8 @@ _COUNTERS = ("misses", "lookups", "lookup_chunks_hit", "save_requests", "save_lo
              "save_seconds", "restore_requests", "restore_logical_bytes", "restore_stored_bytes",
              "restore_seconds", "codec_batches", "encode_seconds", "decode_seconds", "decode_failures",
              "dropped_segments", "prefetch_segments", "prefetch_bytes", "engines_reaped", "pages_files_reclaimed",
-             "registrations_refused", "leases_expired", "leases_displaced", "leases_refused", "ssd_direct_writes",
-             "ssd_direct_reads", "restore_gpu_wait_seconds")
+             "registrations_refused", "pages_lost", "leases_expired", "leases_displaced", "leases_refused",
+             "ssd_direct_writes", "ssd_direct_reads", "restore_gpu_wait_seconds")
 
 
 class Counters:
@@ -115,7 +115,7 @@ class Counters:
                 prefetch_segments=int(c["prefetch_segments"]), prefetch_bytes=int(c["prefetch_bytes"]),
                 prefetch_hits=pf_hits, prefetch_wasted=pf_wasted, engines_reaped=int(c["engines_reaped"]),
                 pages_files_reclaimed=int(c["pages_files_reclaimed"]),
-                registrations_refused=int(c["registrations_refused"]),
+                registrations_refused=int(c["registrations_refused"]), pages_lost=int(c["pages_lost"]),
                 leases_expired=int(c["leases_expired"]),
                 leases_displaced=int(c["leases_displaced"]), leases_refused=int(c["leases_refused"]),
                 pinned_chunks=pinned, ssd_direct_writes=int(c["ssd_direct_writes"]),

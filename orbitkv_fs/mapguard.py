@@ -1,0 +1,139 @@
+"""Mappings of files another process owns, guarded against that process shrinking them (SIGBUS).
+
+An engine's pages file belongs to the engine's OS user, which may truncate it at any time, with any
+descriptor it holds open for writing: nothing in Linux stops it short of a sealed memfd, which would need the
+descriptor passed over a Unix socket. A read or write of the Manager's mapping past the file's new end then
+raises SIGBUS, whose default action ends the Manager, and every engine's cache with it: one ``ftruncate`` from
+any local user that may register. The fault cannot be caught in Python: the interpreter's own handler returns
+to the faulting instruction, which faults again.
+
+So a SIGBUS handler of our own, compiled by numba (no C compiler needed) and installed with ``sigaction``
+through ctypes, handles faults inside the ranges registered here: it maps a private zero page over the faulting
+page (``mmap(MAP_FIXED | MAP_ANONYMOUS)``), counts the fault against its range, and returns, so the faulting
+copy completes, with zeros read or its writes discarded. Faults anywhere else go to the handler that was there
+before (Python's ``faulthandler``, or the default action) exactly as without this module.
+
+Primitives: :func:`guard` (a range, and its fault count: :attr:`Guard.faults`), :meth:`Guard.release`.
+Callers check :attr:`Guard.faults` after each use of the mapping and treat anything read or written while it
+grew as lost. Invariants: the handler touches only pages of ranges guarded now; a released range's slot is
+cleared before its mapping is unmapped; at most :data:`MAX_GUARDS` ranges are guarded at once (a registration
+maps at most 8 pages files, and one OS user at most 256 engines).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import signal
+import threading
+
+import numba
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: Ranges guarded at once, all engines together.
+MAX_GUARDS = 4096
+_PAGE = mmap.PAGESIZE
+_SA_SIGINFO = 4
+_SIGACTION_BYTES = 152  # glibc's struct sigaction on 64-bit Linux: handler, 128-byte mask, flags, restorer
+_MAP_FIXED, _MAP_PRIVATE, _MAP_ANONYMOUS = 0x10, 0x02, 0x20
+
+# Guard table, read by the handler: per slot (start, end, faults); start 0 = free. Never reallocated, so the
+# handler may hold its address as a constant.
+_table = np.zeros((MAX_GUARDS, 3), dtype=np.int64)
+_previous = (ctypes.c_char * _SIGACTION_BYTES)()  # the action the handler passes foreign faults back to
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
+_sigaction = _libc.sigaction
+_sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+_sigaction.restype = ctypes.c_int
+_lock = threading.Lock()
+_handler = None
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An int64 as a ``void *`` (the table's and the saved action's addresses, fixed for the process)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(types.int64), codegen
+
+
+def _compile():
+    table_address, previous_address = _table.ctypes.data, ctypes.addressof(_previous)
+    sigbus, page = int(signal.SIGBUS), _PAGE
+    mapping = _MAP_FIXED | _MAP_PRIVATE | _MAP_ANONYMOUS
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+
+    @numba.cfunc(types.void(types.int32, types.voidptr, types.voidptr), nopython=True)
+    def handler(signum, info, context):
+        # siginfo_t: si_signo, si_errno, si_code (ints), padding, then si_addr at byte 16 on 64-bit Linux
+        address = numba.carray(info, 3, dtype=np.int64)[2]
+        table = numba.carray(_pointer(table_address), (MAX_GUARDS, 3), dtype=np.int64)
+        for i in range(MAX_GUARDS):
+            if table[i, 0] != 0 and table[i, 0] <= address < table[i, 1]:
+                _mmap(_pointer(address - address % page), page, rw, mapping, -1, 0)
+                table[i, 2] += 1
+                return
+        # Not ours: the previous action takes over when the faulting instruction runs again.
+        _sigaction(sigbus, _pointer(previous_address), _pointer(0))
+
+    return handler
+
+
+def _install() -> None:
+    """Make the handler SIGBUS's action, unless it is already (someone may have installed theirs since:
+    ``faulthandler.enable``); the action found is the one foreign faults go back to. Called with ``_lock``."""
+    global _handler
+    if _handler is None:
+        _handler = _compile()
+    current = (ctypes.c_char * _SIGACTION_BYTES)()
+    if _sigaction(signal.SIGBUS, None, current) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction(SIGBUS) could not be read")
+    if ctypes.c_void_p.from_buffer(current).value == _handler.address:
+        return
+    action = (ctypes.c_char * _SIGACTION_BYTES)()
+    ctypes.c_void_p.from_buffer(action).value = _handler.address
+    ctypes.c_int.from_buffer(action, 8 + 128).value = _SA_SIGINFO
+    ctypes.memmove(_previous, current, _SIGACTION_BYTES)
+    if _sigaction(signal.SIGBUS, action, None) != 0:
+        raise OSError(ctypes.get_errno(), "sigaction(SIGBUS) could not be set")
+
+
+class Guard:
+    """One guarded range: faults inside it are survived and counted."""
+
+    __slots__ = ("slot", "start", "end")
+
+    def __init__(self, slot: int, start: int, end: int) -> None:
+        self.slot, self.start, self.end = slot, start, end
+
+    @property
+    def faults(self) -> int:
+        """Faults inside the range since it was guarded (nonzero: the file shrank under the mapping)."""
+        return int(_table[self.slot, 2]) if self.slot >= 0 else 0
+
+    def release(self) -> None:
+        """Stop guarding the range (before it is unmapped)."""
+        if self.slot >= 0:
+            with _lock:
+                _table[self.slot] = 0
+            self.slot = -1
+
+
+def guard(address: int, length: int) -> Guard:
+    """Guard ``length`` bytes of a mapping at ``address``. Raises ``OverflowError`` when :data:`MAX_GUARDS`
+    ranges are guarded already."""
+    with _lock:
+        _install()
+        free = np.flatnonzero(_table[:, 0] == 0)
+        if not len(free):
+            raise OverflowError(f"{MAX_GUARDS} mappings are guarded already")
+        slot = int(free[0])
+        _table[slot, 1:] = address + length, 0
+        _table[slot, 0] = address  # last: the handler reads a slot as live from its start
+    return Guard(slot, address, address + length)
