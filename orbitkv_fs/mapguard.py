@@ -27,11 +27,7 @@ import mmap
 import signal
 import threading
 
-import numba
 import numpy as np
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 #: Ranges guarded at once, all engines together.
 MAX_GUARDS = 4096
@@ -55,15 +51,21 @@ _lock = threading.Lock()
 _handler = None
 
 
-@intrinsic
-def _pointer(typingctx, address):
-    """An int64 as a ``void *`` (the table's and the saved action's addresses, fixed for the process)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-    return types.voidptr(types.int64), codegen
-
-
 def _compile():
+    """The handler, compiled (about 0.5 s; numba is imported here, not with the module: engines import the
+    pages module and never guard anything)."""
+    import numba
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _pointer(typingctx, address):
+        """An int64 as a ``void *`` (the table's and the saved action's addresses, fixed for the process)."""
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+        return types.voidptr(types.int64), codegen
+
     table_address, previous_address = _table.ctypes.data, ctypes.addressof(_previous)
     sigbus, page = int(signal.SIGBUS), _PAGE
     mapping = _MAP_FIXED | _MAP_PRIVATE | _MAP_ANONYMOUS
