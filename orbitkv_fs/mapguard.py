@@ -23,8 +23,10 @@ maps at most 8 pages files, and one OS user at most 256 engines).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import signal
+import sys
 import threading
 
 import numpy as np
@@ -49,6 +51,8 @@ _sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 _sigaction.restype = ctypes.c_int
 _lock = threading.Lock()
 _handler = None
+_unavailable = ""  # why the handler could not be installed, once it could not
+log = logging.getLogger("orbitkv_fs.mapguard")
 
 
 def _compile():
@@ -129,9 +133,22 @@ class Guard:
 
 def guard(address: int, length: int) -> Guard:
     """Guard ``length`` bytes of a mapping at ``address``. Raises ``OverflowError`` when :data:`MAX_GUARDS`
-    ranges are guarded already."""
+    ranges are guarded already. Where the handler cannot be had (not Linux, numba failing to compile it) the
+    answer guards nothing (its :attr:`~Guard.faults` stay 0), and that is logged once: the mapping is as
+    exposed as it was before this module."""
+    global _unavailable
     with _lock:
-        _install()
+        if _unavailable:
+            return Guard(-1, address, address + length)
+        try:
+            if not sys.platform.startswith("linux"):
+                raise OSError("the handler is written for Linux's siginfo_t and glibc's struct sigaction")
+            _install()
+        except Exception as e:  # noqa: BLE001 - any failure leaves the mapping as it was before guards
+            _unavailable = f"{type(e).__name__}: {e}"
+            log.warning("mappings of engines' pages files are not guarded (%s): an engine that shrinks its pages "
+                        "file ends this process with SIGBUS", _unavailable)
+            return Guard(-1, address, address + length)
         free = np.flatnonzero(_table[:, 0] == 0)
         if not len(free):
             raise OverflowError(f"{MAX_GUARDS} mappings are guarded already")
