@@ -136,23 +136,23 @@ class Leases:
             self._drop_lease(old)
         if not lease_id:
             self._add(leases_refused=1)
-            log.warning("engine %r looked up a run of %d chunks, over --max-leased-chunks-per-engine %d: answered "
-                        "without a lease", eng.info.engine_id, size, c.max_leased_chunks_per_engine)
+            self._warn_bounds(eng, f"looked up a run of {size} chunks, over --max-leased-chunks-per-engine "
+                                   f"{c.max_leased_chunks_per_engine}: answered without a lease")
         elif displaced:
             self._add(leases_displaced=len(displaced))
-            self._warn_displaced(eng)
+            self._warn_bounds(eng, f"holds {c.max_leases_per_engine} leases or {c.max_leased_chunks_per_engine} "
+                                   "chunks under them (--max-leases-per-engine, --max-leased-chunks-per-engine): "
+                                   "its oldest leases end early; it should restore or release what it looks up")
         return lease_id
 
-    def _warn_displaced(self, eng: _Engine) -> None:
+    @staticmethod
+    def _warn_bounds(eng: _Engine, what: str) -> None:
         """At most one line per engine and 10 s: a process that never releases would otherwise log per call."""
         now = time.monotonic()
         if now - eng.displace_warned < 10.0:
             return
         eng.displace_warned = now
-        c = self._config
-        log.warning("engine %r holds %d leases or %d chunks under them (--max-leases-per-engine, "
-                    "--max-leased-chunks-per-engine): its oldest leases end early; it should restore or release "
-                    "what it looks up", eng.info.engine_id, c.max_leases_per_engine, c.max_leased_chunks_per_engine)
+        log.warning("engine %r %s", eng.info.engine_id, what)
 
     @staticmethod
     def _forget_lease(eng: _Engine, lease_id: int) -> None:
