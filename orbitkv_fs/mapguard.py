@@ -17,7 +17,7 @@ Primitives: :func:`guard` (a range, and its fault count: :attr:`Guard.faults`), 
 Callers check :attr:`Guard.faults` after each use of the mapping and treat anything read or written while it
 grew as lost. Invariants: the handler touches only pages of ranges guarded now; a released range's slot is
 cleared before its mapping is unmapped; at most :data:`MAX_GUARDS` ranges are guarded at once (a registration
-maps at most 8 pages files, and one OS user at most 256 engines).
+maps at most 8 pages files, and one OS user at most 256 engines; past the bound a registration is refused).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import threading
 
 import numpy as np
 
-#: Ranges guarded at once, all engines together.
-MAX_GUARDS = 4096
+#: Ranges guarded at once, all engines together: as many as the kernel lets a process map by default
+#: (``vm.max_map_count``, 65,530). The handler looks only at the slots up to the highest ever taken.
+MAX_GUARDS = 65536
 _PAGE = mmap.PAGESIZE
 _SA_SIGINFO = 4
 _SIGACTION_BYTES = 152  # glibc's struct sigaction on 64-bit Linux: handler, 128-byte mask, flags, restorer
@@ -41,6 +42,7 @@ _MAP_FIXED, _MAP_PRIVATE, _MAP_ANONYMOUS = 0x10, 0x02, 0x20
 # Guard table, read by the handler: per slot (start, end, faults); start 0 = free. Never reallocated, so the
 # handler may hold its address as a constant.
 _table = np.zeros((MAX_GUARDS, 3), dtype=np.int64)
+_high = np.zeros(1, dtype=np.int64)  # 1 + the highest slot ever taken: the handler's scan stops there
 _previous = (ctypes.c_char * _SIGACTION_BYTES)()  # the action the handler passes foreign faults back to
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -70,7 +72,8 @@ def _compile():
             return builder.inttoptr(args[0], cgutils.voidptr_t)
         return types.voidptr(types.int64), codegen
 
-    table_address, previous_address = _table.ctypes.data, ctypes.addressof(_previous)
+    table_address, high_address = _table.ctypes.data, _high.ctypes.data
+    previous_address = ctypes.addressof(_previous)
     sigbus, page = int(signal.SIGBUS), _PAGE
     mapping = _MAP_FIXED | _MAP_PRIVATE | _MAP_ANONYMOUS
     rw = mmap.PROT_READ | mmap.PROT_WRITE
@@ -80,7 +83,7 @@ def _compile():
         # siginfo_t: si_signo, si_errno, si_code (ints), padding, then si_addr at byte 16 on 64-bit Linux
         address = numba.carray(info, 3, dtype=np.int64)[2]
         table = numba.carray(_pointer(table_address), (MAX_GUARDS, 3), dtype=np.int64)
-        for i in range(MAX_GUARDS):
+        for i in range(numba.carray(_pointer(high_address), 1, dtype=np.int64)[0]):
             if table[i, 0] != 0 and table[i, 0] <= address < table[i, 1]:
                 _mmap(_pointer(address - address % page), page, rw, mapping, -1, 0)
                 table[i, 2] += 1
@@ -149,10 +152,12 @@ def guard(address: int, length: int) -> Guard:
             log.warning("mappings of engines' pages files are not guarded (%s): an engine that shrinks its pages "
                         "file ends this process with SIGBUS", _unavailable)
             return Guard(-1, address, address + length)
-        free = np.flatnonzero(_table[:, 0] == 0)
-        if not len(free):
+        high = int(_high[0])
+        free = np.flatnonzero(_table[:high, 0] == 0)
+        slot = int(free[0]) if len(free) else high
+        if slot >= MAX_GUARDS:
             raise OverflowError(f"{MAX_GUARDS} mappings are guarded already")
-        slot = int(free[0])
         _table[slot, 1:] = address + length, 0
-        _table[slot, 0] = address  # last: the handler reads a slot as live from its start
+        _table[slot, 0] = address  # then the start: the handler reads a slot as live from it
+        _high[0] = max(int(_high[0]), slot + 1)  # last: the slot is whole when the scan reaches it
     return Guard(slot, address, address + length)

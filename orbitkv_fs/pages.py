@@ -166,8 +166,12 @@ class HostPages:
         try:
             if guarded:
                 view = np.frombuffer(mm, dtype=np.uint8)
-                guard = guard_mapping(view.ctypes.data, size)
-                del view
+                try:
+                    guard = guard_mapping(view.ctypes.data, size)
+                except OverflowError as e:
+                    raise PagesError(f"{path!r} cannot be mapped: {e}") from None
+                finally:
+                    del view
             magic, version, n = _HDR.unpack(mm[: _HDR.size])
             if magic != MAGIC or version != VERSION or _HDR.size + n > size:
                 raise PagesError(f"{path!r} is not an engine pages file (v{VERSION})")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from orbitkv_fs import mapguard
+from orbitkv_fs.pages import HostPages, PagesError
 from manager_process import ManagerProcess, run_python, sample_engine_round_trip
 
 
@@ -94,16 +95,21 @@ def test_a_fault_outside_every_guarded_range_still_ends_the_process(tmp_path, ha
         assert "Bus error" in p.stderr
 
 
-def test_guards_are_bounded_and_their_slots_come_back():
+def test_guards_are_bounded_and_their_slots_come_back(tmp_path):
+    """Past the bound a pages file is refused (a registration names it), not mapped unguarded."""
+    pages = HostPages.create([("t", [4, 16], "bfloat16", "kv")], path=str(tmp_path / "pages"))
     held = [mapguard.guard(4096 * (i + 1), 4096) for i in range(mapguard.MAX_GUARDS - _live_guards())]
     try:
         with pytest.raises(OverflowError):
             mapguard.guard(1 << 40, 4096)
+        with pytest.raises(PagesError, match="guarded already"):
+            HostPages.open(pages.path, guarded=True)
         held.pop().release()
         mapguard.guard(1 << 40, 4096).release()
     finally:
         for g in held:
             g.release()
+        pages.close()
 
 
 def _live_guards() -> int:
