@@ -114,6 +114,9 @@ class ManagerCollector(Collector):
                        "--max-leased-chunks-per-engine", s.leases_refused)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
+        yield _gauge("pool_private_bytes", "DRAM pool bytes the shm directory could not back when first written "
+                     "(--no-reserve-pool, the directory full): private memory of the Manager since",
+                     s.pool_private_bytes)
         yield _gauge("resident_objects", "cached objects per tier", labels=["tier"],
                      rows={(t,): n for t, n in s.resident_objects.items()})
         # Every known label value is exported (0 until it happens), so rates and alerts see the series.

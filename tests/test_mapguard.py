@@ -7,6 +7,7 @@ anywhere else still ends the process as before."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -128,8 +129,9 @@ SAVE_FROM_SHRUNK = """
         pages = StagingPages(num_layers=2, slots=64, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16",
                              directory=sys.argv[2])
         pages.key(0)[...] = 1
+        base = live()  # the arena's own, not reserved here
         e = m.register_engine(pages.registration(model="m", engine_kind="test", codec=sys.argv[1]))
-        print("guards", live())
+        print("guards", live() - base)
         first = [ChunkBlocks(chunk_key(f"c{i}"), [i]) for i in range(2)]
         m.save(e.engine_id, first)
         before = m.stats()
@@ -151,7 +153,7 @@ SAVE_FROM_SHRUNK = """
         try:
             m.lookup(e.engine_id, [first[0].key])
         except UnknownEngine:
-            print("unregistered; guards", live())
+            print("unregistered; guards", live() - base)
         pages.close()
 """
 
@@ -212,3 +214,66 @@ def test_a_process_that_truncates_its_pages_under_the_manager_does_not_end_it(tm
             assert r.status == 200
     finally:
         assert mgr.stop() == 0, mgr.log
+
+
+ARENA_UNBACKED = """
+    import os, sys
+    import numpy as np
+    from orbitkv_fs.connectors.common import StagingPages
+    from orbitkv_fs.keys import chunk_key
+    from orbitkv_fs.manager import ChunkBlocks, Manager, ManagerConfig
+    shm, how = sys.argv[1], sys.argv[2]
+    with Manager(ManagerConfig(pool_size=16 << 20, device="cpu", engine_check_interval=0, shm_dir=shm,
+                               reserve_pool=False)) as m:
+        pages = StagingPages(num_layers=2, slots=64, block_size=16, num_heads=2, head_dim=64, dtype="bfloat16",
+                             directory=shm)
+        rng = np.random.default_rng(0)
+        for layer in range(2):
+            pages.key(layer)[...] = rng.standard_normal(pages.key(layer).shape).astype(pages.key(layer).dtype)
+            pages.value(layer)[...] = rng.standard_normal(pages.value(layer).shape).astype(pages.value(layer).dtype)
+        e = m.register_engine(pages.registration(model="m", engine_kind="test"))
+        chunks = [ChunkBlocks(chunk_key(f"c{i}"), [i]) for i in range(32)]
+        m.save(e.engine_id, chunks[:1])
+        if how == "fill":  # another process's file takes what the directory has left
+            with open(os.path.join(shm, "filler"), "wb") as f:
+                try:
+                    while True:
+                        f.write(b"x" * (1 << 20))
+                except OSError:
+                    pass
+        else:  # the arena's backing gone under its mapping, as a full directory leaves it for new pages
+            os.truncate(m.dram.arena.path, 0)
+        kept = [pages.key(layer)[:32].copy() for layer in range(2)]
+        m.save(e.engine_id, chunks)
+        for layer in range(2):
+            pages.key(layer)[...] = 0
+        r = m.restore(e.engine_id, chunks[1:])
+        same = all(np.array_equal(pages.key(layer)[1:32], kept[layer][1:]) for layer in range(2))
+        # the first chunk's pages were written before: kept by a full directory, gone with a truncated file
+        # (read as zeros, which fail their CRC: a miss, never served)
+        first = m.restore(e.engine_id, chunks[:1]).restored[0]
+        print(all(r.restored), same, m.stats().pool_private_bytes > 0, first)
+        m.unregister_engine(e.engine_id)
+        pages.close()
+"""
+
+
+def test_an_arena_whose_directory_cannot_back_it_takes_private_pages_instead_of_dying(tmp_path):
+    """``reserve_pool`` off: the pool's pages come with their first writes, and a directory that has nothing
+    left then (here: the arena file truncated under its mapping) raised SIGBUS in the Manager. Those pages are
+    private memory of the Manager now; saves and restores go on byte for byte, and the stats say how much."""
+    assert _in_child(ARENA_UNBACKED, str(tmp_path), "truncate").split() == ["True", "True", "True", "False"]
+
+
+def test_a_full_tmpfs_under_an_unreserved_arena(tmp_path):
+    """The same with a real full tmpfs: another process's file takes what a 32 MiB tmpfs has left after the
+    Manager started with a 16 MiB pool it did not reserve (needs root, for the mount)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (and a mount namespace that allows it)")
+    try:
+        assert _in_child(ARENA_UNBACKED, str(mnt), "fill").split() == ["True", "True", "True", "True"]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -295,6 +295,9 @@ class ManagerStats(msgspec.Struct, frozen=True):
     registrations_refused: int = 0  # over an OS user's quota of engines or tensors
     #: Engines whose pages file shrank while the Manager had it mapped (their calls are refused since).
     pages_lost: int = 0
+    #: Pool bytes its directory could not back when they were first written (``reserve_pool`` off and the
+    #: tmpfs full): private memory of the Manager since, instead of the arena file's.
+    pool_private_bytes: int = 0
     leases_expired: int = 0
     #: Leases ended early because their engine took more than ``max_leases_per_engine`` leases or
     #: ``max_leased_chunks_per_engine`` chunks under them (oldest first), and lookups answered without a lease

@@ -99,6 +99,7 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         self._cpu_stages: dict[str, list] = {}  # stage -> [host CPU seconds, segments]
         self._inflight = 0
         self._closed = False
+        self._private_warned = False  # the pool's directory filled up under it (Counters.stats says so once)
         # Prefix memory for prefetch: namespace + chunk -> the chunks that followed it in a save or
         # lookup (up to ssd_prefetch_chunks of them), least recently recorded first.
         self._succ: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()

@@ -11,8 +11,12 @@ consistent snapshot of them (DRAM's own figures under the tier's lock).
 
 from __future__ import annotations
 
+import logging
+
 from .api import ManagerStats
 from .verify import _REP_NAMES
+
+log = logging.getLogger("orbitkv_fs.manager")
 
 _DURATIONS = {"save_seconds": "save", "restore_seconds": "restore", "encode_seconds": "encode",
               "decode_seconds": "decode"}
@@ -73,6 +77,12 @@ class Counters:
             reserved = dram.reserved_bytes
             pinned = len(dram.chunk_pins)
             leased = dram.leased_bytes
+        private = dram.arena.private_bytes
+        if private and not self._private_warned:
+            self._private_warned = True
+            log.warning("the pool's directory %s filled up (another process's files?): %d bytes of the pool are "
+                        "private memory of the Manager now, not the arena file's; --reserve-pool allocates the "
+                        "pool at start", self._config.shm_dir, private)
         lower_stats: dict[str, float] = {}
         gpu = self._gpu_codecs.stats() if self._gpu_codecs is not None else {}
 
@@ -90,7 +100,7 @@ class Counters:
         with self._stat_lock:
             c = dict(self._c)
             return ManagerStats(
-                engines=engines, pool_capacity_bytes=dram.capacity, pool_used_bytes=used,
+                engines=engines, pool_capacity_bytes=dram.capacity, pool_used_bytes=used, pool_private_bytes=private,
                 resident_objects=res_objects, resident_bytes=res_bytes, resident_logical_bytes=logical,
                 hits=dict(self._hits), misses=int(c["misses"]), lookups=int(c["lookups"]),
                 lookup_chunks_hit=int(c["lookup_chunks_hit"]), evictions=evictions, evicted_bytes=evicted,

@@ -43,6 +43,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from bisect import bisect_right
 from itertools import accumulate, compress
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -51,6 +52,7 @@ import numpy as np
 
 from ..index import HIDDEN, ObjectIndex
 from ..keys import ObjectKey, page_of_chunks
+from ..mapguard import guard as guard_mapping
 from ..shmfiles import create_owned, reclaim_stale
 from .eviction import make_policy
 
@@ -180,7 +182,9 @@ class Arena:
     later, and its first writes map pages that exist: on a 2-core VM a 47 MB copy into a fresh file took
     15 ms against 29 ms faulting new pages in, for 0.26 s a GiB at start:
     docs/results/2026-12-05-arena-reserve); without it the directory's free space is checked against the pool
-    and pages come with the first writes.
+    and pages come with the first writes. Any local user may fill a world-writable ``/dev/shm`` after that
+    check, so an arena not reserved is guarded (:mod:`orbitkv_fs.mapguard`): a write the directory cannot back
+    gets a private page of the Manager's memory instead of SIGBUS (:attr:`private_bytes` counts them).
     """
 
     def __init__(self, size: int, *, shm_dir: str = "/dev/shm", pin: bool = True, reserve: bool = False) -> None:
@@ -200,7 +204,14 @@ class Arena:
         self.size = size
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.base_address = int(self.buf.ctypes.data)
+        self.guard = None if reserve else guard_mapping(self.base_address, size)
         self.pinned = pin and _host_register(self.base_address, size)
+
+    @property
+    def private_bytes(self) -> int:
+        """Bytes of the arena its directory could not back (written after the tmpfs filled up): private memory
+        of the Manager since, instead of the file's."""
+        return 0 if self.guard is None else self.guard.faults * mmap.PAGESIZE
 
     def close(self) -> None:
         if self.pinned:
@@ -211,8 +222,12 @@ class Arena:
         self.buf = None  # type: ignore[assignment]
         try:
             self._mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with it
+        except BufferError:  # a caller still holds a view; the mapping (and its guard) goes with it
+            if self.guard is not None:
+                weakref.finalize(self._mm, self.guard.release)
+        else:
+            if self.guard is not None:
+                self.guard.release()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
