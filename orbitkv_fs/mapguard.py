@@ -47,7 +47,7 @@ _previous = (ctypes.c_char * _SIGACTION_BYTES)()  # the action the handler passe
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_mmap.restype = ctypes.c_void_p
+_mmap.restype = ctypes.c_ssize_t  # an address, or -1 (MAP_FAILED): compared as an integer in the handler
 _sigaction = _libc.sigaction
 _sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 _sigaction.restype = ctypes.c_int
@@ -85,9 +85,10 @@ def _compile():
         table = numba.carray(_pointer(table_address), (MAX_GUARDS, 3), dtype=np.int64)
         for i in range(numba.carray(_pointer(high_address), 1, dtype=np.int64)[0]):
             if table[i, 0] != 0 and table[i, 0] <= address < table[i, 1]:
-                _mmap(_pointer(address - address % page), page, rw, mapping, -1, 0)
-                table[i, 2] += 1
-                return
+                if _mmap(_pointer(address - address % page), page, rw, mapping, -1, 0) != -1:
+                    table[i, 2] += 1
+                    return
+                break  # no page to be had (out of memory): faulting again would spin, so fall through
         # Not ours: the previous action takes over when the faulting instruction runs again.
         _sigaction(sigbus, _pointer(previous_address), _pointer(0))
 
