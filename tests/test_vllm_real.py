@@ -28,6 +28,7 @@ prompts asked twice, the connector restoring what vLLM evicted through a staging
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -47,6 +48,36 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CHUNK = 256
 NEW_TOKENS = 24
+
+
+def _unmapped_vllm_segments(since: float) -> list[str]:
+    """vLLM's shared-memory broadcast buffers (``/dev/shm/psm_*``, Python's ``multiprocessing.shared_memory``)
+    made since ``since`` that no process maps any more. A worker that vLLM's shutdown force-kills cannot unlink
+    its own: the CPU build left 400 MB there a server, and repeated runs filled ``/dev/shm``."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit("/", 1)[-1] for line in maps.read_text().splitlines() if "/dev/shm/psm_" in line)
+        except OSError:  # a process gone, or not ours to read
+            continue
+    out = []
+    for path in Path("/dev/shm").glob("psm_*"):
+        try:
+            if path.stat().st_ctime >= since and path.name not in mapped:
+                out.append(str(path))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_segments_left():
+    """Remove what vLLM's killed processes left in ``/dev/shm`` during the test (nothing a live process maps)."""
+    since = time.time() - 1.0
+    yield
+    for path in _unmapped_vllm_segments(since):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _free_port() -> int:
