@@ -13,10 +13,11 @@ page (``mmap(MAP_FIXED | MAP_ANONYMOUS)``), counts the fault against its range, 
 copy completes, with zeros read or its writes discarded. Faults anywhere else go to the handler that was there
 before (Python's ``faulthandler``, or the default action) exactly as without this module.
 
-Primitives: :func:`guard` (a range, and its fault count: :attr:`Guard.faults`), :meth:`Guard.release`.
-Callers check :attr:`Guard.faults` after each use of the mapping and treat anything read or written while it
-grew as lost. Invariants: the handler touches only pages of ranges guarded now; a released range's slot is
-cleared before its mapping is unmapped; at most :data:`MAX_GUARDS` ranges are guarded at once (a registration
+Primitives: :func:`guard` (a range, and its fault count: :attr:`Guard.faults`), :meth:`Guard.release`,
+:func:`unmap` (a guarded mapping closed, its guard released with it). Callers check :attr:`Guard.faults` after
+each use of the mapping and treat anything read or written while it grew as lost. Invariants: the handler
+touches only pages of ranges guarded now; a range stays guarded as long as its mapping exists (released once
+it is unmapped, or when the last view of it goes); at most :data:`MAX_GUARDS` ranges are guarded at once (a registration
 maps at most 8 pages files, and one OS user at most 256 engines; past the bound a registration is refused).
 """
 
@@ -28,6 +29,7 @@ import mmap
 import signal
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -162,3 +164,16 @@ def guard(address: int, length: int) -> Guard:
         _table[slot, 0] = address  # then the start: the handler reads a slot as live from it
         _high[0] = max(int(_high[0]), slot + 1)  # last: the slot is whole when the scan reaches it
     return Guard(slot, address, address + length)
+
+
+def unmap(mm: mmap.mmap, guard: Guard | None) -> None:
+    """Close ``mm`` and release its ``guard`` (None: it has none). Where views of it are still alive elsewhere,
+    the mapping stays until they go, and so does the guard."""
+    try:
+        mm.close()
+    except BufferError:
+        if guard is not None:
+            weakref.finalize(mm, guard.release)
+        return
+    if guard is not None:
+        guard.release()

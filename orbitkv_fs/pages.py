@@ -32,7 +32,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import weakref
 from typing import Annotated, Sequence
 
 import msgspec
@@ -40,7 +39,7 @@ import numpy as np
 
 from .errors import OrbitKVError
 from .geometry import MAX_TENSORS, Dims, HostPagesHandle, TensorDesc, parse_dtype
-from .mapguard import Guard, guard as guard_mapping
+from .mapguard import Guard, guard as guard_mapping, unmap
 from .shmfiles import create_owned, reclaim_stale, size_file
 
 #: One page block of a GPU gather or scatter (the codec engine's block-copy kernel, ``struct BlockCopy``
@@ -227,14 +226,7 @@ class HostPages:
         """Unmap; unlink the file when this object created it (or when ``unlink``). A file ``create`` named
         itself and kept here with ``unlink=False`` is no longer locked: :func:`reclaim_stale_pages` may take it."""
         self._buf = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # views still alive elsewhere: the mapping (and its guard) goes when they do
-            if self.guard is not None:
-                weakref.finalize(self._mm, self.guard.release)
-        else:
-            if self.guard is not None:
-                self.guard.release()
+        unmap(self._mm, self.guard)  # views still alive elsewhere: the mapping (and its guard) goes when they do
         if unlink if unlink is not None else self._owner:
             try:
                 os.unlink(self.path)

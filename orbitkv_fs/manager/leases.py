@@ -130,11 +130,10 @@ class Leases:
                 lease_id = self._hand_out(lease)
                 eng.leases[lease_id] = size
                 eng.leased_chunks += size
-        if not lease_id:
-            displaced.append(lease)
         for old in displaced:
             self._drop_lease(old)
-        if not lease_id:
+        if not lease_id:  # over the bound by itself: its pins go, and the lookup is answered without a lease
+            self._drop_lease(lease)
             self._add(leases_refused=1)
             self._warn_bounds(eng, f"looked up a run of {size} chunks, over --max-leased-chunks-per-engine "
                                    f"{c.max_leased_chunks_per_engine}: answered without a lease")

@@ -336,11 +336,13 @@ class Registry:
         zeros, not the engine's KV, and must not be published. The engine's later calls are refused too."""
         if not eng.guards or not any(g.faults for g in eng.guards):
             return
-        if not eng.lost:
-            pages = sum(g.faults for g in eng.guards)
-            eng.lost = (f"engine {eng.info.engine_id!r}: its pages file shrank while the Manager had it mapped "
-                        f"({pages} pages past its end were touched): nothing read from it was kept; unregister "
-                        f"the engine and register it again over whole pages")
+        with self._lock:  # two calls of the engine may find it at once: it is counted and logged once
+            first = not eng.lost
+            if first:
+                eng.lost = (f"engine {eng.info.engine_id!r}: its pages file shrank while the Manager had it mapped "
+                            f"({sum(g.faults for g in eng.guards)} pages past its end were touched): nothing read "
+                            f"from it was kept; unregister the engine and register it again over whole pages")
+        if first:
             log.warning("%s", eng.lost)
             self._add(pages_lost=1)
         raise PagesLost(eng.lost)

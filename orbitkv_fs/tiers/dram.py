@@ -43,7 +43,6 @@ import mmap
 import os
 import threading
 import time
-import weakref
 from bisect import bisect_right
 from itertools import accumulate, compress
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -52,7 +51,7 @@ import numpy as np
 
 from ..index import HIDDEN, ObjectIndex
 from ..keys import ObjectKey, page_of_chunks
-from ..mapguard import guard as guard_mapping
+from ..mapguard import guard as guard_mapping, unmap
 from ..shmfiles import create_owned, reclaim_stale
 from .eviction import make_policy
 
@@ -220,14 +219,7 @@ class Arena:
             cupy.cuda.runtime.hostUnregister(self.base_address)
             self.pinned = False
         self.buf = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # a caller still holds a view; the mapping (and its guard) goes with it
-            if self.guard is not None:
-                weakref.finalize(self._mm, self.guard.release)
-        else:
-            if self.guard is not None:
-                self.guard.release()
+        unmap(self._mm, self.guard)  # a caller may still hold a view: the mapping (and its guard) goes with it
         try:
             os.unlink(self.path)
         except FileNotFoundError:
