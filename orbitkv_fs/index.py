@@ -194,6 +194,17 @@ class ObjectIndex:
     def __len__(self) -> int:
         return self._live
 
+    @property
+    def prefix(self) -> "list[bytes | None]":
+        """``prefix[slot]``: the 32-byte prefix (namespace + chunk) of a LIVE or HIDDEN slot's chunk, None for
+        a FREE one (the index's own list: read it, never write it)."""
+        return self._prefix
+
+    def chunk_units(self, prefix: bytes) -> int:
+        """Allocation units of the LIVE objects of the chunk named by ``prefix`` (0 for one not present)."""
+        units = self.units
+        return sum(units[s] for s in _live(self._segs.get(prefix, ())))
+
     def _sub(self, slot: int) -> int:
         """``layer * 3 + role`` of the object in ``slot`` (see :func:`_sub_of`)."""
         return self.layer[slot] * _ROLES + self.role[slot]

@@ -80,6 +80,17 @@ def _positive(cast: Callable[[str], float]) -> Callable[[str], float]:
     return parse
 
 
+def _share(text: str) -> float:
+    """An argparse type: a fraction within [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad number {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError("must be within [0, 1]")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``orbitkv-cache-manager``. Other parts (HTTP, SSD, peers) add theirs here."""
     p = argparse.ArgumentParser(prog="orbitkv-cache-manager",
@@ -119,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chunks one engine's leases may pin at once (about 85 bytes of the Manager's memory each); "
                         "past it the engine's oldest leases end early, and a lookup over it alone gets no lease "
                         "(default %(default)s)")
+    g.add_argument("--max-pinned-share", type=_share, default=ManagerConfig().max_pinned_share, metavar="F",
+                   help="share of the pool that lookup leases' pins keep from eviction, all engines together; past "
+                        "it evictions take pinned chunks too, oldest first (default %(default)s)")
     g.add_argument("--max-engines-per-user", type=_positive(int), default=ManagerConfig().max_engines_per_user,
                    metavar="N", help="engines one OS user may have registered at once (default %(default)s)")
     g.add_argument("--max-tensors-per-user", type=_positive(int), default=ManagerConfig().max_tensors_per_user,
@@ -194,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> ManagerConfig:
                          engine_check_interval=args.engine_check_interval,
                          lease_ttl=args.lease_ttl, max_leases_per_engine=args.max_leases_per_engine,
                          max_leased_chunks_per_engine=args.max_leased_chunks_per_engine,
+                         max_pinned_share=args.max_pinned_share,
                          max_engines_per_user=args.max_engines_per_user,
                          max_tensors_per_user=args.max_tensors_per_user,
                          ssd_prefetch_chunks=args.ssd_prefetch_chunks, ssd_prefetch_bytes=args.ssd_prefetch_bytes)

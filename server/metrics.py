@@ -112,6 +112,8 @@ class ManagerCollector(Collector):
                        s.leases_displaced)
         yield _counter("leases_refused", "lookups answered without a lease because their run alone was over "
                        "--max-leased-chunks-per-engine", s.leases_refused)
+        yield _counter("pinned_evictions", "segments evicted although a lookup's lease pinned their chunk: pins "
+                       "held more than --max-pinned-share of the pool", s.pinned_evictions)
         yield _gauge("pool_capacity_bytes", "DRAM arena size", s.pool_capacity_bytes)
         yield _gauge("pool_used_bytes", "DRAM arena bytes allocated (published or reserved)", s.pool_used_bytes)
         yield _gauge("pool_private_bytes", "DRAM pool bytes the shm directory could not back when first written "

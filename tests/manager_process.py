@@ -73,6 +73,27 @@ class ManagerProcess:
         return self.proc.returncode
 
 
+#: The start of a program that attacks a Manager from another process, with no token: it registers an engine
+#: "attacker" over a pages file of its own (``n`` blocks, 2 layers, four 4 KiB segments a block) in the shm
+#: directory. Its arguments: the data plane, the shm directory, ``n``, then the attack's own (``args``).
+ATTACKER_ENGINE = """
+import sys, time
+from orbitkv_fs.client import connect
+from orbitkv_fs.keys import chunk_key
+from orbitkv_fs.manager import ChunkBlocks, EngineRegistration
+from orbitkv_fs.pages import HostPages, PageTensor
+dp, shm, n, args = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+tensors = [PageTensor(f"L{l}.{r}", 0, [n, 16, 2, 64], [], "bfloat16", r, l, "separate")
+           for l in range(2) for r in ("key", "value")]
+pages = HostPages.create(tensors, path=f"{shm}/orbitkv-pages-attacker")
+reg = EngineRegistration(model="attacker", num_layers=2, layer_start=0, layer_end=2, block_size=16, num_heads=2,
+                         head_dim=64, dtype="bfloat16", tensors=[pages.descriptor(t) for t in pages.tensors],
+                         engine_kind="sample", engine_id="attacker")
+c = connect(dp, timeout=60)
+c.register(reg)
+"""
+
+
 def run_python(program: str, *args: str, timeout: float = 120.0) -> str:
     """Run ``program`` in a fresh interpreter (the repository root on its path); its stdout. Raises with
     its output when it fails."""

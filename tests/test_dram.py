@@ -125,9 +125,17 @@ def test_tier_evicts_demotes_and_respects_leases():
         assert t.used_bytes == 14 * UNIT
         t.unpin_chunks([_key(1)[:32]])
         assert (t.leases_active, len(t.chunk_pins), t.reserved_bytes, t.leased_bytes) == (0, 0, 0, 0)
-        # Everything pinned: reserve says no instead of evicting.
+        # Everything pinned: eviction takes the least recent pinned objects until the pins hold at most half
+        # the pool (pin_share), no more.
         t.pin_chunks([k[:32] for k, _ in t.index.items()])
-        assert t.reserve(3 * UNIT) is None
+        pinned = [k[:32] for k, _ in t.index.items()]
+        assert (t.pinned_units, t.pin_allowance) == (14, 8)
+        assert t.reserve(3 * UNIT) is not None  # room for it: two pinned objects, the least recent, evicted
+        assert (t.pinned_units, t.pins_evicted) == (10, 2)
+        for i in range(100, 108):
+            _put(t, i)
+        assert (t.pinned_units, t.pins_evicted) == (8, 3)  # one more went; the pins' share stayed
+        assert sum(t.index.chunk_count(p) for p in pinned) == 4
     finally:
         t.close()
     assert not os.path.exists(t.arena.path)

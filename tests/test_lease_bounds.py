@@ -18,7 +18,7 @@ import pytest
 from orbitkv_fs.connectors.common import StagingPages
 from orbitkv_fs.keys import chunk_key
 from orbitkv_fs.manager import ChunkBlocks, LeaseError, Manager, ManagerConfig
-from manager_process import ManagerProcess, sample_engine_round_trip
+from manager_process import ATTACKER_ENGINE, ManagerProcess, sample_engine_round_trip
 from metrics_text import prometheus_text
 
 
@@ -102,21 +102,8 @@ def test_bad_lease_bounds_are_refused():
             Manager(ManagerConfig(pool_size=8 << 20, device="cpu", **bad))
 
 
-ATTACKER = """
-import sys, time
-from orbitkv_fs.client import connect
-from orbitkv_fs.keys import chunk_key
-from orbitkv_fs.manager import ChunkBlocks, EngineRegistration
-from orbitkv_fs.pages import HostPages, PageTensor
-dp, shm, seconds, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-tensors = [PageTensor(f"L{l}.{r}", 0, [n, 16, 2, 64], [], "bfloat16", r, l, "separate")
-           for l in range(2) for r in ("key", "value")]
-pages = HostPages.create(tensors, path=f"{shm}/orbitkv-pages-attacker")
-reg = EngineRegistration(model="attacker", num_layers=2, layer_start=0, layer_end=2, block_size=16, num_heads=2,
-                         head_dim=64, dtype="bfloat16", tensors=[pages.descriptor(t) for t in pages.tensors],
-                         engine_kind="sample", engine_id="attacker")
-c = connect(dp, timeout=30)
-c.register(reg)
+ATTACKER = ATTACKER_ENGINE + """
+seconds = float(args[0])
 chunks = [ChunkBlocks(chunk_key(f"a{i}"), [i]) for i in range(n)]
 c.save("attacker", chunks)
 keys = [ch.key for ch in chunks]
@@ -141,7 +128,7 @@ def test_a_process_that_looks_up_without_end_and_never_releases_costs_bounded_me
     then saves and restores as usual."""
     mgr = ManagerProcess(shm_dir=str(tmp_path), pool="64mb")
     try:
-        attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, mgr.endpoint, str(tmp_path), "6", "1024"],
+        attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, mgr.endpoint, str(tmp_path), "1024", "6"],
                                     stdout=subprocess.PIPE, text=True)
         assert attacker.stdout.readline().strip() == "ready"
         time.sleep(2.0)

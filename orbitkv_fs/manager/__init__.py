@@ -35,7 +35,9 @@ the HTTP plane in :mod:`orbitkv_fs.server` calls the same methods):
   restore nor a release ends within ``lease_ttl`` seconds (its engine timed out and never came back for it)
   expires: the housekeeping thread drops it, so its extents can be evicted again (``leases_expired``). An
   engine holds at most ``max_leases_per_engine`` leases and ``max_leased_chunks_per_engine`` chunks under them;
-  a lease past either ends its oldest first in the same way (``leases_displaced``).
+  a lease past either ends its oldest first in the same way (``leases_displaced``). All pins together keep at
+  most ``max_pinned_share`` of the pool from eviction (past it, evictions take pinned chunks:
+  ``pinned_evictions``).
 * admin: :meth:`~Manager.invalidate`, :meth:`~Manager.stats` (:class:`ManagerStats`, what metrics are built
   from), :meth:`~Manager.flush_dram`, :meth:`~Manager.list_objects`, :meth:`~Manager.config`.
 

@@ -101,6 +101,10 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: is answered without a lease. Each pinned chunk costs the Manager about 85 bytes.
     max_leases_per_engine: int = 1024
     max_leased_chunks_per_engine: int = 65536
+    #: Share of the pool that lookup leases' pins keep from eviction, all engines together: past it an
+    #: eviction takes pinned chunks too, oldest first (their restores miss). Without it one process's pins
+    #: could hold the whole pool, and every other engine's saves would find no room.
+    max_pinned_share: float = 0.5
     #: Engines, and tensors across them, that one OS user may have registered at once (registrations from
     #: another process: the data plane, the HTTP plane). Each registered tensor costs the Manager about 1.6 KB
     #: (an 8,192-tensor registration 12.8 MiB). In-process registrations (embedded mode) are not counted.
@@ -306,6 +310,9 @@ class ManagerStats(msgspec.Struct, frozen=True):
     leases_refused: int = 0
     #: Chunks pinned by lookup leases now (each chunk once, however many leases pin it).
     pinned_chunks: int = 0
+    #: Segments evicted although a lookup's lease pinned their chunk: the pins held more than
+    #: ``max_pinned_share`` of the pool.
+    pinned_evictions: int = 0
     #: The cuFile direct path (an SSD tier with ``--ssd-backend cufile`` under the GPU codec engine):
     #: segments saves wrote from device memory straight to the SSD, and segments restores read from the
     #: SSD into device memory and decoded there (the rest go through DRAM and io_uring writeback).

@@ -65,6 +65,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
             raise ValueError("max_engines_per_user and max_tensors_per_user must be >= 1")
         if config.max_leases_per_engine < 1 or config.max_leased_chunks_per_engine < 1:
             raise ValueError("max_leases_per_engine and max_leased_chunks_per_engine must be >= 1")
+        if not 0.0 <= config.max_pinned_share <= 1.0:
+            raise ValueError(f"max_pinned_share must be within [0, 1], not {config.max_pinned_share}")
         self._gpu = config.device != "cpu" and _gpu_present()
         self._gpu_codecs: _GpuCodecs | None = None
         if self._gpu:
@@ -75,7 +77,8 @@ class Manager(Registry, Leases, Lookup, SavePipeline, RestorePipeline, HostPath,
         self.lower = lower_tier
         self.peers = peer_fetcher
         self.dram = DramTier(config.pool_size, shm_dir=config.shm_dir, policy=config.eviction, pin=self._gpu,
-                             demote=None if lower_tier is None else demoter(lower_tier), reserve=config.reserve_pool)
+                             demote=None if lower_tier is None else demoter(lower_tier), reserve=config.reserve_pool,
+                             pin_share=config.max_pinned_share)
         if self.dram.reclaimed[0]:
             log.warning("removed %d arena files (%.1f MB) of Managers that were killed, from %s",
                         self.dram.reclaimed[0], self.dram.reclaimed[1] / 1e6, config.shm_dir)

@@ -76,6 +76,7 @@ class Counters:
             pf_hits, pf_wasted = dram.prefetch_hits, dram.prefetch_wasted
             reserved = dram.reserved_bytes
             pinned = len(dram.chunk_pins)
+            pins_evicted = dram.pins_evicted
             leased = dram.leased_bytes
         private = dram.arena.private_bytes
         if private and not self._private_warned:
@@ -128,7 +129,7 @@ class Counters:
                 registrations_refused=int(c["registrations_refused"]), pages_lost=int(c["pages_lost"]),
                 leases_expired=int(c["leases_expired"]),
                 leases_displaced=int(c["leases_displaced"]), leases_refused=int(c["leases_refused"]),
-                pinned_chunks=pinned, ssd_direct_writes=int(c["ssd_direct_writes"]),
+                pinned_chunks=pinned, pinned_evictions=pins_evicted, ssd_direct_writes=int(c["ssd_direct_writes"]),
                 ssd_direct_reads=int(c["ssd_direct_reads"]),
                 host_cpu_seconds={k: v[0] for k, v in self._cpu_stages.items()},
                 host_cpu_segments={k: v[1] for k, v in self._cpu_stages.items()})

@@ -26,8 +26,16 @@ Invariants (all under :attr:`DramTier.lock`):
 
 * An extent is reserved before anything writes it and published (visible to lookups) only after the
   writer finished; reserved bytes are counted until published or cancelled.
-* A leased object is never evicted, freed or overwritten: eviction skips it, invalidation hides it and
-  the extent is freed when the last lease goes.
+* A leased object (a read in progress: a restore's hold, a peer's lease) is never evicted, freed or
+  overwritten: eviction skips it, invalidation hides it and the extent is freed when the last lease goes.
+* A lookup's pin (:meth:`DramTier.pin_chunks`) only keeps its chunks for the restore that follows, and all
+  pins together keep at most ``pin_share`` of the pool from eviction: a chunk's units are counted when it is
+  first pinned (``pin_units``, less what is evicted or invalidated of it since; ``pinned_units`` their sum),
+  and while that sum passes the share an eviction's walk takes pinned objects too, the least recent first (a
+  restore of a chunk so evicted misses). Otherwise any process that may register an engine could pin the
+  whole pool with its own chunks, and every other engine's save would find no room.
+* A reservation whose eviction found nothing to take evicts no more for the rest of its pieces: under the
+  lock nothing can change, and each further walk would pass every leased object again.
 * Residency is counted at stored size (header + payload, rounded to 512-byte units).
 * ``demote(keys, segments)`` is called once per eviction with the victims' keys and views of their
   extents, while the lock is held and before the extents are freed: the views are valid during the call
@@ -63,6 +71,8 @@ BATCHES_FOR_WHOLE = 16
 #: Seconds between warnings of a lower tier whose demotion raises (evictions go on; each is counted as not
 #: demoted, in ``evictions`` - ``demoted``).
 _DEMOTE_LOG_INTERVAL = 60.0
+#: At most one warning in this many seconds that evictions take pinned chunks.
+_PINS_LOG_INTERVAL = 10.0
 #: Victims (or their extents) handled one by one up to this many: below it the array passes cost more than
 #: they save (about 40 us a call).
 _DROP_LOOP = 16
@@ -265,24 +275,34 @@ Demote = Callable[[list[ObjectKey], list[memoryview]], int]
 
 class DramTier:
     def __init__(self, size: int, *, shm_dir: str = "/dev/shm", policy: str = "lru", pin: bool = True,
-                 demote: Demote | None = None, reserve: bool = False) -> None:
+                 demote: Demote | None = None, reserve: bool = False, pin_share: float = 0.5) -> None:
+        if not 0.0 <= pin_share <= 1.0:
+            raise ValueError(f"pin_share must be within [0, 1], not {pin_share}")
         self.policy = make_policy(policy)
         #: (files, bytes) of dead Managers' arenas this tier removed from its directory when it started.
         self.reclaimed = reclaim_stale_arenas(shm_dir)
         self.arena = Arena(size, shm_dir=shm_dir, pin=pin, reserve=reserve)
         self.alloc = Allocator(self.arena.size // UNIT)
+        #: Units of lookup-pinned objects that eviction leaves alone; past it, it takes pinned ones too.
+        self.pin_allowance = int(pin_share * self.alloc.total)
+        self.pins_evicted = 0  # objects evicted although a lookup's lease pinned their chunk
         self.index = ObjectIndex()
         self.lock = threading.Lock()
         self.demote = demote
         self.reserved_bytes = 0
         # namespace + chunk -> lookup leases pinning it; a Counter: update() counts a list at C speed.
         self.chunk_pins: collections.Counter[bytes] = collections.Counter()
+        # Units of each pinned chunk's objects when it was pinned (less those evicted or invalidated since),
+        # and their sum: what the pins hold against eviction.
+        self.pin_units: dict[bytes, int] = {}
+        self.pinned_units = 0
         self.leases_active = 0  # lease references held on objects
         self.leased_bytes = 0
         self.evictions = 0
         self.evicted_bytes = 0
         self.demoted = 0
         self._demote_failed_logged = -_DEMOTE_LOG_INTERVAL
+        self._pins_logged = -_PINS_LOG_INTERVAL
         self.resident_bytes: dict[int, int] = {}  # representation -> stored bytes (unit-rounded)
         self.resident_logical = 0
         # Objects a speculative prefetch published that nobody has been served yet: the first lease or
@@ -369,10 +389,14 @@ class DramTier:
         cum = list(accumulate(units))
         out: list[int | None] = []
         i, base = 0, 0  # the next piece, the units before it
+        evictable = True
         while i < len(units):
             k = bisect_right(cum, base + alloc.largest_free(), lo=i) - i  # how many of the next pieces fit there
             if not k:
-                if not self._evict(max(units[i] - alloc.free_units, 1)):
+                # An eviction that found nothing to take finds nothing for the next piece either (the lock is
+                # held): once it failed, only free extents are tried (each would walk every leased object).
+                if not evictable or not self._evict(max(units[i] - alloc.free_units, 1)):
+                    evictable = False
                     out.append(None)  # no room for this one; a smaller one after it may still fit
                     base = cum[i]
                     i += 1
@@ -566,7 +590,19 @@ class DramTier:
         """Keep every segment of these chunks (namespace + chunk) from eviction: a lookup's lease. Costs
         one dict entry per chunk, not one lease per segment."""
         with self.lock:
-            self.chunk_pins.update(ns_chunks)
+            self._pin(ns_chunks)
+
+    def _pin(self, ns_chunks: Sequence[bytes]) -> None:
+        """Add a pin to each chunk; a chunk pinned for the first time has its objects' units counted. Lock held."""
+        pins = self.chunk_pins
+        fresh = [c for c in dict.fromkeys(ns_chunks) if c not in pins]
+        pins.update(ns_chunks)
+        if fresh:
+            units = self.index.chunk_units
+            counted = self.pin_units
+            for c in fresh:
+                counted[c] = n = units(c)
+                self.pinned_units += n
 
     def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
         pins = self.chunk_pins
@@ -577,6 +613,8 @@ class DramTier:
                 n = pop(c)
                 if n > 1:
                     pins[c] = n - 1
+                else:
+                    self.pinned_units -= self.pin_units.pop(c)
 
     def leading_complete(self, ns_chunks: Sequence[bytes], nseg: int, *, pin: bool) -> int:
         """How many leading chunks have all ``nseg`` segments published; with ``pin`` they are pinned
@@ -589,12 +627,34 @@ class DramTier:
                     break
                 n += 1
             if pin and n:
-                self.chunk_pins.update(ns_chunks if n == len(ns_chunks) else ns_chunks[:n])
+                self._pin(ns_chunks if n == len(ns_chunks) else ns_chunks[:n])
         return n
 
     def _pinned(self, slot: int) -> bool:
         ix = self.index
-        return ix.leases[slot] > 0 or (bool(self.chunk_pins) and ix.keys[slot][:32] in self.chunk_pins)
+        return ix.leases[slot] > 0 or (bool(self.chunk_pins) and ix.prefix[slot] in self.chunk_pins)
+
+    def _pin_walk(self) -> tuple[Callable[[int], bool], bool]:
+        """The pinned test of one eviction walk, and whether it may take pinned objects: a leased slot is
+        always pinned; a slot of a lookup-pinned chunk is, unless the pins hold more than ``pin_allowance``
+        units, and then the walk may take (the first met, the least recent) such slots until they hold no
+        more."""
+        ix, pins = self.index, self.chunk_pins
+        leases, units, prefix = ix.leases, ix.units, ix.prefix
+        excess = self.pinned_units - self.pin_allowance
+
+        def pinned(slot: int) -> bool:
+            nonlocal excess
+            if leases[slot] > 0:
+                return True
+            if pins and prefix[slot] in pins:
+                if excess > 0:
+                    excess -= units[slot]
+                    return False
+                return True
+            return False
+
+        return pinned, excess > 0
 
     def chunk_count(self, ns_chunk: bytes) -> int:
         with self.lock:
@@ -618,6 +678,13 @@ class DramTier:
         if not slots:
             return
         ix = self.index
+        if self.pin_units:  # objects of pinned chunks leave: the pins hold less
+            counted, prefix, units = self.pin_units, ix.prefix, ix.units
+            for slot in slots:
+                p = prefix[slot]
+                if p in counted:
+                    counted[p] -= units[slot]
+                    self.pinned_units -= units[slot]
         if self.prefetched:
             wasted = self.prefetched.intersection(slots)
             self.prefetched -= wasted
@@ -664,10 +731,21 @@ class DramTier:
         """Evict unpinned objects in the policy's order until ``need`` units are evicted or none is left;
         how many were. They are demoted (views of their extents) before they go."""
         ix = self.index
-        slots = self.policy.take(need, ix.units, self._pinned)
+        pinned, over = self._pin_walk()
+        slots = self.policy.take(need, ix.units, pinned)
         if not slots:
             return 0
         keys = ix.keys
+        if over:  # the pins held more than their share: count what the walk took of pinned chunks
+            pins, prefix = self.chunk_pins, ix.prefix
+            took = sum(1 for s in slots if prefix[s] in pins)
+            self.pins_evicted += took
+            now = time.monotonic()
+            if took and now - self._pins_logged >= _PINS_LOG_INTERVAL:
+                self._pins_logged = now
+                log.warning("lookup leases pin %.1f MiB of %.1f MiB of pool (%d chunks), more than their share "
+                            "(--max-pinned-share): evicting pinned chunks, least recent first (their restores miss)",
+                            self.pinned_units * UNIT / 2**20, self.capacity / 2**20, len(pins))
         if self.demote is not None:
             buf, offset, length = memoryview(self.arena.buf), ix.offset, ix.length
             views = [buf[offset[s] * UNIT:offset[s] * UNIT + length[s]] for s in slots]
