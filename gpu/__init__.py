@@ -45,7 +45,8 @@ Batch API (for the Manager)::
   ``reason`` and ``addr`` hold their header fields and host addresses as arrays). ``decode_submit`` / ``decode_collect`` likewise. Up to two batches per worker are in flight.
 * Page blocks: ``engine.gather_blocks(table)`` / ``engine.scatter_blocks(table)`` copy whole page blocks
   (``orbitkv_fs.pages.BLOCK_COPY_DTYPE`` rows: source, destination, strides, rows, row bytes) in one launch
-  on the save / restore stream; ``engine.block_buffer(nbytes, restore=...)`` allocates the contiguous side.
+  on the save stream / the restore worker's scatter stream (after the caller's current stream; its sources
+  complete); ``engine.block_buffer(nbytes, restore=...)`` allocates the contiguous side.
 """
 
 from __future__ import annotations

@@ -397,7 +397,8 @@ class _Flight:
 
 
 class Worker:
-    """Two streams (kernels; bulk host copies), a workspace, two pinned upload buffers and counters. Up to
+    """Two streams (kernels; bulk host copies) and two for side work (fetches of short downloads; a restore's
+    block scatters), a workspace, two pinned upload buffers and counters. Up to
     two batches are in flight: the next one is launched (into the other part of the workspace, from the
     other upload buffer) before the host finishes the previous one, so that the host's work overlaps the
     GPU's, and one batch's kernels overlap the other's copies.
@@ -415,6 +416,11 @@ class Worker:
         # fetch's: a batch's host part runs once the next batch is queued on both streams, and a copy it
         # waits for there would wait for that batch too
         self.fetches = cp.cuda.Stream(non_blocking=True)
+        # a restore's block scatters: each batch's is queued once its decode was collected, and on ``stream``
+        # it would wait behind the next batch's decode, queued already and waiting for that batch's copy
+        # (every scatter but the last ran after the next batch's copy; the one before the last, after the last
+        # copy of the request)
+        self.scatters = cp.cuda.Stream(non_blocking=True)
         # Orders one stream after another (handoff, wait_for_current): recorded, then waited on at once.
         # A wait takes the event's latest record when it is queued, so one event serves every ordering
         # (callers hold the lock) instead of a new CUDA event per batch.
@@ -538,8 +544,9 @@ class Worker:
         while self.inflight:
             self.finish(self.inflight[0])
 
-    def copy_blocks(self, k: km.Kernels, table: np.ndarray) -> Any:
-        """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows); returns the event after it.
+    def copy_blocks(self, k: km.Kernels, table: np.ndarray, stream: "cp.cuda.Stream | None" = None) -> Any:
+        """Queue one ``okv_copy_blocks`` over ``table`` (BLOCK_COPY_DTYPE rows) on ``stream`` (default: the
+        kernel stream); returns the event after it.
 
         The kernel reads the table where it lies, in pinned host memory (device-addressable under unified
         addressing): an upload on this stream would queue on the copy engine behind the other stream's
@@ -553,10 +560,11 @@ class Worker:
             self.stats["wait_ns"] += time.perf_counter_ns() - t0
         host = self.tables[j].get(table.nbytes)
         host[:] = table.view(np.uint8)
-        self.stats["launches"] += km.launch_copy_blocks(k, host.ctypes.data, len(table), self.stream)
+        on = stream or self.stream
+        self.stats["launches"] += km.launch_copy_blocks(k, host.ctypes.data, len(table), on)
         self.stats["block_copies"] += len(table)
         done = cp.cuda.Event(disable_timing=True)
-        done.record(self.stream)
+        done.record(on)
         self.tables_read[j] = done
         return done
 
@@ -1238,14 +1246,20 @@ class GpuCodecEngine:
             w.copy_blocks(self._kernels, table)
 
     def scatter_blocks(self, table: np.ndarray) -> Any:
-        """Queue the copies of ``table`` 's blocks on the restore worker's stream, after the decodes that
-        filled their sources (same stream). Returns a CUDA event: the blocks are written once it has
-        completed (synchronise it before an engine may read its pages)."""
+        """Queue the copies of ``table`` 's blocks on the restore worker's scatter stream, after the caller's
+        current stream. Their sources must be complete or queued on that stream: a decode's temporary once
+        :meth:`decode_collect` has returned for it (the restore stream's later batches are not waited for).
+        Work queued on the restore stream from now on waits for these copies (a temporary they read is handed
+        out again on that stream). Returns a CUDA event: the blocks are written once it has completed
+        (synchronise it before an engine may read its pages)."""
         if table.dtype != km.BLOCK_COPY_DTYPE:
             raise CodecError(f"block table must have dtype BLOCK_COPY_DTYPE, not {table.dtype}")
         w = self.restore
         with w.lock:
-            return w.copy_blocks(self._kernels, table)
+            w.handoff(w.scatters, cp.cuda.get_current_stream())
+            done = w.copy_blocks(self._kernels, table, w.scatters)
+            w.stream.wait_event(done)
+            return done
 
     # -- encode --------------------------------------------------------------------------------
     def encode_class(self, item: Any) -> _Enc:

@@ -527,9 +527,8 @@ def test_gather_and_scatter_blocks_of_packed_pages(engine, head_dim):
     new = cp.asarray(rng.integers(0, 1 << 16, want.shape, dtype=np.uint16))
     out = engine.block_buffer(3 * seg.block_bytes, restore=True)
     out.view(cp.uint16)[:] = new.reshape(-1)
-    cp.cuda.get_current_stream().synchronize()  # scatters follow the restore stream's decodes, not this stream
-    engine.scatter_blocks(_block_table([(seg, blocks, int(out.data.ptr))], gather=False))
-    cp.cuda.get_current_stream().synchronize()  # scatter_blocks makes the current stream wait for the copies
+    # The scatter follows this (current) stream's write of its source; its event says when it has run.
+    engine.scatter_blocks(_block_table([(seg, blocks, int(out.data.ptr))], gather=False)).synchronize()
     expect = before.copy()
     expect[cp.asarray(blocks), :, :, :head_dim] = new
     assert cp.array_equal(pages, expect)

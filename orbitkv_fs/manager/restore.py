@@ -139,7 +139,6 @@ class RestorePipeline:
                 tails = eng.tails
             # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
             first = layers is None or eng.segs[0].layer in wanted
-            keys = [segment_keys(eng.ns, ch.key, tails) for ch in chunks]
             reasons: dict[bytes, str] = {}
             pf_hits = self.dram.prefetch_hits  # a heuristic trigger: other requests may move it too
             tally = {"lower": 0}
@@ -153,21 +152,24 @@ class RestorePipeline:
             # The DRAM extents' places, for the batch checks: of exact segments of host pages
             # (_check_host_batch), of the headers of segments bound for the GPU engine (_check_device_batch).
             spans = None if on_device and not gpu_checks else Spans()
-            kbs = [k for ks in keys for k in ks]
             c1 = time.thread_time()
-            # The first codec batch's chunks leased and checked first and that batch started, so that the GPU
-            # copies it while the host leases and checks the rest (else the GPU idles through all of that).
+            # The first codec batch's chunks keyed, leased and checked first and that batch started, so that the
+            # GPU copies it while the host does the same for the rest (else the GPU idles through all of that).
             head = self._early_head(chunks, segs) if gpu_checks and spans is not None and device is None else 0
+            keys = [segment_keys(eng.ns, ch.key, tails) for ch in (chunks[:head] if head else chunks)]
+            kbs = [k for ks in keys for k in ks]
             head_checked = None
             if head:
-                n0 = head * len(segs)
-                sources = self._acquire(kbs[:n0], held, reasons, tally, fresh, None, spans)
+                sources = self._acquire(kbs, held, reasons, tally, fresh, None, spans)
                 c2 = time.thread_time()
-                head_checked = self._check_device_batch(chunks[:head], segs, keys[:head], spans)
+                head_checked = self._check_device_batch(chunks[:head], segs, keys, spans)
                 early = self._start_early(eng, chunks, segs, keys, head, head_checked)
                 c3 = time.thread_time()
+                keys += [segment_keys(eng.ns, ch.key, tails) for ch in chunks[head:]]
+                rest_kbs = [k for ks in keys[head:] for k in ks]
+                kbs += rest_kbs
                 rest = Spans()
-                sources.update(self._acquire(kbs[n0:], held, reasons, tally, fresh, None, rest))
+                sources.update(self._acquire(rest_kbs, held, reasons, tally, fresh, None, rest))
                 spans = spans.joined(rest)
                 c4 = time.thread_time()
                 self._cpu("restore_acquire", c2 - c1 + c4 - c3, nkeys)

@@ -49,7 +49,7 @@ class _Buf:
         self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
 
 
-_NULL_EVENT = types.SimpleNamespace(synchronize=lambda: None)
+_NULL_EVENT = types.SimpleNamespace(synchronize=lambda: None, wait_event=lambda e: None)
 
 
 class _Worker(engine_host.NullWorker):
@@ -60,8 +60,10 @@ class _Worker(engine_host.NullWorker):
         super().__init__()
         self.tables = [engine_host._Upload() for _ in range(3)]
         self.tables_next = 0
+        # trees that scatter on a stream of their own make the kernel stream wait for it
+        self.stream = self.scatters = _NULL_EVENT
 
-    def copy_blocks(self, k, table) -> None:
+    def copy_blocks(self, k, table, stream=None) -> None:
         j = self.tables_next
         self.tables_next = (j + 1) % len(self.tables)
         self.tables[j].get(table.nbytes)[:] = table.view(np.uint8)

@@ -60,7 +60,8 @@ def _gpu_wrap(cls, name: str, lane_of, label_of, nbytes_of=lambda *a: 0) -> None
         stream = lane_of(self, *a, **k)
         e0 = _ev(stream)
         out = f(self, *a, **k)
-        gpu.append((f"{self.name}:{'copies' if stream is self.copies else 'stream'}", label_of(*a, **k), e0,
+        lane = {id(self.copies): "copies", id(getattr(self, "scatters", None)): "scatters"}.get(id(stream), "stream")
+        gpu.append((f"{self.name}:{lane}", label_of(*a, **k), e0,
                     _ev(stream), nbytes_of(*a, **k)))
         return out
     setattr(cls, name, w)
@@ -86,7 +87,8 @@ def install() -> None:
     _gpu_wrap(W, "d2h", lambda self, dst, src, stream=None: stream or self.stream,
               lambda dst, src, stream=None: "d2h", lambda dst, src, stream=None: dst.nbytes)
     _gpu_wrap(W, "launch", lambda self, *a, **k: self.stream, lambda k, name, *a, **kw: name)
-    _gpu_wrap(W, "copy_blocks", lambda self, *a, **k: self.stream, lambda k, table: f"blocks[{len(table)}]")
+    _gpu_wrap(W, "copy_blocks", lambda self, k, table, stream=None: stream or self.stream,
+              lambda k, table, stream=None: f"blocks[{len(table)}]")
     # the engine's waits: the wait itself (event synchronize) and the batch's host part after it
     f = W.finish
 
