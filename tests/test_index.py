@@ -394,3 +394,18 @@ def test_hide_many_and_free_many_are_hide_and_free_of_each(seed):
                 one.free(s)
                 many.free(s)
         check(many, {many.keys[s]: s for s in live}, set())
+
+
+def test_chunk_units_sum_each_chunks_live_objects():
+    """A chunk of one object (its slot held as an int), one of many with a hole (an array with a -1 entry), one
+    whose objects are all gone, one never added, the same chunk twice, and no chunk at all."""
+    ix = ObjectIndex()
+    ix.add(key(1, 0, Role.KEY), 0, 3, 1000, 1000, 0)
+    for layer, units in ((0, 2), (1, 5), (2, 7)):
+        ix.add(key(2, layer, Role.VALUE), 0, units, 1000, 1000, 0)
+    ix.hide(ix.get(key(2, 1, Role.VALUE)))  # evicted: no longer LIVE
+    gone = ix.add(key(3, 4, Role.KEY), 0, 9, 1000, 1000, 0)[0]
+    ix.hide(gone)
+    p = [key(c, 0, Role.KEY)[:32] for c in (1, 2, 3, 4)]
+    assert ix.chunk_units(p + [p[1]]) == [3, 9, 0, 0, 9]
+    assert ix.chunk_units([]) == []

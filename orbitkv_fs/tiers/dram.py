@@ -595,13 +595,13 @@ class DramTier:
     def _pin(self, ns_chunks: Sequence[bytes]) -> None:
         """Add a pin to each chunk; a chunk pinned for the first time has its objects' units counted. Lock held."""
         pins = self.chunk_pins
-        fresh = [c for c in dict.fromkeys(ns_chunks) if c not in pins]
+        fresh = [c for c in ns_chunks if c not in pins]
         pins.update(ns_chunks)
         if fresh:
-            units = self.index.chunk_units
             counted = self.pin_units
-            for c in fresh:
-                counted[c] = n = units(c)
+            fresh = list(dict.fromkeys(fresh))  # a chunk twice in one lookup is counted once
+            for c, n in zip(fresh, self.index.chunk_units(fresh)):
+                counted[c] = n
                 self.pinned_units += n
 
     def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
