@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "ends early (default %(default)s)")
     g.add_argument("--max-leased-chunks-per-engine", type=_positive(int),
                    default=ManagerConfig().max_leased_chunks_per_engine, metavar="N",
-                   help="chunks one engine's leases may pin at once (about 85 bytes of the Manager's memory each); "
+                   help="chunks one engine's leases may pin at once (about 150 bytes of the Manager's memory each); "
                         "past it the engine's oldest leases end early, and a lookup over it alone gets no lease "
                         "(default %(default)s)")
     g.add_argument("--max-pinned-share", type=_share, default=ManagerConfig().max_pinned_share, metavar="F",

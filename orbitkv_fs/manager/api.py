@@ -98,7 +98,7 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     #: Leases one engine may hold at once, and chunks pinned under them (a lookup's lease pins the run it
     #: found). A lease past either bound displaces the engine's oldest leases, which end as if expired (a
     #: restore under one still runs, on a hold of its own); a lookup whose run alone is over the chunk bound
-    #: is answered without a lease. Each pinned chunk costs the Manager about 85 bytes.
+    #: is answered without a lease. Each pinned chunk costs the Manager about 150 bytes.
     max_leases_per_engine: int = 1024
     max_leased_chunks_per_engine: int = 65536
     #: Share of the pool that lookup leases' pins keep from eviction, all engines together: past it an
