@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-read-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a read of the SSD that sees no completion this long gives up (default 2): its chunks "
                         "miss, and reads of its shard miss at once until the disk answers again")
+    g.add_argument("--ssd-start-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+                   help="the SSD tier's start (opening its shards, and with --ssd-recover reading them through) "
+                        "that shows no progress this long is given up: a disk that does not answer. The manager "
+                        "then serves with DRAM only, says so in its log and in /readyz (lower_tier null), and "
+                        "should be restarted once the disk answers (default 30)")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
                         "chunks of the prefix into DRAM in the background (default 2; 0: off)")
@@ -218,7 +223,8 @@ def build_lower_tier(args: argparse.Namespace):
     """The SSD tier the ``--ssd-*`` flags ask for, or None (DRAM only)."""
     if not getattr(args, "ssd_cache_path", None):
         return None
-    from orbitkv_fs.tiers.ssd import SsdConfig, SsdTier
+    from orbitkv_fs.tiers.ssd import SsdConfig
+    from orbitkv_fs.tiers.ssd.start import SsdStartStalled, open_tier
 
     if args.ssd_cache_capacity is None:
         raise ValueError("--ssd-cache-path needs --ssd-cache-capacity (e.g. 100gb)")
@@ -226,10 +232,17 @@ def build_lower_tier(args: argparse.Namespace):
                        backend=args.ssd_backend, write_queue_depth=args.ssd_write_queue_depth,
                        recover=args.ssd_recover, checkpoint_interval=args.ssd_checkpoint_interval,
                        read_timeout=args.ssd_read_timeout)
-    if not args.ssd_recover:
-        return SsdTier(config)
-    with progress(None, "recovering SSD shards", "B") as bar:  # a large cache takes a while to scan
-        return SsdTier(config, on_progress=bar.update_to)
+    stall = args.ssd_start_timeout
+    try:
+        if not args.ssd_recover:
+            return open_tier(config, stall=stall)
+        with progress(None, "recovering SSD shards", "B") as bar:  # a large cache takes a while to scan
+            return open_tier(config, stall=stall, on_progress=bar.update_to)
+    except SsdStartStalled as e:
+        # DRAM serves without it: an engine's prefixes still hit there, where a Manager that waited for the
+        # disk served nothing at all
+        log.error("%s. The manager starts with DRAM only (no SSD tier); restart it once the disk answers", e)
+        return None
 
 
 def build_manager(args: argparse.Namespace) -> Manager:

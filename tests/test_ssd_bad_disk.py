@@ -333,3 +333,71 @@ def test_closing_over_a_disk_whose_syncs_hang_returns_at_its_deadline_and_ends_o
         assert again.read_many([key(i) for i in range(N)]) == [segment(i) for i in range(N)]
     finally:
         again.close()
+
+
+def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_timeout(disk, tmp_path):
+    """``orbitkv-cache-manager --ssd-recover`` over a shard whose disk stops answering reads: before, its
+    recovery waited in ``pread`` for as long as the disk did, the Manager never became ready (DRAM included)
+    and SIGTERM did not stop it. Now its start is given up after ``--ssd-start-timeout`` without progress: it
+    serves with DRAM only, says so in its log and in /readyz, and the tier its start finishes once the disk
+    answers is closed, not served."""
+    import urllib.request
+
+    from manager_process import ManagerProcess, sample_engine_round_trip
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    flags = ("--ssd-cache-path", str(disk.path / "a.okv"), "--ssd-cache-capacity", "64mb")
+    first = ManagerProcess(*flags, shm_dir=str(shm), pool="64mb")
+    sample_engine_round_trip(first.endpoint, str(shm))  # a cache on the disk to recover
+    assert first.stop() == 0
+    disk.set(hang_reads=True)
+    t0 = time.monotonic()
+    m = ManagerProcess(*flags, "--ssd-recover", "--ssd-start-timeout", "2", shm_dir=str(shm), pool="64mb",
+                       timeout=30)
+    try:
+        assert time.monotonic() - t0 < 25, m.log  # the start timeout, not the disk, decided
+        assert "made no progress for 2 s" in m.log and "starts with DRAM only" in m.log
+        with urllib.request.urlopen(m.http + "/readyz", timeout=5) as r:
+            assert json.loads(r.read())["lower_tier"] is None
+        sample_engine_round_trip(m.endpoint, str(shm))  # DRAM serves
+        disk.set()
+        assert wait_until(lambda: "finished after it was given up: closed" in m.log, 30), m.log
+    finally:
+        disk.set()
+        assert m.stop() == 0
+
+
+def test_a_start_that_is_busy_is_waited_for_and_one_held_by_the_kernel_is_given_up(monkeypatch):
+    """open_tier's watch, with the tier's constructor replaced (the real disk is the test above): a start that
+    reports nothing but keeps its thread busy (adopting a large index) is waited for past the stall time; one
+    whose thread sits still (a read the kernel holds) is given up, and the tier it makes later is closed."""
+    from orbitkv_fs.tiers.ssd import start
+
+    made: list = []
+
+    class Busy:
+        def __init__(self, config, on_progress=None) -> None:
+            end = time.thread_time() + 1.5
+            while time.thread_time() < end:
+                pass
+            made.append(self)
+
+    class Held:
+        closed = threading.Event()
+
+        def __init__(self, config, on_progress=None) -> None:
+            time.sleep(2.5)
+
+        def close(self) -> None:
+            Held.closed.set()
+
+    config = SsdConfig(paths=("/nonexistent/a.okv",), capacity=32 << 20)
+    monkeypatch.setattr(start, "SsdTier", Busy)
+    assert start.open_tier(config, stall=0.6) is made[0]
+    monkeypatch.setattr(start, "SsdTier", Held)
+    t0 = time.monotonic()
+    with pytest.raises(start.SsdStartStalled, match="made no progress for 1 s"):
+        start.open_tier(config, stall=1.0)
+    assert time.monotonic() - t0 < 2.4  # given up before the start could finish
+    assert Held.closed.wait(10)  # and what it made afterwards was closed

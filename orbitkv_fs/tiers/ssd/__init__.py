@@ -5,7 +5,8 @@ Public API: :class:`SsdTier` (the Manager's lower tier), :class:`SsdConfig`, :cl
 :mod:`.superblock`; the recovery scan in :mod:`.recovery` (shared with ``orbitkv-inspect``); the ring in
 :mod:`.ring`; the index in :mod:`.index`; the writeback lane in :mod:`.lane`; the read path in
 :mod:`.reads`; staging buffers in :mod:`.staging`; I/O engines in :mod:`.uring` (io_uring) and
-:mod:`.cufile` (kvikio); fault injection for tests in :mod:`.faults`.
+:mod:`.cufile` (kvikio); fault injection for tests in :mod:`.faults`; a start that a disk which does not
+answer cannot hold in :mod:`.start` (:func:`~.start.open_tier`).
 """
 
 from .lane import GenerationsExhausted
