@@ -166,3 +166,18 @@ def test_a_process_that_pins_the_whole_pool_leaves_other_engines_their_share(tmp
             pages.close()
         attacker.communicate("\n", timeout=60)
         assert mgr.stop() == 0
+
+
+def test_an_object_published_after_its_chunk_was_pinned_never_takes_the_count_below_zero():
+    t = DramTier(64 * UNIT, pin_share=1.0)
+    try:
+        a = _key(0)[:32]
+        t.pin_chunks([a])  # pinned before any of its objects is there: nothing counted
+        _fill(t, range(1), layers=2)
+        assert (t.pinned_units, t.pin_units) == (0, {a: 0})
+        assert t.invalidate_chunks([a]) == (2, 2000)
+        assert (t.pinned_units, t.pin_units) == (0, {a: 0})
+        t.unpin_chunks([a])
+        assert (t.pinned_units, t.pin_units) == (0, {})
+    finally:
+        t.close()

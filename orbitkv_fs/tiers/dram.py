@@ -678,13 +678,14 @@ class DramTier:
         if not slots:
             return
         ix = self.index
-        if self.pin_units:  # objects of pinned chunks leave: the pins hold less
-            counted, prefix, units = self.pin_units, ix.prefix, ix.units
-            for slot in slots:
-                p = prefix[slot]
+        if self.pin_units:  # objects of pinned chunks leave: the pins hold less (an object published after its
+            # chunk was pinned was not counted: never below zero)
+            counted, units = self.pin_units, ix.units
+            for slot, p in zip(slots, map(ix.prefix.__getitem__, slots)):
                 if p in counted:
-                    counted[p] -= units[slot]
-                    self.pinned_units -= units[slot]
+                    d = min(units[slot], counted[p])
+                    counted[p] -= d
+                    self.pinned_units -= d
         if self.prefetched:
             wasted = self.prefetched.intersection(slots)
             self.prefetched -= wasted
