@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -66,6 +67,7 @@ def main() -> None:
         out["stop_s"] = round(time.monotonic() - t1, 2)
     finally:
         disk.close()
+        shutil.rmtree(shm, ignore_errors=True)
         json.dump(out, open(out_path, "w"), indent=1)
         print(json.dumps(out, indent=1))
 
