@@ -368,10 +368,11 @@ def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_tim
         assert m.stop() == 0
 
 
-def test_a_start_that_is_busy_is_waited_for_and_one_held_by_the_kernel_is_given_up(monkeypatch):
+def test_a_start_that_is_busy_is_waited_for_and_one_held_by_the_kernel_is_given_up(monkeypatch, caplog):
     """open_tier's watch, with the tier's constructor replaced (the real disk is the test above): a start that
     reports nothing but keeps its thread busy (adopting a large index) is waited for past the stall time; one
-    whose thread sits still (a read the kernel holds) is given up, and the tier it makes later is closed."""
+    whose thread sits still (a read the kernel holds) is given up, and the tier it makes later is closed, or
+    its later failure logged."""
     from orbitkv_fs.tiers.ssd import start
 
     made: list = []
@@ -401,3 +402,14 @@ def test_a_start_that_is_busy_is_waited_for_and_one_held_by_the_kernel_is_given_
         start.open_tier(config, stall=1.0)
     assert time.monotonic() - t0 < 2.4  # given up before the start could finish
     assert Held.closed.wait(10)  # and what it made afterwards was closed
+
+    class HeldThenFails:
+        def __init__(self, config, on_progress=None) -> None:
+            time.sleep(2.5)
+            raise start.SsdIoError("the disk answered EIO")
+
+    monkeypatch.setattr(start, "SsdTier", HeldThenFails)
+    with caplog.at_level("WARNING", logger="orbitkv_fs.tiers.ssd.start"):
+        with pytest.raises(start.SsdStartStalled):
+            start.open_tier(config, stall=1.0)
+        assert wait_until(lambda: "failed once the disk answered: the disk answered EIO" in caplog.text, 10)

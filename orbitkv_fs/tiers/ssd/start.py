@@ -63,6 +63,10 @@ def open_tier(config: SsdConfig, *, stall: float,
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             with lock:
                 state["error"] = e
+                late = state["abandoned"]
+            if late:
+                log.warning("the SSD tier's start over %s, given up, failed once the disk answered: %s",
+                            ", ".join(config.paths), e)
             return
         with lock:
             keep = not state["abandoned"]
