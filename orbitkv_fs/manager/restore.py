@@ -165,9 +165,8 @@ class RestorePipeline:
                 head_checked = self._check_device_batch(chunks[:head], segs, keys, spans)
                 early = self._start_early(eng, chunks, segs, keys, head, head_checked)
                 c3 = time.thread_time()
-                keys += [segment_keys(eng.ns, ch.key, tails) for ch in chunks[head:]]
+                keys = keys + [segment_keys(eng.ns, ch.key, tails) for ch in chunks[head:]]
                 rest_kbs = [k for ks in keys[head:] for k in ks]
-                kbs += rest_kbs
                 rest = Spans()
                 sources.update(self._acquire(rest_kbs, held, reasons, tally, fresh, None, rest))
                 spans = spans.joined(rest)
