@@ -169,7 +169,8 @@ def report(res: dict) -> str:
             gaps = r["gaps"]
             gap_s = sum(g[1] for g in gaps)
             lines.append(f"  wall {r['wall_s'] * 1e3:7.2f} ms  bulk {r['bulk_bytes'] / 2**20:8.1f} MiB in "
-                         f"{r['bulk_busy_s'] * 1e3:7.2f} ms busy ({r['bulk_bytes'] / max(r['bulk_busy_s'], 1e-9) / 1e9:5.1f}"
+                         f"{r['bulk_busy_s'] * 1e3:7.2f} ms busy "
+                         f"({r['bulk_bytes'] / max(r['bulk_busy_s'], 1e-9) / 1e9:5.1f}"
                          f" GB/s while busy)  first copy at {1e3 * (r['first_copy_s'] or 0):.2f} ms, last ends "
                          f"{1e3 * (r['last_copy_end_s'] or 0):.2f} ms; {len(gaps)} gaps {gap_s * 1e3:.2f} ms")
             before = collections.Counter()
@@ -201,7 +202,8 @@ def report(res: dict) -> str:
         h = collections.Counter()
         for label, a, b in r["host"]:
             h[label] += b - a
-        lines.append("  last call, host steps (ms): " + ", ".join(f"{lab} {v * 1e3:.2f}" for lab, v in h.most_common(10)))
+        lines.append("  last call, host steps (ms): "
+                     + ", ".join(f"{lab} {v * 1e3:.2f}" for lab, v in h.most_common(10)))
     return "\n".join(lines)
 
 
