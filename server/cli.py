@@ -66,29 +66,27 @@ def parse_log_level(text: str) -> str:
     return name
 
 
-def _positive(cast: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: ``cast(text)``, which must be > 0."""
+def _number(cast: Callable[[str], float], ok: Callable[[float], bool], must: str) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)``, for which ``ok`` must hold (else: "must ``must``")."""
     def parse(text: str) -> float:
         try:
             v = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad number {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError("must be > 0")
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must {must}")
         return v
 
     return parse
 
 
-def _share(text: str) -> float:
-    """An argparse type: a fraction within [0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad number {text!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError("must be within [0, 1]")
-    return v
+def _positive(cast: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)``, which must be > 0."""
+    return _number(cast, lambda v: v > 0, "be > 0")
+
+
+#: An argparse type: a fraction within [0, 1] (NaN is not).
+_share = _number(float, lambda v: 0.0 <= v <= 1.0, "be within [0, 1]")
 
 
 def build_parser() -> argparse.ArgumentParser:

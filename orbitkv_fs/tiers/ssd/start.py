@@ -44,40 +44,47 @@ def _thread_cpu(ident: int | None) -> float:
         return 0.0
 
 
+class _Start:
+    """One watched start: made on its own thread (:meth:`run`), its progress (:meth:`report`), its outcome."""
+
+    def __init__(self, config: SsdConfig, on_progress: Callable[[int, int], None] | None) -> None:
+        self.config, self.on_progress = config, on_progress
+        self.lock = threading.Lock()
+        self.moved = time.monotonic()  # the last sign of progress
+        self.abandoned = self.done = False
+        self.tier: SsdTier | None = None
+        self.error: BaseException | None = None
+
+    def report(self, done: int, total: int) -> None:
+        self.moved = time.monotonic()
+        if self.on_progress is not None:
+            self.on_progress(done, total)
+
+    def run(self) -> None:
+        paths = ", ".join(self.config.paths)
+        tier = error = None
+        try:
+            tier = SsdTier(self.config, on_progress=self.report)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            error = e
+        with self.lock:
+            self.tier, self.error, self.done = tier, error, True
+            late = self.abandoned
+        if late and error is not None:
+            log.warning("the SSD tier's start over %s, given up, failed once the disk answered: %s", paths, error)
+        elif late:
+            log.warning("the SSD tier's start over %s finished after it was given up: closed; restart the "
+                        "Manager to use it", paths)
+            tier.close()
+
+
 def open_tier(config: SsdConfig, *, stall: float,
               on_progress: Callable[[int, int], None] | None = None) -> SsdTier:
     """``SsdTier(config, on_progress=on_progress)``, made on a thread of its own; raises
     :class:`SsdStartStalled` once it has shown no progress for ``stall`` seconds (the thread is left to the
     kernel, and closes the tier should it finish), and what the start raised otherwise."""
-    lock = threading.Lock()
-    state: dict = {"moved": time.monotonic(), "abandoned": False}
-
-    def report(done: int, total: int) -> None:
-        state["moved"] = time.monotonic()
-        if on_progress is not None:
-            on_progress(done, total)
-
-    def start() -> None:
-        try:
-            tier = SsdTier(config, on_progress=report)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-            with lock:
-                state["error"] = e
-                late = state["abandoned"]
-            if late:
-                log.warning("the SSD tier's start over %s, given up, failed once the disk answered: %s",
-                            ", ".join(config.paths), e)
-            return
-        with lock:
-            keep = not state["abandoned"]
-            if keep:
-                state["tier"] = tier
-        if not keep:
-            log.warning("the SSD tier's start over %s finished after it was given up: closed; restart the "
-                        "Manager to use it", ", ".join(config.paths))
-            tier.close()
-
-    th = threading.Thread(target=start, name="orbitkv-ssd-start", daemon=True)
+    st = _Start(config, on_progress)
+    th = threading.Thread(target=st.run, name="orbitkv-ssd-start", daemon=True)
     th.start()
     cpu = _thread_cpu(th.ident)
     while True:
@@ -86,15 +93,16 @@ def open_tier(config: SsdConfig, *, stall: float,
             break
         now_cpu = _thread_cpu(th.ident)
         if now_cpu - cpu >= _BUSY_S:
-            state["moved"], cpu = time.monotonic(), now_cpu
-        if time.monotonic() - state["moved"] >= stall:
-            with lock:
-                if "tier" in state or "error" in state:  # it finished just now
+            st.moved, cpu = time.monotonic(), now_cpu
+        if time.monotonic() - st.moved >= stall:
+            with st.lock:
+                if st.done:  # it finished just now
                     break
-                state["abandoned"] = True
+                st.abandoned = True
             raise SsdStartStalled(
                 f"the SSD tier's start over {', '.join(config.paths)} made no progress for {stall:g} s: a disk "
                 "that does not answer (its thread stays with the kernel until it does)")
-    if "error" in state:
-        raise state["error"]
-    return state["tier"]
+    if st.error is not None:
+        raise st.error
+    assert st.tier is not None
+    return st.tier
