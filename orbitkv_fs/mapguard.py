@@ -53,7 +53,9 @@ _mmap.restype = ctypes.c_ssize_t  # an address, or -1 (MAP_FAILED): compared as 
 _sigaction = _libc.sigaction
 _sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 _sigaction.restype = ctypes.c_int
-_lock = threading.Lock()
+# Re-entrant: a guard whose mapping outlived its unmap is released by a weakref finalizer, which a collection may
+# run inside guard()'s own locked section (at an allocation there), on the same thread.
+_lock = threading.RLock()
 _handler = None
 _unavailable = ""  # why the handler could not be installed, once it could not
 log = logging.getLogger("orbitkv_fs.mapguard")

@@ -96,6 +96,30 @@ def test_a_fault_outside_every_guarded_range_still_ends_the_process(tmp_path, ha
         assert "Bus error" in p.stderr
 
 
+def test_a_release_that_runs_inside_guard_does_not_deadlock(monkeypatch):
+    """A guard whose mapping still had views when it was unmapped is released by a ``weakref.finalize``, which the
+    garbage collector may run at any allocation: also one inside :func:`mapguard.guard`'s locked section (its
+    ``sigaction`` buffers). That deadlocked a CI run (the test below, waiting on its own lock); the release must
+    go through."""
+    import threading
+
+    old = mapguard.guard(1 << 41, 4096)
+    install = mapguard._install
+
+    def install_then_finalize() -> None:
+        old.release()  # what a finalizer run by a collection here does
+        install()
+
+    monkeypatch.setattr(mapguard, "_install", install_then_finalize)
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(mapguard.guard(1 << 42, 4096)), daemon=True)
+    th.start()
+    th.join(30)
+    assert not th.is_alive(), "guard() deadlocked on a release run inside it"
+    assert old.slot == -1 and got[0].slot >= 0
+    got[0].release()
+
+
 def test_guards_are_bounded_and_their_slots_come_back(tmp_path):
     """Past the bound a pages file is refused (a registration names it), not mapped unguarded."""
     pages = HostPages.create([("t", [4, 16], "bfloat16", "kv")], path=str(tmp_path / "pages"))
