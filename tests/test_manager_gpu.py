@@ -19,6 +19,7 @@ import pytest
 from orbitkv_fs.geometry import CudaIpcHandle, EngineRegistration, TensorDesc
 from orbitkv_fs.keys import chunk_key, pack_key
 from orbitkv_fs.manager import SKIP_BLOCK, ChunkBlocks, Manager, ManagerConfig, RequestError
+from orbitkv_fs.manager.batching import EARLY_BATCHES
 from orbitkv_fs.manager.device import _GpuCodecs, _run_of
 from orbitkv_fs.segment import Role
 
@@ -369,11 +370,12 @@ def _spy_rows_submit(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("codec", ["none", "turboquant-4"])
-def test_early_first_batch_writes_nothing_when_the_rest_is_refused(codec, engine, monkeypatch):
-    """A restore's first batch starts before the rest of the request is leased and checked. When a later
-    chunk's blocks cannot hold its segments (a RequestError found only in that check), the request fails
-    with nothing written, also to the first batch's chunks (runs of blocks, which the usual path decodes
+@pytest.mark.parametrize("codec,wrong_at", [("none", -1), ("turboquant-4", -1), ("fp8", 3)])
+def test_early_first_batch_writes_nothing_when_the_rest_is_refused(codec, wrong_at, engine, monkeypatch):
+    """A restore's first batches (EARLY_BATCHES, a part of the request's chunks each) start before the rest of
+    the request is leased and checked. When a later chunk's blocks cannot hold its segments (a RequestError
+    found only in that check: in the rest, or in the second part, whose batch then never starts), the request
+    fails with nothing written, also to the early batches' chunks (runs of blocks, which the usual path decodes
     straight into their pages), and every lease, reservation and workspace byte is back."""
     cmd, reply, handle, _ = engine
     chunks = [ChunkBlocks(chunk_key(f"e{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
@@ -384,24 +386,65 @@ def test_early_first_batch_writes_nothing_when_the_rest_is_refused(codec, engine
         m.save(e.engine_id, chunks)
         cmd.put("zero")
         reply.get(timeout=60)
-        wrong = chunks[:-1] + [ChunkBlocks(chunks[-1].key, [30])]  # saved from two blocks
+        wrong = list(chunks)
+        wrong[wrong_at] = ChunkBlocks(chunks[wrong_at].key, chunks[wrong_at].blocks[:1])  # saved from two blocks
         with pytest.raises(RequestError):
             m.restore(e.engine_id, wrong)
-        assert calls == [False]  # the first batch was started early, and only it
+        # 2 chunks a batch: the parts [0, 2) and [2, 4) start early, unless the wrong chunk is in one
+        assert calls == [False] * (EARLY_BATCHES if wrong_at == -1 else 1)
         cmd.put("read")
         assert not np.frombuffer(reply.get(timeout=60), np.uint16).any()
         st = m.stats()
         assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
         calls.clear()
-        res = m.restore(e.engine_id, chunks)  # the same request, right: the early batch, then the rest
+        res = m.restore(e.engine_id, chunks)  # the same request, right: the early batches, then the rest
         assert all(res.restored), res.misses
-        assert calls[0] is False and len(calls) > 1 and all(calls[1:])
+        assert calls[:EARLY_BATCHES] == [False] * EARLY_BATCHES and len(calls) > EARLY_BATCHES
+        assert all(calls[EARLY_BATCHES:])
         cmd.put("read_now")
         got = np.frombuffer(reply.get(timeout=60), np.uint16)
         cmd.put("reset")
         reply.get(timeout=60)
         cmd.put("read")
         assert_restored(got, np.frombuffer(reply.get(timeout=60), np.uint16), codec)
+
+
+@pytest.mark.parametrize("codec", ["none", "turboquant-4"])
+def test_early_batches_with_corrupt_segments(codec, engine, monkeypatch):
+    """A corrupt header in the second early part keeps that part's batch from starting early (the usual batches
+    verify it and make its chunk a miss, nothing of it written); a corrupt payload in the first early batch is
+    found by the GPU's CRC32C check, its chunk is a miss and that segment's blocks keep what they held (the
+    early batch decodes into its temporary, and only rows that passed are scattered). Every other chunk is
+    restored as saved, and every lease, reservation and workspace byte is back."""
+    cmd, reply, handle, _ = engine
+    chunks = [ChunkBlocks(chunk_key(f"x{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
+    calls = _spy_rows_submit(monkeypatch)
+    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
+                               batch_segments=24)) as m:
+        e = m.register_engine(_registration(handle))
+        m.save(e.engine_id, chunks)
+        cmd.put("read")
+        saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        ns = m._engines[e.engine_id].ns
+        # 2 chunks a batch: chunk 1 in the first early part, chunk 3 in the second
+        for ci, layer, role, at in ((1, 2, Role.VALUE, 64 + 100), (3, 4, Role.KEY, 40)):
+            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
+            m.dram.unlease([(slot, gen)])
+            m.dram.view(off + at, 1)[0] ^= 0x10  # a payload byte; byte 40 of the header: reserved
+        cmd.put("zero")
+        reply.get(timeout=60)
+        before = m.stats().decode_failures
+        res = m.restore(e.engine_id, chunks)
+        assert res.restored == [i not in (1, 3) for i in range(len(chunks))], res.misses
+        assert calls[0] is False and len(calls) > 1 and all(calls[1:])  # the second part's batch: not early
+        assert m.stats().decode_failures == before + 2
+        cmd.put("read")
+        got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
+        assert not got[2 * 2 + 1, chunks[1].blocks].any() and not got[:, chunks[3].blocks].any()
+        keep = [b for i, ch in enumerate(chunks) if i not in (1, 3) for b in ch.blocks]
+        assert_restored(got[:, keep], saved[:, keep], codec)
+        st = m.stats()
+        assert (st.reserved_bytes, st.leases_active, st.workspace_bytes) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp8"])
@@ -423,7 +466,7 @@ def test_early_first_batch_is_dropped_when_the_rest_is_not_all_in_dram(codec, en
         never = ChunkBlocks(chunk_key("never-saved"), [B - 2, B - 1])
         res = m.restore(e.engine_id, chunks + [never])
         assert res.restored == [True] * len(chunks) + [False]
-        assert calls == [False]  # started early, then dropped: the items path took every batch
+        assert calls == [False] * EARLY_BATCHES  # started early, then dropped: the items path took every batch
         cmd.put("read_now")
         got = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
         keep = [b for ch in chunks for b in ch.blocks]

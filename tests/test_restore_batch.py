@@ -321,26 +321,51 @@ class _Pipeline(RestorePipeline, Batching):
         self._gpu_codecs = object() if gpu else None
 
 
+def _segs(n: int, block_bytes: int = 16 << 10) -> list:
+    return [SimpleNamespace(block_bytes=block_bytes)] * n
+
+
+def _chunks(n: int, blocks: int = 2) -> list:
+    return [SimpleNamespace(blocks=list(range(blocks)))] * n
+
+
 def test_early_head_is_the_first_batch_of_a_longer_restore_and_spans_join():
     """A restore's early first batch (``_start_early``) covers the chunks of its first batch of ``batch_segments``
-    segments (whole chunks where the next would give it a quarter or less), only when the request holds more and
-    the arena is pinned; a request leased in two parts has the spans of one."""
-    segs = [object()] * 72
-    chunks = [object()] * 32
+    segments (whole chunks where the next would give it a quarter or less), or fewer where their decoded bytes
+    reach the source cap first, only when the request holds more and the arena is pinned; the early parts are
+    the first two batches' (``EARLY_BATCHES``) that leave a rest; a request leased in parts has the spans of
+    one."""
+    segs = _segs(72)
+    chunks = _chunks(32)
     p = _Pipeline(SimpleNamespace(arena=SimpleNamespace(pinned=True)), 256 << 20, 512, True)
     assert p._early_head(chunks, segs) == 7  # 504 segments: the eighth chunk would give 8 of 512
     assert p._early_head(chunks[:7], segs) == 0  # one batch holds the whole request
-    assert p._early_head(chunks, [object()] * 300) == 2  # a batch of 512: 212 of the second chunk
-    assert p._early_head(chunks, [object()] * 128) == 4 and p._early_head(chunks, [object()] * 600) == 1
+    assert p._early_head(chunks, _segs(300)) == 2  # a batch of 512: 212 of the second chunk
+    assert p._early_head(chunks, _segs(128)) == 4 and p._early_head(chunks, _segs(600)) == 1
     for nseg in range(1, 700):  # the head covers the first cut of a request of whole chunks
         count = 512 // nseg + 2
         nb = np.full(nseg * count, 1 << 10)
-        head = p._early_head([object()] * count, [object()] * nseg)
+        head = p._early_head(_chunks(count), _segs(nseg, 1 << 9))
         _, j = next(p._cuts(nb, nb, 1, nseg))
         assert head * nseg >= j and (head - 1) * nseg < j, nseg
+    # 4 MiB segments (two blocks of 2 MiB): the source cap, 4 flights of 127 MiB, ends the batch in the second chunk
+    big = _segs(72, 2 << 20)
+    assert p._early_head(chunks, big) == 2
+    for nchunks, blocks in ((4, 2), (3, 1), (9, 5), (12, 1)):
+        head = p._early_head(_chunks(nchunks, blocks), big)
+        row = blocks * (2 << 20)
+        nb = np.full(72 * nchunks, row)
+        _, j = next(p._cuts(nb // 4, nb, 1, 72))  # stored bytes a quarter of the decoded: the cap cuts first
+        if not head:  # one batch holds the whole request
+            assert j == len(nb)
+            continue
+        assert head * 72 >= j and (head - 1) * 72 < j, (nchunks, blocks, head, j)
     assert p._early_head(chunks * 10, segs[:2]) == 256 and p._early_head(chunks, []) == 0  # one layer: K, V
+    assert p._early_heads(chunks, segs) == [7, 14]
+    assert p._early_heads(chunks[:14], segs) == [7] and p._early_heads(chunks[:8], segs) == [7]
+    assert p._early_heads(chunks[:7], segs) == [] and p._early_heads(_chunks(4), big) == [2]
     p.dram.arena.pinned = False
-    assert p._early_head(chunks, segs) == 0
+    assert p._early_head(chunks, segs) == 0 and p._early_heads(chunks, segs) == []
     rng = np.random.default_rng(2)
     keys = [bytes([i]) * 36 for i in range(20)]
     hit = rng.random(20) < 0.7

@@ -53,6 +53,13 @@ BATCH_FLIGHTS = 2
 #: host work of a GPU save by 4-5% (docs/results/2026-12-03-save-host).
 ALIGN_SHARE = 4
 
+#: A restore's first batches that start part by part, before the rest of the request is leased and checked (each
+#: part's chunks leased and checked, then its batch started): the pipeline's depth (:func:`_pipelined`). The GPU
+#: copies the first while the host readies the second, and the second while the host leases and checks the rest.
+#: With one, the GPU idled 0.5-0.9 ms of a `turboquant-4` 512 KiB restore's 10.9 ms after it (H200); two made
+#: those restores 1.03x as fast, the other codecs and sizes 1.00-1.01x (docs/results/2026-12-06-head-targets).
+EARLY_BATCHES = 2
+
 
 def _coded_bound(seg: _Seg, n: int) -> int:
     """Workspace bytes the GPU engine's encode of ``n`` source bytes of ``seg`` takes: its payload slot,

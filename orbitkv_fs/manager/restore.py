@@ -5,13 +5,13 @@ lease, else the lower tier, else peers), :meth:`~RestorePipeline._decode_gpu` wi
 :meth:`~RestorePipeline._decode_start` / :meth:`~RestorePipeline._decode_end` (GPU batches, pipelined),
 :meth:`~RestorePipeline._decode_gpu_rows` (the same for a restore given as arrays, :class:`_Rows`: every
 segment a DRAM extent, no Python per segment), :meth:`~RestorePipeline._start_early` /
-:meth:`~RestorePipeline._abort_early` (its first batch started before the rest of the request is leased and
-checked),
+:meth:`~RestorePipeline._abort_early` (its first batches started, part by part, before the rest of the request
+is leased and checked),
 :meth:`~RestorePipeline._restore_ssd_device` (the cuFile direct path), :meth:`~RestorePipeline._upload_raw`
 (raw segments into GPU blocks), :meth:`~RestorePipeline._write` (one segment into host blocks).
 
-Invariants: every destination is validated before anything is written (an early first batch decodes into
-its temporary only, scattered after the rest's checks); no segment is written without a
+Invariants: every destination is validated before anything is written (the early first batches decode into
+their temporaries only, scattered after the rest's checks); no segment is written without a
 valid header and CRC32C (a bad one is a miss for its chunk, never an exception); the restore's hold and the
 lookup lease it consumes are dropped however it ends.
 """
@@ -34,7 +34,7 @@ from ..keys import ObjectKey, segment_keys
 from ..pages import cupy_dtype
 from ..segment import HEADER_DTYPE, HEADER_SIZE, Format, SegmentHeader, peek_source
 from .api import ChunkBlocks, LeaseError, Miss, RequestError, RestoreResult
-from .batching import ALIGN_SHARE, _decode_bound, _pipelined
+from .batching import ALIGN_SHARE, EARLY_BATCHES, _decode_bound, _pipelined
 from .device import _Targets
 from .leases import Spans, _Lease
 from .lower import _lower_contains
@@ -75,7 +75,7 @@ class _Rows(NamedTuple):
 
 
 class _Early(NamedTuple):
-    """A restore's first decode batch, started before the rest of the request was leased and checked
+    """One of a restore's first decode batches, started before the rest of the request was leased and checked
     (:meth:`RestorePipeline._start_early`): the request's destinations, the end of its rows and what
     :meth:`RestorePipeline._rows_submit` answered for them."""
 
@@ -113,7 +113,7 @@ class RestorePipeline:
         eng = self._enter(engine_id, caller)
         held = _Lease(engine_id)
         consume = 0  # the lookup lease this restore ends, once it is known to be this engine's
-        early: _Early | None = None  # a first batch started before the rest was checked (_start_early)
+        earlies: list[_Early] = []  # first batches started before the rest was checked (_start_early)
         try:
             if lease_id:
                 with self._lock:
@@ -153,26 +153,40 @@ class RestorePipeline:
             # (_check_host_batch), of the headers of segments bound for the GPU engine (_check_device_batch).
             spans = None if on_device and not gpu_checks else Spans()
             c1 = time.thread_time()
-            # The first codec batch's chunks keyed, leased and checked first and that batch started, so that the
-            # GPU copies it while the host does the same for the rest (else the GPU idles through all of that).
-            head = self._early_head(chunks, segs) if gpu_checks and spans is not None and device is None else 0
-            keys = [segment_keys(eng.ns, ch.key, tails) for ch in (chunks[:head] if head else chunks)]
+            # The first codec batches' chunks keyed, leased and checked first, part by part, and each part's batch
+            # started, so that the GPU copies them while the host does the same for the next part and the rest
+            # (else the GPU idles through all of that): two, the pipeline's depth.
+            heads = self._early_heads(chunks, segs) if gpu_checks and spans is not None and device is None else []
+            head = heads[-1] if heads else 0
+            keys = [segment_keys(eng.ns, ch.key, tails) for ch in (chunks[:heads[0]] if heads else chunks)]
             kbs = [k for ks in keys for k in ks]
             head_checked = None
-            if head:
-                sources = self._acquire(kbs, held, reasons, tally, fresh, None, spans)
-                c2 = time.thread_time()
-                head_checked = self._check_device_batch(chunks[:head], segs, keys, spans)
-                early = self._start_early(eng, chunks, segs, keys, head, head_checked)
-                c3 = time.thread_time()
+            if heads:
+                sources: dict = {}
+                started_cpu = 0.0  # the early starts' time, counted as phase 1's
+                for a, b in zip([0] + heads, heads):
+                    if a:
+                        keys += [segment_keys(eng.ns, ch.key, tails) for ch in chunks[a:b]]
+                    part = Spans()
+                    sources.update(self._acquire([k for ks in keys[a:] for k in ks], held, reasons, tally, fresh,
+                                                 None, part))
+                    spans = part if not a else spans.joined(part)
+                    got = self._check_device_batch(chunks[a:b], segs, keys[a:], part)
+                    head_checked = got if not a else tuple(np.concatenate(x) for x in zip(head_checked, got))
+                    if len(earlies) == len(heads[:heads.index(b)]):  # every earlier part's batch started
+                        t = time.thread_time()
+                        e = self._start_early(eng, chunks, segs, keys, b, head_checked, earlies)
+                        if e is not None:
+                            earlies.append(e)
+                        started_cpu += time.thread_time() - t
                 keys = keys + [segment_keys(eng.ns, ch.key, tails) for ch in chunks[head:]]
                 rest_kbs = [k for ks in keys[head:] for k in ks]
                 rest = Spans()
                 sources.update(self._acquire(rest_kbs, held, reasons, tally, fresh, None, rest))
                 spans = spans.joined(rest)
-                c4 = time.thread_time()
-                self._cpu("restore_acquire", c2 - c1 + c4 - c3, nkeys)
-                c2 = c2 + c4 - c3  # the early start's time is counted as phase 1's
+                c2 = time.thread_time()
+                self._cpu("restore_acquire", c2 - c1 - started_cpu, nkeys)
+                c2 -= started_cpu
             else:
                 sources = self._acquire(kbs, held, reasons, tally, fresh, device, spans)
                 c2 = time.thread_time()
@@ -207,9 +221,9 @@ class RestorePipeline:
             # decoded as arrays, batch by batch (_decode_gpu_rows), with no item per segment.
             rows = (_Rows.of(chunks, segs, keys, heads, sizes)
                     if pre is not None and len(pre) and pre.all() else None)
-            if rows is None and early is not None:  # the rest is not all rows: the usual paths take the head too
-                self._abort_early(early)
-                early = None
+            if rows is None and earlies:  # the rest is not all rows: the usual paths take the head too
+                self._abort_early(earlies)
+                earlies = []
             arena_ids: set[int] = set()  # ids of the sources that are arena views (pinned where the arena is)
             nseg = len(segs)
             for ci, (ch, ks) in (() if rows is not None else enumerate(zip(chunks, keys))):
@@ -278,7 +292,7 @@ class RestorePipeline:
                         done.append((ci, seg, ch, h, e))
             gpu_totals = (0, 0, 0)
             if rows is not None:
-                taken, early = early, None  # ended by the pipeline from here on, however it ends
+                taken, earlies = earlies, []  # ended by the pipeline from here on, however it ends
                 failed, gpu_totals = self._decode_gpu_rows(eng, rows, bad, taken)
                 done += failed
             elif coded:
@@ -319,8 +333,8 @@ class RestorePipeline:
             return RestoreResult(restored=[i not in bad for i in range(len(chunks))], misses=misses,
                                  segments=segments, logical_bytes=logical, stored_bytes=stored, seconds=dt)
         except BaseException:
-            if early is not None:  # it reads extents of the hold dropped below: ended first, nothing written
-                self._abort_early(early)
+            if earlies:  # they read extents of the hold dropped below: ended first, nothing written
+                self._abort_early(earlies)
             raise
         finally:
             self._drop_lease(held)
@@ -465,16 +479,16 @@ class RestorePipeline:
                 self._add(restore_gpu_wait_seconds=time.perf_counter() - w0)
 
     def _decode_gpu_rows(self, eng: _Engine, rows: "_Rows", bad: dict[int, str],
-                         early: "_Early | None" = None) -> tuple[list, tuple[int, int, int]]:
+                         earlies: Sequence[_Early] = ()) -> tuple[list, tuple[int, int, int]]:
         """:meth:`_decode_gpu` of a restore given as :class:`_Rows`: batches cut from the size arrays, each
         batch's headers verified as one array (:meth:`_verified_rows`) while the GPU works on the previous
         batch, and decoded from the arena as arrays (``decode_rows_submit``; ANS chunk tables parsed from the
         arena in one pass); a batch the engine leaves to its per-segment path (a segment over half its
         workspace), or any batch when the arena is not pinned or the pages are not regular rows, goes through
-        :meth:`_decode_start` as items. ``early``: the first batch, already started (:meth:`_start_early`);
-        the cuts go on from its end. Answers as :meth:`_decode_gpu`."""
+        :meth:`_decode_start` as items. ``earlies``: the first batches, already started (:meth:`_start_early`);
+        the cuts go on from the last one's end. Answers as :meth:`_decode_gpu`."""
         seed = eng.reg.rotation_seed
-        targets = early.targets if early is not None else self._row_targets(eng, rows.chunks, rows.segs)
+        targets = earlies[0].targets if earlies else self._row_targets(eng, rows.chunks, rows.segs)
         failed: list = []
         totals = [0, 0, 0]
 
@@ -497,11 +511,11 @@ class RestorePipeline:
                 return self._decode_end(*started[1:], failed, totals)
             return self._rows_end(rows, *started[1:], failed, totals)
 
-        first = early.end if early is not None else 0
+        first = earlies[-1].end if earlies else 0
         cuts: Iterable = ((i + first, j + first) for i, j in self._cuts(rows.sizes[first:, 0], rows.sizes[first:, 1],
                                                                         self._flights(eng, restore=True, rows=True),
                                                                         len(rows.segs), first))
-        self._decode_pipelined(cuts if early is None else chain((early,), cuts), start, end)
+        self._decode_pipelined(chain(earlies, cuts), start, end)
         return failed, (totals[0], totals[1], totals[2])
 
     def _row_targets(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> "_Targets | None":
@@ -532,33 +546,53 @@ class RestorePipeline:
             return None
         return "rows", at, tid, templates, db, ws, time.perf_counter() - t0
 
+    def _early_heads(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> list[int]:
+        """The ends (in chunks) of a restore's early parts: its first ``EARLY_BATCHES`` codec batches' chunks, each
+        part leased and checked and its batch started before the next part and the rest (:meth:`_start_early`).
+        A part holds one batch (:meth:`_early_head`); only parts that leave a rest after them, none when a
+        batch holds the whole request."""
+        head = self._early_head(chunks, segs)
+        return [n * head for n in range(1, EARLY_BATCHES + 1) if n * head < len(chunks)] if head else []
+
     def _early_head(self, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg]) -> int:
-        """How many leading chunks of a restore make its first codec batch (``batch_segments`` segments, cut as
-        :meth:`_cuts` cuts them: not a sliver of a chunk), when the request holds more than that: those are
-        leased and checked first and their batch started before the rest (:meth:`_start_early`); 0 otherwise."""
+        """How many leading chunks of a restore hold its first codec batch (``batch_segments`` segments, cut as
+        :meth:`_cuts` cuts them: not a sliver of a chunk; fewer where their decoded bytes reach the batch's
+        source cap first), when the request holds more than that; 0 otherwise."""
         if not segs or not self.dram.arena.pinned:
             return 0
         cap, nseg = self._config.batch_segments, len(segs)
         whole, part = divmod(cap, nseg)
         head = whole if whole and ALIGN_SHARE * part <= cap else whole + (part > 0)
+        # Large segments: the source cap (decoded bytes, known from the destinations) ends the batch sooner.
+        most, row_bytes, total = self._source_cap(), sum(s.block_bytes for s in segs), 0
+        for n, ch in enumerate(chunks[:head], 1):
+            total += len(ch.blocks) * row_bytes
+            if total >= most:
+                head = n
+                break
         return head if head < len(chunks) else 0
 
     def _start_early(self, eng: _Engine, chunks: Sequence[ChunkBlocks], segs: Sequence[_Seg], keys: list[list[bytes]],
-                     head: int, checked: tuple[np.ndarray, np.ndarray, np.ndarray]) -> "_Early | None":
-        """Start the first decode batch of a restore whose first ``head`` chunks alone are leased and their size
+                     head: int, checked: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     earlies: Sequence[_Early] = ()) -> "_Early | None":
+        """Start the next decode batch of a restore whose first ``head`` chunks alone are leased and their size
         fields ``checked`` (:meth:`_check_device_batch`), so that the GPU copies it while the host leases and
-        checks the rest. Started only when it is certain to be the rows path's first batch and to write
-        nothing before the rest is checked: every segment of those chunks is a DRAM extent whose fields fit,
-        every header of the batch verifies, and no row is decoded straight into its pages (all go through the
-        temporary, scattered when the batch ends). None when not started (nothing then was)."""
+        checks the rest: the batch cut from the end of ``earlies`` (the batches started so far) within those
+        chunks. Started only when it is certain to be the rows path's next batch and to write nothing before
+        the rest is checked: every segment of those chunks is a DRAM extent whose fields fit, every header of
+        the batch verifies, and no row is decoded straight into its pages (all go through the temporary,
+        scattered when the batch ends). None when not started (nothing then was)."""
         fit, heads, sizes = checked
         if not fit.all():
             return None
-        targets = self._row_targets(eng, chunks, segs)
+        targets = earlies[0].targets if earlies else self._row_targets(eng, chunks, segs)
         if targets is None:
             return None
         rows = _Rows.of(chunks[:head], segs, keys[:head], heads, sizes)
-        i, j = next(self._cuts(sizes[:, 0], sizes[:, 1], self._flights(eng, restore=True, rows=True), len(segs)))
+        first = earlies[-1].end if earlies else 0
+        i, j = next(self._cuts(sizes[first:, 0], sizes[first:, 1], self._flights(eng, restore=True, rows=True),
+                               len(segs), first))
+        i, j = i + first, j + first
         ok, tid, templates = _verify_headers(heads[i:j], rows.layers[i:j], rows.roles[i:j], sizes[i:j, 3])
         if not ok.all():  # a bad header: the usual path reports it
             return None
@@ -568,21 +602,22 @@ class RestorePipeline:
             return None
         early = _Early(targets, j, started)
         if isinstance(started[4], Exception):  # let the usual path meet (and report) the failure
-            self._abort_early(early)
+            self._abort_early([early])
             return None
         return early
 
-    def _abort_early(self, early: "_Early") -> None:
-        """End an early batch that the restore will not use: wait for its GPU work (it reads leased extents and
-        writes its temporary only), drop its results, give back its workspace."""
-        db, ws = early.started[4], early.started[5]
-        try:
-            if not isinstance(db, Exception):
-                db.engine.decode_collect(db.job)
-        except Exception:  # its results are dropped either way
-            pass
-        finally:
-            self._workspace_delta(-ws)
+    def _abort_early(self, earlies: Sequence[_Early]) -> None:
+        """End early batches that the restore will not use: wait for their GPU work (it reads leased extents and
+        writes their temporaries only), drop their results, give back their workspace."""
+        for early in earlies:
+            db, ws = early.started[4], early.started[5]
+            try:
+                if not isinstance(db, Exception):
+                    db.engine.decode_collect(db.job)
+            except Exception:  # its results are dropped either way
+                pass
+            finally:
+                self._workspace_delta(-ws)
 
     def _verified_rows(self, rows: "_Rows", i: int, j: int,
                        bad: dict[int, str]) -> "tuple[np.ndarray, np.ndarray, list[SegmentHeader]] | None":
