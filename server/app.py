@@ -210,12 +210,15 @@ def _key(text: str, field: str) -> ObjectKey:
 
 def create_app(manager: Manager, *, admin_token: AdminToken | None = None, address: str = "127.0.0.1:9091",
                peer_node: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               dataplane: Any = None, http_limits: HttpLimits | None = None) -> FastAPI:
+               dataplane: Any = None, http_limits: HttpLimits | None = None,
+               lower_tier_wanted: str | None = None) -> FastAPI:
     """The control plane of ``manager``. ``address`` is what the server binds (checked here too: a
     non-loopback address without ``admin_token`` raises :class:`~.auth.InsecureBind`). ``peer_node`` is the
     process's :class:`~orbitkv_fs.peers.PeerNode` or None; ``dataplane`` its
     :class:`~orbitkv_fs.dataplane.DataPlaneServer` (its limits and counters go to ``/metrics``) or None;
-    ``http_limits`` bound the connections of the :class:`HttpServer` that serves the app (:mod:`.connections`)."""
+    ``http_limits`` bound the connections of the :class:`HttpServer` that serves the app (:mod:`.connections`);
+    ``lower_tier_wanted`` names the lower tier the flags asked for (``"ssd"``), so that ``/readyz`` and ``/metrics``
+    say when the Manager serves without it."""
     host, _ = parse_http_addr(address)
     check_bind(host, admin_token)
     app = FastAPI(title="OrbitKV-FS cache manager", version="1",
@@ -229,7 +232,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
     app.state.ready = True
     app.state.http_guard = guard = ConnectionGuard(http_limits)
     registry = build_registry(manager, (lambda: peer_node.stats()) if peer_node is not None else None,
-                              dataplane.stats if dataplane is not None else None, guard.stats)
+                              dataplane.stats if dataplane is not None else None, guard.stats, lower_tier_wanted)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(SameOrigin, loopback=is_loopback(host))
@@ -325,6 +328,7 @@ def create_app(manager: Manager, *, admin_token: AdminToken | None = None, addre
         m = _manager(request)
         return ReadyOut(status="ready", engines=m.stats().engines,
                         lower_tier=getattr(m.lower, "name", "lower") if m.lower is not None else None,
+                        lower_tier_missing=lower_tier_wanted if m.lower is None else None,
                         peers=peer_node is not None)
 
     @app.get("/v1/config", response_model=ConfigOut, tags=["observability"])

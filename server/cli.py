@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             app = create_app(manager, admin_token=token, address=args.http_addr, peer_node=peers, dataplane=dataplane,
-                             http_limits=http_limits)
+                             http_limits=http_limits, lower_tier_wanted="ssd" if args.ssd_cache_path else None)
             http = HttpServer(app, http_host, http_port, log_level=args.log_level,
                               access_log=log.isEnabledFor(logging.INFO)).start()
         except (OrbitKVError, ValueError) as e:

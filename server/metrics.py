@@ -69,8 +69,9 @@ class ManagerCollector(Collector):
 
     def __init__(self, manager: Any, peer_stats: Callable[[], Any | None] | None = None,
                  dataplane_stats: Callable[[], Any] | None = None,
-                 http_stats: Callable[[], Any] | None = None) -> None:
+                 http_stats: Callable[[], Any] | None = None, lower_wanted: str | None = None) -> None:
         self._manager = manager
+        self._lower_wanted = lower_wanted
         self._peer_stats = peer_stats
         self._dataplane_stats = dataplane_stats
         self._http_stats = http_stats
@@ -85,6 +86,10 @@ class ManagerCollector(Collector):
         peers = self._peer_stats() if self._peer_stats is not None else None
         yield from self._manager_families(s, getattr(lower, "name", "lower") if lower is not None else None,
                                           peers is not None or getattr(self._manager, "peers", None) is not None)
+        if self._lower_wanted is not None:
+            yield _gauge("lower_tier_missing", "1 while the lower tier the flags asked for does not serve: its start "
+                         "was given up (--ssd-start-timeout); restart the manager once the disk answers",
+                         labels=["tier"], rows={(self._lower_wanted,): float(lower is None)})
         yield from self._lower_families(s.lower)
         if peers is not None:
             yield from self._peer_families(peers)
@@ -277,8 +282,9 @@ def _valid_name(name: str) -> bool:
 
 def build_registry(manager: Any, peer_stats: Callable[[], Any | None] | None = None,
                    dataplane_stats: Callable[[], Any] | None = None,
-                   http_stats: Callable[[], Any] | None = None) -> CollectorRegistry:
-    """A registry of its own (never the process-global one) holding the Manager's collector."""
+                   http_stats: Callable[[], Any] | None = None, lower_wanted: str | None = None) -> CollectorRegistry:
+    """A registry of its own (never the process-global one) holding the Manager's collector. ``lower_wanted``: the
+    lower tier the flags asked for (``orbitkv_lower_tier_missing`` says whether it serves)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ManagerCollector(manager, peer_stats, dataplane_stats, http_stats))
+    registry.register(ManagerCollector(manager, peer_stats, dataplane_stats, http_stats, lower_wanted))
     return registry

@@ -282,6 +282,8 @@ class ReadyOut(BaseModel):
     status: Literal["ready"]
     engines: int
     lower_tier: str | None
+    lower_tier_missing: str | None = Field(None, description="the lower tier the flags asked for, while none serves "
+                                           "(its start was given up: --ssd-start-timeout); null otherwise")
     peers: bool
 
 

@@ -111,7 +111,8 @@ def secured(tmp_path):
 
 def test_health_ready_config_docs(stack):
     assert stack.http.get("/healthz").json() == {"status": "ok"}
-    assert stack.http.get("/readyz").json() == {"status": "ready", "engines": 0, "lower_tier": "ssd", "peers": False}
+    assert stack.http.get("/readyz").json() == {"status": "ready", "engines": 0, "lower_tier": "ssd",
+                                                "lower_tier_missing": None, "peers": False}
     cfg = stack.http.get("/v1/config").json()
     assert cfg["manager"]["pool_size"] == 4 << 20 and cfg["lower_tier"] == "ssd"
     assert cfg["http"] == {"address": "127.0.0.1:0", "auth_required": False, "max_body_bytes": 4 << 20,

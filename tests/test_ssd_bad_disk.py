@@ -339,8 +339,8 @@ def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_tim
     """``orbitkv-cache-manager --ssd-recover`` over a shard whose disk stops answering reads: before, its
     recovery waited in ``pread`` for as long as the disk did, the Manager never became ready (DRAM included)
     and SIGTERM did not stop it. Now its start is given up after ``--ssd-start-timeout`` without progress: it
-    serves with DRAM only, says so in its log and in /readyz, and the tier its start finishes once the disk
-    answers is closed, not served."""
+    serves with DRAM only, says so in its log, in /readyz and in /metrics (for an alert), and the tier its start
+    finishes once the disk answers is closed, not served."""
     import urllib.request
 
     from manager_process import ManagerProcess, sample_engine_round_trip
@@ -350,6 +350,10 @@ def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_tim
     flags = ("--ssd-cache-path", str(disk.path / "a.okv"), "--ssd-cache-capacity", "64mb")
     first = ManagerProcess(*flags, shm_dir=str(shm), pool="64mb")
     sample_engine_round_trip(first.endpoint, str(shm))  # a cache on the disk to recover
+    with urllib.request.urlopen(first.http + "/readyz", timeout=5) as r:
+        assert json.loads(r.read())["lower_tier_missing"] is None
+    with urllib.request.urlopen(first.http + "/metrics", timeout=5) as r:
+        assert 'orbitkv_lower_tier_missing{tier="ssd"} 0.0' in r.read().decode()
     assert first.stop() == 0
     disk.set(hang_reads=True)
     t0 = time.monotonic()
@@ -359,7 +363,10 @@ def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_tim
         assert time.monotonic() - t0 < 25, m.log  # the start timeout, not the disk, decided
         assert "made no progress for 2 s" in m.log and "starts with DRAM only" in m.log
         with urllib.request.urlopen(m.http + "/readyz", timeout=5) as r:
-            assert json.loads(r.read())["lower_tier"] is None
+            ready = json.loads(r.read())
+            assert (ready["lower_tier"], ready["lower_tier_missing"]) == (None, "ssd")
+        with urllib.request.urlopen(m.http + "/metrics", timeout=5) as r:
+            assert 'orbitkv_lower_tier_missing{tier="ssd"} 1.0' in r.read().decode()
         sample_engine_round_trip(m.endpoint, str(shm))  # DRAM serves
         disk.set()
         assert wait_until(lambda: "finished after it was given up: closed" in m.log, 30), m.log
