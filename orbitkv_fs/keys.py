@@ -20,6 +20,8 @@ import msgspec
 from .segment import Role
 
 PACKED_SIZE = 36
+#: The namespace's bytes at the start of a packed key and of its chunk prefix (namespace + chunk).
+NS_BYTES = 16
 _STRUCT = struct.Struct("<16s16sHB1x")
 assert _STRUCT.size == PACKED_SIZE
 _LAYER_ROLE = struct.Struct("<HB")  # at byte 32 of the packed form

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     g.add_argument("--max-pinned-share", type=_share, default=ManagerConfig().max_pinned_share, metavar="F",
                    help="share of the pool that lookup leases' pins keep from eviction, all engines together; past "
-                        "it evictions take pinned chunks too, oldest first (default %(default)s)")
+                        "it evictions take pinned chunks too, oldest first, from the namespaces whose pins hold "
+                        "more than an equal part of it (default %(default)s)")
     g.add_argument("--max-engines-per-user", type=_positive(int), default=ManagerConfig().max_engines_per_user,
                    metavar="N", help="engines one OS user may have registered at once (default %(default)s)")
     g.add_argument("--max-tensors-per-user", type=_positive(int), default=ManagerConfig().max_tensors_per_user,

@@ -115,6 +115,38 @@ sys.stdin.readline()  # hold every lease until told
 """
 
 
+class _Victim:
+    """An engine of this process over host pages of random BF16 words: ``n`` chunks of one block, two layers."""
+
+    def __init__(self, endpoint: str, shm: str, n: int) -> None:
+        tensors = [PageTensor(f"L{l}.{r}", 0, [n, 16, 2, 64], [], "bfloat16", r, l, "separate")
+                   for l in range(2) for r in ("key", "value")]
+        self.pages = HostPages.create(tensors, path=f"{shm}/orbitkv-pages-victim")
+        rng = np.random.default_rng(7)
+        for name in self.pages.tensors:
+            raw = self.pages.array(name).view(np.uint16)
+            raw[...] = rng.integers(0, 1 << 16, size=raw.shape, dtype=np.uint16)
+        self.want = {name: self.pages.array(name).view(np.uint16).copy() for name in self.pages.tensors}
+        reg = EngineRegistration(model="victim", num_layers=2, layer_start=0, layer_end=2, block_size=16,
+                                 num_heads=2, head_dim=64, dtype="bfloat16",
+                                 tensors=[self.pages.descriptor(t) for t in self.pages.tensors], engine_kind="sample",
+                                 engine_id="victim")
+        self.client = connect(endpoint, timeout=60)
+        self.client.register(reg)
+        self.chunks = [ChunkBlocks(chunk_key(f"v{i}"), [i]) for i in range(n)]
+
+    def zero(self) -> None:
+        for name in self.pages.tensors:
+            self.pages.array(name).view(np.uint16)[...] = 0
+
+    def exact(self) -> bool:
+        return all(np.array_equal(self.pages.array(name).view(np.uint16), self.want[name])
+                   for name in self.pages.tensors)
+
+    def close(self) -> None:
+        self.pages.close()
+
+
 def test_a_process_that_pins_the_whole_pool_leaves_other_engines_their_share(tmp_path):
     """A second OS process, no token, registers over its own pages and saves 16 KiB chunks (four 4 KiB
     segments) until it has passed a 64 MiB pool twice, looking up every chunk as it goes, and holds those
@@ -132,32 +164,17 @@ def test_a_process_that_pins_the_whole_pool_leaves_other_engines_their_share(tmp
         # Its later rounds' saves evicted its own pinned chunks past the share (their lookups found fewer).
         assert leased > 64 and mgr.metric("orbitkv_pinned_evictions_total") > 0
         n = 1024
-        tensors = [PageTensor(f"L{l}.{r}", 0, [n, 16, 2, 64], [], "bfloat16", r, l, "separate")
-                   for l in range(2) for r in ("key", "value")]
-        pages = HostPages.create(tensors, path=f"{tmp_path}/orbitkv-pages-victim")
-        rng = np.random.default_rng(7)
-        for name in pages.tensors:
-            raw = pages.array(name).view(np.uint16)
-            raw[...] = rng.integers(0, 1 << 16, size=raw.shape, dtype=np.uint16)
-        want = {name: pages.array(name).view(np.uint16).copy() for name in pages.tensors}
-        reg = EngineRegistration(model="victim", num_layers=2, layer_start=0, layer_end=2, block_size=16,
-                                 num_heads=2, head_dim=64, dtype="bfloat16",
-                                 tensors=[pages.descriptor(t) for t in pages.tensors], engine_kind="sample",
-                                 engine_id="victim")
-        c = connect(mgr.endpoint, timeout=60)
-        c.register(reg)
-        chunks = [ChunkBlocks(chunk_key(f"v{i}"), [i]) for i in range(n)]
+        pages = _Victim(mgr.endpoint, str(tmp_path), n)
+        c, chunks = pages.client, pages.chunks
         t0 = time.monotonic()
         saved = c.save("victim", chunks)
         took = time.monotonic() - t0
         assert saved.dropped_segments == 0 and saved.chunks_saved == n, saved
-        for name in pages.tensors:
-            pages.array(name).view(np.uint16)[...] = 0
+        pages.zero()
         lk = c.lookup("victim", [ch.key for ch in chunks])
         assert lk.count == n
         assert all(c.restore("victim", chunks, lease_id=lk.lease_id).restored)
-        for name in pages.tensors:
-            assert np.array_equal(pages.array(name).view(np.uint16), want[name]), name
+        assert pages.exact()
         assert mgr.metric("orbitkv_pinned_chunks") <= pinned  # the victim's own lease ended with its restore
         assert 1 <= mgr.log.count("more than their share (--max-pinned-share)") <= 2  # rate-limited
         print(f"victim save of {n} chunks: {took:.3f} s")
@@ -181,3 +198,87 @@ def test_an_object_published_after_its_chunk_was_pinned_never_takes_the_count_be
         assert (t.pinned_units, t.pin_units) == (0, {})
     finally:
         t.close()
+
+
+def test_evictions_past_the_share_take_the_pins_of_the_namespaces_over_an_equal_part():
+    """Past the share an eviction takes pinned objects only from the namespaces whose pins hold more than an
+    equal part of it, each down to that part: another namespace's few pins, older than the big one's, stay."""
+    t = DramTier(64 * UNIT, pin_share=0.5)  # pins keep 32 units; two namespaces: 16 each
+    try:
+        def key(ns: bytes, c: int) -> bytes:
+            return ObjectKey(ns * 16, c.to_bytes(16, "little"), 0, Role.KEY).pack()
+
+        for c in range(4):  # the victim: 4 chunks of 2 units, looked up first (the least recent pins)
+            assert t.publish(key(b"v", c), t.reserve(1000), 1000, 1000, 0) is not None
+        t.pin_chunks([key(b"v", c)[:32] for c in range(4)])
+        for c in range(24):  # the big one: 48 units pinned
+            assert t.publish(key(b"a", c), t.reserve(1000), 1000, 1000, 0) is not None
+        t.pin_chunks([key(b"a", c)[:32] for c in range(24)])
+        assert (t.pinned_units, dict(t.ns_pinned)) == (56, {b"v" * 16: 8, b"a" * 16: 48})
+        for c in range(100, 132):  # a third engine's saves, unpinned: 64 units
+            assert t.publish(key(b"x", c), t.reserve(1000), 1000, 1000, 0) is not None
+        assert all(t.contains(key(b"v", c)) for c in range(4))  # under its part: kept
+        assert t.pinned_units <= 32 and t.ns_pinned[b"a" * 16] <= 24 and t.pins_evicted >= 12
+        assert sum(t.ns_pinned.values()) == t.pinned_units
+        t.unpin_chunks([key(b"v", c)[:32] for c in range(4)] + [key(b"a", c)[:32] for c in range(24)])
+        assert (t.pinned_units, len(t.ns_pinned)) == (0, 0)
+    finally:
+        t.close()
+
+
+def test_when_every_namespace_is_over_its_part_each_is_cut_down_to_it():
+    t = DramTier(64 * UNIT, pin_share=0.5)
+    try:
+        def key(ns: bytes, c: int) -> bytes:
+            return ObjectKey(ns * 16, c.to_bytes(16, "little"), 0, Role.KEY).pack()
+
+        for ns, count in ((b"v", 10), (b"a", 14)):  # 20 and 28 units, both over 16
+            for c in range(count):
+                assert t.publish(key(ns, c), t.reserve(1000), 1000, 1000, 0) is not None
+            t.pin_chunks([key(ns, c)[:32] for c in range(count)])
+        for c in range(100, 140):
+            assert t.publish(key(b"x", c), t.reserve(1000), 1000, 1000, 0) is not None
+        assert t.pinned_units <= 32 and t.ns_pinned[b"v" * 16] >= 16 and t.ns_pinned[b"a" * 16] >= 16
+        assert sum(t.ns_pinned.values()) == t.pinned_units
+    finally:
+        t.close()
+
+
+VICTIM_FIRST = ATTACKER_ENGINE + """
+for r in range(int(args[0])):
+    chunks = [ChunkBlocks(chunk_key(f"a{r}-{i}"), [i]) for i in range(n)]
+    c.save("attacker", chunks)
+    for j in range(0, n, 64):
+        c.lookup("attacker", [ch.key for ch in chunks[j:j + 64]])
+print("done", flush=True)
+sys.stdin.readline()  # hold every lease until told
+"""
+
+
+def test_an_engine_that_looked_up_before_a_pinning_flood_still_restores(tmp_path):
+    """An engine looks up 64 of its chunks; before its restore, another process saves past a 64 MiB pool twice and
+    looks up everything it saves (its pins far over the share). The eviction that must then take pinned chunks
+    takes the flood's, not the engine's older and smaller pins: its restore gets every chunk, byte for byte.
+    Before, the least recent pins went first: the engine's."""
+    mgr = ManagerProcess(shm_dir=str(tmp_path), pool="64mb")
+    victim = attacker = None
+    try:
+        victim = _Victim(mgr.endpoint, str(tmp_path), 64)
+        c, chunks = victim.client, victim.chunks
+        assert c.save("victim", chunks).chunks_saved == 64
+        lk = c.lookup("victim", [ch.key for ch in chunks])
+        assert lk.count == 64
+        attacker = subprocess.Popen([sys.executable, "-c", VICTIM_FIRST, mgr.endpoint, str(tmp_path), "2048", "4"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert attacker.stdout.readline().strip() == "done"
+        assert mgr.metric("orbitkv_pinned_evictions_total") > 0  # the share was passed, pinned chunks taken
+        victim.zero()
+        got = c.restore("victim", chunks, lease_id=lk.lease_id)
+        assert got.restored == [True] * 64, got.misses
+        assert victim.exact()
+    finally:
+        if attacker is not None:
+            attacker.communicate("\n", timeout=60)
+        if victim is not None:
+            victim.close()
+        assert mgr.stop() == 0

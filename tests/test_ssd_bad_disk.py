@@ -349,12 +349,14 @@ def test_a_manager_whose_disk_hangs_at_its_start_serves_dram_after_its_start_tim
     shm.mkdir()
     flags = ("--ssd-cache-path", str(disk.path / "a.okv"), "--ssd-cache-capacity", "64mb")
     first = ManagerProcess(*flags, shm_dir=str(shm), pool="64mb")
-    sample_engine_round_trip(first.endpoint, str(shm))  # a cache on the disk to recover
-    with urllib.request.urlopen(first.http + "/readyz", timeout=5) as r:
-        assert json.loads(r.read())["lower_tier_missing"] is None
-    with urllib.request.urlopen(first.http + "/metrics", timeout=5) as r:
-        assert 'orbitkv_lower_tier_missing{tier="ssd"} 0.0' in r.read().decode()
-    assert first.stop() == 0
+    try:
+        sample_engine_round_trip(first.endpoint, str(shm))  # a cache on the disk to recover
+        with urllib.request.urlopen(first.http + "/readyz", timeout=5) as r:
+            assert json.loads(r.read())["lower_tier_missing"] is None
+        with urllib.request.urlopen(first.http + "/metrics", timeout=5) as r:
+            assert 'orbitkv_lower_tier_missing{tier="ssd"} 0.0' in r.read().decode()
+    finally:
+        assert first.stop() == 0
     disk.set(hang_reads=True)
     t0 = time.monotonic()
     m = ManagerProcess(*flags, "--ssd-recover", "--ssd-start-timeout", "2", shm_dir=str(shm), pool="64mb",

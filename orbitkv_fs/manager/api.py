@@ -102,8 +102,9 @@ class ManagerConfig(msgspec.Struct, frozen=True):
     max_leases_per_engine: int = 1024
     max_leased_chunks_per_engine: int = 65536
     #: Share of the pool that lookup leases' pins keep from eviction, all engines together: past it an
-    #: eviction takes pinned chunks too, oldest first (their restores miss). Without it one process's pins
-    #: could hold the whole pool, and every other engine's saves would find no room.
+    #: eviction takes pinned chunks too, oldest first, of the namespaces whose pins hold more than an equal part
+    #: of the share (their restores miss). Without it one process's pins could hold the whole pool, and every
+    #: other engine's saves would find no room; without the equal parts its pins would make others' miss.
     max_pinned_share: float = 0.5
     #: Engines, and tensors across them, that one OS user may have registered at once (registrations from
     #: another process: the data plane, the HTTP plane). Each registered tensor costs the Manager about 1.6 KB

@@ -33,7 +33,9 @@ Invariants (all under :attr:`DramTier.lock`):
   first pinned (``pin_units``, less what is evicted or invalidated of it since; ``pinned_units`` their sum),
   and while that sum passes the share an eviction's walk takes pinned objects too, the least recent first (a
   restore of a chunk so evicted misses). Otherwise any process that may register an engine could pin the
-  whole pool with its own chunks, and every other engine's save would find no room.
+  whole pool with its own chunks, and every other engine's save would find no room. The walk takes them only
+  from namespaces whose pins hold more than an equal part of the share (``ns_pinned``; max-min fair, which
+  always covers the excess): one engine pinning more cannot make another's few pins miss.
 * A reservation whose eviction found nothing to take evicts no more for the rest of its pieces: under the
   lock nothing can change, and each further walk would pass every leased object again.
 * Residency is counted at stored size (header + payload, rounded to 512-byte units).
@@ -58,7 +60,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from ..index import HIDDEN, ObjectIndex
-from ..keys import ObjectKey, page_of_chunks
+from ..keys import NS_BYTES, ObjectKey, page_of_chunks
 from ..mapguard import guard as guard_mapping, unmap
 from ..shmfiles import create_owned, reclaim_stale
 from .eviction import make_policy
@@ -296,6 +298,7 @@ class DramTier:
         # and their sum: what the pins hold against eviction.
         self.pin_units: dict[bytes, int] = {}
         self.pinned_units = 0
+        self.ns_pinned: collections.Counter[bytes] = collections.Counter()  # pin_units by namespace
         self.leases_active = 0  # lease references held on objects
         self.leased_bytes = 0
         self.evictions = 0
@@ -600,9 +603,12 @@ class DramTier:
         if fresh:
             counted = self.pin_units
             fresh = list(dict.fromkeys(fresh))  # a chunk twice in one lookup is counted once
+            by_ns = self.ns_pinned
             for c, n in zip(fresh, self.index.chunk_units(fresh)):
                 counted[c] = n
                 self.pinned_units += n
+                if n:
+                    by_ns[c[:NS_BYTES]] += n
 
     def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
         pins = self.chunk_pins
@@ -614,7 +620,7 @@ class DramTier:
                 if n > 1:
                     pins[c] = n - 1
                 else:
-                    self.pinned_units -= self.pin_units.pop(c)
+                    self._unpinned(c[:NS_BYTES], self.pin_units.pop(c))
 
     def leading_complete(self, ns_chunks: Sequence[bytes], nseg: int, *, pin: bool) -> int:
         """How many leading chunks have all ``nseg`` segments published; with ``pin`` they are pinned
@@ -630,6 +636,15 @@ class DramTier:
                 self._pin(ns_chunks if n == len(ns_chunks) else ns_chunks[:n])
         return n
 
+    def _unpinned(self, ns: bytes, units: int) -> None:
+        """``units`` of namespace ``ns`` 's pinned chunks are pinned no more. Lock held."""
+        self.pinned_units -= units
+        left = self.ns_pinned[ns] - units
+        if left > 0:
+            self.ns_pinned[ns] = left
+        else:
+            self.ns_pinned.pop(ns, None)
+
     def _pinned(self, slot: int) -> bool:
         ix = self.index
         return ix.leases[slot] > 0 or (bool(self.chunk_pins) and ix.prefix[slot] in self.chunk_pins)
@@ -637,24 +652,46 @@ class DramTier:
     def _pin_walk(self) -> tuple[Callable[[int], bool], bool]:
         """The pinned test of one eviction walk, and whether it may take pinned objects: a leased slot is
         always pinned; a slot of a lookup-pinned chunk is, unless the pins hold more than ``pin_allowance``
-        units, and then the walk may take (the first met, the least recent) such slots until they hold no
-        more."""
+        units, and then the walk may take (the first met, the least recent) such slots of the namespaces whose
+        pins hold more than an equal part of the allowance, each down to that part, until the pins hold no
+        more than the allowance (the namespaces' shares over the part add up to the excess at least)."""
         ix, pins = self.index, self.chunk_pins
         leases, units, prefix = ix.leases, ix.units, ix.prefix
         excess = self.pinned_units - self.pin_allowance
+        if excess <= 0 or len(self.ns_pinned) < 2:  # one namespace's part is the whole allowance
+            def pinned(slot: int) -> bool:
+                nonlocal excess
+                if leases[slot] > 0:
+                    return True
+                if pins and prefix[slot] in pins:
+                    if excess > 0:
+                        excess -= units[slot]
+                        return False
+                    return True
+                return False
 
-        def pinned(slot: int) -> bool:
+            return pinned, excess > 0
+        part = self.pin_allowance // len(self.ns_pinned)
+        over = {ns: n - part for ns, n in self.ns_pinned.items() if n > part}
+
+        def fair(slot: int) -> bool:
             nonlocal excess
             if leases[slot] > 0:
                 return True
-            if pins and prefix[slot] in pins:
+            p = prefix[slot]
+            if p in pins:
                 if excess > 0:
-                    excess -= units[slot]
-                    return False
+                    ns = p[:NS_BYTES]
+                    left = over.get(ns, 0)
+                    if left > 0:
+                        n = units[slot]
+                        over[ns] = left - n
+                        excess -= n
+                        return False
                 return True
             return False
 
-        return pinned, excess > 0
+        return fair, True
 
     def chunk_count(self, ns_chunk: bytes) -> int:
         with self.lock:
@@ -681,11 +718,16 @@ class DramTier:
         if self.pin_units:  # objects of pinned chunks leave: the pins hold less (an object published after its
             # chunk was pinned was not counted: never below zero)
             counted, units = self.pin_units, ix.units
+            by_ns: dict[bytes, int] = {}
             for slot, p in zip(slots, map(ix.prefix.__getitem__, slots)):
                 if p in counted:
                     d = min(units[slot], counted[p])
-                    counted[p] -= d
-                    self.pinned_units -= d
+                    if d:
+                        counted[p] -= d
+                        ns = p[:NS_BYTES]
+                        by_ns[ns] = by_ns.get(ns, 0) + d
+            for ns, d in by_ns.items():
+                self._unpinned(ns, d)
         if self.prefetched:
             wasted = self.prefetched.intersection(slots)
             self.prefetched -= wasted

@@ -111,10 +111,9 @@ print(json.dumps({"victim_save_s": round(took, 4), "victim_chunks_saved": saved.
 """
 
 
-def main() -> None:
-    pkg, out_path = os.path.abspath(sys.argv[1]), sys.argv[2]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    work = tempfile.mkdtemp(prefix="pinned-pool-", dir="/dev/shm")
+def start_manager(pkg: str, work: str) -> tuple[subprocess.Popen, list[str], str, str, dict]:
+    """The tree's manager (a 64 MiB pool, shared memory in ``work``) once ready: the process, its output lines so far
+    (a thread keeps reading), its data-plane endpoint, its HTTP address and the environment that runs the tree."""
     env = dict(os.environ, PYTHONPATH=pkg)
     mgr = subprocess.Popen([sys.executable, "-m", "orbitkv_fs.server.cli", "--pool-size", "64mb", "--data-plane",
                             "tcp://127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--shm-dir", work, "--device", "cpu"],
@@ -131,7 +130,14 @@ def main() -> None:
     threading.Thread(target=read, daemon=True).start()
     ready.wait(60)
     m = re.search(r"ready: data plane (\S+), http (http://[^\s,]+)", "".join(lines))
-    dp, http = m.group(1), m.group(2)
+    return mgr, lines, m.group(1), m.group(2), env
+
+
+def main() -> None:
+    pkg, out_path = os.path.abspath(sys.argv[1]), sys.argv[2]
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    work = tempfile.mkdtemp(prefix="pinned-pool-", dir="/dev/shm")
+    mgr, lines, dp, http, env = start_manager(pkg, work)
 
     def metrics() -> dict:
         with urllib.request.urlopen(http + "/metrics", timeout=60) as r:
