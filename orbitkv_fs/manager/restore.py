@@ -156,15 +156,15 @@ class RestorePipeline:
             # The first codec batches' chunks keyed, leased and checked first, part by part, and each part's batch
             # started, so that the GPU copies them while the host does the same for the next part and the rest
             # (else the GPU idles through all of that): two, the pipeline's depth.
-            heads = self._early_heads(chunks, segs) if gpu_checks and spans is not None and device is None else []
-            head = heads[-1] if heads else 0
-            keys = [segment_keys(eng.ns, ch.key, tails) for ch in (chunks[:heads[0]] if heads else chunks)]
+            parts = self._early_heads(chunks, segs) if gpu_checks and spans is not None and device is None else []
+            head = parts[-1] if parts else 0
+            keys = [segment_keys(eng.ns, ch.key, tails) for ch in (chunks[:parts[0]] if parts else chunks)]
             kbs = [k for ks in keys for k in ks]
             head_checked = None
-            if heads:
+            if parts:
                 sources: dict = {}
                 started_cpu = 0.0  # the early starts' time, counted as phase 1's
-                for a, b in zip([0] + heads, heads):
+                for i, (a, b) in enumerate(zip([0] + parts, parts)):
                     if a:
                         keys += [segment_keys(eng.ns, ch.key, tails) for ch in chunks[a:b]]
                     part = Spans()
@@ -173,7 +173,7 @@ class RestorePipeline:
                     spans = part if not a else spans.joined(part)
                     got = self._check_device_batch(chunks[a:b], segs, keys[a:], part)
                     head_checked = got if not a else tuple(np.concatenate(x) for x in zip(head_checked, got))
-                    if len(earlies) == len(heads[:heads.index(b)]):  # every earlier part's batch started
+                    if len(earlies) == i:  # every earlier part's batch started
                         t = time.thread_time()
                         e = self._start_early(eng, chunks, segs, keys, b, head_checked, earlies)
                         if e is not None:
