@@ -235,7 +235,8 @@ def test_when_every_namespace_is_over_its_part_each_is_cut_down_to_it():
         for ns, count in ((b"v", 10), (b"a", 14)):  # 20 and 28 units, both over 16
             for c in range(count):
                 assert t.publish(key(ns, c), t.reserve(1000), 1000, 1000, 0) is not None
-            t.pin_chunks([key(ns, c)[:32] for c in range(count)])
+        t.pin_chunks([key(b"v", c)[:32] for c in range(10)] + [key(b"a", c)[:32] for c in range(14)])  # one call
+        assert (t.pinned_units, dict(t.ns_pinned)) == (48, {b"v" * 16: 20, b"a" * 16: 28})
         for c in range(100, 140):
             assert t.publish(key(b"x", c), t.reserve(1000), 1000, 1000, 0) is not None
         assert t.pinned_units <= 32 and t.ns_pinned[b"v" * 16] >= 16 and t.ns_pinned[b"a" * 16] >= 16

@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from bisect import bisect_right
-from itertools import accumulate, compress
+from itertools import accumulate, compress, repeat
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -601,14 +601,19 @@ class DramTier:
         fresh = [c for c in ns_chunks if c not in pins]
         pins.update(ns_chunks)
         if fresh:
-            counted = self.pin_units
             fresh = list(dict.fromkeys(fresh))  # a chunk twice in one lookup is counted once
-            by_ns = self.ns_pinned
-            for c, n in zip(fresh, self.index.chunk_units(fresh)):
-                counted[c] = n
-                self.pinned_units += n
-                if n:
-                    by_ns[c[:NS_BYTES]] += n
+            units = self.index.chunk_units(fresh)
+            self.pin_units.update(zip(fresh, units))
+            total = sum(units)
+            self.pinned_units += total
+            ns = fresh[0][:NS_BYTES]
+            if all(map(bytes.startswith, fresh, repeat(ns))):  # one engine's lookup: one namespace
+                if total:
+                    self.ns_pinned[ns] += total
+            else:
+                for c, n in zip(fresh, units):
+                    if n:
+                        self.ns_pinned[c[:NS_BYTES]] += n
 
     def unpin_chunks(self, ns_chunks: Sequence[bytes]) -> None:
         pins = self.chunk_pins
