@@ -117,6 +117,19 @@ def assert_restored(got: np.ndarray, want: np.ndarray, codec: str) -> None:
         assert np.linalg.norm(g - w) < 0.12 * np.linalg.norm(w)
 
 
+def _flip(m: Manager, ns: bytes, chunk: bytes, layer: int, role: Role, at: int, mask: int = 0x10) -> None:
+    """Flip ``mask`` in byte ``at`` of a segment's arena extent (its 64-byte header, then its payload)."""
+    (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunk, layer, role)])
+    m.dram.unlease([(slot, gen)])
+    m.dram.view(off + at, 1)[0] ^= mask
+
+
+def _early_config(codec: str) -> ManagerConfig:
+    """A Manager whose restores of ``B // 2`` chunks start early: 2 chunks a batch (24 segments), a 4 MiB codec
+    budget."""
+    return ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20, batch_segments=24)
+
+
 def _registration(handle: bytes) -> EngineRegistration:
     strides = [T * H * D, H * D, D, 1]
     descs = [TensorDesc(layer=l, role=role, layout="separate", shape=list(SHAPE), strides=strides,
@@ -181,10 +194,7 @@ def test_corrupt_arena_segment_is_a_miss_on_gpu_pages(codec, engine):
         cmd.put("read")
         saved = np.frombuffer(reply.get(timeout=60), np.uint16)
         victim = chunks[3]
-        kb = pack_key(m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE)
-        (slot, gen, off, _), = m.dram.lease([kb])
-        m.dram.unlease([(slot, gen)])
-        m.dram.view(off + 64 + 100, 1)[0] ^= 0x40  # a payload byte, past the 64-byte header
+        _flip(m, m._engines[e.engine_id].ns, victim.key, 2, Role.VALUE, 64 + 100, 0x40)  # a payload byte
         cmd.put("zero")
         reply.get(timeout=60)
         res = m.restore(e.engine_id, chunks)
@@ -219,9 +229,7 @@ def test_corrupt_headers_are_misses_and_a_wrong_size_fails_on_gpu_pages(codec, e
         saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
         ns = m._engines[e.engine_id].ns
         for ci, layer, role, at in ((5, 3, Role.KEY, 40), (9, 1, Role.VALUE, 17)):
-            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
-            m.dram.unlease([(slot, gen)])
-            m.dram.view(off + at, 1)[0] ^= 0x10  # byte 40: reserved; byte 17: the original length
+            _flip(m, ns, chunks[ci].key, layer, role, at)  # byte 40: reserved; byte 17: the original length
         cmd.put("zero")
         reply.get(timeout=60)
         with pytest.raises(RequestError):
@@ -337,9 +345,7 @@ def test_restore_as_arrays_mixes_runs_and_shuffled_chunks_and_fails_per_chunk(co
         saved = np.frombuffer(reply.get(timeout=60), np.uint16).reshape(2 * L, B, T * H * D)
         ns = m._engines[e.engine_id].ns
         for ci, layer, role, at in ((2, 1, Role.KEY, 40), (5, 4, Role.VALUE, 64 + 1000)):
-            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
-            m.dram.unlease([(slot, gen)])
-            m.dram.view(off + at, 1)[0] ^= 0x10  # byte 40: reserved (header); 164: payload
+            _flip(m, ns, chunks[ci].key, layer, role, at)  # byte 40: reserved (header); 1064: payload
         cmd.put("zero")
         reply.get(timeout=60)
         before = m.stats().decode_failures
@@ -380,8 +386,7 @@ def test_early_first_batch_writes_nothing_when_the_rest_is_refused(codec, wrong_
     cmd, reply, handle, _ = engine
     chunks = [ChunkBlocks(chunk_key(f"e{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
     calls = _spy_rows_submit(monkeypatch)
-    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
-                               batch_segments=24)) as m:
+    with Manager(_early_config(codec)) as m:
         e = m.register_engine(_registration(handle))
         m.save(e.engine_id, chunks)
         cmd.put("zero")
@@ -419,8 +424,7 @@ def test_early_batches_with_corrupt_segments(codec, engine, monkeypatch):
     cmd, reply, handle, _ = engine
     chunks = [ChunkBlocks(chunk_key(f"x{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2)]
     calls = _spy_rows_submit(monkeypatch)
-    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
-                               batch_segments=24)) as m:
+    with Manager(_early_config(codec)) as m:
         e = m.register_engine(_registration(handle))
         m.save(e.engine_id, chunks)
         cmd.put("read")
@@ -428,9 +432,7 @@ def test_early_batches_with_corrupt_segments(codec, engine, monkeypatch):
         ns = m._engines[e.engine_id].ns
         # 2 chunks a batch: chunk 1 in the first early part, chunk 3 in the second
         for ci, layer, role, at in ((1, 2, Role.VALUE, 64 + 100), (3, 4, Role.KEY, 40)):
-            (slot, gen, off, _), = m.dram.lease([pack_key(ns, chunks[ci].key, layer, role)])
-            m.dram.unlease([(slot, gen)])
-            m.dram.view(off + at, 1)[0] ^= 0x10  # a payload byte; byte 40 of the header: reserved
+            _flip(m, ns, chunks[ci].key, layer, role, at)  # a payload byte; byte 40 of the header: reserved
         cmd.put("zero")
         reply.get(timeout=60)
         before = m.stats().decode_failures
@@ -455,8 +457,7 @@ def test_early_first_batch_is_dropped_when_the_rest_is_not_all_in_dram(codec, en
     cmd, reply, handle, _ = engine
     chunks = [ChunkBlocks(chunk_key(f"d{i}"), [2 * i, 2 * i + 1]) for i in range(B // 2 - 1)]
     calls = _spy_rows_submit(monkeypatch)
-    with Manager(ManagerConfig(pool_size=64 << 20, storage_codec=codec, storage_codec_budget=4 << 20,
-                               batch_segments=24)) as m:
+    with Manager(_early_config(codec)) as m:
         e = m.register_engine(_registration(handle))
         m.save(e.engine_id, chunks)
         cmd.put("read")

@@ -25,8 +25,8 @@ from orbitkv_fs.tiers.dram import UNIT, DramTier
 from manager_process import ATTACKER_ENGINE, ManagerProcess
 
 
-def _key(chunk: int, layer: int = 0) -> bytes:
-    return ObjectKey(b"n" * 16, chunk.to_bytes(16, "little"), layer, Role.KEY).pack()
+def _key(chunk: int, layer: int = 0, ns: bytes = b"n") -> bytes:
+    return ObjectKey(ns * 16, chunk.to_bytes(16, "little"), layer, Role.KEY).pack()
 
 
 def _fill(t: DramTier, chunks: range, layers: int = 1, n: int = 1000) -> None:
@@ -205,22 +205,19 @@ def test_evictions_past_the_share_take_the_pins_of_the_namespaces_over_an_equal_
     equal part of it, each down to that part: another namespace's few pins, older than the big one's, stay."""
     t = DramTier(64 * UNIT, pin_share=0.5)  # pins keep 32 units; two namespaces: 16 each
     try:
-        def key(ns: bytes, c: int) -> bytes:
-            return ObjectKey(ns * 16, c.to_bytes(16, "little"), 0, Role.KEY).pack()
-
         for c in range(4):  # the victim: 4 chunks of 2 units, looked up first (the least recent pins)
-            assert t.publish(key(b"v", c), t.reserve(1000), 1000, 1000, 0) is not None
-        t.pin_chunks([key(b"v", c)[:32] for c in range(4)])
+            assert t.publish(_key(c, ns=b"v"), t.reserve(1000), 1000, 1000, 0) is not None
+        t.pin_chunks([_key(c, ns=b"v")[:32] for c in range(4)])
         for c in range(24):  # the big one: 48 units pinned
-            assert t.publish(key(b"a", c), t.reserve(1000), 1000, 1000, 0) is not None
-        t.pin_chunks([key(b"a", c)[:32] for c in range(24)])
+            assert t.publish(_key(c, ns=b"a"), t.reserve(1000), 1000, 1000, 0) is not None
+        t.pin_chunks([_key(c, ns=b"a")[:32] for c in range(24)])
         assert (t.pinned_units, dict(t.ns_pinned)) == (56, {b"v" * 16: 8, b"a" * 16: 48})
         for c in range(100, 132):  # a third engine's saves, unpinned: 64 units
-            assert t.publish(key(b"x", c), t.reserve(1000), 1000, 1000, 0) is not None
-        assert all(t.contains(key(b"v", c)) for c in range(4))  # under its part: kept
+            assert t.publish(_key(c, ns=b"x"), t.reserve(1000), 1000, 1000, 0) is not None
+        assert all(t.contains(_key(c, ns=b"v")) for c in range(4))  # under its part: kept
         assert t.pinned_units <= 32 and t.ns_pinned[b"a" * 16] <= 24 and t.pins_evicted >= 12
         assert sum(t.ns_pinned.values()) == t.pinned_units
-        t.unpin_chunks([key(b"v", c)[:32] for c in range(4)] + [key(b"a", c)[:32] for c in range(24)])
+        t.unpin_chunks([_key(c, ns=b"v")[:32] for c in range(4)] + [_key(c, ns=b"a")[:32] for c in range(24)])
         assert (t.pinned_units, len(t.ns_pinned)) == (0, 0)
     finally:
         t.close()
@@ -229,16 +226,14 @@ def test_evictions_past_the_share_take_the_pins_of_the_namespaces_over_an_equal_
 def test_when_every_namespace_is_over_its_part_each_is_cut_down_to_it():
     t = DramTier(64 * UNIT, pin_share=0.5)
     try:
-        def key(ns: bytes, c: int) -> bytes:
-            return ObjectKey(ns * 16, c.to_bytes(16, "little"), 0, Role.KEY).pack()
-
         for ns, count in ((b"v", 10), (b"a", 14)):  # 20 and 28 units, both over 16
             for c in range(count):
-                assert t.publish(key(ns, c), t.reserve(1000), 1000, 1000, 0) is not None
-        t.pin_chunks([key(b"v", c)[:32] for c in range(10)] + [key(b"a", c)[:32] for c in range(14)])  # one call
+                assert t.publish(_key(c, ns=ns), t.reserve(1000), 1000, 1000, 0) is not None
+        # one call, two namespaces
+        t.pin_chunks([_key(c, ns=b"v")[:32] for c in range(10)] + [_key(c, ns=b"a")[:32] for c in range(14)])
         assert (t.pinned_units, dict(t.ns_pinned)) == (48, {b"v" * 16: 20, b"a" * 16: 28})
         for c in range(100, 140):
-            assert t.publish(key(b"x", c), t.reserve(1000), 1000, 1000, 0) is not None
+            assert t.publish(_key(c, ns=b"x"), t.reserve(1000), 1000, 1000, 0) is not None
         assert t.pinned_units <= 32 and t.ns_pinned[b"v" * 16] >= 16 and t.ns_pinned[b"a" * 16] >= 16
         assert sum(t.ns_pinned.values()) == t.pinned_units
     finally:
