@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ssd-start-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
                    help="the SSD tier's start (opening its shards, and with --ssd-recover reading them through) "
                         "that shows no progress this long is given up: a disk that does not answer. The manager "
-                        "then serves with DRAM only, says so in its log and in /readyz (lower_tier null), and "
-                        "should be restarted once the disk answers (default 30)")
+                        "then serves with DRAM only, says so in its log, in /readyz (lower_tier_missing) and in "
+                        "orbitkv_lower_tier_missing, and should be restarted once the disk answers (default 30)")
     g.add_argument("--ssd-prefetch-chunks", type=int, default=2,
                    help="after a lookup or restore hits SSD chunks of a prefix, read this many following "
                         "chunks of the prefix into DRAM in the background (default 2; 0: off)")
