@@ -270,6 +270,10 @@ class ManagerCollector(Collector):
         yield _gauge("peer_staging_bytes", "staging memory for peer reads", p.staging_bytes)
         yield _gauge("peer_staging_used_bytes", "staging memory in use", p.staging_used_bytes)
         yield _gauge("peer_served_leases_active", "leases held for peers", p.served_leases_active)
+        yield _gauge("peer_served_connections", "connections open at the peer port", p.served_connections)
+        yield _counter("peer_served_connections_closed", "peer-port connections shut down past "
+                       "--peer-max-connections (the oldest that never carried a valid request first)",
+                       p.served_connections_closed_total)
         yield _gauge("peer_abandoned_reads", "peer reads given up at the deadline, still in flight",
                      p.abandoned_reads)
         yield _gauge("peers", "configured peers, per state", labels=["state"],

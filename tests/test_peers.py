@@ -543,3 +543,140 @@ def test_a_connection_that_never_talks_is_closed_and_a_quiet_peer_is_not(monkeyp
         quiet.close(0)
         server.close()
         arena.close()
+
+
+_READY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+#: a ZMTP 3.0 greeting (NULL mechanism) and READY, as a DEALER sends them
+_GREETING = (b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31)
+             + b"\x04" + bytes([len(_READY)]) + _READY)
+
+
+def _closed(s) -> bool:
+    """Whether the Manager ended raw connection ``s`` (non-blocking): EOF or a reset after its PINGs."""
+    try:
+        while True:
+            got = s.recv(65536)
+            if not got:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_talking_connections_past_the_cap_are_shut_and_real_peers_kept(monkeypatch):
+    """A process that keeps talking on connections to the peer port, without the secret (each a frame every
+    0.2 s, so the heartbeat never closes them), held as many of the Manager's descriptors as it opened (3,000 in
+    docs/results/2026-12-06-peer-talkers). Past ``max_connections`` the port now shuts down the oldest connection
+    that never carried a valid request: the talkers go, a peer whose request was valid keeps its connection (its
+    DEALER does not reconnect, so a drop would show), and a peer that connects after the flood is answered."""
+    import socket
+
+    import zmq
+
+    from orbitkv_fs.peers import PeerServer
+
+    arena = ShmArena(1 << 20, [NS])
+    key, seg = make_segments(NS, 1, 65536, 16)[0]
+    arena.put(key, seg)
+    server = PeerServer(arena, "127.0.0.1:1", secret=SECRET, max_connections=8)
+    host, port = server.address.rsplit(":", 1)
+    ask = P.PrefixRequest(1, NS, [key.chunk], [(0, int(Role.KEY))])
+
+    def dealer():
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        d.setsockopt(zmq.RCVTIMEO, 5000)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RECONNECT_IVL, -1)
+        d.connect(f"tcp://{server.address}")
+        return d
+
+    def answered(d, req_id: int) -> bool:
+        d.send(P.seal(P.encode(msgspec.structs.replace(ask, req_id=req_id)), SECRET, P.REQUEST))
+        try:
+            return P.decode_reply(P.unseal(d.recv(), SECRET, P.REPLY)) == P.PrefixReply(req_id, NS, 1)
+        except zmq.Again:
+            return False
+
+    early = dealer()
+    talkers = []
+    try:
+        assert answered(early, 1)
+        for _ in range(30):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(_GREETING)
+            s.setblocking(False)
+            talkers.append(s)
+        start = time.monotonic()
+        while time.monotonic() - start < 10:
+            time.sleep(0.2)
+            for s in talkers:
+                if not _closed(s):
+                    try:
+                        s.send(b"\x00\x08untagged")  # a message frame without the secret's tag
+                    except OSError:
+                        pass
+            if time.monotonic() - start > 2 and server.connections_closed >= 23 and server.connections <= 8:
+                break
+        assert server.connections_closed >= 23, server.connections_closed  # 31 opened, at most 8 kept
+        assert server.connections <= 8
+        open_talkers = sum(not _closed(s) for s in talkers)
+        assert open_talkers <= 7, open_talkers  # the early peer holds one of the 8
+        assert server.counters.refused[P.RefuseReason.UNAUTHENTICATED] >= 20  # the kept talkers did talk
+        assert answered(early, 2), "the peer whose request was valid lost its connection"
+        late = dealer()
+        try:
+            assert answered(late, 3)
+        finally:
+            late.close(0)
+    finally:
+        for s in talkers:
+            s.close()
+        early.close(0)
+        server.close()
+        arena.close()
+
+
+def test_a_connection_is_shut_only_while_its_descriptor_holds_it():
+    """The cap shuts connections by descriptor number, which libzmq may have closed and the process reused by
+    the time the monitor's event is read: ``_shut`` acts only when the descriptor still holds the same TCP
+    connection (both ends), never closes the descriptor itself (libzmq owns it), and ``_Connections`` tracks only
+    connections to its port."""
+    import os
+    import socket
+
+    from orbitkv_fs.peers.server import _Connections, _ends, _shut
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+    a = socket.create_connection(("127.0.0.1", port))
+    b, _ = lst.accept()
+    other = socket.create_connection(("127.0.0.1", port))
+    other_b, _ = lst.accept()
+    try:
+        ends = _ends(b.fileno())
+        assert ends == (b.getsockname(), b.getpeername())
+        assert not _shut(b.fileno(), _ends(other_b.fileno()))  # the number now holds another connection
+        b.sendall(b"x")
+        assert a.recv(1) == b"x"
+        assert _shut(b.fileno(), ends)
+        a.settimeout(5)
+        assert a.recv(1) == b""  # shut down: the far end sees it end
+        os.fstat(b.fileno())  # and the descriptor is still open, for libzmq to close
+        r, w = os.pipe()
+        try:
+            assert _ends(r) is None and not _shut(r, ends)  # not a socket
+        finally:
+            os.close(r)
+            os.close(w)
+        conns = _Connections(1, port)
+        conns.accepted(a.fileno(), 1.0)  # a connection *from* the port: another socket's number by now
+        assert conns.open == {}
+        conns.accepted(other_b.fileno(), 1.0)
+        conns.accepted(b.fileno(), 2.0)
+        conns.valid(other_b.fileno())
+        conns.enforce()  # over the cap: the one that never carried a valid request goes, though newer
+        assert list(conns.open) == [other_b.fileno()] and conns.closed_total == 1
+    finally:
+        for s in (a, b, other, other_b, lst):
+            s.close()

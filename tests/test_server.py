@@ -637,7 +637,8 @@ def test_peer_routes_need_the_token_and_export_metrics(tmp_path):
             ms = metrics(http)
             assert m1(ms, "orbitkv_peers", state="ok") == 1
             for name in ("orbitkv_peer_lookups_total", "orbitkv_peer_fetched_bytes_total",
-                         "orbitkv_peer_hit_latency_seconds_count", "orbitkv_peer_staging_bytes"):
+                         "orbitkv_peer_hit_latency_seconds_count", "orbitkv_peer_staging_bytes",
+                         "orbitkv_peer_served_connections", "orbitkv_peer_served_connections_closed_total"):
                 assert (name, ()) in ms, name
             assert ("orbitkv_hits_total", (("tier", "peer"),)) in ms
             assert http.get("/v1/stats").json()["peers"]["address"] == node.address

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterable
 
 from ..access import MIN_TOKEN_LENGTH, InsecureBind, is_loopback
 from .client import PeerClient, PeerConfig
-from .server import PeerServer, PeerSource
+from .server import MAX_CONNECTIONS, PeerServer, PeerSource
 from .stats import PeerStats
 from .transport import Transport
 
@@ -35,13 +35,14 @@ class PeerNode:
     def __init__(self, manager: Any, *, host: str = "127.0.0.1", port: int = 0, peers: Iterable[str] = (),
                  config: PeerConfig | None = None, protocol: str = "tcp", device: str = "",
                  lease_ttl_s: float = 60.0, namespaces: Callable[[], Collection[bytes]] | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
         self.manager: PeerSource = manager
         self.transport = Transport(host, protocol=protocol, device=device)
         arena = manager.arena_info()
         self.transport.register(int(arena.base_address), int(arena.size))
         self.server = PeerServer(manager, self.transport.session_id, host=host, port=port,
-                                 lease_ttl_s=lease_ttl_s, namespaces=namespaces, secret=secret)
+                                 lease_ttl_s=lease_ttl_s, namespaces=namespaces, secret=secret,
+                                 max_connections=max_connections)
         self.client = PeerClient(self.transport, config, secret=secret)
         for address in peers:
             self.client.add_peer(address, static=True)
@@ -67,7 +68,8 @@ class PeerNode:
             served_lease_requests_total=s.lease_requests, served_keys_requested_total=s.keys_requested,
             served_keys_total=s.keys_served, served_bytes_total=s.bytes_leased,
             served_refusals_total=dict(s.refused), served_leases_active=self.server.leases_active,
-            served_leases_expired_total=s.leases_expired, peers=self.client.peers())
+            served_leases_expired_total=s.leases_expired, served_connections=self.server.connections,
+            served_connections_closed_total=self.server.connections_closed, peers=self.client.peers())
 
     def close(self) -> None:
         if hasattr(self.manager, "set_peer_fetcher"):
@@ -94,6 +96,9 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-fanout", type=int, default=4, help="peers asked in parallel per fetch")
     g.add_argument("--peer-staging-size", type=int, default=256 << 20,
                    help="bytes of registered memory peer reads land in before verification")
+    g.add_argument("--peer-max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="connections the peer port keeps open at most: past it the oldest that never carried a "
+                        f"valid request is shut down (default {MAX_CONNECTIONS})")
     g.add_argument("--peer-secret-file", default=None, metavar="PATH",
                    help="file holding the secret every peer Manager shares (default: $ORBITKV_PEER_SECRET); "
                         "control messages without its tag are dropped. Required with a non-loopback --peer-host")
@@ -120,8 +125,10 @@ def start_from_args(manager: Any, args: argparse.Namespace) -> "PeerNode | None"
     """A :class:`PeerNode` for ``manager`` when ``--peer`` or ``--peer-port`` was given, else None."""
     if not args.peer and not args.peer_port:
         return None
-    if args.peer_budget_ms <= 0 or args.peer_fanout < 1 or args.peer_staging_size < (1 << 20):
-        raise ValueError("--peer-budget-ms must be > 0, --peer-fanout >= 1, --peer-staging-size >= 1 MiB")
+    if (args.peer_budget_ms <= 0 or args.peer_fanout < 1 or args.peer_staging_size < (1 << 20)
+            or args.peer_max_connections < 1):
+        raise ValueError("--peer-budget-ms must be > 0, --peer-fanout >= 1, --peer-staging-size >= 1 MiB, "
+                         "--peer-max-connections >= 1")
     secret = peer_secret(args)
     if secret is None:
         if not is_loopback(args.peer_host):
@@ -132,7 +139,8 @@ def start_from_args(manager: Any, args: argparse.Namespace) -> "PeerNode | None"
     node = PeerNode(manager, host=args.peer_host, port=args.peer_port, peers=args.peer,
                     protocol=args.peer_protocol, device=args.peer_device, secret=secret,
                     config=PeerConfig(budget_s=args.peer_budget_ms / 1000, fanout=args.peer_fanout,
-                                      staging_bytes=args.peer_staging_size))
+                                      staging_bytes=args.peer_staging_size),
+                    max_connections=args.peer_max_connections)
     log.info("peers: control %s, transfer engine %s (%s), %d static peer(s)", node.address,
              node.transport.session_id, args.peer_protocol, len(args.peer))
     return node

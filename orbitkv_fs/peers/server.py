@@ -19,13 +19,19 @@ Invariants:
   every libzmq peer answers by itself) -- is closed after :data:`HEARTBEAT_TIMEOUT_MS`: libzmq bounds
   neither connections nor idleness, and a process holding connections it completed the handshake of would
   otherwise keep their descriptors for good (docs/security.md).
+* At most ``max_connections`` connections stay open (:class:`_Connections`, fed by the socket's monitor): past
+  that the oldest one that never carried a valid request is shut down (the newest when every one did), so a
+  process that keeps talking without the secret holds at most that many of the Manager's descriptors, and a
+  peer whose request was valid is not the one that goes while another has never sent one.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Protocol, Sequence, runtime_checkable
 
 import msgspec
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 #: the peer port's heartbeat: a PING every interval; a connection with no traffic for the timeout is closed
 HEARTBEAT_IVL_MS = 10_000
 HEARTBEAT_TIMEOUT_MS = 30_000
+#: connections the peer port keeps open at most (``--peer-max-connections``)
+MAX_CONNECTIONS = 1024
 
 
 @runtime_checkable
@@ -57,6 +65,86 @@ class PeerSource(Protocol):
     def list_engines(self) -> list[Any]: ...
 
 
+@dataclass
+class _Conn:
+    ends: tuple  # (local, remote) address: the TCP connection, not just its descriptor number
+    since: float
+    valid: bool = False  # a request on it passed the secret and decoded
+
+
+def _ends(fd: int) -> "tuple | None":
+    """``(local, remote)`` address of the TCP socket at descriptor ``fd``; None when it is not one (closed, or
+    its number taken by something else since)."""
+    try:
+        s = socket.socket(fileno=fd)  # no new descriptor: it is detached again below, never closed here
+    except OSError:
+        return None
+    try:
+        return s.getsockname(), s.getpeername()
+    except OSError:
+        return None
+    finally:
+        s.detach()
+
+
+def _shut(fd: int, ends: tuple) -> bool:
+    """Shut down the TCP connection ``ends`` at descriptor ``fd`` (libzmq then sees it end and closes the
+    descriptor itself; closing it here would let its number be reused under libzmq); False when the descriptor
+    holds another connection by now."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if (s.getsockname(), s.getpeername()) != ends:
+            return False
+        s.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.detach()
+
+
+class _Connections:
+    """The peer port's open connections, by descriptor (from the socket monitor's accepted and disconnected
+    events, and the source descriptor of each request), and the cap on them: :meth:`enforce` shuts down the
+    oldest that never carried a valid request while more than ``cap`` are open (the newest when every one did).
+    Only connections to ``port`` are tracked: a descriptor number the monitor names late may already be another
+    socket's."""
+
+    def __init__(self, cap: int, port: int) -> None:
+        self.cap, self.port = cap, port
+        self.open: dict[int, _Conn] = {}
+        self.closed_total = 0  # shut down for the cap
+
+    def accepted(self, fd: int, now: float) -> None:
+        ends = _ends(fd)
+        if ends is None or ends[0][1] != self.port:
+            self.open.pop(fd, None)
+            return
+        self.open[fd] = _Conn(ends, now)
+
+    def gone(self, fd: int) -> None:
+        self.open.pop(fd, None)
+
+    def valid(self, fd: int) -> None:
+        c = self.open.get(fd)
+        if c is not None:
+            c.valid = True
+
+    def enforce(self) -> None:
+        while len(self.open) > self.cap:
+            quiet = [fd for fd, c in self.open.items() if not c.valid]
+            if quiet:
+                fd = min(quiet, key=lambda f: self.open[f].since)
+            else:
+                fd = max(self.open, key=lambda f: self.open[f].since)
+            c = self.open.pop(fd)
+            if _shut(fd, c.ends):
+                self.closed_total += 1
+
+
 def _engine_namespaces(source: PeerSource) -> Callable[[], Collection[bytes]]:
     return lambda: {bytes.fromhex(e.namespace) for e in source.list_engines()}
 
@@ -67,8 +155,12 @@ class PeerServer:
 
     def __init__(self, source: PeerSource, session_id: str, *, host: str = "127.0.0.1", port: int = 0,
                  lease_ttl_s: float = 60.0, max_leases: int = 4096,
-                 namespaces: Callable[[], Collection[bytes]] | None = None, secret: bytes | None = None) -> None:
+                 namespaces: Callable[[], Collection[bytes]] | None = None, secret: bytes | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         import zmq  # lazily: the core imports without pyzmq
+
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
 
         self._source = source
         self._secret = secret
@@ -88,15 +180,17 @@ class PeerServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
             else:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as e:
-            self._sock.close(0)
+            self._close_sockets()
             raise PeerError(f"cannot bind the peer port {host}:{port}: {e}") from None
         self.host, self.port = host, port
+        self._conns = _Connections(max_connections, port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"orbitkv-peer-server:{port}", daemon=True)
         self._thread.start()
@@ -110,6 +204,16 @@ class PeerServer:
         with self._lock:
             return len(self._leases)
 
+    @property
+    def connections(self) -> int:
+        """Connections open at the peer port, as its monitor last told."""
+        return len(self._conns.open)
+
+    @property
+    def connections_closed(self) -> int:
+        """Connections shut down for the cap, since the start."""
+        return self._conns.closed_total
+
     # -- serving loop ---------------------------------------------------------------------------------
 
     def _serve(self) -> None:
@@ -117,26 +221,45 @@ class PeerServer:
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         while not self._stop.is_set():
             if poller.poll(100):
+                self._watch()  # connections first: a request's source descriptor must be known to count
                 while True:
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     if len(frames) != 2:
                         self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
                         continue
-                    reply = self._handle(frames[1])
+                    reply = self._handle(frames[1].bytes, frames[1].get(zmq.SRCFD))
                     if reply is not None:
-                        self._sock.send_multipart([frames[0], P.seal(P.encode(reply), self._secret, P.REPLY)])
+                        self._sock.send_multipart([frames[0].bytes, P.seal(P.encode(reply), self._secret, P.REPLY)])
             now = time.monotonic()
             if now >= next_sweep:
                 self._expire(now)
                 next_sweep = now + 1.0
 
-    def _handle(self, frame: bytes) -> "P.Reply | None":
+    def _watch(self) -> None:
+        """Take the monitor's events (connections accepted and ended) and hold the cap."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        now = time.monotonic()
+        while True:
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._conns.accepted(int(ev["value"]), now)
+            else:
+                self._conns.gone(int(ev["value"]))
+        self._conns.enforce()
+
+    def _handle(self, frame: bytes, fd: int = -1) -> "P.Reply | None":
         try:
             frame = P.unseal(frame, self._secret, P.REQUEST)
         except P.ProtocolError:
@@ -152,6 +275,7 @@ class PeerServer:
             self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
             req_id = _salvage_req_id(frame)
             return None if req_id is None else P.Refused(req_id, P.RefuseReason.BAD_REQUEST, str(e)[:200])
+        self._conns.valid(fd)
         try:
             if isinstance(req, P.LeaseRequest):
                 return self._lease(req)
@@ -252,7 +376,7 @@ class PeerServer:
         """Stop serving and release every lease still held for peers."""
         self._stop.set()
         self._thread.join()
-        self._sock.close(0)
+        self._close_sockets()
         with self._lock:
             leases, self._leases = list(self._leases), {}
         for lid in leases:
@@ -260,6 +384,12 @@ class PeerServer:
                 self._source.release(lid)
             except Exception:
                 log.debug("lease %d already released", lid)
+
+
+    def _close_sockets(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)
 
 
 class _ReqId(msgspec.Struct):

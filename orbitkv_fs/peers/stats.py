@@ -68,6 +68,8 @@ class PeerStats(msgspec.Struct, frozen=True):
     served_refusals_total: dict[str, int]
     served_leases_active: int
     served_leases_expired_total: int
+    served_connections: int  # open at the peer port
+    served_connections_closed_total: int  # shut down past --peer-max-connections
     peers: list[PeerInfo]
 
 
