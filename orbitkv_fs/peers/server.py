@@ -385,7 +385,6 @@ class PeerServer:
             except Exception:
                 log.debug("lease %d already released", lid)
 
-
     def _close_sockets(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(0)
