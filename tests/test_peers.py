@@ -641,11 +641,14 @@ def test_a_connection_is_shut_only_while_its_descriptor_holds_it():
     """The cap shuts connections by descriptor number, which libzmq may have closed and the process reused by
     the time the monitor's event is read: ``_shut`` acts only when the descriptor still holds the same TCP
     connection (both ends), never closes the descriptor itself (libzmq owns it), and ``_Connections`` tracks only
-    connections to its port."""
+    connections to its port. A libzmq that no longer tells a frame's source descriptor gives -1 (nothing marked
+    valid), not an error in the serving loop."""
     import os
     import socket
 
-    from orbitkv_fs.peers.server import _Connections, _ends, _shut
+    import zmq
+
+    from orbitkv_fs.peers.server import _Connections, _ends, _shut, _source_fd
 
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
@@ -670,13 +673,35 @@ def test_a_connection_is_shut_only_while_its_descriptor_holds_it():
             os.close(r)
             os.close(w)
         conns = _Connections(1, port)
-        conns.accepted(a.fileno(), 1.0)  # a connection *from* the port: another socket's number by now
+        conns.accepted(a.fileno())  # a connection *from* the port: another socket's number by now
         assert conns.open == {}
-        conns.accepted(other_b.fileno(), 1.0)
-        conns.accepted(b.fileno(), 2.0)
+        conns.accepted(other_b.fileno())
+        conns.accepted(b.fileno())
         conns.valid(other_b.fileno())
         conns.enforce()  # over the cap: the one that never carried a valid request goes, though newer
         assert list(conns.open) == [other_b.fileno()] and conns.closed_total == 1
+
+        c1, c2 = socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port))
+        s1, s2 = lst.accept()[0], lst.accept()[0]
+        try:
+            both = _Connections(1, port)
+            both.accepted(s1.fileno())
+            both.accepted(s2.fileno())
+            both.valid(s1.fileno())
+            both.valid(s2.fileno())
+            both.enforce()  # every one valid: the newest goes
+            assert list(both.open) == [s1.fileno()]
+            c2.settimeout(5)
+            assert c2.recv(1) == b""
+        finally:
+            for x in (c1, c2, s1, s2):
+                x.close()
+
+        class _NoSrcFd:  # a libzmq that no longer tells a frame's source descriptor
+            def get(self, option):
+                raise zmq.ZMQError(22)
+
+        assert _source_fd(_NoSrcFd()) == -1
     finally:
         for s in (a, b, other, other_b, lst):
             s.close()

@@ -68,7 +68,6 @@ class PeerSource(Protocol):
 @dataclass
 class _Conn:
     ends: tuple  # (local, remote) address: the TCP connection, not just its descriptor number
-    since: float
     valid: bool = False  # a request on it passed the secret and decoded
 
 
@@ -106,6 +105,18 @@ def _shut(fd: int, ends: tuple) -> bool:
         s.detach()
 
 
+def _source_fd(frame: Any) -> int:
+    """The descriptor of the connection a received ZeroMQ frame came on; -1 where libzmq no longer tells
+    (``ZMQ_SRCFD`` is deprecated there): its connection is then never marked valid, and the cap takes the oldest
+    connections first."""
+    import zmq
+
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError):
+        return -1
+
+
 class _Connections:
     """The peer port's open connections, by descriptor (from the socket monitor's accepted and disconnected
     events, and the source descriptor of each request), and the cap on them: :meth:`enforce` shuts down the
@@ -115,15 +126,14 @@ class _Connections:
 
     def __init__(self, cap: int, port: int) -> None:
         self.cap, self.port = cap, port
-        self.open: dict[int, _Conn] = {}
+        self.open: dict[int, _Conn] = {}  # in the order they came: the first never-valid one is the oldest
         self.closed_total = 0  # shut down for the cap
 
-    def accepted(self, fd: int, now: float) -> None:
+    def accepted(self, fd: int) -> None:
+        self.open.pop(fd, None)  # a number seen before: its connection ended, this one is the newest
         ends = _ends(fd)
-        if ends is None or ends[0][1] != self.port:
-            self.open.pop(fd, None)
-            return
-        self.open[fd] = _Conn(ends, now)
+        if ends is not None and ends[0][1] == self.port:
+            self.open[fd] = _Conn(ends)
 
     def gone(self, fd: int) -> None:
         self.open.pop(fd, None)
@@ -135,11 +145,10 @@ class _Connections:
 
     def enforce(self) -> None:
         while len(self.open) > self.cap:
-            quiet = [fd for fd, c in self.open.items() if not c.valid]
-            if quiet:
-                fd = min(quiet, key=lambda f: self.open[f].since)
-            else:
-                fd = max(self.open, key=lambda f: self.open[f].since)
+            # a walk past the valid ones only (a reconnecting flood costs no scan of the whole table)
+            fd = next((f for f, c in self.open.items() if not c.valid), None)
+            if fd is None:
+                fd = next(reversed(self.open))
             c = self.open.pop(fd)
             if _shut(fd, c.ends):
                 self.closed_total += 1
@@ -234,7 +243,7 @@ class PeerServer:
                     if len(frames) != 2:
                         self.counters.refused[P.RefuseReason.BAD_REQUEST] += 1
                         continue
-                    reply = self._handle(frames[1].bytes, frames[1].get(zmq.SRCFD))
+                    reply = self._handle(frames[1].bytes, _source_fd(frames[1]))
                     if reply is not None:
                         self._sock.send_multipart([frames[0].bytes, P.seal(P.encode(reply), self._secret, P.REPLY)])
             now = time.monotonic()
@@ -247,14 +256,13 @@ class PeerServer:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        now = time.monotonic()
         while True:
             try:
                 ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
             if ev["event"] == zmq.EVENT_ACCEPTED:
-                self._conns.accepted(int(ev["value"]), now)
+                self._conns.accepted(int(ev["value"]))
             else:
                 self._conns.gone(int(ev["value"]))
         self._conns.enforce()
