@@ -499,6 +499,12 @@ def test_a_public_peer_port_needs_a_secret(tmp_path, monkeypatch):
         peer_secret(args)
 
 
+_READY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+#: a ZMTP 3.0 greeting (NULL mechanism) and READY, as a DEALER sends them
+_GREETING = (b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31)
+             + b"\x04" + bytes([len(_READY)]) + _READY)
+
+
 def test_a_connection_that_never_talks_is_closed_and_a_quiet_peer_is_not(monkeypatch):
     """The peer port's heartbeat: a process that completes the ZMTP handshake and then holds the connection
     without a word (3,000 such connections held 3,000 of a Manager's descriptors for good) is closed at the
@@ -518,9 +524,7 @@ def test_a_connection_that_never_talks_is_closed_and_a_quiet_peer_is_not(monkeyp
     server = PeerServer(arena, "127.0.0.1:1")
     host, port = server.address.rsplit(":", 1)
     mute = socket.create_connection((host, int(port)), timeout=5)
-    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    mute.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31)
-                 + b"\x04" + bytes([len(ready)]) + ready)
+    mute.sendall(_GREETING)
     quiet = zmq.Context.instance().socket(zmq.DEALER)
     quiet.setsockopt(zmq.RCVTIMEO, 5000)
     quiet.setsockopt(zmq.RECONNECT_IVL, -1)  # dropped, it would stay dropped (not hide it by reconnecting)
@@ -543,12 +547,6 @@ def test_a_connection_that_never_talks_is_closed_and_a_quiet_peer_is_not(monkeyp
         quiet.close(0)
         server.close()
         arena.close()
-
-
-_READY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-#: a ZMTP 3.0 greeting (NULL mechanism) and READY, as a DEALER sends them
-_GREETING = (b"\xff" + bytes(8) + b"\x7f\x03\x00NULL" + bytes(16) + b"\x00" + bytes(31)
-             + b"\x04" + bytes([len(_READY)]) + _READY)
 
 
 def _closed(s) -> bool:
