@@ -3,7 +3,9 @@ frame without the secret's tag, close; two threads) while a real peer (a DEALER 
 every 10 ms: the peer's round trips, and the connections the attacker completed. The cap's bookkeeping is Python
 per accepted connection (the monitor's event, both TCP ends read, a shutdown past the cap), where libzmq alone
 took them before; this measures what that costs the peers a port serves. In process, a `PeerServer` over a shared-
-memory arena (`orbitkv_fs.tools.bench_peer.ShmArena`), cap 64 so that the shutdowns run too.
+memory arena (`orbitkv_fs.tools.bench_peer.ShmArena`), cap 64. Each churned connection closes itself within
+moments, so the cap is rarely passed and its shutdowns may not run (`closed_by_cap` 0 in churn.json): talkers.py
+measures those.
 
 Usage: PYTHONPATH=PKG python churn.py SECONDS OUT.json"""
 import inspect
