@@ -1,17 +1,20 @@
 """Where a sampled bench's host time goes: folds py-spy's raw stacks (``py-spy record --format raw --nolineno``,
 one ``frame;frame;... count`` line per stack, root first) of the samples under one entry function.
 
-Prints, for the samples whose stack holds a frame named ROOT (``restore``, ``RestorePipeline.restore``): their count, then the top frames by self samples (the leaf: a C function of libcuda or numpy, or a
-Python function), by inclusive samples (each frame counted once per stack), and by the deepest Python frame
-(where the time is spent from Python's side, native frames below it folded in); then the samples not under
-ROOT (other threads: what may hold the GIL meanwhile; set-up) by thread and outermost Python frames. Usage:
-python fold.py RAW ROOT [TOP]"""
+Prints, for the samples whose stack holds a frame named ROOT (``restore``, ``RestorePipeline.restore``): their
+count, then the top frames by self samples (the leaf: a C function of libcuda or numpy, or a Python function),
+by inclusive samples (each frame counted once per stack), and by the deepest Python frame (where the time is
+spent from Python's side, native frames below it folded in); then the samples not under ROOT (other threads:
+what may hold the GIL meanwhile; set-up) by thread and outermost Python frames. Usage:
+python fold.py RAW[.gz] ROOT [TOP]"""
 
 from __future__ import annotations
 
+import gzip
 import re
 import sys
 from collections import Counter
+from typing import Iterator
 
 _NAME = re.compile(r"^(.*?) \((.*)\)$")
 
@@ -34,22 +37,26 @@ def _python(frame: str) -> bool:
     return frame.endswith(".py)")
 
 
+def read_stacks(path: str) -> Iterator[tuple[list[str], int]]:
+    """Each stack of a raw file (gzipped where its name ends in ``.gz``): its frames, root first, and its count."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if n.isdigit():
+                yield stack.split(";"), int(n)
+
+
 def fold(path: str, root: str) -> tuple[int, Counter, Counter, Counter, Counter]:
     """Samples under ``root``, and their self, inclusive and deepest-Python-frame counts; and the other samples
     by their thread (``py-spy --threads``: its first frame) and outermost three Python frames."""
     total, leaf, incl, deep, other = 0, Counter(), Counter(), Counter(), Counter()
-    for line in open(path):
-        stack, _, n = line.rstrip("\n").rpartition(" ")
-        if not n.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count in read_stacks(path):
         at = next((i for i, f in enumerate(frames) if _named(f, root)), None)
         if at is None:
             thread = frames[0] if frames[0].startswith("thread ") else ""
             outer = [_label(f) for f in frames if _python(f)][:3]
-            other[" / ".join([thread] + outer)] += int(n)
+            other[" / ".join([thread] + outer)] += count
             continue
-        count = int(n)
         frames = frames[at:]
         total += count
         leaf[_label(frames[-1])] += count

@@ -10,9 +10,10 @@ Usage: python phases.py RAW[.gz] [restore|save]"""
 
 from __future__ import annotations
 
-import gzip
 import sys
 from collections import Counter
+
+from fold import read_stacks  # this folder's, beside this script
 
 ROOTS = {"restore": "RestorePipeline.restore", "save": "SavePipeline.save"}
 PHASES = {
@@ -41,20 +42,15 @@ def shares(path: str, which: str) -> tuple[int, Counter, Counter]:
     """Samples under the pipeline's entry (warm-up left out), by phase (inclusive) and by CUDA-side frame."""
     root = ROOTS[which]
     total, phases, cuda = 0, Counter(), Counter()
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            frames = stack.split(";")
-            names = [_name(x) for x in frames]
-            if not any(x == root for x in names) or any(x in _WARMUP for x in names) or "(llvmlite/" in stack:
-                continue
-            count = int(n)
-            total += count
-            for x in set(names) & set(PHASES[which]):
-                phases[x] += count
-            first = next((x for x in frames if _cuda(x)), None)
-            cuda[_name(first) if first else "(host: Python and numpy)"] += count
+    for frames, count in read_stacks(path):
+        names = [_name(x) for x in frames]
+        if root not in names or any(x in _WARMUP for x in names) or any("(llvmlite/" in x for x in frames):
+            continue
+        total += count
+        for x in set(names) & set(PHASES[which]):
+            phases[x] += count
+        first = next((x for x in frames if _cuda(x)), None)
+        cuda[_name(first) if first else "(host: Python and numpy)"] += count
     return total, phases, cuda
 
 
