@@ -19,16 +19,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, header_crc_tables
+from orbitkv_fs.header_rows import (
+    FORMAT_AT,
+    HEADER_CRC_AT,
+    ORIGINAL_AT,
+    PAYLOAD_CRC_AT,
+    RAW_REASON_AT,
+    STORED_AT,
+    field_crc,
+    u32_at,
+)
+from orbitkv_fs.segment import HEADER_SIZE, header_crc_tables
 
 from .tables import finish_crc
 
-_FORMAT = HEADER_DTYPE.fields["format"][1]
-_ORIGINAL = HEADER_DTYPE.fields["original_length"][1]
-_STORED = HEADER_DTYPE.fields["stored_length"][1]
-_PAYLOAD_CRC = HEADER_DTYPE.fields["payload_crc"][1]
-_REASON = HEADER_DTYPE.fields["raw_reason"][1]
-_HEADER_CRC = HEADER_DTYPE.fields["header_crc"][1]
 _NO_STORED = np.zeros(0, np.uint32)
 
 #: One row of ``okv_write_headers`` (``struct HeaderRow``, kernels/headers.cu): a segment's header slot (bytes
@@ -41,21 +45,11 @@ ANS_ROW = 0xFFFFFFFF
 
 
 @numba.njit(inline="always")
-def _get32(b: np.ndarray, at: int) -> int:
-    return np.int64(b[at]) | np.int64(b[at + 1]) << 8 | np.int64(b[at + 2]) << 16 | np.int64(b[at + 3]) << 24
-
-
-@numba.njit(inline="always")
 def _put32(b: np.ndarray, at: int, v: int) -> None:
     b[at] = v & 0xFF
     b[at + 1] = (v >> 8) & 0xFF
     b[at + 2] = (v >> 16) & 0xFF
     b[at + 3] = (v >> 24) & 0xFF
-
-
-@numba.njit(inline="always")
-def _field_crc(t: np.ndarray, v: int) -> int:
-    return np.int64(t[0, v & 0xFF] ^ t[1, (v >> 8) & 0xFF] ^ t[2, (v >> 16) & 0xFF] ^ t[3, (v >> 24) & 0xFF])
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -71,21 +65,21 @@ def _write(host: np.ndarray, templates: np.ndarray, bases: np.ndarray, tid: np.n
             return j
     for j in range(tid.shape[0]):
         t, s = tid[j], slots[j]
-        n = _get32(templates[t], _STORED)
+        n = u32_at(templates[t], STORED_AT)
         new = np.int64(stored[j]) if has_stored else n
         if write:
             p = np.int64(pcrc[j])
             host[s:s + HEADER_SIZE] = templates[t]
-            crc = np.int64(bases[t]) ^ _field_crc(t_pay, p) ^ _field_crc(t_sto, n ^ new)
-            _put32(host, s + _STORED, new)
-            _put32(host, s + _PAYLOAD_CRC, p)
-            _put32(host, s + _HEADER_CRC, crc)
+            crc = np.int64(bases[t]) ^ field_crc(t_pay, p) ^ field_crc(t_sto, n ^ new)
+            _put32(host, s + STORED_AT, new)
+            _put32(host, s + PAYLOAD_CRC_AT, p)
+            _put32(host, s + HEADER_CRC_AT, crc)
         n = new
         i = idx[j]
-        fmt[i] = templates[t, _FORMAT]
-        original[i] = _get32(templates[t], _ORIGINAL)
+        fmt[i] = templates[t, FORMAT_AT]
+        original[i] = u32_at(templates[t], ORIGINAL_AT)
         length[i] = HEADER_SIZE + n
-        reason[i] = templates[t, _REASON]
+        reason[i] = templates[t, RAW_REASON_AT]
         addr[i] = host_addr + s
     return -1
 
@@ -129,7 +123,7 @@ def write_headers_model(region: np.ndarray, rows: np.ndarray, templates: np.ndar
         return
     meta = region[:16 * (int(rows["meta"].max()) + 1)].view("<u4").reshape(-1, 4)
     slot, tid, walked = rows["slot"].astype(np.int64), rows["tid"].astype(np.intp), rows["walked"].astype(np.int64)
-    stored = templates[tid, _STORED:_STORED + 4].copy().view("<u4").reshape(-1).astype(np.int64)
+    stored = templates[tid, STORED_AT:STORED_AT + 4].copy().view("<u4").reshape(-1).astype(np.int64)
     ans = np.flatnonzero(walked == ANS_ROW)
     keep = np.ones(len(rows), dtype=bool)
     if len(ans):

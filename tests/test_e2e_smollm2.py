@@ -71,22 +71,14 @@ class Engine:
         import torch
 
         from orbitkv_fs.connectors.common import connect_client
+        from orbitkv_fs.tools.models import load_smollm2
 
         self.torch = torch
         torch.manual_seed(0)
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-        if Path(model_dir, "config.json").is_file():
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            self.tok = AutoTokenizer.from_pretrained(model_dir)
-        else:
-            from orbitkv_fs.tools.models import load_smollm2
-
-            self.model, self.tok = load_smollm2()
-            # The GGUF dequantisation is slow; cache it so the next engine process starts fast.
-            self.model.save_pretrained(model_dir)
-            self.tok.save_pretrained(model_dir)
+        # Its own disk cache of the dequantised model makes the next engine process start fast. ``model_dir`` is
+        # the subclasses' (a model of their own); a GGUF-loaded model cannot be saved there (transformers refuses).
+        self.model, self.tok = load_smollm2()
         self.model.eval()
         self.client = connect_client(manager, timeout_s=120)
         self.stores: dict[str, Any] = {}

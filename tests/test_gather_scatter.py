@@ -230,6 +230,9 @@ def test_targets_as_arrays_are_the_per_item_tables(layout):
             got = t.table(ci[~direct], si[~direct], addr + pos, gather=gather)
             want = _block_table([(g, b, addr + p) for (g, b), p in zip(staged, pos.tolist())], gather=gather)
             assert got.tobytes() == want.tobytes()
+        for c, s in ((len(chunks), 0), (0, len(segs)), (-1, 0)):  # a pair that is not a target
+            with pytest.raises(IndexError):
+                t.places(np.asarray([0, c]), np.asarray([0, s]))
         for seg in segs:
             seg.copy = None
 

@@ -22,11 +22,11 @@ from orbitkv_fs.manager.leases import Spans
 from orbitkv_fs.manager.restore import RestorePipeline, _Rows
 from orbitkv_fs.manager.verify import (
     _header_rows,
-    _header_rows_at,
     _verify_header,
     _verify_headers,
     header_fields,
     header_of,
+    read_sizes,
 )
 from orbitkv_fs.segment import HEADER_DTYPE, HEADER_SIZE, MAX_STORED_BYTES, AnsType, Format, RawReason, Role
 from orbitkv_fs.segment import SegmentHeader, pack_header, parse_header
@@ -291,19 +291,42 @@ def test_header_checks_group_by_bytes_when_the_mix_collides(monkeypatch):
     assert _check(resigned).sum() < len(good) and len(verify._GROUPS) == 1  # each verdict _verify_header's
 
 
-def test_header_rows_of_an_arena_and_header_fields():
+def test_size_fields_read_from_an_arena_and_header_fields():
+    """read_sizes (a restore's size checks, compiled) against the parsed headers: each placed row's header bytes,
+    its sizes, and whether its dtype, original length and extent fit, at offsets that are multiples of 64 and
+    offsets that are not; an extent whose header lies outside the arena raises and reads nothing."""
     rng = random.Random(2)
     segs = [b for _, b in _segments(rng)[:6]]
-    buf = np.zeros(1 << 16, dtype=np.uint8)
-    offs, pos = [], 0
-    for b in segs:
-        buf[pos:pos + len(b)] = np.frombuffer(b, np.uint8)
-        offs.append(pos)
-        pos += -(-len(b) // 512) * 512
-    assert (_header_rows_at(buf, np.asarray(offs)) == _header_rows(segs)).all()
-    buf2 = np.zeros(len(buf) + 8, dtype=np.uint8)  # offsets that are not multiples of 64
-    buf2[8:] = buf
-    assert (_header_rows_at(buf2, np.asarray(offs) + 8) == _header_rows(segs)).all()
+    nseg = 2  # 4 chunks: 8 rows, 6 of them placed
+    rows = [0, 1, 2, 4, 6, 7]
+    h0 = parse_header(segs[0])
+    codes = np.asarray([header_fields(segs[:1])[0]["dtype"], 99], dtype=np.int64)  # 99: no dtype has it
+    block_bytes = np.asarray([h0.original_length // 2, 1024], dtype=np.int64)
+    nblocks = np.asarray([2, 2, 1, 2], dtype=np.int64)
+    for shift in (0, 8):  # offsets that are not multiples of 64 too
+        buf = np.zeros((1 << 16) + shift, dtype=np.uint8)
+        offs, lens, pos = [], [], shift
+        for i, b in enumerate(segs):
+            buf[pos:pos + len(b)] = np.frombuffer(b, np.uint8)
+            offs.append(pos)
+            lens.append(len(b) - (i == 2))  # one extent shorter than its header says
+            pos += -(-len(b) // 512) * 512
+        at = np.asarray(rows, dtype=np.int64)
+        fit, heads, sizes = read_sizes(buf, at, np.asarray(offs), np.asarray(lens), codes, block_bytes, nblocks)
+        assert (heads[at] == _header_rows(segs)).all() and not heads[[3, 5]].any() and not sizes[[3, 5]].any()
+        for k, (r, b) in enumerate(zip(rows, segs)):
+            h, ci, si = parse_header(b), r // nseg, r % nseg
+            code = header_fields([b])[0]["dtype"]
+            assert fit[r] == (code == codes[si] and h.original_length == nblocks[ci] * block_bytes[si]
+                              and lens[k] == HEADER_SIZE + h.stored_length), r
+            assert sizes[r].tolist() == [h.stored_length, h.original_length, HEADER_SIZE + h.stored_length,
+                                         lens[k], offs[k]]
+        assert fit[0] and not fit[1] and not fit[[3, 5]].any()
+        with pytest.raises(IndexError):
+            read_sizes(buf, at, np.asarray(offs[:-1] + [len(buf) - HEADER_SIZE + 1]), np.asarray(lens), codes,
+                       block_bytes, nblocks)
+        with pytest.raises(IndexError):
+            read_sizes(buf, at + 2, np.asarray(offs), np.asarray(lens), codes, block_bytes, nblocks)
     f = header_fields(segs + [b"short"])
     for row, b in zip(f[:-1], segs):
         h = parse_header(b)

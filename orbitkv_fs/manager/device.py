@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import numba
 import numpy as np
 
+from ..header_rows import FORMAT_AT
 from ..pages import BLOCK_COPY_DTYPE, cupy_dtype
-from ..segment import HEADER_DTYPE, Format, SegmentHeader
+from ..segment import Format, SegmentHeader
 from .api import SKIP_BLOCK
 
 if TYPE_CHECKING:
@@ -62,6 +63,33 @@ class _DecodeRows(NamedTuple):
     pos: np.ndarray
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _place(ci: np.ndarray, si: np.ndarray, counts: np.ndarray, block_bytes: np.ndarray, run: np.ndarray,
+           contig: np.ndarray, first: np.ndarray, geo: np.ndarray, mode: int, usable: np.ndarray, align: int,
+           nbytes: np.ndarray, here: np.ndarray, dst: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
+    """:meth:`_Targets.places` in one pass over the pairs (``mode`` 0: none used where it lies, 1: any that can
+    be, 2: those ``usable`` marks); ``pos`` gets the temporary's offsets of the others, in order. Answers the
+    temporary's size and how many of ``pos`` were written; ``(-1, k)`` for a pair ``k`` out of range (bounds are
+    checked first: boundscheck is off)."""
+    for k in range(ci.shape[0]):
+        if not (0 <= ci[k] < counts.shape[0] and 0 <= si[k] < geo.shape[0]):
+            return -1, k
+    size, m = 0, 0
+    for k in range(ci.shape[0]):
+        c, s = ci[k], si[k]
+        nb = counts[c] * block_bytes[s]
+        nbytes[k] = nb
+        # uint64 arithmetic, as the pages' addresses are: an int64 mix would go through float64 in numba
+        dst[k] = np.int64(geo[s, 0] + np.uint64(first[c]) * geo[s, 1])
+        h = mode != 0 and run[c] and contig[s] and (mode == 1 or usable[k])
+        here[k] = h
+        if not h:
+            pos[m] = size
+            m += 1
+            size += -(-nb // align) * align
+    return size, m
+
+
 class _Targets:
     """Where segments of GPU pages lie, as arrays over (chunk ``ci``, segment ``si``) pairs: a save's sources,
     a restore's destinations. A chunk whose blocks are one ascending run, of a segment whose blocks lie back
@@ -71,7 +99,7 @@ class _Targets:
 
     def __init__(self, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> None:
         # per segment: block 0, block stride, rows, row bytes, row stride, block bytes, buffer address (0)
-        self.geo = _geometry(segs) if geo is None else geo
+        self.geo = _geometry(segs) if geo is None else np.asarray(geo, dtype=np.uint64)
         g = self.geo.astype(np.int64)
         self.block_bytes = g[:, 5]
         # a run of blocks is one C-contiguous region: blocks back to back, each of regular contiguous rows
@@ -97,11 +125,17 @@ class _Targets:
         the others' offsets in a temporary of the size answered last (each at a multiple of _SLICE_ALIGN).
         ``direct=False``: none is used where it lies (all go through the temporary); an array: only the pairs
         it marks may be."""
-        nbytes = self.counts[ci] * self.block_bytes[si]
-        here = self.run[ci] & self.contig[si] & direct if direct is not False else np.zeros(len(ci), dtype=bool)
-        dst = (self.geo[si, 0] + self.first[ci].astype(np.uint64) * self.geo[si, 1]).astype(np.int64)
-        step = -(-nbytes[~here] // _SLICE_ALIGN) * _SLICE_ALIGN
-        return nbytes, here, dst, np.cumsum(step) - step, int(step.sum())
+        n = len(ci)
+        nbytes, dst, pos = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        here = np.empty(n, dtype=bool)
+        mode = 2 if isinstance(direct, np.ndarray) else int(direct is not False)
+        usable = direct if mode == 2 else here  # here: not read (mode 0 or 1)
+        size, staged = _place(np.asarray(ci, np.int64), np.asarray(si, np.int64), self.counts, self.block_bytes,
+                              self.run, self.contig, self.first, self.geo, mode, usable, _SLICE_ALIGN,
+                              nbytes, here, dst, pos)
+        if size < 0:
+            raise IndexError(f"pair {staged}: chunk {int(ci[staged])} or segment {int(si[staged])} is not a target")
+        return nbytes, here, dst, pos[:staged], size
 
     def table(self, ci: np.ndarray, si: np.ndarray, addr: np.ndarray, *, gather: bool) -> np.ndarray:
         """Block-copy rows between pairs' blocks and their contiguous bytes at device addresses ``addr``:
@@ -112,7 +146,6 @@ class _Targets:
 
 
 _BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
-_FORMAT_AT = HEADER_DTYPE.fields["format"][1]  # a header row's format byte
 
 
 def _geometry(segs: Sequence[_Seg]) -> np.ndarray:
@@ -214,7 +247,7 @@ class _GpuCodecs:
         bytes there are never copied, and the workspace holds their payloads alone."""
         engine = self.engine(seed)
         ci, si = np.divmod(rows, len(targets.geo))
-        ans = heads[:, _FORMAT_AT] == Format.ANS
+        ans = heads[:, FORMAT_AT] == Format.ANS
         if direct and ans.any():
             direct = ~ans
         nbytes, direct_rows, dst, pos, size = targets.places(ci, si, direct=direct)

@@ -39,7 +39,7 @@ from .device import _Targets
 from .leases import Spans, _Lease
 from .lower import _lower_contains
 from .registry import _Engine, _Seg
-from .verify import _header_rows_at, _verify, _verify_header, _verify_headers, header_of
+from .verify import _verify, _verify_header, _verify_headers, header_of, read_sizes
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -717,32 +717,12 @@ class RestorePipeline:
         the header rows ``[n, 64]``, and per segment its batch bytes (its payload), decoded bytes,
         stored bytes, extent length and arena offset, ``[n, 5]``. The rest of each header is verified batch by
         batch (:meth:`_verified_rows`). ``spans`` holds the extents of ``keys`` (chunk-major, as leased)."""
-        nseg = len(segs)
-        n = len(chunks) * nseg
-        assert len(spans.hit) == n, "spans of another request"
-        sizes = np.zeros((n, 5), dtype=np.int64)
-        heads = np.zeros((n, HEADER_SIZE), dtype=np.uint8)
-        fit = np.zeros(n, dtype=bool)
+        assert len(spans.hit) == len(chunks) * len(segs), "spans of another request"
         at = np.flatnonzero(spans.hit)
-        if not len(at):
-            return fit, heads, sizes
-        offs, lens = spans.offs[at], spans.lens[at]
-        heads[at] = _header_rows_at(self.dram.arena.buf, offs)
-        si, ci = at % nseg, at // nseg
-        seg_code = np.asarray([-1 if s.dtype_code is None else s.dtype_code for s in segs], dtype=np.int64)[si]
-        want = (np.asarray([len(ch.blocks) for ch in chunks], dtype=np.int64)[ci]
-                * np.asarray([s.block_bytes for s in segs], dtype=np.int64)[si])
-        h = heads[at].view(HEADER_DTYPE).reshape(-1)
-        orig = h["original_length"].astype(np.int64)
-        stored = h["stored_length"].astype(np.int64)
-        ok = (h["dtype"] == seg_code) & (orig == want) & (stored + HEADER_SIZE == lens)
-        sizes[at, 0] = stored  # ANS too: the rows path's engine decompresses it in place (decode_rows_submit)
-        sizes[at, 1] = orig
-        sizes[at, 2] = stored + HEADER_SIZE
-        sizes[at, 3] = lens
-        sizes[at, 4] = offs
-        fit[at[ok]] = True
-        return fit, heads, sizes
+        codes = np.fromiter((-1 if s.dtype_code is None else s.dtype_code for s in segs), np.int64, len(segs))
+        block_bytes = np.fromiter((s.block_bytes for s in segs), np.int64, len(segs))
+        nblocks = np.fromiter((len(ch.blocks) for ch in chunks), np.int64, len(chunks))
+        return read_sizes(self.dram.arena.buf, at, spans.offs[at], spans.lens[at], codes, block_bytes, nblocks)
 
     def _decode_start(self, seed: int, batch: list, arena_ids: set[int], sizes: "np.ndarray | None") -> tuple:
         if sizes is None:
