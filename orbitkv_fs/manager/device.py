@@ -3,10 +3,10 @@
 Primitives: :class:`_GpuCodecs` (one :class:`~orbitkv_fs.gpu.GpuCodecEngine` per rotation seed; encode
 items or (``encode_class``, ``gather_rows``) of arrays, ``decode_submit`` / ``decode_finish`` of a restore
 batch of items, ``decode_rows_submit`` / ``decode_rows_finish`` of one given as arrays, ``decode_device`` of
-the direct path), :class:`_Targets` (a batch's sources or destinations in GPU pages as arrays),
-:func:`_gather_batch` and :func:`_block_table` (a batch's block copies as one kernel launch; their rows
-written by :func:`_block_rows`, numba, one pass over the blocks),
-:func:`_device_run` / :func:`_run_of` (consecutive blocks used where they lie), :func:`_gather_host`,
+the direct path), :class:`_Targets` (a batch's sources or destinations in GPU pages as arrays; its places
+found by :func:`_place`, numba, one pass over the pairs), :func:`_gather_batch` and :func:`_block_table` (a
+batch's block copies as one kernel launch; their rows written by :func:`_block_rows`, numba, one pass over the
+blocks), :func:`_device_run` / :func:`_run_of` (consecutive blocks used where they lie), :func:`_gather_host`,
 :func:`_gather_device`, :func:`_to_host`, :func:`_gpu_present`.
 
 Invariants: cupy and :mod:`orbitkv_fs.gpu` are imported only inside these functions, so the Manager stays
