@@ -145,9 +145,9 @@ _ANS = int(Format.ANS)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _read_sizes(buf: np.ndarray, words: np.ndarray, at: np.ndarray, offs: np.ndarray, lens: np.ndarray, nseg: int,
+def _read_sizes(buf: np.ndarray, buf64: np.ndarray, at: np.ndarray, offs: np.ndarray, lens: np.ndarray, nseg: int,
                 codes: np.ndarray, block_bytes: np.ndarray, nblocks: np.ndarray, heads: np.ndarray,
-                head_words: np.ndarray, sizes: np.ndarray, fit: np.ndarray) -> int:
+                heads64: np.ndarray, sizes: np.ndarray, fit: np.ndarray) -> int:
     for k in range(at.shape[0]):  # bounds first (boundscheck is off), so that a bad row reads nothing
         if not (0 <= offs[k] <= buf.shape[0] - HEADER_SIZE and 0 <= at[k] < heads.shape[0]):
             return k
@@ -155,9 +155,9 @@ def _read_sizes(buf: np.ndarray, words: np.ndarray, at: np.ndarray, offs: np.nda
         r, o = at[k], offs[k]
         # By words where the header is aligned (arena extents are): a byte loop does not vectorise, and costs
         # 6x as much; a slice assignment copies through a temporary.
-        if o % 8 == 0 and o // 8 + HEADER_SIZE // 8 <= words.shape[0]:
+        if o % 8 == 0 and o // 8 + HEADER_SIZE // 8 <= buf64.shape[0]:
             for w in range(HEADER_SIZE // 8):
-                head_words[r, w] = words[o // 8 + w]
+                heads64[r, w] = buf64[o // 8 + w]
         else:
             for b in range(HEADER_SIZE):
                 heads[r, b] = buf[o + b]
@@ -186,9 +186,8 @@ def read_sizes(buf: np.ndarray, at: np.ndarray, offs: np.ndarray, lens: np.ndarr
     sizes = np.zeros((n, 5), dtype=np.int64)
     heads = np.zeros((n, HEADER_SIZE), dtype=np.uint8)
     fit = np.zeros(n, dtype=bool)
-    words = buf[:len(buf) // 8 * 8].view(np.uint64)
-    bad = _read_sizes(buf, words, at, offs, lens, len(codes), codes, block_bytes, nblocks, heads,
-                      heads.view(np.uint64), sizes, fit)
+    bad = _read_sizes(buf, buf[:len(buf) // 8 * 8].view(np.uint64), at, offs, lens, len(codes), codes, block_bytes,
+                      nblocks, heads, heads.view(np.uint64), sizes, fit)
     if bad >= 0:
         raise IndexError(f"row {int(at[bad])}: a header at {int(offs[bad])} is not inside {len(buf)} bytes "
                          f"or the row not one of {n}")
@@ -196,14 +195,14 @@ def read_sizes(buf: np.ndarray, at: np.ndarray, offs: np.ndarray, lens: np.ndarr
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _fixed_rows(heads: np.ndarray, words: np.ndarray, fixed: np.ndarray, fixed_words: np.ndarray,
+def _fixed_rows(heads: np.ndarray, heads64: np.ndarray, fixed: np.ndarray, fixed64: np.ndarray,
                 xor: np.ndarray) -> None:
     # What a template fixes: the CRC fields zeroed, an ANS payload's length (not 0) as 1 (xor: its own ^ 1). That
     # length stands for any other in its template: the one thing a header's fields say of it beyond the
     # template's is its bound (and that it is not empty, which a zero length keeps to its template).
     for i in range(heads.shape[0]):
-        for w in range(HEADER_SIZE // 8):
-            fixed_words[i, w] = words[i, w]
+        for w in range(HEADER_SIZE // 8):  # by words: the rows are the same bytes, seen as uint64
+            fixed64[i, w] = heads64[i, w]
         for k in range(4):
             fixed[i, PAYLOAD_CRC_AT + k] = 0
             fixed[i, HEADER_CRC_AT + k] = 0
