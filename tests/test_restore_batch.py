@@ -294,7 +294,8 @@ def test_header_checks_group_by_bytes_when_the_mix_collides(monkeypatch):
 def test_size_fields_read_from_an_arena_and_header_fields():
     """read_sizes (a restore's size checks, compiled) against the parsed headers: each placed row's header bytes,
     its sizes, and whether its dtype, original length and extent fit, at offsets that are multiples of 64 and
-    offsets that are not; an extent whose header lies outside the arena raises and reads nothing."""
+    offsets that are not (multiples of 8, copied by words, and odd ones, copied by bytes); an extent whose header
+    lies outside the arena raises and reads nothing."""
     rng = random.Random(2)
     segs = [b for _, b in _segments(rng)[:6]]
     nseg = 2  # 4 chunks: 8 rows, 6 of them placed
@@ -303,7 +304,7 @@ def test_size_fields_read_from_an_arena_and_header_fields():
     codes = np.asarray([header_fields(segs[:1])[0]["dtype"], 99], dtype=np.int64)  # 99: no dtype has it
     block_bytes = np.asarray([h0.original_length // 2, 1024], dtype=np.int64)
     nblocks = np.asarray([2, 2, 1, 2], dtype=np.int64)
-    for shift in (0, 8):  # offsets that are not multiples of 64 too
+    for shift in (0, 8, 3):  # offsets that are multiples of 64, of 8 only, of neither
         buf = np.zeros((1 << 16) + shift, dtype=np.uint8)
         offs, lens, pos = [], [], shift
         for i, b in enumerate(segs):

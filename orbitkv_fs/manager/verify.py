@@ -138,7 +138,7 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD
 #: _distinct_fixed's answers by the batch's header bytes but for their CRCs: a restore's batches of whole
 #: chunks repeat one sequence of headers but for their CRCs (its layers, roles and lengths), and so do later
 #: restores of that shape. Bounded: cleared when full.
-_GROUPS: dict[bytes, tuple[np.ndarray, np.ndarray, bytes]] = {}
+_GROUPS: dict[bytes, tuple[np.ndarray, bytes]] = {}
 _GROUPS_KEPT = 64
 
 _ANS = int(Format.ANS)
@@ -210,8 +210,9 @@ def _fixed_rows(heads: np.ndarray, heads64: np.ndarray, fixed: np.ndarray, fixed
         xor[i] = 0
         if heads[i, FORMAT_AT] == _ANS and s > 0:
             xor[i] = s ^ 1
-            for k in range(4):
-                fixed[i, STORED_AT + k] = 1 if k == 0 else 0
+            for k in range(1, 4):
+                fixed[i, STORED_AT + k] = 0
+            fixed[i, STORED_AT] = 1  # little-endian 1
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -229,10 +230,10 @@ def _row_verdicts(heads: np.ndarray, inv: np.ndarray, valid: np.ndarray, bases: 
         tid[i] = tid_of[g]
 
 
-def _distinct_fixed(fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray, bytes]:
+def _distinct_fixed(fixed: np.ndarray) -> tuple[np.ndarray, bytes]:
     """Headers' fixed bytes ``fixed`` (``[n, 64]`` uint8, their CRC fields zeroed: :func:`_fixed_rows`) grouped:
-    the row of each group's first header, each header's group, and the groups' fixed bytes (:data:`_FIXED` of
-    each first row, one after another). Grouped on a 64-bit mix of the words; every header is then compared with
+    each header's group, and the groups' fixed bytes (:data:`_FIXED` of each group's first row, one after
+    another). Grouped on a 64-bit mix of the words; every header is then compared with
     its group's first, and a collision (never seen) regroups on the bytes themselves. A sequence of headers seen
     before is answered from :data:`_GROUPS`."""
     n = len(fixed)
@@ -249,10 +250,9 @@ def _distinct_fixed(fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray, bytes]:
         inv = inv.reshape(n)
     if len(_GROUPS) >= _GROUPS_KEPT:
         _GROUPS.clear()
-    first, inv = first.astype(np.int64), inv.astype(np.int64)
-    for a in (first, inv):
-        a.flags.writeable = False  # shared by the batches that meet them
-    got = _GROUPS[key] = (first, inv, fixed[first][:, _FIXED].tobytes())
+    inv = inv.astype(np.int64)
+    inv.flags.writeable = False  # shared by the batches that meet it
+    got = _GROUPS[key] = (inv, fixed[first][:, _FIXED].tobytes())
     return got
 
 
@@ -298,7 +298,7 @@ def _verify_headers(heads: np.ndarray, layers: np.ndarray, roles: np.ndarray,
     fixed = np.empty_like(heads)
     xor = np.empty(n, dtype=np.uint32)
     _fixed_rows(heads, heads.view(np.uint64), fixed, fixed.view(np.uint64), xor)
-    _, inv, distinct = _distinct_fixed(fixed)
+    inv, distinct = _distinct_fixed(fixed)
     valid, bases, tid_of, templates = _templates_of(distinct)
     ok = np.empty(n, dtype=bool)
     tid = np.empty(n, dtype=np.int64)
