@@ -107,6 +107,54 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _step_of(at: np.ndarray) -> int:
+    """1 when ``at`` (two rows or more) ascends by one, -1 when it descends by one, else 0: one pass, not a
+    difference array and a test per direction."""
+    d = at[1] - at[0]
+    if d != 1 and d != -1:
+        return 0
+    for i in range(2, len(at)):
+        if at[i] - at[i - 1] != d:
+            return 0
+    return d
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _run_slots(sub: np.ndarray, bounds: np.ndarray, bases: np.ndarray, lens: np.ndarray, joined: np.ndarray,
+               out: np.ndarray) -> None:
+    """:meth:`ObjectIndex.get_many` 's gather: the keys ``bounds[r] .. bounds[r + 1]`` are run ``r``, whose chunk
+    array (``[base, slot or -1, ...]``, ``lens[r]`` entries, 0 for a run with none) is the next one in ``joined``;
+    a key's slot is at ``sub - base + 1`` there, where that lies within the array. ``out`` keeps its -1 elsewhere."""
+    at = 0
+    for r in range(bases.shape[0]):
+        n = lens[r]
+        for i in range(bounds[r], bounds[r + 1]):
+            w = sub[i] - bases[r] + 1
+            if sub[i] >= 0 and 1 <= w < n:
+                out[i] = joined[at + w]
+        at += n
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _lease_slots(slots: np.ndarray, leases: np.ndarray, units: np.ndarray, generation: np.ndarray,
+                 offset: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """:meth:`ObjectIndex.lease_slots` in one pass (a slot named twice gets two leases); ``total`` -1 when a slot
+    is not a row (checked first: boundscheck is off), with nothing changed."""
+    k, rows = slots.shape[0], leases.shape[0]
+    gens, offs, lens = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
+    for i in range(k):
+        if not 0 <= slots[i] < rows:
+            return gens, offs, lens, -1
+    total = 0
+    for i in range(k):
+        s = slots[i]
+        leases[s] += 1
+        total += units[s]
+        gens[i], offs[i], lens[i] = generation[s], offset[s], length[s]
+    return gens, offs, lens, total
+
+
 def put_rows(col: array, rows: Sequence[int], values: Sequence[int]) -> None:
     """``col[r] = v`` for each row and value (:func:`put_columns` of one column)."""
     put_columns((col,), rows, (values,))
@@ -123,9 +171,10 @@ def put_columns(cols: Sequence[array], rows: Sequence[int], values: Sequence[Seq
     if isinstance(rows, np.ndarray):
         at = rows.astype(np.intp, copy=False)
         first, last = int(at[0]), int(at[-1])
-        if last - first == k - 1 and (k < 3 or (np.diff(at) == 1).all()):
+        step = 1 if k == 1 else _step_of(at)
+        if step == 1:
             at = slice(first, first + k)
-        elif first - last == k - 1 and (k < 3 or (np.diff(at) == -1).all()):  # slots freed in order, taken back
+        elif step == -1:  # slots freed in order, taken back
             at = slice(first, last - 1 if last else None, -1)
         for col, vals in zip(cols, values):
             np.frombuffer(col, dtype=col.typecode)[at] = vals
@@ -408,10 +457,10 @@ class ObjectIndex:
         values = tuple(columns[:5]) + (np.arange(gen, gen + k, dtype=np.int64),) + tuple(columns[5:])
         if take:
             first, last = int(slots[0]), int(slots[take - 1])
-            step = np.diff(slots[:take]) if take > 1 else None
-            if first - last == take - 1 and (step is None or (step == -1).all()):  # slots freed in order
+            step = -1 if take == 1 else _step_of(slots[:take])
+            if step == -1:  # slots freed in order
                 self._prefix[last:first + 1] = prefixes[take - 1::-1]
-            elif last - first == take - 1 and (step == 1).all():  # ... in reverse (freed from such a placement)
+            elif step == 1:  # ... in reverse (freed from such a placement)
                 self._prefix[first:last + 1] = prefixes[:take]
             else:  # one C-level pass, not a Python statement per slot
                 deque(map(self._prefix.__setitem__, slots[:take].tolist(), prefixes), maxlen=0)
@@ -500,15 +549,28 @@ class ObjectIndex:
         slot = have[i]
         return slot if slot >= 0 else None
 
-    def get_many(self, keys: Sequence[bytes]) -> np.ndarray:
+    def lease_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """One more lease on each of ``slots`` (int64 rows; a slot named twice gets two), and their generations,
+        offsets (units) and stored lengths, in order (int64 copies, not views: a column may grow and move), and
+        their units summed; one compiled pass. IndexError for a slot that is not a row, with nothing changed."""
+        slots = np.asarray(slots, dtype=np.int64)
+        cols = (np.frombuffer(c, dtype=np.dtype(c.typecode)) for c in (self.leases, self.units, self.generation,
+                                                                       self.offset, self.length))
+        gens, offs, lens, total = _lease_slots(slots, *cols)
+        if total < 0:
+            raise IndexError(f"not rows of the index: {slots[(slots < 0) | (slots >= len(self.leases))].tolist()}")
+        return gens, offs, lens, total
+
+    def get_many(self, keys: Sequence[bytes], *, runs: "tuple[np.ndarray, list[int]] | None" = None) -> np.ndarray:
         """:meth:`get` of each of ``keys`` as one int64 array, -1 where absent: one dict probe per run of keys
         of one chunk, the slots of a run gathered from its segment array at once (a restore's keys are
-        chunk-major). Runs shorter than :data:`_RUN_MIN` keys are looked up one by one."""
+        chunk-major). Runs shorter than :data:`_RUN_MIN` keys are looked up one by one. ``runs``: the keys' scan,
+        as :meth:`add_many` takes it, from a caller that made the keys (its runs need not be the longest)."""
         n = len(keys)
         out = np.full(n, -1, dtype=np.int64)
         if not n:
             return out
-        scanned = _scan_keys(keys)
+        scanned = _scan_keys(keys) if runs is None else (runs[0], list(runs[1]))
         if scanned is None:  # a key of another length: the per-key path says what each one is
             out[:] = [-1 if (s := self.get(k)) is None else s for k in keys]
             return out
@@ -520,30 +582,22 @@ class ObjectIndex:
         segs_get = self._segs.get
         # The runs' segment arrays side by side: each key's slot is one gather from them.
         ends = starts[1:] + [n]
-        firsts, lens, bufs = [], [], []
-        base = 0
+        bases, lens, bufs = [], [], []
         for i, j in zip(starts, ends):
             have = segs_get(keys[i][:_KEY_NS_CHUNK])
             if type(have) is int:
                 out[i:j][sub[i:j] == self._sub(have)] = have
                 have = None
             if have is None:  # nothing to gather for this run (absent, or its one slot set above)
-                firsts.append(0)
+                bases.append(0)
                 lens.append(0)
                 continue
-            firsts.append(have[0] - 1 - base)  # so that sub - first is the key's place in the joined arrays
+            bases.append(have[0])
             lens.append(len(have))
             bufs.append(have)
-            base += len(have)
-        if not bufs:
-            return out
-        counts = np.diff(np.asarray(starts + [n], dtype=np.int64))
-        first = np.repeat(np.asarray(firsts, dtype=np.int64), counts)
-        at = sub - first  # the place in the joined arrays
-        within = at - (np.repeat(np.cumsum(lens, dtype=np.int64) - np.asarray(lens, dtype=np.int64), counts))
-        ok = (sub >= 0) & (within >= 1) & (within < np.repeat(np.asarray(lens, dtype=np.int64), counts))
-        joined = np.frombuffer(b"".join(bufs), dtype=np.int32)
-        out[ok] = joined[at[ok]]  # -1 where a hole
+        if bufs:
+            _run_slots(sub, np.asarray(starts + [n], dtype=np.int64), np.asarray(bases, dtype=np.int64),
+                       np.asarray(lens, dtype=np.int64), np.frombuffer(b"".join(bufs), dtype=np.int32), out)
         return out
 
     def chunk_count(self, ns_chunk: bytes) -> int:

@@ -182,6 +182,11 @@ def test_table_rows_field_by_field(seed):
                     want.append((src, dst) + strides + (rows, row_bytes))
             assert got.dtype == BLOCK_COPY_DTYPE
             assert got.tolist() == want, (gather, explicit)
+    if counts.any():  # an item whose blocks run past the id array: refused, nothing read there
+        i = int(np.flatnonzero(counts)[0])
+        for bad in (len(pool) - int(counts[i]) + 1, -1):
+            with pytest.raises(IndexError):
+                _table_of(geo, pool, counts, gather=True, starts=np.where(np.arange(m) == i, bad, starts))
 
 
 def test_rows_of_block_shapes():
@@ -233,6 +238,8 @@ def test_targets_as_arrays_are_the_per_item_tables(layout):
         for c, s in ((len(chunks), 0), (0, len(segs)), (-1, 0)):  # a pair that is not a target
             with pytest.raises(IndexError):
                 t.places(np.asarray([0, c]), np.asarray([0, s]))
+            with pytest.raises(IndexError):
+                t.table(np.asarray([0, c]), np.asarray([0, s]), np.asarray([addr, addr]), gather=True)
         for seg in segs:
             seg.copy = None
 
@@ -395,3 +402,73 @@ def test_save_rows_carry_the_key_scan_of_their_keys(seed):
             assert eng.subs[rows.si].tolist() == subs.tolist()
             seen["distinct"] += 1
     assert seen["distinct"] > 10 and seen["twice"] > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_target_layout_columns_are_the_per_chunk_and_per_segment_rules(seed):
+    """``_layout`` (``_Targets``' columns in one compiled pass) against the rules it replaces: a chunk is a run
+    when ``_run_of`` finds one (ascending, consecutive, no ``SKIP_BLOCK``; a chunk of no blocks is none), its
+    first block and its place in the flattened blocks; a segment is contiguous when its blocks lie back to back,
+    each of regular contiguous rows."""
+    from orbitkv_fs.manager.device import _layout
+
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(40):
+        n = rng.choice([0, 1, 2, 3, 16])
+        first = rng.randrange(0, 50)
+        b = list(range(first, first + n))
+        kind = rng.random()
+        if n and kind < 0.3:
+            b[rng.randrange(n)] = SKIP_BLOCK
+        elif n > 1 and kind < 0.6:
+            b[rng.randrange(1, n)] += rng.choice([-1, 1, 7])
+        blocks.append(b)
+    counts = np.array([len(b) for b in blocks], np.int64)
+    flat = np.array([x for b in blocks for x in b], np.int64)
+    geo = []
+    for s in range(30):  # block 0, block stride, rows, row bytes, row stride, block bytes, address
+        rows, row = rng.choice([1, 2, 4]), rng.choice([32, 64])
+        if s % 2:  # contiguous: blocks back to back of rows back to back (one row: any stride), unless one is off
+            nb, stride, row_stride = rows * row, rows * row, row if rows > 1 else rng.choice([row, 4096])
+            stride, row_stride = rng.choice([(stride, row_stride), (stride, row_stride), (2 * nb, row_stride),
+                                             (stride, row_stride + 16 * (rows > 1))])
+        else:
+            nb, stride, row_stride = rng.choice([64, 128, 256]), rng.choice([64, 128, 256]), rng.choice([32, 64, 128])
+        geo.append([rng.randrange(1 << 40), stride, rows, row, row_stride, nb, 0])
+    geo = np.array(geo, np.uint64)
+    block_bytes, contig, start, first, run = _layout(geo, flat, counts)
+    g = geo.astype(np.int64)
+    assert block_bytes.tolist() == g[:, 5].tolist()
+    want = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
+    assert contig.tolist() == want.tolist() and want.any() and not want.all()
+    assert start.tolist() == (np.cumsum(counts) - counts).tolist()
+    assert first.tolist() == [b[0] if b else 0 for b in blocks]
+    assert run.tolist() == [bool(b) and _run_of(b) is not None for b in blocks]
+    assert run.any() and not run.all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_segments_in_a_batchs_regions(seed):
+    """``_in_regions`` (which of a finished save batch's segments the engine wrote into its arena regions, and
+    their extents in whole units) and ``_job_rows`` (a job's Formats and arena offsets, -1 without an address)
+    against the same in numpy, with segments at a region's first and last byte, just past it, and outside."""
+    from orbitkv_fs.manager.save import _in_regions, _job_rows
+    from orbitkv_fs.tiers.dram import UNIT
+
+    rng = np.random.default_rng(seed)
+    pos = np.sort(rng.choice(1000, 3, replace=False)) * (4 * UNIT)
+    n = rng.integers(1, 4, 3) * UNIT
+    off = np.concatenate([pos, pos + n - 1, pos + n, rng.integers(0, 4000 * UNIT, 40), [-1]]).astype(np.int64)
+    length = rng.integers(1, 3 * UNIT, len(off)).astype(np.int64)
+    placed, extent, count = _in_regions(off, length, pos.astype(np.int64), n.astype(np.int64), UNIT)
+    want = np.zeros(len(off), bool)
+    for o, m in zip(pos, n):
+        want |= (off >= o) & (off < o + m)
+    assert placed.tolist() == want.tolist() and count == want.sum() and 0 < count < len(off)
+    assert extent.tolist() == (-(-length // UNIT) * UNIT).tolist()
+    fmt = rng.integers(-1, 4, len(off)).astype(np.int16)
+    addr = np.where(rng.random(len(off)) < 0.2, 0, rng.integers(1 << 30, 1 << 31, len(off))).astype(np.int64)
+    f, at, others = _job_rows(fmt, addr, 1 << 30)
+    assert f.dtype == np.int64 and f.tolist() == fmt.tolist() and others == (fmt < 0).sum()
+    assert at.tolist() == np.where(addr == 0, -1, addr - (1 << 30)).tolist()

@@ -14,7 +14,7 @@ from eviction_lists import queue_order
 
 from orbitkv_fs.codecs import encode_segment, raw_segment
 from orbitkv_fs.errors import SegmentError
-from orbitkv_fs.index import ObjectIndex
+from orbitkv_fs.index import ObjectIndex, _scan_keys
 from orbitkv_fs.keys import key_tails, pack_key, segment_keys
 from orbitkv_fs.manager.api import ChunkBlocks
 from orbitkv_fs.manager.batching import Batching
@@ -73,6 +73,10 @@ def test_get_many_is_get_of_each_key():
     for order in (probes, sorted(probes), rng.sample(probes, len(probes)), probes[:7], packed, sorted(packed),
                   rng.sample(packed, len(packed)), keys, sorted(keys), split):
         assert ix.get_many(order).tolist() == [-1 if (s := ix.get(k)) is None else s for k in order]
+    for order in (sorted(packed), keys, sorted(keys)):  # a caller's own scan, its runs not the longest
+        sub, starts = _scan_keys(order)
+        runs = (sub, sorted(set(starts) | {starts[-1] // 2, starts[-1] // 3}))
+        assert ix.get_many(order, runs=runs).tolist() == [-1 if (s := ix.get(k)) is None else s for k in order]
 
 
 def _lru_order(p: LruPolicy) -> list[int]:
@@ -83,15 +87,15 @@ def _lru_order(p: LruPolicy) -> list[int]:
 def test_touch_many_is_touch_of_each_slot(seed):
     rng = random.Random(seed)
     for _ in range(60):
-        one, many = LruPolicy(), LruPolicy()
+        one, many, arrayed = LruPolicy(), LruPolicy(), LruPolicy()  # arrayed: the slots as an int64 array
         s3one, s3many = S3FifoPolicy(), S3FifoPolicy()
         n = rng.randrange(1, 200)
         for s in range(n):
             if rng.random() < 0.9:
-                for p in (one, many, s3one, s3many):
+                for p in (one, many, arrayed, s3one, s3many):
                     p.insert(s, 1, s)
         for s in rng.sample(range(n), n // 10):
-            for p in (one, many, s3one, s3many):
+            for p in (one, many, arrayed, s3one, s3many):
                 p.remove(s)
         order = _lru_order(one)
         k, j = rng.randrange(0, 120), rng.randrange(0, max(len(order), 1))
@@ -106,8 +110,9 @@ def test_touch_many_is_touch_of_each_slot(seed):
             one.touch(s)
             s3one.touch(s)
         many.touch_many(touches)
+        arrayed.touch_many(np.asarray(touches, dtype=np.int64))
         s3many.touch_many(touches)
-        assert _lru_order(many) == _lru_order(one)
+        assert _lru_order(many) == _lru_order(one) == _lru_order(arrayed)
         assert list(s3many._l.freq) == list(s3one._l.freq)
 
 
@@ -153,6 +158,11 @@ def test_lease_of_a_batch_is_lease_of_each_key(tmp_path, policy):
             else:
                 assert list(batch.policy._l.freq) == list(single.policy._l.freq)
         assert batch.lease([]) == [] and batch.lease([b"x" * 36]) == [None]
+        before = list(batch.index.leases)
+        for bad in ([0, len(before)], [-1]):  # not rows: nothing leased
+            with pytest.raises(IndexError):
+                batch.index.lease_slots(np.asarray(bad, dtype=np.int64))
+        assert list(batch.index.leases) == before
         gone = set(rng.sample(keys, 10))
         for t in tiers:  # leased objects hidden: freed when their last lease goes
             assert t.invalidate_keys(gone)[0] == 10

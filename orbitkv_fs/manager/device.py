@@ -90,6 +90,39 @@ def _place(ci: np.ndarray, si: np.ndarray, counts: np.ndarray, block_bytes: np.n
     return size, m
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _layout(geo: np.ndarray, flat: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """:class:`_Targets`' per-segment and per-chunk columns in one pass: per segment its block bytes and whether a
+    run of its blocks is one C-contiguous region (blocks back to back, each of regular contiguous rows); per
+    chunk (``counts[c]`` of the blocks ``flat``, in order) its first block's place in ``flat``, that block (0
+    for a chunk of none) and whether its blocks are one ascending run of real ids (:func:`_run_of`)."""
+    m = geo.shape[0]
+    block_bytes = np.empty(m, np.int64)
+    contig = np.empty(m, np.bool_)
+    for s in range(m):
+        stride, rows, row, row_stride, nb = (np.int64(geo[s, 1]), np.int64(geo[s, 2]), np.int64(geo[s, 3]),
+                                            np.int64(geo[s, 4]), np.int64(geo[s, 5]))
+        block_bytes[s] = nb
+        contig[s] = stride == nb and rows * row == nb and (rows == 1 or row_stride == row)
+    c = counts.shape[0]
+    start, first, run = np.empty(c, np.int64), np.zeros(c, np.int64), np.zeros(c, np.bool_)
+    at = 0
+    for i in range(c):
+        start[i] = at
+        n = counts[i]
+        if n:
+            b0 = flat[at]
+            first[i] = b0
+            ok = b0 >= 0
+            for j in range(1, n):
+                if not ok:
+                    break
+                ok = flat[at + j] == b0 + j
+            run[i] = ok
+        at += n
+    return block_bytes, contig, start, first, run
+
+
 class _Targets:
     """Where segments of GPU pages lie, as arrays over (chunk ``ci``, segment ``si``) pairs: a save's sources,
     a restore's destinations. A chunk whose blocks are one ascending run, of a segment whose blocks lie back
@@ -100,16 +133,10 @@ class _Targets:
     def __init__(self, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> None:
         # per segment: block 0, block stride, rows, row bytes, row stride, block bytes, buffer address (0)
         self.geo = _geometry(segs) if geo is None else np.asarray(geo, dtype=np.uint64)
-        g = self.geo.astype(np.int64)
-        self.block_bytes = g[:, 5]
-        # a run of blocks is one C-contiguous region: blocks back to back, each of regular contiguous rows
-        self.contig = (g[:, 1] == g[:, 5]) & (g[:, 2] * g[:, 3] == g[:, 5]) & ((g[:, 2] == 1) | (g[:, 4] == g[:, 3]))
         blocks = list(map(_BLOCKS, chunks))
         self.counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
         self.flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(self.counts.sum()))
-        self.start = np.cumsum(self.counts) - self.counts
-        self.first = self.flat[self.start] if len(chunks) else self.counts
-        self.run = np.fromiter((_run_of(b) is not None for b in blocks), dtype=bool, count=len(blocks))
+        self.block_bytes, self.contig, self.start, self.first, self.run = _layout(self.geo, self.flat, self.counts)
 
     @classmethod
     def of(cls, chunks: Sequence, segs: Sequence[_Seg], geo: "np.ndarray | None" = None) -> "_Targets | None":
@@ -140,9 +167,7 @@ class _Targets:
     def table(self, ci: np.ndarray, si: np.ndarray, addr: np.ndarray, *, gather: bool) -> np.ndarray:
         """Block-copy rows between pairs' blocks and their contiguous bytes at device addresses ``addr``:
         pages to those when ``gather``, else those to pages."""
-        geo = self.geo[si]
-        geo[:, 6] = addr
-        return _table_of(geo, self.flat, self.counts[ci], gather=gather, starts=self.start[ci])
+        return _rows_table(self.geo, si, addr, self.flat, self.start, self.counts, ci, gather)
 
 
 _BLOCKS = attrgetter("blocks")  # a ChunkBlocks' block ids
@@ -400,40 +425,60 @@ def _table_of(geo: np.ndarray, ids: np.ndarray, counts: np.ndarray, *, gather: b
     row bytes, row stride, block bytes, buffer address) and blocks ``ids`` (``counts[i]`` of them per item
     from ``starts[i]``; default: concatenated in item order); see :func:`_block_table`."""
     counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
-    if not total:
-        return np.empty(0, dtype=BLOCK_COPY_DTYPE)
     if starts is None:
         starts = np.cumsum(counts) - counts
-    out = np.empty((total, BLOCK_COPY_DTYPE.itemsize // 8), dtype=np.uint64)
-    n = _block_rows(out, np.ascontiguousarray(geo).view(np.int64), np.asarray(ids, dtype=np.int64),
-                    np.asarray(starts, dtype=np.int64), counts, gather, SKIP_BLOCK)
-    return out[:n].view(BLOCK_COPY_DTYPE).reshape(-1)
+    geo = np.ascontiguousarray(geo, dtype=np.uint64)
+    every = np.arange(len(counts))
+    return _rows_table(geo, every, geo[:, 6], np.asarray(ids, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                       counts, every, gather)
+
+
+def _rows_table(geo: np.ndarray, gi: np.ndarray, addr: np.ndarray, ids: np.ndarray, starts: np.ndarray,
+                counts: np.ndarray, ci: np.ndarray, gather: bool) -> np.ndarray:
+    """:func:`_block_rows` as ``BLOCK_COPY_DTYPE`` rows; IndexError for an item whose rows lie outside the
+    arrays given."""
+    out = _block_rows(geo, np.asarray(gi, np.int64), np.asarray(addr, np.uint64), ids, starts, counts,
+                      np.asarray(ci, np.int64), gather, SKIP_BLOCK)
+    if out.shape[1] == 0:
+        raise IndexError(f"item {len(out)}: its geometry row or its blocks are out of range")
+    return out.view(BLOCK_COPY_DTYPE).reshape(-1)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _block_rows(out: np.ndarray, geo: np.ndarray, ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                gather: bool, skip: int) -> int:
-    """:func:`_table_of` 's rows, written into ``out`` (BLOCK_COPY_DTYPE as five uint64 words: src, dst, src
-    stride, dst stride, rows | row bytes << 32) one pass over the blocks; a scatter leaves out ``skip``
-    positions. Answers the rows written."""
+def _block_rows(geo: np.ndarray, gi: np.ndarray, addr: np.ndarray, ids: np.ndarray, starts: np.ndarray,
+                counts: np.ndarray, ci: np.ndarray, gather: bool, skip: int) -> np.ndarray:
+    """The block-copy rows of items ``p``: geometry row ``geo[gi[p]]`` (uint64: block 0, block stride, rows, row
+    bytes, row stride, block bytes), contiguous bytes at ``addr[p]``, the blocks ``ids[starts[c]:][:counts[c]]``
+    of ``c = ci[p]``; as five uint64 words (src, dst, src stride, dst stride, rows | row bytes << 32), one pass
+    over the blocks. A scatter leaves out ``skip`` positions. Bounds are checked first (boundscheck is off): an
+    item out of range answers a ``(p, 0)`` array."""
+    total = 0
+    for p in range(gi.shape[0]):
+        c, g = ci[p], gi[p]
+        if not (0 <= c < counts.shape[0] and 0 <= g < geo.shape[0] and 0 <= starts[c]
+                and starts[c] + counts[c] <= ids.shape[0]):
+            return np.empty((p, 0), np.uint64)
+        total += counts[c]
+    out = np.empty((total, 5), np.uint64)
     r = 0
-    for p in range(len(counts)):
-        first, stride, rows, row_bytes, row_stride, block_bytes, addr = (
-            geo[p, 0], geo[p, 1], geo[p, 2], geo[p, 3], geo[p, 4], geo[p, 5], geo[p, 6])
-        at = starts[p]
-        for b in range(counts[p]):
+    for p in range(gi.shape[0]):
+        g, c = gi[p], ci[p]
+        first, stride, rows, row_bytes, row_stride, block_bytes = (
+            geo[g, 0], geo[g, 1], geo[g, 2], geo[g, 3], geo[g, 4], geo[g, 5])
+        at, base = starts[c], addr[p]
+        for b in range(counts[c]):
             blk = ids[at + b]
             if not gather and blk == skip:
                 continue
-            page, flat = first + blk * stride, addr + b * block_bytes
+            # uint64 arithmetic, as the pages' addresses are (a negative id is SKIP_BLOCK, left out of scatters)
+            page, flat = first + np.uint64(blk) * stride, base + np.uint64(b) * block_bytes
             if gather:
                 out[r, 0], out[r, 1], out[r, 2], out[r, 3] = page, flat, row_stride, row_bytes
             else:
                 out[r, 0], out[r, 1], out[r, 2], out[r, 3] = flat, page, row_bytes, row_stride
-            out[r, 4] = rows | (row_bytes << 32)
+            out[r, 4] = rows | (row_bytes << np.uint64(32))
             r += 1
-    return r
+    return out[:r]
 
 
 def _rows_of(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, int, int] | None:

@@ -214,11 +214,13 @@ class Leases:
         while lease.rows:
             self.dram.unlease_rows(*lease.rows.pop())
 
-    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict, spans: Spans | None = None) -> list[bytes]:
+    def _lease_dram(self, kbs: list[bytes], held: _Lease, out: dict, spans: Spans | None = None,
+                    runs: "tuple[np.ndarray, list[int]] | None" = None) -> list[bytes]:
         """Lease the DRAM objects of ``kbs`` into ``held``, their views into ``out`` (or, with ``spans``,
-        their arena extents into ``spans`` instead, as arrays: nothing per key); the keys not there."""
+        their arena extents into ``spans`` instead, as arrays: nothing per key); the keys not there. ``runs``:
+        the keys' scan (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), where the caller made them."""
         if spans is not None:
-            got = self.dram.lease_rows(kbs)
+            got = self.dram.lease_rows(kbs, runs=runs)
             if len(got.slots):
                 held.rows.append((got.slots, got.gens))
             spans.fill(kbs, got.hit, got.offs, got.lens)

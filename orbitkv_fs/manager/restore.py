@@ -90,6 +90,14 @@ def _row_headers(rows: _Rows, at: np.ndarray, tid: np.ndarray, templates: list[S
     return [header_of(templates[t], row) for t, row in zip(tid.tolist(), rows.heads[at].view(HEADER_DTYPE).reshape(-1))]
 
 
+def _key_runs(subs: np.ndarray, chunks: int) -> tuple[np.ndarray, list[int]]:
+    """The index's scan (:meth:`~orbitkv_fs.index.ObjectIndex.get_many` 's ``runs``) of the segment keys of
+    ``chunks`` chunks as :func:`~orbitkv_fs.keys.segment_keys` makes them from tails whose subs are ``subs``,
+    chunk after chunk: each key's sub, one run per chunk."""
+    nseg = len(subs)
+    return np.tile(subs, chunks), list(range(0, chunks * nseg + 1, nseg))
+
+
 def _misses(keys: list[list[bytes]], sources: dict, spans: Spans | None, served: "set[bytes] | dict") -> int:
     """The keys of a restore that no source served: not leased from DRAM (``spans``), not in ``sources``
     (lower tier, peers, views), not ``served`` by the direct SSD path."""
@@ -133,10 +141,12 @@ class RestorePipeline:
                 if not wanted or not wanted <= {s.layer for s in eng.segs}:
                     raise RequestError(f"layers: {sorted(wanted)} are not all layers of engine {engine_id!r} "
                                        f"[{eng.info.layer_start}, {eng.info.layer_end})")
-                segs = [s for s in eng.segs if s.layer in wanted]
-                tails = [t for s, t in zip(eng.segs, eng.tails) if s.layer in wanted]
+                picked = [s.layer in wanted for s in eng.segs]
+                segs = list(compress(eng.segs, picked))
+                tails = list(compress(eng.tails, picked))
+                subs = eng.subs[np.asarray(picked, dtype=bool)]
             else:
-                tails = eng.tails
+                tails, subs = eng.tails, eng.subs
             # A layer-by-layer load makes one call per layer: read ahead once, on the first layer's call.
             first = layers is None or eng.segs[0].layer in wanted
             reasons: dict[bytes, str] = {}
@@ -169,7 +179,7 @@ class RestorePipeline:
                         keys += [segment_keys(eng.ns, ch.key, tails) for ch in chunks[a:b]]
                     part = Spans()
                     sources.update(self._acquire([k for ks in keys[a:] for k in ks], held, reasons, tally, fresh,
-                                                 None, part))
+                                                 None, part, _key_runs(subs, b - a)))
                     spans = part if not a else spans.joined(part)
                     got = self._check_device_batch(chunks[a:b], segs, keys[a:], part)
                     head_checked = got if not a else tuple(np.concatenate(x) for x in zip(head_checked, got))
@@ -182,13 +192,14 @@ class RestorePipeline:
                 keys = keys + [segment_keys(eng.ns, ch.key, tails) for ch in chunks[head:]]
                 rest_kbs = [k for ks in keys[head:] for k in ks]
                 rest = Spans()
-                sources.update(self._acquire(rest_kbs, held, reasons, tally, fresh, None, rest))
+                sources.update(self._acquire(rest_kbs, held, reasons, tally, fresh, None, rest,
+                                             _key_runs(subs, len(chunks) - head)))
                 spans = spans.joined(rest)
                 c2 = time.thread_time()
                 self._cpu("restore_acquire", c2 - c1 - started_cpu, nkeys)
                 c2 -= started_cpu
             else:
-                sources = self._acquire(kbs, held, reasons, tally, fresh, device, spans)
+                sources = self._acquire(kbs, held, reasons, tally, fresh, device, spans, _key_runs(subs, len(keys)))
                 c2 = time.thread_time()
                 self._cpu("restore_acquire", c2 - c1, nkeys)
             if first and chunks and (tally["lower"] or self.dram.prefetch_hits != pf_hits):
@@ -350,16 +361,18 @@ class RestorePipeline:
                  tally: dict[str, int] | None = None,
                  fresh: set[bytes] | None = None,
                  device: set[bytes] | None = None,
-                 spans: Spans | None = None) -> dict[bytes, "memoryview | bytes"]:
+                 spans: Spans | None = None,
+                 runs: "tuple[np.ndarray, list[int]] | None" = None) -> dict[bytes, "memoryview | bytes"]:
         """Sources of ``kbs``: leased DRAM extents (recorded in ``held``), else verified lower-tier or peer
         bytes (readmitted to DRAM when they fit). Absent keys are left out; for keys whose bytes were bad,
         ``reasons`` says why. ``tally["lower"]`` counts the segments the lower tier served; ``fresh`` gets
         the keys whose bytes the lower tier validated in full (every CRC). With ``device`` (the cuFile
         direct path), keys DRAM lacks and the lower tier holds are not read here but put in ``device``
         (counted in ``tally["lower"]``): the caller reads them into device memory itself. With ``spans``,
-        the DRAM extents leased are not in the answer: ``spans`` gets their arena extents (``kbs`` in order)."""
+        the DRAM extents leased are not in the answer: ``spans`` gets their arena extents (``kbs`` in order).
+        ``runs``: the scan of ``kbs`` (:func:`_key_runs`)."""
         out: dict[bytes, memoryview | bytes] = {}
-        missing = self._lease_dram(kbs, held, out, spans)
+        missing = self._lease_dram(kbs, held, out, spans, runs)
         self._count(self._hits, "dram", len(kbs) - len(missing))
         if missing and device is not None and self.lower is not None:
             device.update(compress(missing, _lower_contains(self.lower, [ObjectKey.unpack(kb) for kb in missing])))

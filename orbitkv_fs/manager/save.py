@@ -40,6 +40,7 @@ from .verify import _REP_NAMES
 
 _CHUNK, _SEG, _KEY = itemgetter(0), itemgetter(1), itemgetter(2)  # of a save item (chunk, segment, key)
 _KEY_OF = attrgetter("key")
+_RAW_NAMES = {int(r): r.name.lower() for r in RawReason}
 
 log = logging.getLogger("orbitkv_fs.manager")
 
@@ -211,16 +212,49 @@ def _gap_rows(pos: np.ndarray, n: np.ndarray, off: np.ndarray, size: np.ndarray,
     return m
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _job_rows(fmt: np.ndarray, addr: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`_segment_fields` 's pass over a GPU job's arrays: each segment's Format (int64), its arena offset
+    (-1 where the job has no address) and how many the engine did not encode (Format -1)."""
+    k = fmt.shape[0]
+    f, off = np.empty(k, np.int64), np.empty(k, np.int64)
+    others = 0
+    for i in range(k):
+        f[i] = fmt[i]
+        others += fmt[i] < 0
+        off[i] = addr[i] - base if addr[i] else -1
+    return f, off, others
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _in_regions(off: np.ndarray, length: np.ndarray, pos: np.ndarray, n: np.ndarray,
+                unit: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Which segments at ``off`` lie in one of the regions ``pos``/``n`` (a batch's arena regions: the GPU
+    engine wrote them in place), each one's extent (its ``length`` in whole units) and how many lie there."""
+    k = off.shape[0]
+    placed, extent = np.empty(k, np.bool_), np.empty(k, np.int64)
+    count = 0
+    for i in range(k):
+        o = off[i]
+        inside = False
+        for r in range(pos.shape[0]):
+            if pos[r] <= o < pos[r] + n[r]:
+                inside = True
+                break
+        placed[i] = inside
+        count += inside
+        extent[i] = -(-length[i] // unit) * unit
+    return placed, extent, count
+
+
 def _segment_fields(job, blobs: list, arena_base: int) -> tuple[np.ndarray, ...]:
     """Per segment of a finished save batch: Format, source bytes, segment bytes, RawReason and arena
     offset (-1 for one outside the arena: a host-encoded or fallback segment). From the GPU engine's job
     arrays where it has them; headers are parsed only for the segments it did not encode itself."""
     k = len(blobs)
     if job is not None:
-        fmt = job.fmt.astype(np.int64)
-        off = job.addr - arena_base
-        off[job.addr == 0] = -1
-        others = np.flatnonzero(fmt < 0).tolist()
+        fmt, off, n_others = _job_rows(job.fmt, job.addr, arena_base)
+        others = np.flatnonzero(fmt < 0).tolist() if n_others else []
         # the job's own arrays where every segment is the engine's (the usual batch): nothing below writes them
         original, length, reason = ((job.original.copy(), job.length.copy(), job.reason.astype(np.int64)) if others
                                     else (job.original, job.length, job.reason))
@@ -456,34 +490,36 @@ class SavePipeline:
         regions = sb.regions
         fmt, original, length, reason, off = _segment_fields(sb.job, blobs, self.dram.arena.base_address)
         # In place: segments the engine wrote into this batch's arena regions, published where they lie.
-        placed = np.zeros(len(blobs), dtype=bool)
-        for o, n in regions:
-            placed |= (off >= o) & (off < o + n)
+        pos, span = np.array(regions, dtype=np.int64).reshape(-1, 2).T
+        placed, extent, count = _in_regions(off, length, pos, span, UNIT)
         used_off = used_len = np.zeros(0, np.int64)  # arena extents of the batch's regions, published in place
         published = False
         try:
             self._check_pages(eng)  # host pages that shrank under the gather: zeros were encoded, not the engine's KV
             all_keys = sb.rows.keys
-            for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
-                self._admit_copy(all_keys[j], blobs[j], int(original[j]), int(fmt[j]), acc)
-            at = np.flatnonzero(placed)
-            whole = len(at) == len(blobs)  # every segment in place (the usual batch): no per-key selection
-            keys = all_keys if whole else [all_keys[j] for j in at.tolist()]
-            used_off, used_len = off[at], -(-length[at] // UNIT) * UNIT
+            whole = count == len(blobs)  # every segment in place (the usual batch): no per-key selection
+            if whole:
+                keys, used_off, used_len, stored, logical, formats = all_keys, off, extent, length, original, fmt
+            else:
+                for j in np.flatnonzero(~placed).tolist():  # host fallbacks: a reservation and a copy each
+                    self._admit_copy(all_keys[j], blobs[j], int(original[j]), int(fmt[j]), acc)
+                at = np.flatnonzero(placed)
+                keys = [all_keys[j] for j in at.tolist()]
+                used_off, used_len, stored, logical, formats = off[at], extent[at], length[at], original[at], fmt[at]
             # Set first: should publish_many fail part way, an extent it published must not go back to the pool.
             published = True
             # keys made here from checked chunk keys and the registration's tails: their scan is known
             runs = (eng.subs[sb.rows.si], sb.rows.starts) if whole and sb.rows.starts is not None else None
-            done = self.dram.publish_many(keys, used_off, length[at], original[at], fmt[at], runs=runs)  # one lock round
+            done = self.dram.publish_many(keys, used_off, stored, logical, formats, runs=runs)  # one lock round
             if False in done:
                 ok = np.fromiter(done, dtype=bool, count=len(done))
                 acc.admit_batch(list(compress(keys, done)))
-                acc.logical += int(original[at][ok].sum())
-                acc.stored += int(length[at][ok].sum())
+                acc.logical += int(logical[ok].sum())
+                acc.stored += int(stored[ok].sum())
             else:
                 acc.admit_batch(keys)
-                acc.logical += int(original[at].sum())
-                acc.stored += int(length[at].sum())
+                acc.logical += int(logical.sum())
+                acc.stored += int(stored.sum())
         finally:  # slot padding, batch metadata, fallback slots, what an error left unpublished: back to the pool
             if not published:  # nothing of the regions was published
                 used_off = used_len = np.zeros(0, np.int64)
@@ -493,9 +529,8 @@ class SavePipeline:
         reps = np.bincount(fmt, minlength=len(_REP_NAMES)).tolist()
         raws = {}
         if reason.any():  # raw segments with a reason (the policy's exact layers, fallbacks): counted by it
-            counts = np.bincount(reason)
-            counts[0] = 0
-            raws = {RawReason(c).name.lower(): int(counts[c]) for c in np.flatnonzero(counts).tolist()}
+            counts = np.bincount(reason).tolist()
+            raws = {_RAW_NAMES[c]: n for c, n in enumerate(counts) if n and c}
         with self._stat_lock:  # one lock round per batch, not two per segment
             for f, n in enumerate(reps):
                 if n:

@@ -525,36 +525,30 @@ class DramTier:
             out[i] = row
         return out
 
-    def lease_rows(self, keys: Sequence[bytes]) -> Leased:
+    def lease_rows(self, keys: Sequence[bytes], *, runs: "tuple[np.ndarray, list[int]] | None" = None) -> Leased:
         """One new lease reference on each key's object, as arrays (:class:`Leased`: which keys were found,
         and the slots, generations, offsets and lengths of those, in key order). As a batch: the slots found
         at once (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`), the lease counts, prefetch hits and byte
         counters updated per batch, the policy touched in key order (the same state as leasing the keys one
-        by one). Drop the references with :meth:`unlease_rows`."""
+        by one). Drop the references with :meth:`unlease_rows`. ``runs``: the keys' scan
+        (:meth:`~orbitkv_fs.index.ObjectIndex.get_many`)."""
         ix = self.index
         with self.lock:
-            found = ix.get_many(keys)
+            found = ix.get_many(keys, runs=runs)
             hit = found >= 0
             slots = found[hit]
             if not len(slots):
                 return Leased.none(len(keys))
-            at = slots.tolist()
             if self.prefetched:
-                served = self.prefetched.intersection(at)
+                served = self.prefetched.intersection(slots.tolist())
                 self.prefetched -= served
                 self.prefetch_hits += len(served)
-            order = np.sort(slots)
-            if (order[1:] == order[:-1]).any():  # a slot twice: counted twice
-                np.add.at(np.frombuffer(ix.leases, dtype=np.uint32), slots, 1)
-            else:
-                np.frombuffer(ix.leases, dtype=np.uint32)[slots] += 1
-            self.leases_active += len(at)
-            self.leased_bytes += int(np.frombuffer(ix.units, dtype=np.uint32)[slots].sum(dtype=np.int64)) * UNIT
-            self.policy.touch_many(at)
-            # copies, not views: an index column may grow (and move) once the lock is released
-            return Leased(hit, slots, np.frombuffer(ix.generation, dtype=np.uint64)[slots].astype(np.int64),
-                          np.frombuffer(ix.offset, dtype=np.uint32)[slots].astype(np.int64) * UNIT,
-                          np.frombuffer(ix.length, dtype=np.uint32)[slots].astype(np.int64))
+            gens, offs, lens, units = ix.lease_slots(slots)
+            self.leases_active += len(slots)
+            self.leased_bytes += units * UNIT
+            self.policy.touch_many(slots)
+            offs *= UNIT
+            return Leased(hit, slots, gens, offs, lens)
 
     def unlease(self, entries: Iterable[tuple[int, int]]) -> None:
         """Drop one lease reference on each ``(slot, generation)`` (:meth:`unlease_rows`)."""

@@ -27,13 +27,33 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
-from ..index import put_columns, put_rows
-
+import numba
 import numpy as np
+
+from ..index import put_columns, put_rows
 
 _NIL = -1
 #: LruPolicy.touch_many looks for one run among batches of at least this many slots.
 _TOUCH_RUN_MIN = 16
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _linked_run(slots: np.ndarray, queue: np.ndarray, nxt: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The ``slots`` linked in list 0 (``queue[s] == 0``; slots past the columns are not), in order, and whether
+    there are some and each one's ``next`` is the one before it (the last of them -> ... -> the first is a run
+    of the list): :meth:`LruPolicy.touch_many` 's test, one pass."""
+    at = np.empty(slots.shape[0], np.int64)
+    m = 0
+    for s in slots:
+        if 0 <= s < queue.shape[0] and queue[s] == 0:
+            at[m] = s
+            m += 1
+    run = m > 0
+    for i in range(1, m):
+        if nxt[at[i]] != at[i - 1]:
+            run = False
+            break
+    return at[:m], run
 
 
 class _Lists:
@@ -168,7 +188,7 @@ class LruPolicy:
         if slot < len(l.queue) and l.queue[slot] == 0:
             l.to_head(0, slot)
 
-    def touch_many(self, slots: list[int]) -> None:
+    def touch_many(self, slots: "Sequence[int] | np.ndarray") -> None:
         """:meth:`touch` of each of ``slots`` in order (a restore's leases), the same list as one by one: the
         slots touched end at the head, the last touched first. Where the slots already lie side by side in
         that order (a chunk range saved, or restored, in the same key order as now: the common case), the run
@@ -176,10 +196,10 @@ class LruPolicy:
         l = self._l
         n = len(l.queue)
         if len(slots) >= _TOUCH_RUN_MIN:
-            at = np.asarray(slots, dtype=np.int64)
-            at = at[at < n]
-            at = at[np.frombuffer(l.queue, dtype=np.int8)[at] == 0]  # touch ignores unlinked slots
-            if len(at) and (np.frombuffer(l.next, dtype=np.int32)[at[1:]] == at[:-1]).all():
+            # touch ignores unlinked slots
+            at, run = _linked_run(np.asarray(slots, dtype=np.int64), np.frombuffer(l.queue, dtype=np.int8),
+                                  np.frombuffer(l.next, dtype=np.int32))
+            if run:
                 # at[-1] -> ... -> at[0] is a run of the list (so its slots are distinct): unlink it whole
                 # and put it at the head.
                 first, last = int(at[-1]), int(at[0])
@@ -198,7 +218,7 @@ class LruPolicy:
                 prev[h] = last
                 l.head[0] = first
                 return
-        for slot in slots:
+        for slot in (slots.tolist() if isinstance(slots, np.ndarray) else slots):
             if slot < n and l.queue[slot] == 0:
                 l.to_head(0, slot)
 
@@ -299,7 +319,7 @@ class S3FifoPolicy:
         if slot < len(l.queue) and l.queue[slot] >= 0 and l.freq[slot] < self.MAX_FREQ:
             l.freq[slot] += 1
 
-    def touch_many(self, slots: list[int]) -> None:
+    def touch_many(self, slots: "Sequence[int] | np.ndarray") -> None:
         """:meth:`touch` of each of ``slots`` (a slot twice counts twice), as one array update."""
         l = self._l
         n = len(l.queue)
