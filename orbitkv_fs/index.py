@@ -17,7 +17,8 @@ layer, role) plus a reference to its chunk's prefix; there is no per-segment key
 
 Primitives: :meth:`ObjectIndex.add`, :meth:`~ObjectIndex.add_many` (a save batch: a chunk new to the index
 placed in one step, columns written per batch; otherwise :meth:`~ObjectIndex.add`'s path, with the same
-slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`, :meth:`~ObjectIndex.hide`,
+slots and generations), :meth:`~ObjectIndex.get`, :meth:`~ObjectIndex.get_many`,
+:meth:`~ObjectIndex.lease_slots` (a batch's leases: counts up, rows read, in one pass), :meth:`~ObjectIndex.hide`,
 :meth:`~ObjectIndex.hide_many` (an eviction's victims: whole chunks in one step), :meth:`~ObjectIndex.free`,
 :meth:`~ObjectIndex.free_many`, :meth:`~ObjectIndex.chunk_count`, :meth:`~ObjectIndex.slots`,
 :meth:`~ObjectIndex.iter_slots` (the same, lazily), :meth:`~ObjectIndex.prefixes` (the chunks'),
