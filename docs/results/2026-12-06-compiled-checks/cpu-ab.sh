@@ -3,6 +3,7 @@
 # ../2026-12-03-save-host harnesses), base (the tree before the change) against new (this tree), alternated, five
 # pairs each: restore turboquant-4 and none, save turboquant-4 (its gather goes through the compiled places too).
 # Usage, from the repository root: cpu-ab.sh BASE_COMMIT > cpu-ab.txt
+# JOBS (optional): other jobs, comma-separated, each "save|restore CODEC" (../2026-12-06-compiled-bookkeeping uses it).
 set -u
 root=$(pwd) base=$1
 for v in base new; do
@@ -13,7 +14,8 @@ for v in base new; do
 done
 R=$root/docs/results
 cd /tmp || exit 1
-for job in "restore turboquant-4" "restore none" "save turboquant-4"; do
+IFS=, read -ra jobs <<< "${JOBS:-restore turboquant-4,restore none,save turboquant-4}"
+for job in "${jobs[@]}"; do
   set -- $job
   script=$R/2026-12-03-restore-host/restore_host.py
   [ "$1" = save ] && script=$R/2026-12-03-save-host/save_host.py
