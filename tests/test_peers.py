@@ -562,14 +562,38 @@ def _closed(s) -> bool:
         return True
 
 
+def _talk_until_shed(server, talkers: list, host: str, port: int, source: str) -> None:
+    """Open 30 raw connections from ``source`` to ``server``'s port (appended to ``talkers``) and keep each
+    talking without the secret's tag, every 0.2 s, until the port (cap 8) has shut 23 of its connections, or 10 s."""
+    import socket
+
+    for _ in range(30):
+        s = socket.socket()
+        s.settimeout(5)
+        s.bind((source, 0))
+        s.connect((host, port))
+        s.sendall(_GREETING)
+        s.setblocking(False)
+        talkers.append(s)
+    start = time.monotonic()
+    while time.monotonic() - start < 10:
+        time.sleep(0.2)
+        for s in talkers:
+            if not _closed(s):
+                try:
+                    s.send(b"\x00\x08untagged")  # a message frame without the secret's tag
+                except OSError:
+                    pass
+        if time.monotonic() - start > 2 and server.connections_closed >= 23 and server.connections <= 8:
+            break
+
+
 def test_talking_connections_past_the_cap_are_shut_and_real_peers_kept(monkeypatch):
     """A process that keeps talking on connections to the peer port, without the secret (each a frame every
     0.2 s, so the heartbeat never closes them), held as many of the Manager's descriptors as it opened (3,000 in
     docs/results/2026-12-06-peer-talkers). Past ``max_connections`` the port now shuts down the oldest connection
     that never carried a valid request: the talkers go, a peer whose request was valid keeps its connection (its
     DEALER does not reconnect, so a drop would show), and a peer that connects after the flood is answered."""
-    import socket
-
     import zmq
 
     from orbitkv_fs.peers import PeerServer
@@ -600,22 +624,7 @@ def test_talking_connections_past_the_cap_are_shut_and_real_peers_kept(monkeypat
     talkers = []
     try:
         assert answered(early, 1)
-        for _ in range(30):
-            s = socket.create_connection((host, int(port)), timeout=5)
-            s.sendall(_GREETING)
-            s.setblocking(False)
-            talkers.append(s)
-        start = time.monotonic()
-        while time.monotonic() - start < 10:
-            time.sleep(0.2)
-            for s in talkers:
-                if not _closed(s):
-                    try:
-                        s.send(b"\x00\x08untagged")  # a message frame without the secret's tag
-                    except OSError:
-                        pass
-            if time.monotonic() - start > 2 and server.connections_closed >= 23 and server.connections <= 8:
-                break
+        _talk_until_shed(server, talkers, host, int(port), "127.0.0.1")
         assert server.connections_closed >= 23, server.connections_closed  # 31 opened, at most 8 kept
         assert server.connections <= 8
         open_talkers = sum(not _closed(s) for s in talkers)
@@ -631,6 +640,48 @@ def test_talking_connections_past_the_cap_are_shut_and_real_peers_kept(monkeypat
         for s in talkers:
             s.close()
         early.close(0)
+        server.close()
+        arena.close()
+
+
+def test_a_flood_from_one_address_sheds_its_own_connections_not_a_new_peers():
+    """Talkers from one address (127.0.0.2) flood the port after a peer from another has connected but not yet
+    asked anything. Shutting the oldest never-valid connection would take the peer's (it came first); past the
+    cap the port sheds the flooding address's own connections, so the peer's DEALER, which does not reconnect,
+    is answered when it asks."""
+    import zmq
+
+    from orbitkv_fs.peers import PeerServer
+
+    arena = ShmArena(1 << 20, [NS])
+    key, seg = make_segments(NS, 1, 65536, 16)[0]
+    arena.put(key, seg)
+    server = PeerServer(arena, "127.0.0.1:1", secret=SECRET, max_connections=8)
+    host, port = server.address.rsplit(":", 1)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVTIMEO, 5000)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.RECONNECT_IVL, -1)
+    talkers = []
+    try:
+        peer.connect(f"tcp://{server.address}")
+        deadline = time.monotonic() + 5
+        while server.connections < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.connections == 1
+        _talk_until_shed(server, talkers, host, int(port), "127.0.0.2")
+        assert server.connections_closed >= 23 and server.connections <= 8
+        assert sum(not _closed(s) for s in talkers) <= 7  # the peer holds one of the 8
+        peer.send(P.seal(P.encode(P.PrefixRequest(1, NS, [key.chunk], [(0, int(Role.KEY))])), SECRET, P.REQUEST))
+        try:
+            got = P.decode_reply(P.unseal(peer.recv(), SECRET, P.REPLY))
+        except zmq.Again:
+            got = None
+        assert got == P.PrefixReply(1, NS, 1), "the flood took the new peer's connection"
+    finally:
+        for s in talkers:
+            s.close()
+        peer.close(0)
         server.close()
         arena.close()
 
@@ -694,6 +745,34 @@ def test_a_connection_is_shut_only_while_its_descriptor_holds_it():
         finally:
             for x in (c1, c2, s1, s2):
                 x.close()
+
+        # Past the cap, the never-valid connection that goes is the oldest of the address holding the most.
+        ends = []
+        for src in ("127.0.0.2", "127.0.0.3", "127.0.0.3", "127.0.0.2", "127.0.0.3"):
+            c = socket.socket()
+            c.bind((src, 0))
+            c.connect(("127.0.0.1", port))
+            ends.append((c, lst.accept()[0]))
+        try:
+            by = _Connections(4, port)
+            for _, srv in ends:
+                by.accepted(srv.fileno())
+            fds = [srv.fileno() for _, srv in ends]
+            assert {a: list(m) for a, m in by.pending.items()} == {"127.0.0.2": [fds[0], fds[3]],
+                                                                   "127.0.0.3": [fds[1], fds[2], fds[4]]}
+            by.enforce()  # .3 holds three: its oldest goes, though .2's is older
+            assert list(by.open) == [fds[0], fds[2], fds[3], fds[4]]
+            by.cap = 3
+            by.valid(fds[0])
+            by.enforce()  # a valid one does not count: .3 holds two never-valid, .2 one
+            assert list(by.open) == [fds[0], fds[3], fds[4]] and by.closed_total == 2
+            by.gone(fds[3])
+            by.valid(fds[4])
+            assert by.pending == {} and list(by.open) == [fds[0], fds[4]]
+        finally:
+            for c, srv in ends:
+                c.close()
+                srv.close()
 
         class _NoSrcFd:  # a libzmq that no longer tells a frame's source descriptor
             def get(self, option):

@@ -20,9 +20,10 @@ Invariants:
   neither connections nor idleness, and a process holding connections it completed the handshake of would
   otherwise keep their descriptors for good (docs/security.md).
 * At most ``max_connections`` connections stay open (:class:`_Connections`, fed by the socket's monitor): past
-  that the oldest one that never carried a valid request is shut down (the newest when every one did), so a
-  process that keeps talking without the secret holds at most that many of the Manager's descriptors, and a
-  peer whose request was valid is not the one that goes while another has never sent one.
+  that a connection that never carried a valid request is shut down, the oldest of the remote address holding
+  the most of those (the newest when every one did), so a process that keeps talking without the secret holds
+  at most that many of the Manager's descriptors, a peer whose request was valid is not the one that goes while
+  another has never sent one, and a flood from one address sheds its own connections before a new peer's.
 """
 
 from __future__ import annotations
@@ -119,37 +120,54 @@ def _source_fd(frame: Any) -> int:
 
 class _Connections:
     """The peer port's open connections, by descriptor (from the socket monitor's accepted and disconnected
-    events, and the source descriptor of each request), and the cap on them: :meth:`enforce` shuts down the
-    oldest that never carried a valid request while more than ``cap`` are open (the newest when every one did).
-    Only connections to ``port`` are tracked: a descriptor number the monitor names late may already be another
-    socket's."""
+    events, and the source descriptor of each request), and the cap on them: :meth:`enforce` shuts down, while
+    more than ``cap`` are open, a connection that never carried a valid request, the oldest of the remote
+    address that holds the most of them (so a flood from one address takes its own connections, not a new
+    peer's from another), and the newest when every one did. Only connections to ``port`` are tracked: a
+    descriptor number the monitor names late may already be another socket's."""
 
     def __init__(self, cap: int, port: int) -> None:
         self.cap, self.port = cap, port
-        self.open: dict[int, _Conn] = {}  # in the order they came: the first never-valid one is the oldest
+        self.open: dict[int, _Conn] = {}  # in the order they came
+        # never-valid connections by remote address, each in the order they came
+        self.pending: dict[str, dict[int, None]] = {}
         self.closed_total = 0  # shut down for the cap
 
     def accepted(self, fd: int) -> None:
-        self.open.pop(fd, None)  # a number seen before: its connection ended, this one is the newest
+        self.gone(fd)  # a number seen before: its connection ended, this one is the newest
         ends = _ends(fd)
         if ends is not None and ends[0][1] == self.port:
             self.open[fd] = _Conn(ends)
+            self.pending.setdefault(ends[1][0], {})[fd] = None
 
     def gone(self, fd: int) -> None:
-        self.open.pop(fd, None)
+        c = self.open.pop(fd, None)
+        if c is not None and not c.valid:
+            self._settle(fd, c)
 
     def valid(self, fd: int) -> None:
         c = self.open.get(fd)
-        if c is not None:
+        if c is not None and not c.valid:
             c.valid = True
+            self._settle(fd, c)
+
+    def _settle(self, fd: int, c: _Conn) -> None:
+        """``fd`` no longer counts among its address's never-valid connections."""
+        addr = c.ends[1][0]
+        mine = self.pending[addr]
+        del mine[fd]
+        if not mine:
+            del self.pending[addr]
 
     def enforce(self) -> None:
         while len(self.open) > self.cap:
-            # a walk past the valid ones only (a reconnecting flood costs no scan of the whole table)
-            fd = next((f for f, c in self.open.items() if not c.valid), None)
-            if fd is None:
+            if self.pending:  # one pass over the addresses, not the connections (a flood has few addresses)
+                mine = max(self.pending.values(), key=len)
+                fd = next(iter(mine))
+            else:
                 fd = next(reversed(self.open))
-            c = self.open.pop(fd)
+            c = self.open[fd]
+            self.gone(fd)
             if _shut(fd, c.ends):
                 self.closed_total += 1
 
