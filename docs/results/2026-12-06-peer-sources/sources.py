@@ -54,55 +54,57 @@ def asked(d, req_id: int) -> str:
         return "no answer in 5 s (its connection was shut)"
 
 
-for _ in range(150):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{http}/healthz", timeout=0.5)
-        break
-    except OSError:
-        time.sleep(0.2)
-peer = zmq.Context.instance().socket(zmq.DEALER)
-for opt, v in ((zmq.RCVTIMEO, 5000), (zmq.SNDTIMEO, 5000), (zmq.LINGER, 0), (zmq.RECONNECT_IVL, -1)):
-    peer.setsockopt(opt, v)
-peer.connect(f"tcp://127.0.0.1:{port}")
-time.sleep(0.5)
-body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-greeting = (b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 48 + b"\x04" + bytes([len(body)]) + body)
-socks = []
-for i in range(n):
-    s = socket.socket()
-    s.settimeout(2)
-    s.bind((f"127.0.0.{2 + i % addrs}", 0))
-    s.connect(("127.0.0.1", port))
-    s.sendall(greeting)
-    s.setblocking(False)
-    socks.append(s)
-t0 = time.monotonic()
-while time.monotonic() - t0 < 10:
-    time.sleep(1)
-    for s in socks:
+try:
+    for _ in range(150):
         try:
-            while s.recv(65536):
-                pass
-        except BlockingIOError:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/healthz", timeout=0.5)
+            break
+        except OSError:
+            time.sleep(0.2)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    for opt, v in ((zmq.RCVTIMEO, 5000), (zmq.SNDTIMEO, 5000), (zmq.LINGER, 0), (zmq.RECONNECT_IVL, -1)):
+        peer.setsockopt(opt, v)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.5)
+    body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    greeting = (b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 48 + b"\x04" + bytes([len(body)]) + body)
+    socks = []
+    for i in range(n):
+        s = socket.socket()
+        s.settimeout(2)
+        s.bind((f"127.0.0.{2 + i % addrs}", 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(greeting)
+        s.setblocking(False)
+        socks.append(s)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        time.sleep(1)
+        for s in socks:
             try:
-                s.send(b"\x00\x08untagged")
+                while s.recv(65536):
+                    pass
+            except BlockingIOError:
+                try:
+                    s.send(b"\x00\x08untagged")
+                except OSError:
+                    pass
             except OSError:
                 pass
-        except OSError:
-            pass
-out = {"pkg": os.environ.get("PYTHONPATH"), "talkers": n, "addresses": addrs, "cap": cap,
-       "first_peer": asked(peer, 1), "metrics": metrics()}
-late = zmq.Context.instance().socket(zmq.DEALER)
-late.setsockopt(zmq.RCVTIMEO, 5000)
-late.setsockopt(zmq.LINGER, 0)
-late.connect(f"tcp://127.0.0.1:{port}")
-out["late_peer"] = asked(late, 2)
-for s in socks:
-    s.close()
-peer.close(0)
-late.close(0)
-m.terminate()
-m.wait(30)
-shutil.rmtree(work)
+    out = {"pkg": os.environ.get("PYTHONPATH"), "talkers": n, "addresses": addrs, "cap": cap,
+           "first_peer": asked(peer, 1), "metrics": metrics()}
+    late = zmq.Context.instance().socket(zmq.DEALER)
+    late.setsockopt(zmq.RCVTIMEO, 5000)
+    late.setsockopt(zmq.LINGER, 0)
+    late.connect(f"tcp://127.0.0.1:{port}")
+    out["late_peer"] = asked(late, 2)
+    for s in socks:
+        s.close()
+    peer.close(0)
+    late.close(0)
+finally:  # a run cut short leaves no Manager and no folder in /dev/shm
+    m.terminate()
+    m.wait(30)
+    shutil.rmtree(work, ignore_errors=True)
 json.dump(out, open(out_path, "w"), indent=1)
 print(json.dumps(out))
