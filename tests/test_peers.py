@@ -760,15 +760,17 @@ def test_a_connection_is_shut_only_while_its_descriptor_holds_it():
             fds = [srv.fileno() for _, srv in ends]
             assert {a: list(m) for a, m in by.pending.items()} == {"127.0.0.2": [fds[0], fds[3]],
                                                                    "127.0.0.3": [fds[1], fds[2], fds[4]]}
+            assert by.by_count == {2: {"127.0.0.2": None}, 3: {"127.0.0.3": None}}
             by.enforce()  # .3 holds three: its oldest goes, though .2's is older
             assert list(by.open) == [fds[0], fds[2], fds[3], fds[4]]
+            assert list(by.by_count) == [2] and list(by.by_count[2]) == ["127.0.0.2", "127.0.0.3"]  # .3 came down
             by.cap = 3
             by.valid(fds[0])
             by.enforce()  # a valid one does not count: .3 holds two never-valid, .2 one
             assert list(by.open) == [fds[0], fds[3], fds[4]] and by.closed_total == 2
             by.gone(fds[3])
             by.valid(fds[4])
-            assert by.pending == {} and list(by.open) == [fds[0], fds[4]]
+            assert by.pending == {} and by.by_count == {} and list(by.open) == [fds[0], fds[4]]
         finally:
             for c, srv in ends:
                 c.close()

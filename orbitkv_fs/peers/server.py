@@ -122,8 +122,8 @@ class _Connections:
     """The peer port's open connections, by descriptor (from the socket monitor's accepted and disconnected
     events, and the source descriptor of each request), and the cap on them: :meth:`enforce` shuts down, while
     more than ``cap`` are open, a connection that never carried a valid request, the oldest of the remote
-    address that holds the most of them (so a flood from one address takes its own connections, not a new
-    peer's from another), and the newest when every one did. Only connections to ``port`` are tracked: a
+    address that holds the most of them, the first to reach that count where addresses tie (so a flood from one
+    address takes its own connections, not a new peer's from another), and the newest when every one did. Only connections to ``port`` are tracked: a
     descriptor number the monitor names late may already be another socket's."""
 
     def __init__(self, cap: int, port: int) -> None:
@@ -131,6 +131,9 @@ class _Connections:
         self.open: dict[int, _Conn] = {}  # in the order they came
         # never-valid connections by remote address, each in the order they came
         self.pending: dict[str, dict[int, None]] = {}
+        # the addresses by how many never-valid connections they hold, each in the order it reached that count:
+        # the one to shed is found without a pass over every address (a local process can bind many)
+        self.by_count: dict[int, dict[str, None]] = {}
         self.closed_total = 0  # shut down for the cap
 
     def accepted(self, fd: int) -> None:
@@ -138,7 +141,9 @@ class _Connections:
         ends = _ends(fd)
         if ends is not None and ends[0][1] == self.port:
             self.open[fd] = _Conn(ends)
-            self.pending.setdefault(ends[1][0], {})[fd] = None
+            mine = self.pending.setdefault(ends[1][0], {})
+            self._count(ends[1][0], len(mine), len(mine) + 1)
+            mine[fd] = None
 
     def gone(self, fd: int) -> None:
         c = self.open.pop(fd, None)
@@ -156,14 +161,23 @@ class _Connections:
         addr = c.ends[1][0]
         mine = self.pending[addr]
         del mine[fd]
+        self._count(addr, len(mine) + 1, len(mine))
         if not mine:
             del self.pending[addr]
 
+    def _count(self, addr: str, old: int, new: int) -> None:
+        if old:
+            was = self.by_count[old]
+            del was[addr]
+            if not was:
+                del self.by_count[old]
+        if new:
+            self.by_count.setdefault(new, {})[addr] = None
+
     def enforce(self) -> None:
         while len(self.open) > self.cap:
-            if self.pending:  # one pass over the addresses, not the connections (a flood has few addresses)
-                mine = max(self.pending.values(), key=len)
-                fd = next(iter(mine))
+            if self.by_count:  # a pass over the distinct counts only: fewer than sqrt(2 * cap) of them
+                fd = next(iter(self.pending[next(iter(self.by_count[max(self.by_count)]))]))
             else:
                 fd = next(reversed(self.open))
             c = self.open[fd]
