@@ -591,8 +591,8 @@ def _talk_until_shed(server, talkers: list, host: str, port: int, source: str) -
 def test_talking_connections_past_the_cap_are_shut_and_real_peers_kept(monkeypatch):
     """A process that keeps talking on connections to the peer port, without the secret (each a frame every
     0.2 s, so the heartbeat never closes them), held as many of the Manager's descriptors as it opened (3,000 in
-    docs/results/2026-12-06-peer-talkers). Past ``max_connections`` the port now shuts down the oldest connection
-    that never carried a valid request: the talkers go, a peer whose request was valid keeps its connection (its
+    docs/results/2026-12-06-peer-talkers). Past ``max_connections`` the port now shuts down connections that never
+    carried a valid request (here all from one address, oldest first): the talkers go, a peer whose request was valid keeps its connection (its
     DEALER does not reconnect, so a drop would show), and a peer that connects after the flood is answered."""
     import zmq
 
@@ -659,9 +659,8 @@ def test_a_flood_from_one_address_sheds_its_own_connections_not_a_new_peers():
     server = PeerServer(arena, "127.0.0.1:1", secret=SECRET, max_connections=8)
     host, port = server.address.rsplit(":", 1)
     peer = zmq.Context.instance().socket(zmq.DEALER)
-    peer.setsockopt(zmq.RCVTIMEO, 5000)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.setsockopt(zmq.RECONNECT_IVL, -1)
+    for opt, value in ((zmq.RCVTIMEO, 5000), (zmq.SNDTIMEO, 5000), (zmq.LINGER, 0), (zmq.RECONNECT_IVL, -1)):
+        peer.setsockopt(opt, value)  # SNDTIMEO: a DEALER whose connection was shut would block its send for good
     talkers = []
     try:
         peer.connect(f"tcp://{server.address}")
@@ -672,8 +671,8 @@ def test_a_flood_from_one_address_sheds_its_own_connections_not_a_new_peers():
         _talk_until_shed(server, talkers, host, int(port), "127.0.0.2")
         assert server.connections_closed >= 23 and server.connections <= 8
         assert sum(not _closed(s) for s in talkers) <= 7  # the peer holds one of the 8
-        peer.send(P.seal(P.encode(P.PrefixRequest(1, NS, [key.chunk], [(0, int(Role.KEY))])), SECRET, P.REQUEST))
         try:
+            peer.send(P.seal(P.encode(P.PrefixRequest(1, NS, [key.chunk], [(0, int(Role.KEY))])), SECRET, P.REQUEST))
             got = P.decode_reply(P.unseal(peer.recv(), SECRET, P.REPLY))
         except zmq.Again:
             got = None

@@ -177,7 +177,8 @@ class _Connections:
     def enforce(self) -> None:
         while len(self.open) > self.cap:
             if self.by_count:  # a pass over the distinct counts only: fewer than sqrt(2 * cap) of them
-                fd = next(iter(self.pending[next(iter(self.by_count[max(self.by_count)]))]))
+                addr = next(iter(self.by_count[max(self.by_count)]))
+                fd = next(iter(self.pending[addr]))
             else:
                 fd = next(reversed(self.open))
             c = self.open[fd]
